@@ -1,0 +1,1 @@
+"""Container Device Interface: spec model, validation and spec files."""

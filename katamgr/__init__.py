@@ -1,0 +1,3 @@
+"""kata-sandbox-manager node controller."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,52 @@
+"""The host root: every host path goes through it.
+
+In a DaemonSet the node's filesystem is mounted at /host; in tests it is a temp
+dir. Code *reads and writes* through ``HostRoot.path(...)``, but what it writes
+*into* host files (a config path, a device node) is the host-side path, never
+prefixed with the root we happen to see it through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+# Marker file whose presence means "this root is a simulated host": the sysfs
+# layer then plays the kernel's part for binding writes.
+SIMULATED_MARKER = "katamgr-simulated-host"
+
+# Where katamgr keeps what it needs to undo its own changes.
+STATE_DIR = "/var/lib/kata-sandbox-manager"
+
+
+@dataclass(frozen=True)
+class HostRoot:
+    root: Path = Path("/")
+
+    @classmethod
+    def at(cls, root: str | Path) -> HostRoot:
+        return cls(Path(root).resolve())
+
+    def path(self, host_path: str | PurePosixPath) -> Path:
+        """Map a host path ("/sys/bus/pci") to where we can reach it."""
+        rel = str(host_path).lstrip("/")
+        return self.root / rel if rel else self.root
+
+    def host_path(self, local: Path) -> str:
+        """Map a reachable path back to the path as the host sees it."""
+        rel = Path(local).relative_to(self.root)
+        return "/" + str(rel) if str(rel) != "." else "/"
+
+    @property
+    def simulated(self) -> bool:
+        return (self.root / SIMULATED_MARKER).is_file()
+
+    @property
+    def is_real_root(self) -> bool:
+        return self.root == Path("/")
+
+    def state_path(self, name: str) -> Path:
+        return self.path(f"{STATE_DIR}/{name}")
+
+    def __str__(self) -> str:
+        return str(self.root)

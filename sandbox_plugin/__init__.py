@@ -1,0 +1,1 @@
+"""Kubelet device plugins for VFIO passthrough GPUs and container GPUs."""
