@@ -1,0 +1,28 @@
+"""Kata artifacts (guest kernel, initrd/image, Kata config) from an OCI registry or layout.
+
+Public API: ``install_artifact`` -> ``InstallResult``, ``read_install``, ``parse_ref``,
+``credentials_from_dockerconfigjson`` -> ``Credentials``, ``ArtifactError``.
+"""
+
+from .credentials import Credentials, credentials_from_dockerconfigjson
+from .errors import ArtifactError
+from .install import InstalledFile, InstallRecord, InstallResult, install_artifact, read_install
+from .manifest import DEFAULT_MAX_LAYER_BYTES, MAX_MANIFEST_BYTES
+from .refs import ArtifactRef, LayoutRef, RegistryRef, parse_ref
+
+__all__ = [
+    "DEFAULT_MAX_LAYER_BYTES",
+    "MAX_MANIFEST_BYTES",
+    "ArtifactError",
+    "ArtifactRef",
+    "Credentials",
+    "InstallRecord",
+    "InstallResult",
+    "InstalledFile",
+    "LayoutRef",
+    "RegistryRef",
+    "credentials_from_dockerconfigjson",
+    "install_artifact",
+    "parse_ref",
+    "read_install",
+]

@@ -1,0 +1,339 @@
+"""Install an artifact into its runtime class dir, atomically and only when it changed.
+
+The files are downloaded into a staging dir beside the destination (same filesystem),
+each verified against the manifest's sha256 digest and size while it streams, then the
+staging dir replaces the destination in one rename (``renameat2(RENAME_EXCHANGE)``;
+where the filesystem lacks it, two renames, and an interrupted swap is finished by the
+next run). ``.katamgr-artifact.json`` in the dir records the ref, manifest digest and
+files, so a run whose remote digest equals the recorded one transfers nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from katamgr.host.files import fsync_dir, write_atomic
+
+from .credentials import Credentials
+from .errors import ArtifactError
+from .layout import LayoutSource
+from .manifest import DEFAULT_MAX_LAYER_BYTES, Layer, Manifest, parse_manifest
+from .refs import ArtifactRef, LayoutRef, parse_ref
+from .registry import RegistrySource
+from .source import RetryPolicy, Source, SourceUnreachable, with_retries
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = ".katamgr-artifact.json"
+PROGRESS_MIN_BYTES = 8 * 1024 * 1024
+PROGRESS_EVERY_SECONDS = 2.0
+FILE_MODE = 0o644
+
+
+@dataclass(frozen=True)
+class InstalledFile:
+    name: str
+    digest: str
+    size: int
+    mtime_ns: int  # when it was written; an unchanged mtime spares re-hashing every run
+
+
+@dataclass(frozen=True)
+class InstallRecord:
+    """What ``.katamgr-artifact.json`` says is installed in a runtime class dir."""
+
+    ref: str
+    digest: str
+    files: tuple[InstalledFile, ...]
+
+    def to_json(self) -> dict:
+        return {
+            "ref": self.ref,
+            "digest": self.digest,
+            "files": {
+                f.name: {"digest": f.digest, "size": f.size, "mtime_ns": f.mtime_ns}
+                for f in self.files
+            },
+        }
+
+
+@dataclass
+class InstallResult:
+    name: str  # the runtime class dir's name
+    dest: Path
+    ref: str
+    digest: str  # the installed manifest digest
+    changed: bool  # the dir was replaced this run
+    files: list[str] = field(default_factory=list)
+    bytes_transferred: int = 0  # blob bytes read from the source (manifests not counted)
+    warning: str | None = None  # set when the source was unreachable and the old install kept
+
+
+def read_install(dest: Path) -> InstallRecord | None:
+    """The record of the install in ``dest``, or None when there is none (or it is unreadable)."""
+    try:
+        doc = json.loads((Path(dest) / RECORD_NAME).read_text())
+        files = tuple(
+            InstalledFile(name, entry["digest"], int(entry["size"]), int(entry["mtime_ns"]))
+            for name, entry in doc["files"].items()
+        )
+        return InstallRecord(str(doc["ref"]), str(doc["digest"]), files)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def install_artifact(
+    ref: str | ArtifactRef,
+    dest: Path,
+    *,
+    credentials: Credentials | None = None,
+    insecure_registries: Iterable[str] = (),
+    retries: int = 3,
+    backoff: float = 0.5,
+    max_layer_bytes: int = DEFAULT_MAX_LAYER_BYTES,
+    verify_files: bool = False,
+) -> InstallResult:
+    """Make ``dest`` hold exactly the files of artifact ``ref``; see the module doc.
+
+    ``verify_files`` re-hashes installed files even when their size and mtime match the
+    record. Raises ArtifactError (the previous install untouched) or ConfigError (bad ref).
+    """
+    parsed = parse_ref(ref) if isinstance(ref, str) else ref
+    text = str(parsed)
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    policy = RetryPolicy(retries=max(0, retries), backoff=backoff)
+    source: Source
+    if isinstance(parsed, LayoutRef):
+        source = LayoutSource(parsed)
+    else:
+        source = RegistrySource(
+            parsed, credentials=credentials, insecure_registries=insecure_registries
+        )
+    with _locked(dest):
+        _recover(dest)
+        current = read_install(dest) if dest.is_dir() else None
+        intact = _intact_files(dest, current, verify_files) if current else {}
+        complete = current is not None and len(intact) == len(current.files)
+        try:
+            fetched = with_retries(policy, source.fetch_manifest)
+        except SourceUnreachable as exc:
+            if not complete:
+                raise
+            assert current is not None
+            warning = f"{exc}; kept the installed {current.ref} ({current.digest}) in {dest}"
+            log.warning("%s", warning)
+            return InstallResult(dest.name, dest, current.ref, current.digest, False,
+                                 [f.name for f in current.files], 0, warning)
+        manifest = parse_manifest(
+            fetched.data, text, expected_digest=fetched.expected_digest,
+            max_layer_bytes=max_layer_bytes, media_type=fetched.media_type,
+        )
+        if complete and current is not None and current.digest == manifest.digest:
+            if current.ref != text:
+                record = InstallRecord(text, current.digest, current.files)
+                write_atomic(dest / RECORD_NAME, _record_text(record))
+            log.debug("%s: %s already holds %s, nothing to do", text, dest, manifest.digest)
+            return InstallResult(dest.name, dest, text, manifest.digest, False,
+                                 [layer.name for layer in manifest.layers], 0)
+        transferred = _stage_and_swap(source, manifest, text, dest, intact, policy)
+        return InstallResult(dest.name, dest, text, manifest.digest, True,
+                             [layer.name for layer in manifest.layers], transferred)
+
+
+def _stage_and_swap(
+    source: Source, manifest: Manifest, ref: str, dest: Path, intact: dict[str, Path],
+    policy: RetryPolicy,
+) -> int:
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
+    try:
+        transferred = 0
+        files = []
+        for layer in manifest.layers:
+            target = staging / layer.name
+            local = intact.get(layer.digest)
+            if not (local and _copy_local(local, target, layer, ref)):
+                transferred += with_retries(
+                    policy, lambda layer=layer, target=target: _download(source, layer, target, ref)
+                )
+            files.append(InstalledFile(layer.name, layer.digest, layer.size,
+                                       target.stat().st_mtime_ns))
+        record = InstallRecord(ref, manifest.digest, tuple(files))
+        (staging / RECORD_NAME).write_text(_record_text(record))
+        os.chmod(staging, 0o755)
+        fsync_dir(staging)
+        _swap(staging, dest)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("%s: installed %s into %s (%d files, %d bytes downloaded)", ref, manifest.digest,
+             dest, len(files), transferred)
+    return transferred
+
+
+def _record_text(record: InstallRecord) -> str:
+    return json.dumps(record.to_json(), indent=2, sort_keys=True) + "\n"
+
+
+def _download(source: Source, layer: Layer, target: Path, ref: str) -> int:
+    with source.open_blob(layer) as chunks:
+        _write_verified(chunks, target, layer, ref, progress=True)
+    return layer.size
+
+
+def _copy_local(local: Path, target: Path, layer: Layer, ref: str) -> bool:
+    """Reuse an installed file with the same digest; False when it turns out damaged."""
+    try:
+        with local.open("rb") as handle:
+            _write_verified(iter(lambda: handle.read(1024 * 1024), b""), target, layer, ref)
+    except (ArtifactError, OSError) as exc:
+        log.info("%s: cannot reuse %s (%s); downloading it", ref, local, exc)
+        return False
+    return True
+
+
+def _write_verified(
+    chunks: Iterator[bytes], target: Path, layer: Layer, ref: str, progress: bool = False
+) -> None:
+    """Write ``chunks`` to ``target``, checking size and digest as they stream."""
+    hasher = hashlib.sha256()
+    written = 0
+    started = last_report = time.monotonic()
+    report = progress and layer.size >= PROGRESS_MIN_BYTES
+    if report:
+        log.info("%s: downloading %s (%.1f MiB)", ref, layer.name, layer.size / 2**20)
+    with target.open("wb") as out:  # a retry starts the file afresh
+        for chunk in chunks:
+            written += len(chunk)
+            if written > layer.size:
+                raise ArtifactError(
+                    f"{ref}: blob {layer.digest} ({layer.name}) is longer than the manifest's "
+                    f"{layer.size} bytes; the source serves wrong data, re-push the artifact"
+                )
+            hasher.update(chunk)
+            out.write(chunk)
+            if report and time.monotonic() - last_report >= PROGRESS_EVERY_SECONDS:
+                last_report = time.monotonic()
+                log.info("%s: %s %.1f of %.1f MiB (%d%%)", ref, layer.name, written / 2**20,
+                         layer.size / 2**20, 100 * written // max(layer.size, 1))
+        out.flush()
+        os.fsync(out.fileno())
+    os.chmod(target, FILE_MODE)
+    if written != layer.size:
+        raise ArtifactError(
+            f"{ref}: blob {layer.digest} ({layer.name}) ended after {written} of {layer.size} "
+            "bytes; the source serves truncated data, re-push the artifact"
+        )
+    actual = "sha256:" + hasher.hexdigest()
+    if actual != layer.digest:
+        raise ArtifactError(
+            f"{ref}: blob {layer.digest} ({layer.name}) has digest {actual}, not the manifest's; "
+            "the source serves corrupt data, re-push the artifact or check the registry storage"
+        )
+    if report:
+        seconds = max(time.monotonic() - started, 1e-6)
+        log.info("%s: downloaded %s, %.1f MiB in %.1fs (%.0f MiB/s)", ref, layer.name,
+                 layer.size / 2**20, seconds, layer.size / 2**20 / seconds)
+
+
+def _intact_files(dest: Path, record: InstallRecord, full: bool) -> dict[str, Path]:
+    """Digest -> path of each recorded file still as installed."""
+    intact: dict[str, Path] = {}
+    for entry in record.files:
+        path = dest / entry.name
+        try:
+            stat = path.lstat()
+        except OSError:
+            continue
+        if not path.is_file() or path.is_symlink() or stat.st_size != entry.size:
+            continue
+        if full or stat.st_mtime_ns != entry.mtime_ns:
+            if _file_digest(path) != entry.digest:
+                log.warning("%s differs from the installed %s; it will be replaced", path,
+                            entry.digest)
+                continue
+        intact[entry.digest] = path
+    return intact
+
+
+def _file_digest(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1024 * 1024), b""):
+            hasher.update(chunk)
+    return "sha256:" + hasher.hexdigest()
+
+
+@contextlib.contextmanager
+def _locked(dest: Path) -> Iterator[None]:
+    """One installer per runtime class dir at a time (two agents, or a CLI run beside one)."""
+    lock = dest.parent / f".{dest.name}.lock"
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _recover(dest: Path) -> None:
+    """Finish a swap a crash interrupted, and drop leftovers of earlier runs."""
+    leftovers = sorted(dest.parent.glob(f".{dest.name}.old-*"), key=lambda p: p.stat().st_mtime)
+    if not dest.exists() and leftovers and read_install(leftovers[-1]) is not None:
+        os.rename(leftovers.pop(), dest)
+        fsync_dir(dest.parent)
+        log.warning("restored %s from an install swap a crash interrupted", dest)
+    for stale in [*leftovers, *dest.parent.glob(f".{dest.name}.staging-*")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _swap(staging: Path, dest: Path) -> None:
+    if not dest.exists() and not dest.is_symlink():
+        os.rename(staging, dest)
+    elif dest.is_dir() and not dest.is_symlink() and _exchange(staging, dest):
+        shutil.rmtree(staging, ignore_errors=True)  # staging now holds the old install
+    else:
+        # no atomic exchange here: a crash between the two renames leaves the old install
+        # complete under .<name>.old-*, and the next run's _recover puts it back
+        old = dest.parent / f".{dest.name}.old-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(dest, old)
+        os.rename(staging, dest)
+        fsync_dir(dest.parent)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
+    fsync_dir(dest.parent)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths with renameat2; False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    result = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))

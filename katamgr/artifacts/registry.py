@@ -1,0 +1,239 @@
+"""Registry talk through oras-py: manifests and blobs of one ref, with pull-secret auth.
+
+oras-py's ``Registry`` builds the URLs, holds the session and runs the bearer-token
+exchange. Three things it does not do the way a node agent needs, so ``_OrasClient``
+replaces ``do_request`` (and only that):
+- oras retries any failure up to 5 times, sleeping 2+3**n seconds (minutes on a refused
+  connection) and sends no timeout, so a silent registry hangs forever; we bound both;
+- its token backend cannot answer a ``Basic`` challenge (htpasswd registries such as
+  distribution's own), which we answer with the pull secret's user and password;
+- ``get_manifest`` returns parsed JSON, but the digest must be taken over the exact
+  bytes, and a hostile registry must not make us read an endless body.
+Blob bodies are streamed (``get_blob(stream=True)``) so the installer can hash and cap
+them while writing.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import logging
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import oras.container
+import oras.provider
+import requests
+import requests.adapters
+import urllib3.exceptions
+
+from .credentials import Credentials
+from .errors import ArtifactError
+from .manifest import INDEX_MEDIA_TYPES, MANIFEST_MEDIA_TYPES, MAX_MANIFEST_BYTES, Layer
+from .refs import RegistryRef
+from .source import FetchedManifest, TransientError
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1024 * 1024
+CONNECT_TIMEOUT = 10.0
+READ_TIMEOUT = 60.0
+_STREAM_ERRORS = (
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    urllib3.exceptions.ProtocolError,
+    urllib3.exceptions.ReadTimeoutError,
+)
+
+
+def use_plain_http(registry: str, insecure_registries: Iterable[str] = ()) -> bool:
+    """Plain HTTP only for loopback registries or ones the operator listed as insecure."""
+    if registry.startswith("["):  # [::1]:5000
+        host = registry[1 : registry.index("]")] if "]" in registry else registry
+    else:
+        host = registry.rsplit(":", 1)[0]
+    listed = set(insecure_registries)
+    if registry in listed or host in listed:
+        return True
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _TimeoutAdapter(requests.adapters.HTTPAdapter):
+    """Every request on the session (token endpoint included) gets a timeout."""
+
+    def send(self, request, **kwargs):  # noqa: ANN001 - requests' signature
+        if kwargs.get("timeout") is None:
+            kwargs["timeout"] = (CONNECT_TIMEOUT, READ_TIMEOUT)
+        return super().send(request, **kwargs)
+
+
+class _OrasClient(oras.provider.Registry):
+    def __init__(self, registry: str, *, insecure: bool, credentials: Credentials | None):
+        super().__init__(hostname=registry, insecure=insecure, auth_backend="token")
+        # credentials come from the pull secret only, never this process's ~/.docker/config.json
+        self.auth._auth_config = {"auths": {}}
+        if credentials:
+            self.auth.set_basic_auth(credentials.username, credentials.password)
+        self.credentials = credentials
+        self._authorization: str | None = None
+        adapter = _TimeoutAdapter(pool_connections=2, pool_maxsize=4, max_retries=0)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+
+    def do_request(self, url, method="GET", data=None, headers=None, json=None, stream=False):
+        headers = dict(headers or {})
+        if self._authorization:
+            headers["Authorization"] = self._authorization
+        response = self._send(method, url, data, headers, json, stream)
+        if response.status_code != 401:
+            return response
+        challenge = response.headers.get("WWW-Authenticate", "")
+        scheme = challenge.split(" ", 1)[0].lower()
+        if scheme == "basic" and self.credentials:
+            pair = f"{self.credentials.username}:{self.credentials.password}".encode()
+            authorization = "Basic " + base64.b64encode(pair).decode()
+        elif scheme == "bearer":
+            # oras's token flow: anonymous, or basic-auth exchange when we have credentials
+            token_headers, changed = self.auth.authenticate_request(response, {}, refresh=True)
+            if not changed:
+                return response
+            authorization = token_headers["Authorization"]
+        else:
+            return response
+        if authorization == self._authorization:
+            return response  # these credentials were just refused
+        response.close()
+        self._authorization = authorization
+        headers["Authorization"] = authorization
+        return self._send(method, url, data, headers, json, stream)
+
+    def _send(self, method, url, data, headers, json, stream) -> requests.Response:
+        return self.session.request(
+            method, url, data=data, json=json, headers=headers, stream=stream,
+            verify=self._tls_verify,
+        )
+
+
+class RegistrySource:
+    """One registry ref; every method is one attempt (the installer retries)."""
+
+    def __init__(
+        self,
+        ref: RegistryRef,
+        *,
+        credentials: Credentials | None = None,
+        insecure_registries: Iterable[str] = (),
+    ) -> None:
+        self.ref = ref
+        self.description = str(ref)
+        self.plain_http = use_plain_http(ref.registry, insecure_registries)
+        self.client = _OrasClient(ref.registry, insecure=self.plain_http, credentials=credentials)
+        self.container = oras.container.Container(f"{ref.registry}/{ref.repository}:x")
+
+    def fetch_manifest(self) -> FetchedManifest:
+        url = f"{self.client.prefix}://{self.container.manifest_url(self.ref.reference)}"
+        accept = ", ".join(MANIFEST_MEDIA_TYPES + INDEX_MEDIA_TYPES)
+        what = f"the manifest of {self.ref.reference}"
+        with self._request(url, what, {"Accept": accept}) as response:
+            declared = response.headers.get("Content-Length")
+            if declared and declared.isdigit() and int(declared) > MAX_MANIFEST_BYTES:
+                raise ArtifactError(
+                    f"{self.description}: the registry offers a {declared}-byte manifest, over "
+                    f"the {MAX_MANIFEST_BYTES}-byte cap; this is not a Kata artifact, check the ref"
+                )
+            body = bytearray()
+            try:
+                for chunk in response.iter_content(64 * 1024):
+                    body += chunk
+                    if len(body) > MAX_MANIFEST_BYTES:
+                        raise ArtifactError(
+                            f"{self.description}: the manifest is over the {MAX_MANIFEST_BYTES}"
+                            "-byte cap; this is not a Kata artifact, check the ref"
+                        )
+            except _STREAM_ERRORS as exc:
+                raise self._dropped(what, exc) from exc
+            media_type = response.headers.get("Content-Type", "").split(";")[0].strip() or None
+        return FetchedManifest(bytes(body), media_type, self.ref.digest)
+
+    @contextmanager
+    def open_blob(self, layer: Layer) -> Iterator[Iterator[bytes]]:
+        url = f"{self.client.prefix}://{self.container.get_blob_url(layer.digest)}"
+        what = f"blob {layer.digest} ({layer.name})"
+        with self._request(url, what, {}) as response:
+            yield self._chunks(response, what)
+
+    def _chunks(self, response: requests.Response, what: str) -> Iterator[bytes]:
+        try:
+            yield from response.iter_content(CHUNK_BYTES)
+        except _STREAM_ERRORS as exc:
+            raise self._dropped(what, exc) from exc
+
+    @contextmanager
+    def _request(self, url: str, what: str, headers: dict) -> Iterator[requests.Response]:
+        try:
+            response = self.client.do_request(url, "GET", headers=headers, stream=True)
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            raise TransientError(
+                f"{self.description}: cannot reach registry {self.ref.registry} for {what} "
+                f"({_reason(exc)})",
+                "check that the registry is up and reachable from this node"
+                + ("" if self.plain_http else " over HTTPS"),
+                unreachable=True,
+            ) from exc
+        try:
+            self._check_status(response, what)
+            yield response
+        finally:
+            response.close()
+
+    def _check_status(self, response: requests.Response, what: str) -> None:
+        status = response.status_code
+        if status == 200:
+            return
+        where = f"{self.description}: registry {self.ref.registry} answered HTTP {status} for {what}"
+        if status >= 500:
+            raise TransientError(where, "the registry failed; retry later or check its logs",
+                                 unreachable=False)
+        if status == 401:
+            if self.client.credentials is None:
+                fix = "it needs credentials: set the runtime class's artifacts pullSecret"
+            else:
+                fix = (f"it refused user {self.client.credentials.username!r}: fix the "
+                       "user/password in the pull secret")
+            raise ArtifactError(f"{where}; {fix}")
+        if status == 403:
+            raise ArtifactError(f"{where}; the pull secret's user may not pull "
+                                f"{self.ref.repository}, grant it pull access")
+        if status == 404:
+            raise ArtifactError(f"{where} (not found); check the repository, tag or digest in "
+                                "the ref and that it was pushed")
+        raise ArtifactError(f"{where}; expected 200, check the ref and the registry")
+
+    def _dropped(self, what: str, exc: Exception) -> TransientError:
+        return TransientError(
+            f"{self.description}: the connection to {self.ref.registry} broke while reading "
+            f"{what} ({_reason(exc)})",
+            "check the network and the registry",
+            unreachable=False,
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    """The gist of a requests/urllib3 error, e.g. 'Connection refused', not a nested repr."""
+    texts = []
+    current: BaseException | None = exc
+    while current is not None and len(texts) < 8:
+        texts.append(str(current))
+        current = current.__cause__ or current.__context__
+    text = " ".join(texts)
+    for marker in ("Connection refused", "timed out", "Remote end closed connection",
+                   "Connection reset", "Connection broken", "IncompleteRead"):
+        if marker in text:
+            return marker
+    return texts[0][:160] or type(exc).__name__

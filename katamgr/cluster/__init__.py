@@ -1,0 +1,38 @@
+"""The only layer that talks to the Kubernetes API.
+
+Every function takes an ``ApiClient`` from ``connect()`` (or a test's client
+pointed at a stand-in API server) and returns dataclasses, never raw API models.
+"""
+
+from katamgr.cluster.client import (
+    FIELD_MANAGER,
+    MANAGED_BY_LABEL,
+    MANAGED_BY_VALUE,
+    agent_namespace,
+    connect,
+)
+from katamgr.cluster.events import ObjectRef, record_event
+from katamgr.cluster.nodes import WORKLOAD_MODES, node_workload_mode, set_node_label
+from katamgr.cluster.runtimeclasses import (
+    RuntimeClassChanges,
+    desired_runtime_classes,
+    reconcile_runtime_classes,
+)
+from katamgr.cluster.secrets import read_pull_secret
+
+__all__ = [
+    "FIELD_MANAGER",
+    "MANAGED_BY_LABEL",
+    "MANAGED_BY_VALUE",
+    "WORKLOAD_MODES",
+    "ObjectRef",
+    "RuntimeClassChanges",
+    "agent_namespace",
+    "connect",
+    "desired_runtime_classes",
+    "node_workload_mode",
+    "read_pull_secret",
+    "reconcile_runtime_classes",
+    "record_event",
+    "set_node_label",
+]

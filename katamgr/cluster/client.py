@@ -1,0 +1,128 @@
+"""Finding the cluster: in-cluster service account first, then a kubeconfig."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from kubernetes.client import ApiClient, Configuration
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config import ConfigException
+from kubernetes.config.incluster_config import (
+    SERVICE_HOST_ENV_NAME,
+    SERVICE_PORT_ENV_NAME,
+    InClusterConfigLoader,
+)
+from kubernetes.config.kube_config import load_kube_config
+
+from katamgr.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FIELD_MANAGER = "kata-sandbox-manager"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY_VALUE = "kata-sandbox-manager"
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+DEFAULT_KUBECONFIG = "~/.kube/config"
+
+
+def connect(
+    environ: Mapping[str, str] | None = None,
+    service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+) -> ApiClient | None:
+    """An API client for the cluster we run in, or the kubeconfig's; None when there is none.
+
+    A kubeconfig that exists but cannot be used is a ConfigError (the operator
+    pointed us at it), while having no cluster at all is a normal node-only run.
+    """
+    env = os.environ if environ is None else environ
+    if _in_cluster(env, service_account_dir):
+        configuration = Configuration()
+        try:
+            InClusterConfigLoader(
+                token_filename=str(service_account_dir / "token"),
+                cert_filename=str(service_account_dir / "ca.crt"),
+                environ=env,
+            ).load_and_set(configuration)
+        except ConfigException as e:
+            raise ConfigError(
+                f"the service account in {service_account_dir} is unusable ({e}); "
+                "check the pod's automountServiceAccountToken"
+            ) from e
+        log.info("using the in-cluster service account for %s", configuration.host)
+        return ApiClient(configuration)
+
+    kubeconfig = _kubeconfig_paths(env)
+    if not kubeconfig:
+        log.info("no cluster reachable: skipping RuntimeClasses")
+        return None
+    configuration = Configuration()
+    try:
+        # persist_config=False: never rewrite the operator's kubeconfig (token refreshes).
+        load_kube_config(
+            config_file=os.pathsep.join(kubeconfig),
+            client_configuration=configuration,
+            persist_config=False,
+        )
+    except (ConfigException, OSError, ValueError) as e:
+        raise ConfigError(
+            f"kubeconfig {os.pathsep.join(kubeconfig)} is unusable ({e}); fix it or unset KUBECONFIG"
+        ) from e
+    log.info("using kubeconfig %s for %s", os.pathsep.join(kubeconfig), configuration.host)
+    return ApiClient(configuration)
+
+
+def _in_cluster(env: Mapping[str, str], service_account_dir: Path) -> bool:
+    return bool(
+        env.get(SERVICE_HOST_ENV_NAME)
+        and env.get(SERVICE_PORT_ENV_NAME)
+        and (service_account_dir / "token").is_file()
+    )
+
+
+def _kubeconfig_paths(env: Mapping[str, str]) -> list[str]:
+    """The kubeconfig files that exist, from KUBECONFIG (a path list) or ~/.kube/config."""
+    raw = env.get("KUBECONFIG")
+    candidates = raw.split(os.pathsep) if raw else [DEFAULT_KUBECONFIG]
+    home = env.get("HOME")
+    paths = []
+    for candidate in candidates:
+        if not candidate:
+            continue
+        if candidate.startswith("~") and home:
+            candidate = home + candidate[1:]
+        path = Path(candidate).expanduser()
+        if path.is_file():
+            paths.append(str(path))
+    return paths
+
+
+def agent_namespace(
+    environ: Mapping[str, str] | None = None,
+    service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+) -> str:
+    """The namespace the agent runs in: POD_NAMESPACE, else the service account's, else default."""
+    env = os.environ if environ is None else environ
+    if env.get("POD_NAMESPACE"):
+        return env["POD_NAMESPACE"]
+    try:
+        namespace = (service_account_dir / "namespace").read_text().strip()
+    except OSError:
+        namespace = ""
+    return namespace or "default"
+
+
+def api_error_message(error: ApiException) -> str:
+    """The API server's own words for a failed call (its Status message), with the code."""
+    message = ""
+    try:
+        status = json.loads(error.body or "")
+        if isinstance(status, dict):
+            message = str(status.get("message") or "")
+    except ValueError:
+        message = (error.body or "").strip()[:200]
+    return f"HTTP {error.status} {error.reason}" + (f": {message}" if message else "")

@@ -1,0 +1,194 @@
+"""The kernel's part on a simulated host.
+
+Linux reacts to writes to ``driver_override``, ``<driver>/unbind``,
+``<driver>/bind`` and ``drivers_probe`` by moving the device's ``driver`` link
+and, for vfio-pci, creating or removing ``/dev/vfio/<group>``. This module does
+the same to the files of a simulated host root, so binding code runs unchanged
+against it. It also stands in for ``modprobe vfio-pci``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from katamgr.host.errors import HostError
+from katamgr.host.root import SIMULATED_MARKER, HostRoot
+
+VFIO = "vfio-pci"
+
+
+def relative_link(target: Path, link: Path) -> None:
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink():
+        link.unlink()
+    os.symlink(os.path.relpath(target, link.parent), link)
+
+
+def marker(host: HostRoot) -> dict:
+    return json.loads((host.root / SIMULATED_MARKER).read_text())
+
+
+def save_marker(host: HostRoot, data: dict) -> None:
+    (host.root / SIMULATED_MARKER).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def create_driver_dir(host: HostRoot, name: str) -> None:
+    directory = host.path(f"/sys/bus/pci/drivers/{name}")
+    directory.mkdir(parents=True, exist_ok=True)
+    for control in ("bind", "unbind", "new_id", "remove_id"):
+        (directory / control).touch()
+
+
+def _device_dir(host: HostRoot, bdf: str) -> Path:
+    link = host.path(f"/sys/bus/pci/devices/{bdf}")
+    if not link.exists():
+        raise HostError(f"no such device {bdf} (write failed with ENODEV)")
+    return link.resolve()
+
+
+def current_driver(host: HostRoot, bdf: str) -> str | None:
+    link = _device_dir(host, bdf) / "driver"
+    if not link.is_symlink() or not link.exists():
+        return None
+    return Path(os.readlink(link)).name
+
+
+def link_driver(host: HostRoot, bdf: str, driver: str) -> None:
+    device = _device_dir(host, bdf)
+    driver_dir = host.path(f"/sys/bus/pci/drivers/{driver}")
+    relative_link(driver_dir, device / "driver")
+    relative_link(device, driver_dir / bdf)
+
+
+def _group(host: HostRoot, bdf: str) -> int | None:
+    link = _device_dir(host, bdf) / "iommu_group"
+    if not link.is_symlink():
+        return None
+    return int(Path(os.readlink(link)).name)
+
+
+def _group_members(host: HostRoot, group: int) -> list[str]:
+    try:
+        return sorted(os.listdir(host.path(f"/sys/kernel/iommu_groups/{group}/devices")))
+    except FileNotFoundError:
+        return []
+
+
+def on_vfio_bound(host: HostRoot, bdf: str) -> None:
+    """What vfio-pci's probe and udev leave behind: the group node, the cdev."""
+    group = _group(host, bdf)
+    vfio_dir = host.path("/dev/vfio")
+    vfio_dir.mkdir(parents=True, exist_ok=True)
+    (vfio_dir / "vfio").touch()
+    delay = marker(host).get("udev_delay_ms", 0) / 1000.0
+    node = vfio_dir / str(group)
+    if delay:
+        threading.Timer(delay, node.touch).start()
+    else:
+        node.touch()
+    if marker(host).get("iommufd"):
+        number = _next_cdev(host)
+        (_device_dir(host, bdf) / "vfio-dev" / f"vfio{number}").mkdir(parents=True)
+        devices = vfio_dir / "devices"
+        devices.mkdir(exist_ok=True)
+        (devices / f"vfio{number}").touch()
+
+
+def _next_cdev(host: HostRoot) -> int:
+    used = set()
+    devices = host.path("/dev/vfio/devices")
+    if devices.is_dir():
+        used = {int(n[4:]) for n in os.listdir(devices) if n[4:].isdigit()}
+    number = 0
+    while number in used:
+        number += 1
+    return number
+
+
+def _on_vfio_unbound(host: HostRoot, bdf: str) -> None:
+    cdev_dir = _device_dir(host, bdf) / "vfio-dev"
+    if cdev_dir.is_dir():
+        for name in os.listdir(cdev_dir):
+            host.path(f"/dev/vfio/devices/{name}").unlink(missing_ok=True)
+        shutil.rmtree(cdev_dir)
+    group = _group(host, bdf)
+    if group is None:
+        return
+    still = [m for m in _group_members(host, group) if m != bdf and current_driver(host, m) == VFIO]
+    if not still:
+        host.path(f"/dev/vfio/{group}").unlink(missing_ok=True)
+
+
+def _unbind(host: HostRoot, driver: str, bdf: str) -> None:
+    if current_driver(host, bdf) != driver:
+        raise HostError(f"writing {bdf} to /sys/bus/pci/drivers/{driver}/unbind failed: device not bound to {driver} (ENODEV)")
+    device = _device_dir(host, bdf)
+    (device / "driver").unlink()
+    host.path(f"/sys/bus/pci/drivers/{driver}/{bdf}").unlink(missing_ok=True)
+    if driver == VFIO:
+        _on_vfio_unbound(host, bdf)
+
+
+def _attach(host: HostRoot, bdf: str, driver: str) -> None:
+    if not host.path(f"/sys/bus/pci/drivers/{driver}").is_dir():
+        return
+    if driver == VFIO and (_group(host, bdf) is None or bdf in marker(host).get("fail_probe", [])):
+        # vfio-pci's probe fails without an IOMMU group; the device stays unbound.
+        return
+    link_driver(host, bdf, driver)
+    if driver == VFIO:
+        on_vfio_bound(host, bdf)
+
+
+def _override(host: HostRoot, bdf: str) -> str | None:
+    text = (_device_dir(host, bdf) / "driver_override").read_text().strip()
+    return None if text in ("", "(null)") else text
+
+
+def handle_write(host: HostRoot, host_path: str, value: str) -> None:
+    parts = host_path.strip("/").split("/")
+    text = value.strip()
+    if parts[:4] == ["sys", "bus", "pci", "devices"] and len(parts) == 6 and parts[5] == "driver_override":
+        (_device_dir(host, parts[4]) / "driver_override").write_text((text or "(null)") + "\n")
+        return
+    if parts == ["sys", "bus", "pci", "drivers_probe"]:
+        if current_driver(host, text) is not None:
+            return
+        driver = _override(host, text) or marker(host).get("native_drivers", {}).get(text)
+        if driver:
+            _attach(host, text, driver)
+        return
+    if parts[:4] == ["sys", "bus", "pci", "drivers"] and len(parts) == 6:
+        driver, action = parts[4], parts[5]
+        if not host.path(f"/sys/bus/pci/drivers/{driver}").is_dir():
+            raise HostError(f"cannot open {host_path}: no such driver {driver}")
+        if action == "unbind":
+            _unbind(host, driver, text)
+            return
+        if action == "bind":
+            if current_driver(host, text) is not None:
+                raise HostError(f"writing {text} to {host_path} failed: device already bound (EBUSY)")
+            override = _override(host, text)
+            if override not in (None, driver):
+                raise HostError(f"writing {text} to {host_path} failed: driver_override is {override} (ENODEV)")
+            _attach(host, text, driver)
+            return
+    raise HostError(f"the simulated kernel does not handle writes to {host_path}")
+
+
+def modprobe(host: HostRoot, module: str) -> None:
+    data = marker(host)
+    if module != VFIO:
+        raise HostError(f"modprobe: FATAL: Module {module} not found in the simulated host")
+    if data.get("vfio_pci") == "missing":
+        raise HostError("modprobe: FATAL: Module vfio-pci not found in directory /lib/modules")
+    create_driver_dir(host, VFIO)
+    vfio_dir = host.path("/dev/vfio")
+    vfio_dir.mkdir(parents=True, exist_ok=True)
+    (vfio_dir / "vfio").touch()
+    data["vfio_pci"] = "loaded"
+    save_marker(host, data)

@@ -1,0 +1,171 @@
+"""Host profiles: a YAML description of a node's PCI devices (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from katamgr.host.pci import BDF_RE
+
+VFIO_STATES = ("loaded", "loadable", "missing")
+
+
+class ProfileError(ValueError):
+    """A host profile that cannot describe a real node; the message names the entry."""
+
+
+@dataclass(frozen=True)
+class ProfileDevice:
+    bdf: str
+    vendor: int
+    device: int
+    class_code: int
+    driver: str | None = None
+    iommu_group: int | None = None
+    numa_node: int = -1
+    parent: str | None = None
+    subsystem_vendor: int = 0
+    subsystem_device: int = 0
+    minor: int | None = None  # /dev/nvidia<minor> while on the nvidia driver
+
+
+@dataclass(frozen=True)
+class ProfileProcess:
+    pid: int
+    comm: str
+    holds: tuple[str, ...]  # host paths of open device files
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    name: str
+    iommu: bool
+    devices: tuple[ProfileDevice, ...]
+    iommufd: bool = False
+    vfio_pci: str = "loadable"
+    processes: tuple[ProfileProcess, ...] = field(default=())
+    description: str = ""
+
+
+_DEVICE_KEYS = {
+    "bdf", "vendor", "device", "class", "driver", "iommu_group", "numa_node", "parent",
+    "subsystem_vendor", "subsystem_device", "minor",
+}
+_TOP_KEYS = {"name", "description", "iommu", "iommufd", "vfio_pci", "devices", "processes"}
+
+
+def _int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ProfileError(f"{where} must be an integer (e.g. 0x10de), got {value!r}")
+    try:
+        return value if isinstance(value, int) else int(value, 0)
+    except ValueError:
+        raise ProfileError(f"{where} must be an integer (e.g. 0x10de), got {value!r}") from None
+
+
+def parse_profile(data: Any, source: str = "profile") -> HostProfile:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: a host profile is a mapping with 'name' and 'devices'")
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise ProfileError(f"{source}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(_TOP_KEYS))}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise ProfileError(f"{source}: 'name' must be a non-empty string")
+    vfio = data.get("vfio_pci", "loadable")
+    if vfio not in VFIO_STATES:
+        raise ProfileError(f"{source}: vfio_pci {vfio!r} must be one of {', '.join(VFIO_STATES)}")
+    raw_devices = data.get("devices")
+    if not isinstance(raw_devices, list):
+        raise ProfileError(f"{source}: 'devices' must be a list")
+    devices = [_device(raw, f"{source}: devices[{i}]") for i, raw in enumerate(raw_devices)]
+    seen: set[str] = set()
+    for i, dev in enumerate(devices):
+        if dev.bdf in seen:
+            raise ProfileError(f"{source}: devices[{i}] repeats bdf {dev.bdf}")
+        seen.add(dev.bdf)
+    for i, dev in enumerate(devices):
+        if dev.parent is not None and dev.parent not in seen:
+            raise ProfileError(f"{source}: devices[{i}] parent {dev.parent} is not a device of this profile")
+    _check_acyclic(devices, source)
+    processes = tuple(_process(p, f"{source}: processes[{i}]") for i, p in enumerate(data.get("processes") or []))
+    return HostProfile(
+        name=name,
+        description=str(data.get("description", "")),
+        iommu=bool(data.get("iommu", True)),
+        iommufd=bool(data.get("iommufd", False)),
+        vfio_pci=vfio,
+        devices=tuple(devices),
+        processes=processes,
+    )
+
+
+def _device(raw: Any, where: str) -> ProfileDevice:
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where} must be a mapping")
+    unknown = sorted(set(raw) - _DEVICE_KEYS)
+    if unknown:
+        raise ProfileError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    for key in ("bdf", "vendor", "device", "class"):
+        if key not in raw:
+            raise ProfileError(f"{where}: missing {key!r}")
+    bdf = str(raw["bdf"]).lower()
+    if not BDF_RE.match(bdf):
+        raise ProfileError(f"{where}: bdf {raw['bdf']!r} is not of the form 0000:0a:00.0")
+    parent = raw.get("parent")
+    if parent is not None:
+        parent = str(parent).lower()
+        if not BDF_RE.match(parent):
+            raise ProfileError(f"{where}: parent {raw['parent']!r} is not of the form 0000:00:01.0")
+    driver = raw.get("driver")
+    if driver is not None and (not isinstance(driver, str) or "/" in driver or not driver):
+        raise ProfileError(f"{where}: driver {driver!r} must be a driver name or null")
+    group = raw.get("iommu_group")
+    return ProfileDevice(
+        bdf=bdf,
+        vendor=_int(raw["vendor"], f"{where}.vendor"),
+        device=_int(raw["device"], f"{where}.device"),
+        class_code=_int(raw["class"], f"{where}.class"),
+        driver=driver,
+        iommu_group=None if group is None else _int(group, f"{where}.iommu_group"),
+        numa_node=_int(raw.get("numa_node", -1), f"{where}.numa_node"),
+        parent=parent,
+        subsystem_vendor=_int(raw.get("subsystem_vendor", 0), f"{where}.subsystem_vendor"),
+        subsystem_device=_int(raw.get("subsystem_device", 0), f"{where}.subsystem_device"),
+        minor=None if raw.get("minor") is None else _int(raw["minor"], f"{where}.minor"),
+    )
+
+
+def _process(raw: Any, where: str) -> ProfileProcess:
+    if not isinstance(raw, dict) or "pid" not in raw:
+        raise ProfileError(f"{where} must be a mapping with 'pid', 'comm' and 'holds'")
+    holds = raw.get("holds") or []
+    if not isinstance(holds, list) or not all(isinstance(h, str) and h.startswith("/dev/") for h in holds):
+        raise ProfileError(f"{where}.holds must be a list of /dev paths")
+    return ProfileProcess(pid=_int(raw["pid"], f"{where}.pid"), comm=str(raw.get("comm", "proc")), holds=tuple(holds))
+
+
+def _check_acyclic(devices: list[ProfileDevice], source: str) -> None:
+    parents = {d.bdf: d.parent for d in devices}
+    for dev in devices:
+        seen = {dev.bdf}
+        node = dev.parent
+        while node is not None:
+            if node in seen:
+                raise ProfileError(f"{source}: device {dev.bdf} has a parent cycle through {node}")
+            seen.add(node)
+            node = parents.get(node)
+
+
+def load_profile(path: str | Path) -> HostProfile:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"host profile {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"host profile {path} is not valid YAML: {exc}") from None
+    return parse_profile(data, str(path))

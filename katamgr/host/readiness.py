@@ -1,0 +1,24 @@
+"""Readiness files other GPU Operator components wait on."""
+
+from __future__ import annotations
+
+from katamgr.host.files import remove_file, write_atomic
+from katamgr.host.root import HostRoot
+
+VALIDATIONS = "/run/nvidia/validations"
+VFIO_READY = f"{VALIDATIONS}/vfio-pci-ready"
+WORKLOAD_TYPE = f"{VALIDATIONS}/workload-type"
+
+
+def mark_ready(host: HostRoot, workload: str = "vm-passthrough") -> list[str]:
+    """Write the readiness files; return the host paths that changed."""
+    changed = []
+    if write_atomic(host.path(VFIO_READY), "true\n"):
+        changed.append(VFIO_READY)
+    if write_atomic(host.path(WORKLOAD_TYPE), workload + "\n"):
+        changed.append(WORKLOAD_TYPE)
+    return changed
+
+
+def clear_ready(host: HostRoot) -> list[str]:
+    return [p for p in (VFIO_READY, WORKLOAD_TYPE) if remove_file(host.path(p))]

@@ -1,0 +1,115 @@
+"""Materialise a host profile as a host root with the kernel's sysfs shape.
+
+The result is read by exactly the same code as a real node: devices live under
+``sys/devices/pci<domain>:<bus>/...`` with ``sys/bus/pci/devices/<bdf>``
+symlinks, ``driver`` and ``iommu_group`` links, group member links, and
+``dev/vfio`` nodes as plain files. A marker file makes binding writes go to the
+emulated kernel (``katamgr.host.emulation``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from katamgr.host import emulation
+from katamgr.host.profile import HostProfile, ProfileDevice
+from katamgr.host.root import SIMULATED_MARKER, HostRoot
+
+
+def materialise(profile: HostProfile, into: str | Path) -> HostRoot:
+    root = Path(into).resolve()
+    if root.exists() and any(root.iterdir()):
+        raise FileExistsError(f"{root} is not empty; simulate into a new or empty directory")
+    root.mkdir(parents=True, exist_ok=True)
+    host = HostRoot(root)
+    by_bdf = {d.bdf: d for d in profile.devices}
+
+    drivers = {d.driver for d in profile.devices if d.driver}
+    if profile.vfio_pci == "loaded":
+        drivers.add(emulation.VFIO)
+    bus = host.path("/sys/bus/pci")
+    for name in sorted(drivers):
+        emulation.create_driver_dir(host, name)
+    (bus / "devices").mkdir(parents=True, exist_ok=True)
+    (bus / "drivers_probe").write_text("")
+    (bus / "rescan").write_text("")
+    if profile.iommu:
+        host.path("/sys/kernel/iommu_groups").mkdir(parents=True, exist_ok=True)
+        host.path("/sys/class/iommu/dmar0").mkdir(parents=True, exist_ok=True)
+    host.path("/dev").mkdir(parents=True, exist_ok=True)
+    if profile.iommufd:
+        host.path("/dev/iommu").write_text("")
+
+    for dev in profile.devices:
+        _create_device(host, profile, dev, by_bdf)
+
+    marker = {
+        "profile": profile.name,
+        "vfio_pci": profile.vfio_pci,
+        "iommufd": profile.iommufd,
+        # What the kernel would pick on drivers_probe with no override: the
+        # profile's driver stands in for modalias matching.
+        "native_drivers": {d.bdf: d.driver for d in profile.devices if d.driver and d.driver != emulation.VFIO},
+        "fail_probe": [],
+        "udev_delay_ms": 0,
+    }
+    (root / SIMULATED_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+
+    for dev in profile.devices:
+        if dev.driver == emulation.VFIO:
+            emulation.on_vfio_bound(host, dev.bdf)
+    _create_proc(host, profile)
+    return host
+
+
+def _sysfs_dir(dev: ProfileDevice, by_bdf: dict[str, ProfileDevice]) -> str:
+    chain = [dev.bdf]
+    node = dev.parent
+    while node is not None:
+        chain.append(node)
+        node = by_bdf[node].parent
+    top = chain[-1]
+    domain, busno = top.split(":")[0:2]
+    return "/sys/devices/pci{}:{}/{}".format(domain, busno, "/".join(reversed(chain)))
+
+
+def _create_device(host: HostRoot, profile: HostProfile, dev: ProfileDevice, by_bdf) -> None:
+    directory = host.path(_sysfs_dir(dev, by_bdf))
+    directory.mkdir(parents=True, exist_ok=True)
+    attrs = {
+        "vendor": f"0x{dev.vendor:04x}",
+        "device": f"0x{dev.device:04x}",
+        "subsystem_vendor": f"0x{dev.subsystem_vendor:04x}",
+        "subsystem_device": f"0x{dev.subsystem_device:04x}",
+        "class": f"0x{dev.class_code:06x}",
+        "numa_node": str(dev.numa_node),
+        "driver_override": "(null)",
+        "enable": "1",
+    }
+    for name, value in attrs.items():
+        (directory / name).write_text(value + "\n")
+    emulation.relative_link(directory, host.path(f"/sys/bus/pci/devices/{dev.bdf}"))
+    if profile.iommu and dev.iommu_group is not None:
+        group_dir = host.path(f"/sys/kernel/iommu_groups/{dev.iommu_group}/devices")
+        group_dir.mkdir(parents=True, exist_ok=True)
+        (group_dir.parent / "type").write_text("DMA\n")
+        emulation.relative_link(group_dir.parent, directory / "iommu_group")
+        emulation.relative_link(directory, group_dir / dev.bdf)
+    if dev.driver:
+        emulation.link_driver(host, dev.bdf, dev.driver)
+    if dev.driver == "nvidia" and dev.minor is not None:
+        info = host.path(f"/proc/driver/nvidia/gpus/{dev.bdf}/information")
+        info.parent.mkdir(parents=True, exist_ok=True)
+        info.write_text(f"Model: \t\t simulated\nDevice Minor: \t {dev.minor}\nBus Location: \t {dev.bdf}\n")
+
+
+def _create_proc(host: HostRoot, profile: HostProfile) -> None:
+    for proc in profile.processes:
+        fd_dir = host.path(f"/proc/{proc.pid}/fd")
+        fd_dir.mkdir(parents=True, exist_ok=True)
+        (fd_dir.parent / "comm").write_text(proc.comm + "\n")
+        for number, target in enumerate(proc.holds, start=3):
+            # Like the real /proc: the link text is the host path of the open file.
+            os.symlink(target, fd_dir / str(number))

@@ -1,0 +1,318 @@
+"""Moving devices to vfio-pci and back, one IOMMU group at a time.
+
+The procedure is the kernel's (DESIGN.md section 4): ``driver_override``,
+``<driver>/unbind``, ``drivers_probe``. Guarantees: a group moves whole or not
+at all; a group with a foreign endpoint is never touched; a device already on
+vfio-pci is left alone; a GPU in use is not unbound unless forced; the
+original driver of each moved device is recorded before the first write so a
+revert (or a crash followed by a revert) restores exactly it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from katamgr.host import emulation, holders, iommu, sysfs
+from katamgr.host.errors import HostError
+from katamgr.host.files import read_json, write_json
+from katamgr.host.inventory import Inventory, Kind
+from katamgr.host.pci import VFIO_DRIVER, Device
+from katamgr.host.root import HostRoot
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "vfio.json"
+
+
+class Action(StrEnum):
+    BIND = "bind"
+    KEEP = "keep"
+    SKIP = "skip"
+
+
+class VfioModule(StrEnum):
+    LOADED = "loaded"
+    LOADABLE = "loadable"
+    MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    """What happens to the devices of ours in one IOMMU group."""
+
+    group: int | None
+    devices: tuple[Device, ...]  # GPUs/NVSwitches and their companions, bus order
+    action: Action
+    reason: str
+
+    def action_for(self, device: Device) -> Action:
+        if self.action is Action.BIND and device.on_vfio:
+            return Action.KEEP
+        return self.action
+
+    @property
+    def to_move(self) -> list[Device]:
+        return [d for d in self.devices if not d.on_vfio] if self.action is Action.BIND else []
+
+
+@dataclass
+class BindReport:
+    changes: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
+def vfio_module(host: HostRoot) -> VfioModule:
+    if host.path("/sys/bus/pci/drivers/vfio-pci").is_dir():
+        return VfioModule.LOADED
+    if host.simulated:
+        state = emulation.marker(host).get("vfio_pci")
+        return VfioModule.MISSING if state == "missing" else VfioModule.LOADABLE
+    release = (sysfs.read_text(host.path("/proc/sys/kernel/osrelease")) or os.uname().release).strip()
+    modules = host.path(f"/lib/modules/{release}")
+    for index in ("modules.dep", "modules.builtin"):
+        try:
+            text = (modules / index).read_text()
+        except OSError:
+            continue
+        if "/vfio-pci.ko" in text or "/vfio_pci.ko" in text:
+            return VfioModule.LOADABLE
+    return VfioModule.MISSING
+
+
+def decide(host: HostRoot, inv: Inventory, *, force: bool = False) -> list[GroupDecision]:
+    """One decision per IOMMU group holding GPUs or NVSwitches (read-only)."""
+    ours: dict[int | None, list[Device]] = {}
+    for device in inv.devices:
+        if inv.kind(device) in (Kind.GPU, Kind.NVSWITCH, Kind.COMPANION):
+            ours.setdefault(device.iommu_group, []).append(device)
+    decisions = []
+    for group, devices in ours.items():
+        if group is None:
+            for device in devices:
+                decisions.append(_no_group(inv, device))
+            continue
+        decisions.append(_group_decision(host, inv, group, tuple(devices), force))
+    return sorted(decisions, key=lambda d: d.devices[0].bdf)
+
+
+def _no_group(inv: Inventory, device: Device) -> GroupDecision:
+    if not inv.iommu_enabled:
+        reason = "the IOMMU is off: boot with intel_iommu=on (Intel) or amd_iommu=on (AMD) and iommu=pt"
+    else:
+        reason = f"{device.bdf} has no IOMMU group, so VFIO cannot pass it through"
+    return GroupDecision(None, (device,), Action.SKIP, reason)
+
+
+def _group_decision(host: HostRoot, inv: Inventory, group: int, devices: tuple[Device, ...], force: bool) -> GroupDecision:
+    foreign = inv.foreign(group)
+    if foreign:
+        names = ", ".join(f"{d.bdf} ({d.id_string()}, driver {d.driver or 'none'})" for d in foreign)
+        return GroupDecision(
+            group, devices, Action.SKIP,
+            f"IOMMU group {group} is not viable: it also holds {names}, which is not ours to bind",
+        )
+    if all(d.on_vfio for d in devices):
+        return GroupDecision(group, devices, Action.KEEP, "already on vfio-pci")
+    if not force:
+        busy = in_use(host, devices)
+        if busy:
+            who = "; ".join(str(h) for h in busy)
+            return GroupDecision(group, devices, Action.SKIP, f"in use by {who}: stop it first or pass --force")
+    moving = [d for d in devices if not d.on_vfio]
+    froms = sorted({d.driver or "no driver" for d in moving})
+    return GroupDecision(group, devices, Action.BIND, f"move from {', '.join(froms)} to vfio-pci")
+
+
+def in_use(host: HostRoot, devices: tuple[Device, ...] | list[Device]) -> list[holders.Holder]:
+    paths = set()
+    for device in devices:
+        if device.driver == "nvidia":
+            minor = holders.gpu_minor(host, device.bdf)
+            if minor is not None:
+                paths.add(f"/dev/nvidia{minor}")
+    return holders.holders(host, paths)
+
+
+# ---- changing the host -------------------------------------------------------
+
+
+def load_vfio(host: HostRoot) -> bool:
+    """Make sure vfio-pci is loaded; return True when we loaded it."""
+    if vfio_module(host) is VfioModule.LOADED:
+        return False
+    if host.simulated:
+        emulation.modprobe(host, "vfio-pci")
+        return True
+    argv = ["modprobe", "vfio-pci"]
+    if not host.is_real_root:
+        argv = ["chroot", str(host.root), *argv]
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)  # noqa: S603
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HostError(f"could not run {' '.join(argv)}: {exc}; load vfio-pci on the node (modprobe vfio-pci)") from exc
+    if result.returncode != 0 or not host.path("/sys/bus/pci/drivers/vfio-pci").is_dir():
+        detail = (result.stderr or result.stdout).strip() or f"exit code {result.returncode}"
+        raise HostError(f"vfio-pci is not loaded and 'modprobe vfio-pci' failed ({detail}); install the kernel's vfio modules on the node")
+    return True
+
+
+def _state(host: HostRoot) -> dict:
+    try:
+        data = read_json(host.state_path(STATE_FILE), {"version": 1, "devices": {}})
+    except ValueError as exc:
+        raise HostError(str(exc)) from exc
+    data.setdefault("devices", {})
+    return data
+
+
+def bound_by_us(host: HostRoot) -> dict[str, dict]:
+    """Devices katamgr moved to vfio-pci, with the driver each had before."""
+    return dict(_state(host)["devices"])
+
+
+def _current_driver(host: HostRoot, bdf: str) -> str | None:
+    return sysfs.link_name(host.path(f"{sysfs.PCI_DEVICES}/{bdf}/driver"))
+
+
+def _wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+def bind(host: HostRoot, decisions: list[GroupDecision], *, wait: float = 5.0) -> BindReport:
+    """Carry out the BIND decisions; each group moves whole or is rolled back."""
+    report = BindReport()
+    todo = [d for d in decisions if d.to_move]
+    if not todo:
+        return report
+    if load_vfio(host):
+        report.changes.append("loaded the vfio-pci module")
+    for decision in todo:
+        try:
+            moved = _bind_group(host, decision, wait)
+        except HostError as exc:
+            report.failures.append(str(exc))
+            continue
+        report.changes.extend(
+            f"bound {d.bdf} ({d.id_string()}) to vfio-pci, was {d.driver or 'unbound'} [IOMMU group {decision.group}]"
+            for d in moved
+        )
+    return report
+
+
+def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[Device]:
+    state = _state(host)
+    for device in decision.to_move:
+        # Recorded before the first write: a crash mid-way stays revertible.
+        state["devices"].setdefault(device.bdf, {
+            "driver": device.driver,
+            "override": device.driver_override,
+            "group": decision.group,
+        })
+    write_json(host.state_path(STATE_FILE), state)
+    moved: list[Device] = []
+    try:
+        for device in decision.to_move:
+            moved.append(device)
+            _move_to_vfio(host, device)
+        node = host.path(f"/dev/vfio/{decision.group}")
+        if not _wait_for(node.exists, wait):
+            raise HostError(
+                f"/dev/vfio/{decision.group} did not appear within {wait:g}s after binding IOMMU group "
+                f"{decision.group}; check udev and dmesg"
+            )
+    except HostError as exc:
+        undo_errors = _roll_back(host, moved)
+        extra = f" (roll-back problems: {'; '.join(undo_errors)})" if undo_errors else ""
+        raise HostError(f"binding IOMMU group {decision.group} failed and was rolled back: {exc}{extra}") from exc
+    return moved
+
+
+def _move_to_vfio(host: HostRoot, device: Device) -> None:
+    base = f"{sysfs.PCI_DEVICES}/{device.bdf}"
+    sysfs.kernel_write(host, f"{base}/driver_override", VFIO_DRIVER + "\n")
+    current = _current_driver(host, device.bdf)
+    if current is not None and current != VFIO_DRIVER:
+        sysfs.kernel_write(host, f"{sysfs.PCI_DRIVERS}/{current}/unbind", device.bdf)
+    if _current_driver(host, device.bdf) is None:
+        sysfs.kernel_write(host, sysfs.DRIVERS_PROBE, device.bdf)
+    now = _current_driver(host, device.bdf)
+    if now != VFIO_DRIVER:
+        raise HostError(f"{device.bdf} did not bind to vfio-pci (driver is now {now or 'none'}); see dmesg for the probe error")
+
+
+def _restore(host: HostRoot, bdf: str, driver: str | None, override: str | None) -> None:
+    base = f"{sysfs.PCI_DEVICES}/{bdf}"
+    if _current_driver(host, bdf) == VFIO_DRIVER:
+        sysfs.kernel_write(host, f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}/unbind", bdf)
+    sysfs.kernel_write(host, f"{base}/driver_override", (override or "") + "\n")
+    if driver is not None and _current_driver(host, bdf) is None:
+        sysfs.kernel_write(host, sysfs.DRIVERS_PROBE, bdf)
+        now = _current_driver(host, bdf)
+        if now != driver:
+            raise HostError(f"{bdf} came back on {now or 'no driver'} instead of {driver}; bind it by hand: echo {bdf} > /sys/bus/pci/drivers/{driver}/bind")
+
+
+def _roll_back(host: HostRoot, moved: list[Device]) -> list[str]:
+    errors = []
+    state = _state(host)
+    for device in reversed(moved):
+        try:
+            _restore(host, device.bdf, device.driver, device.driver_override)
+            state["devices"].pop(device.bdf, None)
+        except HostError as exc:
+            errors.append(str(exc))
+    write_json(host.state_path(STATE_FILE), state)
+    return errors
+
+
+def unbind_all(host: HostRoot) -> BindReport:
+    """Put every device katamgr moved back on the driver it had."""
+    report = BindReport()
+    state = _state(host)
+    for bdf, record in sorted(state["devices"].items()):
+        if not host.path(f"{sysfs.PCI_DEVICES}/{bdf}").exists():
+            report.changes.append(f"forgot {bdf}: the device is gone from the host")
+            state["devices"].pop(bdf)
+            continue
+        current = _current_driver(host, bdf)
+        original = record.get("driver")
+        if current not in (VFIO_DRIVER, None) and current != original:
+            report.failures.append(f"{bdf} is now on {current}, which katamgr did not do; left alone")
+            continue
+        try:
+            _restore(host, bdf, original, record.get("override"))
+        except HostError as exc:
+            report.failures.append(str(exc))
+            continue
+        state["devices"].pop(bdf)
+        report.changes.append(f"restored {bdf} to {original or 'no driver'}")
+    if state["devices"]:
+        write_json(host.state_path(STATE_FILE), state)
+    else:
+        host.state_path(STATE_FILE).unlink(missing_ok=True)
+    return report
+
+
+def vfio_nodes(host: HostRoot, inv: Inventory, device: Device) -> list[str]:
+    """Host paths of the device nodes a VM needs for this device."""
+    if inv.iommufd:
+        cdev = iommu.vfio_cdev(host, device.bdf)
+        if cdev:
+            return ["/dev/iommu", f"/dev/vfio/devices/{cdev}"]
+    return ["/dev/vfio/vfio", f"/dev/vfio/{device.iommu_group}"]
+
+
+def group_node_present(host: HostRoot, group: int) -> bool:
+    return Path(host.path(f"/dev/vfio/{group}")).exists()

@@ -1,0 +1,156 @@
+"""What katamgr would change on the node: computed read-only, shown, then applied.
+
+The plan is the single description both ``katamgr plan`` prints and
+``katamgr apply`` carries out, so what an operator reviews is what happens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from katamgr.host import vfio
+from katamgr.host.inventory import Inventory, Kind, discover
+from katamgr.host.pci import Device
+from katamgr.host.pciids import PciIds, resource_name
+from katamgr.host.root import HostRoot
+from katamgr.host.vfio import Action, GroupDecision, VfioModule
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How devices are named as extended resources."""
+
+    pci_ids: PciIds
+    gpu_alias: str | None = None
+    nvswitch_alias: str | None = None
+
+    def model(self, device: Device) -> str | None:
+        if device.vendor is None or device.device is None:
+            return None
+        return self.pci_ids.device_name(device.vendor, device.device)
+
+    def resource(self, device: Device) -> str | None:
+        if device.is_gpu:
+            return resource_name(self.pci_ids, device.vendor, device.device, self.gpu_alias)
+        if device.is_nvswitch:
+            return resource_name(self.pci_ids, device.vendor, device.device, self.nvswitch_alias)
+        return None
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    bdf: str
+    kind: str
+    model: str | None
+    ids: str
+    driver: str | None
+    iommu_group: int | None
+    numa_node: int | None
+    resource: str | None
+    action: str
+    reason: str
+
+
+@dataclass
+class PlanSection:
+    """A later step's part of the plan (CDI spec, Kata artifacts, containerd...)."""
+
+    key: str  # JSON key
+    title: str  # heading in human output
+    data: Any  # JSON value
+    lines: list[str] = field(default_factory=list)  # human output
+    pending: bool = False  # applying would change something
+
+
+@dataclass
+class Plan:
+    host_root: str
+    iommu_enabled: bool
+    iommufd: bool
+    vfio_module: str
+    devices: list[DevicePlan]
+    resources: dict[str, int]
+    problems: list[str]
+    decisions: list[GroupDecision] = field(repr=False)
+    inventory: Inventory = field(repr=False)
+    sections: list[PlanSection] = field(default_factory=list)
+
+    @property
+    def changes_pending(self) -> bool:
+        return any(d.action == Action.BIND for d in self.devices) or any(s.pending for s in self.sections)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {
+            "host_root": self.host_root,
+            "iommu_enabled": self.iommu_enabled,
+            "iommufd": self.iommufd,
+            "vfio_pci": self.vfio_module,
+            "devices": [asdict(d) for d in self.devices],
+            "resources": dict(self.resources),
+            "problems": list(self.problems),
+        }
+        for section in self.sections:
+            out[section.key] = section.data
+        return out
+
+
+def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
+    inv = discover(host)
+    decisions = vfio.decide(host, inv, force=force)
+    module = vfio.vfio_module(host)
+    devices: list[DevicePlan] = []
+    resources: Counter[str] = Counter()
+    problems: list[str] = list(inv.notes)
+
+    for decision in decisions:
+        for device in decision.devices:
+            devices.append(_device_plan(inv, naming, device, decision.action_for(device).value, decision.reason))
+        for device in inv.foreign(decision.group) if decision.group is not None else []:
+            devices.append(_device_plan(inv, naming, device, Action.SKIP.value, "not an NVIDIA device; left alone"))
+        if decision.action in (Action.BIND, Action.KEEP):
+            head = next((d for d in decision.devices if d.is_gpu or d.is_nvswitch), None)
+            if head is not None:
+                # The schedulable unit is the IOMMU group, so GPUs sharing
+                # a group count once: two pods can never split a group.
+                resources[naming.resource(head)] += 1
+        elif decision.group is not None or inv.iommu_enabled:
+            problems.append(f"{', '.join(d.bdf for d in decision.devices)}: {decision.reason}")
+
+    if not inv.iommu_enabled and inv.passthrough:
+        problems.insert(0, "The IOMMU is off on this host, so no GPU can be passed through: boot with "
+                           "intel_iommu=on (Intel) or amd_iommu=on (AMD) and iommu=pt, then re-run.")
+    if not inv.passthrough:
+        problems.append("No NVIDIA GPU or NVSwitch was found under /sys/bus/pci/devices.")
+    if module is VfioModule.MISSING and any(d.action is Action.BIND for d in decisions):
+        problems.append("vfio-pci is not loaded and no vfio-pci module was found for the running kernel: "
+                        "install the kernel's vfio modules (or boot a kernel with CONFIG_VFIO_PCI).")
+
+    return Plan(
+        host_root=str(host.root),
+        iommu_enabled=inv.iommu_enabled,
+        iommufd=inv.iommufd,
+        vfio_module=module.value,
+        devices=devices,
+        resources=dict(sorted(resources.items())),
+        problems=problems,
+        decisions=decisions,
+        inventory=inv,
+    )
+
+
+def _device_plan(inv: Inventory, naming: Naming, device: Device, action: str, reason: str) -> DevicePlan:
+    kind = inv.kind(device)
+    return DevicePlan(
+        bdf=device.bdf,
+        kind=(Kind.OTHER if kind is Kind.BRIDGE else kind).value,
+        model=naming.model(device),
+        ids=device.id_string(),
+        driver=device.driver,
+        iommu_group=device.iommu_group,
+        numa_node=device.numa_node,
+        resource=naming.resource(device),
+        action=action,
+        reason=reason,
+    )
