@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from katamgr.host import sysfs
 from katamgr.host.root import HostRoot
@@ -83,25 +82,65 @@ class Device:
 
 def read_device(host: HostRoot, bdf: str) -> Device:
     """Read one device's attributes; oddities become notes, not exceptions."""
-    base = host.path(f"{sysfs.PCI_DEVICES}/{bdf}")
+    base = os.path.join(host.path(sysfs.PCI_DEVICES), bdf)
+    try:
+        dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return Device(bdf, None, None, None, None, None, None, notes=(f"{bdf}: its sysfs directory cannot be read",))
+    try:
+        return _read_device(dir_fd, base, bdf)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_device(dir_fd: int, base: str, bdf: str) -> Device:
+    # Plain fd-relative syscalls: a node can have thousands of PCI functions and
+    # the scan must stay well under 100 ms (DESIGN.md section 7).
     notes: list[str] = []
 
-    def hexattr(name: str) -> int | None:
-        value = sysfs.read_hex(base / name)
-        if value is None and (base / name).exists():
-            notes.append(f"{bdf}: sysfs attribute {name!r} is empty or not hex")
-        return value
+    def text(name: str) -> str | None:
+        try:
+            fd = os.open(name, os.O_RDONLY, dir_fd=dir_fd)
+        except OSError:
+            return None
+        try:
+            return os.read(fd, 256).decode(errors="replace").strip()
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
 
-    vendor = hexattr("vendor")
-    device = hexattr("device")
-    class_code = hexattr("class")
-    driver = sysfs.link_name(base / "driver")
-    if driver is None and os.path.islink(base / "driver"):
-        notes.append(f"{bdf}: the 'driver' link points to nowhere; treating the device as unbound")
-    group_name = sysfs.link_name(base / "iommu_group")
+    def number(name: str, base_: int, required: bool = False) -> int | None:
+        raw = text(name)
+        try:
+            return int(raw, base_) if raw else None
+        except ValueError:
+            if required:
+                notes.append(f"{bdf}: sysfs attribute {name!r} is not a number ({raw!r})")
+            return None
+        finally:
+            if required and raw == "":
+                notes.append(f"{bdf}: sysfs attribute {name!r} is empty")
+
+    def link(name: str) -> str | None:
+        try:
+            target = os.readlink(name, dir_fd=dir_fd)
+        except OSError:
+            return None
+        if not os.path.exists(os.path.join(base, name)):
+            if name == "driver":
+                notes.append(f"{bdf}: the 'driver' link points to nowhere; treating the device as unbound")
+            return None
+        return os.path.basename(target) or None
+
+    vendor = number("vendor", 16, required=True)
+    device = number("device", 16, required=True)
+    class_code = number("class", 16, required=True)
+    driver = link("driver")
+    group_name = link("iommu_group")
     group = int(group_name) if group_name and group_name.isdigit() else None
-    numa = sysfs.read_int(base / "numa_node")
-    override = sysfs.read_text(base / "driver_override")
+    numa = number("numa_node", 10)
+    override = text("driver_override")
     if override in ("", "(null)"):
         override = None
     return Device(
@@ -112,22 +151,22 @@ def read_device(host: HostRoot, bdf: str) -> Device:
         driver=driver,
         iommu_group=group,
         numa_node=numa if numa is not None and numa >= 0 else None,
-        subsystem_vendor=sysfs.read_hex(base / "subsystem_vendor"),
-        subsystem_device=sysfs.read_hex(base / "subsystem_device"),
+        subsystem_vendor=number("subsystem_vendor", 16),
+        subsystem_device=number("subsystem_device", 16),
         parents=_parents(base, bdf),
         driver_override=override,
         notes=tuple(notes),
     )
 
 
-def _parents(base: Path, bdf: str) -> tuple[str, ...]:
+def _parents(base: str, bdf: str) -> tuple[str, ...]:
     # The device link resolves to sys/devices/pci0000:00/<root port>/.../<bdf>;
     # every BDF-shaped component before ours is an upstream bridge or port.
     try:
         target = os.readlink(base)
     except OSError:
         return ()
-    parts = [p for p in Path(target).parts if BDF_RE.match(p)]
+    parts = [p for p in target.split("/") if BDF_RE.match(p)]
     if parts and parts[-1] == bdf:
         parts = parts[:-1]
     return tuple(reversed(parts))

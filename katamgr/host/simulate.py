@@ -41,6 +41,9 @@ def materialise(profile: HostProfile, into: str | Path) -> HostRoot:
     host.path("/dev").mkdir(parents=True, exist_ok=True)
     if profile.iommufd:
         host.path("/dev/iommu").write_text("")
+    if profile.vfio_pci == "loaded":
+        host.path("/dev/vfio").mkdir()
+        host.path("/dev/vfio/vfio").write_text("")
 
     for dev in profile.devices:
         _create_device(host, profile, dev, by_bdf)

@@ -127,9 +127,7 @@ def _tidy(text: str) -> str:
 
 
 def _diff(path: str, old: str, new: str) -> str:
-    return "".join(
-        difflib.unified_diff(old.splitlines(True), new.splitlines(True), path, path)
-    )
+    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), path, path))
 
 
 @dataclass(frozen=True)
@@ -179,7 +177,9 @@ def configure_containerd(
     mode, target = _target(main)
     state = st.load(host, config_path)
     if state is not None and (state.target != target or state.mode != mode):
-        log.info("containerd: our entries move from %s to %s; undoing the old ones", state.target, target)
+        log.info(
+            "containerd: our entries move from %s to %s; undoing the old ones", state.target, target
+        )
         revert_containerd(host, config_path)
         main = _read_main(host, config_path, version)
         state = None
@@ -218,13 +218,22 @@ def _apply_main(
         state.written_sha256 = st.sha256(new_text.encode())
         log.info(
             "containerd: %s updated (added %s, updated %s, removed %s)",
-            main.path, outcome.added or "-", outcome.updated or "-", outcome.removed or "-",
+            main.path,
+            outcome.added or "-",
+            outcome.updated or "-",
+            outcome.removed or "-",
         )
     if changed or had_state:
         st.save(host, main.path, state)
     return ContainerdChange(
-        main.path, changed, MAIN, main.version, _diff(main.path, old_text, new_text) if changed else "",
-        tuple(outcome.added), tuple(outcome.updated), tuple(outcome.removed),
+        main.path,
+        changed,
+        MAIN,
+        main.version,
+        _diff(main.path, old_text, new_text) if changed else "",
+        tuple(outcome.added),
+        tuple(outcome.updated),
+        tuple(outcome.removed),
     )
 
 
@@ -246,7 +255,13 @@ def _edit(
         current = lookup(doc, path)
         if state.entry(path) is None:
             state.entries.append(
-                st.Entry(list(path), st.RUNTIME, rt.entry(), current is not None, copy.deepcopy(plain(current)))
+                st.Entry(
+                    list(path),
+                    st.RUNTIME,
+                    rt.entry(),
+                    current is not None,
+                    copy.deepcopy(plain(current)),
+                )
             )
         else:
             state.entry(path).ours = rt.entry()
@@ -322,7 +337,9 @@ def _apply_drop_in(
     doc = tomlkit.document()
     doc.add(tomlkit.comment(f"Written by kata-sandbox-manager for {main.path}; removed on revert."))
     if layout.version == 2:
-        doc.add(tomlkit.comment("containerd 1.x replaces a whole plugin section per imported file,"))
+        doc.add(
+            tomlkit.comment("containerd 1.x replaces a whole plugin section per imported file,")
+        )
         doc.add(tomlkit.comment("so this file repeats the CRI plugin settings it found elsewhere."))
     doc.add("version", main.version)
     if layout.version == 2:
@@ -357,8 +374,14 @@ def _apply_drop_in(
         log.info("containerd: drop-in %s written (runtimes %s)", target, [r.name for r in runtimes])
     st.save(host, main.path, state)
     return ContainerdChange(
-        target, changed, DROP_IN, main.version, _diff(target, old_text, new_text) if changed else "",
-        tuple(outcome.added), tuple(outcome.updated), tuple(outcome.removed),
+        target,
+        changed,
+        DROP_IN,
+        main.version,
+        _diff(target, old_text, new_text) if changed else "",
+        tuple(outcome.added),
+        tuple(outcome.updated),
+        tuple(outcome.removed),
     )
 
 
@@ -405,14 +428,18 @@ def revert_containerd(host: HostRoot, config_path: str = DEFAULT_CONFIG) -> Cont
         log.info("containerd: reverted %s (removed runtimes %s)", state.target, list(removed))
     st.forget(host, config_path)
     return ContainerdChange(
-        state.target, changed, state.mode, state.version,
-        _diff(state.target, old_text, new_text) if changed else "", (), (), removed,
+        state.target,
+        changed,
+        state.mode,
+        state.version,
+        _diff(state.target, old_text, new_text) if changed else "",
+        (),
+        (),
+        removed,
     )
 
 
-def check_entries(
-    host: HostRoot, path: str, runtimes: Sequence[KataRuntime]
-) -> list[str]:
+def check_entries(host: HostRoot, path: str, runtimes: Sequence[KataRuntime]) -> list[str]:
     """Names of ``runtimes`` whose entry containerd's config (``path``, the main file,
     following our drop-in if one is in use) no longer holds as we wrote it."""
     main = _read_main(host, path, None)
@@ -422,8 +449,10 @@ def check_entries(
     missing = []
     for rt in runtimes:
         entry = plain(lookup(doc, layout.runtime_path(rt.name))) if doc is not None else None
-        if not isinstance(entry, dict) or any(
-            entry.get(k) != v for k, v in rt.entry().items() if k != "options"
-        ) or (entry.get("options") or {}).get("ConfigPath") != rt.config_path:
+        if (
+            not isinstance(entry, dict)
+            or any(entry.get(k) != v for k, v in rt.entry().items() if k != "options")
+            or (entry.get("options") or {}).get("ConfigPath") != rt.config_path
+        ):
             missing.append(rt.name)
     return missing

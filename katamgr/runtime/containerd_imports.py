@@ -34,9 +34,9 @@ def _import_entries(doc: Mapping[str, Any], main_host_path: str) -> list[str]:
     raw = plain(doc.get("imports")) or []
     if not isinstance(raw, list):
         raise ConfigError(f"{main_host_path} has imports = {raw!r}; expected a list of paths")
-    base = posixpath.dirname(main_host_path)
-    # containerd resolves relative imports against the importing file's directory.
-    return [p if posixpath.isabs(p) else posixpath.join(base, p) for p in raw if isinstance(p, str)]
+    # containerd 1.6 resolves a relative import against its working directory, not
+    # the config's: we cannot know where that points, so only absolute ones count.
+    return [p for p in raw if isinstance(p, str) and posixpath.isabs(p)]
 
 
 def find_drop_in(doc: Mapping[str, Any], main_host_path: str) -> str | None:

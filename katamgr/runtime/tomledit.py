@@ -8,17 +8,14 @@ surrounding file is.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import tomlkit
 from tomlkit.container import Container
-from tomlkit.items import Item, Table, Whitespace
+from tomlkit.items import InlineTable, Item, Table, Whitespace
 
 Path_ = tuple[str, ...]
-
-_MISSING = object()
 
 
 def plain(value: Any) -> Any:
@@ -26,17 +23,13 @@ def plain(value: Any) -> Any:
     return value.unwrap() if hasattr(value, "unwrap") else value
 
 
-def lookup(doc: Container | Table, path: Sequence[str], default: Any = None) -> Any:
+def lookup(doc: Any, path: Sequence[str], default: Any = None) -> Any:
     node: Any = doc
     for key in path:
-        if not isinstance(node, (Container, Table, dict)) or key not in node:
+        if not isinstance(node, MutableMapping) or key not in node:
             return default
         node = node[key]
     return node
-
-
-def has(doc: Container | Table, path: Sequence[str]) -> bool:
-    return lookup(doc, path, _MISSING) is not _MISSING
 
 
 def _spaces(indent: str) -> str:
@@ -78,7 +71,7 @@ def style_for(doc: Container, path: Sequence[str]) -> _Style:
     nodes: list[Any] = [doc]
     for key in path:
         node = nodes[-1]
-        if not isinstance(node, (Container, Table)) or key not in node:
+        if not isinstance(node, MutableMapping) or key not in node:
             break
         nodes.append(node[key])
     for depth in range(len(nodes) - 1, 0, -1):
@@ -95,7 +88,7 @@ def style_for(doc: Container, path: Sequence[str]) -> _Style:
     return _Style(0, 0, 0)
 
 
-def ensure_table(doc: Container, path: Sequence[str]) -> tuple[Table, list[Path_]]:
+def ensure_table(doc: Container, path: Sequence[str]) -> tuple[Any, list[Path_]]:
     """The table at ``path``, creating header-less parents; returns it and what was created."""
     created: list[Path_] = []
     node: Any = doc
@@ -103,19 +96,26 @@ def ensure_table(doc: Container, path: Sequence[str]) -> tuple[Table, list[Path_
         if key not in node:
             # None: tomlkit prints no header while the table only holds tables
             new = tomlkit.table(is_super_table=None)
-            _append(node, key, new)
+            insert(node, key, new)
             created.append(tuple(path[: i + 1]))
         node = node[key]
-        if not isinstance(node, Table):
+        if not isinstance(node, MutableMapping) or isinstance(node, InlineTable):
             raise TypeError(f"{'.'.join(path[: i + 1])} is not a table")
     return node, created
 
 
-def _append(node: Container | Table, key: str, item: Any) -> None:
+def insert(node: Any, key: str, item: Item) -> None:
+    """Add ``item`` under ``key`` keeping the indentation we gave it."""
+    wanted = item.trivia.indent
     if isinstance(node, Table):
         node.raw_append(key, item)
-    else:
+    elif isinstance(node, Container):
         node.append(key, item)
+    else:
+        # A table split across the file (out-of-order parts): tomlkit picks the part
+        # and prefixes that part's indentation; put ours back afterwards.
+        node[key] = item
+        item.trivia.indent = wanted
 
 
 def set_value(doc: Container, path: Sequence[str], value: Any) -> bool:
@@ -127,12 +127,12 @@ def set_value(doc: Container, path: Sequence[str], value: Any) -> bool:
             return False
         table[key] = value  # tomlkit keeps the old item's position and indentation
         return True
-    headerless = table.is_super_table()
+    headerless = isinstance(table, Table) and table.is_super_table()
     style = style_for(doc, path[:-1])
     new = tomlkit.item(value)
-    sibling = _first_key_indent(table)
+    sibling = _first_key_indent(table) if isinstance(table, Table) else None
     new.trivia.indent = sibling if sibling is not None else style.key(len(path) - 2)
-    table.raw_append(key, new)
+    insert(table, key, new)
     if headerless:
         # Holding a key now, the table prints its own header: indent it like its peers.
         table.trivia.indent = style.header(len(path) - 2)
@@ -153,11 +153,11 @@ def add_table(doc: Container, path: Sequence[str], content: dict[str, Any]) -> l
     """
     style = style_for(doc, path[:-1])
     parent, created = ensure_table(doc, path[:-1])
-    before = parent.as_string()
+    before = parent.as_string() if isinstance(parent, (Table, Container)) else ""
     # One blank line between our table and whatever precedes it, never two.
     lead = "" if (not doc.as_string().strip() or before.endswith("\n\n")) else "\n"
     table = _build(content, style, len(path) - 1, lead)
-    parent.raw_append(path[-1], table)
+    insert(parent, path[-1], table)
     return created
 
 
@@ -181,7 +181,7 @@ def _build(content: dict[str, Any], style: _Style, depth: int, lead: str) -> Tab
 
 def delete(doc: Container, path: Sequence[str]) -> bool:
     parent = lookup(doc, path[:-1])
-    if not isinstance(parent, (Container, Table)) or path[-1] not in parent:
+    if not isinstance(parent, MutableMapping) or path[-1] not in parent:
         return False
     del parent[path[-1]]
     return True
@@ -191,7 +191,7 @@ def prune_empty(doc: Container, paths: Sequence[Sequence[str]]) -> None:
     """Remove tables among ``paths`` that are now empty (deepest first)."""
     for path in sorted(paths, key=len, reverse=True):
         node = lookup(doc, path)
-        if isinstance(node, Table) and not plain(node):
+        if isinstance(node, MutableMapping) and not plain(node):
             delete(doc, path)
 
 
@@ -203,7 +203,3 @@ def to_item(value: Any) -> Any:
             table[key] = to_item(inner)
         return table
     return value
-
-
-def dotted(path: Sequence[str]) -> str:
-    return ".".join(k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else f'"{k}"' for k in path)

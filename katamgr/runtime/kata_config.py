@@ -1,0 +1,112 @@
+"""Point a runtime class's Kata configuration at its installed guest files.
+
+The ``configuration-*.toml`` shipped with the artifacts names its kernel, initrd and
+image by paths of the machine it was built on (or bare file names). After install
+they live in the runtime class's artifacts dir, so each ``[hypervisor.*]`` table gets
+those keys rewritten to the files' host paths. With VFIO cold/hot plug on
+``root-port``, every passed-through GPU or NVSwitch needs its own PCIe root port,
+so ``pcie_root_port`` is raised to at least that count (never lowered).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import tomlkit
+from tomlkit.exceptions import TOMLKitError
+
+from katamgr.errors import ConfigError, KatamgrError
+from katamgr.host.files import write_atomic
+from katamgr.host.root import HostRoot
+from katamgr.runtime.tomledit import plain
+
+log = logging.getLogger(__name__)
+
+CONFIG_GLOB = "configuration-*.toml"
+ASSET_KEYS = ("kernel", "initrd", "image")
+ROOT_PORT = "root-port"
+PLUG_KEYS = ("cold_plug_vfio", "hot_plug_vfio")
+
+
+@dataclass(frozen=True)
+class KataConfigResult:
+    config_path: str  # host path of the Kata configuration file
+    changed: bool
+    changes: tuple[str, ...]  # one human-readable line per changed key
+
+
+def find_kata_config(host: HostRoot, artifact_dir: Path) -> Path:
+    """The one ``configuration-*.toml`` in ``artifact_dir`` (a local path under ``host``)."""
+    found = sorted(p for p in Path(artifact_dir).glob(CONFIG_GLOB) if p.is_file())
+    where = host.host_path(Path(artifact_dir))
+    if not found:
+        raise KatamgrError(
+            f"no {CONFIG_GLOB} in artifacts dir {where}; the runtime class's artifact must "
+            f"ship exactly one Kata configuration file"
+        )
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise KatamgrError(
+            f"artifacts dir {where} holds several Kata configurations ({names}); "
+            f"the artifact must ship exactly one"
+        )
+    return found[0]
+
+
+def transform_kata_config(
+    host: HostRoot, artifact_dir: Path, root_ports: int = 0
+) -> KataConfigResult:
+    """Rewrite the Kata config in ``artifact_dir`` (local path, reached through ``host``).
+
+    ``root_ports`` is the node's passthrough GPU + NVSwitch count.
+    """
+    if root_ports < 0:
+        raise ConfigError(f"root port count {root_ports} is negative; pass the device count")
+    artifact_dir = Path(artifact_dir)
+    local = find_kata_config(host, artifact_dir)
+    config_host = host.host_path(local)
+    text = local.read_text()
+    try:
+        doc = tomlkit.parse(text)
+    except TOMLKitError as exc:
+        raise KatamgrError(f"Kata config {config_host} is not valid TOML ({exc})") from exc
+    hypervisors = doc.get("hypervisor")
+    if not isinstance(hypervisors, dict) or not hypervisors:
+        raise KatamgrError(f"Kata config {config_host} has no [hypervisor.*] table")
+    changes: list[str] = []
+    for name, table in hypervisors.items():
+        if not isinstance(table, dict):
+            continue
+        section = f"hypervisor.{name}"
+        for key in ASSET_KEYS:
+            value = table.get(key)
+            if not isinstance(value, str) or not value:
+                continue  # keep only the keys the shipped config set
+            basename = PurePosixPath(value).name
+            if basename in ("", ".", ".."):
+                raise KatamgrError(
+                    f"{section}.{key} = {value!r} in {config_host} names no file; fix the artifact"
+                )
+            installed = artifact_dir / basename
+            if not installed.is_file():
+                raise KatamgrError(
+                    f"{section}.{key} in {config_host} needs {basename}, which is missing "
+                    f"from {host.host_path(artifact_dir)}; re-pull the runtime class artifact"
+                )
+            wanted = host.host_path(installed)
+            if value != wanted:
+                table[key] = wanted
+                changes.append(f"{section}.{key}: {value} -> {wanted}")
+        if any(table.get(k) == ROOT_PORT for k in PLUG_KEYS) and root_ports:
+            current = plain(table.get("pcie_root_port", 0))
+            current = current if isinstance(current, int) else 0
+            if root_ports > current:
+                table["pcie_root_port"] = root_ports
+                changes.append(f"{section}.pcie_root_port: {current} -> {root_ports}")
+    new_text = tomlkit.dumps(doc)
+    changed = new_text != text and write_atomic(local, new_text)
+    if changed:
+        log.info("Kata config %s: %s", config_host, "; ".join(changes))
+    return KataConfigResult(config_host, changed, tuple(changes))

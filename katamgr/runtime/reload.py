@@ -1,0 +1,150 @@
+"""Make containerd pick up a changed config, the way the operator chose.
+
+Call this only after ``ContainerdChange.needs_reload``: an unchanged config never
+restarts containerd. Modes (GPU Operator ``restartMode``):
+
+- ``signal``: SIGHUP to the process that owns containerd's socket. containerd has no
+  SIGHUP handler, so the default action ends it and its service manager starts it
+  again with the new config (the GPU Operator's behaviour).
+- ``systemd``: ``systemctl restart containerd``; through ``chroot <root>`` when the
+  host is mounted somewhere other than ``/`` (a DaemonSet with the host at /host).
+- ``none``: only log that the operator must restart containerd.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from katamgr.errors import ConfigError, KatamgrError
+from katamgr.host.root import HostRoot
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = "/run/containerd/containerd.sock"
+DEFAULT_UNIT = "containerd"
+_SOCKET_LINK = re.compile(r"^socket:\[(\d+)\]$")
+
+
+class RestartMode(StrEnum):
+    SIGNAL = "signal"
+    SYSTEMD = "systemd"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    returncode: int
+    output: str
+
+
+CommandRunner = Callable[[Sequence[str]], CommandResult]
+SignalSender = Callable[[int, int], None]
+
+
+def run_command(argv: Sequence[str]) -> CommandResult:
+    """The real runner: an argument list, never a shell."""
+    proc = subprocess.run(  # noqa: S603 - fixed argument list, no shell
+        list(argv), capture_output=True, text=True, timeout=120, check=False
+    )
+    return CommandResult(proc.returncode, (proc.stdout + proc.stderr).strip())
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    mode: RestartMode
+    done: bool  # containerd was told to restart
+    message: str
+
+
+def socket_inodes(host: HostRoot, socket_path: str) -> set[int]:
+    """Inodes of unix sockets bound to ``socket_path`` (host path), from /proc/net/unix."""
+    inodes: set[int] = set()
+    try:
+        lines = host.path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return inodes
+    for line in lines:
+        # Num RefCount Protocol Flags Type St Inode [Path]
+        fields = line.split(None, 7)
+        if len(fields) == 8 and fields[7] == socket_path:
+            inodes.add(int(fields[6]))
+    return inodes
+
+
+def socket_owner(host: HostRoot, socket_path: str) -> int | None:
+    """PID of the process holding the socket bound at ``socket_path``, if any."""
+    inodes = socket_inodes(host, socket_path)
+    if not inodes:
+        return None
+    proc = host.path("/proc")
+    for entry in sorted(proc.iterdir(), key=lambda p: p.name):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:
+            continue  # gone, or not ours to look at
+        for fd in fds:
+            try:
+                match = _SOCKET_LINK.match(os.readlink(fd))
+            except OSError:
+                continue
+            if match and int(match.group(1)) in inodes:
+                return int(entry.name)
+    return None
+
+
+def systemctl_argv(host: HostRoot, unit: str = DEFAULT_UNIT) -> list[str]:
+    argv = ["systemctl", "restart", unit]
+    return argv if host.is_real_root else ["chroot", str(host.root), *argv]
+
+
+def reload_containerd(
+    host: HostRoot,
+    mode: RestartMode | str,
+    *,
+    socket_path: str = DEFAULT_SOCKET,
+    unit: str = DEFAULT_UNIT,
+    runner: CommandRunner = run_command,
+    send_signal: SignalSender = os.kill,
+) -> ReloadResult:
+    try:
+        mode = RestartMode(mode)
+    except ValueError:
+        raise ConfigError(
+            f"restartMode {mode!r} is not known; use signal, systemd or none"
+        ) from None
+    if mode is RestartMode.NONE:
+        message = "containerd config changed; restart containerd to load the Kata runtimes"
+        log.warning(message)
+        return ReloadResult(mode, False, message)
+    if mode is RestartMode.SIGNAL:
+        pid = socket_owner(host, socket_path)
+        if pid is None:
+            message = (
+                f"no process holds containerd's socket {socket_path}; restart containerd "
+                f"yourself (is it running, and does this pod share the host's PID namespace?)"
+            )
+            log.warning(message)
+            return ReloadResult(mode, False, message)
+        send_signal(pid, signal.SIGHUP)
+        message = f"sent SIGHUP to containerd (pid {pid})"
+        log.info(message)
+        return ReloadResult(mode, True, message)
+    argv = systemctl_argv(host, unit)
+    result = runner(argv)
+    if result.returncode != 0:
+        raise KatamgrError(
+            f"'{' '.join(argv)}' failed with exit code {result.returncode} ({result.output}); "
+            f"restart containerd by hand or set restartMode to signal"
+        )
+    message = f"restarted containerd with '{' '.join(argv)}'"
+    log.info(message)
+    return ReloadResult(mode, True, message)

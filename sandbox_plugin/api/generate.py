@@ -1,0 +1,79 @@
+"""Generate the Python stubs for ``deviceplugin.proto``.
+
+Run ``python -m sandbox_plugin.api.generate`` after editing the .proto and commit
+the result. tests/test_proto_stubs.py calls :func:`generate` into a temp dir and
+fails when the committed stubs differ, so the two never drift apart.
+
+protoc writes ``import deviceplugin_pb2`` into the gRPC module, which only works
+when this directory is on ``sys.path``. We rewrite it to a package-relative
+import so ``from sandbox_plugin.api import deviceplugin_pb2_grpc`` works.
+The type stub gets a ``# ruff: noqa`` line: it is protoc's style, not ours, and
+the lint config only excludes the generated ``.py`` files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import re
+from pathlib import Path
+
+API_DIR = Path(__file__).resolve().parent
+PROTO = API_DIR / "deviceplugin.proto"
+STUB_NAMES = ("deviceplugin_pb2.py", "deviceplugin_pb2.pyi", "deviceplugin_pb2_grpc.py")
+
+_BARE_IMPORT = re.compile(r"^import (\w+_pb2) as (\w+)$", re.MULTILINE)
+
+
+class GenerationError(RuntimeError):
+    pass
+
+
+def protoc(args: list[str]) -> None:
+    """Run the protoc bundled with grpcio-tools in-process (no PATH lookup)."""
+    from grpc_tools import protoc as grpc_protoc
+
+    well_known = importlib.resources.files("grpc_tools") / "_proto"
+    code = grpc_protoc.main(["protoc", f"-I{well_known}", *args])
+    if code != 0:
+        raise GenerationError(f"protoc failed (exit {code}) for arguments {args}")
+
+
+def generate(out_dir: Path, proto: Path = PROTO) -> list[Path]:
+    """Write the three stub files for ``proto`` into ``out_dir``; return their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    protoc(
+        [
+            f"-I{proto.parent}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
+            f"--grpc_python_out={out_dir}",
+            proto.name,
+        ]
+    )
+    grpc_file = out_dir / "deviceplugin_pb2_grpc.py"
+    text = grpc_file.read_text()
+    fixed, count = _BARE_IMPORT.subn(r"from . import \1 as \2", text)
+    if count != 1:
+        raise GenerationError(
+            f"expected one bare '_pb2' import in {grpc_file}, found {count}; "
+            "check the protoc output and update generate.py"
+        )
+    grpc_file.write_text(fixed)
+    stub = out_dir / "deviceplugin_pb2.pyi"
+    stub.write_text("# ruff: noqa\n" + stub.read_text())
+    return [out_dir / name for name in STUB_NAMES]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=API_DIR, help="output dir (default: here)")
+    args = parser.parse_args(argv)
+    for path in generate(args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,354 @@
+"""A kubelet stand-in that speaks the real v1beta1 device plugin gRPC.
+
+No kubelet runs on our build machines, so tests and ``katamgr demo`` use this
+instead. It plays the kubelet's side of the contract over real unix sockets in
+a host root:
+
+- serves ``Registration`` on ``<root>/var/lib/kubelet/device-plugins/kubelet.sock``
+  and, like the kubelet, refuses versions other than ``v1beta1``, invalid
+  resource names and endpoints that are not plain file names;
+- after a registration, dials the plugin's socket, calls GetDevicePluginOptions
+  and consumes ListAndWatch in a thread, keeping the latest devices per resource
+  (a newer registration of the same resource replaces the older connection);
+- ``allocate`` / ``preferred`` / ``pre_start`` call the plugin as the kubelet
+  would when admitting a pod;
+- ``restart()`` does what a restarting kubelet does to the dir: stop, delete
+  every socket in it, serve a new ``kubelet.sock``.
+
+Tests wait for observable state with ``wait_for(lambda state: ..., timeout)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+import stat
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from katamgr.host.root import HostRoot
+from sandbox_plugin.api import deviceplugin_pb2 as pb
+from sandbox_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from sandbox_plugin.resources import KUBELET_SOCKET, PluginDevice, PluginOptions
+from sandbox_plugin.server import API_VERSION, DEVICE_PLUGIN_DIR
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = (API_VERSION,)
+
+# Extended resource names as the kubelet accepts them: a domain outside
+# kubernetes.io, a slash, a qualified name.
+_EXTENDED_RESOURCE = re.compile(
+    r"^(?!kubernetes\.io/|requests\.)[a-z0-9]([-a-z0-9.]*[a-z0-9])?"
+    r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """One accepted Register call."""
+
+    version: str
+    endpoint: str
+    resource_name: str
+    options: PluginOptions
+    at: float  # time.monotonic() when it arrived
+
+
+@dataclass
+class KubeletState:
+    """What the simulated kubelet knows; tests read copies of it."""
+
+    registrations: list[Registration] = field(default_factory=list)
+    # (version, endpoint, resource_name, error message) of refused calls
+    rejections: list[tuple[str, str, str, str]] = field(default_factory=list)
+    # latest ListAndWatch list per resource (cleared for all by restart())
+    devices: dict[str, list[PluginDevice]] = field(default_factory=dict)
+    # how many ListAndWatch responses arrived per resource
+    updates: dict[str, int] = field(default_factory=dict)
+    # GetDevicePluginOptions answers per resource
+    options: dict[str, PluginOptions] = field(default_factory=dict)
+    # resources whose ListAndWatch stream is open right now
+    connected: set[str] = field(default_factory=set)
+    restarts: int = 0
+
+    def registrations_for(self, resource_name: str) -> list[Registration]:
+        return [r for r in self.registrations if r.resource_name == resource_name]
+
+    def healthy(self, resource_name: str) -> list[str]:
+        return [d.id for d in self.devices.get(resource_name, []) if d.healthy]
+
+
+class _Endpoint:
+    """The kubelet's connection to one registered plugin."""
+
+    def __init__(self, sim: KubeletSimulator, registration: Registration, socket: Path) -> None:
+        self.sim = sim
+        self.registration = registration
+        self.channel = grpc.insecure_channel(f"unix://{socket}")
+        self.stub = pb_grpc.DevicePluginStub(self.channel)
+        self._stream = None
+        self._closed = threading.Event()
+        self.thread = threading.Thread(
+            target=self._run, name=f"kubelet-sim-{registration.resource_name}", daemon=True
+        )
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _run(self) -> None:
+        name = self.registration.resource_name
+        try:
+            answer = self.stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
+            self.sim._record_options(
+                name,
+                PluginOptions(
+                    get_preferred_allocation_available=answer.get_preferred_allocation_available,
+                    pre_start_required=answer.pre_start_required,
+                ),
+            )
+            self._stream = self.stub.ListAndWatch(pb.Empty())
+            if self._closed.is_set():
+                self._stream.cancel()
+            for response in self._stream:
+                devices = [
+                    PluginDevice(
+                        id=d.ID,
+                        health=d.health,
+                        numa_node=d.topology.nodes[0].ID if d.topology.nodes else None,
+                    )
+                    for d in response.devices
+                ]
+                self.sim._record_devices(self, devices)
+        except grpc.RpcError as exc:
+            if not self._closed.is_set():
+                log.info("kubelet-sim: stream from %s ended: %s", name, exc.code().name)
+        finally:
+            self.sim._record_disconnect(self)
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._stream is not None:
+            self._stream.cancel()
+        self.channel.close()
+        self.thread.join(5)
+
+
+class _RegistrationServicer(pb_grpc.RegistrationServicer):
+    def __init__(self, sim: KubeletSimulator) -> None:
+        self.sim = sim
+
+    def Register(self, request, context):
+        problem = self.sim._check(request)
+        if problem:
+            self.sim._record_rejection(request, problem)
+            # The kubelet returns a plain Go error, which gRPC sends as UNKNOWN.
+            context.abort(grpc.StatusCode.UNKNOWN, problem)
+        self.sim._accept(request)
+        return pb.Empty()
+
+
+class KubeletSimulator:
+    """A simulated kubelet device manager in ``host_root``; see the module doc."""
+
+    def __init__(self, host_root: HostRoot) -> None:
+        self.host_root = host_root
+        self.socket_dir = host_root.path(DEVICE_PLUGIN_DIR)
+        self.kubelet_socket = self.socket_dir / KUBELET_SOCKET
+        self._cond = threading.Condition()
+        self._state = KubeletState()
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._server: grpc.Server | None = None
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def start(self) -> None:
+        """Serve kubelet.sock (replacing a stale one); plugin sockets are left alone."""
+        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.kubelet_socket.unlink()
+        except FileNotFoundError:
+            pass
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        pb_grpc.add_RegistrationServicer_to_server(_RegistrationServicer(self), server)
+        server.add_insecure_port(f"unix://{self.kubelet_socket}")
+        server.start()
+        self._server = server
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop(grace=0).wait(5)
+        with self._cond:
+            endpoints = list(self._endpoints.values())
+            self._endpoints.clear()
+        for endpoint in endpoints:
+            endpoint.close()
+        try:
+            self.kubelet_socket.unlink()
+        except FileNotFoundError:
+            pass
+
+    def restart(self) -> None:
+        """Stop, delete every socket in the dir (as the kubelet does), serve again."""
+        self.stop()
+        for entry in self.socket_dir.iterdir():
+            try:
+                if stat.S_ISSOCK(entry.lstat().st_mode):
+                    entry.unlink()
+            except FileNotFoundError:
+                pass
+        with self._cond:
+            self._state.devices.clear()
+            self._state.restarts += 1
+            self._cond.notify_all()
+        self.start()
+
+    def __enter__(self) -> KubeletSimulator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    # -- observing --------------------------------------------------------------
+
+    @property
+    def state(self) -> KubeletState:
+        with self._cond:
+            return copy.deepcopy(self._state)
+
+    def wait_for(
+        self, predicate: Callable[[KubeletState], bool], timeout: float = 5.0
+    ) -> KubeletState:
+        """Wait until ``predicate(state)`` holds; return that state or raise TimeoutError."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(self._state):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"kubelet-sim state never matched in {timeout} s: {self._state}"
+                    )
+                self._cond.wait(remaining)
+            return copy.deepcopy(self._state)
+
+    # -- acting like the kubelet on pod admission ------------------------------
+
+    def allocate(
+        self, resource_name: str, device_ids: Sequence[str]
+    ) -> pb.ContainerAllocateResponse:
+        """Allocate for one container; a refusal raises grpc.RpcError."""
+        response = self.allocate_containers(resource_name, [device_ids])
+        return response.container_responses[0]
+
+    def allocate_containers(
+        self, resource_name: str, containers: Sequence[Sequence[str]]
+    ) -> pb.AllocateResponse:
+        request = pb.AllocateRequest(
+            container_requests=[
+                pb.ContainerAllocateRequest(devices_ids=list(c)) for c in containers
+            ]
+        )
+        return self._stub(resource_name).Allocate(request, timeout=5)
+
+    def preferred(
+        self,
+        resource_name: str,
+        available: Sequence[str],
+        must_include: Sequence[str] = (),
+        size: int = 1,
+    ) -> list[str]:
+        request = pb.PreferredAllocationRequest(
+            container_requests=[
+                pb.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=list(available),
+                    must_include_deviceIDs=list(must_include),
+                    allocation_size=size,
+                )
+            ]
+        )
+        response = self._stub(resource_name).GetPreferredAllocation(request, timeout=5)
+        return list(response.container_responses[0].deviceIDs)
+
+    def pre_start(self, resource_name: str, device_ids: Sequence[str]) -> None:
+        request = pb.PreStartContainerRequest(devices_ids=list(device_ids))
+        self._stub(resource_name).PreStartContainer(request, timeout=5)
+
+    def _stub(self, resource_name: str) -> pb_grpc.DevicePluginStub:
+        with self._cond:
+            endpoint = self._endpoints.get(resource_name)
+        if endpoint is None:
+            raise KeyError(f"no plugin is registered for {resource_name!r}")
+        return endpoint.stub
+
+    # -- called from gRPC threads -----------------------------------------------
+
+    def _check(self, request: pb.RegisterRequest) -> str | None:
+        if request.version not in SUPPORTED_VERSIONS:
+            return (
+                f"requested API version {request.version!r} is not supported by kubelet. "
+                f"Supported versions are {list(SUPPORTED_VERSIONS)}"
+            )
+        if not _EXTENDED_RESOURCE.match(request.resource_name):
+            return f"the ResourceName {request.resource_name!r} is invalid"
+        if not request.endpoint or "/" in request.endpoint or request.endpoint in (".", ".."):
+            return f"invalid endpoint {request.endpoint!r}: it must be a socket file name"
+        return None
+
+    def _accept(self, request: pb.RegisterRequest) -> None:
+        registration = Registration(
+            version=request.version,
+            endpoint=request.endpoint,
+            resource_name=request.resource_name,
+            options=PluginOptions(
+                get_preferred_allocation_available=request.options.get_preferred_allocation_available,
+                pre_start_required=request.options.pre_start_required,
+            ),
+            at=time.monotonic(),
+        )
+        endpoint = _Endpoint(self, registration, self.socket_dir / request.endpoint)
+        with self._cond:
+            old = self._endpoints.get(request.resource_name)
+            self._endpoints[request.resource_name] = endpoint
+            self._state.registrations.append(registration)
+            self._cond.notify_all()
+        if old is not None:
+            threading.Thread(target=old.close, daemon=True).start()
+        endpoint.start()
+
+    def _record_rejection(self, request: pb.RegisterRequest, problem: str) -> None:
+        with self._cond:
+            self._state.rejections.append(
+                (request.version, request.endpoint, request.resource_name, problem)
+            )
+            self._cond.notify_all()
+
+    def _record_options(self, resource_name: str, options: PluginOptions) -> None:
+        with self._cond:
+            self._state.options[resource_name] = options
+            self._cond.notify_all()
+
+    def _record_devices(self, endpoint: _Endpoint, devices: list[PluginDevice]) -> None:
+        name = endpoint.registration.resource_name
+        with self._cond:
+            if self._endpoints.get(name) is not endpoint:
+                return  # a stale connection replaced by a newer registration
+            self._state.devices[name] = devices
+            self._state.updates[name] = self._state.updates.get(name, 0) + 1
+            self._state.connected.add(name)
+            self._cond.notify_all()
+
+    def _record_disconnect(self, endpoint: _Endpoint) -> None:
+        name = endpoint.registration.resource_name
+        with self._cond:
+            if self._endpoints.get(name) in (endpoint, None):
+                self._state.connected.discard(name)
+            self._cond.notify_all()

@@ -1,0 +1,56 @@
+"""Building simulated hosts in tests, and comparing their state."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from katamgr.host.profile import parse_profile
+from katamgr.host.root import SIMULATED_MARKER, HostRoot
+from katamgr.host.simulate import materialise
+
+GPU_A10 = {"vendor": 0x10DE, "device": 0x2236, "class": 0x030200}
+GPU_A6000 = {"vendor": 0x10DE, "device": 0x2230, "class": 0x030000}
+AUDIO_A6000 = {"vendor": 0x10DE, "device": 0x1AEF, "class": 0x040300}
+NIC_I210 = {"vendor": 0x8086, "device": 0x1533, "class": 0x020000}
+ROOT_PORT = {"vendor": 0x8086, "device": 0x460D, "class": 0x060400}
+
+
+def dev(bdf: str, kind: dict, driver: str | None, group: int | None, **extra) -> dict:
+    return {"bdf": bdf, **kind, "driver": driver, "iommu_group": group, "numa_node": 0, **extra}
+
+
+def make_host(tmp_path: Path, devices: list[dict], **profile) -> HostRoot:
+    data = {"name": profile.pop("name", "test-host"), "iommu": True, "vfio_pci": "loaded", "devices": devices, **profile}
+    return materialise(parse_profile(data), tmp_path / "host")
+
+
+def tune(host: HostRoot, **settings) -> None:
+    """Change the emulated kernel's behaviour (fail_probe, udev_delay_ms...)."""
+    marker = host.root / SIMULATED_MARKER
+    data = json.loads(marker.read_text())
+    data.update(settings)
+    marker.write_text(json.dumps(data))
+
+
+def snapshot(host: HostRoot) -> dict[str, str]:
+    """Every file's content and every link's target under sys/ and dev/."""
+    state = {}
+    for top in ("sys", "dev"):
+        for dirpath, dirnames, filenames in os.walk(host.root / top):
+            for name in dirnames + filenames:
+                path = Path(dirpath) / name
+                rel = str(path.relative_to(host.root))
+                if path.is_symlink():
+                    state[rel] = "-> " + os.readlink(path)
+                elif path.is_file():
+                    state[rel] = path.read_text()
+                else:
+                    state[rel] = "<dir>"
+    return state
+
+
+def driver_of(host: HostRoot, bdf: str) -> str | None:
+    link = host.path(f"/sys/bus/pci/devices/{bdf}/driver")
+    return Path(os.readlink(link)).name if link.is_symlink() else None

@@ -1,0 +1,37 @@
+"""pytest fixtures around the kubelet simulator (sandbox_plugin.testing.kubelet).
+
+Use them from a test module with ``from kubelet_sim import kubelet, short_root``.
+Host roots are short temp dirs: a unix socket path must fit in 107 bytes, and
+pytest's own tmp_path names are long.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from katamgr.host.root import HostRoot
+from sandbox_plugin.testing.kubelet import KubeletSimulator
+
+
+@pytest.fixture
+def short_root() -> Iterator[HostRoot]:
+    directory = tempfile.mkdtemp(prefix="kp-")
+    try:
+        yield HostRoot.at(Path(directory))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def kubelet(short_root: HostRoot) -> Iterator[KubeletSimulator]:
+    sim = KubeletSimulator(short_root)
+    sim.start()
+    try:
+        yield sim
+    finally:
+        sim.stop()
