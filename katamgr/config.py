@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 from kubernetes.utils.quantity import parse_quantity
 
+from katamgr.artifacts.refs import ArtifactRef, LayoutRef, parse_ref
 from katamgr.errors import ConfigError
 
 DEFAULT_ARTIFACTS_DIR = "/opt/nvidia-gpu-operator/artifacts/runtimeclasses"
@@ -36,7 +37,6 @@ DEFAULT_SNP_ARTIFACTS = "nvcr.io/nvidia/cloud-native/kata-gpu-artifacts:ubuntu22
 
 RESTART_MODES = ("signal", "systemd", "none")
 CONTAINERD_VERSIONS = (2, 3)
-OCI_LAYOUT_SCHEME = "oci-layout://"
 MAX_CONFIG_BYTES = 1 << 20
 
 # --- Kubernetes and OCI name grammars -------------------------------------
@@ -50,10 +50,6 @@ _QUANTITY = re.compile(
 )
 _HOST_COMPONENT = r"([A-Za-z0-9]|[A-Za-z0-9][-A-Za-z0-9]*[A-Za-z0-9])"
 _HOST = re.compile(rf"{_HOST_COMPONENT}(\.{_HOST_COMPONENT})*(:[0-9]{{1,5}})?")
-_PATH_COMPONENT = re.compile(r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*")
-_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-_SHA256_DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
-_MAX_REFERENCE_NAME = 255
 
 
 def is_dns1123_label(value: str) -> bool:
@@ -98,90 +94,14 @@ def quantity_value(value: str) -> Decimal:
     return parse_quantity(value)
 
 
-# --- artifact references ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ArtifactSource:
-    """Where a runtime class's artifacts come from: a registry or an OCI layout on disk."""
-
-    url: str
-    registry: str | None = None  # "nvcr.io", "127.0.0.1:5000"; None for oci-layout
-    repository: str | None = None  # "nvidia/cloud-native/kata-gpu-artifacts"
-    tag: str | None = None
-    digest: str | None = None  # "sha256:<64 hex>"
-    layout_path: str | None = None  # absolute path of an OCI layout dir
-
-    @property
-    def is_layout(self) -> bool:
-        return self.layout_path is not None
-
-    @property
-    def reference(self) -> str:
-        """The tag or digest to resolve (digest wins when both are given)."""
-        return self.digest or self.tag or ""
-
-
-def parse_artifact_url(url: str) -> ArtifactSource:
-    """Parse ``registry/repo:tag``, ``registry/repo@sha256:...`` or ``oci-layout://PATH[:TAG]``.
-
-    Raises ValueError with the reason (without the url; callers name it).
-    """
-    if url.startswith(OCI_LAYOUT_SCHEME):
-        return _parse_layout_url(url)
-    if "://" in url:
-        raise ValueError(
-            "only registry references (registry/repository:tag) and oci-layout:// are supported"
-        )
-    name, at, digest = url.partition("@")
-    if at and _SHA256_DIGEST.fullmatch(digest) is None:
-        raise ValueError("the digest must be sha256: followed by 64 lowercase hex digits")
-    tag = None
-    last_slash = name.rfind("/")
-    colon = name.rfind(":")
-    if colon > last_slash:
-        name, tag = name[:colon], name[colon + 1 :]
-        if _TAG.fullmatch(tag) is None:
-            raise ValueError(f"tag {_q(tag)} is not a valid OCI tag")
-    if not tag and not at:
-        raise ValueError("it needs a :tag or an @sha256: digest")
-    registry, slash, repository = name.partition("/")
-    if not slash or not repository:
-        raise ValueError("it must name a registry and a repository (registry/repository:tag)")
-    if not (("." in registry or ":" in registry or registry == "localhost")
-            and _HOST.fullmatch(registry)):
-        raise ValueError(
-            f"{_q(registry)} is not a registry host; write the registry explicitly, "
-            "e.g. nvcr.io/nvidia/..."
-        )
-    if len(name) > _MAX_REFERENCE_NAME:
-        raise ValueError(f"the repository name is longer than {_MAX_REFERENCE_NAME} characters")
-    for component in repository.split("/"):
-        if _PATH_COMPONENT.fullmatch(component) is None:
-            raise ValueError(
-                f"repository path component {_q(component)} must be lowercase letters and digits "
-                "separated by '.', '_', '__' or '-'"
-            )
-    return ArtifactSource(
-        url=url, registry=registry, repository=repository, tag=tag, digest=digest or None
-    )
-
-
-def _parse_layout_url(url: str) -> ArtifactSource:
-    rest = url[len(OCI_LAYOUT_SCHEME) :]
-    path, tag = rest, None
-    colon = rest.rfind(":")
-    if colon > rest.rfind("/"):
-        path, tag = rest[:colon], rest[colon + 1 :]
-        if _TAG.fullmatch(tag) is None:
-            raise ValueError(f"tag {_q(tag)} is not a valid OCI tag")
-    _check_absolute(path, "the layout path")
-    return ArtifactSource(url=url, layout_path=str(PurePosixPath(path)), tag=tag)
+# --- host paths ------------------------------------------------------------
 
 
 def _check_absolute(path: str, what: str) -> None:
     if not path.startswith("/"):
         raise ValueError(f"{what} must be absolute")
+    if PurePosixPath(path) == PurePosixPath("/"):
+        raise ValueError(f"{what} must not be the root directory")
     if ".." in PurePosixPath(path).parts:
         raise ValueError(f"{what} must not contain '..'")
     if "\0" in path:
@@ -197,8 +117,9 @@ class Artifacts:
     pull_secret: str = ""  # a kubernetes.io/dockerconfigjson Secret in the agent's namespace
 
     @property
-    def source(self) -> ArtifactSource:
-        return parse_artifact_url(self.url)
+    def source(self) -> ArtifactRef:
+        """The parsed reference: a RegistryRef, or a LayoutRef for oci-layout://."""
+        return parse_ref(self.url)
 
 
 @dataclass(frozen=True)
@@ -648,7 +569,14 @@ def _path_problem(value: str) -> str | None:
 
 def _url_problem(value: str) -> str | None:
     try:
-        parse_artifact_url(value)
-    except ValueError as e:
+        ref = parse_ref(value)
+    except ConfigError as e:
         return f"is not an artifact reference: {e}"
+    if isinstance(ref, LayoutRef):
+        # The layout is read on the node: a relative or '..' path would depend on
+        # the agent's working dir or escape the dir the operator meant.
+        try:
+            _check_absolute(str(ref.path), "the layout path")
+        except ValueError as e:
+            return f"is not an artifact reference: {e}"
     return None

@@ -15,6 +15,7 @@ from katamgr.cluster.events import ObjectRef, record_event
 from katamgr.cluster.nodes import WORKLOAD_MODES, node_workload_mode, set_node_label
 from katamgr.cluster.runtimeclasses import (
     RuntimeClassChanges,
+    delete_managed_runtime_classes,
     desired_runtime_classes,
     reconcile_runtime_classes,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "RuntimeClassChanges",
     "agent_namespace",
     "connect",
+    "delete_managed_runtime_classes",
     "desired_runtime_classes",
     "node_workload_mode",
     "read_pull_secret",

@@ -34,45 +34,60 @@ def connect(
     environ: Mapping[str, str] | None = None,
     service_account_dir: Path = SERVICE_ACCOUNT_DIR,
 ) -> ApiClient | None:
-    """An API client for the cluster we run in, or the kubeconfig's; None when there is none.
+    """An API client for the cluster: KUBECONFIG, else in-cluster, else ~/.kube/config.
 
-    A kubeconfig that exists but cannot be used is a ConfigError (the operator
-    pointed us at it), while having no cluster at all is a normal node-only run.
+    None when there is no cluster to talk to (a node-only run).
+
+    A kubeconfig or service account that exists but cannot be used is a
+    ConfigError (the operator pointed us at it).
     """
     env = os.environ if environ is None else environ
+    # An explicit KUBECONFIG is the operator's choice and wins; then the pod's
+    # service account; then ~/.kube/config (a run from an admin's shell).
+    explicit = _kubeconfig_paths(env) if env.get("KUBECONFIG") else []
+    if explicit:
+        return _from_kubeconfig(explicit)
+    if env.get("KUBECONFIG"):
+        log.warning("KUBECONFIG=%s names no existing file; ignoring it", env["KUBECONFIG"])
     if _in_cluster(env, service_account_dir):
-        configuration = Configuration()
-        try:
-            InClusterConfigLoader(
-                token_filename=str(service_account_dir / "token"),
-                cert_filename=str(service_account_dir / "ca.crt"),
-                environ=env,
-            ).load_and_set(configuration)
-        except ConfigException as e:
-            raise ConfigError(
-                f"the service account in {service_account_dir} is unusable ({e}); "
-                "check the pod's automountServiceAccountToken"
-            ) from e
-        log.info("using the in-cluster service account for %s", configuration.host)
-        return ApiClient(configuration)
+        return _from_service_account(env, service_account_dir)
+    fallback = [] if env.get("KUBECONFIG") else _kubeconfig_paths(env)
+    if fallback:
+        return _from_kubeconfig(fallback)
+    log.info("no cluster reachable: skipping RuntimeClasses")
+    return None
 
-    kubeconfig = _kubeconfig_paths(env)
-    if not kubeconfig:
-        log.info("no cluster reachable: skipping RuntimeClasses")
-        return None
+
+def _from_service_account(env: Mapping[str, str], service_account_dir: Path) -> ApiClient:
+    configuration = Configuration()
+    try:
+        InClusterConfigLoader(
+            token_filename=str(service_account_dir / "token"),
+            cert_filename=str(service_account_dir / "ca.crt"),
+            environ=env,
+        ).load_and_set(configuration)
+    except ConfigException as e:
+        raise ConfigError(
+            f"the service account in {service_account_dir} is unusable ({e}); "
+            "check the pod's automountServiceAccountToken"
+        ) from e
+    log.info("using the in-cluster service account for %s", configuration.host)
+    return ApiClient(configuration)
+
+
+def _from_kubeconfig(paths: list[str]) -> ApiClient:
+    joined = os.pathsep.join(paths)
     configuration = Configuration()
     try:
         # persist_config=False: never rewrite the operator's kubeconfig (token refreshes).
         load_kube_config(
-            config_file=os.pathsep.join(kubeconfig),
-            client_configuration=configuration,
-            persist_config=False,
+            config_file=joined, client_configuration=configuration, persist_config=False
         )
     except (ConfigException, OSError, ValueError) as e:
         raise ConfigError(
-            f"kubeconfig {os.pathsep.join(kubeconfig)} is unusable ({e}); fix it or unset KUBECONFIG"
+            f"kubeconfig {joined} is unusable ({e}); fix it or unset KUBECONFIG"
         ) from e
-    log.info("using kubeconfig %s for %s", os.pathsep.join(kubeconfig), configuration.host)
+    log.info("using kubeconfig %s for %s", joined, configuration.host)
     return ApiClient(configuration)
 
 
