@@ -21,9 +21,11 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO
 
 from katamgr.host.files import fsync_dir, write_atomic
 
@@ -40,6 +42,8 @@ log = logging.getLogger(__name__)
 RECORD_NAME = ".katamgr-artifact.json"
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 PROGRESS_EVERY_SECONDS = 2.0
+PIPELINE_MIN_BYTES = 4 * 1024 * 1024
+PIPELINE_DEPTH = 8  # chunks (of up to 1 MiB) received ahead of the hash-and-write worker
 FILE_MODE = 0o644
 
 
@@ -131,9 +135,8 @@ def install_artifact(
         try:
             fetched = with_retries(policy, source.fetch_manifest)
         except SourceUnreachable as exc:
-            if not complete:
+            if current is None or not complete:
                 raise
-            assert current is not None
             warning = f"{exc}; kept the installed {current.ref} ({current.digest}) in {dest}"
             log.warning("%s", warning)
             return InstallResult(dest.name, dest, current.ref, current.digest, False,
@@ -215,7 +218,8 @@ def _write_verified(
     report = progress and layer.size >= PROGRESS_MIN_BYTES
     if report:
         log.info("%s: downloading %s (%.1f MiB)", ref, layer.name, layer.size / 2**20)
-    with target.open("wb") as out:  # a retry starts the file afresh
+    # a retry starts the file afresh ("wb")
+    with target.open("wb") as out, _consumer(layer.size) as consume:
         for chunk in chunks:
             written += len(chunk)
             if written > layer.size:
@@ -223,13 +227,12 @@ def _write_verified(
                     f"{ref}: blob {layer.digest} ({layer.name}) is longer than the manifest's "
                     f"{layer.size} bytes; the source serves wrong data, re-push the artifact"
                 )
-            hasher.update(chunk)
-            out.write(chunk)
+            consume(hasher, out, chunk)
             if report and time.monotonic() - last_report >= PROGRESS_EVERY_SECONDS:
                 last_report = time.monotonic()
                 log.info("%s: %s %.1f of %.1f MiB (%d%%)", ref, layer.name, written / 2**20,
                          layer.size / 2**20, 100 * written // max(layer.size, 1))
-        out.flush()
+        consume(hasher, out, None)
         os.fsync(out.fileno())
     os.chmod(target, FILE_MODE)
     if written != layer.size:
@@ -247,6 +250,45 @@ def _write_verified(
         seconds = max(time.monotonic() - started, 1e-6)
         log.info("%s: downloaded %s, %.1f MiB in %.1fs (%.0f MiB/s)", ref, layer.name,
                  layer.size / 2**20, seconds, layer.size / 2**20 / seconds)
+
+
+Consume = Callable[[Any, BinaryIO, "bytes | None"], None]
+
+
+def _hash_and_write(hasher: Any, out: BinaryIO, chunk: bytes | None) -> None:
+    if chunk is not None:
+        hasher.update(chunk)
+        out.write(chunk)
+
+
+@contextlib.contextmanager
+def _consumer(size: int) -> Iterator[Consume]:
+    """Hash and write each chunk; for a big blob, in a second thread.
+
+    Receiving, hashing and writing each release the GIL, so on a big blob the next chunks
+    arrive while earlier ones are hashed and written (in order, by one worker): verifying
+    costs little throughput. ``consume(hasher, out, None)`` waits for the last chunk.
+    """
+    if size < PIPELINE_MIN_BYTES:
+        yield _hash_and_write
+        return
+    in_flight: list[Future] = []
+
+    def consume(hasher: Any, out: BinaryIO, chunk: bytes | None) -> None:
+        if chunk is None:
+            while in_flight:
+                in_flight.pop(0).result()
+            return
+        if len(in_flight) >= PIPELINE_DEPTH:
+            in_flight.pop(0).result()
+        in_flight.append(pool.submit(_hash_and_write, hasher, out, chunk))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="artifact-write") as pool:
+        try:
+            yield consume
+        finally:
+            for future in in_flight:
+                future.cancel()
 
 
 def _intact_files(dest: Path, record: InstallRecord, full: bool) -> dict[str, Path]:
