@@ -45,10 +45,11 @@ def build_specs(devices: list[PassthroughDevice]) -> list[cdi.Spec]:
         members = [d for d in devices if d.kind == kind]
         if not members:
             continue
-        # Nodes every device needs (/dev/vfio/vfio or /dev/iommu) go in the
-        # spec-level edits once; each device carries only its own.
-        common = set(members[0].nodes)
-        for member in members[1:]:
+        # The container-wide node every device needs (/dev/vfio/vfio or
+        # /dev/iommu) goes in the spec-level edits once; each device carries
+        # its own group or cdev node (so no device is ever without an edit).
+        common = {"/dev/vfio/vfio", "/dev/iommu"}
+        for member in members:
             common &= set(member.nodes)
         entries = []
         for member in members:

@@ -6,21 +6,24 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from katamgr import __version__
-from katamgr.apply import Report, apply_host, revert_host
+from katamgr.apply import Report
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.errors import HostError
 from katamgr.host.pciids import PciIds, validate_alias
 from katamgr.host.profile import ProfileError
 from katamgr.host.root import HostRoot
 from katamgr.host.simulate import materialise
-from katamgr.plan import Naming, build_plan
+from katamgr.kata import KataContext
+from katamgr.plan import Naming
 from katamgr.profiles import find_profile, shipped_names
+from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text
 
 log = logging.getLogger("katamgr")
@@ -53,6 +56,17 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="advertise every GPU as nvidia.com/NAME (e.g. pgpu) instead of model names")
     parser.add_argument("--nvswitch-alias", metavar="NAME",
                         help="advertise every NVSwitch as nvidia.com/NAME instead of model names")
+    parser.add_argument("--config", metavar="FILE",
+                        help="kataManager config (YAML, the GPU Operator's kataManager.config shape); "
+                             "with it the Kata chain runs too: artifacts, Kata config, containerd, RuntimeClasses")
+    parser.add_argument("--workload", choices=("auto", "vm-passthrough", "container", "vm-vgpu"), default="auto",
+                        help="the node's workload; auto reads the node label nvidia.com/gpu.workload.config "
+                             "when a cluster is reachable and --node-name is known, else vm-passthrough")
+    parser.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
+                        help="this node's name, for the workload label (default: $NODE_NAME)")
+    parser.add_argument("--no-vfio", action="store_true", help="do not bind or unbind devices (vfioManager off)")
+    parser.add_argument("--no-cdi", action="store_true", help="do not write CDI specs (cdi off)")
+    parser.add_argument("--no-kata", action="store_true", help="skip the Kata chain even with --config (kataManager off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every step")
 
 
@@ -88,6 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    "readiness files are removed. Devices that were on vfio-pci before stay there.")
     _common(p)
     p.set_defaults(func=cmd_revert)
+
+    p = sub.add_parser("run", help="the node agent: reconcile, then keep the node that way",
+                       description="Reconcile, then watch: re-apply when the containerd config loses our runtimes "
+                                   "(someone else's edit or restart), re-pull artifacts every --repull-interval. "
+                                   "SIGTERM stops it; the node keeps its state unless --revert-on-exit is given.")
+    _common(p)
+    p.add_argument("--force", action="store_true", help="as for apply")
+    p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS", help="as for apply")
+    p.add_argument("--repull-interval", type=float, default=3600.0, metavar="SECONDS",
+                   help="how often to check the registry for new artifacts (default 3600)")
+    p.add_argument("--revert-on-exit", action="store_true", help="undo everything on SIGTERM/SIGINT")
+    p.add_argument("--once", action="store_true", help="reconcile once and exit (like apply)")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("simulate", help="materialise a host profile as a host root",
                        description="Write a simulated node (sysfs shape, /dev/vfio, /proc) for PROFILE into DIR; "
@@ -142,10 +169,32 @@ def print_report(report: Report, nothing: str) -> None:
         print(nothing)
 
 
+def steps_and_context(args: argparse.Namespace, host: HostRoot) -> tuple[Steps, KataContext | None]:
+    from katamgr import cluster
+    from katamgr.config import load_config
+
+    config = load_config(args.config) if args.config else None
+    wants_cluster = (config is not None and not args.no_kata) or (args.workload == "auto" and args.node_name)
+    api = cluster.connect() if wants_cluster and not host.simulated else None
+    workload = args.workload
+    if workload == "auto":
+        if api is not None and args.node_name:
+            workload = cluster.node_workload_mode(api, args.node_name)
+            log.info("node %s is labeled for %s workloads", args.node_name, workload)
+        else:
+            workload = "vm-passthrough"
+    steps = Steps(vfio=not args.no_vfio, cdi=not args.no_cdi, kata=not args.no_kata, workload=workload)
+    ctx = None
+    if config is not None:
+        ctx = KataContext(config, api, cluster.agent_namespace())
+    return steps, ctx
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     naming = naming_from(args)
     with host_from(args) as host:
-        plan = build_plan(host, naming, force=args.force)
+        steps, ctx = steps_and_context(args, host)
+        plan = full_plan(host, naming, steps, ctx, force=args.force)
         if args.output == "json":
             print(json.dumps(plan.to_json(), indent=2))
         else:
@@ -156,19 +205,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     naming = naming_from(args)
     with host_from(args) as host:
-        plan = build_plan(host, naming, force=args.force)
-        report = apply_host(host, plan, wait=args.wait)
-        for problem in plan.problems:
-            report.warnings.append(problem)
+        steps, ctx = steps_and_context(args, host)
+        report = reconcile(host, naming, steps, ctx, force=args.force, wait=args.wait)
         print_report(report, "nothing to change: the node is already as planned")
     return 0 if report.ok else 1
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     with host_from(args) as host:
-        report = revert_host(host)
+        steps, ctx = steps_and_context(args, host)
+        report = revert_all(host, steps, ctx)
         print_report(report, "nothing to revert: katamgr has no changes recorded on this node")
     return 0 if report.ok else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from katamgr.agent import Agent
+
+    naming = naming_from(args)
+    with host_from(args) as host:
+        steps, ctx = steps_and_context(args, host)
+        agent = Agent(host, naming, steps, ctx, force=args.force, wait=args.wait,
+                      repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit)
+        return agent.run(once=args.once)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -57,7 +57,8 @@ def groups(host: HostRoot, devices: list[Device]) -> dict[int, IommuGroup]:
 
 
 def iommufd_available(host: HostRoot) -> bool:
-    return host.path("/dev/iommu").exists()
+    # /dev/iommu may not be mounted into a pod; sysfs shows the misc device too.
+    return host.path("/dev/iommu").exists() or host.path("/sys/class/misc/iommu").exists()
 
 
 def vfio_cdev(host: HostRoot, bdf: str) -> str | None:

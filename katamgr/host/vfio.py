@@ -149,9 +149,10 @@ def load_vfio(host: HostRoot) -> bool:
     if host.simulated:
         emulation.modprobe(host, "vfio-pci")
         return True
-    argv = ["modprobe", "vfio-pci"]
-    if not host.is_real_root:
-        argv = ["chroot", str(host.root), *argv]
+    # In a pod the host root holds only some of the node's dirs (its
+    # /lib/modules among them), so modprobe is pointed at it rather than
+    # chrooted into it.
+    argv = ["modprobe", "vfio-pci"] if host.is_real_root else ["modprobe", "-d", str(host.root), "vfio-pci"]
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)  # noqa: S603
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -166,17 +166,21 @@ def configure_containerd(
     config_path: str = DEFAULT_CONFIG,
     version: int | None = None,
     enable_cdi: bool = True,
+    dry_run: bool = False,
 ) -> ContainerdChange:
     """Make containerd's config hold exactly ``runtimes`` of ours (and CDI enabled).
 
     Runtimes we added earlier and that are no longer listed are taken out again.
     ``version`` forces the config version for a new file and must match an existing one.
+    ``dry_run`` computes the change (and its diff) without writing anything.
     """
     _validate(runtimes)
     main = _read_main(host, config_path, version)
     mode, target = _target(main)
     state = st.load(host, config_path)
-    if state is not None and (state.target != target or state.mode != mode):
+    if state is not None and (state.target != target or state.mode != mode) and dry_run:
+        state = None
+    elif state is not None and (state.target != target or state.mode != mode):
         log.info(
             "containerd: our entries move from %s to %s; undoing the old ones", state.target, target
         )
@@ -184,8 +188,8 @@ def configure_containerd(
         main = _read_main(host, config_path, version)
         state = None
     if mode == DROP_IN:
-        return _apply_drop_in(host, main, target, runtimes, enable_cdi, state)
-    return _apply_main(host, main, runtimes, enable_cdi, state)
+        return _apply_drop_in(host, main, target, runtimes, enable_cdi, state, dry_run)
+    return _apply_main(host, main, runtimes, enable_cdi, state, dry_run)
 
 
 def _apply_main(
@@ -194,6 +198,7 @@ def _apply_main(
     runtimes: Sequence[KataRuntime],
     enable_cdi: bool,
     state: st.EditState | None,
+    dry_run: bool = False,
 ) -> ContainerdChange:
     layout = layout_for(main.version)
     old_text = main.data.decode() if main.data is not None else ""
@@ -211,7 +216,7 @@ def _apply_main(
     if main.fresh:
         new_text = _tidy(new_text)
     changed = new_text != old_text
-    if changed:
+    if changed and not dry_run:
         if not had_state:
             st.keep_original(host, main.path, main.data)
         write_atomic(host.path(main.path), new_text)
@@ -223,7 +228,7 @@ def _apply_main(
             outcome.updated or "-",
             outcome.removed or "-",
         )
-    if changed or had_state:
+    if (changed or had_state) and not dry_run:
         st.save(host, main.path, state)
     return ContainerdChange(
         main.path,
@@ -326,6 +331,7 @@ def _apply_drop_in(
     runtimes: Sequence[KataRuntime],
     enable_cdi: bool,
     state: st.EditState | None,
+    dry_run: bool = False,
 ) -> ContainerdChange:
     layout = layout_for(main.version)
     local = host.path(target)
@@ -363,6 +369,12 @@ def _apply_drop_in(
         outcome.removed = [n for n in state.runtime_names() if n not in wanted]
     new_text = _tidy(tomlkit.dumps(doc))
     changed = new_text != old_text
+    if dry_run:
+        return ContainerdChange(
+            target, changed, DROP_IN, main.version,
+            _diff(target, old_text, new_text) if changed else "",
+            tuple(outcome.added), tuple(outcome.updated), tuple(outcome.removed),
+        )
     if state is None:
         state = fresh_state
         if changed:

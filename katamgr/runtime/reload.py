@@ -64,12 +64,18 @@ class ReloadResult:
 
 
 def socket_inodes(host: HostRoot, socket_path: str) -> set[int]:
-    """Inodes of unix sockets bound to ``socket_path`` (host path), from /proc/net/unix."""
+    """Inodes of unix sockets bound to ``socket_path`` (host path), from /proc/net/unix.
+
+    /proc/net/unix lists the reader's own network namespace; in a pod sharing
+    the host's PID namespace, PID 1's view is the host's, so it is read first.
+    """
     inodes: set[int] = set()
-    try:
-        lines = host.path("/proc/net/unix").read_text().splitlines()[1:]
-    except OSError:
-        return inodes
+    lines: list[str] = []
+    for table in ("/proc/1/net/unix", "/proc/net/unix"):
+        try:
+            lines += host.path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
     for line in lines:
         # Num RefCount Protocol Flags Type St Inode [Path]
         fields = line.split(None, 7)

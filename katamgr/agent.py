@@ -1,0 +1,127 @@
+"""``katamgr run``: the node agent's loop.
+
+Reconcile once, then keep the node that way: the GPU Operator's kata manager
+misses it when someone else's containerd edit or restart drops our runtime
+entries, so we watch the containerd config (inotify, not polling) and re-apply
+only when our entries are really gone. Artifacts are re-checked on a timer.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+from inotify_simple import INotify
+from inotify_simple import flags as inflags
+
+from katamgr import kata
+from katamgr.apply import Report
+from katamgr.host.root import HostRoot
+from katamgr.kata import KataContext
+from katamgr.plan import Naming
+from katamgr.reconcile import Steps, reconcile, revert_all
+from katamgr.runtime import check_entries
+
+log = logging.getLogger(__name__)
+
+_WATCH = inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE | inflags.DELETE | inflags.MOVED_FROM
+
+
+def log_report(report: Report, quiet: str = "") -> None:
+    for change in report.changes:
+        log.info("changed: %s", change)
+    for warning in report.warnings:
+        log.warning("%s", warning)
+    for failure in report.failures:
+        log.error("%s", failure)
+    if quiet and not (report.changes or report.failures):
+        log.info("%s", quiet)
+
+
+class Agent:
+    def __init__(self, host: HostRoot, naming: Naming, steps: Steps, ctx: KataContext | None, *,
+                 force: bool = False, wait: float = 5.0, repull_interval: float = 3600.0,
+                 revert_on_exit: bool = False, reload_args: dict | None = None):
+        self.host = host
+        self.naming = naming
+        self.steps = steps
+        self.ctx = ctx
+        self.force = force
+        self.wait = wait
+        self.repull_interval = repull_interval
+        self.revert_on_exit = revert_on_exit
+        self.reload_args = reload_args or {}
+        self.stop = threading.Event()
+        self.reconciles = 0
+
+    def reconcile(self, why: str) -> Report:
+        log.info("reconciling: %s", why)
+        report = reconcile(self.host, self.naming, self.steps, self.ctx, force=self.force, wait=self.wait,
+                           **self.reload_args)
+        self.reconciles += 1
+        log_report(report, "nothing to change")
+        return report
+
+    def _containerd_paths(self) -> list[Path]:
+        if self.ctx is None or not self.steps.kata:
+            return []
+        main = self.host.path(self.ctx.config.containerd.config_path)
+        return [main.parent]
+
+    def entries_missing(self) -> list[str]:
+        if self.ctx is None or not self.steps.kata or not self.steps.passthrough:
+            return []
+        wanted = kata.runtimes(self.host, self.ctx)
+        return check_entries(self.host, self.ctx.config.containerd.config_path, wanted) if wanted else []
+
+    def run(self, once: bool = False) -> int:
+        first = self.reconcile("start")
+        if once:
+            return 0 if first.ok else 1
+        self._install_signals()
+        try:
+            self.loop()
+        finally:
+            if self.revert_on_exit:
+                log.info("reverting on exit (--revert-on-exit)")
+                log_report(revert_all(self.host, self.steps, self.ctx, **self.reload_args))
+        return 0
+
+    def loop(self) -> None:
+        notify = INotify()
+        for directory in self._containerd_paths():
+            try:
+                notify.add_watch(directory, _WATCH)
+                log.info("watching %s for changes to containerd's config", self.host.host_path(directory))
+            except OSError as exc:
+                log.warning("cannot watch %s (%s); checking every 10 s instead", directory, exc.strerror)
+        next_pull = time.monotonic() + self.repull_interval
+        try:
+            while not self.stop.is_set():
+                timeout = max(0.0, min(next_pull - time.monotonic(), 10.0))
+                # Woken by an inotify event or, at the latest, every 10 s: a
+                # check of our entries is cheap and covers a lost event.
+                notify.read(timeout=int(timeout * 1000))
+                if self.stop.is_set():
+                    break
+                missing = self.entries_missing()
+                if missing:
+                    self.reconcile(f"containerd config lost our runtimes {', '.join(missing)} "
+                                   "(edited or replaced by someone else)")
+                if time.monotonic() >= next_pull:
+                    self.reconcile("periodic artifact check")
+                    next_pull = time.monotonic() + self.repull_interval
+        finally:
+            notify.close()
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        def handler(signum, _frame):
+            log.info("received %s: stopping", signal.Signals(signum).name)
+            self.stop.set()
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)

@@ -1,0 +1,238 @@
+"""The Kata half of a reconcile: artifacts, Kata config, containerd, RuntimeClasses.
+
+Order matters and is the operator's safety net: a runtime class reaches
+containerd only once its artifacts are installed and its Kata config points at
+them, and reaches the cluster only once containerd knows it, so a pod can never
+be scheduled onto a handler the node cannot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass
+
+from kubernetes.client import ApiClient
+
+from katamgr import cluster
+from katamgr.apply import Report
+from katamgr.artifacts import (
+    ArtifactError,
+    Credentials,
+    LayoutRef,
+    RegistryRef,
+    credentials_from_dockerconfigjson,
+    install_artifact,
+    read_install,
+)
+from katamgr.config import KataManagerConfig, RuntimeClassConfig
+from katamgr.errors import ConfigError, KatamgrError
+from katamgr.host.root import HostRoot
+from katamgr.plan import PlanSection
+from katamgr.runtime import (
+    KataRuntime,
+    configure_containerd,
+    reload_containerd,
+    revert_containerd,
+    transform_kata_config,
+)
+from katamgr.runtime.kata_config import find_kata_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KataContext:
+    config: KataManagerConfig
+    api: ApiClient | None = None  # None: no cluster reachable, RuntimeClasses skipped
+    namespace: str = "default"
+    root_ports: int = 0  # passthrough GPUs + NVSwitches on this node
+
+
+def class_dir(config: KataManagerConfig, name: str) -> str:
+    return f"{config.artifacts_dir.rstrip('/')}/{name}"
+
+
+def _source(host: HostRoot, rc: RuntimeClassConfig) -> RegistryRef | LayoutRef:
+    ref = rc.artifacts.source
+    if isinstance(ref, LayoutRef):
+        # An air-gapped layout lives on the node, so its path is a host path.
+        return dataclasses.replace(ref, path=host.path(str(ref.path)))
+    return ref
+
+
+def _credentials(ctx: KataContext, rc: RuntimeClassConfig, ref: RegistryRef | LayoutRef) -> Credentials | None:
+    secret = rc.artifacts.pull_secret
+    if not secret or isinstance(ref, LayoutRef):
+        return None
+    if ctx.api is None:
+        raise ConfigError(
+            f"runtimeClasses {rc.name}: pullSecret {secret!r} is set but no cluster is reachable to read it"
+        )
+    data = cluster.read_pull_secret(ctx.api, ctx.namespace, secret)
+    return credentials_from_dockerconfigjson(data, ref.registry, secret=f"{ctx.namespace}/{secret}")
+
+
+def _installed_config(host: HostRoot, ctx: KataContext, name: str) -> str | None:
+    local = host.path(class_dir(ctx.config, name))
+    if read_install(local) is None:
+        return None
+    try:
+        return host.host_path(find_kata_config(host, local))
+    except KatamgrError:
+        return None
+
+
+def runtimes(host: HostRoot, ctx: KataContext, names: list[str] | None = None) -> list[KataRuntime]:
+    """The containerd runtime entries for the classes whose artifacts are installed."""
+    if names is None:
+        names = [rc.name for rc in ctx.config.runtime_classes]
+    out = []
+    for name in names:
+        config_path = _installed_config(host, ctx, name)
+        if config_path:
+            out.append(KataRuntime(name, config_path, tuple(ctx.config.containerd.pod_annotations)))
+    return out
+
+
+# ---- plan (read-only) -------------------------------------------------------
+
+
+def plan_sections(host: HostRoot, ctx: KataContext) -> list[PlanSection]:
+    config = ctx.config
+    artifacts, lines = [], []
+    for rc in config.runtime_classes:
+        record = read_install(host.path(class_dir(config, rc.name)))
+        entry = {"runtimeClass": rc.name, "ref": rc.artifacts.url, "dir": class_dir(config, rc.name)}
+        if record is None:
+            entry |= {"action": "pull", "installedDigest": None}
+            lines.append(f"pull {rc.artifacts.url} into {entry['dir']}")
+        else:
+            same = record.ref == rc.artifacts.url
+            entry |= {"action": "check" if same else "pull", "installedDigest": record.digest}
+            lines.append(
+                f"{'check for a newer' if same else 'pull new ref'} {rc.artifacts.url} "
+                f"(installed {record.digest[:19]}...)"
+            )
+        artifacts.append(entry)
+    sections = [PlanSection("artifacts", "Kata artifacts", artifacts, lines,
+                            pending=any(a["action"] == "pull" for a in artifacts))]
+
+    entries = runtimes(host, ctx)
+    missing = [rc.name for rc in config.runtime_classes if rc.name not in {r.name for r in entries}]
+    change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
+                                  dry_run=True)
+    data = {"path": change.path, "mode": change.mode, "version": change.version, "changed": change.changed,
+            "diff": change.diff, "pendingArtifacts": missing}
+    lines = [f"{'edit' if change.changed else 'keep'} {change.path} ({change.mode}, config version {change.version})"]
+    lines += [f"  {line}" for line in change.diff.splitlines()]
+    if missing:
+        lines.append(f"runtimes added once their artifacts are installed: {', '.join(missing)}")
+    sections.append(PlanSection("containerd", "containerd", data, lines, pending=change.changed or bool(missing)))
+
+    desired = cluster.desired_runtime_classes(config)
+    rc_lines = [f"{'apply' if ctx.api else 'skip (no cluster reachable)'} RuntimeClass {b['metadata']['name']}"
+                for b in desired]
+    sections.append(PlanSection("runtimeClasses", "RuntimeClasses", {"reachable": ctx.api is not None,
+                                "objects": desired}, rc_lines))
+    return sections
+
+
+# ---- apply -------------------------------------------------------------------
+
+
+def apply(host: HostRoot, ctx: KataContext, **reload_args) -> Report:
+    report = Report()
+    config = ctx.config
+    ready: list[str] = []
+    for rc in config.runtime_classes:
+        dest = host.path(class_dir(config, rc.name))
+        try:
+            ref = _source(host, rc)
+            result = install_artifact(ref, dest, credentials=_credentials(ctx, rc, ref),
+                                      insecure_registries=config.insecure_registries)
+        except (ArtifactError, ConfigError) as exc:
+            report.failures.append(f"runtime class {rc.name}: {exc}")
+            if read_install(dest) is None:
+                continue
+            report.warnings.append(f"runtime class {rc.name}: keeping the artifacts already installed")
+        else:
+            if result.warning:
+                report.warnings.append(f"runtime class {rc.name}: {result.warning}")
+            if result.changed:
+                report.changes.append(
+                    f"installed {rc.artifacts.url} ({result.digest[:19]}..., {result.bytes_transferred} bytes) "
+                    f"into {class_dir(config, rc.name)}"
+                )
+        try:
+            kata = transform_kata_config(host, dest, root_ports=ctx.root_ports)
+        except KatamgrError as exc:
+            report.failures.append(f"runtime class {rc.name}: {exc}")
+            continue
+        report.changes += [f"{kata.config_path}: {c}" for c in kata.changes] if kata.changed else []
+        ready.append(rc.name)
+
+    entries = runtimes(host, ctx, ready)
+    change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version)
+    if change.changed:
+        what = ", ".join(filter(None, [
+            f"added {', '.join(change.runtimes_added)}" if change.runtimes_added else "",
+            f"updated {', '.join(change.runtimes_updated)}" if change.runtimes_updated else "",
+            f"removed {', '.join(change.runtimes_removed)}" if change.runtimes_removed else "",
+        ])) or "settings"
+        report.changes.append(f"edited {change.path} ({what})")
+        report.merge(_reload(host, config, **reload_args))
+    report.merge(_cluster(ctx, dataclasses.replace(config, runtime_classes=tuple(
+        rc for rc in config.runtime_classes if rc.name in {r.name for r in entries}))))
+    return report
+
+
+def _reload(host: HostRoot, config: KataManagerConfig, **reload_args) -> Report:
+    report = Report()
+    result = reload_containerd(host, config.containerd.restart_mode, socket_path=config.containerd.socket,
+                               **reload_args)
+    (report.changes if result.done else report.warnings).append(result.message)
+    return report
+
+
+def _cluster(ctx: KataContext, config: KataManagerConfig) -> Report:
+    report = Report()
+    if ctx.api is None:
+        report.warnings.append("no cluster reachable (no in-cluster token, no kubeconfig): RuntimeClasses skipped")
+        return report
+    try:
+        changes = cluster.reconcile_runtime_classes(ctx.api, config)
+    except KatamgrError as exc:
+        report.failures.append(str(exc))
+        return report
+    report.changes += [f"created RuntimeClass {n}" for n in changes.created]
+    report.changes += [f"updated RuntimeClass {n}" for n in changes.updated]
+    report.changes += [f"deleted RuntimeClass {n} (no longer configured)" for n in changes.deleted]
+    return report
+
+
+# ---- revert ------------------------------------------------------------------
+
+
+def revert(host: HostRoot, ctx: KataContext, **reload_args) -> Report:
+    report = Report()
+    config = ctx.config
+    if ctx.api is not None:
+        try:
+            gone = cluster.delete_managed_runtime_classes(ctx.api, config)
+            report.changes += [f"deleted RuntimeClass {n}" for n in gone.deleted]
+        except KatamgrError as exc:
+            report.failures.append(str(exc))
+    change = revert_containerd(host, config.containerd.config_path)
+    if change.changed:
+        report.changes.append(f"restored {change.path}")
+        report.merge(_reload(host, config, **reload_args))
+    for rc in config.runtime_classes:
+        local = host.path(class_dir(config, rc.name))
+        # Only dirs holding our install record: never a dir someone else filled.
+        if read_install(local) is not None:
+            shutil.rmtree(local)
+            (local.parent / f".{local.name}.lock").unlink(missing_ok=True)
+            report.changes.append(f"removed {class_dir(config, rc.name)}")
+    return report

@@ -1,0 +1,92 @@
+"""One reconcile of the node: host binding, CDI specs, then the Kata chain.
+
+``katamgr plan``, ``apply``, ``revert`` and ``run`` all go through here, so
+every entry point does the same steps in the same order and reports them the
+same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from katamgr import cdispecs, kata
+from katamgr.apply import Report, apply_host, revert_host
+from katamgr.host.inventory import discover
+from katamgr.host.root import HostRoot
+from katamgr.host.vfio import Action
+from katamgr.kata import KataContext
+from katamgr.plan import Naming, Plan, build_plan
+
+log = logging.getLogger(__name__)
+
+PASSTHROUGH = "vm-passthrough"
+
+
+@dataclass(frozen=True)
+class Steps:
+    """Which parts run; each can be switched off (Helm: vfioManager, cdi, kataManager)."""
+
+    vfio: bool = True
+    cdi: bool = True
+    kata: bool = True
+    workload: str = PASSTHROUGH  # the node's nvidia.com/gpu.workload.config
+
+    @property
+    def passthrough(self) -> bool:
+        return self.workload == PASSTHROUGH
+
+
+def _root_ports(plan: Plan) -> int:
+    return sum(1 for d in plan.devices if d.kind in ("gpu", "nvswitch") and d.action in ("bind", "keep"))
+
+
+def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None,
+              *, force: bool = False) -> Plan:
+    plan = build_plan(host, naming, force=force)
+    if not steps.passthrough:
+        plan.problems.insert(0, f"node workload is {steps.workload!r}, not {PASSTHROUGH!r}: "
+                                "nothing is bound and no Kata runtime is set up on this node")
+        plan.decisions = [d for d in plan.decisions if d.action is not Action.BIND]
+        return plan
+    if steps.cdi:
+        plan.sections.append(cdispecs.plan_section(host, plan.inventory, plan.decisions if steps.vfio else []))
+    if steps.kata and kata_ctx is not None:
+        ctx = _with_root_ports(kata_ctx, plan)
+        plan.sections += kata.plan_sections(host, ctx)
+    return plan
+
+
+def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:
+    return replace(ctx, root_ports=_root_ports(plan))
+
+
+def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
+              force: bool = False, wait: float = 5.0, **reload_args) -> Report:
+    report = Report()
+    if not steps.passthrough:
+        report.warnings.append(f"node workload is {steps.workload!r}: nothing to do for VM passthrough here")
+        return report
+    plan = build_plan(host, naming, force=force)
+    if steps.vfio:
+        report.merge(apply_host(host, plan, workload=steps.workload, wait=wait))
+    report.warnings += plan.problems
+    if steps.cdi:
+        report.merge(cdispecs.write_specs(host, discover(host)))
+    if steps.kata and kata_ctx is not None:
+        report.merge(kata.apply(host, _with_root_ports(kata_ctx, plan), **reload_args))
+    for line in report.changes:
+        log.info("changed: %s", line)
+    return report
+
+
+def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, **reload_args) -> Report:
+    """Undo in the reverse order: cluster and containerd first, devices last."""
+    report = Report()
+    if steps.kata and kata_ctx is not None:
+        report.merge(kata.revert(host, kata_ctx, **reload_args))
+    if steps.cdi:
+        report.merge(cdispecs.remove_specs(host))
+    if steps.vfio:
+        report.merge(revert_host(host))
+    return report
