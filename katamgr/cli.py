@@ -241,6 +241,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from katamgr.demo import run_demo
 
+    if not args.verbose:
+        # The demo tells its own story; library warnings would repeat it.
+        logging.getLogger().setLevel(logging.ERROR)
     return run_demo(args)
 
 

@@ -1,22 +1,52 @@
-"""``katamgr demo``: the whole job on a simulated node, told as a short story."""
+"""``katamgr demo``: the whole job on a simulated node, told as a short story.
+
+Nothing on the machine running it is touched: the node is a temp dir whose
+sysfs writes are answered by an emulated kernel, the Kata artifacts come from
+an OCI layout shipped with katamgr, and the kubelet is a simulator speaking
+the real device-plugin gRPC.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import tempfile
 from pathlib import Path
 
-from katamgr.apply import apply_host, revert_host
+from katamgr.apply import Report
+from katamgr.config import load_config
+from katamgr.host.files import write_atomic
 from katamgr.host.pciids import PciIds
+from katamgr.host.root import HostRoot
 from katamgr.host.simulate import materialise
-from katamgr.plan import Naming, build_plan
+from katamgr.kata import KataContext
+from katamgr.plan import Naming
 from katamgr.profiles import find_profile
+from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text
+
+DATA = Path(__file__).parent / "data"
+LAYOUT_ON_NODE = "/opt/kata-artifacts/layout"
 
 
 def _step(title: str) -> None:
     print(f"\n== {title}")
+
+
+def _print(report: Report) -> None:
+    for change in report.changes:
+        print(f"  changed: {change}")
+    for warning in report.warnings:
+        print(f"  note:    {warning}")
+    for failure in report.failures:
+        print(f"  ERROR:   {failure}")
+
+
+def prepare_node(host: HostRoot) -> None:
+    """What an air-gapped node has before katamgr: containerd config, an artifact layout."""
+    write_atomic(host.path("/etc/containerd/config.toml"), (DATA / "demo" / "containerd-config.toml").read_text())
+    shutil.copytree(DATA / "oci-layout", host.path(LAYOUT_ON_NODE))
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -25,40 +55,53 @@ def run_demo(args: argparse.Namespace) -> int:
         if args.keep:
             root = Path(args.keep)
         else:
-            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="katamgr-demo-"))) / "host"
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kdemo-"))) / "host"
         host = materialise(profile, root)
+        prepare_node(host)
         naming = Naming(PciIds.find())
+        steps = Steps()
+        ctx = KataContext(load_config(DATA / "demo" / "kata-manager.yaml"))
         print(f"katamgr demo: simulated node {profile.name!r} in {host.root}")
         print(f"  {profile.description}")
-        print("  Nothing on this machine is touched: sysfs writes go to an emulated kernel.")
+        print("  Nothing on this machine is touched: sysfs writes go to an emulated kernel,")
+        print("  Kata artifacts come from an OCI layout on the simulated node, and the kubelet is simulated.")
 
-        _step("1. Plan (katamgr plan)")
-        plan = build_plan(host, naming)
-        print(plan_text(plan))
+        _step("1. Plan (katamgr plan --config kata-manager.yaml)")
+        print(plan_text(full_plan(host, naming, steps, ctx)))
 
-        _step("2. Apply (katamgr apply)")
-        report = apply_host(host, plan)
-        for change in report.changes:
-            print(f"  changed: {change}")
-        for failure in report.failures:
-            print(f"  error: {failure}")
+        _step("2. Apply (katamgr apply --config kata-manager.yaml)")
+        report = reconcile(host, naming, steps, ctx)
+        _print(report)
         if not report.ok:
             return 1
+        diff = host.path("/etc/containerd/config.toml").read_text()
+        print("\n  containerd now has (excerpt):")
+        for line in diff.splitlines():
+            if "kata-qemu-nvidia-gpu" in line or "ConfigPath" in line or "enable_cdi" in line:
+                print(f"    {line.strip()}")
 
-        _step("3. Apply again: nothing to do")
-        again = apply_host(host, build_plan(host, naming))
+        _step("3. Apply again: nothing to do, containerd not restarted")
+        again = reconcile(host, naming, steps, ctx)
         print("  " + ("no changes, as expected" if not again.changes else f"UNEXPECTED: {again.changes}"))
 
-        _step("4. Result")
-        after = build_plan(host, naming)
-        for name, count in after.resources.items():
-            print(f"  {name}: {count} schedulable")
-        groups = sorted((p.name for p in host.path("/dev/vfio").iterdir() if p.name.isdigit()), key=int)
-        print(f"  /dev/vfio groups: {', '.join(groups)}")
+        _step("4. The device plugin, as the kubelet sees it")
+        plugin_ok = _device_plugin(host, naming)
 
-        _step("5. Revert (katamgr revert)")
-        undone = revert_host(host)
-        print(f"  {len(undone.changes)} changes undone; every device is back on its original driver")
+        _step("5. Revert (katamgr revert --config kata-manager.yaml)")
+        undone = revert_all(host, steps, ctx)
+        _print(undone)
+        original = (DATA / "demo" / "containerd-config.toml").read_text()
+        same = host.path("/etc/containerd/config.toml").read_text() == original
+        print(f"  containerd config byte-identical to before: {'yes' if same else 'NO'}")
         if args.keep:
             print(f"\nThe simulated node is kept in {host.root}; try: katamgr plan --host-root {host.root}")
-        return 0 if undone.ok else 1
+        return 0 if (undone.ok and same and plugin_ok) else 1
+
+
+def _device_plugin(host: HostRoot, naming: Naming) -> bool:
+    try:
+        from sandbox_plugin.demo import show_device_plugin
+    except ImportError as exc:  # the plugin package is part of this distribution
+        print(f"  (device plugin not available: {exc})")
+        return True
+    return show_device_plugin(host, naming)

@@ -37,7 +37,7 @@ from katamgr.runtime import (
     revert_containerd,
     transform_kata_config,
 )
-from katamgr.runtime.kata_config import find_kata_config
+from katamgr.runtime.kata_config import rendered_config
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +78,8 @@ def _installed_config(host: HostRoot, ctx: KataContext, name: str) -> str | None
     local = host.path(class_dir(ctx.config, name))
     if read_install(local) is None:
         return None
-    try:
-        return host.host_path(find_kata_config(host, local))
-    except KatamgrError:
-        return None
+    rendered = rendered_config(host, local)
+    return host.host_path(rendered) if rendered else None
 
 
 def runtimes(host: HostRoot, ctx: KataContext, names: list[str] | None = None) -> list[KataRuntime]:

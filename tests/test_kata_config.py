@@ -34,7 +34,7 @@ def install(host: HostRoot, files=(KERNEL, INITRD), config: str = FIXTURE.read_t
 
 
 def qemu(local: Path) -> dict:
-    return tomllib.loads((local / FIXTURE.name).read_text())["hypervisor"]["qemu"]
+    return tomllib.loads((local / "rendered" / FIXTURE.name).read_text())["hypervisor"]["qemu"]
 
 
 def test_asset_paths_point_at_the_installed_files_as_the_host_sees_them(host: HostRoot) -> None:
@@ -43,12 +43,14 @@ def test_asset_paths_point_at_the_installed_files_as_the_host_sees_them(host: Ho
     result = transform_kata_config(host, local, root_ports=2)
 
     assert result.changed
-    assert result.config_path == f"{CLASS_DIR}/{FIXTURE.name}"
+    assert result.config_path == f"{CLASS_DIR}/rendered/{FIXTURE.name}"
+    # The shipped file stays as the artifact delivered it (its digest is recorded).
+    assert (local / FIXTURE.name).read_text() == FIXTURE.read_text()
     section = qemu(local)
     # Host paths, without the root we reach the host through.
     assert section["kernel"] == f"{CLASS_DIR}/{KERNEL}"
     assert section["initrd"] == f"{CLASS_DIR}/{INITRD}"
-    assert str(host.root) not in (local / FIXTURE.name).read_text()
+    assert str(host.root) not in (local / "rendered" / FIXTURE.name).read_text()
     assert "image" not in section  # only keys the shipped config set
     assert section["path"] == "/opt/kata/bin/qemu-system-x86_64"
     assert any(c.startswith("hypervisor.qemu.kernel:") for c in result.changes)
@@ -58,7 +60,7 @@ def test_comments_and_untouched_lines_survive(host: HostRoot) -> None:
     local = install(host)
     transform_kata_config(host, local, root_ports=1)
     before = FIXTURE.read_text().splitlines()
-    after = (local / FIXTURE.name).read_text().splitlines()
+    after = (local / "rendered" / FIXTURE.name).read_text().splitlines()
     assert len(before) == len(after)
     changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
     assert [b.split(" = ")[0] for _, b in changed] == ["kernel", "initrd", "pcie_root_port"]
@@ -129,6 +131,7 @@ def test_missing_kernel_is_named(host: HostRoot) -> None:
     with pytest.raises(KatamgrError, match=rf"needs {KERNEL}, which is missing from {CLASS_DIR}"):
         transform_kata_config(host, local)
     assert (local / FIXTURE.name).read_text() == FIXTURE.read_text()
+    assert not (local / "rendered").exists()
 
 
 def test_zero_or_several_configs_are_refused(host: HostRoot) -> None:

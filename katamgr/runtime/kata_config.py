@@ -5,7 +5,12 @@ image by paths of the machine it was built on (or bare file names). After instal
 they live in the runtime class's artifacts dir, so each ``[hypervisor.*]`` table gets
 those keys rewritten to the files' host paths. With VFIO cold/hot plug on
 ``root-port``, every passed-through GPU or NVSwitch needs its own PCIe root port,
-so ``pcie_root_port`` is raised to at least that count (never lowered).
+so ``pcie_root_port`` is raised to at least that count (never below the shipped value).
+
+The shipped file stays as the artifact delivered it (its digest is what the
+install record checks); the rewritten copy goes to ``rendered/`` inside the
+runtime class's dir, a name no artifact layer can take, and that copy is what
+containerd's ``ConfigPath`` names.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from katamgr.runtime.tomledit import plain
 log = logging.getLogger(__name__)
 
 CONFIG_GLOB = "configuration-*.toml"
+RENDERED_DIR = "rendered"
 ASSET_KEYS = ("kernel", "initrd", "image")
 ROOT_PORT = "root-port"
 PLUG_KEYS = ("cold_plug_vfio", "hot_plug_vfio")
@@ -105,8 +111,19 @@ def transform_kata_config(
             if root_ports > current:
                 table["pcie_root_port"] = root_ports
                 changes.append(f"{section}.pcie_root_port: {current} -> {root_ports}")
-    new_text = tomlkit.dumps(doc)
-    changed = new_text != text and write_atomic(local, new_text)
+    rendered = artifact_dir / RENDERED_DIR / local.name
+    rendered_host = host.host_path(rendered)
+    changed = write_atomic(rendered, tomlkit.dumps(doc))
     if changed:
-        log.info("Kata config %s: %s", config_host, "; ".join(changes))
-    return KataConfigResult(config_host, changed, tuple(changes))
+        log.info("Kata config %s (from %s): %s", rendered_host, config_host, "; ".join(changes) or "copied")
+    return KataConfigResult(rendered_host, changed, tuple(changes) if changed else ())
+
+
+def rendered_config(host: HostRoot, artifact_dir: Path) -> Path | None:
+    """The rewritten Kata config of a runtime class dir, if it has been rendered."""
+    try:
+        shipped = find_kata_config(host, artifact_dir)
+    except KatamgrError:
+        return None
+    rendered = Path(artifact_dir) / RENDERED_DIR / shipped.name
+    return rendered if rendered.is_file() else None
