@@ -9,6 +9,8 @@ only when our entries are really gone. Artifacts are re-checked on a timer.
 from __future__ import annotations
 
 import logging
+import os
+import select
 import signal
 import threading
 import time
@@ -56,6 +58,15 @@ class Agent:
         self.reload_args = reload_args or {}
         self.stop = threading.Event()
         self.reconciles = 0
+        # Written to by request_stop() so a sleeping loop wakes at once.
+        self._wake_r, self._wake_w = os.pipe()
+
+    def request_stop(self) -> None:
+        self.stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
 
     def reconcile(self, why: str) -> Report:
         log.info("reconciling: %s", why)
@@ -102,11 +113,13 @@ class Agent:
         try:
             while not self.stop.is_set():
                 timeout = max(0.0, min(next_pull - time.monotonic(), 10.0))
-                # Woken by an inotify event or, at the latest, every 10 s: a
-                # check of our entries is cheap and covers a lost event.
-                notify.read(timeout=int(timeout * 1000))
+                # Woken by an inotify event, a stop request or, at the latest,
+                # every 10 s: a check of our entries is cheap and covers a lost event.
+                ready, _, _ = select.select([notify.fileno(), self._wake_r], [], [], timeout)
                 if self.stop.is_set():
                     break
+                if notify.fileno() in ready:
+                    notify.read(timeout=0)
                 missing = self.entries_missing()
                 if missing:
                     self.reconcile(f"containerd config lost our runtimes {', '.join(missing)} "
@@ -116,12 +129,14 @@ class Agent:
                     next_pull = time.monotonic() + self.repull_interval
         finally:
             notify.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
         def handler(signum, _frame):
             log.info("received %s: stopping", signal.Signals(signum).name)
-            self.stop.set()
+            self.request_stop()
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)

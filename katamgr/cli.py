@@ -222,6 +222,8 @@ def cmd_revert(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from katamgr.agent import Agent
 
+    # A daemon's log is its only voice: say what changed even without -v.
+    logging.getLogger().setLevel(logging.INFO)
     naming = naming_from(args)
     with host_from(args) as host:
         steps, ctx = steps_and_context(args, host)

@@ -149,7 +149,7 @@ def apply(host: HostRoot, ctx: KataContext, **reload_args) -> Report:
         try:
             ref = _source(host, rc)
             result = install_artifact(ref, dest, credentials=_credentials(ctx, rc, ref),
-                                      insecure_registries=config.insecure_registries)
+                                      insecure_registries=config.insecure_registries, label=rc.artifacts.url)
         except (ArtifactError, ConfigError) as exc:
             report.failures.append(f"runtime class {rc.name}: {exc}")
             if read_install(dest) is None:

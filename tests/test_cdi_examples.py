@@ -9,31 +9,18 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from referencing import Registry, Resource
-from referencing.jsonschema import DRAFT7
+from cdischema import SCHEMA_COPY, official_validator
+from conftest import SHARED_REFERENCE
 
 import cdi
-from tests.conftest import SHARED_REFERENCE
 
 DATA = Path(__file__).parent / "data" / "cdi"
 CASES = yaml.safe_load((DATA / "cases.yaml").read_text())
-SCHEMA_COPY = DATA / "schema"
-
-
-def _schema_dir() -> Path:
-    shared = SHARED_REFERENCE / "cdi-schema"
-    return shared if (shared / "schema.json").exists() else SCHEMA_COPY
 
 
 @pytest.fixture(scope="module")
 def schema_validator() -> jsonschema.Draft7Validator:
-    directory = _schema_dir()
-    schema = json.loads((directory / "schema.json").read_text())
-    defs = json.loads((directory / "defs.json").read_text())
-    # schema.json refers to "defs.json#/definitions/..." relative to itself.
-    registry = Registry().with_resource("defs.json", Resource.from_contents(
-        defs, default_specification=DRAFT7))
-    return jsonschema.Draft7Validator(schema, registry=registry)
+    return official_validator()
 
 
 def _document(path: Path) -> object:

@@ -109,14 +109,17 @@ def install_artifact(
     backoff: float = 0.5,
     max_layer_bytes: int = DEFAULT_MAX_LAYER_BYTES,
     verify_files: bool = False,
+    label: str | None = None,
 ) -> InstallResult:
     """Make ``dest`` hold exactly the files of artifact ``ref``; see the module doc.
 
     ``verify_files`` re-hashes installed files even when their size and mtime match the
-    record. Raises ArtifactError (the previous install untouched) or ConfigError (bad ref).
+    record. ``label`` is the reference as the operator wrote it (recorded and used in
+    messages), when ``ref`` was rewritten to reach it, e.g. a layout path under a host
+    root. Raises ArtifactError (the previous install untouched) or ConfigError (bad ref).
     """
     parsed = parse_ref(ref) if isinstance(ref, str) else ref
-    text = str(parsed)
+    text = label or str(parsed)
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     policy = RetryPolicy(retries=max(0, retries), backoff=backoff)
