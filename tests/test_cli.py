@@ -57,8 +57,13 @@ def test_apply_twice_then_revert_on_a_host_root(tmp_path):
 def test_demo_runs_and_tells_the_story():
     result = run("demo")
     assert result.returncode == 0, result.stderr
-    assert "no changes, as expected" in result.stdout
-    assert "schedulable" in result.stdout
+    out = result.stdout
+    assert "no changes, as expected" in out
+    assert "changed: bound 0000:03:00.0 (10de:2330) to vfio-pci" in out
+    assert "changed: wrote /var/run/cdi/nvidia.com-pgpu.yaml" in out
+    assert "changed: installed oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu" in out
+    assert "runtimes.kata-qemu-nvidia-gpu.options]" in out  # the containerd excerpt
+    assert "containerd config byte-identical to before: yes" in out
 
 
 @pytest.mark.parametrize("args, message", [
