@@ -79,6 +79,11 @@ def spec_path(kind: str) -> str:
 
 def changes(host: HostRoot, inv: Inventory) -> tuple[list[SpecChange], list[str]]:
     """What writing the specs for ``inv`` would do to /var/run/cdi (read-only)."""
+    found, notes, _devices = _changes(host, inv)
+    return found, notes
+
+
+def _changes(host: HostRoot, inv: Inventory) -> tuple[list[SpecChange], list[str], list[PassthroughDevice]]:
     devices, notes = passthrough_devices(host, inv)
     wanted = {spec.kind: spec for spec in build_specs(devices)}
     out = []
@@ -93,11 +98,11 @@ def changes(host: HostRoot, inv: Inventory) -> tuple[list[SpecChange], list[str]
         current = local.read_text() if local.exists() else None
         action = "keep" if current == cdi.dump_spec(spec) else "write"
         out.append(SpecChange(kind, path, action, spec))
-    return out, [n.text for n in notes]
+    return out, [n.text for n in notes], devices
 
 
 def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision]) -> PlanSection:
-    found, notes = changes(host, projected(inv, decisions))
+    found, notes, devices = _changes(host, projected(inv, decisions))
     data = {
         "specs": [
             {"kind": c.kind, "path": c.path, "action": c.action, "spec": c.spec.to_dict() if c.spec else None}
@@ -107,8 +112,10 @@ def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision])
     }
     lines = []
     for c in found:
-        names = ", ".join(f"{c.kind}={d.name}" for d in c.spec.devices) if c.spec else ""
-        lines.append(f"{c.action} {c.path}" + (f" ({names})" if names else ""))
+        lines.append(f"{c.action} {c.path}")
+        for d in (d for d in devices if d.kind == c.kind):
+            names = ", ".join(f"{c.kind}={n}" for n in d.names)
+            lines.append(f"  {names:<44} {d.device.bdf}  {' '.join(d.nodes)}")
     if not found:
         lines.append("no passthrough devices: no spec to write")
     lines += [f"note: {n}" for n in notes]

@@ -35,3 +35,31 @@ def kubelet(short_root: HostRoot) -> Iterator[KubeletSimulator]:
         yield sim
     finally:
         sim.stop()
+
+
+@pytest.fixture
+def sim_host() -> Iterator:
+    """Factory: ``sim_host(profile)`` materialises a host profile (a name, a path
+    or a parsed HostProfile) into a new short temp root and starts a kubelet
+    simulator there; returns ``(HostRoot, KubeletSimulator)``. Cleaned up after
+    the test."""
+    from katamgr.host.profile import HostProfile
+    from katamgr.host.simulate import materialise
+    from katamgr.profiles import find_profile
+
+    started: list[tuple[str, KubeletSimulator]] = []
+
+    def make(profile) -> tuple[HostRoot, KubeletSimulator]:
+        if not isinstance(profile, HostProfile):
+            profile = find_profile(str(profile))
+        directory = tempfile.mkdtemp(prefix="kp-")
+        host = materialise(profile, directory)
+        sim = KubeletSimulator(host)
+        sim.start()
+        started.append((directory, sim))
+        return host, sim
+
+    yield make
+    for directory, sim in started:
+        sim.stop()
+        shutil.rmtree(directory, ignore_errors=True)

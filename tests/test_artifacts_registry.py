@@ -14,6 +14,7 @@ import socket
 import threading
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,8 +184,9 @@ def test_dropped_connection_fails_after_retries_and_keeps_the_install(installed,
             install_artifact(f"{proxy.host}/kata/{repo}:v2", dest, **FAST)
     message = str(error.value)
     assert "broke while reading blob" in message and "vmlinux-nvidia-gpu" in message
-    blob_requests = [path for _, path in proxy.requests if "/blobs/" in path]
-    assert len(blob_requests) == 2  # the first attempt and one retry
+    blob_requests = Counter(path for _, path in proxy.requests if "/blobs/" in path)
+    # layers download side by side; each blob gets the first attempt and one retry, no more
+    assert max(blob_requests.values()) == 2
     assert snapshot(dest) == before
     assert leftovers(dest) == []
 

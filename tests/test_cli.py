@@ -64,6 +64,8 @@ def test_demo_runs_and_tells_the_story():
     assert "changed: installed oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu" in out
     assert "runtimes.kata-qemu-nvidia-gpu.options]" in out  # the containerd excerpt
     assert "containerd config byte-identical to before: yes" in out
+    assert "registered nvidia.com/GH100_H100_SXM5_80GB" in out and "8 healthy of 8" in out
+    assert "CDI device nvidia.com/pgpu=0" in out and "device node /dev/vfio/6 (rw)" in out
 
 
 @pytest.mark.parametrize("args, message", [

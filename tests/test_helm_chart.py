@@ -659,9 +659,7 @@ def test_katamgr_accepts_the_config_the_chart_writes(chart, values):
 
 
 # --- the agents' own parsers accept the arguments the chart passes ------------------------
-# Not marked integration: they skip only while a command is still unwritten (a known gap
-# that must not fail CI); a missing Helm engine still fails them under REQUIRE_INTEGRATION
-# through the helm fixture.
+# A missing Helm engine fails these under REQUIRE_INTEGRATION through the helm fixture.
 
 def _subcommands(parser) -> dict:
     import argparse
@@ -679,8 +677,7 @@ def test_katamgr_understands_the_agent_arguments(chart, values):
     from katamgr import cli
 
     parser = cli.build_parser()
-    if "run" not in _subcommands(parser):
-        pytest.skip("katamgr has no run command yet")
+    assert "run" in _subcommands(parser)
     args = container(render(chart, values), "-sandbox-agent", "kata-manager")["args"]
     parsed = parser.parse_args(args)  # argparse exits (fails the test) on an unknown flag
     assert parsed.command == "run"
@@ -689,10 +686,8 @@ def test_katamgr_understands_the_agent_arguments(chart, values):
 @pytest.mark.parametrize("values", [{}, merged(FULL, {"sandboxDevicePlugin": {"alias": "pgpu"}})],
                          ids=["container", "vm-passthrough-alias"])
 def test_device_plugin_understands_its_arguments(chart, values):
-    try:
-        from sandbox_plugin import cli
-    except ImportError:
-        pytest.skip("sandbox_plugin.cli (sandbox-device-plugin) is not written yet")
+    from sandbox_plugin import cli
+
     rendered = render(chart, values)
     for _, c in rendered.containers():
         if c["command"] == ["sandbox-device-plugin"]:

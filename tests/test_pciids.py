@@ -15,6 +15,9 @@ NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")
 def test_design_examples():
     assert format_resource_suffix("GA102GL [A10]") == "GA102GL_A10"
     assert format_resource_suffix("GH100 [H100 SXM5 80GB]") == "GH100_H100_SXM5_80GB"
+    # Debian 12's hwdata has no space before the bracket; the name is the same.
+    assert format_resource_suffix("GH100[H100 SXM5 80GB]") == "GH100_H100_SXM5_80GB"
+    assert format_resource_suffix("GA100 [A100 PCIe 80GB]") == "GA100_A100_PCIE_80GB"
     assert format_resource_suffix("TU102GL [Quadro RTX 6000/8000]") == "TU102GL_QUADRO_RTX_6000_8000"
 
 

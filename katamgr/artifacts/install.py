@@ -20,12 +20,14 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from katamgr.host.files import fsync_dir, write_atomic
 
@@ -42,8 +44,11 @@ log = logging.getLogger(__name__)
 RECORD_NAME = ".katamgr-artifact.json"
 PROGRESS_MIN_BYTES = 8 * 1024 * 1024
 PROGRESS_EVERY_SECONDS = 2.0
-PIPELINE_MIN_BYTES = 4 * 1024 * 1024
-PIPELINE_DEPTH = 8  # chunks (of up to 1 MiB) received ahead of the hash-and-write worker
+CHUNK_BYTES = 1024 * 1024  # read size for reused local files (sources pick their own)
+PIPELINE_MIN_BYTES = 4 * 1024 * 1024  # smaller blobs are hashed inline: a thread costs more
+PIPELINE_DEPTH = 8  # chunks (of up to 1 MiB) received ahead of the hashing thread
+WRITEBACK_BYTES = 8 * 1024 * 1024  # start writing each 8 MiB to disk as soon as it is written
+LAYER_THREADS = 3  # layers fetched at once; more only contend for 2 cores and the disk
 FILE_MODE = 0o644
 
 
@@ -166,17 +171,7 @@ def _stage_and_swap(
 ) -> int:
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
     try:
-        transferred = 0
-        files = []
-        for layer in manifest.layers:
-            target = staging / layer.name
-            local = intact.get(layer.digest)
-            if not (local and _copy_local(local, target, layer, ref)):
-                transferred += with_retries(
-                    policy, lambda layer=layer, target=target: _download(source, layer, target, ref)
-                )
-            files.append(InstalledFile(layer.name, layer.digest, layer.size,
-                                       target.stat().st_mtime_ns))
+        files, transferred = _fill(source, manifest, ref, staging, intact, policy)
         record = InstallRecord(ref, manifest.digest, tuple(files))
         (staging / RECORD_NAME).write_text(_record_text(record))
         os.chmod(staging, 0o755)
@@ -190,21 +185,59 @@ def _stage_and_swap(
     return transferred
 
 
+def _fill(
+    source: Source, manifest: Manifest, ref: str, staging: Path, intact: dict[str, Path],
+    policy: RetryPolicy,
+) -> tuple[list[InstalledFile], int]:
+    """Put every layer's file, verified and fsynced, into ``staging``; bytes downloaded."""
+    stop = threading.Event()  # set when one layer failed: the others give up at their next chunk
+
+    def fill_one(layer: Layer) -> tuple[InstalledFile, int]:
+        target = staging / layer.name
+        local = intact.get(layer.digest)
+        transferred = 0
+        if not (local and _copy_local(local, target, layer, ref, stop)):
+            transferred = with_retries(policy, lambda: _download(source, layer, target, ref, stop))
+        entry = InstalledFile(layer.name, layer.digest, layer.size, target.stat().st_mtime_ns)
+        return entry, transferred
+
+    # layers download side by side: one blob's fsync and hashing overlap another's transfer
+    with ThreadPoolExecutor(min(LAYER_THREADS, len(manifest.layers)) or 1,
+                            thread_name_prefix="artifact-layer") as pool:
+        futures = [pool.submit(fill_one, layer) for layer in manifest.layers]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        finally:
+            stop.set()  # a no-op once all are done; stops the rest after a failure or interrupt
+            pool.shutdown(wait=True, cancel_futures=True)
+        failures = [f.exception() for f in futures if not f.cancelled() and f.exception()]
+        if failures:  # the cause, not a layer that stopped because of it
+            raise next((e for e in failures if not isinstance(e, _Stopped)), failures[0])
+        results = [future.result() for future in futures]
+    return [entry for entry, _ in results], sum(count for _, count in results)
+
+
+class _Stopped(ArtifactError):
+    """A layer gave up because another layer of the same install failed."""
+
+
 def _record_text(record: InstallRecord) -> str:
     return json.dumps(record.to_json(), indent=2, sort_keys=True) + "\n"
 
 
-def _download(source: Source, layer: Layer, target: Path, ref: str) -> int:
+def _download(source: Source, layer: Layer, target: Path, ref: str, stop: threading.Event) -> int:
     with source.open_blob(layer) as chunks:
-        _write_verified(chunks, target, layer, ref, progress=True)
+        _write_verified(chunks, target, layer, ref, stop, progress=True)
     return layer.size
 
 
-def _copy_local(local: Path, target: Path, layer: Layer, ref: str) -> bool:
+def _copy_local(local: Path, target: Path, layer: Layer, ref: str, stop: threading.Event) -> bool:
     """Reuse an installed file with the same digest; False when it turns out damaged."""
     try:
         with local.open("rb") as handle:
-            _write_verified(iter(lambda: handle.read(1024 * 1024), b""), target, layer, ref)
+            _write_verified(iter(lambda: handle.read(CHUNK_BYTES), b""), target, layer, ref, stop)
+    except _Stopped:
+        raise
     except (ArtifactError, OSError) as exc:
         log.info("%s: cannot reuse %s (%s); downloading it", ref, local, exc)
         return False
@@ -212,30 +245,39 @@ def _copy_local(local: Path, target: Path, layer: Layer, ref: str) -> bool:
 
 
 def _write_verified(
-    chunks: Iterator[bytes], target: Path, layer: Layer, ref: str, progress: bool = False
+    chunks: Iterator[bytes], target: Path, layer: Layer, ref: str, stop: threading.Event,
+    progress: bool = False,
 ) -> None:
-    """Write ``chunks`` to ``target``, checking size and digest as they stream."""
+    """Write ``chunks`` to ``target``, checking size and digest as they stream, then fsync."""
     hasher = hashlib.sha256()
-    written = 0
+    written = flushed = 0
     started = last_report = time.monotonic()
     report = progress and layer.size >= PROGRESS_MIN_BYTES
     if report:
         log.info("%s: downloading %s (%.1f MiB)", ref, layer.name, layer.size / 2**20)
     # a retry starts the file afresh ("wb")
-    with target.open("wb") as out, _consumer(layer.size) as consume:
+    with target.open("wb") as out, _hashing(hasher, layer.size) as hash_chunk:
         for chunk in chunks:
+            if stop.is_set():
+                raise _Stopped(f"{ref}: stopped {layer.name}, another layer failed")
             written += len(chunk)
             if written > layer.size:
                 raise ArtifactError(
                     f"{ref}: blob {layer.digest} ({layer.name}) is longer than the manifest's "
                     f"{layer.size} bytes; the source serves wrong data, re-push the artifact"
                 )
-            consume(hasher, out, chunk)
+            hash_chunk(chunk)
+            out.write(chunk)  # chunks are >= the buffer size: written straight, not copied
+            if written - flushed >= WRITEBACK_BYTES:
+                # the disk writes while we receive, so the final fsync waits only for the tail
+                _start_writeback(out.fileno(), flushed, written - flushed)
+                flushed = written
             if report and time.monotonic() - last_report >= PROGRESS_EVERY_SECONDS:
                 last_report = time.monotonic()
                 log.info("%s: %s %.1f of %.1f MiB (%d%%)", ref, layer.name, written / 2**20,
                          layer.size / 2**20, 100 * written // max(layer.size, 1))
-        consume(hasher, out, None)
+        hash_chunk(None)
+        out.flush()
         os.fsync(out.fileno())
     os.chmod(target, FILE_MODE)
     if written != layer.size:
@@ -255,43 +297,62 @@ def _write_verified(
                  layer.size / 2**20, seconds, layer.size / 2**20 / seconds)
 
 
-Consume = Callable[[Any, BinaryIO, "bytes | None"], None]
-
-
-def _hash_and_write(hasher: Any, out: BinaryIO, chunk: bytes | None) -> None:
-    if chunk is not None:
-        hasher.update(chunk)
-        out.write(chunk)
-
-
 @contextlib.contextmanager
-def _consumer(size: int) -> Iterator[Consume]:
-    """Hash and write each chunk; for a big blob, in a second thread.
+def _hashing(hasher: Any, size: int) -> Iterator[Callable[[bytes | None], None]]:
+    """``hash_chunk(chunk)`` feeds ``hasher``; ``hash_chunk(None)`` waits for every chunk.
 
-    Receiving, hashing and writing each release the GIL, so on a big blob the next chunks
-    arrive while earlier ones are hashed and written (in order, by one worker): verifying
-    costs little throughput. ``consume(hasher, out, None)`` waits for the last chunk.
+    For a big blob a second thread hashes (sha256 releases the GIL on big buffers) while
+    this one writes and receives the next chunks: hashing costs little throughput. Chunks
+    are immutable bytes, so both threads read the same one without a copy.
     """
     if size < PIPELINE_MIN_BYTES:
-        yield _hash_and_write
-        return
-    in_flight: list[Future] = []
 
-    def consume(hasher: Any, out: BinaryIO, chunk: bytes | None) -> None:
+        def hash_inline(chunk: bytes | None) -> None:
+            if chunk is not None:
+                hasher.update(chunk)
+
+        yield hash_inline
+        return
+    in_flight: deque[Future] = deque()
+
+    def hash_chunk(chunk: bytes | None) -> None:
         if chunk is None:
             while in_flight:
-                in_flight.pop(0).result()
+                in_flight.popleft().result()
             return
-        if len(in_flight) >= PIPELINE_DEPTH:
-            in_flight.pop(0).result()
-        in_flight.append(pool.submit(_hash_and_write, hasher, out, chunk))
+        if len(in_flight) >= PIPELINE_DEPTH:  # bounds the memory held by chunks not yet hashed
+            in_flight.popleft().result()
+        in_flight.append(pool.submit(hasher.update, chunk))
 
-    with ThreadPoolExecutor(1, thread_name_prefix="artifact-write") as pool:
+    with ThreadPoolExecutor(1, thread_name_prefix="artifact-hash") as pool:
         try:
-            yield consume
+            yield hash_chunk
         finally:
             for future in in_flight:
                 future.cancel()
+
+
+def _writeback_function() -> Callable[[int, int, int], None]:
+    """``start(fd, offset, length)``: ask the kernel to begin writing that range to disk.
+
+    sync_file_range(SYNC_FILE_RANGE_WRITE) only starts the writeback and does not wait;
+    durability still comes from the fsync at the end. Where libc lacks it: a no-op.
+    """
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return lambda fd, offset, length: None
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.restype = ctypes.c_int
+
+    def start(fd: int, offset: int, length: int) -> None:
+        function(fd, offset, length, _SYNC_FILE_RANGE_WRITE)  # a hint: its failure changes nothing
+
+    return start
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+_start_writeback = _writeback_function()
 
 
 def _intact_files(dest: Path, record: InstallRecord, full: bool) -> dict[str, Path]:

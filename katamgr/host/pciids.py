@@ -12,7 +12,9 @@ DEFAULT_PCI_IDS = ("/usr/share/hwdata/pci.ids", "/usr/share/misc/pci.ids")
 RESOURCE_VENDOR = "nvidia.com"
 _MAX_NAME = 63
 _DROP = re.compile(r"[^A-Za-z0-9_-]")
-_SEPARATORS = re.compile(r"[/.\s]")
+# Brackets separate too: pci.ids spells some models "GH100[H100 SXM5 80GB]".
+_SEPARATORS = re.compile(r"[/.\s\[\]()]+")
+_REPEATS = re.compile(r"_+")
 _EDGE = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
 _ALIAS = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")
 
@@ -68,9 +70,13 @@ class PciIds:
 
 
 def format_resource_suffix(model: str) -> str:
-    """``GA102GL [A10]`` -> ``GA102GL_A10``: a valid extended-resource name part."""
+    """``GA102GL [A10]`` -> ``GA102GL_A10``: a valid extended-resource name part.
+
+    Upper case; ``/``, ``.``, whitespace and brackets become ``_`` (one at a time);
+    anything else outside ``[A-Za-z0-9_-]`` is dropped.
+    """
     text = _SEPARATORS.sub("_", model.upper())
-    text = _DROP.sub("", text)
+    text = _REPEATS.sub("_", _DROP.sub("", text))
     text = _EDGE.sub("", text)
     if len(text) > _MAX_NAME:
         text = _EDGE.sub("", text[:_MAX_NAME])

@@ -27,27 +27,6 @@ def read_text(path: Path) -> str | None:
         return None
 
 
-def read_hex(path: Path) -> int | None:
-    """A ``0x``-prefixed hex attribute (``vendor``, ``class``); None when unreadable."""
-    text = read_text(path)
-    if not text:
-        return None
-    try:
-        return int(text, 16)
-    except ValueError:
-        return None
-
-
-def read_int(path: Path) -> int | None:
-    text = read_text(path)
-    if text is None:
-        return None
-    try:
-        return int(text, 10)
-    except ValueError:
-        return None
-
-
 def link_name(path: Path) -> str | None:
     """Last component of a symlink's target (``driver`` -> ``nvidia``).
 

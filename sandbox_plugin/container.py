@@ -1,0 +1,277 @@
+"""The fallback for nodes that run ordinary containers: ``nvidia.com/gpu`` from NVML.
+
+Device IDs are GPU UUIDs; topology is the NUMA node of the GPU's PCI function
+(read from sysfs through the host root). Allocate answers with
+``NVIDIA_VISIBLE_DEVICES=<uuid,...>`` and the CDI names ``nvidia.com/gpu=<uuid>``.
+
+Health comes from NVML's critical-XID events. XIDs a user's own program causes
+(and that leave the GPU usable) do not mark it Unhealthy, or any tenant could
+take GPUs out of service with a bad kernel: 13 (graphics engine exception),
+31 (GPU memory page fault), 43 (GPU stopped processing), 45 (preemptive
+cleanup), 68 (video processor exception) and 109 (context switch timeout).
+Every other critical XID (48 double-bit ECC, 61-64 and 74 firmware/NVLink,
+79 fallen off the bus, 92, 94, 95 ECC, 119/120 GSP...) does. NVML has no
+"recovered" event, so an unhealthy GPU stays so until the plugin restarts
+(normally after the node's GPU is reset or replaced).
+
+No NVML (library missing, driver not loaded, any NVMLError on init): advertise
+nothing, say why in one log line, and retry init rarely; the process stays up.
+
+The NVML module is injectable: production uses ``pynvml`` (package
+``nvidia-ml-py``); tests pass ``sandbox_plugin.testing.nvml.FakeNvml``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from katamgr.host import pci
+from katamgr.host.root import HostRoot
+from sandbox_plugin.resources import (
+    HEALTHY,
+    UNHEALTHY,
+    AllocationError,
+    ContainerAllocation,
+    PluginDevice,
+    Resource,
+    UnknownDeviceError,
+)
+
+log = logging.getLogger(__name__)
+
+RESOURCE_NAME = "nvidia.com/gpu"
+CDI_KIND = "nvidia.com/gpu"
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
+# Short waits so stop() is prompt; NVML blocks in C with the GIL released.
+EVENT_WAIT_MS = 200
+
+
+@dataclass(frozen=True)
+class ContainerGpu:
+    uuid: str
+    index: int
+    bdf: str | None  # 0000:17:00.0
+    numa_node: int | None
+    health: str = HEALTHY
+
+    def plugin_device(self) -> PluginDevice:
+        return PluginDevice(self.uuid, self.health, self.numa_node)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def normalise_bus_id(bus_id: str) -> str | None:
+    """NVML's ``00000000:17:00.0`` -> sysfs's ``0000:17:00.0``."""
+    try:
+        domain, bus, rest = bus_id.strip().split(":")
+        slot, function = rest.split(".")
+        bdf = f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(slot, 16):02x}.{int(function, 16):x}"
+    except ValueError:
+        return None
+    return bdf if pci.BDF_RE.match(bdf) else None
+
+
+def load_pynvml():
+    """The real NVML bindings, or None when the package is not installed."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    return pynvml
+
+
+class NvmlResource(Resource):
+    """``nvidia.com/gpu`` backed by NVML; ``start()`` runs init and the XID watch in a thread."""
+
+    def __init__(
+        self,
+        host: HostRoot,
+        nvml=None,
+        *,
+        retry_interval: float = 300.0,
+        ignored_xids: Iterable[int] = APPLICATION_XIDS,
+    ) -> None:
+        super().__init__(RESOURCE_NAME)
+        self.host = host
+        self.nvml = nvml if nvml is not None else load_pynvml()
+        self.retry_interval = retry_interval
+        self.ignored_xids = frozenset(ignored_xids)
+        self.unavailable_reason: str | None = None
+        self._lock = threading.Lock()
+        self._gpus: dict[str, ContainerGpu] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="nvml-health", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            # The event wait returns within EVENT_WAIT_MS.
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._init():
+                try:
+                    self._watch_events()
+                finally:
+                    self._shutdown()
+                if self._stop.is_set():
+                    return
+            self._stop.wait(self.retry_interval)
+
+    def _init(self) -> bool:
+        nvml = self.nvml
+        if nvml is None:
+            self._unavailable("the nvidia-ml-py package (pynvml) is not installed")
+            return False
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            self._unavailable(f"NVML could not start ({exc})")
+            return False
+        try:
+            gpus = self._enumerate()
+        except nvml.NVMLError as exc:
+            self._unavailable(f"NVML could not list the GPUs ({exc})")
+            self._shutdown()
+            return False
+        self.unavailable_reason = None
+        with self._lock:
+            self._gpus = {g.uuid: g for g in gpus}
+        log.info("%s: NVML reports %d GPU(s): %s", RESOURCE_NAME, len(gpus),
+                 ", ".join(f"{g.uuid} at {g.bdf}" for g in gpus) or "none")
+        self.changes.notify()
+        return True
+
+    def _unavailable(self, reason: str) -> None:
+        if reason != self.unavailable_reason:
+            log.warning(
+                "%s: advertising no GPUs: %s; retrying every %g s",
+                RESOURCE_NAME, reason, self.retry_interval,
+            )
+        self.unavailable_reason = reason
+        with self._lock:
+            had, self._gpus = self._gpus, {}
+        if had:
+            self.changes.notify()
+
+    def _enumerate(self) -> list[ContainerGpu]:
+        nvml = self.nvml
+        gpus = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            bdf = normalise_bus_id(_text(nvml.nvmlDeviceGetPciInfo(handle).busId))
+            numa = pci.read_device(self.host, bdf).numa_node if bdf else None
+            gpus.append(ContainerGpu(uuid, index, bdf, numa))
+        return gpus
+
+    def _shutdown(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except self.nvml.NVMLError as exc:
+            log.debug("nvmlShutdown failed: %s", exc)
+
+    # -- health -------------------------------------------------------------------
+
+    def _watch_events(self) -> None:
+        nvml = self.nvml
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+        except nvml.NVMLError as exc:
+            log.warning("%s: cannot watch XID events (%s); health stays as it is", RESOURCE_NAME, exc)
+            self._stop.wait()
+            return
+        handles = {}
+        try:
+            for gpu in self.gpus():
+                handle = nvml.nvmlDeviceGetHandleByIndex(gpu.index)
+                try:
+                    nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, event_set)
+                except nvml.NVMLError as exc:
+                    log.warning("%s: %s cannot report XID events (%s); its health is not watched",
+                                RESOURCE_NAME, gpu.uuid, exc)
+                handles[gpu.uuid] = handle
+            while not self._stop.is_set():
+                try:
+                    event = nvml.nvmlEventSetWait(event_set, EVENT_WAIT_MS)
+                except nvml.NVMLError as exc:
+                    if exc.value == nvml.NVML_ERROR_TIMEOUT:
+                        continue
+                    log.warning("%s: waiting for XID events failed (%s); marking every GPU "
+                                "unhealthy and restarting NVML", RESOURCE_NAME, exc)
+                    self._mark_unhealthy(list(handles), f"NVML event wait failed: {exc}")
+                    return
+                self._on_event(nvml, event)
+        finally:
+            try:
+                nvml.nvmlEventSetFree(event_set)
+            except nvml.NVMLError as exc:
+                log.debug("nvmlEventSetFree failed: %s", exc)
+
+    def _on_event(self, nvml, event) -> None:
+        if event.eventType != nvml.nvmlEventTypeXidCriticalError:
+            return
+        xid = int(event.eventData)
+        try:
+            uuid = _text(nvml.nvmlDeviceGetUUID(event.device)) if event.device else None
+        except nvml.NVMLError:
+            uuid = None
+        if xid in self.ignored_xids:
+            log.info("%s: XID %d on %s is an application error; GPU stays healthy",
+                     RESOURCE_NAME, xid, uuid or "an unknown GPU")
+            return
+        known = [g.uuid for g in self.gpus()]
+        # An event we cannot pin to a GPU may concern any of them.
+        targets = [uuid] if uuid in known else known
+        self._mark_unhealthy(targets, f"critical XID {xid}")
+
+    def _mark_unhealthy(self, uuids: Sequence[str], why: str) -> None:
+        changed = False
+        with self._lock:
+            for uuid in uuids:
+                gpu = self._gpus.get(uuid)
+                if gpu is not None and gpu.health == HEALTHY:
+                    self._gpus[uuid] = replace(gpu, health=UNHEALTHY)
+                    changed = True
+                    log.warning("%s: %s is now Unhealthy (%s)", RESOURCE_NAME, uuid, why)
+        if changed:
+            self.changes.notify()
+
+    # -- Resource -----------------------------------------------------------------
+
+    def gpus(self) -> list[ContainerGpu]:
+        with self._lock:
+            return sorted(self._gpus.values(), key=lambda g: g.index)
+
+    def devices(self) -> list[PluginDevice]:
+        return [g.plugin_device() for g in self.gpus()]
+
+    def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
+        with self._lock:
+            gpus = dict(self._gpus)
+        for device_id in device_ids:
+            gpu = gpus.get(device_id)
+            if gpu is None:
+                raise UnknownDeviceError(f"GPU {device_id!r} is not a {RESOURCE_NAME} device on this node")
+            if gpu.health != HEALTHY:
+                raise AllocationError(
+                    f"GPU {device_id} is unhealthy after a critical XID; pick another GPU"
+                )
+        ids = list(dict.fromkeys(device_ids))
+        return ContainerAllocation(
+            envs={VISIBLE_DEVICES: ",".join(ids)},
+            cdi_devices=[f"{CDI_KIND}={uuid}" for uuid in ids],
+        )

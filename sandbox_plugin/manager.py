@@ -1,0 +1,128 @@
+"""Run the node's device plugins: one PluginServer per resource, kept up to date.
+
+``PluginManager(host, mode=...)`` is what ``sandbox-device-plugin`` (and
+``katamgr demo``) run:
+
+- ``vm-passthrough``: discovers the passthrough units, serves one resource per
+  model (or alias), and watches the host (``sandbox_plugin.watch``); a model
+  that shows up later (bound by ``katamgr apply``, hotplugged) gets its own
+  server without a restart;
+- ``container``: serves ``nvidia.com/gpu`` from NVML (``sandbox_plugin.container``),
+  advertising nothing while NVML is unavailable.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from enum import StrEnum
+
+from katamgr.host.root import HostRoot
+from katamgr.plan import Naming
+from sandbox_plugin.container import NvmlResource
+from sandbox_plugin.passthrough import PassthroughDiscovery
+from sandbox_plugin.resources import Resource
+from sandbox_plugin.server import Backoff, PluginServer
+from sandbox_plugin.watch import DeviceWatcher
+
+log = logging.getLogger(__name__)
+
+
+class Mode(StrEnum):
+    VM_PASSTHROUGH = "vm-passthrough"
+    CONTAINER = "container"
+
+
+class PluginManager:
+    """All device plugins of one node; ``start()`` returns at once, ``stop()`` cleans up."""
+
+    def __init__(
+        self,
+        host: HostRoot,
+        mode: Mode | str,
+        *,
+        naming: Naming | None = None,
+        nvml=None,
+        backoff: Backoff | None = None,
+        rescan_interval: float = 30.0,
+        nvml_retry_interval: float = 300.0,
+    ) -> None:
+        self.host = host
+        self.mode = Mode(mode)
+        self.backoff = backoff
+        self.servers: dict[str, PluginServer] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._watcher: DeviceWatcher | None = None
+        self.discovery: PassthroughDiscovery | None = None
+        self.nvml_resource: NvmlResource | None = None
+        if self.mode is Mode.VM_PASSTHROUGH:
+            if naming is None:
+                raise ValueError("vm-passthrough mode needs a Naming (pci.ids and aliases)")
+            self.discovery = PassthroughDiscovery(host, naming)
+            self._watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval)
+        else:
+            self.nvml_resource = NvmlResource(host, nvml, retry_interval=nvml_retry_interval)
+
+    @property
+    def resources(self) -> dict[str, Resource]:
+        with self._lock:
+            return {name: server.resource for name, server in self.servers.items()}
+
+    def start(self) -> None:
+        if self.discovery is not None:
+            self.refresh()
+            assert self._watcher is not None
+            self._watcher.start()
+            if not self.servers:
+                log.info("no GPU or NVSwitch is on vfio-pci yet; waiting for one to be bound")
+        else:
+            assert self.nvml_resource is not None
+            self.nvml_resource.start()
+            self._serve(self.nvml_resource)
+
+    def refresh(self) -> None:
+        """Rescan passthrough devices; start servers for resources seen for the first time."""
+        if self.discovery is None:
+            return
+        for resource in self.discovery.refresh():
+            self._serve(resource)
+
+    def _serve(self, resource: Resource) -> None:
+        with self._lock:
+            if self._stopped or resource.resource_name in self.servers:
+                return
+            server = PluginServer(resource, self.host, backoff=self.backoff)
+            self.servers[resource.resource_name] = server
+        server.start()
+        log.info("serving %s", resource.resource_name)
+
+    def wait_registered(self, timeout: float | None = None) -> bool:
+        """True when every current server registered with the kubelet within ``timeout``."""
+        with self._lock:
+            servers = list(self.servers.values())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for server in servers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not server.wait_registered(left):
+                return False
+        return True
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            servers = list(self.servers.values())
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self.nvml_resource is not None:
+            self.nvml_resource.stop()
+        for server in servers:
+            server.stop()
+
+    def __enter__(self) -> PluginManager:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

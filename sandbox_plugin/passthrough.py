@@ -1,0 +1,262 @@
+"""VFIO passthrough GPUs (and NVSwitches) as kubelet resources.
+
+Discovery reads the host model (``katamgr.host``): every GPU or NVSwitch on
+vfio-pci, grouped by IOMMU group, because the group is what VFIO hands to a VM
+and so the schedulable unit (two GPUs in one group are one plugin device; two
+pods can never share a group). Each unit goes to the resource ``Naming``
+gives its first device: one resource per model (``nvidia.com/GA102GL_A10``), or
+one alias resource (``nvidia.com/pgpu``) when configured.
+
+A unit's ID is its first PCI address (lowercased), so it is stable across
+plugin restarts and reboots. It is Healthy while every endpoint of the group
+is on vfio-pci (or driverless) and its device nodes exist (``/dev/vfio/<group>``,
+or each device's ``/dev/vfio/devices/vfioN`` on iommufd hosts).
+
+``PassthroughDiscovery.refresh()`` rescans and pushes the result into one
+``PassthroughResource`` per name; the watcher (``sandbox_plugin.watch``) calls
+it when something changes, and the manager starts servers for new names.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from katamgr.host import pci
+from katamgr.host.inventory import Inventory, discover
+from katamgr.host.passthrough import PassthroughDevice, passthrough_devices
+from katamgr.host.root import HostRoot
+from katamgr.plan import Naming
+from sandbox_plugin import topology
+from sandbox_plugin.resources import (
+    HEALTHY,
+    UNHEALTHY,
+    AllocationError,
+    ContainerAllocation,
+    DeviceNode,
+    PluginDevice,
+    Resource,
+    UnknownDeviceError,
+)
+from sandbox_plugin.topology import Placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PassthroughUnit:
+    """One schedulable device: the GPUs/NVSwitches of one IOMMU group on vfio-pci."""
+
+    id: str  # first BDF of the group's passthrough devices
+    resource_name: str
+    group: int
+    members: tuple[PassthroughDevice, ...]  # bus order
+    health: str
+    reason: str  # why it is unhealthy; "" when healthy
+    placement: Placement
+
+    @property
+    def bdfs(self) -> tuple[str, ...]:
+        return tuple(m.device.bdf for m in self.members)
+
+    @property
+    def numa_node(self) -> int | None:
+        return self.placement.numa
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Host paths of the device nodes a VM needs, without repeats."""
+        return tuple(dict.fromkeys(n for m in self.members for n in m.nodes))
+
+    @property
+    def cdi_names(self) -> tuple[str, ...]:
+        return tuple(m.qualified_name for m in self.members)
+
+    def plugin_device(self) -> PluginDevice:
+        return PluginDevice(self.id, self.health, self.numa_node)
+
+
+def env_name(resource_name: str) -> str:
+    """KubeVirt's variable: ``nvidia.com/GA102GL_A10`` -> ``PCI_RESOURCE_NVIDIA_COM_GA102GL_A10``."""
+    return "PCI_RESOURCE_" + resource_name.upper().translate(str.maketrans("./-", "___"))
+
+
+def _health(host: HostRoot, inv: Inventory, group: int, members: list[PassthroughDevice]) -> str:
+    """Why the group cannot be used by a VM right now, or "" when it can."""
+    for other in inv.members(group):
+        if not other.is_bridge and other.driver not in (None, pci.VFIO_DRIVER):
+            return f"IOMMU group {group} is not viable: {other.bdf} is on {other.driver}"
+    for member in members:
+        for node in member.nodes:
+            if not host.path(node).exists():
+                return f"{node} is missing"
+    return ""
+
+
+def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
+    """Every passthrough unit of the host, in bus order (one PCI scan)."""
+    inv = discover(host)
+    devices, _notes = passthrough_devices(host, inv)
+    by_group: dict[int, list[PassthroughDevice]] = {}
+    for item in devices:
+        by_group.setdefault(item.group, []).append(item)
+    units = []
+    for group, members in by_group.items():
+        members.sort(key=lambda m: m.device.bdf)
+        gpus = [m for m in members if m.device.is_gpu]
+        head = (gpus or members)[0].device
+        name = naming.resource(head)
+        if name is None:
+            continue
+        unit_id = members[0].device.bdf.lower()
+        reason = _health(host, inv, group, members)
+        units.append(
+            PassthroughUnit(
+                id=unit_id,
+                resource_name=name,
+                group=group,
+                members=tuple(members),
+                health=UNHEALTHY if reason else HEALTHY,
+                reason=reason,
+                placement=topology.placement_of(unit_id, head),
+            )
+        )
+    return sorted(units, key=lambda u: u.id)
+
+
+class PassthroughResource(Resource):
+    """The passthrough units of one resource name; fed by ``PassthroughDiscovery``."""
+
+    def __init__(self, resource_name: str, host: HostRoot) -> None:
+        super().__init__(resource_name)
+        self.host = host
+        self._lock = threading.Lock()
+        self._units: dict[str, PassthroughUnit] = {}
+        self._announced = False
+
+    # -- state ----------------------------------------------------------------
+
+    def units(self) -> list[PassthroughUnit]:
+        with self._lock:
+            return list(self._units.values())
+
+    def update(self, units: Sequence[PassthroughUnit]) -> bool:
+        """Replace the units; notify ListAndWatch and log what changed. True if anything did."""
+        new = {u.id: u for u in units}
+        with self._lock:
+            old, self._units = self._units, new
+        if old == new:
+            return False
+        name = self.resource_name
+        if not self._announced:
+            # The first list is one line; later changes are told device by device.
+            self._announced = True
+            log.info("%s: %d device(s): %s", name, len(new), ", ".join(
+                f"{u.id} ({u.health}{_because(u)})" for u in new.values()))
+            self.changes.notify()
+            return True
+        for unit_id in sorted(new.keys() - old.keys()):
+            unit = new[unit_id]
+            log.info("%s: device %s (IOMMU group %d, %s) appeared, %s%s", name, unit_id,
+                     unit.group, ", ".join(unit.bdfs), unit.health, _because(unit))
+        for unit_id in sorted(old.keys() - new.keys()):
+            log.info("%s: device %s left (no longer on vfio-pci or unplugged)", name, unit_id)
+        for unit_id in sorted(old.keys() & new.keys()):
+            before, after = old[unit_id], new[unit_id]
+            if before.health != after.health:
+                log.info("%s: device %s is now %s%s", name, unit_id, after.health, _because(after))
+        self.changes.notify()
+        return True
+
+    # -- Resource -------------------------------------------------------------
+
+    def devices(self) -> list[PluginDevice]:
+        return [u.plugin_device() for u in self.units()]
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        placements = [u.placement for u in self.units()]
+        return topology.preferred(placements, available, must_include, size)
+
+    def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
+        with self._lock:
+            units = dict(self._units)
+        chosen: list[PassthroughUnit] = []
+        for device_id in dict.fromkeys(device_ids):
+            unit = units.get(device_id)
+            if unit is None:
+                raise UnknownDeviceError(
+                    f"device {device_id!r} is not a {self.resource_name} device on this node "
+                    f"(known: {', '.join(sorted(units)) or 'none'})"
+                )
+            self._recheck(unit)
+            chosen.append(unit)
+        nodes = [n for u in chosen for n in u.nodes]
+        return ContainerAllocation(
+            devices=[DeviceNode(n, n) for n in dict.fromkeys(nodes)],
+            envs={env_name(self.resource_name): ",".join(b for u in chosen for b in u.bdfs)},
+            cdi_devices=[c for u in chosen for c in u.cdi_names],
+        )
+
+    def _recheck(self, unit: PassthroughUnit) -> None:
+        """Read sysfs again: the snapshot may be a few milliseconds old."""
+        name = self.resource_name
+        for member in unit.members:
+            expected = member.device
+            now = pci.read_device(self.host, expected.bdf)
+            if now.vendor is None:
+                problem = "is gone from the host"
+            elif now.driver != pci.VFIO_DRIVER:
+                problem = f"is no longer on vfio-pci (driver: {now.driver or 'none'})"
+            elif now.iommu_group != unit.group:
+                problem = f"moved from IOMMU group {unit.group} to {now.iommu_group}"
+            elif (now.vendor, now.device) != (expected.vendor, expected.device):
+                problem = f"is now a different device ({now.id_string()}, was {expected.id_string()})"
+            else:
+                problem = ""
+            if problem:
+                raise AllocationError(
+                    f"device {unit.id} of {name}: {expected.bdf} {problem}; "
+                    "the kubelet will be told, pick another device"
+                )
+        for node in unit.nodes:
+            if not self.host.path(node).exists():
+                raise AllocationError(
+                    f"device {unit.id} of {name}: {node} is missing on the host; "
+                    "check that vfio-pci is loaded and udev created the node"
+                )
+
+
+def _because(unit: PassthroughUnit) -> str:
+    return f" ({unit.reason})" if unit.reason else ""
+
+
+class PassthroughDiscovery:
+    """Keeps one ``PassthroughResource`` per resource name in step with the host."""
+
+    def __init__(self, host: HostRoot, naming: Naming) -> None:
+        self.host = host
+        self.naming = naming
+        self._lock = threading.Lock()
+        self.resources: dict[str, PassthroughResource] = {}
+
+    def refresh(self) -> list[PassthroughResource]:
+        """Rescan and update every resource; return the resources created by this call.
+
+        A resource whose devices all left stays (advertising nothing), so a
+        server already registered for it need not be torn down and rebuilt.
+        """
+        units = scan_units(self.host, self.naming)
+        by_name: dict[str, list[PassthroughUnit]] = {}
+        for unit in units:
+            by_name.setdefault(unit.resource_name, []).append(unit)
+        created = []
+        with self._lock:
+            for name in sorted(by_name.keys() - self.resources.keys()):
+                self.resources[name] = PassthroughResource(name, self.host)
+                created.append(self.resources[name])
+            resources = dict(self.resources)
+        for name, resource in resources.items():
+            resource.update(by_name.get(name, []))
+        return created

@@ -1,0 +1,131 @@
+"""Noticing passthrough devices come, go and change health, without polling.
+
+inotify watches the places where binding, unbinding and hotplug leave traces:
+
+- ``dev/vfio`` and ``dev/vfio/devices``: group nodes and iommufd cdevs appear
+  when a device binds to vfio-pci and vanish when the group's last device
+  unbinds (or an operator deletes one);
+- ``sys/bus/pci/drivers/vfio-pci``: bind/unbind adds/removes a ``<bdf>`` link;
+- ``sys/bus/pci/devices``: hotplug adds/removes ``<bdf>``.
+
+Watched directories that do not exist yet (vfio-pci not loaded, no ``/dev/vfio``)
+are picked up when their parent reports them created. Events are only a hint:
+after a burst settles the callback rescans the host, so coalesced or missed
+events do no harm. On a real kernel sysfs raises no inotify events for its own
+changes, but devtmpfs does (``/dev/vfio/<group>`` follows every bind and the
+last unbind of a group), and a slow safety rescan (30 s by default) covers
+the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from inotify_simple import INotify
+from inotify_simple import flags as inotify_flags
+
+from katamgr.host.root import HostRoot
+
+log = logging.getLogger(__name__)
+
+WATCHED = (
+    "/dev/vfio",
+    "/dev/vfio/devices",
+    "/sys/bus/pci/drivers/vfio-pci",
+    "/sys/bus/pci/devices",
+)
+_MASK = (
+    inotify_flags.CREATE
+    | inotify_flags.DELETE
+    | inotify_flags.MOVED_FROM
+    | inotify_flags.MOVED_TO
+    | inotify_flags.ATTRIB
+    | inotify_flags.DELETE_SELF
+    | inotify_flags.MOVE_SELF
+)
+# A bind is a burst of events (driver link, group node, cdev); wait until it
+# settles so one change is one rescan, but never longer than _MAX_SETTLE.
+_SETTLE = 0.005
+_MAX_SETTLE = 0.05
+
+
+class DeviceWatcher:
+    """Call ``on_change()`` from a thread whenever passthrough devices may have changed."""
+
+    def __init__(
+        self, host: HostRoot, on_change: Callable[[], None], *, rescan_interval: float = 30.0
+    ) -> None:
+        self.host = host
+        self.on_change = on_change
+        self.rescan_interval = rescan_interval
+        self._inotify = INotify()
+        self._watches: dict[int, Path] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.rescans = 0
+
+    def start(self) -> None:
+        self._add_watches()
+        self._thread = threading.Thread(target=self._run, name="device-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._inotify.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _add_watches(self) -> None:
+        """Watch each target, or its nearest existing ancestor until it appears."""
+        present = set(self._watches.values())
+        for host_path in WATCHED:
+            path = self.host.path(host_path)
+            while not path.is_dir() and path != self.host.root:
+                path = path.parent
+            if path in present:
+                continue
+            try:
+                wd = self._inotify.add_watch(path, _MASK)
+            except OSError as exc:
+                log.warning("cannot watch %s (%s); relying on the periodic rescan", path, exc)
+                continue
+            self._watches[wd] = path
+            present.add(path)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            ready, _, _ = select.select(
+                [self._inotify.fileno(), self._wake_r], [], [], self.rescan_interval
+            )
+            if self._stop.is_set():
+                return
+            if ready:
+                self._drain()
+            self._add_watches()  # a watched dir may have just been created
+            self.rescans += 1
+            try:
+                self.on_change()
+            except Exception:  # a bad rescan must not end watching for good
+                log.exception("rescanning passthrough devices failed; will retry on the next change")
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + _MAX_SETTLE
+        while True:
+            events = self._inotify.read(timeout=0)
+            for event in events:
+                if event.mask & inotify_flags.IGNORED:
+                    self._watches.pop(event.wd, None)  # the dir went away
+            if not events and not select.select([self._inotify.fileno()], [], [], _SETTLE)[0]:
+                return
+            if time.monotonic() >= deadline:
+                return

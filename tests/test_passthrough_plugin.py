@@ -1,0 +1,262 @@
+"""VFIO passthrough resources served to the kubelet simulator.
+
+Real gRPC over real unix sockets, on simulated hosts made from the example
+profiles; binding goes through katamgr's own apply and the emulated kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+from hostkit import GPU_A10, dev
+from kubelet_sim import sim_host  # noqa: F401  (pytest fixture)
+
+from katamgr.apply import apply_host
+from katamgr.host import vfio
+from katamgr.host.emulation import handle_write
+from katamgr.host.pciids import PciIds, resource_name
+from katamgr.host.profile import parse_profile
+from katamgr.plan import Naming, build_plan
+from sandbox_plugin.manager import Mode, PluginManager
+from sandbox_plugin.passthrough import PassthroughDiscovery, env_name
+from sandbox_plugin.resources import HEALTHY, UNHEALTHY, AllocationError, UnknownDeviceError
+from sandbox_plugin.server import Backoff
+
+PCI_IDS = PciIds.find()
+NAMING = Naming(PCI_IDS)
+A10 = "nvidia.com/GA102GL_A10"
+H100 = resource_name(PCI_IDS, 0x10DE, 0x2330)
+NVSWITCH = resource_name(PCI_IDS, 0x10DE, 0x22A3)
+FAST = Backoff(initial=0.05, factor=2.0, cap=0.4)
+A10_IDS = ["0000:17:00.0", "0000:31:00.0", "0000:ca:00.0", "0000:e3:00.0"]
+H100_IDS = ["0000:03:00.0", "0000:04:00.0", "0000:13:00.0", "0000:14:00.0",
+            "0000:83:00.0", "0000:84:00.0", "0000:93:00.0", "0000:94:00.0"]
+
+
+@pytest.fixture
+def serve(sim_host):  # noqa: F811
+    """serve(host, naming=NAMING): a running PluginManager, stopped before the host goes."""
+    managers: list[PluginManager] = []
+
+    def start(host, naming: Naming = NAMING) -> PluginManager:
+        manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=naming, backoff=FAST)
+        managers.append(manager)
+        manager.start()
+        return manager
+
+    yield start
+    for manager in managers:
+        manager.stop()
+
+
+def bind(host, skip_groups=()) -> None:
+    """katamgr's binding, leaving the IOMMU groups in ``skip_groups`` on their driver."""
+    decisions = [d for d in build_plan(host, NAMING).decisions if d.group not in skip_groups]
+    report = vfio.bind(host, decisions)
+    assert not report.failures
+
+
+def health(state, name):
+    return {d.id: d.health for d in state.devices.get(name, [])}
+
+
+def test_dgx_h100_registers_one_resource_per_model(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host("dgx-h100")
+    bind(host)
+    serve(host)
+    state = kubelet.wait_for(
+        lambda s: len(s.devices.get(H100, [])) == 8 and len(s.devices.get(NVSWITCH, [])) == 4
+    )
+    assert {r.resource_name for r in state.registrations} == {H100, NVSWITCH}
+    assert health(state, H100) == dict.fromkeys(H100_IDS, HEALTHY)
+    assert [d.numa_node for d in state.devices[H100]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert sorted(health(state, NVSWITCH)) == ["0000:05:00.0", "0000:15:00.0", "0000:85:00.0",
+                                               "0000:95:00.0"]
+    assert state.options[H100].get_preferred_allocation_available
+
+
+def test_a10_server_registers_ga102gl_a10(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host("a10-server")
+    bind(host)
+    serve(host)
+    state = kubelet.wait_for(lambda s: len(s.devices.get(A10, [])) == 4)
+    assert [r.resource_name for r in state.registrations] == [A10]
+    assert [(d.id, d.health, d.numa_node) for d in state.devices[A10]] == [
+        ("0000:17:00.0", HEALTHY, 0), ("0000:31:00.0", HEALTHY, 0),
+        ("0000:ca:00.0", HEALTHY, 1), ("0000:e3:00.0", HEALTHY, 1),
+    ]
+
+
+def test_alias_mode_uses_one_name_per_class(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host("dgx-h100")
+    bind(host)
+    serve(host, Naming(PCI_IDS, "pgpu", "nvswitch"))
+    state = kubelet.wait_for(
+        lambda s: len(s.devices.get("nvidia.com/pgpu", [])) == 8
+        and len(s.devices.get("nvidia.com/nvswitch", [])) == 4
+    )
+    assert {r.resource_name for r in state.registrations} == {"nvidia.com/pgpu", "nvidia.com/nvswitch"}
+
+
+def test_allocate_one_and_several_gpus(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host("a10-server")
+    bind(host)
+    serve(host)
+    kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4)
+
+    one = kubelet.allocate(A10, ["0000:17:00.0"])
+    assert [(d.host_path, d.container_path, d.permissions) for d in one.devices] == [
+        ("/dev/vfio/vfio", "/dev/vfio/vfio", "rw"), ("/dev/vfio/20", "/dev/vfio/20", "rw"),
+    ]
+    assert dict(one.envs) == {"PCI_RESOURCE_NVIDIA_COM_GA102GL_A10": "0000:17:00.0"}
+    assert [c.name for c in one.cdi_devices] == ["nvidia.com/pgpu=0"]
+
+    several = kubelet.allocate(A10, ["0000:ca:00.0", "0000:e3:00.0"])
+    assert [d.host_path for d in several.devices] == ["/dev/vfio/vfio", "/dev/vfio/41", "/dev/vfio/43"]
+    assert dict(several.envs) == {"PCI_RESOURCE_NVIDIA_COM_GA102GL_A10": "0000:ca:00.0,0000:e3:00.0"}
+    assert [c.name for c in several.cdi_devices] == ["nvidia.com/pgpu=2", "nvidia.com/pgpu=3"]
+    # Host paths are the host's, never the root we read it through.
+    assert not any(str(host.root) in d.host_path for d in several.devices)
+
+
+def test_allocate_refuses_unknown_and_unbound_devices(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host("a10-server")
+    bind(host)
+    serve(host)
+    kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4)
+
+    with pytest.raises(grpc.RpcError) as unknown:
+        kubelet.allocate(A10, ["0000:99:00.0"])
+    assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "0000:99:00.0" in unknown.value.details()
+
+    handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:31:00.0")
+    with pytest.raises(grpc.RpcError) as gone:
+        kubelet.allocate(A10, ["0000:17:00.0", "0000:31:00.0"])
+    assert "0000:31:00.0" in gone.value.details()
+    # ... and the kubelet learns that the device left.
+    kubelet.wait_for(lambda s: sorted(health(s, A10)) == [A10_IDS[0], *A10_IDS[2:]], timeout=2)
+
+
+def test_allocate_rechecks_sysfs_even_before_the_watcher_noticed(sim_host):  # noqa: F811
+    host, _kubelet = sim_host("a10-server")
+    bind(host)
+    discovery = PassthroughDiscovery(host, NAMING)  # no watcher: the snapshot goes stale
+    discovery.refresh()
+    resource = discovery.resources[A10]
+    handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:31:00.0")
+    with pytest.raises(AllocationError) as error:
+        resource.allocate(["0000:31:00.0"])
+    assert "0000:31:00.0" in error.value.message and "no longer on vfio-pci" in error.value.message
+    with pytest.raises(UnknownDeviceError, match="0000:00:00.0"):
+        resource.allocate(["0000:00:00.0"])
+    assert resource.allocate(["0000:17:00.0"]).envs == {env_name(A10): "0000:17:00.0"}
+
+
+def test_missing_group_node_turns_unhealthy_and_heals(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host("a10-server")
+    bind(host)
+    serve(host)
+    kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4)
+
+    node = host.path("/dev/vfio/21")
+    node.unlink()
+    state = kubelet.wait_for(lambda s: health(s, A10).get("0000:31:00.0") == UNHEALTHY, timeout=1)
+    assert sorted(state.healthy(A10)) == [A10_IDS[0], *A10_IDS[2:]]
+    with pytest.raises(grpc.RpcError) as error:
+        kubelet.allocate(A10, ["0000:31:00.0"])
+    assert "/dev/vfio/21" in error.value.details()
+
+    node.touch()
+    kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=1)
+
+
+def test_gpus_and_models_bound_later_are_advertised(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host("dgx-h100")
+    # Everything but one GPU (IOMMU group 38) and the NVSwitches goes to vfio-pci first.
+    bind(host, skip_groups={38, 10, 20, 30, 40})
+    manager = serve(host)
+    state = kubelet.wait_for(lambda s: len(s.devices.get(H100, [])) == 7)
+    assert "0000:94:00.0" not in health(state, H100)
+    assert NVSWITCH not in state.devices
+
+    report = apply_host(host, build_plan(host, NAMING))
+    assert report.ok, report.failures
+    state = kubelet.wait_for(
+        lambda s: len(s.healthy(H100)) == 8 and len(s.healthy(NVSWITCH)) == 4, timeout=3
+    )
+    assert set(manager.servers) == {H100, NVSWITCH}
+
+
+def test_hot_unplug_and_replug_change_the_list(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host("a10-server")
+    bind(host)
+    serve(host)
+    kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4)
+    link = host.path("/sys/bus/pci/devices/0000:e3:00.0")
+    target = os.readlink(link)
+    link.unlink()  # what the kernel's PCI hot-remove leaves in /sys/bus/pci/devices
+    kubelet.wait_for(lambda s: sorted(health(s, A10)) == A10_IDS[:3], timeout=2)
+    os.symlink(target, link)
+    kubelet.wait_for(lambda s: sorted(s.healthy(A10)) == A10_IDS, timeout=2)
+
+
+def test_kubelet_restart_reregisters_every_resource(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host("dgx-h100")
+    bind(host)
+    serve(host)
+    kubelet.wait_for(lambda s: len(s.devices.get(H100, [])) == 8 and len(s.devices.get(NVSWITCH, [])) == 4)
+    kubelet.restart()
+    state = kubelet.wait_for(
+        lambda s: len(s.registrations_for(H100)) == 2 and len(s.registrations_for(NVSWITCH)) == 2
+        and len(s.devices.get(H100, [])) == 8 and len(s.devices.get(NVSWITCH, [])) == 4,
+        timeout=10,
+    )
+    assert state.restarts == 1
+
+
+def shared_group_profile(iommufd: bool = False):
+    return parse_profile({
+        "name": "shared-group",
+        "iommu": True,
+        "iommufd": iommufd,
+        "vfio_pci": "loaded",
+        "devices": [
+            dev("0000:41:00.0", GPU_A10, "vfio-pci", 7),
+            dev("0000:41:00.1", GPU_A10, "vfio-pci", 7),  # same group: one schedulable unit
+            dev("0000:42:00.0", GPU_A10, "vfio-pci", 8, numa_node=1),
+        ],
+    })
+
+
+def test_two_gpus_in_one_iommu_group_are_one_device(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host(shared_group_profile())
+    serve(host)
+    state = kubelet.wait_for(lambda s: len(s.devices.get(A10, [])) == 2)
+    assert [(d.id, d.numa_node) for d in state.devices[A10]] == [("0000:41:00.0", 0), ("0000:42:00.0", 1)]
+
+    both = kubelet.allocate(A10, ["0000:41:00.0"])
+    assert [d.host_path for d in both.devices] == ["/dev/vfio/vfio", "/dev/vfio/7"]
+    assert dict(both.envs) == {env_name(A10): "0000:41:00.0,0000:41:00.1"}
+    assert [c.name for c in both.cdi_devices] == ["nvidia.com/pgpu=0", "nvidia.com/pgpu=1"]
+
+
+def test_iommufd_host_gets_iommu_and_cdev_nodes(sim_host, serve):  # noqa: F811
+    host, kubelet = sim_host(shared_group_profile(iommufd=True))
+    serve(host)
+    kubelet.wait_for(lambda s: len(s.healthy(A10)) == 2)
+    answer = kubelet.allocate(A10, ["0000:42:00.0"])
+    cdev = sorted(p.name for p in host.path("/sys/bus/pci/devices/0000:42:00.0/vfio-dev").iterdir())[0]
+    assert [d.host_path for d in answer.devices] == ["/dev/iommu", f"/dev/vfio/devices/{cdev}"]
+
+    # The cdev is the iommufd-era health signal.
+    host.path(f"/dev/vfio/devices/{cdev}").unlink()
+    kubelet.wait_for(lambda s: health(s, A10).get("0000:42:00.0") == UNHEALTHY, timeout=1)
+
+
+def test_env_name_follows_kubevirt():
+    assert env_name("nvidia.com/GA102GL_A10") == "PCI_RESOURCE_NVIDIA_COM_GA102GL_A10"
+    assert env_name("nvidia.com/pgpu") == "PCI_RESOURCE_NVIDIA_COM_PGPU"
+    assert env_name("example-x.io/a-b") == "PCI_RESOURCE_EXAMPLE_X_IO_A_B"
