@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import shutil
 import tempfile
 from pathlib import Path
@@ -74,11 +75,11 @@ def run_demo(args: argparse.Namespace) -> int:
         _print(report)
         if not report.ok:
             return 1
-        diff = host.path("/etc/containerd/config.toml").read_text()
-        print("\n  containerd now has (excerpt):")
-        for line in diff.splitlines():
-            if "kata-qemu-nvidia-gpu" in line or "ConfigPath" in line or "enable_cdi" in line:
-                print(f"    {line.strip()}")
+        original = (DATA / "demo" / "containerd-config.toml").read_text()
+        now = host.path("/etc/containerd/config.toml").read_text()
+        print("\n  containerd config diff (/etc/containerd/config.toml):")
+        for line in difflib.unified_diff(original.splitlines(), now.splitlines(), "before", "after", lineterm="", n=1):
+            print(f"    {line}")
 
         _step("3. Apply again: nothing to do, containerd not restarted")
         again = reconcile(host, naming, steps, ctx)
@@ -90,7 +91,6 @@ def run_demo(args: argparse.Namespace) -> int:
         _step("5. Revert (katamgr revert --config kata-manager.yaml)")
         undone = revert_all(host, steps, ctx)
         _print(undone)
-        original = (DATA / "demo" / "containerd-config.toml").read_text()
         same = host.path("/etc/containerd/config.toml").read_text() == original
         print(f"  containerd config byte-identical to before: {'yes' if same else 'NO'}")
         if args.keep:
