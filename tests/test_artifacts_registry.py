@@ -23,6 +23,7 @@ import pytest
 from registry import TEST_PASSWORD, TEST_USER, auth_registry_server, registry_server
 from test_artifacts_layout import leftovers, snapshot
 
+import katamgr.artifacts.install as install_module
 from katamgr.artifacts import (
     ArtifactError,
     credentials_from_dockerconfigjson,
@@ -172,6 +173,38 @@ def test_corrupted_blob_fails_and_keeps_the_install(installed, tmp_path):
         install_artifact(f"{registry.host}/kata/{repo}:v2", dest, **FAST)
     message = str(error.value)
     assert kernel in message and "vmlinux-nvidia-gpu" in message and "corrupt" in message
+    assert snapshot(dest) == before
+    assert leftovers(dest) == []
+
+
+def test_big_blobs_are_verified_while_streaming(registry_server, tmp_path):
+    # over PIPELINE_MIN_BYTES and WRITEBACK_BYTES: hashed in the second thread, written back
+    # early, and several layers at once; a bad byte in the middle must still be caught
+    big = install_module.WRITEBACK_BYTES + 3 * 1024 * 1024 + 17
+    files = artifact_files(tmp_path / "v1", "v1")
+    files[0].write_bytes(os.urandom(big))
+    files[1].write_bytes(os.urandom(install_module.PIPELINE_MIN_BYTES + 1))
+    repo = "kata/big-blobs"
+    registry_server.push_files(f"{repo}:v1", files)
+    dest = tmp_path / "artifacts" / "kata-qemu-nvidia-gpu"
+    result = install_artifact(f"{registry_server.host}/{repo}:v1", dest)
+    assert result.bytes_transferred == sum(path.stat().st_size for path in files)
+    for path in files:
+        assert (dest / path.name).read_bytes() == path.read_bytes()
+    before = snapshot(dest)
+
+    files[0].write_bytes(os.urandom(big))
+    digest = registry_server.push_files(f"{repo}:v2", files)
+    manifest = json.loads(_get(f"http://{registry_server.host}/v2/{repo}/manifests/{digest}"))
+    blob = registry_server.blob_path(manifest["layers"][0]["digest"])
+    with blob.open("r+b") as handle:
+        handle.seek(big // 2)
+        byte = handle.read(1)
+        handle.seek(big // 2)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ArtifactError) as error:
+        install_artifact(f"{registry_server.host}/{repo}:v2", dest, **FAST)
+    assert "vmlinux-nvidia-gpu" in str(error.value) and "corrupt" in str(error.value)
     assert snapshot(dest) == before
     assert leftovers(dest) == []
 

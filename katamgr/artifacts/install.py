@@ -173,7 +173,10 @@ def _stage_and_swap(
     try:
         files, transferred = _fill(source, manifest, ref, staging, intact, policy)
         record = InstallRecord(ref, manifest.digest, tuple(files))
-        (staging / RECORD_NAME).write_text(_record_text(record))
+        with (staging / RECORD_NAME).open("w") as out:
+            out.write(_record_text(record))
+            out.flush()
+            os.fsync(out.fileno())  # after a crash the swapped-in dir must hold its record
         os.chmod(staging, 0o755)
         fsync_dir(staging)
         _swap(staging, dest)
