@@ -20,9 +20,11 @@ it when something changes, and the manager starts servers for new names.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from katamgr.host import pci
 from katamgr.host.inventory import Inventory, discover
@@ -57,7 +59,10 @@ class PassthroughUnit:
     reason: str  # why it is unhealthy; "" when healthy
     placement: Placement
 
-    @property
+    # The derived tuples are cached: Allocate uses them on every call. A frozen
+    # dataclass still takes cached_property (it writes the instance dict), and
+    # equality only compares the fields.
+    @cached_property
     def bdfs(self) -> tuple[str, ...]:
         return tuple(m.device.bdf for m in self.members)
 
@@ -65,12 +70,12 @@ class PassthroughUnit:
     def numa_node(self) -> int | None:
         return self.placement.numa
 
-    @property
+    @cached_property
     def nodes(self) -> tuple[str, ...]:
         """Host paths of the device nodes a VM needs, without repeats."""
         return tuple(dict.fromkeys(n for m in self.members for n in m.nodes))
 
-    @property
+    @cached_property
     def cdi_names(self) -> tuple[str, ...]:
         return tuple(m.qualified_name for m in self.members)
 
@@ -135,6 +140,8 @@ class PassthroughResource(Resource):
         self._lock = threading.Lock()
         self._units: dict[str, PassthroughUnit] = {}
         self._announced = False
+        # host path -> local path of device nodes, for the per-Allocate check
+        self._local_paths: dict[str, str] = {}
 
     # -- state ----------------------------------------------------------------
 
@@ -181,7 +188,7 @@ class PassthroughResource(Resource):
 
     def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
         with self._lock:
-            units = dict(self._units)
+            units = self._units  # update() replaces the dict, never changes it
         chosen: list[PassthroughUnit] = []
         for device_id in dict.fromkeys(device_ids):
             unit = units.get(device_id)
@@ -204,7 +211,7 @@ class PassthroughResource(Resource):
         name = self.resource_name
         for member in unit.members:
             expected = member.device
-            now = pci.read_device(self.host, expected.bdf)
+            now = pci.read_binding(self.host, expected.bdf)  # all the checks below need
             if now.vendor is None:
                 problem = "is gone from the host"
             elif now.driver != pci.VFIO_DRIVER:
@@ -221,11 +228,18 @@ class PassthroughResource(Resource):
                     "the kubelet will be told, pick another device"
                 )
         for node in unit.nodes:
-            if not self.host.path(node).exists():
+            if not os.path.exists(self._local_path(node)):
                 raise AllocationError(
                     f"device {unit.id} of {name}: {node} is missing on the host; "
                     "check that vfio-pci is loaded and udev created the node"
                 )
+
+
+    def _local_path(self, host_path: str) -> str:
+        local = self._local_paths.get(host_path)
+        if local is None:
+            local = self._local_paths[host_path] = str(self.host.path(host_path))
+        return local
 
 
 def _because(unit: PassthroughUnit) -> str:

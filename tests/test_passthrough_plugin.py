@@ -14,7 +14,7 @@ from hostkit import GPU_A10, dev
 from kubelet_sim import sim_host  # noqa: F401  (pytest fixture)
 
 from katamgr.apply import apply_host
-from katamgr.host import vfio
+from katamgr.host import pci, vfio
 from katamgr.host.emulation import handle_write
 from katamgr.host.pciids import PciIds, resource_name
 from katamgr.host.profile import parse_profile
@@ -153,6 +153,41 @@ def test_allocate_rechecks_sysfs_even_before_the_watcher_noticed(sim_host):  # n
     with pytest.raises(UnknownDeviceError, match="0000:00:00.0"):
         resource.allocate(["0000:00:00.0"])
     assert resource.allocate(["0000:17:00.0"]).envs == {env_name(A10): "0000:17:00.0"}
+
+
+def test_allocate_refuses_a_device_whose_node_or_group_changed_meanwhile(sim_host):  # noqa: F811
+    host, _kubelet = sim_host("a10-server")
+    bind(host)
+    discovery = PassthroughDiscovery(host, NAMING)  # no watcher: the snapshot goes stale
+    discovery.refresh()
+    resource = discovery.resources[A10]
+    unit = next(u for u in resource.units() if u.id == "0000:17:00.0")
+    node = host.path(f"/dev/vfio/{unit.group}")
+    assert resource.allocate([unit.id]).devices  # warm: the check must not be cached
+    node.unlink()
+    with pytest.raises(AllocationError, match=f"/dev/vfio/{unit.group} is missing"):
+        resource.allocate([unit.id])
+    node.touch()
+    assert resource.allocate([unit.id]).envs == {env_name(A10): unit.id}
+
+    link = host.path(f"/sys/bus/pci/devices/{unit.id}/iommu_group")
+    target = os.readlink(link)
+    moved = target.rsplit("/", 1)[0] + "/999"
+    os.unlink(link)
+    os.symlink(moved, link)
+    link.resolve().mkdir()
+    with pytest.raises(AllocationError, match=f"moved from IOMMU group {unit.group} to 999"):
+        resource.allocate([unit.id])
+
+
+def test_binding_read_agrees_with_the_full_read(sim_host):  # noqa: F811
+    host, _kubelet = sim_host("dgx-h100")
+    bind(host, skip_groups={16})  # some devices on vfio-pci, one left on its driver
+    for device in pci.scan(host):
+        light = pci.read_binding(host, device.bdf)
+        assert (light.vendor, light.device, light.driver, light.iommu_group) == (
+            device.vendor, device.device, device.driver, device.iommu_group), device.bdf
+    assert pci.read_binding(host, "0000:99:00.0").vendor is None
 
 
 def test_missing_group_node_turns_unhealthy_and_heals(sim_host, serve):  # noqa: F811
