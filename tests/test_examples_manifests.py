@@ -65,11 +65,14 @@ def test_kata_pod_runs_in_a_vm_with_a_passthrough_a10():
 
 
 def test_the_kata_pod_runtime_class_is_one_the_chart_installs():
-    values = yaml.safe_load((REPO / "deploy/helm/kata-sandbox-manager/values.yaml").read_text())
-    mixed = yaml.safe_load((EXAMPLES / "values" / "mixed-cluster.yaml").read_text())
+    files = [REPO / "deploy/helm/kata-sandbox-manager/values.yaml",
+             *sorted((EXAMPLES / "values").glob("*.yaml"))]
+    assert len(files) >= 3  # the chart's defaults, mixed-cluster, air-gapped
     runtime_class = load(KATA_POD)["spec"]["runtimeClassName"]
-    for config in (values, mixed):
-        assert runtime_class in {rc["name"] for rc in config["kataManager"]["config"]["runtimeClasses"]}
+    for path in files:
+        config = yaml.safe_load(path.read_text())
+        names = {rc["name"] for rc in config["kataManager"]["config"]["runtimeClasses"]}
+        assert runtime_class in names, path.name
 
 
 def test_kata_pod_requests_what_katamgr_plans_for_an_a10_host():

@@ -55,6 +55,13 @@ CUSTOM_CLASSES = merged(FULL, {
     }, "imagePullSecrets": ["ghcr-creds"]},
 })
 
+# The air-gapped config shape: artifacts from OCI image layouts copied onto the nodes.
+AIR_GAPPED_CONFIG = yaml.safe_load((EXAMPLES / "configs" / "air-gapped.yaml").read_text())
+AIR_GAPPED = merged(FULL, {"kataManager": {"config": {
+    "artifactsDir": AIR_GAPPED_CONFIG["artifactsDir"],
+    "runtimeClasses": AIR_GAPPED_CONFIG["runtimeClasses"],
+}}})
+
 TOLERATIONS = [
     {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"},
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
@@ -86,7 +93,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                 "devicePlugin": {"enabled": False}}),
     "sandbox-nothing-enabled": merged(SANDBOX, {"vfioManager": {"enabled": False},
                                                 "sandboxDevicePlugin": {"enabled": False}}),
+    "air-gapped": merged(AIR_GAPPED, {"kataManager": {"ociLayoutDirs": ["/srv/kata-layouts"]}}),
     "example-mixed-cluster": yaml.safe_load((EXAMPLES / "values" / "mixed-cluster.yaml").read_text()),
+    "example-air-gapped": yaml.safe_load((EXAMPLES / "values" / "air-gapped.yaml").read_text()),
 }
 
 
@@ -336,7 +345,7 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     agent = container(rendered, "-sandbox-agent", "kata-manager")
     assert agent["command"] == ["katamgr"]
     assert agent["args"] == ["run", "--config", "/etc/kata-sandbox-manager/config.yaml",
-                             "--host-root", "/host"]
+                             "--host-root", "/host", "--default-workload", "container"]
     assert set(env_names(agent)) >= {"NODE_NAME", "POD_NAMESPACE"}
     assert agent["securityContext"]["privileged"] is True
     assert host_mounts(rendered, "-sandbox-agent", "kata-manager") == {
@@ -398,6 +407,91 @@ def test_config_map_carries_the_kata_manager_config(chart):
     assert mounts["/host/var/lib/kata-artifacts"] == ("/var/lib/kata-artifacts", False)
     assert not any("nvidia-gpu-operator" in path for path in mounts)
     assert pod["imagePullSecrets"] == [{"name": "ghcr-creds"}]
+
+
+# --- air-gapped: OCI image layouts copied onto the nodes -------------------------------
+
+def layout_mounts(rendered: Rendered) -> dict[str, tuple[str, bool]]:
+    ds = rendered.find("DaemonSet", "-sandbox-agent")
+    if ds is None:
+        return {}
+    names = {m["mountPath"]: m["name"]
+             for m in container(rendered, "-sandbox-agent", "kata-manager")["volumeMounts"]}
+    return {path: where for path, where in host_mounts(rendered, "-sandbox-agent", "kata-manager").items()
+            if names[path].startswith("oci-layout-")}
+
+
+def with_layouts(urls: list[str], dirs: list[str] | None = None, **extra: Any) -> dict[str, Any]:
+    classes = [{"name": f"kata-{i}", "artifacts": {"url": url}} for i, url in enumerate(urls)]
+    kata: dict[str, Any] = {"config": {"runtimeClasses": classes}}
+    if dirs is not None:
+        kata["ociLayoutDirs"] = dirs
+    return merged(FULL, {"kataManager": kata}, extra)
+
+
+@pytest.mark.integration
+def test_air_gapped_layouts_are_mounted_read_only_where_katamgr_reads_them(chart):
+    from katamgr.artifacts.refs import LayoutRef, parse_ref
+    from katamgr.host.root import HostRoot
+
+    rendered = render(chart, VALUE_SETS["air-gapped"])
+    mounts = layout_mounts(rendered)
+    in_container = HostRoot.at("/host")  # the agent's --host-root
+    for rc in AIR_GAPPED_CONFIG["runtimeClasses"]:
+        ref = parse_ref(rc["artifacts"]["url"])
+        assert isinstance(ref, LayoutRef)
+        assert mounts[str(in_container.path(ref.path))] == (str(ref.path), True)
+    # Both classes share one layout (different tags): mounted once, plus the listed dir.
+    assert mounts == {
+        "/host/var/lib/kata-artifacts/kata-gpu-artifacts": ("/var/lib/kata-artifacts/kata-gpu-artifacts", True),
+        "/host/srv/kata-layouts": ("/srv/kata-layouts", True),
+    }
+    # The example values file serves the same layout.
+    example = render(chart, VALUE_SETS["example-air-gapped"])
+    assert layout_mounts(example) == {
+        "/host/var/lib/kata-artifacts/kata-gpu-artifacts": ("/var/lib/kata-artifacts/kata-gpu-artifacts", True),
+    }
+    assert {c["image"].rsplit(":", 1)[0] for _, c in example.containers()} == {
+        "registry.local:5000/kata-sandbox-manager/kata-sandbox-manager"}
+    # The device plugin never reads artifacts.
+    plugin = host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin")
+    assert not any("kata" in path for path in plugin)
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    (with_layouts(["oci-layout:///opt/layouts/a@sha256:" + "0" * 64, "oci-layout:///opt/layouts/a:v2",
+                   "oci-layout:///opt/layouts/b", "registry.local/kata:1"],
+                  dirs=["/opt/layouts/a/"], hostPaths={"rootFS": "/node/"}),
+     {"/host/opt/layouts/a": ("/node/opt/layouts/a", True),
+      "/host/opt/layouts/b": ("/node/opt/layouts/b", True)}),
+    (with_layouts(["oci-layout:///opt/layouts/a:v1", "oci-layout:///opt/layouts/b/c:v1"],
+                  dirs=["/opt/layouts"]),
+     {"/host/opt/layouts": ("/opt/layouts", True)}),
+    # Below the artifacts dir the layout is reachable already (through a writable mount).
+    (with_layouts(["oci-layout:///opt/nvidia-gpu-operator/artifacts/runtimeclasses/layout:v1",
+                   "oci-layout:///opt/nvidia-gpu-operator/artifacts/runtimeclasses"]), {}),
+    (with_layouts(["registry.local/kata:1"]), {}),
+    (merged(AIR_GAPPED, {"kataManager": {"enabled": False, "ociLayoutDirs": ["/srv/kata-layouts"]}}), {}),
+], ids=["digest-tag-untagged-root-fs", "listed-parent-covers-urls", "under-artifacts-dir",
+        "registry-only", "kata-off"])
+@pytest.mark.integration
+def test_each_layout_dir_is_mounted_once(chart, values, expected):
+    rendered = render(chart, values)
+    assert layout_mounts(rendered) == expected
+    agent = container(rendered, "-sandbox-agent", "kata-manager")
+    paths = [m["mountPath"] for m in agent["volumeMounts"]]
+    assert len(paths) == len(set(paths)), paths
+
+
+@pytest.mark.parametrize("url", ["oci-layout://layouts/kata:v1", "oci-layout:///opt/../etc/kata:v1",
+                                 "oci-layout://:v1"])
+@pytest.mark.integration
+def test_a_layout_url_that_is_no_absolute_host_path_is_refused(helm, chart, url):
+    with pytest.raises(helm.HelmError) as caught:
+        render(chart, with_layouts(["registry.local/kata:1", url]))
+    message = str(caught.value)
+    assert "kataManager.config.runtimeClasses[1].artifacts.url" in message, message
+    assert url in message and "absolute" in message, message
 
 
 @pytest.mark.integration
@@ -613,9 +707,13 @@ def test_custom_tolerations_root_fs_and_update_strategy(chart):
     ({"daemonsets": {"tolerations": {"key": "nvidia.com/gpu"}}},
      ["/daemonsets/tolerations", "array"]),
     ({"containerd": {"restartMode": "reboot"}}, ["/containerd/restartMode", "signal"]),
+    ({"kataManager": {"ociLayoutDirs": ["/srv/layouts", "layouts"]}},
+     ["/kataManager/ociLayoutDirs/1", "layouts"]),
+    ({"kataManager": {"ociLayoutDirs": ["/srv/../etc"]}}, ["/kataManager/ociLayoutDirs/0"]),
+    ({"kataManager": {"ociLayoutDirs": ["/"]}}, ["/kataManager/ociLayoutDirs/0"]),
 ], ids=["wrong-type", "unknown-workload", "bad-runtime-class-name", "unknown-top-level-key",
         "unknown-nested-key", "relative-root", "path-traversal", "tolerations-not-a-list",
-        "unknown-restart-mode"])
+        "unknown-restart-mode", "relative-layout-dir", "layout-dir-traversal", "layout-dir-root"])
 @pytest.mark.integration
 def test_schema_rejects_bad_values_naming_them(helm, chart, values, fragments):
     with pytest.raises(helm.HelmValuesError) as caught:
@@ -645,8 +743,10 @@ def test_daemonset_labels_and_annotations_reach_the_pods_not_the_selector(chart)
         assert set(ds["spec"]["selector"]["matchLabels"].items()) <= set(template["labels"].items())
 
 
-@pytest.mark.parametrize("values", [FULL, CUSTOM_CLASSES, VALUE_SETS["example-mixed-cluster"]],
-                         ids=["defaults", "custom-classes", "example-mixed-cluster"])
+@pytest.mark.parametrize("values", [FULL, CUSTOM_CLASSES, VALUE_SETS["example-mixed-cluster"],
+                                    VALUE_SETS["air-gapped"], VALUE_SETS["example-air-gapped"]],
+                         ids=["defaults", "custom-classes", "example-mixed-cluster", "air-gapped",
+                              "example-air-gapped"])
 @pytest.mark.integration
 def test_katamgr_accepts_the_config_the_chart_writes(chart, values):
     from katamgr.config import parse_config
@@ -671,8 +771,11 @@ def _subcommands(parser) -> dict:
 
 
 @pytest.mark.parametrize("values", [FULL, VALUE_SETS["vfio-off"], VALUE_SETS["kata-off"],
-                                    merged(FULL, {"cdi": {"enabled": False}})],
-                         ids=["full", "vfio-off", "kata-off", "cdi-off"])
+                                    merged(FULL, {"cdi": {"enabled": False}}),
+                                    VALUE_SETS["tolerations-rootfs-vm-default"],
+                                    merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-vgpu"}})],
+                         ids=["full", "vfio-off", "kata-off", "cdi-off", "default-vm-passthrough",
+                              "default-vm-vgpu"])
 def test_katamgr_understands_the_agent_arguments(chart, values):
     from katamgr import cli
 
@@ -681,6 +784,12 @@ def test_katamgr_understands_the_agent_arguments(chart, values):
     args = container(render(chart, values), "-sandbox-agent", "kata-manager")["args"]
     parsed = parser.parse_args(args)  # argparse exits (fails the test) on an unknown flag
     assert parsed.command == "run"
+    # An unlabeled node is scheduled as sandboxWorkloads.defaultWorkload; katamgr must
+    # treat it the same, or it binds nothing on the nodes the agent was placed on.
+    default = chart.merge_values(values)["sandboxWorkloads"]["defaultWorkload"]
+    assert parsed.default_workload == default
+    assert parsed.workload == "auto"
+    assert parsed.no_kata == (not chart.merge_values(values)["kataManager"]["enabled"])
 
 
 @pytest.mark.parametrize("values", [{}, merged(FULL, {"sandboxDevicePlugin": {"alias": "pgpu"}})],

@@ -97,6 +97,52 @@ nodeAffinity:
           {{- end }}
 {{- end -}}
 
+{{/*
+Host dirs holding OCI image layouts (air-gapped artifacts), one per line: the
+kataManager.ociLayoutDirs plus the layout dir of every oci-layout:// artifact URL
+(oci-layout://PATH[:TAG] or oci-layout://PATH@DIGEST, parsed as katamgr does). katamgr
+reads them below --host-root, so each is mounted read-only at /host<dir>. A dir already
+reachable (equal to or below another listed dir or the artifacts dir) is left out: two
+mounts at one path are refused by the API server.
+*/}}
+{{- define "ksm.ociLayoutDirs" -}}
+{{- $kata := .Values.kataManager -}}
+{{- $dirs := list -}}
+{{- range $kata.ociLayoutDirs -}}
+{{- $dirs = append $dirs (trimSuffix "/" .) -}}
+{{- end -}}
+{{- range $i, $rc := $kata.config.runtimeClasses -}}
+{{- $url := $rc.artifacts.url | trim -}}
+{{- if hasPrefix "oci-layout://" $url -}}
+{{- $path := trimPrefix "oci-layout://" $url -}}
+{{- if contains "@" $path -}}
+{{- $path = regexReplaceAll "@[^@]*$" $path "" -}}
+{{- else -}}
+{{- $path = regexReplaceAll ":[^:/]*$" $path "" -}}
+{{- end -}}
+{{- $path = trimSuffix "/" $path -}}
+{{- if or (not (hasPrefix "/" $path)) (regexMatch "(^|/)\\.\\.(/|$)" $path) -}}
+{{- fail (printf "kataManager.config.runtimeClasses[%d].artifacts.url %q names the layout dir %q, which is not an absolute host path without '..'; write oci-layout:///absolute/dir:TAG" $i $url $path) -}}
+{{- end -}}
+{{- $dirs = append $dirs $path -}}
+{{- end -}}
+{{- end -}}
+{{- $artifactsDir := $kata.config.artifactsDir | trimSuffix "/" -}}
+{{- $kept := list -}}
+{{- range $dir := $dirs | uniq -}}
+{{- $covered := eq $dir $artifactsDir -}}
+{{- range $other := append $dirs $artifactsDir -}}
+{{- if hasPrefix (printf "%s/" $other) $dir -}}
+{{- $covered = true -}}
+{{- end -}}
+{{- end -}}
+{{- if not $covered -}}
+{{- $kept = append $kept $dir -}}
+{{- end -}}
+{{- end -}}
+{{- $kept | join "\n" -}}
+{{- end -}}
+
 {{/* Pod-level settings every DaemonSet shares. */}}
 {{- define "ksm.podCommon" -}}
 serviceAccountName: {{ include "ksm.fullname" . }}
