@@ -25,7 +25,7 @@ from katamgr.host.root import HostRoot
 from katamgr.kata import KataContext
 from katamgr.plan import Naming
 from katamgr.reconcile import Steps, reconcile, revert_all
-from katamgr.runtime import check_entries
+from katamgr.runtime import check_entries, configure_containerd
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,24 @@ class Agent:
         main = self.host.path(self.ctx.config.containerd.config_path)
         return [main.parent]
 
-    def entries_missing(self) -> list[str]:
+    def containerd_drift(self) -> str | None:
+        """Why containerd's config no longer matches what we would write, if it does not."""
         if self.ctx is None or not self.steps.kata or not self.steps.passthrough:
-            return []
+            return None
         wanted = kata.runtimes(self.host, self.ctx)
-        return check_entries(self.host, self.ctx.config.containerd.config_path, wanted) if wanted else []
+        if not wanted:
+            return None
+        containerd = self.ctx.config.containerd
+        missing = check_entries(self.host, containerd.config_path, wanted)
+        if missing:
+            return f"containerd config lost our runtimes {', '.join(missing)} (edited or replaced by someone else)"
+        # Our entries are there, but e.g. a 1.x drop-in must carry the operator's
+        # later edits to the main file: a dry run says whether a write is due.
+        change = configure_containerd(self.host, wanted, containerd.config_path, containerd.version,
+                                      enable_cdi=self.steps.cdi, dry_run=True)
+        if change.changed:
+            return f"{change.path} differs from what katamgr would write (an edit elsewhere to carry over)"
+        return None
 
     def run(self, once: bool = False) -> int:
         first = self.reconcile("start")
@@ -120,10 +133,9 @@ class Agent:
                     break
                 if notify.fileno() in ready:
                     notify.read(timeout=0)
-                missing = self.entries_missing()
-                if missing:
-                    self.reconcile(f"containerd config lost our runtimes {', '.join(missing)} "
-                                   "(edited or replaced by someone else)")
+                drift = self.containerd_drift()
+                if drift:
+                    self.reconcile(drift)
                 if time.monotonic() >= next_pull:
                     self.reconcile("periodic artifact check")
                     next_pull = time.monotonic() + self.repull_interval

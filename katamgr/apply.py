@@ -46,10 +46,10 @@ def apply_host(host: HostRoot, plan: Plan, *, workload: str = "vm-passthrough", 
     return report
 
 
-def revert_host(host: HostRoot) -> Report:
+def revert_host(host: HostRoot, *, force: bool = False) -> Report:
     report = Report()
     report.changes += [f"removed {p}" for p in readiness.clear_ready(host)]
-    result = vfio.unbind_all(host)
+    result = vfio.unbind_all(host, force=force)
     report.changes += result.changes
     report.failures += result.failures
     return report

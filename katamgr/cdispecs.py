@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import cdi
 from katamgr.apply import Report
+from katamgr.errors import KatamgrError
 from katamgr.host.files import read_json, write_json
 from katamgr.host.inventory import Inventory
 from katamgr.host.passthrough import (
@@ -123,7 +124,15 @@ def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision])
 
 
 def _written(host: HostRoot) -> list[str]:
-    return list(read_json(host.state_path(STATE_FILE), {"kinds": []})["kinds"])
+    path = host.state_path(STATE_FILE)
+    try:
+        kinds = read_json(path, {"kinds": []}).get("kinds")
+    except (ValueError, AttributeError) as exc:
+        raise KatamgrError(f"{host.host_path(path)} is not katamgr's CDI record ({exc}); "
+                           f"check it, or delete it if the specs it lists are gone") from exc
+    if not isinstance(kinds, list) or not all(k in KINDS for k in kinds):
+        raise KatamgrError(f"{host.host_path(path)} lists unknown spec kinds {kinds!r}; expected some of {KINDS}")
+    return kinds
 
 
 def write_specs(host: HostRoot, inv: Inventory) -> Report:
@@ -137,7 +146,11 @@ def write_specs(host: HostRoot, inv: Inventory) -> Report:
         if change.action == "write":
             written.add(change.kind)
             write_json(host.state_path(STATE_FILE), {"kinds": sorted(written)})
-            cdi.write_spec(change.spec, spec_dir)
+            try:
+                cdi.write_spec(change.spec, spec_dir)
+            except cdi.CDIError as exc:
+                report.failures.append(f"{change.path} was not written: {exc}")
+                continue
             report.changes.append(f"wrote {change.path} ({len(change.spec.devices)} device names)")
         elif change.action == "remove":
             cdi.remove_spec(spec_dir, change.kind)

@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 import tempfile
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -62,6 +63,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workload", choices=("auto", "vm-passthrough", "container", "vm-vgpu"), default="auto",
                         help="the node's workload; auto reads the node label nvidia.com/gpu.workload.config "
                              "when a cluster is reachable and --node-name is known, else vm-passthrough")
+    parser.add_argument("--default-workload", choices=("container", "vm-passthrough", "vm-vgpu"),
+                        default="container",
+                        help="the workload of a node without the label (Helm: sandboxWorkloads.defaultWorkload; "
+                             "default container)")
     parser.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
                         help="this node's name, for the workload label (default: $NODE_NAME)")
     parser.add_argument("--no-vfio", action="store_true", help="do not bind or unbind devices (vfioManager off)")
@@ -101,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Undo apply: every device katamgr moved goes back to its recorded driver; "
                                    "readiness files are removed. Devices that were on vfio-pci before stay there.")
     _common(p)
+    p.add_argument("--force", action="store_true",
+                   help="unbind devices even while a process (a Kata VM) holds their /dev/vfio nodes")
+    p.add_argument("--delete-runtimeclasses", action="store_true",
+                   help="also delete the RuntimeClasses katamgr manages; they serve every node, "
+                        "so do this when reverting the last one")
     p.set_defaults(func=cmd_revert)
 
     p = sub.add_parser("run", help="the node agent: reconcile, then keep the node that way",
@@ -179,9 +189,12 @@ def steps_and_context(args: argparse.Namespace, host: HostRoot) -> tuple[Steps, 
     workload = args.workload
     if workload == "auto":
         if api is not None and args.node_name:
-            workload = cluster.node_workload_mode(api, args.node_name)
-            log.info("node %s is labeled for %s workloads", args.node_name, workload)
+            workload = cluster.node_workload_mode(api, args.node_name, default=args.default_workload)
+            log.info("node %s runs %s workloads (label nvidia.com/gpu.workload.config, default %s)",
+                     args.node_name, workload, args.default_workload)
         else:
+            # Run by hand on a node with no cluster to ask: the operator is here
+            # to set the node up for passthrough.
             workload = "vm-passthrough"
     steps = Steps(vfio=not args.no_vfio, cdi=not args.no_cdi, kata=not args.no_kata, workload=workload)
     ctx = None
@@ -214,7 +227,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
 def cmd_revert(args: argparse.Namespace) -> int:
     with host_from(args) as host:
         steps, ctx = steps_and_context(args, host)
-        report = revert_all(host, steps, ctx)
+        report = revert_all(host, steps, ctx, force=args.force,
+                            delete_runtime_classes=args.delete_runtimeclasses)
         print_report(report, "nothing to revert: katamgr has no changes recorded on this node")
     return 0 if report.ok else 1
 
@@ -267,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # noqa: BLE001 - last resort: one sentence, the traceback only with -v
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        print(f"katamgr: unexpected {type(exc).__name__}: {exc} (run with -v for the traceback; "
+              f"please report it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

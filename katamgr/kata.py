@@ -97,7 +97,7 @@ def runtimes(host: HostRoot, ctx: KataContext, names: list[str] | None = None) -
 # ---- plan (read-only) -------------------------------------------------------
 
 
-def plan_sections(host: HostRoot, ctx: KataContext) -> list[PlanSection]:
+def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> list[PlanSection]:
     config = ctx.config
     artifacts, lines = [], []
     for rc in config.runtime_classes:
@@ -120,7 +120,7 @@ def plan_sections(host: HostRoot, ctx: KataContext) -> list[PlanSection]:
     entries = runtimes(host, ctx)
     missing = [rc.name for rc in config.runtime_classes if rc.name not in {r.name for r in entries}]
     change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
-                                  dry_run=True)
+                                  enable_cdi=enable_cdi, dry_run=True)
     data = {"path": change.path, "mode": change.mode, "version": change.version, "changed": change.changed,
             "diff": change.diff, "pendingArtifacts": missing}
     lines = [f"{'edit' if change.changed else 'keep'} {change.path} ({change.mode}, config version {change.version})"]
@@ -140,7 +140,7 @@ def plan_sections(host: HostRoot, ctx: KataContext) -> list[PlanSection]:
 # ---- apply -------------------------------------------------------------------
 
 
-def apply(host: HostRoot, ctx: KataContext, **reload_args) -> Report:
+def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True, **reload_args) -> Report:
     report = Report()
     config = ctx.config
     ready: list[str] = []
@@ -172,7 +172,8 @@ def apply(host: HostRoot, ctx: KataContext, **reload_args) -> Report:
         ready.append(rc.name)
 
     entries = runtimes(host, ctx, ready)
-    change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version)
+    change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
+                                  enable_cdi=enable_cdi)
     if change.changed:
         what = ", ".join(filter(None, [
             f"added {', '.join(change.runtimes_added)}" if change.runtimes_added else "",
@@ -181,8 +182,9 @@ def apply(host: HostRoot, ctx: KataContext, **reload_args) -> Report:
         ])) or "settings"
         report.changes.append(f"edited {change.path} ({what})")
         report.merge(_reload(host, config, **reload_args))
-    report.merge(_cluster(ctx, dataclasses.replace(config, runtime_classes=tuple(
-        rc for rc in config.runtime_classes if rc.name in {r.name for r in entries}))))
+    # RuntimeClasses are cluster-wide: one node whose pull failed must not
+    # delete a class the other nodes serve, so the whole config is applied.
+    report.merge(_cluster(ctx, config))
     return report
 
 
@@ -213,10 +215,12 @@ def _cluster(ctx: KataContext, config: KataManagerConfig) -> Report:
 # ---- revert ------------------------------------------------------------------
 
 
-def revert(host: HostRoot, ctx: KataContext, **reload_args) -> Report:
+def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = False, **reload_args) -> Report:
+    """Undo this node's Kata changes; the cluster-wide RuntimeClasses only when asked
+    (they serve every node: delete them when the last node is reverted)."""
     report = Report()
     config = ctx.config
-    if ctx.api is not None:
+    if delete_runtime_classes and ctx.api is not None:
         try:
             gone = cluster.delete_managed_runtime_classes(ctx.api, config)
             report.changes += [f"deleted RuntimeClass {n}" for n in gone.deleted]
@@ -234,3 +238,9 @@ def revert(host: HostRoot, ctx: KataContext, **reload_args) -> Report:
             (local.parent / f".{local.name}.lock").unlink(missing_ok=True)
             report.changes.append(f"removed {class_dir(config, rc.name)}")
     return report
+
+
+def changes_recorded(host: HostRoot) -> bool:
+    """Whether katamgr holds revert state for a containerd config on this node."""
+    directory = host.state_path("containerd")
+    return directory.is_dir() and any(p.suffix == ".json" for p in directory.iterdir())

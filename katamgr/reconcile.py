@@ -53,7 +53,7 @@ def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
         plan.sections.append(cdispecs.plan_section(host, plan.inventory, plan.decisions if steps.vfio else []))
     if steps.kata and kata_ctx is not None:
         ctx = _with_root_ports(kata_ctx, plan)
-        plan.sections += kata.plan_sections(host, ctx)
+        plan.sections += kata.plan_sections(host, ctx, enable_cdi=steps.cdi)
     return plan
 
 
@@ -74,19 +74,24 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
     if steps.cdi:
         report.merge(cdispecs.write_specs(host, discover(host)))
     if steps.kata and kata_ctx is not None:
-        report.merge(kata.apply(host, _with_root_ports(kata_ctx, plan), **reload_args))
+        report.merge(kata.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi, **reload_args))
     for line in report.changes:
         log.info("changed: %s", line)
     return report
 
 
-def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, **reload_args) -> Report:
+def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool = False,
+               delete_runtime_classes: bool = False, **reload_args) -> Report:
     """Undo in the reverse order: cluster and containerd first, devices last."""
     report = Report()
     if steps.kata and kata_ctx is not None:
-        report.merge(kata.revert(host, kata_ctx, **reload_args))
+        report.merge(kata.revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes, **reload_args))
+    elif steps.kata and kata.changes_recorded(host):
+        report.failures.append(
+            "katamgr has Kata changes recorded on this node (containerd config, artifacts); "
+            "pass the same --config FILE that applied them to revert them too")
     if steps.cdi:
         report.merge(cdispecs.remove_specs(host))
     if steps.vfio:
-        report.merge(revert_host(host))
+        report.merge(revert_host(host, force=force))
     return report

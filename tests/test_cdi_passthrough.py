@@ -125,3 +125,13 @@ def test_foreign_spec_in_the_dir_is_left_alone(tmp_path):
     apply(host)
     revert_all(host, Steps(), None)
     assert other.exists()
+
+
+def test_two_gpus_in_one_group_get_one_group_name(tmp_path):
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 15), dev("0000:02:00.0", GPU_A10, "nvidia", 15)])
+    apply(host)
+    spec = cdi.read_spec(host.path(PGPU))
+    assert [d.name for d in spec.devices] == ["0", "15", "1"]
+    for name in ("0", "15", "1"):
+        assert [n.path for n in spec.device(name).container_edits.device_nodes] == ["/dev/vfio/15"]
+    assert list(SCHEMA.iter_errors(yaml.safe_load(host.path(PGPU).read_text()))) == []

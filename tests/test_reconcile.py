@@ -162,8 +162,21 @@ def test_runtime_classes_follow_the_config_through_the_official_client(tmp_path)
         api.clear_log()
         assert reconcile(host, NAMING, Steps(), ctx).changes == []
         assert api.writes() == []
+        # A node's revert leaves the cluster-wide classes to the other nodes...
         revert_all(host, Steps(), ctx)
+        assert api.names("runtimeclasses") == ["kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"]
+        # ...unless the operator says this is the last one.
+        revert_all(host, Steps(), ctx, delete_runtime_classes=True)
         assert api.names("runtimeclasses") == []
+
+
+def test_one_nodes_failed_pull_keeps_the_cluster_wide_class(tmp_path):
+    host = node(tmp_path)
+    broken = CONFIG.replace("layout:kata-qemu-nvidia-gpu-snp", "layout:no-such-tag").replace("signal", "none")
+    with FakeApiServer() as api:
+        report = reconcile(host, NAMING, Steps(), KataContext(parse_config(broken), api.client(), "gpu-operator"))
+        assert not report.ok
+        assert sorted(api.names("runtimeclasses")) == ["kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"]
 
 
 def test_a_failed_pull_registers_nothing_new(tmp_path):
@@ -247,3 +260,40 @@ def test_cli_run_stops_on_sigterm_and_reverts_when_asked(tmp_path):
     assert proc.returncode == 0, err
     assert "received SIGTERM" in err
     assert host.path("/etc/containerd/config.toml").read_text() == ORIGINAL
+
+
+def test_revert_without_the_config_says_what_it_cannot_undo(tmp_path):
+    katamgr = str(Path(sys.executable).parent / "katamgr")
+    host = node(tmp_path)
+    good = tmp_path / "good.yaml"
+    good.write_text(CONFIG.replace("signal", "none"))
+    assert subprocess.run([katamgr, "apply", "--host-root", str(host.root), "--config", str(good)],
+                          capture_output=True, timeout=60).returncode == 0
+    result = subprocess.run([katamgr, "revert", "--host-root", str(host.root)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 1
+    assert "pass the same --config FILE" in result.stderr
+    result = subprocess.run([katamgr, "revert", "--host-root", str(host.root), "--config", str(good)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert host.path("/etc/containerd/config.toml").read_text() == ORIGINAL
+
+
+def test_agent_carries_an_edit_into_its_drop_in(tmp_path):
+    host = node(tmp_path)
+    # containerd 1.x with a conf.d: our entries go to a drop-in that repeats the
+    # CRI section, so an operator's later edit of the main file must reach it.
+    main = host.path("/etc/containerd/config.toml")
+    main.write_text('imports = ["/etc/containerd/conf.d/*.toml"]\n' + ORIGINAL)
+    host.path("/etc/containerd/conf.d").mkdir()
+    ctx = KataContext(parse_config(CONFIG.replace("signal", "none")))
+    agent = Agent(host, NAMING, Steps(), ctx)
+    agent.reconcile("start")
+    drop_in = next(host.path("/etc/containerd/conf.d").glob("*.toml"))
+    assert 'default_runtime_name = "nvidia"' in drop_in.read_text()
+    assert agent.containerd_drift() is None
+    main.write_text(main.read_text().replace('default_runtime_name = "nvidia"', 'default_runtime_name = "runc"'))
+    assert agent.containerd_drift() is not None
+    agent.reconcile("drift")
+    assert 'default_runtime_name = "runc"' in drop_in.read_text()
+    assert agent.containerd_drift() is None

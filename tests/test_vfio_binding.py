@@ -173,3 +173,20 @@ def test_revert_leaves_a_device_someone_else_moved(tmp_path):
     report = revert_host(host)
     assert not report.ok and "now on other" in report.failures[0]
     assert driver_of(host, "0000:01:00.0") == "other"
+
+
+def test_revert_leaves_a_gpu_a_vm_holds_unless_forced(tmp_path):
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
+    assert plan_and_apply(host).ok
+    # A QEMU of a running Kata VM holds group 4's VFIO node.
+    fd_dir = host.path("/proc/7777/fd")
+    fd_dir.mkdir(parents=True)
+    (fd_dir.parent / "comm").write_text("qemu-system-x86\n")
+    (fd_dir / "12").symlink_to("/dev/vfio/4")
+    report = revert_host(host)
+    assert not report.ok
+    assert "0000:01:00.0 is in use by PID 7777 (qemu-system-x86) holding /dev/vfio/4" in report.failures[0]
+    assert driver_of(host, "0000:01:00.0") == "vfio-pci"
+    assert driver_of(host, "0000:02:00.0") == "nvidia"
+    assert revert_host(host, force=True).ok
+    assert driver_of(host, "0000:01:00.0") == "nvidia"

@@ -28,6 +28,9 @@ MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_LAYER_BYTES = 4 * 1024 * 1024 * 1024
 # our record lives in the install dir; no layer may overwrite it
 RESERVED_PREFIX = ".katamgr"
+# katamgr.runtime.kata_config writes the rewritten Kata config there
+RENDERED_DIR = "rendered"
+RESERVED_NAMES = (RENDERED_DIR,)
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,12 @@ def check_file_name(title: Any, ref: str, digest: str) -> str:
         or "\0" in title
         or title in (".", "..")
         or title.startswith(RESERVED_PREFIX)
+        or title in RESERVED_NAMES
         or len(title.encode()) > 255
     ):
         raise ArtifactError(
             f"{ref}: layer {digest} is titled {title!r}, which is not a plain file name inside "
-            "the install dir (no '/', '..', or leading '.katamgr'); refusing to install it, "
+            "the install dir (no '/', '..', leading '.katamgr', or 'rendered'); refusing to install it, "
             "push the file under its base name"
         )
     return title

@@ -18,12 +18,13 @@ WORKLOAD_MODES = ("container", "vm-passthrough", "vm-vgpu")
 DEFAULT_WORKLOAD_MODE = "container"
 
 
-def node_workload_mode(api: ApiClient, node_name: str) -> str:
-    """The node's ``nvidia.com/gpu.workload.config`` label; ``container`` when it has none."""
+def node_workload_mode(api: ApiClient, node_name: str, default: str = DEFAULT_WORKLOAD_MODE) -> str:
+    """The node's ``nvidia.com/gpu.workload.config`` label; ``default`` when it has none
+    (the GPU Operator's ``sandboxWorkloads.defaultWorkload``)."""
     labels = _read_labels(api, node_name)
     mode = labels.get(WORKLOAD_CONFIG_LABEL)
     if mode is None or mode == "":
-        return DEFAULT_WORKLOAD_MODE
+        return default
     if mode not in WORKLOAD_MODES:
         raise ConfigError(
             f"node {node_name} has label {WORKLOAD_CONFIG_LABEL}={mode!r}, which is not a "

@@ -49,20 +49,28 @@ class NamingNote:
 
 
 def passthrough_devices(host: HostRoot, inv: Inventory) -> tuple[list[PassthroughDevice], list[NamingNote]]:
-    """GPUs and NVSwitches on vfio-pci with an IOMMU group, with their CDI names."""
+    """GPUs and NVSwitches on vfio-pci with an IOMMU group, with their CDI names.
+
+    A group number names the group's first device only: a second GPU in the
+    same group is reached by its index, and the group's node is the same.
+    """
     out: list[PassthroughDevice] = []
     notes: list[NamingNote] = []
     for cdi_class, members in ((PGPU_CLASS, inv.gpus), (NVSWITCH_CLASS, inv.nvswitches)):
         usable = [d for d in members if d.on_vfio and d.iommu_group is not None]
         index_names = {str(i): d.bdf for i, d in enumerate(usable)}
+        group_named: set[int] = set()
         for index, device in enumerate(usable):
             cdev = iommu.vfio_cdev(host, device.bdf) if inv.iommufd else None
             names = [str(index)]
             group_name = str(device.iommu_group)
             owner = index_names.get(group_name)
-            if owner is None:
+            if device.iommu_group in group_named:
+                pass
+            elif owner is None or owner == device.bdf:
                 names.append(group_name)
-            elif owner != device.bdf:
+                group_named.add(device.iommu_group)
+            else:
                 notes.append(NamingNote(
                     f"{VENDOR}/{cdi_class}: {device.bdf} is not also named {group_name!r} after its IOMMU group "
                     f"because index {group_name} already names {owner}"

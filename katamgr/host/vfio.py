@@ -278,8 +278,21 @@ def _roll_back(host: HostRoot, moved: list[Device]) -> list[str]:
     return errors
 
 
-def unbind_all(host: HostRoot) -> BindReport:
-    """Put every device katamgr moved back on the driver it had."""
+def vfio_holders(host: HostRoot, bdf: str, group: int | None) -> list[holders.Holder]:
+    """Processes (a QEMU of a running Kata VM) holding the device's VFIO nodes open."""
+    paths = {f"/dev/vfio/{group}"} if group is not None else set()
+    cdev = iommu.vfio_cdev(host, bdf)
+    if cdev:
+        paths.add(f"/dev/vfio/devices/{cdev}")
+    return holders.holders(host, paths)
+
+
+def unbind_all(host: HostRoot, *, force: bool = False) -> BindReport:
+    """Put every device katamgr moved back on the driver it had.
+
+    A device whose VFIO node a process (a VM) holds open is left alone unless
+    forced: Linux would block the unbind and ask the VM to give the GPU up.
+    """
     report = BindReport()
     state = _state(host)
     for bdf, record in sorted(state["devices"].items()):
@@ -292,6 +305,12 @@ def unbind_all(host: HostRoot) -> BindReport:
         if current not in (VFIO_DRIVER, None) and current != original:
             report.failures.append(f"{bdf} is now on {current}, which katamgr did not do; left alone")
             continue
+        if current == VFIO_DRIVER and not force:
+            busy = vfio_holders(host, bdf, record.get("group"))
+            if busy:
+                who = "; ".join(str(h) for h in busy)
+                report.failures.append(f"{bdf} is in use by {who}: stop that VM first or pass --force; left on vfio-pci")
+                continue
         try:
             _restore(host, bdf, original, record.get("override"))
         except HostError as exc:

@@ -192,6 +192,50 @@ def configure_containerd(
     return _apply_main(host, main, runtimes, enable_cdi, state, dry_run)
 
 
+def _resume(
+    host: HostRoot,
+    config_path: str,
+    state: st.EditState | None,
+    current: bytes | None,
+    dry_run: bool,
+) -> st.EditState | None:
+    """The recorded state, unless the target is back to its original bytes (our first
+    write never landed, or a revert was cut short): then nothing of ours is in it and
+    we start afresh."""
+    if state is None or not state.at_original(current):
+        return state
+    log.info("containerd: %s holds its original content; starting afresh", state.target)
+    if not dry_run:
+        st.forget(host, config_path)
+    return None
+
+
+def _write_durably(
+    host: HostRoot,
+    config_path: str,
+    state: st.EditState,
+    pending: list[st.Entry],
+    current: bytes | None,
+    new_text: str,
+) -> None:
+    """Write ``new_text`` to the target so that a crash at any point leaves a state
+    that revert (and the next configure) can work from.
+
+    Before the write the state records the original, the hashes on both sides of the
+    write and ``pending`` (every entry of ours the file may hold before or after it);
+    only once the write has landed does it shrink to ``state.entries``.
+    """
+    final = state.entries
+    new = new_text.encode()
+    state.entries = pending
+    state.begin_write(current, new)
+    st.save(host, config_path, state)
+    write_atomic(host.path(state.target), new)
+    state.entries = final
+    state.settle(new)
+    st.save(host, config_path, state)
+
+
 def _apply_main(
     host: HostRoot,
     main: _Main,
@@ -203,24 +247,28 @@ def _apply_main(
     layout = layout_for(main.version)
     old_text = main.data.decode() if main.data is not None else ""
     doc = main.doc
+    state = _resume(host, main.path, state, main.data, dry_run)
     had_state = state is not None
     if state is None:
-        state = st.EditState(main.path, MAIN, main.version, existed=main.data is not None)
-    elif main.data is None or st.sha256(main.data) != state.written_sha256:
+        original = old_text if main.data is not None else None
+        state = st.EditState(
+            main.path, MAIN, main.version, existed=main.data is not None, original=original
+        )
+    elif not state.holds_ours(main.data):
         # Someone else wrote the file after us: from now on only a surgical revert is safe.
         state.pristine = False
     if main.fresh and "version" not in doc:
         doc.add("version", main.version)
+    before = list(state.entries)
     outcome = _edit(doc, layout, runtimes, enable_cdi, state)
     new_text = tomlkit.dumps(doc)
     if main.fresh:
         new_text = _tidy(new_text)
     changed = new_text != old_text
     if changed and not dry_run:
-        if not had_state:
-            st.keep_original(host, main.path, main.data)
-        write_atomic(host.path(main.path), new_text)
-        state.written_sha256 = st.sha256(new_text.encode())
+        # Entries we drop stay recorded until the write lands: the file holds them till then.
+        pending = before + [e for e in state.entries if not any(e is b for b in before)]
+        _write_durably(host, main.path, state, pending, main.data, new_text)
         log.info(
             "containerd: %s updated (added %s, updated %s, removed %s)",
             main.path,
@@ -228,7 +276,8 @@ def _apply_main(
             outcome.updated or "-",
             outcome.removed or "-",
         )
-    if (changed or had_state) and not dry_run:
+    elif had_state and not dry_run:
+        state.settle(main.data)
         st.save(host, main.path, state)
     return ContainerdChange(
         main.path,
@@ -252,9 +301,9 @@ def _edit(
     outcome = _Outcome()
     wanted = {rt.name for rt in runtimes}
     for entry in [e for e in state.entries if e.kind == st.RUNTIME and e.path[-1] not in wanted]:
-        _undo(doc, entry)
         state.entries.remove(entry)
-        outcome.removed.append(entry.path[-1])
+        if _undo(doc, entry):
+            outcome.removed.append(entry.path[-1])
     for rt in runtimes:
         path = layout.runtime_path(rt.name)
         current = lookup(doc, path)
@@ -307,21 +356,25 @@ def _set_entry(doc: tomlkit.TOMLDocument, path: tuple[str, ...], content: dict[s
     return changed
 
 
-def _undo(doc: tomlkit.TOMLDocument, entry: st.Entry) -> None:
+def _undo(doc: tomlkit.TOMLDocument, entry: st.Entry) -> bool:
+    """Take one entry of ours out of ``doc``; False when there was nothing left to undo
+    (e.g. a write that removed it landed just before a crash)."""
     path = tuple(entry.path)
     current = plain(lookup(doc, path))
+    if entry.had_prior and current == entry.prior:
+        return False
     if entry.kind == st.VALUE and current != entry.ours:
         log.info("containerd: keeping %s = %r, set by someone else since", ".".join(path), current)
-        return
+        return False
     if entry.kind == st.RUNTIME:
-        delete(doc, path)
+        removed = delete(doc, path)
         if entry.had_prior and isinstance(entry.prior, dict):
             add_table(doc, path, entry.prior)
-        return
+            return True
+        return removed
     if entry.had_prior:
-        set_value(doc, path, entry.prior)
-    else:
-        delete(doc, path)
+        return set_value(doc, path, entry.prior)
+    return delete(doc, path)
 
 
 def _apply_drop_in(
@@ -354,7 +407,14 @@ def _apply_drop_in(
             for key in layout.plugin_path[:-1]:
                 doc.add(key, tomlkit.table(is_super_table=True))
             doc["plugins"][layout.plugin] = to_item(section)
-    fresh_state = st.EditState(target, DROP_IN, main.version, existed=old is not None)
+    state = _resume(host, main.path, state, old, dry_run)
+    fresh_state = st.EditState(
+        target,
+        DROP_IN,
+        main.version,
+        existed=old is not None,
+        original=old_text if old is not None else None,
+    )
     outcome = _edit(doc, layout, runtimes, enable_cdi, fresh_state)
     previous = read_toml(local, target) if old is not None else None
     outcome.added, outcome.updated = [], []
@@ -369,23 +429,7 @@ def _apply_drop_in(
         outcome.removed = [n for n in state.runtime_names() if n not in wanted]
     new_text = _tidy(tomlkit.dumps(doc))
     changed = new_text != old_text
-    if dry_run:
-        return ContainerdChange(
-            target, changed, DROP_IN, main.version,
-            _diff(target, old_text, new_text) if changed else "",
-            tuple(outcome.added), tuple(outcome.updated), tuple(outcome.removed),
-        )
-    if state is None:
-        state = fresh_state
-        if changed:
-            st.keep_original(host, main.path, old)
-    state.entries = fresh_state.entries
-    if changed:
-        write_atomic(local, new_text)
-        state.written_sha256 = st.sha256(new_text.encode())
-        log.info("containerd: drop-in %s written (runtimes %s)", target, [r.name for r in runtimes])
-    st.save(host, main.path, state)
-    return ContainerdChange(
+    change = ContainerdChange(
         target,
         changed,
         DROP_IN,
@@ -395,6 +439,27 @@ def _apply_drop_in(
         tuple(outcome.updated),
         tuple(outcome.removed),
     )
+    if dry_run:
+        return change
+    if state is None:
+        state = fresh_state
+        if not changed:
+            # The file already holds exactly what we write: it is ours to remove on revert.
+            state.existed, state.original = False, None
+    elif not state.holds_ours(old):
+        state.pristine = False
+    if changed:
+        pending = fresh_state.entries + [
+            e for e in state.entries if fresh_state.entry(e.path) is None
+        ]
+        state.entries = fresh_state.entries
+        _write_durably(host, main.path, state, pending, old, new_text)
+        log.info("containerd: drop-in %s written (runtimes %s)", target, [r.name for r in runtimes])
+    else:
+        state.entries = fresh_state.entries
+        state.settle(old)
+        st.save(host, main.path, state)
+    return change
 
 
 def revert_containerd(host: HostRoot, config_path: str = DEFAULT_CONFIG) -> ContainerdChange:
@@ -415,27 +480,27 @@ def revert_containerd(host: HostRoot, config_path: str = DEFAULT_CONFIG) -> Cont
         current = None
     removed = tuple(state.runtime_names())
     old_text = current.decode() if current is not None else ""
-    untouched = (
-        current is not None and state.pristine and st.sha256(current) == state.written_sha256
-    )
-    original = st.read_original(host, config_path)
-    if current is None:
+    if state.at_original(current):
+        log.info("containerd: %s holds its original content already", state.target)
+        changed, new_text = False, old_text
+    elif current is None:
         log.warning("containerd: %s is gone already; nothing to revert", state.target)
         changed, new_text = False, ""
-    elif untouched or state.mode == DROP_IN:
-        if untouched and state.existed and original is not None:
-            changed = write_atomic(local, original)
-            new_text = original.decode()
-        else:
+    else:
+        ours = state.pristine and state.holds_ours(current)
+        if ours and state.existed and state.original is not None:
+            changed = write_atomic(local, state.original)
+            new_text = state.original
+        elif (ours and not state.existed) or state.mode == DROP_IN:
             changed = remove_file(local)
             new_text = ""
-    else:
-        doc = tomlkit.parse(old_text)
-        for entry in reversed(state.entries):
-            _undo(doc, entry)
-        prune_empty(doc, [tuple(p) for p in state.created_tables])
-        new_text = tomlkit.dumps(doc)
-        changed = write_atomic(local, new_text)
+        else:
+            doc = tomlkit.parse(old_text)
+            for entry in reversed(state.entries):
+                _undo(doc, entry)
+            prune_empty(doc, [tuple(p) for p in state.created_tables])
+            new_text = tomlkit.dumps(doc)
+            changed = write_atomic(local, new_text)
     if changed:
         log.info("containerd: reverted %s (removed runtimes %s)", state.target, list(removed))
     st.forget(host, config_path)

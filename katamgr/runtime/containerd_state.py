@@ -1,10 +1,15 @@
 """What we must remember to undo our containerd edits.
 
-Kept under the HostRoot state dir (``/var/lib/kata-sandbox-manager/containerd/``):
-the original bytes of the file we edit (taken before our first change), the hash of
-what we last wrote (so revert can tell whether anyone else touched the file since),
-and, for every key we set, the value it had before (so a surgical revert can put
-it back when the file was edited by someone else too).
+Kept under the HostRoot state dir (``/var/lib/kata-sandbox-manager/containerd/``),
+in ONE file per config so that a single atomic rename makes all of it durable at
+once: the original text of the file we edit (taken before our first change), the
+hashes of the file before and after the write in flight (so we can tell our own
+content from someone else's edit, even after a crash mid-write), and, for every
+key we set, the value it had before (so a surgical revert can put it back when
+the file was edited by someone else too).
+
+The state is saved BEFORE every config write and describes both sides of it, so a
+crash at any point leaves a state that still matches the file on disk.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from katamgr.host.files import read_json, remove_file, write_atomic, write_json
+from katamgr.host.files import read_json, remove_file, write_json
 from katamgr.host.root import HostRoot
 
 RUNTIME = "runtime"  # a whole runtime table: always ours to remove or restore
@@ -37,12 +42,18 @@ class EditState:
     mode: str  # "main" or "drop-in"
     version: int
     existed: bool  # did the target exist before our first change
+    # Hash of what we wrote last, or are about to write (saved before the write).
     written_sha256: str = ""
     # False once someone else changed the file between two of our writes: the original
     # bytes are then no longer a safe thing to put back.
     pristine: bool = True
     entries: list[Entry] = field(default_factory=list)
     created_tables: list[list[str]] = field(default_factory=list)
+    # The target's text before our first change (None when it did not exist).
+    original: str | None = None
+    # Hash of the target just before the write in flight: if we died before that
+    # write landed, the file still holds this and is no one else's edit.
+    before_sha256: str = ""
 
     def entry(self, path: list[str] | tuple[str, ...]) -> Entry | None:
         for item in self.entries:
@@ -52,6 +63,30 @@ class EditState:
 
     def runtime_names(self) -> list[str]:
         return [e.path[-1] for e in self.entries if e.kind == RUNTIME]
+
+    def holds_ours(self, current: bytes | None) -> bool:
+        """Does the target hold what we wrote (or what was there as our write began)?"""
+        if current is None:
+            return False  # we never delete the target, so a missing one is someone else's doing
+        return sha256(current) in (self.written_sha256, self.before_sha256)
+
+    def at_original(self, current: bytes | None) -> bool:
+        """Is the target exactly as before our first change (nothing of ours in it)?"""
+        if current is None:
+            return not self.existed
+        return self.original is not None and current == self.original.encode()
+
+    def begin_write(self, current: bytes | None, new: bytes) -> None:
+        self.before_sha256 = digest(current)
+        self.written_sha256 = digest(new)
+
+    def settle(self, current: bytes | None) -> None:
+        """Record that the target holds ``current`` and no write of ours is in flight."""
+        self.before_sha256 = self.written_sha256 = digest(current)
+
+
+def digest(data: bytes | None) -> str:
+    return "" if data is None else sha256(data)
 
 
 def sha256(data: bytes) -> str:
@@ -66,7 +101,8 @@ def state_file(host: HostRoot, config_host_path: str) -> Path:
     return host.state_path(_stem(config_host_path) + ".json")
 
 
-def original_file(host: HostRoot, config_host_path: str) -> Path:
+def _legacy_original_file(host: HostRoot, config_host_path: str) -> Path:
+    # Earlier releases kept the original bytes beside the state, in a separate file.
     return host.state_path(_stem(config_host_path) + ".orig")
 
 
@@ -75,6 +111,11 @@ def load(host: HostRoot, config_host_path: str) -> EditState | None:
     if raw is None:
         return None
     raw["entries"] = [Entry(**e) for e in raw.get("entries", [])]
+    if "original" not in raw:
+        try:
+            raw["original"] = _legacy_original_file(host, config_host_path).read_text()
+        except FileNotFoundError:
+            raw["original"] = None
     return EditState(**raw)
 
 
@@ -82,19 +123,6 @@ def save(host: HostRoot, config_host_path: str, state: EditState) -> None:
     write_json(state_file(host, config_host_path), asdict(state))
 
 
-def keep_original(host: HostRoot, config_host_path: str, data: bytes | None) -> None:
-    """Keep the bytes from before our first change (nothing when the file did not exist)."""
-    if data is not None:
-        write_atomic(original_file(host, config_host_path), data, mode=0o600)
-
-
-def read_original(host: HostRoot, config_host_path: str) -> bytes | None:
-    try:
-        return original_file(host, config_host_path).read_bytes()
-    except FileNotFoundError:
-        return None
-
-
 def forget(host: HostRoot, config_host_path: str) -> None:
     remove_file(state_file(host, config_host_path))
-    remove_file(original_file(host, config_host_path))
+    remove_file(_legacy_original_file(host, config_host_path))

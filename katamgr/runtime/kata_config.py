@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
+from katamgr.artifacts.manifest import RENDERED_DIR
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.files import write_atomic
 from katamgr.host.root import HostRoot
@@ -30,7 +31,6 @@ from katamgr.runtime.tomledit import plain
 log = logging.getLogger(__name__)
 
 CONFIG_GLOB = "configuration-*.toml"
-RENDERED_DIR = "rendered"
 ASSET_KEYS = ("kernel", "initrd", "image")
 ROOT_PORT = "root-port"
 PLUG_KEYS = ("cold_plug_vfio", "hot_plug_vfio")
