@@ -28,7 +28,8 @@ Advertise a node's NVIDIA GPUs to the kubelet as device plugins.
 vm-passthrough: every GPU and NVSwitch bound to vfio-pci, one resource per model
   (nvidia.com/GA102GL_A10, ...) or one alias resource (--alias pgpu ->
   nvidia.com/pgpu); one device per IOMMU group; Allocate hands out the VFIO
-  device nodes, PCI_RESOURCE_<RESOURCE> and the CDI names (nvidia.com/pgpu=0).
+  device nodes, PCI_RESOURCE_<RESOURCE> and, when a CDI spec on the host defines them,
+  the CDI names (nvidia.com/pgpu=0, from the spec katamgr writes with CDI enabled).
   Devices bound or unbound later are picked up without a restart.
 container: nvidia.com/gpu from NVML, device IDs are GPU UUIDs; without NVML
   nothing is advertised and the plugin waits.

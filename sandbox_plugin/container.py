@@ -2,7 +2,9 @@
 
 Device IDs are GPU UUIDs; topology is the NUMA node of the GPU's PCI function
 (read from sysfs through the host root). Allocate answers with
-``NVIDIA_VISIBLE_DEVICES=<uuid,...>`` and the CDI names ``nvidia.com/gpu=<uuid>``.
+``NVIDIA_VISIBLE_DEVICES=<uuid,...>`` and the CDI names ``nvidia.com/gpu=<uuid>``,
+each only when a spec on the host defines it (the NVIDIA Container Toolkit
+writes one in some setups only; an undefined name fails the pod in containerd).
 
 Health comes from NVML's critical-XID events. XIDs a user's own program causes
 (and that leave the GPU usable) do not mark it Unhealthy, or any tenant could
@@ -30,6 +32,7 @@ from dataclasses import dataclass, replace
 
 from katamgr.host import pci
 from katamgr.host.root import HostRoot
+from sandbox_plugin.cdinames import HostCdiSpecs
 from sandbox_plugin.resources import (
     HEALTHY,
     UNHEALTHY,
@@ -103,6 +106,7 @@ class NvmlResource(Resource):
         self.retry_interval = retry_interval
         self.ignored_xids = frozenset(ignored_xids)
         self.unavailable_reason: str | None = None
+        self.cdi_specs = HostCdiSpecs(host)
         self._lock = threading.Lock()
         self._gpus: dict[str, ContainerGpu] = {}
         self._stop = threading.Event()
@@ -273,5 +277,5 @@ class NvmlResource(Resource):
         ids = list(dict.fromkeys(device_ids))
         return ContainerAllocation(
             envs={VISIBLE_DEVICES: ",".join(ids)},
-            cdi_devices=[f"{CDI_KIND}={uuid}" for uuid in ids],
+            cdi_devices=self.cdi_specs.defined(f"{CDI_KIND}={uuid}" for uuid in ids),
         )

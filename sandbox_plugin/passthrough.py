@@ -15,6 +15,12 @@ or each device's ``/dev/vfio/devices/vfioN`` on iommufd hosts).
 ``PassthroughDiscovery.refresh()`` rescans and pushes the result into one
 ``PassthroughResource`` per name; the watcher (``sandbox_plugin.watch``) calls
 it when something changes, and the manager starts servers for new names.
+
+Allocate names each device by CDI only when the host's specs define a name
+for exactly that device (``sandbox_plugin.cdinames``): with no spec (cdi
+disabled) or a spec not yet rewritten after a device left, the answer carries
+the device nodes alone rather than a name the runtime cannot resolve or one
+that now means another GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from katamgr.host.passthrough import PassthroughDevice, passthrough_devices
 from katamgr.host.root import HostRoot
 from katamgr.plan import Naming
 from sandbox_plugin import topology
+from sandbox_plugin.cdinames import HostCdiSpecs
 from sandbox_plugin.resources import (
     HEALTHY,
     UNHEALTHY,
@@ -74,10 +81,6 @@ class PassthroughUnit:
     def nodes(self) -> tuple[str, ...]:
         """Host paths of the device nodes a VM needs, without repeats."""
         return tuple(dict.fromkeys(n for m in self.members for n in m.nodes))
-
-    @cached_property
-    def cdi_names(self) -> tuple[str, ...]:
-        return tuple(m.qualified_name for m in self.members)
 
     def plugin_device(self) -> PluginDevice:
         return PluginDevice(self.id, self.health, self.numa_node)
@@ -134,9 +137,10 @@ def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
 class PassthroughResource(Resource):
     """The passthrough units of one resource name; fed by ``PassthroughDiscovery``."""
 
-    def __init__(self, resource_name: str, host: HostRoot) -> None:
+    def __init__(self, resource_name: str, host: HostRoot, cdi_specs: HostCdiSpecs | None = None) -> None:
         super().__init__(resource_name)
         self.host = host
+        self.cdi_specs = cdi_specs if cdi_specs is not None else HostCdiSpecs(host)
         self._lock = threading.Lock()
         self._units: dict[str, PassthroughUnit] = {}
         self._announced = False
@@ -203,7 +207,7 @@ class PassthroughResource(Resource):
         return ContainerAllocation(
             devices=[DeviceNode(n, n) for n in dict.fromkeys(nodes)],
             envs={env_name(self.resource_name): ",".join(b for u in chosen for b in u.bdfs)},
-            cdi_devices=[c for u in chosen for c in u.cdi_names],
+            cdi_devices=self.cdi_specs.passthrough_names(m for u in chosen for m in u.members),
         )
 
     def _recheck(self, unit: PassthroughUnit) -> None:
@@ -252,6 +256,7 @@ class PassthroughDiscovery:
     def __init__(self, host: HostRoot, naming: Naming) -> None:
         self.host = host
         self.naming = naming
+        self.cdi_specs = HostCdiSpecs(host)  # one cache for every resource
         self._lock = threading.Lock()
         self.resources: dict[str, PassthroughResource] = {}
 
@@ -268,7 +273,7 @@ class PassthroughDiscovery:
         created = []
         with self._lock:
             for name in sorted(by_name.keys() - self.resources.keys()):
-                self.resources[name] = PassthroughResource(name, self.host)
+                self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs)
                 created.append(self.resources[name])
             resources = dict(self.resources)
         for name, resource in resources.items():

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from kubelet_sim import short_root, sim_host  # noqa: F401  (pytest fixtures)
 
+import cdi
 from katamgr.host.simulate import materialise
 from katamgr.profiles import find_profile
 from sandbox_plugin.container import RESOURCE_NAME, NvmlResource, load_pynvml, normalise_bus_id
@@ -51,6 +52,18 @@ def serve_container(sim_host):  # noqa: F811
         manager.stop()
 
 
+def write_gpu_spec(host, uuids) -> None:
+    """A ``nvidia.com/gpu`` spec naming ``uuids``, as the NVIDIA Container Toolkit generates it."""
+    devices = [
+        cdi.Device(name=uuid, container_edits=cdi.ContainerEdits(
+            device_nodes=[cdi.DeviceNode(path=f"/dev/nvidia{i}")]))
+        for i, uuid in enumerate(uuids)
+    ]
+    spec = cdi.Spec(cdi_version="0.5.0", kind="nvidia.com/gpu", devices=devices,
+                    container_edits=cdi.ContainerEdits(device_nodes=[cdi.DeviceNode(path="/dev/nvidiactl")]))
+    cdi.write_spec(spec, host.path("/var/run/cdi"))
+
+
 def health(state):
     return {d.id: d.health for d in state.devices.get(RESOURCE_NAME, [])}
 
@@ -64,7 +77,8 @@ def test_advertises_gpus_by_uuid_with_numa(serve_container):
 
 
 def test_allocate_sets_visible_devices_and_cdi_names(serve_container):
-    _manager, kubelet = serve_container(FakeNvml(fake_gpus()))
+    manager, kubelet = serve_container(FakeNvml(fake_gpus()))
+    write_gpu_spec(manager.host, UUIDS)
     kubelet.wait_for(lambda s: len(s.healthy(RESOURCE_NAME)) == 3)
     answer = kubelet.allocate(RESOURCE_NAME, [UUIDS[2], UUIDS[0]])
     assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": f"{UUIDS[2]},{UUIDS[0]}"}
@@ -72,6 +86,24 @@ def test_allocate_sets_visible_devices_and_cdi_names(serve_container):
     with pytest.raises(grpc.RpcError) as error:
         kubelet.allocate(RESOURCE_NAME, ["GPU-nope"])
     assert "GPU-nope" in error.value.details()
+
+
+def test_cdi_names_only_when_a_spec_on_the_host_defines_them(serve_container, caplog):
+    manager, kubelet = serve_container(FakeNvml(fake_gpus()))
+    kubelet.wait_for(lambda s: len(s.healthy(RESOURCE_NAME)) == 3)
+    caplog.set_level(logging.WARNING, logger="sandbox_plugin.cdinames")
+
+    for _ in range(2):  # no spec on the host: the variable alone
+        answer = kubelet.allocate(RESOURCE_NAME, [UUIDS[0]])
+        assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": UUIDS[0]}
+        assert list(answer.cdi_devices) == []
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and f"nvidia.com/gpu={UUIDS[0]}" in warnings[0], warnings
+
+    write_gpu_spec(manager.host, UUIDS[:2])  # a spec that knows two of the three GPUs
+    answer = kubelet.allocate(RESOURCE_NAME, [UUIDS[1], UUIDS[2]])
+    assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": f"{UUIDS[1]},{UUIDS[2]}"}
+    assert [c.name for c in answer.cdi_devices] == [f"nvidia.com/gpu={UUIDS[1]}"]
 
 
 def test_critical_xid_marks_only_that_gpu_unhealthy(serve_container):

@@ -6,6 +6,7 @@ profiles; binding goes through katamgr's own apply and the emulated kernel.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import grpc
@@ -13,9 +14,12 @@ import pytest
 from hostkit import GPU_A10, dev
 from kubelet_sim import sim_host  # noqa: F401  (pytest fixture)
 
+import cdi
 from katamgr.apply import apply_host
+from katamgr.cdispecs import write_specs
 from katamgr.host import pci, vfio
 from katamgr.host.emulation import handle_write
+from katamgr.host.inventory import discover
 from katamgr.host.pciids import PciIds, resource_name
 from katamgr.host.profile import parse_profile
 from katamgr.plan import Naming, build_plan
@@ -56,6 +60,17 @@ def bind(host, skip_groups=()) -> None:
     decisions = [d for d in build_plan(host, NAMING).decisions if d.group not in skip_groups]
     report = vfio.bind(host, decisions)
     assert not report.failures
+
+
+def write_spec(host) -> None:
+    """What katamgr's reconcile does after binding when cdi is enabled."""
+    assert write_specs(host, discover(host)).ok
+
+
+def spec_nodes(host, name: str) -> list[str]:
+    """The device nodes the host's specs inject for ``name``, as containerd would read them."""
+    registry = cdi.load_specs([host.path(d) for d in cdi.DEFAULT_SPEC_DIRS])
+    return [n.path for n in registry.resolve(name).device.container_edits.device_nodes]
 
 
 def health(state, name):
@@ -103,6 +118,7 @@ def test_alias_mode_uses_one_name_per_class(sim_host, serve):  # noqa: F811
 def test_allocate_one_and_several_gpus(sim_host, serve):  # noqa: F811
     host, kubelet = sim_host("a10-server")
     bind(host)
+    write_spec(host)
     serve(host)
     kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4)
 
@@ -119,6 +135,61 @@ def test_allocate_one_and_several_gpus(sim_host, serve):  # noqa: F811
     assert [c.name for c in several.cdi_devices] == ["nvidia.com/pgpu=2", "nvidia.com/pgpu=3"]
     # Host paths are the host's, never the root we read it through.
     assert not any(str(host.root) in d.host_path for d in several.devices)
+
+
+def test_without_a_spec_allocate_gives_the_nodes_and_no_cdi_name(sim_host, serve, caplog):  # noqa: F811
+    host, kubelet = sim_host("a10-server")
+    bind(host)  # cdi.enabled=false: katamgr binds but writes no spec
+    serve(host)
+    kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4)
+    caplog.set_level(logging.WARNING, logger="sandbox_plugin.cdinames")
+
+    for _ in range(2):
+        answer = kubelet.allocate(A10, ["0000:17:00.0"])
+        assert [d.host_path for d in answer.devices] == ["/dev/vfio/vfio", "/dev/vfio/20"]
+        assert list(answer.cdi_devices) == []  # nothing containerd could not resolve
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings  # once, not on every Allocate
+    assert "0000:17:00.0" in warnings[0] and "/var/run/cdi/nvidia.com-pgpu.yaml" in warnings[0]
+
+    write_spec(host)  # cdi enabled later: the names follow without a restart
+    answer = kubelet.allocate(A10, ["0000:17:00.0", "0000:ca:00.0"])
+    assert [c.name for c in answer.cdi_devices] == ["nvidia.com/pgpu=0", "nvidia.com/pgpu=2"]
+
+
+def test_a_stale_spec_never_names_another_gpu(sim_host, caplog):  # noqa: F811
+    host, _kubelet = sim_host("a10-server")
+    bind(host, skip_groups={43})  # 0000:e3:00.0 stays on its driver for now
+    write_spec(host)
+    assert spec_nodes(host, "nvidia.com/pgpu=0") == ["/dev/vfio/20"]  # 0000:17:00.0
+    discovery = PassthroughDiscovery(host, NAMING)
+    handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:17:00.0")
+    discovery.refresh()  # the plugin sees the change; the spec is not rewritten
+    resource = discovery.resources[A10]
+    moved = next(u for u in resource.units() if u.id == "0000:31:00.0")
+    assert moved.members[0].qualified_name == "nvidia.com/pgpu=0"  # its index now; not the spec's
+
+    for device_id, group in (("0000:31:00.0", 21), ("0000:ca:00.0", 41)):
+        names = resource.allocate([device_id]).cdi_devices
+        assert names, device_id  # the spec still names it, by its old index
+        for name in names:
+            assert spec_nodes(host, name) == [f"/dev/vfio/{group}"], (device_id, name)
+    assert resource.allocate(["0000:31:00.0"]).cdi_devices == ["nvidia.com/pgpu=1"]
+
+    # A GPU bound after the spec was written has no name in it at all.
+    assert not vfio.bind(host, [d for d in build_plan(host, NAMING).decisions if d.group == 43]).failures
+    discovery.refresh()
+    caplog.set_level(logging.WARNING, logger="sandbox_plugin.cdinames")
+    answer = resource.allocate(["0000:e3:00.0"])
+    assert answer.cdi_devices == []
+    assert [d.host_path for d in answer.devices] == ["/dev/vfio/vfio", "/dev/vfio/43"]
+    message = caplog.records[-1].getMessage()
+    assert "0000:e3:00.0" in message and "/var/run/cdi/nvidia.com-pgpu.yaml" in message
+
+    write_spec(host)  # katamgr reconciles: the canonical names come back
+    assert resource.allocate(["0000:31:00.0"]).cdi_devices == ["nvidia.com/pgpu=0"]
+    assert resource.allocate(["0000:e3:00.0"]).cdi_devices == ["nvidia.com/pgpu=2"]
+    assert spec_nodes(host, "nvidia.com/pgpu=0") == ["/dev/vfio/21"]
 
 
 def test_allocate_refuses_unknown_and_unbound_devices(sim_host, serve):  # noqa: F811
@@ -268,6 +339,7 @@ def shared_group_profile(iommufd: bool = False):
 
 def test_two_gpus_in_one_iommu_group_are_one_device(sim_host, serve):  # noqa: F811
     host, kubelet = sim_host(shared_group_profile())
+    write_spec(host)
     serve(host)
     state = kubelet.wait_for(lambda s: len(s.devices.get(A10, [])) == 2)
     assert [(d.id, d.numa_node) for d in state.devices[A10]] == [("0000:41:00.0", 0), ("0000:42:00.0", 1)]
@@ -285,6 +357,11 @@ def test_iommufd_host_gets_iommu_and_cdev_nodes(sim_host, serve):  # noqa: F811
     answer = kubelet.allocate(A10, ["0000:42:00.0"])
     cdev = sorted(p.name for p in host.path("/sys/bus/pci/devices/0000:42:00.0/vfio-dev").iterdir())[0]
     assert [d.host_path for d in answer.devices] == ["/dev/iommu", f"/dev/vfio/devices/{cdev}"]
+    assert list(answer.cdi_devices) == []
+    write_spec(host)
+    named = kubelet.allocate(A10, ["0000:42:00.0"])
+    assert [c.name for c in named.cdi_devices] == ["nvidia.com/pgpu=2"]
+    assert spec_nodes(host, "nvidia.com/pgpu=2") == [f"/dev/vfio/devices/{cdev}"]
 
     # The cdev is the iommufd-era health signal.
     host.path(f"/dev/vfio/devices/{cdev}").unlink()
