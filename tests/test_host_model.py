@@ -207,3 +207,16 @@ def test_iommufd_host_exposes_cdev_after_binding(tmp_path):
     assert iommu.vfio_cdev(host, "0000:01:00.0") == "vfio0"
     assert vfio.vfio_nodes(host, inv, inv.gpus[0]) == ["/dev/iommu", "/dev/vfio/devices/vfio0"]
     assert host.path("/dev/vfio/devices/vfio0").exists()
+
+
+def test_scan_reads_other_vendors_from_uevent_or_their_attributes(tmp_path):
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", NIC_I210, "igb", 5)])
+    nic_dir = host.path("/sys/bus/pci/devices/0000:02:00.0").resolve()
+    assert "DRIVER=igb" in (nic_dir / "uevent").read_text()
+    fast = pci.read_device(host, "0000:02:00.0")
+    # A sysfs copy without uevent (or a broken one) is read attribute by attribute.
+    (nic_dir / "uevent").write_text("garbage\n")
+    slow = pci.read_device(host, "0000:02:00.0")
+    assert (fast.vendor, fast.device, fast.class_code, fast.driver, fast.iommu_group, fast.subsystem_vendor) == (
+        slow.vendor, slow.device, slow.class_code, slow.driver, slow.iommu_group, slow.subsystem_vendor)
+    assert fast.driver == "igb" and fast.class_code == 0x020000

@@ -57,11 +57,35 @@ def current_driver(host: HostRoot, bdf: str) -> str | None:
     return Path(os.readlink(link)).name
 
 
+def write_uevent(directory: Path, bdf: str, vendor: int, device: int, class_code: int,
+                 sub_vendor: int, sub_device: int, driver: str | None) -> None:
+    """The device's uevent as the kernel formats it (DRIVER= only while bound)."""
+    lines = [f"DRIVER={driver}"] if driver else []
+    lines += [
+        f"PCI_CLASS={class_code:04X}",
+        f"PCI_ID={vendor:04X}:{device:04X}",
+        f"PCI_SUBSYS_ID={sub_vendor:04X}:{sub_device:04X}",
+        f"PCI_SLOT_NAME={bdf}",
+        f"MODALIAS=pci:v{vendor:08X}d{device:08X}sv{sub_vendor:08X}sd{sub_device:08X}"
+        f"bc{class_code >> 16:02X}sc{(class_code >> 8) & 0xFF:02X}i{class_code & 0xFF:02X}",
+    ]
+    (directory / "uevent").write_text("\n".join(lines) + "\n")
+
+
+def _set_uevent_driver(device: Path, driver: str | None) -> None:
+    uevent = device / "uevent"
+    if not uevent.exists():
+        return
+    lines = [line for line in uevent.read_text().splitlines() if not line.startswith("DRIVER=")]
+    uevent.write_text("\n".join(([f"DRIVER={driver}"] if driver else []) + lines) + "\n")
+
+
 def link_driver(host: HostRoot, bdf: str, driver: str) -> None:
     device = _device_dir(host, bdf)
     driver_dir = host.path(f"/sys/bus/pci/drivers/{driver}")
     relative_link(driver_dir, device / "driver")
     relative_link(device, driver_dir / bdf)
+    _set_uevent_driver(device, driver)
 
 
 def _group(host: HostRoot, bdf: str) -> int | None:
@@ -129,6 +153,7 @@ def _unbind(host: HostRoot, driver: str, bdf: str) -> None:
     device = _device_dir(host, bdf)
     (device / "driver").unlink()
     host.path(f"/sys/bus/pci/drivers/{driver}/{bdf}").unlink(missing_ok=True)
+    _set_uevent_driver(device, None)
     if driver == VFIO:
         _on_vfio_unbound(host, bdf)
 

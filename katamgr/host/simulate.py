@@ -93,6 +93,8 @@ def _create_device(host: HostRoot, profile: HostProfile, dev: ProfileDevice, by_
     }
     for name, value in attrs.items():
         (directory / name).write_text(value + "\n")
+    emulation.write_uevent(directory, dev.bdf, dev.vendor, dev.device, dev.class_code,
+                           dev.subsystem_vendor, dev.subsystem_device, None)
     emulation.relative_link(directory, host.path(f"/sys/bus/pci/devices/{dev.bdf}"))
     if profile.iommu and dev.iommu_group is not None:
         group_dir = host.path(f"/sys/kernel/iommu_groups/{dev.iommu_group}/devices")

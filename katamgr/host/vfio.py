@@ -216,9 +216,11 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
     state = _state(host)
     for device in decision.to_move:
         # Recorded before the first write: a crash mid-way stays revertible.
+        # The override is read afresh: the scan reads it only for NVIDIA devices.
+        override = sysfs.read_text(host.path(f"{sysfs.PCI_DEVICES}/{device.bdf}/driver_override"))
         state["devices"].setdefault(device.bdf, {
             "driver": device.driver,
-            "override": device.driver_override,
+            "override": None if override in (None, "", "(null)") else override,
             "group": decision.group,
         })
     write_json(host.state_path(STATE_FILE), state)
@@ -234,7 +236,7 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
                 f"{decision.group}; check udev and dmesg"
             )
     except HostError as exc:
-        undo_errors = _roll_back(host, moved)
+        undo_errors = _roll_back(host, moved, state["devices"])
         extra = f" (roll-back problems: {'; '.join(undo_errors)})" if undo_errors else ""
         raise HostError(f"binding IOMMU group {decision.group} failed and was rolled back: {exc}{extra}") from exc
     return moved
@@ -265,12 +267,12 @@ def _restore(host: HostRoot, bdf: str, driver: str | None, override: str | None)
             raise HostError(f"{bdf} came back on {now or 'no driver'} instead of {driver}; bind it by hand: echo {bdf} > /sys/bus/pci/drivers/{driver}/bind")
 
 
-def _roll_back(host: HostRoot, moved: list[Device]) -> list[str]:
+def _roll_back(host: HostRoot, moved: list[Device], recorded: dict[str, dict]) -> list[str]:
     errors = []
     state = _state(host)
     for device in reversed(moved):
         try:
-            _restore(host, device.bdf, device.driver, device.driver_override)
+            _restore(host, device.bdf, device.driver, recorded.get(device.bdf, {}).get("override"))
             state["devices"].pop(device.bdf, None)
         except HostError as exc:
             errors.append(str(exc))
