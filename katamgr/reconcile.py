@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from katamgr import cdispecs, kata
 from katamgr.apply import Report, apply_host, revert_host
+from katamgr.host import vfio
 from katamgr.host.inventory import discover
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
@@ -66,6 +67,12 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
     report = Report()
     if not steps.passthrough:
         report.warnings.append(f"node workload is {steps.workload!r}: nothing to do for VM passthrough here")
+        earlier = sorted(vfio.bound_by_us(host))
+        if earlier:
+            # Never unbound on a label change alone: a VM may still hold them.
+            report.warnings.append(
+                f"{', '.join(earlier)} stay on vfio-pci from when this node ran vm-passthrough; "
+                "run katamgr revert to give them back to their drivers")
         return report
     plan = build_plan(host, naming, force=force)
     if steps.vfio:

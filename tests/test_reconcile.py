@@ -194,6 +194,11 @@ def test_workload_container_binds_nothing(tmp_path):
     report = reconcile(host, NAMING, Steps(workload="container"), KataContext(parse_config(CONFIG)))
     assert report.changes == []
     assert host.path("/etc/containerd/config.toml").read_text() == ORIGINAL
+    # Relabeled from vm-passthrough: the GPUs stay (a VM may hold them), and it says so.
+    reconcile(host, NAMING, Steps(), None)
+    report = reconcile(host, NAMING, Steps(workload="container"), None)
+    assert report.changes == []
+    assert any("0000:01:00.0, 0000:02:00.0 stay on vfio-pci" in w for w in report.warnings)
 
 
 def test_agent_reapplies_when_someone_drops_our_entries(tmp_path, containerd_proc):
