@@ -73,7 +73,10 @@ def read_json(path: Path, default: Any = None) -> Any:
     except FileNotFoundError:
         return default
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); move it aside to start afresh") from exc
+        raise ValueError(
+            f"{path} is not valid JSON ({exc}); it is katamgr's record of what to undo: repair it, "
+            f"or move it aside knowing that what it recorded can no longer be reverted"
+        ) from exc
 
 
 def write_json(path: Path, value: Any) -> bool:
