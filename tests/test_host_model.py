@@ -197,7 +197,7 @@ def test_malformed_sysfs_attributes_become_notes_not_crashes(tmp_path):
 
 def test_iommufd_host_exposes_cdev_after_binding(tmp_path):
     from katamgr.apply import apply_host
-    from katamgr.host import vfio
+    from katamgr.host.passthrough import passthrough_devices
 
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)], iommufd=True)
     plan = build_plan(host, naming())
@@ -205,7 +205,8 @@ def test_iommufd_host_exposes_cdev_after_binding(tmp_path):
     assert apply_host(host, plan).ok
     inv = discover(host)
     assert iommu.vfio_cdev(host, "0000:01:00.0") == "vfio0"
-    assert vfio.vfio_nodes(host, inv, inv.gpus[0]) == ["/dev/iommu", "/dev/vfio/devices/vfio0"]
+    (gpu,), _notes = passthrough_devices(host, inv)
+    assert gpu.nodes == ("/dev/iommu", "/dev/vfio/devices/vfio0")
     assert host.path("/dev/vfio/devices/vfio0").exists()
 
 

@@ -16,7 +16,6 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
-from pathlib import Path
 
 from katamgr.host import emulation, holders, iommu, sysfs
 from katamgr.host.errors import HostError
@@ -325,16 +324,3 @@ def unbind_all(host: HostRoot, *, force: bool = False) -> BindReport:
     else:
         host.state_path(STATE_FILE).unlink(missing_ok=True)
     return report
-
-
-def vfio_nodes(host: HostRoot, inv: Inventory, device: Device) -> list[str]:
-    """Host paths of the device nodes a VM needs for this device."""
-    if inv.iommufd:
-        cdev = iommu.vfio_cdev(host, device.bdf)
-        if cdev:
-            return ["/dev/iommu", f"/dev/vfio/devices/{cdev}"]
-    return ["/dev/vfio/vfio", f"/dev/vfio/{device.iommu_group}"]
-
-
-def group_node_present(host: HostRoot, group: int) -> bool:
-    return Path(host.path(f"/dev/vfio/{group}")).exists()
