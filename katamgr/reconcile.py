@@ -75,11 +75,15 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
                 "run katamgr revert to give them back to their drivers")
         return report
     plan = build_plan(host, naming, force=force)
+    moved = False
     if steps.vfio:
-        report.merge(apply_host(host, plan, workload=steps.workload, wait=wait))
+        bound = apply_host(host, plan, workload=steps.workload, wait=wait)
+        moved = any(c.startswith("bound ") for c in bound.changes) or bool(bound.failures)
+        report.merge(bound)
     report.warnings += plan.problems
     if steps.cdi:
-        report.merge(cdispecs.write_specs(host, discover(host)))
+        # The plan's scan still holds unless devices just moved driver.
+        report.merge(cdispecs.write_specs(host, discover(host) if moved else plan.inventory))
     if steps.kata and kata_ctx is not None:
         report.merge(kata.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi, **reload_args))
     for line in report.changes:
