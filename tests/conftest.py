@@ -39,3 +39,18 @@ def pytest_runtest_makereport(item, call):
     if REQUIRE_INTEGRATION and report.skipped and item.get_closest_marker("integration"):
         report.outcome = "failed"
         report.longrepr = f"integration test skipped under REQUIRE_INTEGRATION=1: {report.longrepr}"
+
+
+@pytest.fixture
+def server():
+    """The Kubernetes API stand-in (tests/apiserver.py), for the cluster-layer tests."""
+    from apiserver import FakeApiServer
+
+    with FakeApiServer() as s:
+        yield s
+
+
+@pytest.fixture
+def api(server):
+    """The official client pointed at the stand-in."""
+    return server.client()

@@ -25,15 +25,6 @@ from katamgr.errors import ConfigError, KatamgrError
 DOCKER_CONFIG = b'{"auths": {"nvcr.io": {"auth": "JG9hdXRodG9rZW46c2VjcmV0"}}}'
 
 
-@pytest.fixture
-def server():
-    with FakeApiServer() as s:
-        yield s
-
-
-@pytest.fixture
-def api(server):
-    return server.client()
 
 
 def node(name: str, labels: dict | None = None) -> dict:

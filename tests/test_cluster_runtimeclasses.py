@@ -27,15 +27,6 @@ from katamgr.errors import KatamgrError
 GPU, SNP = "kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"
 
 
-@pytest.fixture
-def server():
-    with FakeApiServer() as s:
-        yield s
-
-
-@pytest.fixture
-def api(server):
-    return server.client()
 
 
 def runtime_class(name, labels=None, handler=None, **spec) -> dict:
