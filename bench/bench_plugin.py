@@ -37,7 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from katamgr.host.pciids import PciIds, resource_name  # noqa: E402
+from katamgr.host.naming import resource_name  # noqa: E402
+from katamgr.host.pciids import PciIds  # noqa: E402
 from katamgr.host.root import HostRoot  # noqa: E402
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY  # noqa: E402
 
@@ -52,7 +53,7 @@ def h100_name() -> str:
 
 
 def naming():
-    from katamgr.plan import Naming
+    from katamgr.host.naming import Naming
 
     return Naming(PciIds.find())
 

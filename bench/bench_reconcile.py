@@ -15,10 +15,10 @@ from pathlib import Path
 
 from katamgr.config import load_config
 from katamgr.demo import DATA, prepare_node
+from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.simulate import materialise
 from katamgr.kata import KataContext
-from katamgr.plan import Naming
 from katamgr.profiles import find_profile
 from katamgr.reconcile import Steps, reconcile
 

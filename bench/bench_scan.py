@@ -13,10 +13,11 @@ from pathlib import Path
 
 from katamgr.host import pci
 from katamgr.host.inventory import discover
+from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.profile import parse_profile
 from katamgr.host.simulate import materialise
-from katamgr.plan import Naming, build_plan
+from katamgr.plan import build_plan
 
 
 def generated_profile(total: int = 2000, gpus: int = 16) -> dict:

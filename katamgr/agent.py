@@ -21,9 +21,9 @@ from inotify_simple import flags as inflags
 
 from katamgr import kata
 from katamgr.apply import Report
+from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.kata import KataContext
-from katamgr.plan import Naming
 from katamgr.reconcile import Steps, reconcile, revert_all
 from katamgr.runtime import check_entries, configure_containerd
 

@@ -1,8 +1,21 @@
-"""The CDI specs Kata pods name their GPUs by: ``nvidia.com/pgpu`` and ``nvidia.com/nvswitch``.
+"""The CDI specs of the node's passthrough devices, written into ``/var/run/cdi``.
 
-Built from ``katamgr.host.passthrough`` (the same names the device plugin hands
-out) and written with the ``cdi`` library into ``/var/run/cdi``. Kata accepts
-cdiVersion 0.5.0, the first that allows device names starting with a digit.
+Two kinds of spec, built from ``katamgr.host.passthrough`` (the very list the
+device plugin advertises):
+
+- one per advertised resource (``nvidia.com/GA102GL_A10``, an alias such as
+  ``nvidia.com/pgpu``, an NVSwitch model): its kind is the resource name and its
+  device names are the plugin's device IDs. Kata's cold-plug (``cold_plug_vfio``
+  with ``pod_resource_api_sock``) asks the kubelet's PodResources API which
+  devices a pod holds and resolves ``<resource name>=<device id>`` here; a name
+  that does not resolve fails the sandbox.
+- the user-facing ``nvidia.com/pgpu`` and ``nvidia.com/nvswitch``: a GPU by index
+  in PCI bus order, by IOMMU group number, and on iommufd hosts by vfio cdev,
+  for the ``cdi.k8s.io/...`` annotation (hot-plug and standalone use).
+
+When an alias resource shares a kind with the user-facing spec (``--alias pgpu``),
+the two are one spec holding both sets of names. Each spec declares the lowest
+cdiVersion that validates it (0.5.0 as soon as a device name starts with a digit).
 """
 
 from __future__ import annotations
@@ -15,21 +28,25 @@ from katamgr.apply import Report
 from katamgr.errors import KatamgrError
 from katamgr.host.files import read_json, write_json
 from katamgr.host.inventory import Inventory
+from katamgr.host.naming import RESOURCE_VENDOR, Naming
 from katamgr.host.passthrough import (
     NVSWITCH_CLASS,
     PGPU_CLASS,
-    VENDOR,
     PassthroughDevice,
+    ResourceUnit,
     passthrough_devices,
+    resource_units,
 )
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action, GroupDecision
 from katamgr.plan import PlanSection
 
 SPEC_DIR = "/var/run/cdi"
-CDI_VERSION = "0.5.0"
-KINDS = (f"{VENDOR}/{PGPU_CLASS}", f"{VENDOR}/{NVSWITCH_CLASS}")
+USER_KINDS = (f"{RESOURCE_VENDOR}/{PGPU_CLASS}", f"{RESOURCE_VENDOR}/{NVSWITCH_CLASS}")
 STATE_FILE = "cdi.json"
+# The node every VFIO device needs besides its own (the container or iommufd):
+# it goes once in the spec-level edits.
+_SHARED_NODES = ("/dev/vfio/vfio", "/dev/iommu")
 
 
 @dataclass(frozen=True)
@@ -40,31 +57,50 @@ class SpecChange:
     spec: cdi.Spec | None
 
 
-def build_specs(devices: list[PassthroughDevice]) -> list[cdi.Spec]:
-    specs = []
-    for kind in KINDS:
-        members = [d for d in devices if d.kind == kind]
-        if not members:
-            continue
-        # The container-wide node every device needs (/dev/vfio/vfio or
-        # /dev/iommu) goes in the spec-level edits once; each device carries
-        # its own group or cdev node (so no device is ever without an edit).
-        common = {"/dev/vfio/vfio", "/dev/iommu"}
-        for member in members:
-            common &= set(member.nodes)
-        entries = []
-        for member in members:
-            own = [n for n in member.nodes if n not in common]
-            edits = cdi.ContainerEdits(device_nodes=[cdi.DeviceNode(path=n) for n in own])
-            entries += [cdi.Device(name=name, container_edits=edits) for name in member.names]
-        shared = [n for n in members[0].nodes if n in common]
-        specs.append(cdi.Spec(
-            cdi_version=CDI_VERSION,
-            kind=kind,
-            container_edits=cdi.ContainerEdits(device_nodes=[cdi.DeviceNode(path=n) for n in shared]),
-            devices=entries,
-        ))
-    return specs
+@dataclass(frozen=True)
+class Passthrough:
+    """What the specs are made of: one scan, named once."""
+
+    devices: list[PassthroughDevice]
+    units: list[ResourceUnit]
+    notes: list[str]
+
+
+def collect(host: HostRoot, inv: Inventory, naming: Naming) -> Passthrough:
+    devices, notes = passthrough_devices(host, inv)
+    units = resource_units(host, inv, naming, devices)
+    return Passthrough(devices, units, [n.text for n in notes])
+
+
+def build_specs(found: Passthrough) -> list[cdi.Spec]:
+    """Every spec, by kind: user-facing names first, then each resource's device IDs."""
+    entries: dict[str, dict[str, tuple[str, ...]]] = {}  # kind -> name -> nodes
+    for device in found.devices:
+        names = entries.setdefault(device.kind, {})
+        for name in device.names:
+            names.setdefault(name, device.nodes)
+    for unit in found.units:
+        entries.setdefault(unit.resource_name, {}).setdefault(unit.id, unit.nodes)
+    return [_spec(kind, names) for kind, names in entries.items()]
+
+
+def _spec(kind: str, names: dict[str, tuple[str, ...]]) -> cdi.Spec:
+    common = set(_SHARED_NODES)
+    for nodes in names.values():
+        common &= set(nodes)
+    shared = [n for n in _SHARED_NODES if n in common]
+    devices = [
+        cdi.Device(name=name, container_edits=cdi.ContainerEdits(
+            device_nodes=[cdi.DeviceNode(path=n) for n in nodes if n not in common]))
+        for name, nodes in names.items()
+    ]
+    spec = cdi.Spec(
+        cdi_version=cdi.EARLIEST_VERSION,
+        kind=kind,
+        container_edits=cdi.ContainerEdits(device_nodes=[cdi.DeviceNode(path=n) for n in shared]),
+        devices=devices,
+    )
+    return dataclasses.replace(spec, cdi_version=cdi.minimum_version(spec))
 
 
 def projected(inv: Inventory, decisions: list[GroupDecision]) -> Inventory:
@@ -78,48 +114,53 @@ def spec_path(kind: str) -> str:
     return f"{SPEC_DIR}/{cdi.spec_file_name(kind)}"
 
 
-def changes(host: HostRoot, inv: Inventory) -> tuple[list[SpecChange], list[str]]:
+def changes(host: HostRoot, inv: Inventory, naming: Naming) -> tuple[list[SpecChange], Passthrough]:
     """What writing the specs for ``inv`` would do to /var/run/cdi (read-only)."""
-    found, notes, _devices = _changes(host, inv)
-    return found, notes
-
-
-def _changes(host: HostRoot, inv: Inventory) -> tuple[list[SpecChange], list[str], list[PassthroughDevice]]:
-    devices, notes = passthrough_devices(host, inv)
-    wanted = {spec.kind: spec for spec in build_specs(devices)}
+    found = collect(host, inv, naming)
+    wanted = {spec.kind: spec for spec in build_specs(found)}
     out = []
-    for kind in KINDS:
+    for kind, spec in wanted.items():
         path = spec_path(kind)
         local = host.path(path)
-        spec = wanted.get(kind)
-        if spec is None:
-            if local.exists() and kind in _written(host):
-                out.append(SpecChange(kind, path, "remove", None))
-            continue
         current = local.read_text() if local.exists() else None
         action = "keep" if current == cdi.dump_spec(spec) else "write"
         out.append(SpecChange(kind, path, action, spec))
-    return out, [n.text for n in notes], devices
+    for kind in _written(host):
+        if kind not in wanted and host.path(spec_path(kind)).exists():
+            out.append(SpecChange(kind, spec_path(kind), "remove", None))
+    return out, found
 
 
-def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision]) -> PlanSection:
-    found, notes, devices = _changes(host, projected(inv, decisions))
+def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision], naming: Naming) -> PlanSection:
+    found, passthrough = changes(host, projected(inv, decisions), naming)
+    cold_plug = [
+        {"name": u.cdi_name, "resource": u.resource_name, "device_id": u.id, "iommu_group": u.group,
+         "functions": list(u.functions), "nodes": list(u.nodes)}
+        for u in passthrough.units
+    ]
     data = {
         "specs": [
             {"kind": c.kind, "path": c.path, "action": c.action, "spec": c.spec.to_dict() if c.spec else None}
             for c in found
         ],
-        "notes": notes,
+        "cold_plug": cold_plug,
+        "notes": passthrough.notes,
     }
-    lines = []
-    for c in found:
-        lines.append(f"{c.action} {c.path}")
-        for d in (d for d in devices if d.kind == c.kind):
-            names = ", ".join(f"{c.kind}={n}" for n in d.names)
-            lines.append(f"  {names:<44} {d.device.bdf}  {' '.join(d.nodes)}")
+    lines = [f"{c.action} {c.path}" for c in found]
+    if passthrough.units:
+        lines.append("Kata cold-plug resolves (resource=device ID -> device nodes -> QEMU functions):")
+        for u in passthrough.units:
+            lines.append(f"  {u.cdi_name:<48} {' '.join(u.nodes)} -> {', '.join(u.functions)}")
+    for kind in USER_KINDS:
+        members = [d for d in passthrough.devices if d.kind == kind]
+        if members:
+            lines.append(f"For the cdi.k8s.io annotation ({kind}):")
+        for d in members:
+            names = ", ".join(f"{kind}={n}" for n in d.names)
+            lines.append(f"  {names:<48} {d.device.bdf}  {' '.join(d.nodes)}")
     if not found:
         lines.append("no passthrough devices: no spec to write")
-    lines += [f"note: {n}" for n in notes]
+    lines += [f"note: {n}" for n in passthrough.notes]
     return PlanSection("cdi", "CDI specs", data, lines, pending=any(c.action != "keep" for c in found))
 
 
@@ -130,20 +171,32 @@ def _written(host: HostRoot) -> list[str]:
     except (ValueError, AttributeError) as exc:
         raise KatamgrError(f"{host.host_path(path)} is not katamgr's CDI record ({exc}); "
                            f"check it, or delete it if the specs it lists are gone") from exc
-    if not isinstance(kinds, list) or not all(k in KINDS for k in kinds):
-        raise KatamgrError(f"{host.host_path(path)} lists unknown spec kinds {kinds!r}; expected some of {KINDS}")
+    if not isinstance(kinds, list) or not all(_ours(k) for k in kinds):
+        raise KatamgrError(f"{host.host_path(path)} lists spec kinds {kinds!r} that are not "
+                           f"{RESOURCE_VENDOR}/<class>; check the file, or delete it if those specs are gone")
     return kinds
 
 
-def write_specs(host: HostRoot, inv: Inventory) -> Report:
+def _ours(kind: object) -> bool:
+    if not isinstance(kind, str) or not kind.startswith(f"{RESOURCE_VENDOR}/"):
+        return False
+    try:
+        cdi.parse_kind(kind)
+    except cdi.InvalidNameError:
+        return False
+    return True
+
+
+def write_specs(host: HostRoot, inv: Inventory, naming: Naming) -> Report:
     """Bring /var/run/cdi in line with the devices now on vfio-pci."""
     report = Report()
-    found, notes = changes(host, inv)
-    report.warnings += notes
+    found, passthrough = changes(host, inv, naming)
+    report.warnings += passthrough.notes
     written = set(_written(host))
     spec_dir = host.path(SPEC_DIR)
     for change in found:
         if change.action == "write":
+            # Recorded before the write: a crash in between leaves a spec we know is ours.
             written.add(change.kind)
             write_json(host.state_path(STATE_FILE), {"kinds": sorted(written)})
             try:

@@ -16,13 +16,13 @@ from pathlib import Path
 from katamgr import __version__
 from katamgr.apply import Report
 from katamgr.errors import ConfigError, KatamgrError
+from katamgr.host import naming as resource_naming
 from katamgr.host.errors import HostError
-from katamgr.host.pciids import PciIds, validate_alias
+from katamgr.host.naming import Naming
 from katamgr.host.profile import ProfileError
 from katamgr.host.root import HostRoot
 from katamgr.host.simulate import materialise
 from katamgr.kata import KataContext
-from katamgr.plan import Naming
 from katamgr.profiles import find_profile, shipped_names
 from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text
@@ -51,12 +51,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                        help="where the node's filesystem is mounted (default /; /host in the DaemonSet)")
     where.add_argument("--host", metavar="PROFILE",
                        help="simulate PROFILE (a file or a shipped profile name) in a temp dir and work on that")
-    parser.add_argument("--pci-ids", metavar="FILE",
-                        help="pci.ids database for model names (default: /usr/share/hwdata/pci.ids)")
-    parser.add_argument("--alias", metavar="NAME",
-                        help="advertise every GPU as nvidia.com/NAME (e.g. pgpu) instead of model names")
-    parser.add_argument("--nvswitch-alias", metavar="NAME",
-                        help="advertise every NVSwitch as nvidia.com/NAME instead of model names")
+    resource_naming.add_arguments(parser)
     parser.add_argument("--config", metavar="FILE",
                         help="kataManager config (YAML, the GPU Operator's kataManager.config shape); "
                              "with it the Kata chain runs too: artifacts, Kata config, containerd, RuntimeClasses")
@@ -160,12 +155,9 @@ def host_from(args: argparse.Namespace) -> Iterator[HostRoot]:
 
 def naming_from(args: argparse.Namespace) -> Naming:
     try:
-        alias = validate_alias(args.alias) if args.alias else None
-        nvswitch_alias = validate_alias(args.nvswitch_alias) if args.nvswitch_alias else None
-        pci_ids = PciIds.find(args.pci_ids)
-    except (ValueError, FileNotFoundError) as exc:
+        return resource_naming.from_arguments(args)
+    except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    return Naming(pci_ids, alias, nvswitch_alias)
 
 
 def print_report(report: Report, nothing: str) -> None:

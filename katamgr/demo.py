@@ -18,11 +18,11 @@ from pathlib import Path
 from katamgr.apply import Report
 from katamgr.config import load_config
 from katamgr.host.files import write_atomic
+from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
 from katamgr.host.simulate import materialise
 from katamgr.kata import KataContext
-from katamgr.plan import Naming
 from katamgr.profiles import find_profile
 from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text

@@ -12,31 +12,10 @@ from typing import Any
 
 from katamgr.host import vfio
 from katamgr.host.inventory import Inventory, Kind, discover
+from katamgr.host.naming import Naming
 from katamgr.host.pci import Device
-from katamgr.host.pciids import PciIds, resource_name
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action, GroupDecision, VfioModule
-
-
-@dataclass(frozen=True)
-class Naming:
-    """How devices are named as extended resources."""
-
-    pci_ids: PciIds
-    gpu_alias: str | None = None
-    nvswitch_alias: str | None = None
-
-    def model(self, device: Device) -> str | None:
-        if device.vendor is None or device.device is None:
-            return None
-        return self.pci_ids.device_name(device.vendor, device.device)
-
-    def resource(self, device: Device) -> str | None:
-        if device.is_gpu:
-            return resource_name(self.pci_ids, device.vendor, device.device, self.gpu_alias)
-        if device.is_nvswitch:
-            return resource_name(self.pci_ids, device.vendor, device.device, self.nvswitch_alias)
-        return None
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,11 @@ from katamgr import cdispecs, kata
 from katamgr.apply import Report, apply_host, revert_host
 from katamgr.host import vfio
 from katamgr.host.inventory import discover
+from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.kata import KataContext
-from katamgr.plan import Naming, Plan, build_plan
+from katamgr.plan import Plan, build_plan
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,8 @@ def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
         plan.decisions = [d for d in plan.decisions if d.action is not Action.BIND]
         return plan
     if steps.cdi:
-        plan.sections.append(cdispecs.plan_section(host, plan.inventory, plan.decisions if steps.vfio else []))
+        plan.sections.append(cdispecs.plan_section(host, plan.inventory, plan.decisions if steps.vfio else [],
+                                                   naming))
     if steps.kata and kata_ctx is not None:
         ctx = _with_root_ports(kata_ctx, plan)
         plan.sections += kata.plan_sections(host, ctx, enable_cdi=steps.cdi)
@@ -83,7 +85,7 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
     report.warnings += plan.problems
     if steps.cdi:
         # The plan's scan still holds unless devices just moved driver.
-        report.merge(cdispecs.write_specs(host, discover(host) if moved else plan.inventory))
+        report.merge(cdispecs.write_specs(host, discover(host) if moved else plan.inventory, naming))
     if steps.kata and kata_ctx is not None:
         report.merge(kata.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi, **reload_args))
     for line in report.changes:

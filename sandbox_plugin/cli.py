@@ -11,9 +11,9 @@ import threading
 from pathlib import Path
 
 from katamgr.host import inventory
-from katamgr.host.pciids import PciIds, validate_alias
+from katamgr.host import naming as resource_naming
+from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
-from katamgr.plan import Naming
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.server import PluginServerError
 
@@ -58,13 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="which plugins to run (default: auto)")
     parser.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="N",
                         help="this node's name, to read its workload label (default: $NODE_NAME)")
-    parser.add_argument("--alias", metavar="NAME",
-                        help="advertise every passthrough GPU as nvidia.com/NAME (e.g. pgpu) "
-                             "instead of one resource per model")
-    parser.add_argument("--nvswitch-alias", metavar="NAME",
-                        help="advertise every NVSwitch as nvidia.com/NAME instead of per model")
-    parser.add_argument("--pci-ids", metavar="FILE",
-                        help="pci.ids database for model names (default: the system's hwdata)")
+    resource_naming.add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     return parser
 
@@ -130,18 +124,10 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
     if not root.is_dir():
         raise UsageError(f"--host-root {args.host_root!r} is not a directory; pass where the "
                          "host's / is mounted")
-    for option, value in (("--alias", args.alias), ("--nvswitch-alias", args.nvswitch_alias)):
-        if value is not None:
-            try:
-                validate_alias(value)
-            except ValueError as exc:
-                raise UsageError(f"{option}: {exc}") from None
     try:
-        pci_ids = PciIds.find(args.pci_ids)
-    except FileNotFoundError as exc:
+        return HostRoot.at(root), resource_naming.from_arguments(args)
+    except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return HostRoot.at(root), Naming(pci_ids, args.alias, args.nvswitch_alias)
-
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)

@@ -8,8 +8,8 @@ advertised devices, a preferred allocation and an Allocate answer.
 from __future__ import annotations
 
 from katamgr.host.inventory import discover
+from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
-from katamgr.plan import Naming
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.testing.kubelet import KubeletSimulator
 

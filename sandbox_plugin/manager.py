@@ -18,8 +18,8 @@ import threading
 import time
 from enum import StrEnum
 
+from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
-from katamgr.plan import Naming
 from sandbox_plugin.container import NvmlResource
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import Resource

@@ -34,9 +34,9 @@ from functools import cached_property
 
 from katamgr.host import pci
 from katamgr.host.inventory import Inventory, discover
-from katamgr.host.passthrough import PassthroughDevice, passthrough_devices
+from katamgr.host.naming import Naming
+from katamgr.host.passthrough import PassthroughDevice, resource_units
 from katamgr.host.root import HostRoot
-from katamgr.plan import Naming
 from sandbox_plugin import topology
 from sandbox_plugin.cdinames import HostCdiSpecs
 from sandbox_plugin.resources import (
@@ -62,6 +62,7 @@ class PassthroughUnit:
     resource_name: str
     group: int
     members: tuple[PassthroughDevice, ...]  # bus order
+    nodes: tuple[str, ...]  # host paths of the device nodes a VM needs (every function's)
     health: str
     reason: str  # why it is unhealthy; "" when healthy
     placement: Placement
@@ -77,11 +78,6 @@ class PassthroughUnit:
     def numa_node(self) -> int | None:
         return self.placement.numa
 
-    @cached_property
-    def nodes(self) -> tuple[str, ...]:
-        """Host paths of the device nodes a VM needs, without repeats."""
-        return tuple(dict.fromkeys(n for m in self.members for n in m.nodes))
-
     def plugin_device(self) -> PluginDevice:
         return PluginDevice(self.id, self.health, self.numa_node)
 
@@ -91,47 +87,36 @@ def env_name(resource_name: str) -> str:
     return "PCI_RESOURCE_" + resource_name.upper().translate(str.maketrans("./-", "___"))
 
 
-def _health(host: HostRoot, inv: Inventory, group: int, members: list[PassthroughDevice]) -> str:
+def _health(host: HostRoot, inv: Inventory, group: int, nodes: tuple[str, ...]) -> str:
     """Why the group cannot be used by a VM right now, or "" when it can."""
     for other in inv.members(group):
         if not other.is_bridge and other.driver not in (None, pci.VFIO_DRIVER):
             return f"IOMMU group {group} is not viable: {other.bdf} is on {other.driver}"
-    for member in members:
-        for node in member.nodes:
-            if not host.path(node).exists():
-                return f"{node} is missing"
+    for node in nodes:
+        if not host.path(node).exists():
+            return f"{node} is missing"
     return ""
 
 
 def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
     """Every passthrough unit of the host, in bus order (one PCI scan)."""
     inv = discover(host)
-    devices, _notes = passthrough_devices(host, inv)
-    by_group: dict[int, list[PassthroughDevice]] = {}
-    for item in devices:
-        by_group.setdefault(item.group, []).append(item)
     units = []
-    for group, members in by_group.items():
-        members.sort(key=lambda m: m.device.bdf)
-        gpus = [m for m in members if m.device.is_gpu]
-        head = (gpus or members)[0].device
-        name = naming.resource(head)
-        if name is None:
-            continue
-        unit_id = members[0].device.bdf.lower()
-        reason = _health(host, inv, group, members)
+    for unit in resource_units(host, inv, naming):
+        reason = _health(host, inv, unit.group, unit.nodes)
         units.append(
             PassthroughUnit(
-                id=unit_id,
-                resource_name=name,
-                group=group,
-                members=tuple(members),
+                id=unit.id,
+                resource_name=unit.resource_name,
+                group=unit.group,
+                members=unit.members,
+                nodes=unit.nodes,
                 health=UNHEALTHY if reason else HEALTHY,
                 reason=reason,
-                placement=topology.placement_of(unit_id, head),
+                placement=topology.placement_of(unit.id, unit.head),
             )
         )
-    return sorted(units, key=lambda u: u.id)
+    return units
 
 
 class PassthroughResource(Resource):

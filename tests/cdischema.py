@@ -1,4 +1,5 @@
-"""The official CDI JSON schema (../shared/reference, or the copy in tests/data/cdi/schema)."""
+"""The official CDI JSON schema, from the copy in tests/data/cdi/schema
+(see tests/data/reference/README.md for where it comes from)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,14 @@ import json
 from pathlib import Path
 
 import jsonschema
-from conftest import SHARED_REFERENCE
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 
 SCHEMA_COPY = Path(__file__).parent / "data" / "cdi" / "schema"
 
 
-def schema_dir() -> Path:
-    shared = SHARED_REFERENCE / "cdi-schema"
-    return shared if (shared / "schema.json").exists() else SCHEMA_COPY
-
-
 def official_validator() -> jsonschema.Draft7Validator:
-    directory = schema_dir()
+    directory = SCHEMA_COPY
     schema = json.loads((directory / "schema.json").read_text())
     defs = json.loads((directory / "defs.json").read_text())
     # schema.json refers to "defs.json#/definitions/..." relative to itself.

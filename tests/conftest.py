@@ -16,7 +16,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
 HOST_PROFILES = sorted((EXAMPLES / "hosts").glob("*.yaml"))
-SHARED_REFERENCE = REPO.parent / "shared" / "reference"
 
 REQUIRE_INTEGRATION = os.environ.get("REQUIRE_INTEGRATION") == "1"
 

@@ -12,15 +12,16 @@ from hostkit import GPU_A10, dev, driver_of, make_host
 
 import cdi
 from katamgr.host import emulation
+from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.profile import load_profile
 from katamgr.host.simulate import materialise
-from katamgr.plan import Naming
 from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
 
 NAMING = Naming(PciIds.find())
 PGPU = "/var/run/cdi/nvidia.com-pgpu.yaml"
 NVSWITCH = "/var/run/cdi/nvidia.com-nvswitch.yaml"
+A10_SPEC = "/var/run/cdi/nvidia.com-GA102GL_A10.yaml"
 SCHEMA = official_validator()
 
 
@@ -88,9 +89,15 @@ def test_iommufd_host_names_the_cdev(tmp_path):
 def test_plan_shows_the_spec_it_would_write(tmp_path):
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
     plan = full_plan(host, NAMING, Steps(), None).to_json()
-    (entry,) = plan["cdi"]["specs"]
-    assert entry["path"] == PGPU and entry["action"] == "write"
+    entries = {e["path"]: e for e in plan["cdi"]["specs"]}
+    assert set(entries) == {PGPU, A10_SPEC}
+    entry = entries[PGPU]
+    assert entry["action"] == "write"
     assert [d["name"] for d in entry["spec"]["devices"]] == ["0", "4", "1", "5"]
+    # The names Kata's cold-plug resolves: the plugin's device IDs under the resource name.
+    assert [d["name"] for d in entries[A10_SPEC]["spec"]["devices"]] == ["0000:01:00.0", "0000:02:00.0"]
+    assert [c["name"] for c in plan["cdi"]["cold_plug"]] == [
+        "nvidia.com/GA102GL_A10=0000:01:00.0", "nvidia.com/GA102GL_A10=0000:02:00.0"]
     assert not host.path(PGPU).exists()  # plan writes nothing
     json.dumps(plan)
 

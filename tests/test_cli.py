@@ -10,7 +10,11 @@ from pathlib import Path
 import pytest
 from conftest import HOST_PROFILES, REPO
 
+from katamgr.host.naming import resource_name
+from katamgr.host.pciids import PciIds
+
 KATAMGR = str(Path(sys.executable).parent / "katamgr")
+H100 = resource_name(PciIds.find(), 0x10DE, 0x2330)
 
 
 def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -64,7 +68,7 @@ def test_demo_runs_and_tells_the_story():
     assert "changed: installed oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu" in out
     assert "runtimes.kata-qemu-nvidia-gpu.options]" in out  # the containerd excerpt
     assert "containerd config byte-identical to before: yes" in out
-    assert "registered nvidia.com/GH100_H100_SXM5_80GB" in out and "8 healthy of 8" in out
+    assert f"registered {H100}" in out and "8 healthy of 8" in out
     assert "CDI device nvidia.com/pgpu=0" in out and "device node /dev/vfio/6 (rw)" in out
 
 

@@ -11,10 +11,11 @@ from hostkit import AUDIO_A6000, GPU_A10, GPU_A6000, NIC_I210, ROOT_PORT, dev, m
 
 from katamgr.host import iommu, pci
 from katamgr.host.inventory import Kind, discover
+from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.profile import load_profile
 from katamgr.host.simulate import materialise
-from katamgr.plan import Naming, build_plan
+from katamgr.plan import build_plan
 
 RESOURCE_RE = re.compile(r"^nvidia\.com/[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
 
@@ -153,7 +154,7 @@ def test_audio_of_another_slot_is_not_a_companion(tmp_path):
 def test_unknown_device_id_falls_back_to_hex(tmp_path):
     host = make_host(tmp_path, [dev("0000:01:00.0", {"vendor": 0x10DE, "device": 0xABCD, "class": 0x030200}, None, 4)])
     plan = build_plan(host, naming())
-    assert plan.resources == {"nvidia.com/ABCD": 1}
+    assert plan.resources == {"nvidia.com/abcd": 1}  # NVIDIA's lower-case hex
     assert plan.devices[0].model is None
 
 

@@ -20,9 +20,10 @@ from katamgr.cdispecs import write_specs
 from katamgr.host import pci, vfio
 from katamgr.host.emulation import handle_write
 from katamgr.host.inventory import discover
-from katamgr.host.pciids import PciIds, resource_name
+from katamgr.host.naming import Naming, resource_name
+from katamgr.host.pciids import PciIds
 from katamgr.host.profile import parse_profile
-from katamgr.plan import Naming, build_plan
+from katamgr.plan import build_plan
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.passthrough import PassthroughDiscovery, env_name
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY, AllocationError, UnknownDeviceError
@@ -64,7 +65,7 @@ def bind(host, skip_groups=()) -> None:
 
 def write_spec(host) -> None:
     """What katamgr's reconcile does after binding when cdi is enabled."""
-    assert write_specs(host, discover(host)).ok
+    assert write_specs(host, discover(host), NAMING).ok
 
 
 def spec_nodes(host, name: str) -> list[str]:

@@ -20,9 +20,9 @@ from hostkit import GPU_A10, dev, make_host
 
 from katamgr.agent import Agent
 from katamgr.config import parse_config
+from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.kata import KataContext, runtimes
-from katamgr.plan import Naming
 from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.runtime import check_entries
 

@@ -9,10 +9,11 @@ from conftest import HOST_PROFILES
 from hostkit import AUDIO_A6000, GPU_A10, GPU_A6000, dev, driver_of, make_host, snapshot, tune
 
 from katamgr.apply import apply_host, revert_host
+from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.profile import load_profile
 from katamgr.host.simulate import materialise
-from katamgr.plan import Naming, build_plan
+from katamgr.plan import build_plan
 
 NAMING = Naming(PciIds.find())
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from katamgr.host import iommu
 from katamgr.host.inventory import Inventory
+from katamgr.host.naming import Naming
 from katamgr.host.pci import Device
 from katamgr.host.root import HostRoot
 
@@ -80,3 +81,58 @@ def passthrough_devices(host: HostRoot, inv: Inventory) -> tuple[list[Passthroug
             nodes = ("/dev/iommu", f"/dev/vfio/devices/{cdev}") if cdev else ("/dev/vfio/vfio", f"/dev/vfio/{device.iommu_group}")
             out.append(PassthroughDevice(device, cdi_class, index, device.iommu_group, cdev, tuple(dict.fromkeys(names)), nodes))
     return out, notes
+
+
+@dataclass(frozen=True)
+class ResourceUnit:
+    """One schedulable device: the GPUs/NVSwitches of one IOMMU group on vfio-pci.
+
+    The group is what VFIO hands to a VM, so two GPUs sharing one are one unit.
+    ``id`` is the plugin's device ID and, under the kind ``resource_name``, the
+    CDI device name Kata's cold-plug resolves (``<resource name>=<id>``): both
+    come from here, so the two cannot drift apart.
+    """
+
+    id: str  # first BDF of the group's passthrough devices, lower-case
+    resource_name: str
+    group: int
+    members: tuple[PassthroughDevice, ...]  # bus order
+    functions: tuple[str, ...]  # every endpoint of the group on vfio-pci: what QEMU gets
+    nodes: tuple[str, ...]  # host paths of the device nodes a VM needs
+
+    @property
+    def head(self) -> Device:
+        gpus = [m.device for m in self.members if m.device.is_gpu]
+        return (gpus or [self.members[0].device])[0]
+
+    @property
+    def cdi_name(self) -> str:
+        return f"{self.resource_name}={self.id}"
+
+
+def resource_units(
+    host: HostRoot, inv: Inventory, naming: Naming, devices: list[PassthroughDevice] | None = None,
+) -> list[ResourceUnit]:
+    """Every passthrough unit of the host, by ID; ``devices`` saves a second naming pass."""
+    if devices is None:
+        devices, _notes = passthrough_devices(host, inv)
+    by_group: dict[int, list[PassthroughDevice]] = {}
+    for item in devices:
+        by_group.setdefault(item.group, []).append(item)
+    units = []
+    for group, members in by_group.items():
+        members.sort(key=lambda m: m.device.bdf)
+        gpus = [m for m in members if m.device.is_gpu]
+        name = naming.resource((gpus or members)[0].device)
+        if name is None:
+            continue
+        functions = tuple(d.bdf for d in inv.members(group) if d.on_vfio and not d.is_bridge)
+        if inv.iommufd:
+            # A cdev opens one function, so the VM needs the cdev of each.
+            cdevs = (iommu.vfio_cdev(host, bdf) for bdf in functions)
+            nodes = ("/dev/iommu", *(f"/dev/vfio/devices/{c}" for c in cdevs if c))
+        else:
+            nodes = ("/dev/vfio/vfio", f"/dev/vfio/{group}")
+        units.append(ResourceUnit(members[0].device.bdf.lower(), name, group, tuple(members),
+                                  functions, nodes))
+    return sorted(units, key=lambda u: u.id)

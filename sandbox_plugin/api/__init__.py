@@ -1,1 +1,3 @@
-"""The kubelet device plugin API (v1beta1): our .proto and its generated stubs."""
+"""The kubelet APIs we speak, as our own .proto files and their generated stubs:
+the device plugin API v1beta1 (deviceplugin.proto) and the PodResources API v1
+(podresources.proto)."""

@@ -1,13 +1,17 @@
-"""Generate the Python stubs for ``deviceplugin.proto``.
+"""Generate the Python stubs for the .proto files in this directory.
 
-Run ``python -m sandbox_plugin.api.generate`` after editing the .proto and commit
+The files are ``deviceplugin.proto`` (kubelet device plugin API v1beta1) and
+``podresources.proto`` (kubelet PodResources API v1). Each ``NAME.proto`` gives
+``NAME_pb2.py``, ``NAME_pb2.pyi`` and ``NAME_pb2_grpc.py``.
+
+Run ``python -m sandbox_plugin.api.generate`` after editing a .proto and commit
 the result. tests/test_proto_stubs.py calls :func:`generate` into a temp dir and
 fails when the committed stubs differ, so the two never drift apart.
 
-protoc writes ``import deviceplugin_pb2`` into the gRPC module, which only works
-when this directory is on ``sys.path``. We rewrite it to a package-relative
-import so ``from sandbox_plugin.api import deviceplugin_pb2_grpc`` works.
-The type stub gets a ``# ruff: noqa`` line: it is protoc's style, not ours, and
+protoc writes ``import NAME_pb2`` into the gRPC module, which only works when
+this directory is on ``sys.path``. We rewrite it to a package-relative import so
+``from sandbox_plugin.api import deviceplugin_pb2_grpc`` works.
+The type stubs get a ``# ruff: noqa`` line: they are protoc's style, not ours, and
 the lint config only excludes the generated ``.py`` files.
 """
 
@@ -19,8 +23,9 @@ import re
 from pathlib import Path
 
 API_DIR = Path(__file__).resolve().parent
-PROTO = API_DIR / "deviceplugin.proto"
-STUB_NAMES = ("deviceplugin_pb2.py", "deviceplugin_pb2.pyi", "deviceplugin_pb2_grpc.py")
+DEVICEPLUGIN_PROTO = API_DIR / "deviceplugin.proto"
+PODRESOURCES_PROTO = API_DIR / "podresources.proto"
+PROTOS = (DEVICEPLUGIN_PROTO, PODRESOURCES_PROTO)
 
 _BARE_IMPORT = re.compile(r"^import (\w+_pb2) as (\w+)$", re.MULTILINE)
 
@@ -39,9 +44,16 @@ def protoc(args: list[str]) -> None:
         raise GenerationError(f"protoc failed (exit {code}) for arguments {args}")
 
 
-def generate(out_dir: Path, proto: Path = PROTO) -> list[Path]:
+def stub_names(proto: Path) -> tuple[str, str, str]:
+    """The three files generated from ``proto``: message module, type stub, gRPC module."""
+    stem = Path(proto).stem
+    return (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py")
+
+
+def generate_one(out_dir: Path, proto: Path) -> list[Path]:
     """Write the three stub files for ``proto`` into ``out_dir``; return their paths."""
     out_dir = Path(out_dir)
+    proto = Path(proto)
     out_dir.mkdir(parents=True, exist_ok=True)
     protoc(
         [
@@ -52,7 +64,8 @@ def generate(out_dir: Path, proto: Path = PROTO) -> list[Path]:
             proto.name,
         ]
     )
-    grpc_file = out_dir / "deviceplugin_pb2_grpc.py"
+    module, stub_name, grpc_name = stub_names(proto)
+    grpc_file = out_dir / grpc_name
     text = grpc_file.read_text()
     fixed, count = _BARE_IMPORT.subn(r"from . import \1 as \2", text)
     if count != 1:
@@ -61,9 +74,14 @@ def generate(out_dir: Path, proto: Path = PROTO) -> list[Path]:
             "check the protoc output and update generate.py"
         )
     grpc_file.write_text(fixed)
-    stub = out_dir / "deviceplugin_pb2.pyi"
+    stub = out_dir / stub_name
     stub.write_text("# ruff: noqa\n" + stub.read_text())
-    return [out_dir / name for name in STUB_NAMES]
+    return [out_dir / name for name in (module, stub_name, grpc_name)]
+
+
+def generate(out_dir: Path, protos: tuple[Path, ...] = PROTOS) -> list[Path]:
+    """Write the stubs for every proto in ``protos`` into ``out_dir``; return their paths."""
+    return [path for proto in protos for path in generate_one(out_dir, proto)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,12 @@ a host root:
 - ``allocate`` / ``preferred`` / ``pre_start`` call the plugin as the kubelet
   would when admitting a pod;
 - ``restart()`` does what a restarting kubelet does to the dir: stop, delete
-  every socket in it, serve a new ``kubelet.sock``.
+  every socket in it, serve a new ``kubelet.sock``;
+- ``admit_pod`` admits a pod as the device manager does (free healthy devices,
+  the plugin's preferred allocation, one Allocate per container) and records
+  it; the PodResources v1 service on
+  ``<root>/var/lib/kubelet/pod-resources/kubelet.sock`` answers from those
+  records (``sandbox_plugin.testing.podresources``).
 
 Tests wait for observable state with ``wait_for(lambda state: ..., timeout)``.
 """
@@ -38,6 +43,13 @@ from sandbox_plugin.api import deviceplugin_pb2 as pb
 from sandbox_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from sandbox_plugin.resources import KUBELET_SOCKET, PluginDevice, PluginOptions
 from sandbox_plugin.server import API_VERSION, DEVICE_PLUGIN_DIR
+from sandbox_plugin.testing.podresources import (
+    POD_RESOURCES_SOCKET,
+    ContainerRecord,
+    PodRecord,
+    PodResourcesServer,
+    Snapshot,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +61,10 @@ _EXTENDED_RESOURCE = re.compile(
     r"^(?!kubernetes\.io/|requests\.)[a-z0-9]([-a-z0-9.]*[a-z0-9])?"
     r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
 )
+
+
+class AdmissionError(Exception):
+    """The simulated kubelet would not admit the pod (UnexpectedAdmissionError)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,8 @@ class KubeletState:
     # resources whose ListAndWatch stream is open right now
     connected: set[str] = field(default_factory=set)
     restarts: int = 0
+    # admitted pods, in admission order (PodResources answers from these)
+    pods: list[PodRecord] = field(default_factory=list)
 
     def registrations_for(self, resource_name: str) -> list[Registration]:
         return [r for r in self.registrations if r.resource_name == resource_name]
@@ -166,6 +184,8 @@ class KubeletSimulator:
         self._state = KubeletState()
         self._endpoints: dict[str, _Endpoint] = {}
         self._server: grpc.Server | None = None
+        self.pod_resources_socket = host_root.path(POD_RESOURCES_SOCKET)
+        self._pod_resources = PodResourcesServer(self.pod_resources_socket, self._snapshot)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -181,11 +201,13 @@ class KubeletSimulator:
         server.add_insecure_port(f"unix://{self.kubelet_socket}")
         server.start()
         self._server = server
+        self._pod_resources.start()
 
     def stop(self) -> None:
         server, self._server = self._server, None
         if server is not None:
             server.stop(grace=0).wait(5)
+        self._pod_resources.stop()
         with self._cond:
             endpoints = list(self._endpoints.values())
             self._endpoints.clear()
@@ -277,6 +299,58 @@ class KubeletSimulator:
         )
         response = self._stub(resource_name).GetPreferredAllocation(request, timeout=5)
         return list(response.container_responses[0].deviceIDs)
+
+    def admit_pod(
+        self, namespace: str, name: str, containers: dict[str, dict[str, int]]
+    ) -> dict[str, dict[str, pb.ContainerAllocateResponse]]:
+        """Admit a pod whose containers request ``{container: {resource: count}}``.
+
+        As the device manager does: pick from the healthy devices no other pod
+        holds, asking the plugin's GetPreferredAllocation when it offers one,
+        then one Allocate per container and resource; PreStartContainer when
+        the plugin asked for it. Returns the Allocate answers by container and
+        resource; raises AdmissionError (nothing recorded) when a request
+        cannot be met or a plugin refuses.
+        """
+        pod = PodRecord(namespace, name)
+        answers: dict[str, dict[str, pb.ContainerAllocateResponse]] = {}
+        held = {(r, i) for p in self.state.pods for c in p.containers for r, ids in c.devices.items() for i in ids}
+        for container, requests in containers.items():
+            record = ContainerRecord(container)
+            for resource, count in requests.items():
+                state = self.state
+                free = [d for d in state.healthy(resource) if (resource, d) not in held]
+                if len(free) < count:
+                    raise AdmissionError(
+                        f"pod {namespace}/{name} container {container}: requested {count} of {resource}, "
+                        f"{len(free)} available")
+                options = state.options.get(resource, PluginOptions())
+                chosen = (self.preferred(resource, free, size=count)
+                          if options.get_preferred_allocation_available else free[:count])
+                try:
+                    answer = self.allocate(resource, chosen)
+                    if options.pre_start_required:
+                        self.pre_start(resource, chosen)
+                except grpc.RpcError as exc:
+                    raise AdmissionError(f"pod {namespace}/{name} container {container}: "
+                                         f"{resource} plugin refused: {exc.details()}") from exc
+                held |= {(resource, i) for i in chosen}
+                record.devices[resource] = list(chosen)
+                answers.setdefault(container, {})[resource] = answer
+            pod.containers.append(record)
+        with self._cond:
+            self._state.pods.append(pod)
+            self._cond.notify_all()
+        return answers
+
+    def remove_pod(self, namespace: str, name: str) -> None:
+        with self._cond:
+            self._state.pods = [p for p in self._state.pods if (p.namespace, p.name) != (namespace, name)]
+            self._cond.notify_all()
+
+    def _snapshot(self) -> Snapshot:
+        with self._cond:
+            return Snapshot(copy.deepcopy(self._state.pods), copy.deepcopy(self._state.devices))
 
     def pre_start(self, resource_name: str, device_ids: Sequence[str]) -> None:
         request = pb.PreStartContainerRequest(devices_ids=list(device_ids))
