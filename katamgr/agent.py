@@ -3,7 +3,10 @@
 Reconcile once, then keep the node that way: the GPU Operator's kata manager
 misses it when someone else's containerd edit or restart drops our runtime
 entries, so we watch the containerd config (inotify, not polling) and re-apply
-only when our entries are really gone. Artifacts are re-checked on a timer.
+only when our entries are really gone. The CDI specs follow the devices on
+vfio-pci (checked every few seconds: a hotplug or a re-bind by hand must not
+leave Kata a name that no longer resolves, or one that names another GPU).
+Artifacts are re-checked on a timer.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from pathlib import Path
 from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
-from katamgr import kata
+from katamgr import cdispecs, kata
 from katamgr.apply import Report
+from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.kata import KataContext
@@ -46,7 +50,8 @@ def log_report(report: Report, quiet: str = "") -> None:
 class Agent:
     def __init__(self, host: HostRoot, naming: Naming, steps: Steps, ctx: KataContext | None, *,
                  force: bool = False, wait: float = 5.0, repull_interval: float = 3600.0,
-                 revert_on_exit: bool = False, reload_args: dict | None = None):
+                 revert_on_exit: bool = False, reload_args: dict | None = None,
+                 check_interval: float = 10.0):
         self.host = host
         self.naming = naming
         self.steps = steps
@@ -54,6 +59,7 @@ class Agent:
         self.force = force
         self.wait = wait
         self.repull_interval = repull_interval
+        self.check_interval = check_interval
         self.revert_on_exit = revert_on_exit
         self.reload_args = reload_args or {}
         self.stop = threading.Event()
@@ -101,6 +107,22 @@ class Agent:
             return f"{change.path} differs from what katamgr would write (an edit elsewhere to carry over)"
         return None
 
+    def sync_cdi(self) -> Report | None:
+        """Rewrite the CDI specs when the devices on vfio-pci changed under us
+        (hotplug, a re-bind by hand), so every name Kata resolves stays true."""
+        if not (self.steps.cdi and self.steps.passthrough):
+            return None
+        inv = discover(self.host)
+        found, _ = cdispecs.changes(self.host, inv, self.naming)
+        stale = [c for c in found if c.action != "keep"]
+        if not stale:
+            return None
+        log.info("CDI specs out of step with the devices on vfio-pci (%s): rewriting",
+                 ", ".join(f"{c.action} {c.path}" for c in stale))
+        report = cdispecs.write_specs(self.host, inv, self.naming)
+        log_report(report)
+        return report
+
     def run(self, once: bool = False) -> int:
         first = self.reconcile("start")
         if once:
@@ -125,9 +147,10 @@ class Agent:
         next_pull = time.monotonic() + self.repull_interval
         try:
             while not self.stop.is_set():
-                timeout = max(0.0, min(next_pull - time.monotonic(), 10.0))
-                # Woken by an inotify event, a stop request or, at the latest,
-                # every 10 s: a check of our entries is cheap and covers a lost event.
+                timeout = max(0.0, min(next_pull - time.monotonic(), self.check_interval))
+                # Woken by an inotify event, a stop request or, at the latest, every
+                # check_interval: checking our entries and the CDI specs is cheap and
+                # covers a lost event (sysfs sends none for a kernel's driver change).
                 ready, _, _ = select.select([notify.fileno(), self._wake_r], [], [], timeout)
                 if self.stop.is_set():
                     break
@@ -136,6 +159,8 @@ class Agent:
                 drift = self.containerd_drift()
                 if drift:
                     self.reconcile(drift)
+                else:
+                    self.sync_cdi()
                 if time.monotonic() >= next_pull:
                     self.reconcile("periodic artifact check")
                     next_pull = time.monotonic() + self.repull_interval

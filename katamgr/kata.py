@@ -37,7 +37,7 @@ from katamgr.runtime import (
     revert_containerd,
     transform_kata_config,
 )
-from katamgr.runtime.kata_config import rendered_config
+from katamgr.runtime.kata_config import installed_cold_plug_gaps, rendered_config
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
                 f"{'check for a newer' if same else 'pull new ref'} {rc.artifacts.url} "
                 f"(installed {record.digest[:19]}...)"
             )
+            gaps = installed_cold_plug_gaps(host, host.path(entry["dir"]))
+            entry["coldPlugGaps"] = gaps
+            lines += [f"  warning: {gap}" for gap in gaps]
         artifacts.append(entry)
     sections = [PlanSection("artifacts", "Kata artifacts", artifacts, lines,
                             pending=any(a["action"] == "pull" for a in artifacts))]
@@ -169,6 +172,8 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True, **reload
             report.failures.append(f"runtime class {rc.name}: {exc}")
             continue
         report.changes += [f"{kata.config_path}: {c}" for c in kata.changes] if kata.changed else []
+        if kata.changed:  # said once, when the config is rendered, not on every reconcile
+            report.warnings += [f"runtime class {rc.name}: {gap}" for gap in kata.cold_plug_gaps]
         ready.append(rc.name)
 
     entries = runtimes(host, ctx, ready)

@@ -55,6 +55,8 @@ class Plan:
     decisions: list[GroupDecision] = field(repr=False)
     inventory: Inventory = field(repr=False)
     sections: list[PlanSection] = field(default_factory=list)
+    # Why a resource name differs from what the naming rule alone gives.
+    naming_notes: list[str] = field(default_factory=list)
 
     @property
     def changes_pending(self) -> bool:
@@ -69,6 +71,7 @@ class Plan:
             "devices": [asdict(d) for d in self.devices],
             "resources": dict(self.resources),
             "problems": list(self.problems),
+            "naming_notes": list(self.naming_notes),
         }
         for section in self.sections:
             out[section.key] = section.data
@@ -107,6 +110,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
                         "install the kernel's vfio modules (or boot a kernel with CONFIG_VFIO_PCI).")
 
     return Plan(
+        naming_notes=_naming_notes(inv, naming, decisions),
         host_root=str(host.root),
         iommu_enabled=inv.iommu_enabled,
         iommufd=inv.iommufd,
@@ -117,6 +121,19 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
         decisions=decisions,
         inventory=inv,
     )
+
+
+def _naming_notes(inv: Inventory, naming: Naming, decisions: list[GroupDecision]) -> list[str]:
+    usable = {d.bdf for decision in decisions if decision.action in (Action.BIND, Action.KEEP)
+              for d in decision.devices}
+    notes: dict[str, str] = {}
+    for device in inv.passthrough:
+        derived = naming.derive(device) if device.bdf in usable else None
+        if derived and derived.adjustments and derived.name not in notes:
+            notes[derived.name] = (f"{device.id_string()} is advertised as {derived.name}, not "
+                                   f"{derived.rule_result} as the {naming.rule.value} naming rule gives: "
+                                   + "; ".join(derived.adjustments))
+    return list(notes.values())
 
 
 def _device_plan(inv: Inventory, naming: Naming, device: Device, action: str, reason: str) -> DevicePlan:

@@ -36,6 +36,7 @@ def plan_text(plan: Plan) -> str:
         out += [f"  {name}: {count}" for name, count in plan.resources.items()]
     else:
         out.append("Schedulable after apply: nothing.")
+    out += [f"  note: {n}" for n in plan.naming_notes]
     for section in plan.sections:
         out += ["", f"{section.title}:", *[f"  {line}" for line in section.lines]]
     if plan.problems:

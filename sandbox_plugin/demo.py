@@ -2,7 +2,8 @@
 
 Runs the real plugin servers over real unix sockets under the demo's host root,
 with the kubelet simulator on the other end, and prints the registration, the
-advertised devices, a preferred allocation and an Allocate answer.
+advertised devices, the allocation for a pod, and what Kata's cold-plug makes
+of it (the Kata shim stand-in reading the simulator's PodResources service).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from sandbox_plugin.manager import Mode, PluginManager
+from sandbox_plugin.testing import kata_shim
 from sandbox_plugin.testing.kubelet import KubeletSimulator
 
 
@@ -28,10 +30,11 @@ def show_device_plugin(host: HostRoot, naming: Naming, *, gpus: int = 2) -> bool
         if gpu is None:
             print("  no GPU resource to allocate from")
             return False
-        available = [d.id for d in state.devices[gpu]]
-        chosen = kubelet.preferred(gpu, available, size=min(gpus, len(available)))
-        print(f"  GetPreferredAllocation({gpu}, size {len(chosen)}) -> {', '.join(chosen)}")
-        answer = kubelet.allocate(gpu, chosen)
+        count = min(gpus, len(state.healthy(gpu)))
+        answers = kubelet.admit_pod("default", "cuda-vectoradd-kata", {"cuda": {gpu: count}})
+        (chosen,) = [p.containers[0].devices[gpu] for p in kubelet.state.pods]
+        answer = answers["cuda"][gpu]
+        print(f"  pod default/cuda-vectoradd-kata asks for {count} {gpu}: GetPreferredAllocation, then")
         print(f"  Allocate({', '.join(chosen)}) ->")
         for spec in answer.devices:
             print(f"    device node {spec.host_path} ({spec.permissions})")
@@ -39,5 +42,15 @@ def show_device_plugin(host: HostRoot, naming: Naming, *, gpus: int = 2) -> bool
             print(f"    env {key}={value}")
         for device in answer.cdi_devices:
             print(f"    CDI device {device.name}")
-        return bool(answer.devices)
-
+        print("  Kata cold-plug at sandbox creation (PodResources Get -> CDI names -> VFIO nodes -> QEMU):")
+        try:
+            plug = kata_shim.cold_plug(host, kubelet.pod_resources_socket,
+                                       kata_shim.sandbox_annotations("default", "cuda-vectoradd-kata"))
+        except kata_shim.ColdPlugError as exc:
+            print(f"    FAILED: {exc}")
+            return False
+        for name in plug.cdi_names:
+            print(f"    resolved {name}")
+        print(f"    device nodes {' '.join(plug.device_nodes)}")
+        print(f"    qemu {' '.join(plug.qemu_args)}")
+        return bool(answer.devices) and len(plug.functions) >= count

@@ -2,6 +2,8 @@
 
 Every rendered object is checked against the Kubernetes API schemas shipped inside
 kubernetes-validate (offline), for the default values and a table of value sets.
+GPU Operator values carried over, the image block and resource naming are in
+test_helm_values.py, which shares the plumbing below.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ NAMESPACE = "gpu-sandbox"
 KUBE_VERSIONS = ("1.25.0", "1.33.0")
 
 SANDBOX = {"sandboxWorkloads": {"enabled": True}}
+# cdi.enabled is true by default (as in the GPU Operator); FULL still says so explicitly.
 FULL = {
     "sandboxWorkloads": {"enabled": True},
     "kataManager": {"enabled": True},
@@ -87,22 +90,26 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "vfio-off-no-restart": merged(FULL, {"vfioManager": {"enabled": False},
                                          "containerd": {"restartMode": "none"}}),
     "plugin-only-annotated": merged(SANDBOX, {"vfioManager": {"enabled": False},
+                                              "cdi": {"enabled": False},
                                               "daemonsets": {"annotations": {"team": "gpu"},
                                                              "labels": {"tier": "node"}}}),
     "agent-only": merged(FULL, {"sandboxDevicePlugin": {"enabled": False},
                                 "devicePlugin": {"enabled": False}}),
     "sandbox-nothing-enabled": merged(SANDBOX, {"vfioManager": {"enabled": False},
+                                                "cdi": {"enabled": False},
                                                 "sandboxDevicePlugin": {"enabled": False}}),
     "air-gapped": merged(AIR_GAPPED, {"kataManager": {"ociLayoutDirs": ["/srv/kata-layouts"]}}),
     "example-mixed-cluster": yaml.safe_load((EXAMPLES / "values" / "mixed-cluster.yaml").read_text()),
     "example-air-gapped": yaml.safe_load((EXAMPLES / "values" / "air-gapped.yaml").read_text()),
+    "example-gpu-operator": yaml.safe_load((EXAMPLES / "values" / "gpu-operator.yaml").read_text()),
+    # What the GPU Operator's users switch on: CDI comes from its default.
+    "sandbox-kata-default-cdi": {"sandboxWorkloads": {"enabled": True}, "kataManager": {"enabled": True}},
 }
 
 
 # --- the real Helm engine ---------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def helm():
+def load_helm():
     """helm_python, or skip (fail under REQUIRE_INTEGRATION=1) when it cannot load."""
     try:
         import helm_python
@@ -113,6 +120,11 @@ def helm():
     except (helm_python.HelmError, OSError) as exc:
         _missing(f"helm-python-sdk cannot load its Helm engine: {exc}")
     return helm_python
+
+
+@pytest.fixture(scope="module")
+def helm():
+    return load_helm()
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +343,7 @@ def test_image_tag_is_the_package_version(chart):
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert {c["command"][0] for _, c in rendered.containers()} == {"katamgr", "sandbox-device-plugin"}
     assert {c["command"][0] for _, c in rendered.containers()} <= set(scripts)
-    pinned = render(chart, merged(FULL, {"kataManager": {"version": "0.2.0-rc1"}}))
+    pinned = render(chart, merged(FULL, {"image": {"tag": "0.2.0-rc1"}}))
     assert {c["image"].rsplit(":", 1)[1] for _, c in pinned.containers()} == {"0.2.0-rc1"}
 
 
@@ -345,7 +357,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     agent = container(rendered, "-sandbox-agent", "kata-manager")
     assert agent["command"] == ["katamgr"]
     assert agent["args"] == ["run", "--config", "/etc/kata-sandbox-manager/config.yaml",
-                             "--host-root", "/host", "--default-workload", "container"]
+                             "--host-root", "/host", "--default-workload", "container",
+                             "--resource-naming", "nvidia"]
     assert set(env_names(agent)) >= {"NODE_NAME", "POD_NAMESPACE"}
     assert agent["securityContext"]["privileged"] is True
     assert host_mounts(rendered, "-sandbox-agent", "kata-manager") == {
@@ -366,7 +379,7 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
 
     plugin = container(rendered, "-sandbox-agent", "sandbox-device-plugin")
     assert plugin["args"] == ["--host-root", "/host", "--mode", "vm-passthrough",
-                              "--node-name", "$(NODE_NAME)"]
+                              "--node-name", "$(NODE_NAME)", "--resource-naming", "nvidia"]
     assert plugin["securityContext"]["privileged"] is False
     assert plugin["securityContext"]["allowPrivilegeEscalation"] is False
     assert host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin") == {
@@ -619,7 +632,8 @@ def test_disabled_components_render_nothing(chart):
     assert nothing.find("ConfigMap", "-config") is None
     assert nothing.find("Role") is None
 
-    plugin_only = render(chart, merged(SANDBOX, {"vfioManager": {"enabled": False}}))
+    plugin_only = render(chart, merged(SANDBOX, {"vfioManager": {"enabled": False},
+                                                 "cdi": {"enabled": False}}))
     assert container_names(plugin_only, "-sandbox-agent") == ["sandbox-device-plugin"]
     assert plugin_only.find("ConfigMap", "-config") is None
 
@@ -700,7 +714,8 @@ def test_custom_tolerations_root_fs_and_update_strategy(chart):
         {"name": "Kata_GPU", "artifacts": {"url": "registry.local/kata:1"}}]}}},
      ["/kataManager/config/runtimeClasses/0/name", "Kata_GPU"]),
     ({"kataManger": {"enabled": True}}, ["kataManger", "not allowed"]),
-    ({"vfioManager": {"enabled": True, "image": "cuda"}}, ["/vfioManager", "image"]),
+    # vfioManager.image is a GPU Operator key, accepted (and ignored); imageTag is no one's.
+    ({"vfioManager": {"enabled": True, "imageTag": "cuda"}}, ["/vfioManager", "'imageTag'"]),
     ({"hostPaths": {"rootFS": "host"}}, ["/hostPaths/rootFS", "host"]),
     ({"kataManager": {"config": {"artifactsDir": "/opt/../etc"}}},
      ["/kataManager/config/artifactsDir"]),

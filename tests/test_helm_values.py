@@ -227,7 +227,15 @@ def test_notes_list_nothing_when_no_gpu_operator_value_is_ignored(chart, values)
     (merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpu"}]),
             {"sandboxDevicePlugin": {"alias": "pgpu"}}), "pgpu", None),
     (merged(SANDBOX, {"sandboxDevicePlugin": {"alias": "pgpu"}}), "pgpu", None),
-], ids=["p-gpu-alias", "empty-alias", "nvswitch-alias", "both", "chart-alias-wins", "chart-alias"])
+    # The same env names in the chart's own block are read too, and win over the GPU
+    # Operator block's; an empty value there still means model names.
+    (merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpu"},
+                                  {"name": "NVSWITCH_ALIAS", "value": "nvsw"}]),
+            {"sandboxDevicePlugin": {"env": [{"name": "P_GPU_ALIAS", "value": ""},
+                                             {"name": "NVSWITCH_ALIAS", "value": "switch"}]}}),
+     None, "switch"),
+], ids=["p-gpu-alias", "empty-alias", "nvswitch-alias", "both", "chart-alias-wins", "chart-alias",
+        "chart-env-wins"])
 @pytest.mark.integration
 def test_aliases_reach_both_commands(chart, values, alias, nvswitch):
     rendered = render(chart, values)
@@ -237,13 +245,21 @@ def test_aliases_reach_both_commands(chart, values, alias, nvswitch):
 
 
 @pytest.mark.integration
-def test_an_overridden_p_gpu_alias_is_listed(chart):
+def test_an_overridden_alias_is_listed(chart):
     values = merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpu"}]),
                     {"sandboxDevicePlugin": {"alias": "pgpu"}})
     assert ignored(chart, values) == ["kataSandboxDevicePlugin.env P_GPU_ALIAS"]
     same = merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "pgpu"}]),
                   {"sandboxDevicePlugin": {"alias": "pgpu"}})
     assert ignored(chart, same) == []
+    env = merged(with_kata_plugin(env=[{"name": "NVSWITCH_ALIAS", "value": "nvsw"}]),
+                 {"sandboxDevicePlugin": {"alias": "pgpu",
+                                          "env": [{"name": "P_GPU_ALIAS", "value": "gpu"},
+                                                  {"name": "NVSWITCH_ALIAS", "value": "sw"}]}})
+    assert ignored(chart, env) == ["sandboxDevicePlugin.env P_GPU_ALIAS",
+                                   "kataSandboxDevicePlugin.env NVSWITCH_ALIAS"]
+    plugin = container(render(chart, env), "-sandbox-agent", "sandbox-device-plugin")
+    assert not {"P_GPU_ALIAS", "NVSWITCH_ALIAS"} & set(env_names(plugin))
 
 
 @pytest.mark.integration
@@ -411,6 +427,9 @@ def test_kata_mode_is_the_default(chart):
     ({"sandboxDevicePlugin": {"alias": "1gpu"}}, ["/sandboxDevicePlugin/alias", "1gpu"]),
     ({"kataSandboxDevicePlugin": {"env": [{"name": "P_GPU_ALIAS", "value": "p.gpu"}]}},
      ["/kataSandboxDevicePlugin/env/0/value", "p.gpu"]),
+    ({"sandboxDevicePlugin": {"env": [{"name": "TEAM", "value": "gpu"},
+                                      {"name": "P_GPU_ALIAS", "value": "-gpu"}]}},
+     ["/sandboxDevicePlugin/env/1/value", "-gpu"]),
     ({"kataSandboxDevicePlugin": {"env": [{"name": "NVSWITCH_ALIAS",
                                            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]}},
      ["/kataSandboxDevicePlugin/env/0", "'value'"]),
@@ -418,7 +437,7 @@ def test_kata_mode_is_the_default(chart):
         "cc-manager-not-a-map", "unknown-driver-manager-key", "unknown-host-path",
         "relative-driver-install-dir", "gpu-operator-driver-block", "unknown-image-key",
         "bad-image-tag", "bad-pull-policy", "args-not-a-list", "unknown-resource-naming",
-        "alias-starts-with-digit", "bad-p-gpu-alias", "alias-from-value-from"])
+        "alias-starts-with-digit", "bad-p-gpu-alias", "bad-chart-env-alias", "alias-from-value-from"])
 @pytest.mark.integration
 def test_schema_still_refuses_what_no_one_knows(helm, chart, values, fragments):
     with pytest.raises(helm.HelmValuesError) as caught:

@@ -38,7 +38,7 @@ def stages(dockerfile: str) -> list[list[str]]:
 def test_package_chart_and_image_versions_agree():
     package = pyproject()["project"]["version"]
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    image_version = yaml.safe_load((CHART / "values.yaml").read_text())["kataManager"]["version"]
+    image_version = yaml.safe_load((CHART / "values.yaml").read_text())["image"]["tag"]
     assert chart["appVersion"] == package, "Chart.yaml appVersion must be the package version"
     # Empty means "the chart's appVersion"; a pinned tag must still be this release.
     assert image_version in ("", package)

@@ -211,3 +211,21 @@ def test_pod_resources_answers_like_the_kubelet(node):
         assert got.pod_resources == pod
     kubelet.remove_pod("ml", "a")
     assert kubelet.state.pods == []
+
+
+def test_the_readmes_example_pod_gets_the_gpu_the_kubelet_gave_it(node):
+    import yaml
+    from conftest import EXAMPLES
+
+    pod = yaml.safe_load((EXAMPLES / "pods" / "cuda-vectoradd-kata.yaml").read_text())
+    (container,) = pod["spec"]["containers"]
+    requests = {r: int(n) for r, n in container["resources"]["limits"].items()}
+    host, kubelet = node("a10-server")
+    wait_for_units(host, kubelet)
+    for copy in ("first", "second"):  # two such pods get two different GPUs
+        kubelet.admit_pod("default", copy, {container["name"]: requests})
+    plugs = [cold_plug(host, kubelet.pod_resources_socket, {**pod["metadata"]["annotations"],
+                                                            **sandbox_annotations("default", c)})
+             for c in ("first", "second")]
+    assert [len(p.functions) for p in plugs] == [1, 1]
+    assert plugs[0].functions != plugs[1].functions

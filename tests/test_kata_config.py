@@ -154,3 +154,29 @@ def test_negative_root_port_count_is_refused(host: HostRoot) -> None:
     local = install(host)
     with pytest.raises(ConfigError):
         transform_kata_config(host, local, root_ports=-1)
+
+
+ARTIFACT_CONFIG = REPO / "tests" / "data" / "artifacts" / "files" / "configuration-qemu-nvidia-gpu.toml"
+ARTIFACT_FILES = ("vmlinux-nvidia-gpu", "kata-ubuntu-jammy-nvidia-gpu.initrd")
+
+
+def test_a_cold_plug_config_has_no_gaps(host: HostRoot) -> None:
+    # The artifact's config sets cold_plug_vfio = "root-port" and pod_resource_api_sock.
+    local = install(host, ARTIFACT_FILES, ARTIFACT_CONFIG.read_text())
+    assert transform_kata_config(host, local).cold_plug_gaps == ()
+
+
+def test_without_the_pod_resources_socket_pods_need_the_annotation(host: HostRoot) -> None:
+    assert "pod_resource_api_sock" not in FIXTURE.read_text()
+    local = install(host)
+    gaps = transform_kata_config(host, local).cold_plug_gaps
+    assert any("pod_resource_api_sock" in g for g in gaps)
+    assert "cdi.k8s.io/gpu: nvidia.com/pgpu=<index>" in gaps[-1]
+    assert not any("cold_plug_vfio" in g for g in gaps)
+
+
+def test_without_cold_plug_pods_need_the_annotation(host: HostRoot) -> None:
+    text = ARTIFACT_CONFIG.read_text().replace('cold_plug_vfio = "root-port"', 'cold_plug_vfio = "no-port"')
+    local = install(host, ARTIFACT_FILES, text)
+    gaps = transform_kata_config(host, local).cold_plug_gaps
+    assert any("cold_plug_vfio" in g for g in gaps) and not any("pod_resource_api_sock" in g for g in gaps)

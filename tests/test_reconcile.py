@@ -147,6 +147,14 @@ def test_plan_with_config_shows_each_step_and_changes_nothing(tmp_path):
     plan = full_plan(host, NAMING, Steps(), ctx).to_json()
     assert [a["action"] for a in plan["artifacts"]] == ["check", "check"]
     assert plan["containerd"]["changed"] is False and plan["containerd"]["diff"] == ""
+    # The shipped configs cold-plug from PodResources: no annotation needed.
+    assert [a["coldPlugGaps"] for a in plan["artifacts"]] == [[], []]
+    # An installed config without the socket makes plan say pods need the annotation.
+    shipped = host.path("/opt/nvidia-gpu-operator/artifacts/runtimeclasses/kata-qemu-nvidia-gpu/"
+                        "configuration-qemu-nvidia-gpu.toml")
+    shipped.write_text(shipped.read_text().replace("pod_resource_api_sock", "# pod_resource_api_sock"))
+    gaps = full_plan(host, NAMING, Steps(), ctx).to_json()["artifacts"][0]["coldPlugGaps"]
+    assert any("pod_resource_api_sock" in g for g in gaps) and "cdi.k8s.io/gpu" in gaps[-1]
 
 
 def test_runtime_classes_follow_the_config_through_the_official_client(tmp_path):
@@ -223,6 +231,33 @@ def test_agent_reapplies_when_someone_drops_our_entries(tmp_path, containerd_pro
         host.path("/etc/containerd/other.toml").write_text("# unrelated\n")
         time.sleep(0.5)
         assert agent.reconciles == 2
+    finally:
+        agent.request_stop()
+        thread.join(timeout=15)
+    assert not thread.is_alive()
+
+
+def test_agent_keeps_the_cdi_specs_in_step_with_rebinds_and_hotplug(tmp_path):
+    import cdi
+    from katamgr.host import emulation
+
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
+    agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.1)
+    agent.reconcile("start")
+    spec = host.path("/var/run/cdi/nvidia.com-GA102GL_A10.yaml")
+    assert [d.name for d in cdi.read_spec(spec).devices] == ["0000:01:00.0", "0000:02:00.0"]
+    thread = threading.Thread(target=agent.loop, daemon=True)
+    thread.start()
+    try:
+        # Someone gives a GPU back to nvidia by hand: Kata must not be offered it.
+        emulation.handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:02:00.0")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if [d.name for d in cdi.read_spec(spec).devices] == ["0000:01:00.0"]:
+                break
+            time.sleep(0.05)
+        assert [d.name for d in cdi.read_spec(spec).devices] == ["0000:01:00.0"]
+        assert agent.reconciles == 1  # the specs alone were rewritten
     finally:
         agent.request_stop()
         thread.join(timeout=15)

@@ -41,6 +41,42 @@ class KataConfigResult:
     config_path: str  # host path of the Kata configuration file
     changed: bool
     changes: tuple[str, ...]  # one human-readable line per changed key
+    cold_plug_gaps: tuple[str, ...] = ()  # why pods would need the CDI annotation
+
+
+def cold_plug_gaps(doc: dict, where: str) -> list[str]:
+    """Why Kata would not cold-plug a pod's device-plugin GPUs with this config.
+
+    The shim cold-plugs from the kubelet's PodResources API only when a
+    hypervisor has ``cold_plug_vfio`` set to a port (not ``no-port``) and
+    ``[runtime] pod_resource_api_sock`` names the socket; otherwise a pod has
+    to name its GPU itself with a ``cdi.k8s.io/...`` annotation.
+    """
+    gaps = []
+    hypervisors = doc.get("hypervisor")
+    tables = hypervisors.values() if isinstance(hypervisors, dict) else []
+    ports = [t.get("cold_plug_vfio") for t in tables if isinstance(t, dict)]
+    if not any(isinstance(p, str) and p not in ("", "no-port") for p in ports):
+        gaps.append(f"{where} does not set cold_plug_vfio (e.g. \"root-port\") in [hypervisor.*]")
+    runtime = doc.get("runtime")
+    sock = runtime.get("pod_resource_api_sock") if isinstance(runtime, dict) else None
+    if not isinstance(sock, str) or not sock:
+        gaps.append(f"{where} does not set [runtime] pod_resource_api_sock "
+                    "(the kubelet's /var/lib/kubelet/pod-resources/kubelet.sock)")
+    if gaps:
+        gaps.append("Kata will not cold-plug the GPUs the device plugin gives a pod: each pod must name its "
+                    "GPU with the annotation cdi.k8s.io/gpu: nvidia.com/pgpu=<index> instead")
+    return gaps
+
+
+def installed_cold_plug_gaps(host: HostRoot, artifact_dir: Path) -> list[str]:
+    """``cold_plug_gaps`` of an installed runtime class's shipped config ([] when none is installed)."""
+    try:
+        local = find_kata_config(host, artifact_dir)
+        doc = tomlkit.parse(local.read_text())
+    except (KatamgrError, OSError, TOMLKitError):
+        return []
+    return cold_plug_gaps(doc, f"Kata config {host.host_path(local)}")
 
 
 def find_kata_config(host: HostRoot, artifact_dir: Path) -> Path:
@@ -116,7 +152,8 @@ def transform_kata_config(
     changed = write_atomic(rendered, tomlkit.dumps(doc))
     if changed:
         log.info("Kata config %s (from %s): %s", rendered_host, config_host, "; ".join(changes) or "copied")
-    return KataConfigResult(rendered_host, changed, tuple(changes) if changed else ())
+    gaps = tuple(cold_plug_gaps(doc, f"Kata config {config_host}"))
+    return KataConfigResult(rendered_host, changed, tuple(changes) if changed else (), gaps)
 
 
 def rendered_config(host: HostRoot, artifact_dir: Path) -> Path | None:

@@ -27,10 +27,160 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
-{{/* The one image: it holds both katamgr and sandbox-device-plugin. */}}
+{{/*
+The one image: it holds both katamgr and sandbox-device-plugin. Only the top-level image
+block names it; the GPU Operator's repository/image/version keys never do.
+*/}}
 {{- define "ksm.image" -}}
-{{- $v := .Values.kataManager -}}
-{{- printf "%s/%s:%s" $v.repository $v.image (default .Chart.AppVersion $v.version) -}}
+{{- $i := .Values.image -}}
+{{- printf "%s/%s:%s" $i.repository $i.name (default .Chart.AppVersion $i.tag) -}}
+{{- end -}}
+
+{{/*
+A GPU Operator block that values.yaml may leave out (kataSandboxDevicePlugin, ccManager):
+the block, or an empty dict. Call with (list $ "kataSandboxDevicePlugin").
+*/}}
+{{- define "ksm.block" -}}
+{{- toJson (index (index . 0).Values (index . 1) | default dict) -}}
+{{- end -}}
+
+{{/*
+The containers' pull policies: an operand's imagePullPolicy, else that of the GPU Operator
+block feeding the same container, else image.pullPolicy.
+*/}}
+{{- define "ksm.agentPullPolicy" -}}
+{{- coalesce .Values.kataManager.imagePullPolicy .Values.vfioManager.imagePullPolicy .Values.image.pullPolicy -}}
+{{- end -}}
+
+{{- define "ksm.pluginPullPolicy" -}}
+{{- $k := include "ksm.block" (list . "kataSandboxDevicePlugin") | fromJson -}}
+{{- coalesce .Values.sandboxDevicePlugin.imagePullPolicy $k.imagePullPolicy .Values.image.pullPolicy -}}
+{{- end -}}
+
+{{- define "ksm.devicePluginPullPolicy" -}}
+{{- coalesce .Values.devicePlugin.imagePullPolicy .Values.image.pullPolicy -}}
+{{- end -}}
+
+{{/*
+The aliases NVIDIA's sandbox device plugin reads from its env, as this chart's arguments
+(empty: model names). --alias: sandboxDevicePlugin.alias, else P_GPU_ALIAS from
+sandboxDevicePlugin.env, else from kataSandboxDevicePlugin.env; --nvswitch-alias:
+NVSWITCH_ALIAS, looked up the same way. As JSON {"P_GPU_ALIAS": .., "NVSWITCH_ALIAS": ..}.
+*/}}
+{{- define "ksm.aliases" -}}
+{{- $k := include "ksm.block" (list . "kataSandboxDevicePlugin") | fromJson -}}
+{{- $out := dict -}}
+{{- range (concat (.Values.sandboxDevicePlugin.env | default list) ($k.env | default list)) -}}
+{{- if and (has .name (list "P_GPU_ALIAS" "NVSWITCH_ALIAS")) (not (hasKey $out .name)) -}}
+{{- $_ := set $out .name (.value | default "") -}}
+{{- end -}}
+{{- end -}}
+{{- with .Values.sandboxDevicePlugin.alias }}{{ $_ := set $out "P_GPU_ALIAS" . }}{{ end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/*
+The naming arguments both commands get. They must agree: katamgr writes one CDI spec per
+advertised resource, named like the resource.
+*/}}
+{{- define "ksm.namingArgs" -}}
+{{- $aliases := include "ksm.aliases" . | fromJson -}}
+- --resource-naming
+- {{ .Values.sandboxDevicePlugin.resourceNaming }}
+{{- with $aliases.P_GPU_ALIAS }}
+- --alias
+- {{ . }}
+{{- end }}
+{{- with $aliases.NVSWITCH_ALIAS }}
+- --nvswitch-alias
+- {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The sandbox-device-plugin container's env: sandboxDevicePlugin.env, then the entries of
+kataSandboxDevicePlugin.env it does not name, less P_GPU_ALIAS and NVSWITCH_ALIAS
+(arguments instead, see ksm.aliases). As a JSON list.
+*/}}
+{{- define "ksm.pluginEnv" -}}
+{{- $k := include "ksm.block" (list . "kataSandboxDevicePlugin") | fromJson -}}
+{{- $aliases := list "P_GPU_ALIAS" "NVSWITCH_ALIAS" -}}
+{{- $env := list -}}
+{{- $names := list -}}
+{{- range (.Values.sandboxDevicePlugin.env | default list) -}}
+{{- if not (has .name $aliases) }}{{ $env = append $env . }}{{ $names = append $names .name }}{{ end -}}
+{{- end -}}
+{{- range ($k.env | default list) -}}
+{{- if not (has .name (concat $aliases $names)) }}{{ $env = append $env . }}{{ end -}}
+{{- end -}}
+{{- toJson $env -}}
+{{- end -}}
+
+{{/*
+GPU Operator values this chart accepts but does not apply, one "path" per line, for
+NOTES.txt. A key counts when set to anything but false, "", [] or {}; a key that another
+block overrides for the same container counts when it differs from the value used.
+*/}}
+{{- define "ksm.ignoredValues" -}}
+{{- $v := .Values -}}
+{{- $k := include "ksm.block" (list . "kataSandboxDevicePlugin") | fromJson -}}
+{{- $blocks := dict "kataManager" $v.kataManager "vfioManager" $v.vfioManager
+      "sandboxDevicePlugin" $v.sandboxDevicePlugin "kataSandboxDevicePlugin" $k
+      "devicePlugin" $v.devicePlugin -}}
+{{- $out := list -}}
+{{- with (include "ksm.block" (list . "ccManager") | fromJson) }}{{ $out = append $out "ccManager" }}{{ end -}}
+{{- range $name := list "kataManager" "vfioManager" "sandboxDevicePlugin" "kataSandboxDevicePlugin" "devicePlugin" -}}
+{{- $block := index $blocks $name -}}
+{{- range $key := list "repository" "image" "version" "args" "hostNetwork" -}}
+{{- if not (empty (index $block $key)) }}{{ $out = append $out (printf "%s.%s" $name $key) }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- /* NVIDIA's k8s-driver-manager, which this chart does not run. */ -}}
+{{- range $key := list "env" "driverManager" -}}
+{{- if not (empty (index $v.vfioManager $key)) }}{{ $out = append $out (printf "vfioManager.%s" $key) }}{{ end -}}
+{{- end -}}
+{{- /* Overridden for the same container by the chart's own block. */ -}}
+{{- range $pair := list (list "kataManager" "vfioManager") (list "sandboxDevicePlugin" "kataSandboxDevicePlugin") -}}
+{{- $winner := index $blocks (index $pair 0) -}}
+{{- $loser := index $blocks (index $pair 1) -}}
+{{- range $key := list "resources" "imagePullPolicy" -}}
+{{- $used := index $winner $key -}}
+{{- $lost := index $loser $key -}}
+{{- if and (not (empty $used)) (not (empty $lost)) (ne (toJson $used) (toJson $lost)) -}}
+{{- $out = append $out (printf "%s.%s" (index $pair 1) $key) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $aliases := include "ksm.aliases" . | fromJson -}}
+{{- $ownEnv := list -}}
+{{- range ($v.sandboxDevicePlugin.env | default list) -}}
+{{- $ownEnv = append $ownEnv .name -}}
+{{- if and (hasKey $aliases .name) (ne (index $aliases .name) (.value | default "")) -}}
+{{- $out = append $out (printf "sandboxDevicePlugin.env %s" .name) -}}
+{{- end -}}
+{{- end -}}
+{{- range ($k.env | default list) -}}
+{{- if hasKey $aliases .name -}}
+{{- if ne (index $aliases .name) (.value | default "") }}{{ $out = append $out (printf "kataSandboxDevicePlugin.env %s" .name) }}{{ end -}}
+{{- else if has .name $ownEnv -}}
+{{- $out = append $out (printf "kataSandboxDevicePlugin.env %s" .name) -}}
+{{- end -}}
+{{- end -}}
+{{- range $key := list "config" "mps" -}}
+{{- if not (empty (index $v.devicePlugin $key)) }}{{ $out = append $out (printf "devicePlugin.%s" $key) }}{{ end -}}
+{{- end -}}
+{{- range $key := list "default" "nriPluginEnabled" -}}
+{{- if not (empty (index $v.cdi $key)) }}{{ $out = append $out (printf "cdi.%s" $key) }}{{ end -}}
+{{- end -}}
+{{- if not (empty $v.hostPaths.driverInstallDir) }}{{ $out = append $out "hostPaths.driverInstallDir" }}{{ end -}}
+{{- $out | join "\n" -}}
+{{- end -}}
+
+{{/* Values refused at render time, where the schema cannot say why. */}}
+{{- define "ksm.validate" -}}
+{{- if eq (toString .Values.sandboxWorkloads.mode) "kubevirt" -}}
+{{- fail "sandboxWorkloads.mode=kubevirt: this chart runs Kata Containers only; use the NVIDIA GPU Operator for KubeVirt, or set sandboxWorkloads.mode=kata (the default)" -}}
+{{- end -}}
 {{- end -}}
 
 {{/* A host path below hostPaths.rootFS, as the kubelet sees it. Call with (list $ "/sys"). */}}
@@ -61,8 +211,10 @@ Which parts of the node agent run; the templates and the RBAC agree by asking he
 {{- if and $v.sandboxWorkloads.enabled (or $v.kataManager.enabled $v.vfioManager.enabled $v.cdi.enabled) }}true{{ end -}}
 {{- end -}}
 
+{{/* Off when either sandboxDevicePlugin.enabled or the GPU Operator's kataSandboxDevicePlugin.enabled is false. */}}
 {{- define "ksm.sandboxPlugin" -}}
-{{- if and .Values.sandboxWorkloads.enabled .Values.sandboxDevicePlugin.enabled }}true{{ end -}}
+{{- $k := include "ksm.block" (list . "kataSandboxDevicePlugin") | fromJson -}}
+{{- if and .Values.sandboxWorkloads.enabled .Values.sandboxDevicePlugin.enabled (dig "enabled" true $k) }}true{{ end -}}
 {{- end -}}
 
 {{/*
@@ -143,15 +295,20 @@ mounts at one path are refused by the API server.
 {{- $kept | join "\n" -}}
 {{- end -}}
 
-{{/* Pod-level settings every DaemonSet shares. */}}
+{{/*
+Pod-level settings every DaemonSet shares. Call with (list $ SECRETS): SECRETS are the
+imagePullSecrets of the operands the pod runs, added to image.pullSecrets.
+*/}}
 {{- define "ksm.podCommon" -}}
-serviceAccountName: {{ include "ksm.fullname" . }}
-priorityClassName: {{ .Values.daemonsets.priorityClassName }}
-{{- with .Values.daemonsets.tolerations }}
+{{- $root := index . 0 -}}
+{{- $secrets := concat ($root.Values.image.pullSecrets | default list) (index . 1) | uniq -}}
+serviceAccountName: {{ include "ksm.fullname" $root }}
+priorityClassName: {{ $root.Values.daemonsets.priorityClassName }}
+{{- with $root.Values.daemonsets.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with .Values.kataManager.imagePullSecrets }}
+{{- with $secrets }}
 imagePullSecrets:
   {{- range . }}
   - name: {{ . }}
