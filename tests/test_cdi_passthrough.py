@@ -59,6 +59,14 @@ def test_specs_on_every_profile(tmp_path, profile_path):
         assert host.path(node).exists(), node
     # Nothing in the spec carries the host root we reached the host through.
     assert str(host.root) not in path.read_text()
+    # Every spec written (the user-facing ones and one per advertised resource) is valid for
+    # the official schema and declares the lowest cdiVersion that has what it uses.
+    written = sorted(host.path("/var/run/cdi").iterdir())
+    assert len(written) >= 2
+    for file in written:
+        assert list(SCHEMA.iter_errors(yaml.safe_load(file.read_text()))) == [], file.name
+        each = cdi.read_spec(file)
+        assert each.cdi_version == cdi.minimum_version(each), file.name
     stamp = path.stat().st_mtime_ns
     apply(host)
     assert path.stat().st_mtime_ns == stamp
