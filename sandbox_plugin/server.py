@@ -196,6 +196,10 @@ class _DevicePluginServicer(pb_grpc.DevicePluginServicer):
     def Allocate(self, request, context):
         response = pb.AllocateResponse()
         name = self.resource.resource_name
+        problem = request_problem([list(r.devices_ids) for r in request.container_requests])
+        if problem:
+            log.warning("%s: refused Allocate: %s", name, problem)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {problem}")
         for req in request.container_requests:
             ids = list(req.devices_ids)
             try:
@@ -211,6 +215,24 @@ class _DevicePluginServicer(pb_grpc.DevicePluginServicer):
 
     def PreStartContainer(self, request, context):
         return pb.PreStartContainerResponse()
+
+
+def request_problem(containers: list[list[str]]) -> str:
+    """Why an Allocate request is malformed ("" when it is not).
+
+    The kubelet asks for at least one device per container and never names a
+    device twice; a request that does is a caller's bug, refused before any
+    device is looked at rather than answered with fewer devices than asked.
+    """
+    if not containers:
+        return "the request names no container"
+    for index, ids in enumerate(containers):
+        if not ids:
+            return f"container request {index} names no device"
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            return f"container request {index} names {', '.join(repeated)} more than once"
+    return ""
 
 
 class _DirWatcher:

@@ -129,6 +129,21 @@ def test_allocate_of_unknown_or_unhealthy_device_fails_naming_it(kubelet, serve)
     assert "'w1'" in sick.value.details()
 
 
+@pytest.mark.parametrize("containers, fragment", [
+    ([], "names no container"),
+    ([[]], "container request 0 names no device"),
+    ([["w0"], []], "container request 1 names no device"),
+    ([["w0", "w1", "w0"]], "names w0 more than once"),
+])
+def test_allocate_refuses_empty_requests_and_repeated_ids(kubelet, serve, containers, fragment):  # noqa: F811
+    serve(widgets("w0", "w1"))
+    kubelet.wait_for(lambda s: NAME in s.devices)
+    with pytest.raises(grpc.RpcError) as refused:
+        kubelet.allocate_containers(NAME, containers)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in refused.value.details() and NAME in refused.value.details()
+
+
 def test_preferred_allocation_keeps_required_devices_and_numa_node(kubelet, serve):  # noqa: F811
     resource = StaticResource(
         NAME,
