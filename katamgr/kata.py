@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 from dataclasses import dataclass
 
 from kubernetes.client import ApiClient
@@ -21,10 +20,12 @@ from katamgr.artifacts import (
     ArtifactError,
     Credentials,
     LayoutRef,
+    NotOursError,
     RegistryRef,
     credentials_from_dockerconfigjson,
     install_artifact,
     read_install,
+    remove_install,
 )
 from katamgr.config import KataManagerConfig, RuntimeClassConfig
 from katamgr.errors import ConfigError, KatamgrError
@@ -153,6 +154,11 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True, **reload
             ref = _source(host, rc)
             result = install_artifact(ref, dest, credentials=_credentials(ctx, rc, ref),
                                       insecure_registries=config.insecure_registries, label=rc.artifacts.url)
+        except NotOursError as exc:
+            report.failures.append(
+                f"runtime class {rc.name}: {exc}; choose another kataManager.config.artifactsDir "
+                f"({config.artifacts_dir}) or runtime class name, or move that directory aside")
+            continue
         except (ArtifactError, ConfigError) as exc:
             report.failures.append(f"runtime class {rc.name}: {exc}")
             if read_install(dest) is None:
@@ -236,11 +242,8 @@ def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = F
         report.changes.append(f"restored {change.path}")
         report.merge(_reload(host, config, **reload_args))
     for rc in config.runtime_classes:
-        local = host.path(class_dir(config, rc.name))
         # Only dirs holding our install record: never a dir someone else filled.
-        if read_install(local) is not None:
-            shutil.rmtree(local)
-            (local.parent / f".{local.name}.lock").unlink(missing_ok=True)
+        if remove_install(host.path(class_dir(config, rc.name))):
             report.changes.append(f"removed {class_dir(config, rc.name)}")
     return report
 

@@ -1,12 +1,21 @@
 """Kata artifacts (guest kernel, initrd/image, Kata config) from an OCI registry or layout.
 
-Public API: ``install_artifact`` -> ``InstallResult``, ``read_install``, ``parse_ref``,
+Public API: ``install_artifact`` -> ``InstallResult``, ``read_install``, ``remove_install``,
+``NotOursError`` (a destination katamgr did not install), ``parse_ref``,
 ``credentials_from_dockerconfigjson`` -> ``Credentials``, ``ArtifactError``.
 """
 
 from .credentials import Credentials, credentials_from_dockerconfigjson
 from .errors import ArtifactError
-from .install import InstalledFile, InstallRecord, InstallResult, install_artifact, read_install
+from .install import (
+    InstalledFile,
+    InstallRecord,
+    InstallResult,
+    NotOursError,
+    install_artifact,
+    read_install,
+    remove_install,
+)
 from .manifest import DEFAULT_MAX_LAYER_BYTES, MAX_MANIFEST_BYTES
 from .refs import ArtifactRef, LayoutRef, RegistryRef, parse_ref
 
@@ -20,9 +29,11 @@ __all__ = [
     "InstallResult",
     "InstalledFile",
     "LayoutRef",
+    "NotOursError",
     "RegistryRef",
     "credentials_from_dockerconfigjson",
     "install_artifact",
     "parse_ref",
     "read_install",
+    "remove_install",
 ]

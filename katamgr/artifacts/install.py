@@ -135,8 +135,10 @@ def install_artifact(
         source = RegistrySource(
             parsed, credentials=credentials, insecure_registries=insecure_registries
         )
+    check_ours(dest)  # before the lock file is created: a refusal writes nothing
     with _locked(dest):
         _recover(dest)
+        check_ours(dest)
         current = read_install(dest) if dest.is_dir() else None
         intact = _intact_files(dest, current, verify_files) if current else {}
         complete = current is not None and len(intact) == len(current.files)
@@ -163,6 +165,42 @@ def install_artifact(
         transferred = _stage_and_swap(source, manifest, text, dest, intact, policy)
         return InstallResult(dest.name, dest, text, manifest.digest, True,
                              [layer.name for layer in manifest.layers], transferred)
+
+
+class NotOursError(ArtifactError):
+    """The destination holds something katamgr did not install."""
+
+
+def check_ours(dest: Path) -> None:
+    """Refuse a destination that is not ours to replace: a file, a symlink, or a
+    directory with files in it but no install record (kata-deploy's /opt/kata,
+    an operator's own tree). An empty directory, or none, is fine."""
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise NotOursError(f"{dest} exists and is not a directory katamgr made; it is left "
+                           "as it is")
+    if dest.is_dir() and read_install(dest) is None and any(dest.iterdir()):
+        raise NotOursError(f"{dest} already holds files that katamgr did not install (no "
+                           f"{RECORD_NAME} in it); it is left as it is")
+
+
+def remove_install(dest: Path) -> bool:
+    """Remove an install of ours; False (nothing touched) when ``dest`` holds none.
+
+    The dir is first renamed aside in one step, so a crash part-way through the
+    deletion leaves no half-removed install under the runtime class's name: the
+    next run's ``_recover`` (or this function) deletes the renamed leftovers.
+    """
+    with _locked(dest):
+        _recover(dest)
+        if dest.is_symlink() or read_install(dest) is None:
+            return False
+        trash = dest.parent / f".{dest.name}.removing-{os.getpid()}-{time.monotonic_ns()}"
+        os.rename(dest, trash)
+        fsync_dir(dest.parent)
+        shutil.rmtree(trash)
+    (dest.parent / f".{dest.name}.lock").unlink(missing_ok=True)
+    fsync_dir(dest.parent)
+    return True
 
 
 def _stage_and_swap(
@@ -405,7 +443,8 @@ def _recover(dest: Path) -> None:
         os.rename(leftovers.pop(), dest)
         fsync_dir(dest.parent)
         log.warning("restored %s from an install swap a crash interrupted", dest)
-    for stale in [*leftovers, *dest.parent.glob(f".{dest.name}.staging-*")]:
+    for stale in [*leftovers, *dest.parent.glob(f".{dest.name}.staging-*"),
+                  *dest.parent.glob(f".{dest.name}.removing-*")]:
         shutil.rmtree(stale, ignore_errors=True)
 
 
