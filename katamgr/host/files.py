@@ -4,35 +4,53 @@ Operators must never see a half-written config or a needless rewrite, so every
 host file we own goes through ``write_atomic``: temp file in the same dir,
 fsync, rename, fsync of the dir. It returns False (and touches nothing, mtime
 included) when the content is already what we want.
+
+A file we edit keeps its identity: the new content gets the old file's mode,
+owner, group and extended attributes (an SELinux label, a user.* tag) before
+the rename, so a containerd config holding registry credentials at 0600 stays
+0600; and a symlink is followed, so its target is edited and the link stays a
+link. Nothing we write is more readable than what it replaces.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
 
 def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> bool:
-    """Write ``data`` to ``path`` atomically; return True when the file changed."""
+    """Write ``data`` to ``path`` atomically; return True when the file changed.
+
+    ``mode`` applies to a new file only; an existing one keeps its own metadata.
+    """
     if isinstance(data, str):
         data = data.encode()
-    path = Path(path)
+    path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
     try:
         if path.read_bytes() == data:
             return False
     except FileNotFoundError:
         pass
+    try:
+        before = os.stat(path)
+    except FileNotFoundError:
+        before = None
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
+            if before is None:
+                os.fchmod(fh.fileno(), mode)
+            else:
+                _copy_identity(path, before, fh.fileno())
             os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -42,6 +60,21 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> bool:
         raise
     fsync_dir(path.parent)
     return True
+
+
+def _copy_identity(source: Path, st: os.stat_result, fd: int) -> None:
+    """Give the open file ``fd`` the owner, group, mode and xattrs of ``source``."""
+    if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+        os.fchown(fd, st.st_uid, st.st_gid)  # before chmod: chown clears set-id bits
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    try:
+        names = os.listxattr(source)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return
+        raise
+    for name in names:
+        os.setxattr(fd, name, os.getxattr(source, name))
 
 
 def fsync_dir(directory: Path) -> None:
