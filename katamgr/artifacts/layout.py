@@ -2,12 +2,16 @@
 
 ``index.json`` lists the manifests; a tag is the ``org.opencontainers.image.ref.name``
 annotation of an index entry; every blob is ``blobs/sha256/<hex>``. The layout is as
-untrusted as a registry: the installer verifies what we read here the same way.
+untrusted as a registry: the installer verifies what we read here the same way, and
+every file is opened without blocking and read only when it is a regular file (a
+FIFO would hang the reader, ``/dev/zero`` would never end), up to a cap.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +30,46 @@ def blob_path(layout: Path, digest: str) -> Path:
     return layout / "blobs" / algorithm / hexdigest
 
 
+MARKER_MAX_BYTES = 4096
+
+
+def open_regular(path: Path) -> int:
+    """An fd of ``path`` opened for reading, refused unless it is a regular file.
+
+    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer;
+    it is cleared again, as regular files ignore it anyway.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class NotRegularFile(OSError):
+    def __init__(self, path: Path, mode: int) -> None:
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                else "a directory" if stat.S_ISDIR(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        super().__init__(f"is {kind}, not a regular file")
+        self.filename = str(path)
+        self.strerror = f"is {kind}, not a regular file"
+
+
+def read_capped(path: Path, cap: int, what: str, description: str) -> bytes:
+    """The bytes of regular file ``path``, refused when longer than ``cap``."""
+    with os.fdopen(open_regular(path), "rb") as handle:
+        data = handle.read(cap + 1)
+    if len(data) > cap:
+        raise ArtifactError(f"{description}: {what} {path} is over the {cap}-byte cap; check the layout")
+    return data
+
+
 class LayoutSource:
     def __init__(self, ref: LayoutRef) -> None:
         self.ref = ref
@@ -36,13 +80,7 @@ class LayoutSource:
         digest = descriptor["digest"]
         path = blob_path(self.ref.path, digest)
         try:
-            size = path.stat().st_size
-            if size > MAX_MANIFEST_BYTES:
-                raise ArtifactError(
-                    f"{self.description}: manifest blob {path} is {size} bytes, over the "
-                    f"{MAX_MANIFEST_BYTES}-byte cap; check the layout"
-                )
-            data = path.read_bytes()
+            data = read_capped(path, MAX_MANIFEST_BYTES, "manifest blob", self.description)
         except OSError as exc:
             raise ArtifactError(
                 f"{self.description}: cannot read manifest blob {path} ({exc.strerror}); "
@@ -59,7 +97,7 @@ class LayoutSource:
     def open_blob(self, layer: Layer) -> Iterator[Iterator[bytes]]:
         path = blob_path(self.ref.path, layer.digest)
         try:
-            handle = path.open("rb")
+            handle = os.fdopen(open_regular(path), "rb")
         except OSError as exc:
             raise ArtifactError(
                 f"{self.description}: cannot read blob {layer.digest} ({layer.name}) at {path} "
@@ -72,13 +110,8 @@ class LayoutSource:
         root = self.ref.path
         marker, index_path = root / "oci-layout", root / "index.json"
         try:
-            layout = json.loads(marker.read_bytes()[:4096])
-            if index_path.stat().st_size > MAX_MANIFEST_BYTES:
-                raise ArtifactError(
-                    f"{self.description}: {index_path} is over the {MAX_MANIFEST_BYTES}-byte "
-                    "cap; check the layout"
-                )
-            index = json.loads(index_path.read_bytes())
+            layout = json.loads(read_capped(marker, MARKER_MAX_BYTES, "marker", self.description))
+            index = json.loads(read_capped(index_path, MAX_MANIFEST_BYTES, "index", self.description))
         except OSError as exc:
             raise ArtifactError(
                 f"{self.description}: {root} is not a readable OCI image layout "
