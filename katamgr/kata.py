@@ -17,8 +17,10 @@ from kubernetes.client import ApiClient
 from katamgr import cluster
 from katamgr.apply import Report
 from katamgr.artifacts import (
+    DEFAULT_DEADLINES,
     ArtifactError,
     Credentials,
+    Deadlines,
     LayoutRef,
     NotOursError,
     RegistryRef,
@@ -49,6 +51,7 @@ class KataContext:
     api: ApiClient | None = None  # None: no cluster reachable, RuntimeClasses skipped
     namespace: str = "default"
     root_ports: int = 0  # passthrough GPUs + NVSwitches on this node
+    deadlines: Deadlines = DEFAULT_DEADLINES  # every registry transfer ends by these
 
 
 def class_dir(config: KataManagerConfig, name: str) -> str:
@@ -153,6 +156,7 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True, **reload
         try:
             ref = _source(host, rc)
             result = install_artifact(ref, dest, credentials=_credentials(ctx, rc, ref),
+                                      deadlines=ctx.deadlines,
                                       insecure_registries=config.insecure_registries, label=rc.artifacts.url)
         except NotOursError as exc:
             report.failures.append(

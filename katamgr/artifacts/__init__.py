@@ -18,13 +18,16 @@ from .install import (
 )
 from .manifest import DEFAULT_MAX_LAYER_BYTES, MAX_MANIFEST_BYTES
 from .refs import ArtifactRef, LayoutRef, RegistryRef, parse_ref
+from .registry import DEFAULT_DEADLINES, Deadlines
 
 __all__ = [
+    "DEFAULT_DEADLINES",
     "DEFAULT_MAX_LAYER_BYTES",
     "MAX_MANIFEST_BYTES",
     "ArtifactError",
     "ArtifactRef",
     "Credentials",
+    "Deadlines",
     "InstallRecord",
     "InstallResult",
     "InstalledFile",

@@ -36,7 +36,7 @@ from .errors import ArtifactError
 from .layout import LayoutSource
 from .manifest import DEFAULT_MAX_LAYER_BYTES, Layer, Manifest, parse_manifest
 from .refs import ArtifactRef, LayoutRef, parse_ref
-from .registry import RegistrySource
+from .registry import DEFAULT_DEADLINES, Deadlines, RegistrySource
 from .source import RetryPolicy, Source, SourceUnreachable, with_retries
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,7 @@ def install_artifact(
     max_layer_bytes: int = DEFAULT_MAX_LAYER_BYTES,
     verify_files: bool = False,
     label: str | None = None,
+    deadlines: Deadlines = DEFAULT_DEADLINES,
 ) -> InstallResult:
     """Make ``dest`` hold exactly the files of artifact ``ref``; see the module doc.
 
@@ -133,7 +134,8 @@ def install_artifact(
         source = LayoutSource(parsed)
     else:
         source = RegistrySource(
-            parsed, credentials=credentials, insecure_registries=insecure_registries
+            parsed, credentials=credentials, insecure_registries=insecure_registries,
+            deadlines=deadlines,
         )
     check_ours(dest)  # before the lock file is created: a refusal writes nothing
     with _locked(dest):

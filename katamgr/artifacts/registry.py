@@ -4,7 +4,10 @@ oras-py's ``Registry`` builds the URLs, holds the session and runs the bearer-to
 exchange. Three things it does not do the way a node agent needs, so ``_OrasClient``
 replaces ``do_request`` (and only that):
 - oras retries any failure up to 5 times, sleeping 2+3**n seconds (minutes on a refused
-  connection) and sends no timeout, so a silent registry hangs forever; we bound both;
+  connection) and sends no timeout, so a silent registry hangs forever; we bound both,
+  and bound each whole transfer too: a registry that sends one byte every few seconds
+  never trips a per-read timeout, so a watchdog cuts the connection at the deadline
+  (``Deadlines``: connect 10 s, each read 60 s, a manifest 60 s, a blob 30 min);
 - its token backend cannot answer a ``Basic`` challenge (htpasswd registries such as
   distribution's own), which we answer with the pull secret's user and password;
 - ``get_manifest`` returns parsed JSON, but the digest must be taken over the exact
@@ -18,8 +21,11 @@ from __future__ import annotations
 import base64
 import ipaddress
 import logging
+import socket
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import oras.container
 import oras.provider
@@ -36,8 +42,19 @@ from .source import FetchedManifest, TransientError
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1024 * 1024
-CONNECT_TIMEOUT = 10.0
-READ_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each network step may take; the defaults suit a GPU node's artifacts."""
+
+    connect: float = 10.0  # TCP (and TLS) connect
+    read: float = 60.0  # the wait for any one read
+    manifest: float = 60.0  # a whole manifest request, headers and body
+    blob: float = 1800.0  # a whole blob (a 500 MB initrd at 0.3 MB/s)
+
+
+DEFAULT_DEADLINES = Deadlines()
 _STREAM_ERRORS = (
     requests.exceptions.ChunkedEncodingError,
     requests.exceptions.ConnectionError,
@@ -67,14 +84,57 @@ def use_plain_http(registry: str, insecure_registries: Iterable[str] = ()) -> bo
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
     """Every request on the session (token endpoint included) gets a timeout."""
 
+    def __init__(self, deadlines: Deadlines, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.timeout = (deadlines.connect, deadlines.read)
+
     def send(self, request, **kwargs):  # noqa: ANN001 - requests' signature
         if kwargs.get("timeout") is None:
-            kwargs["timeout"] = (CONNECT_TIMEOUT, READ_TIMEOUT)
+            kwargs["timeout"] = self.timeout
         return super().send(request, **kwargs)
 
 
+class _Watchdog:
+    """Cuts a response's connection when its whole-transfer deadline passes.
+
+    A blocked read cannot be interrupted from its own thread; shutting the
+    socket down from a timer thread makes it return, and ``expired`` tells the
+    reader the transfer was cut on purpose.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.expired = threading.Event()
+        self._response: requests.Response | None = None
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Watchdog:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._timer.cancel()
+
+    def watch(self, response: requests.Response) -> None:
+        self._response = response
+        if self.expired.is_set():
+            self._cut()
+
+    def _cut(self) -> None:
+        self.expired.set()
+        connection = getattr(getattr(self._response, "raw", None), "connection", None)
+        sock = getattr(connection, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed: the reader has finished or failed
+
+
 class _OrasClient(oras.provider.Registry):
-    def __init__(self, registry: str, *, insecure: bool, credentials: Credentials | None):
+    def __init__(self, registry: str, *, insecure: bool, credentials: Credentials | None,
+                 deadlines: Deadlines = DEFAULT_DEADLINES):
         super().__init__(hostname=registry, insecure=insecure, auth_backend="token")
         # credentials come from the pull secret only, never this process's ~/.docker/config.json
         self.auth._auth_config = {"auths": {}}
@@ -82,7 +142,7 @@ class _OrasClient(oras.provider.Registry):
             self.auth.set_basic_auth(credentials.username, credentials.password)
         self.credentials = credentials
         self._authorization: str | None = None
-        adapter = _TimeoutAdapter(pool_connections=2, pool_maxsize=4, max_retries=0)
+        adapter = _TimeoutAdapter(deadlines, pool_connections=2, pool_maxsize=4, max_retries=0)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
 
@@ -129,18 +189,21 @@ class RegistrySource:
         *,
         credentials: Credentials | None = None,
         insecure_registries: Iterable[str] = (),
+        deadlines: Deadlines = DEFAULT_DEADLINES,
     ) -> None:
         self.ref = ref
         self.description = str(ref)
+        self.deadlines = deadlines
         self.plain_http = use_plain_http(ref.registry, insecure_registries)
-        self.client = _OrasClient(ref.registry, insecure=self.plain_http, credentials=credentials)
+        self.client = _OrasClient(ref.registry, insecure=self.plain_http, credentials=credentials,
+                                  deadlines=deadlines)
         self.container = oras.container.Container(f"{ref.registry}/{ref.repository}:x")
 
     def fetch_manifest(self) -> FetchedManifest:
         url = f"{self.client.prefix}://{self.container.manifest_url(self.ref.reference)}"
         accept = ", ".join(MANIFEST_MEDIA_TYPES + INDEX_MEDIA_TYPES)
         what = f"the manifest of {self.ref.reference}"
-        with self._request(url, what, {"Accept": accept}) as response:
+        with self._request(url, what, {"Accept": accept}, self.deadlines.manifest) as (response, dog):
             declared = response.headers.get("Content-Length")
             if declared and declared.isdigit() and int(declared) > MAX_MANIFEST_BYTES:
                 raise ArtifactError(
@@ -157,7 +220,8 @@ class RegistrySource:
                             "-byte cap; this is not a Kata artifact, check the ref"
                         )
             except _STREAM_ERRORS as exc:
-                raise self._dropped(what, exc) from exc
+                raise self._dropped(what, exc, dog) from exc
+            self._check_deadline(what, dog)
             media_type = response.headers.get("Content-Type", "").split(";")[0].strip() or None
         return FetchedManifest(bytes(body), media_type, self.ref.digest)
 
@@ -165,32 +229,55 @@ class RegistrySource:
     def open_blob(self, layer: Layer) -> Iterator[Iterator[bytes]]:
         url = f"{self.client.prefix}://{self.container.get_blob_url(layer.digest)}"
         what = f"blob {layer.digest} ({layer.name})"
-        with self._request(url, what, {}) as response:
-            yield self._chunks(response, what)
+        with self._request(url, what, {}, self.deadlines.blob) as (response, dog):
+            yield self._chunks(response, what, dog)
 
-    def _chunks(self, response: requests.Response, what: str) -> Iterator[bytes]:
+    def _chunks(self, response: requests.Response, what: str, dog: _Watchdog) -> Iterator[bytes]:
         try:
-            yield from response.iter_content(CHUNK_BYTES)
+            for chunk in response.iter_content(CHUNK_BYTES):
+                self._check_deadline(what, dog)
+                yield chunk
         except _STREAM_ERRORS as exc:
-            raise self._dropped(what, exc) from exc
+            raise self._dropped(what, exc, dog) from exc
+        self._check_deadline(what, dog)
+
+    def _check_deadline(self, what: str, dog: _Watchdog) -> None:
+        if dog.expired.is_set():
+            raise self._too_slow(what, dog)
+
+    def _too_slow(self, what: str, dog: _Watchdog) -> TransientError:
+        return TransientError(
+            f"{self.description}: {what} took longer than its {dog.seconds:g} s deadline "
+            f"(registry {self.ref.registry} too slow)",
+            "check the network and the registry, or raise the deadline",
+            unreachable=False,
+        )
 
     @contextmanager
-    def _request(self, url: str, what: str, headers: dict) -> Iterator[requests.Response]:
-        try:
-            response = self.client.do_request(url, "GET", headers=headers, stream=True)
-        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
-            raise TransientError(
-                f"{self.description}: cannot reach registry {self.ref.registry} for {what} "
-                f"({_reason(exc)})",
-                "check that the registry is up and reachable from this node"
-                + ("" if self.plain_http else " over HTTPS"),
-                unreachable=True,
-            ) from exc
-        try:
-            self._check_status(response, what)
-            yield response
-        finally:
-            response.close()
+    def _request(self, url: str, what: str, headers: dict,
+                 seconds: float) -> Iterator[tuple[requests.Response, _Watchdog]]:
+        with _Watchdog(seconds) as dog:
+            try:
+                response = self.client.do_request(url, "GET", headers=headers, stream=True)
+            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+                if dog.expired.is_set():
+                    raise self._too_slow(what, dog) from exc
+                raise self._unreachable(what, exc) from exc
+            dog.watch(response)
+            try:
+                self._check_status(response, what)
+                yield response, dog
+            finally:
+                response.close()
+
+    def _unreachable(self, what: str, exc: Exception) -> TransientError:
+        return TransientError(
+            f"{self.description}: cannot reach registry {self.ref.registry} for {what} "
+            f"({_reason(exc)})",
+            "check that the registry is up and reachable from this node"
+            + ("" if self.plain_http else " over HTTPS"),
+            unreachable=True,
+        )
 
     def _check_status(self, response: requests.Response, what: str) -> None:
         status = response.status_code
@@ -215,7 +302,9 @@ class RegistrySource:
                                 "the ref and that it was pushed")
         raise ArtifactError(f"{where}; expected 200, check the ref and the registry")
 
-    def _dropped(self, what: str, exc: Exception) -> TransientError:
+    def _dropped(self, what: str, exc: Exception, dog: _Watchdog) -> TransientError:
+        if dog.expired.is_set():
+            return self._too_slow(what, dog)
         return TransientError(
             f"{self.description}: the connection to {self.ref.registry} broke while reading "
             f"{what} ({_reason(exc)})",
