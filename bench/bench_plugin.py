@@ -60,9 +60,9 @@ def naming():
 
 def simulated_dgx(root: str) -> HostRoot:
     from katamgr.apply import apply_host
-    from katamgr.host.simulate import materialise
     from katamgr.plan import build_plan
-    from katamgr.profiles import find_profile
+    from katamgr.simulator.materialise import materialise
+    from katamgr.simulator.profiles import find_profile
 
     host = materialise(find_profile(PROFILE), root)
     report = apply_host(host, build_plan(host, naming()))

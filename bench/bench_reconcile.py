@@ -17,10 +17,10 @@ from katamgr.config import load_config
 from katamgr.demo import DATA, prepare_node
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.host.simulate import materialise
 from katamgr.kata import KataContext
-from katamgr.profiles import find_profile
 from katamgr.reconcile import Steps, reconcile
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profiles import find_profile
 
 
 def stamps(root: Path) -> dict[str, tuple[int, int]]:

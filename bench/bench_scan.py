@@ -15,9 +15,9 @@ from katamgr.host import pci
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.host.profile import parse_profile
-from katamgr.host.simulate import materialise
 from katamgr.plan import build_plan
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profile import parse_profile
 
 
 def generated_profile(total: int = 2000, gpus: int = 16) -> dict:

@@ -1,9 +1,9 @@
 """``katamgr demo``: the whole job on a simulated node, told as a short story.
 
-Nothing on the machine running it is touched: the node is a temp dir whose
-sysfs writes are answered by an emulated kernel, the Kata artifacts come from
-an OCI layout shipped with katamgr, and the kubelet is a simulator speaking
-the real device-plugin gRPC.
+Nothing on the machine running it is touched: the node is a temp dir made by
+the simulator (``katamgr.simulator``) whose sysfs writes are answered by its
+emulated kernel, the Kata artifacts come from an OCI layout shipped with
+katamgr, and the kubelet is a simulator speaking the real device-plugin gRPC.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from katamgr.host.files import write_atomic
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
-from katamgr.host.simulate import materialise
 from katamgr.kata import KataContext
-from katamgr.profiles import find_profile
 from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profiles import find_profile
 
 DATA = Path(__file__).parent / "data"
 LAYOUT_ON_NODE = "/opt/kata-artifacts/layout"

@@ -6,9 +6,10 @@ import json
 import os
 from pathlib import Path
 
-from katamgr.host.profile import parse_profile
-from katamgr.host.root import SIMULATED_MARKER, HostRoot
-from katamgr.host.simulate import materialise
+from katamgr.host.root import HostRoot
+from katamgr.simulator.kernel import MARKER
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profile import parse_profile
 
 GPU_A10 = {"vendor": 0x10DE, "device": 0x2236, "class": 0x030200}
 GPU_A6000 = {"vendor": 0x10DE, "device": 0x2230, "class": 0x030000}
@@ -28,7 +29,7 @@ def make_host(tmp_path: Path, devices: list[dict], **profile) -> HostRoot:
 
 def tune(host: HostRoot, **settings) -> None:
     """Change the emulated kernel's behaviour (fail_probe, udev_delay_ms...)."""
-    marker = host.root / SIMULATED_MARKER
+    marker = host.root / MARKER
     data = json.loads(marker.read_text())
     data.update(settings)
     marker.write_text(json.dumps(data))

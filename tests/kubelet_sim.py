@@ -43,9 +43,9 @@ def sim_host() -> Iterator:
     or a parsed HostProfile) into a new short temp root and starts a kubelet
     simulator there; returns ``(HostRoot, KubeletSimulator)``. Cleaned up after
     the test."""
-    from katamgr.host.profile import HostProfile
-    from katamgr.host.simulate import materialise
-    from katamgr.profiles import find_profile
+    from katamgr.simulator.materialise import materialise
+    from katamgr.simulator.profile import HostProfile
+    from katamgr.simulator.profiles import find_profile
 
     started: list[tuple[str, KubeletSimulator]] = []
 

@@ -11,12 +11,12 @@ from conftest import HOST_PROFILES
 from hostkit import GPU_A10, dev, driver_of, make_host
 
 import cdi
-from katamgr.host import emulation
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.host.profile import load_profile
-from katamgr.host.simulate import materialise
 from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
+from katamgr.simulator import kernel
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profile import load_profile
 
 NAMING = Naming(PciIds.find())
 PGPU = "/var/run/cdi/nvidia.com-pgpu.yaml"
@@ -116,12 +116,12 @@ def test_stale_spec_is_replaced_then_removed_and_revert_cleans_up(tmp_path):
     assert len(cdi.read_spec(host.path(PGPU)).devices) == 4
     # Someone moves a GPU back to nvidia by hand; with binding off (vfioManager
     # disabled) the next reconcile follows the host and drops it from the spec.
-    emulation.handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:02:00.0")
-    emulation.handle_write(host, "/sys/bus/pci/devices/0000:02:00.0/driver_override", "")
-    emulation.handle_write(host, "/sys/bus/pci/drivers_probe", "0000:02:00.0")
+    kernel.handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:02:00.0")
+    kernel.handle_write(host, "/sys/bus/pci/devices/0000:02:00.0/driver_override", "")
+    kernel.handle_write(host, "/sys/bus/pci/drivers_probe", "0000:02:00.0")
     reconcile(host, NAMING, Steps(vfio=False), None)
     assert [d.name for d in cdi.read_spec(host.path(PGPU)).devices] == ["0", "4"]
-    emulation.handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:01:00.0")
+    kernel.handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:01:00.0")
     report = reconcile(host, NAMING, Steps(vfio=False), None)
     assert any("removed stale /var/run/cdi/nvidia.com-pgpu.yaml" in c for c in report.changes)
     assert not host.path(PGPU).exists()

@@ -15,8 +15,8 @@ import pytest
 from kubelet_sim import short_root, sim_host  # noqa: F401  (pytest fixtures)
 
 import cdi
-from katamgr.host.simulate import materialise
-from katamgr.profiles import find_profile
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profiles import find_profile
 from sandbox_plugin.container import RESOURCE_NAME, NvmlResource, load_pynvml, normalise_bus_id
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY

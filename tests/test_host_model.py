@@ -13,9 +13,9 @@ from katamgr.host import iommu, pci
 from katamgr.host.inventory import Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.host.profile import load_profile
-from katamgr.host.simulate import materialise
 from katamgr.plan import build_plan
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profile import load_profile
 
 RESOURCE_RE = re.compile(r"^nvidia\.com/[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
 

@@ -21,8 +21,8 @@ import cdi
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, ResourceNaming
 from katamgr.host.pciids import PciIds
-from katamgr.host.profile import load_profile, parse_profile
 from katamgr.reconcile import Steps, reconcile
+from katamgr.simulator.profile import load_profile, parse_profile
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.testing import kata_shim
 from sandbox_plugin.testing.kata_shim import ColdPlugError, cold_plug, sandbox_annotations

@@ -18,12 +18,12 @@ import cdi
 from katamgr.apply import apply_host
 from katamgr.cdispecs import write_specs
 from katamgr.host import pci, vfio
-from katamgr.host.emulation import handle_write
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, resource_name
 from katamgr.host.pciids import PciIds
-from katamgr.host.profile import parse_profile
 from katamgr.plan import build_plan
+from katamgr.simulator.kernel import handle_write
+from katamgr.simulator.profile import parse_profile
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.passthrough import PassthroughDiscovery, env_name
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY, AllocationError, UnknownDeviceError

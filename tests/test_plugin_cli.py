@@ -16,9 +16,9 @@ from kubelet_sim import short_root, sim_host  # noqa: F401  (pytest fixtures)
 from katamgr.apply import apply_host
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.host.simulate import materialise
 from katamgr.plan import build_plan
-from katamgr.profiles import find_profile
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profiles import find_profile
 from sandbox_plugin.cli import WORKLOAD_LABEL, decide_mode, main, mode_from_host
 from sandbox_plugin.manager import Mode
 

@@ -39,8 +39,8 @@ ALL = [gpu(b) for b in SWITCH]
 @pytest.fixture(scope="module")
 def dgx_placements(tmp_path_factory) -> list[Placement]:
     """Placements read from a simulated dgx-h100 through the host model."""
-    from katamgr.host.simulate import materialise
-    from katamgr.profiles import find_profile
+    from katamgr.simulator.materialise import materialise
+    from katamgr.simulator.profiles import find_profile
 
     host = materialise(find_profile("dgx-h100"), tmp_path_factory.mktemp("dgx") / "host")
     return [placement_of(d.bdf, d) for d in discover(host).gpus]

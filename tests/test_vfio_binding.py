@@ -11,9 +11,9 @@ from hostkit import AUDIO_A6000, GPU_A10, GPU_A6000, dev, driver_of, make_host, 
 from katamgr.apply import apply_host, revert_host
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.host.profile import load_profile
-from katamgr.host.simulate import materialise
 from katamgr.plan import build_plan
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profile import load_profile
 
 NAMING = Naming(PciIds.find())
 
@@ -165,12 +165,12 @@ def test_readiness_files_written_and_removed(tmp_path):
 def test_revert_leaves_a_device_someone_else_moved(tmp_path):
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)], vfio_pci="loaded")
     plan_and_apply(host)
-    from katamgr.host import emulation
+    from katamgr.simulator import kernel
 
-    emulation.create_driver_dir(host, "other")
-    emulation.handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:01:00.0")
-    emulation.handle_write(host, "/sys/bus/pci/devices/0000:01:00.0/driver_override", "other")
-    emulation.handle_write(host, "/sys/bus/pci/drivers_probe", "0000:01:00.0")
+    kernel.create_driver_dir(host, "other")
+    kernel.handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:01:00.0")
+    kernel.handle_write(host, "/sys/bus/pci/devices/0000:01:00.0/driver_override", "other")
+    kernel.handle_write(host, "/sys/bus/pci/drivers_probe", "0000:01:00.0")
     report = revert_host(host)
     assert not report.ok and "now on other" in report.failures[0]
     assert driver_of(host, "0000:01:00.0") == "other"

@@ -4,6 +4,10 @@ In a DaemonSet the node's filesystem is mounted at /host; in tests it is a temp
 dir. Code *reads and writes* through ``HostRoot.path(...)``, but what it writes
 *into* host files (a config path, a device node) is the host-side path, never
 prefixed with the root we happen to see it through.
+
+A root also carries the kernel that answers its control writes and module loads
+(``katamgr.host.kernel``): the real one unless whoever made the root says
+otherwise (the simulator, ``katamgr.simulator``, gives its roots an emulated one).
 """
 
 from __future__ import annotations
@@ -11,9 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-# Marker file whose presence means "this root is a simulated host": the sysfs
-# layer then plays the kernel's part for binding writes.
-SIMULATED_MARKER = "katamgr-simulated-host"
+from katamgr.host.kernel import LINUX, Kernel
 
 # Where katamgr keeps what it needs to undo its own changes.
 STATE_DIR = "/var/lib/kata-sandbox-manager"
@@ -22,10 +24,11 @@ STATE_DIR = "/var/lib/kata-sandbox-manager"
 @dataclass(frozen=True)
 class HostRoot:
     root: Path = Path("/")
+    kernel: Kernel = LINUX
 
     @classmethod
-    def at(cls, root: str | Path) -> HostRoot:
-        return cls(Path(root).resolve())
+    def at(cls, root: str | Path, kernel: Kernel = LINUX) -> HostRoot:
+        return cls(Path(root).resolve(), kernel)
 
     def path(self, host_path: str | PurePosixPath) -> Path:
         """Map a host path ("/sys/bus/pci") to where we can reach it."""
@@ -36,10 +39,6 @@ class HostRoot:
         """Map a reachable path back to the path as the host sees it."""
         rel = Path(local).relative_to(self.root)
         return "/" + str(rel) if str(rel) != "." else "/"
-
-    @property
-    def simulated(self) -> bool:
-        return (self.root / SIMULATED_MARKER).is_file()
 
     @property
     def is_real_root(self) -> bool:

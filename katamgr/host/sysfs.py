@@ -1,18 +1,16 @@
-"""Reading sysfs attributes, and the few kernel writes that move drivers.
+"""Reading sysfs attributes, and where the control files that move drivers are.
 
 Attribute reads are tolerant by design: a sysfs oddity (empty ``vendor``, a
 ``driver`` link to nowhere) becomes ``None`` plus a note, never a crash, so one
-strange device cannot hide the rest of the node. Writes are the opposite: a
-failed write is an error naming the file.
+strange device cannot hide the rest of the node. Writes to the control files go
+to the root's kernel (``host.kernel.write``, see ``katamgr.host.kernel``) and are
+the opposite: a failed write is an error naming the file.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
-from katamgr.host.errors import HostError
-from katamgr.host.root import HostRoot
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 PCI_DRIVERS = "/sys/bus/pci/drivers"
@@ -41,25 +39,3 @@ def link_name(path: Path) -> str | None:
         return None
     return Path(target).name or None
 
-
-def kernel_write(host: HostRoot, host_path: str, value: str) -> None:
-    """Write to a sysfs control file the way the kernel expects (one write call).
-
-    On a simulated host the emulated kernel reacts to the write as Linux would.
-    """
-    if host.simulated:
-        from katamgr.host import emulation
-
-        emulation.handle_write(host, host_path, value)
-        return
-    local = host.path(host_path)
-    try:
-        fd = os.open(local, os.O_WRONLY)
-    except OSError as exc:
-        raise HostError(f"cannot open {host_path} for writing: {exc.strerror}") from exc
-    try:
-        os.write(fd, value.encode())
-    except OSError as exc:
-        raise HostError(f"the kernel refused {value.strip()!r} written to {host_path}: {exc.strerror}") from exc
-    finally:
-        os.close(fd)

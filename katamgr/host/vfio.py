@@ -6,18 +6,20 @@ at all; a group with a foreign endpoint is never touched; a device already on
 vfio-pci is left alone; a GPU in use is not unbound unless forced; the
 original driver of each moved device is recorded before the first write so a
 revert (or a crash followed by a revert) restores exactly it.
+
+Every write and module load goes to the root's kernel (``host.kernel``,
+``katamgr.host.kernel``), so this code runs unchanged on a real node and on one
+the simulator (``katamgr.simulator``) made.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from katamgr.host import emulation, holders, iommu, sysfs
+from katamgr.host import holders, iommu, sysfs
 from katamgr.host.errors import HostError
 from katamgr.host.files import read_json, write_json
 from katamgr.host.inventory import Inventory, Kind
@@ -67,21 +69,9 @@ class BindReport:
 
 
 def vfio_module(host: HostRoot) -> VfioModule:
-    if host.path("/sys/bus/pci/drivers/vfio-pci").is_dir():
+    if host.path(f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}").is_dir():
         return VfioModule.LOADED
-    if host.simulated:
-        state = emulation.marker(host).get("vfio_pci")
-        return VfioModule.MISSING if state == "missing" else VfioModule.LOADABLE
-    release = (sysfs.read_text(host.path("/proc/sys/kernel/osrelease")) or os.uname().release).strip()
-    modules = host.path(f"/lib/modules/{release}")
-    for index in ("modules.dep", "modules.builtin"):
-        try:
-            text = (modules / index).read_text()
-        except OSError:
-            continue
-        if "/vfio-pci.ko" in text or "/vfio_pci.ko" in text:
-            return VfioModule.LOADABLE
-    return VfioModule.MISSING
+    return VfioModule.LOADABLE if host.kernel.module_loadable(host, VFIO_DRIVER) else VfioModule.MISSING
 
 
 def decide(host: HostRoot, inv: Inventory, *, force: bool = False) -> list[GroupDecision]:
@@ -145,19 +135,9 @@ def load_vfio(host: HostRoot) -> bool:
     """Make sure vfio-pci is loaded; return True when we loaded it."""
     if vfio_module(host) is VfioModule.LOADED:
         return False
-    if host.simulated:
-        emulation.modprobe(host, "vfio-pci")
-        return True
-    # In a pod the host root holds only some of the node's dirs (its
-    # /lib/modules among them), so modprobe is pointed at it rather than
-    # chrooted into it.
-    argv = ["modprobe", "vfio-pci"] if host.is_real_root else ["modprobe", "-d", str(host.root), "vfio-pci"]
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)  # noqa: S603
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise HostError(f"could not run {' '.join(argv)}: {exc}; load vfio-pci on the node (modprobe vfio-pci)") from exc
-    if result.returncode != 0 or not host.path("/sys/bus/pci/drivers/vfio-pci").is_dir():
-        detail = (result.stderr or result.stdout).strip() or f"exit code {result.returncode}"
+    complaint = host.kernel.modprobe(host, VFIO_DRIVER)
+    if complaint is not None or not host.path(f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}").is_dir():
+        detail = complaint or "exit code 0"
         raise HostError(f"vfio-pci is not loaded and 'modprobe vfio-pci' failed ({detail}); install the kernel's vfio modules on the node")
     return True
 
@@ -243,12 +223,12 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
 
 def _move_to_vfio(host: HostRoot, device: Device) -> None:
     base = f"{sysfs.PCI_DEVICES}/{device.bdf}"
-    sysfs.kernel_write(host, f"{base}/driver_override", VFIO_DRIVER + "\n")
+    host.kernel.write(host, f"{base}/driver_override", VFIO_DRIVER + "\n")
     current = _current_driver(host, device.bdf)
     if current is not None and current != VFIO_DRIVER:
-        sysfs.kernel_write(host, f"{sysfs.PCI_DRIVERS}/{current}/unbind", device.bdf)
+        host.kernel.write(host, f"{sysfs.PCI_DRIVERS}/{current}/unbind", device.bdf)
     if _current_driver(host, device.bdf) is None:
-        sysfs.kernel_write(host, sysfs.DRIVERS_PROBE, device.bdf)
+        host.kernel.write(host, sysfs.DRIVERS_PROBE, device.bdf)
     now = _current_driver(host, device.bdf)
     if now != VFIO_DRIVER:
         raise HostError(f"{device.bdf} did not bind to vfio-pci (driver is now {now or 'none'}); see dmesg for the probe error")
@@ -257,10 +237,10 @@ def _move_to_vfio(host: HostRoot, device: Device) -> None:
 def _restore(host: HostRoot, bdf: str, driver: str | None, override: str | None) -> None:
     base = f"{sysfs.PCI_DEVICES}/{bdf}"
     if _current_driver(host, bdf) == VFIO_DRIVER:
-        sysfs.kernel_write(host, f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}/unbind", bdf)
-    sysfs.kernel_write(host, f"{base}/driver_override", (override or "") + "\n")
+        host.kernel.write(host, f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}/unbind", bdf)
+    host.kernel.write(host, f"{base}/driver_override", (override or "") + "\n")
     if driver is not None and _current_driver(host, bdf) is None:
-        sysfs.kernel_write(host, sysfs.DRIVERS_PROBE, bdf)
+        host.kernel.write(host, sysfs.DRIVERS_PROBE, bdf)
         now = _current_driver(host, bdf)
         if now != driver:
             raise HostError(f"{bdf} came back on {now or 'no driver'} instead of {driver}; bind it by hand: echo {bdf} > /sys/bus/pci/drivers/{driver}/bind")

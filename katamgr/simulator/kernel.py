@@ -1,10 +1,15 @@
-"""The kernel's part on a simulated host.
+"""The emulated kernel of a simulated node: ``EmulatedKernel``.
 
 Linux reacts to writes to ``driver_override``, ``<driver>/unbind``,
 ``<driver>/bind`` and ``drivers_probe`` by moving the device's ``driver`` link
 and, for vfio-pci, creating or removing ``/dev/vfio/<group>``. This module does
 the same to the files of a simulated host root, so binding code runs unchanged
 against it. It also stands in for ``modprobe vfio-pci``.
+
+It implements ``katamgr.host.kernel.Kernel``; ``katamgr.simulator.materialise``
+installs it on the roots it makes (``host.kernel``). Its settings and state (the
+profile's native drivers, vfio-pci's state, ``fail_probe``, ``udev_delay_ms``)
+live in the root's ``MARKER`` file, which tests may tune.
 """
 
 from __future__ import annotations
@@ -13,12 +18,16 @@ import json
 import os
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from katamgr.host.errors import HostError
-from katamgr.host.root import SIMULATED_MARKER, HostRoot
+from katamgr.host.pci import VFIO_DRIVER as VFIO
+from katamgr.host.root import HostRoot
 
-VFIO = "vfio-pci"
+# The emulated kernel's settings and state, at the top of a simulated root; its
+# presence is how the simulator recognises a root it made (materialise.open_root).
+MARKER = "katamgr-simulated-host"
 
 
 def relative_link(target: Path, link: Path) -> None:
@@ -29,11 +38,11 @@ def relative_link(target: Path, link: Path) -> None:
 
 
 def marker(host: HostRoot) -> dict:
-    return json.loads((host.root / SIMULATED_MARKER).read_text())
+    return json.loads((host.root / MARKER).read_text())
 
 
 def save_marker(host: HostRoot, data: dict) -> None:
-    (host.root / SIMULATED_MARKER).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    (host.root / MARKER).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def create_driver_dir(host: HostRoot, name: str) -> None:
@@ -205,15 +214,30 @@ def handle_write(host: HostRoot, host_path: str, value: str) -> None:
     raise HostError(f"the simulated kernel does not handle writes to {host_path}")
 
 
-def modprobe(host: HostRoot, module: str) -> None:
-    data = marker(host)
-    if module != VFIO:
-        raise HostError(f"modprobe: FATAL: Module {module} not found in the simulated host")
-    if data.get("vfio_pci") == "missing":
-        raise HostError("modprobe: FATAL: Module vfio-pci not found in directory /lib/modules")
-    create_driver_dir(host, VFIO)
-    vfio_dir = host.path("/dev/vfio")
-    vfio_dir.mkdir(parents=True, exist_ok=True)
-    (vfio_dir / "vfio").touch()
-    data["vfio_pci"] = "loaded"
-    save_marker(host, data)
+@dataclass(frozen=True)
+class EmulatedKernel:
+    """``katamgr.host.kernel.Kernel`` played on a simulated root's files."""
+
+    def write(self, host: HostRoot, host_path: str, value: str) -> None:
+        handle_write(host, host_path, value)
+
+    def module_loadable(self, host: HostRoot, module: str) -> bool:
+        return module == VFIO and marker(host).get("vfio_pci") != "missing"
+
+    def modprobe(self, host: HostRoot, module: str) -> str | None:
+        """``modprobe vfio-pci``: the driver dir and ``/dev/vfio/vfio`` appear."""
+        data = marker(host)
+        if module != VFIO:
+            raise HostError(f"modprobe: FATAL: Module {module} not found in the simulated host")
+        if data.get("vfio_pci") == "missing":
+            raise HostError("modprobe: FATAL: Module vfio-pci not found in directory /lib/modules")
+        create_driver_dir(host, VFIO)
+        vfio_dir = host.path("/dev/vfio")
+        vfio_dir.mkdir(parents=True, exist_ok=True)
+        (vfio_dir / "vfio").touch()
+        data["vfio_pci"] = "loaded"
+        save_marker(host, data)
+        return None
+
+
+EMULATED = EmulatedKernel()

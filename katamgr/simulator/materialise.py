@@ -1,10 +1,13 @@
-"""Materialise a host profile as a host root with the kernel's sysfs shape.
+"""Materialise a host profile as a host root with the kernel's sysfs shape,
+and open such a root again by its path.
 
 The result is read by exactly the same code as a real node: devices live under
 ``sys/devices/pci<domain>:<bus>/...`` with ``sys/bus/pci/devices/<bdf>``
 symlinks, ``driver`` and ``iommu_group`` links, group member links, and
-``dev/vfio`` nodes as plain files. A marker file makes binding writes go to the
-emulated kernel (``katamgr.host.emulation``).
+``dev/vfio`` nodes as plain files. The root carries the emulated kernel
+(``katamgr.simulator.kernel``), which answers binding writes and module loads;
+its settings file (``kernel.MARKER``) at the top of the root is how
+``open_root`` tells a simulated root from a real one.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ import json
 import os
 from pathlib import Path
 
-from katamgr.host import emulation
-from katamgr.host.profile import HostProfile, ProfileDevice
-from katamgr.host.root import SIMULATED_MARKER, HostRoot
+from katamgr.host.root import HostRoot
+from katamgr.simulator import kernel
+from katamgr.simulator.profile import HostProfile, ProfileDevice
 
 
 def materialise(profile: HostProfile, into: str | Path) -> HostRoot:
@@ -23,15 +26,15 @@ def materialise(profile: HostProfile, into: str | Path) -> HostRoot:
     if root.exists() and any(root.iterdir()):
         raise FileExistsError(f"{root} is not empty; simulate into a new or empty directory")
     root.mkdir(parents=True, exist_ok=True)
-    host = HostRoot(root)
+    host = HostRoot(root, kernel.EMULATED)
     by_bdf = {d.bdf: d for d in profile.devices}
 
     drivers = {d.driver for d in profile.devices if d.driver}
     if profile.vfio_pci == "loaded":
-        drivers.add(emulation.VFIO)
+        drivers.add(kernel.VFIO)
     bus = host.path("/sys/bus/pci")
     for name in sorted(drivers):
-        emulation.create_driver_dir(host, name)
+        kernel.create_driver_dir(host, name)
     (bus / "devices").mkdir(parents=True, exist_ok=True)
     (bus / "drivers_probe").write_text("")
     (bus / "rescan").write_text("")
@@ -54,17 +57,32 @@ def materialise(profile: HostProfile, into: str | Path) -> HostRoot:
         "iommufd": profile.iommufd,
         # What the kernel would pick on drivers_probe with no override: the
         # profile's driver stands in for modalias matching.
-        "native_drivers": {d.bdf: d.driver for d in profile.devices if d.driver and d.driver != emulation.VFIO},
+        "native_drivers": {d.bdf: d.driver for d in profile.devices if d.driver and d.driver != kernel.VFIO},
         "fail_probe": [],
         "udev_delay_ms": 0,
     }
-    (root / SIMULATED_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    (root / kernel.MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
 
     for dev in profile.devices:
-        if dev.driver == emulation.VFIO:
-            emulation.on_vfio_bound(host, dev.bdf)
+        if dev.driver == kernel.VFIO:
+            kernel.on_vfio_bound(host, dev.bdf)
     _create_proc(host, profile)
     return host
+
+
+def open_root(root: str | Path) -> HostRoot:
+    """The host root at ``root``: with the emulated kernel when ``materialise``
+    made it (its ``MARKER`` is there), else with the real one. ``/`` is always
+    the real node."""
+    host = HostRoot.at(root)
+    if not host.is_real_root and (host.root / kernel.MARKER).is_file():
+        return HostRoot(host.root, kernel.EMULATED)
+    return host
+
+
+def is_simulated(host: HostRoot) -> bool:
+    """Whether ``host`` is a simulated node (its kernel is the emulated one)."""
+    return isinstance(host.kernel, kernel.EmulatedKernel)
 
 
 def _sysfs_dir(dev: ProfileDevice, by_bdf: dict[str, ProfileDevice]) -> str:
@@ -93,17 +111,17 @@ def _create_device(host: HostRoot, profile: HostProfile, dev: ProfileDevice, by_
     }
     for name, value in attrs.items():
         (directory / name).write_text(value + "\n")
-    emulation.write_uevent(directory, dev.bdf, dev.vendor, dev.device, dev.class_code,
+    kernel.write_uevent(directory, dev.bdf, dev.vendor, dev.device, dev.class_code,
                            dev.subsystem_vendor, dev.subsystem_device, None)
-    emulation.relative_link(directory, host.path(f"/sys/bus/pci/devices/{dev.bdf}"))
+    kernel.relative_link(directory, host.path(f"/sys/bus/pci/devices/{dev.bdf}"))
     if profile.iommu and dev.iommu_group is not None:
         group_dir = host.path(f"/sys/kernel/iommu_groups/{dev.iommu_group}/devices")
         group_dir.mkdir(parents=True, exist_ok=True)
         (group_dir.parent / "type").write_text("DMA\n")
-        emulation.relative_link(group_dir.parent, directory / "iommu_group")
-        emulation.relative_link(directory, group_dir / dev.bdf)
+        kernel.relative_link(group_dir.parent, directory / "iommu_group")
+        kernel.relative_link(directory, group_dir / dev.bdf)
     if dev.driver:
-        emulation.link_driver(host, dev.bdf, dev.driver)
+        kernel.link_driver(host, dev.bdf, dev.driver)
     if dev.driver == "nvidia" and dev.minor is not None:
         info = host.path(f"/proc/driver/nvidia/gpus/{dev.bdf}/information")
         info.parent.mkdir(parents=True, exist_ok=True)

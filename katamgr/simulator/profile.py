@@ -1,4 +1,8 @@
-"""Host profiles: a YAML description of a node's PCI devices (DESIGN.md section 3)."""
+"""Host profiles: a YAML description of a node's PCI devices (DESIGN.md section 3).
+
+A profile is what the simulator materialises (``katamgr.simulator.materialise``);
+shipped ones are found by name through ``katamgr.simulator.profiles``.
+"""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""Finding host profiles: a path, or the name of one shipped with katamgr."""
+"""Finding host profiles: a path, or the name of one shipped with katamgr
+(``katamgr/simulator/hosts/``, also reachable as ``examples/hosts/``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from katamgr.host.profile import HostProfile, ProfileError, load_profile
+from katamgr.simulator.profile import HostProfile, ProfileError, load_profile
 
-SHIPPED = Path(__file__).parent / "data" / "hosts"
+SHIPPED = Path(__file__).parent / "hosts"
 
 
 def shipped_names() -> list[str]:
