@@ -18,7 +18,8 @@ holding a ListAndWatch list with that device Unhealthy (and from restoring it
 to Healthy): inotify, rescan, gRPC stream, across the process boundary.
 
 Latencies are measured in the callers (what the kubelet would see). Prints
-figures next to the targets (DESIGN.md section 7), asserts nothing.
+figures next to the targets (Allocate p99 under 2 ms with 100 callers, a health
+change at the kubelet within 100 ms), asserts nothing.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Starts the real docker-registry on 127.0.0.1, pushes a ~64 MiB artifact (3 blobs
 oras-py, then runs N rounds; each round times, in an order that rotates between rounds:
 - raw GET + fsync (THE BASELINE): http.client GETs every blob in turn, writes it to a file
   and fsyncs the file. That is the necessary work of any correct download: a file that is
-  not durable before it is put in use is not downloaded yet. The target (DESIGN.md
-  section 7) is install_artifact at >= 0.9 of this throughput.
+  not durable before it is put in use is not downloaded yet. The target is
+  install_artifact at >= 0.9 of this throughput.
 - raw GET (no fsync): the same without the fsync; printed for reference only, since it
   leaves the data in the page cache.
 - raw GET + fsync, overlapped: the baseline with install_artifact's scheduling tricks (all

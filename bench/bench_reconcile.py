@@ -1,6 +1,6 @@
 """A reconcile with nothing to do, on a simulated DGX-H100-like node with the Kata chain.
 
-Targets (DESIGN.md section 7): no writes, no containerd restart, under 1 s.
+Targets: no writes, no containerd restart, under 1 s.
 Prints figures; asserts nothing. Run: .venv/bin/python bench/bench_reconcile.py
 """
 

@@ -1,6 +1,6 @@
 """PCI scan time on a generated host: 16 GPUs among 2,000 PCI devices.
 
-Target (DESIGN.md section 7): scan under 100 ms. Prints figures; asserts nothing.
+Target: scan under 100 ms. Prints figures; asserts nothing.
 Run: .venv/bin/python bench/bench_scan.py
 """
 

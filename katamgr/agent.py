@@ -12,23 +12,22 @@ Artifacts are re-checked on a timer.
 from __future__ import annotations
 
 import logging
-import os
-import select
-import signal
 import threading
 import time
 from pathlib import Path
 
-from inotify_simple import INotify
 from inotify_simple import flags as inflags
 
 from katamgr import cdispecs, kata
 from katamgr.apply import Report
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
+from katamgr.host.process import stop_on_signals
 from katamgr.host.root import HostRoot
+from katamgr.host.watching import Watcher
 from katamgr.kata import KataContext
 from katamgr.reconcile import Steps, reconcile, revert_all
+from katamgr.render import log_report
 from katamgr.runtime import check_entries, configure_containerd
 
 log = logging.getLogger(__name__)
@@ -36,22 +35,10 @@ log = logging.getLogger(__name__)
 _WATCH = inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE | inflags.DELETE | inflags.MOVED_FROM
 
 
-def log_report(report: Report, quiet: str = "") -> None:
-    for change in report.changes:
-        log.info("changed: %s", change)
-    for warning in report.warnings:
-        log.warning("%s", warning)
-    for failure in report.failures:
-        log.error("%s", failure)
-    if quiet and not (report.changes or report.failures):
-        log.info("%s", quiet)
-
-
 class Agent:
     def __init__(self, host: HostRoot, naming: Naming, steps: Steps, ctx: KataContext | None, *,
                  force: bool = False, wait: float = 5.0, repull_interval: float = 3600.0,
-                 revert_on_exit: bool = False, reload_args: dict | None = None,
-                 check_interval: float = 10.0):
+                 revert_on_exit: bool = False, check_interval: float = 10.0):
         self.host = host
         self.naming = naming
         self.steps = steps
@@ -61,25 +48,21 @@ class Agent:
         self.repull_interval = repull_interval
         self.check_interval = check_interval
         self.revert_on_exit = revert_on_exit
-        self.reload_args = reload_args or {}
         self.stop = threading.Event()
         self.reconciles = 0
-        # Written to by request_stop() so a sleeping loop wakes at once.
-        self._wake_r, self._wake_w = os.pipe()
+        self._watcher: Watcher | None = None  # loop()'s, woken by request_stop()
 
     def request_stop(self) -> None:
         self.stop.set()
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        watcher = self._watcher
+        if watcher is not None:
+            watcher.wake()  # a sleeping loop stops at once
 
     def reconcile(self, why: str) -> Report:
         log.info("reconciling: %s", why)
-        report = reconcile(self.host, self.naming, self.steps, self.ctx, force=self.force, wait=self.wait,
-                           **self.reload_args)
+        report = reconcile(self.host, self.naming, self.steps, self.ctx, force=self.force, wait=self.wait)
         self.reconciles += 1
-        log_report(report, "nothing to change")
+        log_report(report, log, "nothing to change")
         return report
 
     def _containerd_paths(self) -> list[Path]:
@@ -120,27 +103,27 @@ class Agent:
         log.info("CDI specs out of step with the devices on vfio-pci (%s): rewriting",
                  ", ".join(f"{c.action} {c.path}" for c in stale))
         report = cdispecs.write_specs(self.host, inv, self.naming)
-        log_report(report)
+        log_report(report, log)
         return report
 
     def run(self, once: bool = False) -> int:
         first = self.reconcile("start")
         if once:
             return 0 if first.ok else 1
-        self._install_signals()
+        stop_on_signals(self.request_stop, log)
         try:
             self.loop()
         finally:
             if self.revert_on_exit:
                 log.info("reverting on exit (--revert-on-exit)")
-                log_report(revert_all(self.host, self.steps, self.ctx, **self.reload_args))
+                log_report(revert_all(self.host, self.steps, self.ctx), log)
         return 0
 
     def loop(self) -> None:
-        notify = INotify()
+        watcher = self._watcher = Watcher()
         for directory in self._containerd_paths():
             try:
-                notify.add_watch(directory, _WATCH)
+                watcher.add_watch(directory, _WATCH)
                 log.info("watching %s for changes to containerd's config", self.host.host_path(directory))
             except OSError as exc:
                 log.warning("cannot watch %s (%s); checking every 10 s instead", directory, exc.strerror)
@@ -151,11 +134,9 @@ class Agent:
                 # Woken by an inotify event, a stop request or, at the latest, every
                 # check_interval: checking our entries and the CDI specs is cheap and
                 # covers a lost event (sysfs sends none for a kernel's driver change).
-                ready, _, _ = select.select([notify.fileno(), self._wake_r], [], [], timeout)
+                watcher.wait(timeout)  # the events themselves do not matter: the files do
                 if self.stop.is_set():
                     break
-                if notify.fileno() in ready:
-                    notify.read(timeout=0)
                 drift = self.containerd_drift()
                 if drift:
                     self.reconcile(drift)
@@ -165,15 +146,4 @@ class Agent:
                     self.reconcile("periodic artifact check")
                     next_pull = time.monotonic() + self.repull_interval
         finally:
-            notify.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-
-    def _install_signals(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        def handler(signum, _frame):
-            log.info("received %s: stopping", signal.Signals(signum).name)
-            self.request_stop()
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+            watcher.close()

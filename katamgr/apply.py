@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from katamgr.host import readiness, vfio
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
+from katamgr.host.workload import Workload
 from katamgr.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -32,14 +33,27 @@ class Report:
         return self
 
 
-def apply_host(host: HostRoot, plan: Plan, *, workload: str = "vm-passthrough", wait: float = 5.0) -> Report:
+@dataclass
+class HostReport(Report):
+    """What ``apply_host`` did: the sentences, and the facts a caller acts on."""
+
+    moved: list[str] = field(default_factory=list)  # BDFs this call moved to vfio-pci
+
+
+def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workload.VM_PASSTHROUGH,
+               wait: float = 5.0) -> HostReport:
     """Bind what the plan says to bind, then write the readiness files."""
-    report = Report()
-    result = vfio.bind(host, plan.decisions, wait=wait)
-    report.changes += result.changes
-    report.failures += result.failures
-    for change in result.changes:
-        log.info("%s", change)
+    report = HostReport()
+    # One group at a time: a group moves whole or is rolled back, so a group
+    # without a failure moved exactly the devices the plan said it would.
+    for decision in (d for d in plan.decisions if d.to_move):
+        result = vfio.bind(host, [decision], wait=wait)
+        report.changes += result.changes
+        report.failures += result.failures
+        if not result.failures:
+            report.moved += [d.bdf for d in decision.to_move]
+        for change in result.changes:
+            log.info("%s", change)
     usable = any(d.action in (Action.BIND, Action.KEEP) for d in plan.decisions)
     if report.ok and usable:
         report.changes += [f"wrote {p}" for p in readiness.mark_ready(host, workload)]

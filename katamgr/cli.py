@@ -14,18 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from katamgr import __version__
-from katamgr.apply import Report
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import naming as resource_naming
 from katamgr.host.errors import HostError
 from katamgr.host.naming import Naming
-from katamgr.host.profile import ProfileError
+from katamgr.host.process import setup_logging
 from katamgr.host.root import HostRoot
-from katamgr.host.simulate import materialise
+from katamgr.host.workload import AUTO, DEFAULT_WORKLOAD, WORKLOADS, Workload, resolve_workload
 from katamgr.kata import KataContext
-from katamgr.profiles import find_profile, shipped_names
 from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
-from katamgr.render import plan_text
+from katamgr.render import plan_text, print_report
+from katamgr.simulator.materialise import is_simulated, materialise, open_root
+from katamgr.simulator.profile import ProfileError
+from katamgr.simulator.profiles import find_profile, shipped_names
 
 log = logging.getLogger("katamgr")
 
@@ -55,11 +56,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="kataManager config (YAML, the GPU Operator's kataManager.config shape); "
                              "with it the Kata chain runs too: artifacts, Kata config, containerd, RuntimeClasses")
-    parser.add_argument("--workload", choices=("auto", "vm-passthrough", "container", "vm-vgpu"), default="auto",
-                        help="the node's workload; auto reads the node label nvidia.com/gpu.workload.config "
-                             "when a cluster is reachable and --node-name is known, else vm-passthrough")
-    parser.add_argument("--default-workload", choices=("container", "vm-passthrough", "vm-vgpu"),
-                        default="container",
+    parser.add_argument("--workload", choices=(AUTO, *WORKLOADS), default=AUTO,
+                        help="the node's workload (default auto: the node label nvidia.com/gpu.workload.config, "
+                             "read through the Kubernetes API when --node-name is known; a node without the "
+                             "label runs --default-workload; with no node name or no cluster credentials, "
+                             "vm-passthrough. A label value that is not a workload mode exits 2 and a failed "
+                             "read exits 1. sandbox-device-plugin --mode auto follows the same rule, falling back "
+                             "to what the host shows)")
+    parser.add_argument("--default-workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD.value,
                         help="the workload of a node without the label (Helm: sandboxWorkloads.defaultWorkload; "
                              "default container)")
     parser.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
@@ -150,7 +154,8 @@ def host_from(args: argparse.Namespace) -> Iterator[HostRoot]:
     root = Path(args.host_root)
     if not root.is_dir():
         raise ConfigError(f"--host-root {root} is not a directory; pass the path where the node's / is mounted")
-    yield HostRoot.at(root)
+    # A dir `katamgr simulate` made gets its emulated kernel back; any other root the real one.
+    yield open_root(root)
 
 
 def naming_from(args: argparse.Namespace) -> Naming:
@@ -160,34 +165,25 @@ def naming_from(args: argparse.Namespace) -> Naming:
         raise ConfigError(str(exc)) from exc
 
 
-def print_report(report: Report, nothing: str) -> None:
-    for change in report.changes:
-        print(f"changed: {change}")
-    for warning in report.warnings:
-        print(f"warning: {warning}")
-    for failure in report.failures:
-        print(f"error: {failure}", file=sys.stderr)
-    if not report.changes and not report.failures:
-        print(nothing)
-
-
 def steps_and_context(args: argparse.Namespace, host: HostRoot) -> tuple[Steps, KataContext | None]:
     from katamgr import cluster
     from katamgr.config import load_config
 
     config = load_config(args.config) if args.config else None
-    wants_cluster = (config is not None and not args.no_kata) or (args.workload == "auto" and args.node_name)
-    api = cluster.connect() if wants_cluster and not host.simulated else None
-    workload = args.workload
-    if workload == "auto":
-        if api is not None and args.node_name:
-            workload = cluster.node_workload_mode(api, args.node_name, default=args.default_workload)
-            log.info("node %s runs %s workloads (label nvidia.com/gpu.workload.config, default %s)",
-                     args.node_name, workload, args.default_workload)
-        else:
-            # Run by hand on a node with no cluster to ask: the operator is here
-            # to set the node up for passthrough.
-            workload = "vm-passthrough"
+    wants_cluster = (config is not None and not args.no_kata) or (args.workload == AUTO and args.node_name)
+    api = cluster.connect() if wants_cluster and not is_simulated(host) else None
+    if args.workload == AUTO:
+        resolved = resolve_workload(
+            args.node_name,
+            (lambda node: cluster.node_workload_mode(api, node, default=None)) if api is not None else None,
+            default=args.default_workload,
+            # Run by hand with no cluster to ask: the operator is here to set the node up.
+            fallback=lambda: (Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"),
+        )
+        log.info("node workload %s: %s", resolved.workload, resolved.why)
+        workload = resolved.workload
+    else:
+        workload = Workload(args.workload)
     steps = Steps(vfio=not args.no_vfio, cdi=not args.no_cdi, kata=not args.no_kata, workload=workload)
     ctx = None
     if config is not None:
@@ -255,25 +251,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def exit_code_of(exc: BaseException) -> int | None:
+    """The exit code of an error raised on purpose, whose message says it all (2: bad usage
+    or configuration, nothing was changed; 1: a failure); None for anything else (a bug)."""
+    if isinstance(exc, ProfileError | FileExistsError):  # a bad --host profile, a non-empty --into
+        return ConfigError.exit_code
+    if isinstance(exc, KatamgrError | HostError):
+        return exc.exit_code
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(logging.INFO if args.verbose else logging.WARNING)
     try:
         return args.func(args)
-    except (ConfigError, ProfileError, FileExistsError) as exc:
-        print(f"katamgr: {exc}", file=sys.stderr)
-        return 2
-    except (KatamgrError, HostError) as exc:
-        print(f"katamgr: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # noqa: BLE001 - last resort: one sentence, the traceback only with -v
+    except Exception as exc:  # noqa: BLE001 - every error ends here: one sentence and an exit code
+        code = exit_code_of(exc)
+        if code is not None:
+            print(f"katamgr: {exc}", file=sys.stderr)
+            return code
         if getattr(args, "verbose", False):
             traceback.print_exc()
         print(f"katamgr: unexpected {type(exc).__name__}: {exc} (run with -v for the traceback; "

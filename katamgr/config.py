@@ -5,116 +5,334 @@ untrusted input, so every field is checked and *all* problems are reported in
 one ``ConfigError``: fixing a config one error per run wastes a rollout each.
 Unknown keys are errors too, since a typo like ``runtimeClases`` would
 otherwise silently fall back to the defaults.
+
+The config is a set of pydantic models (``extra="forbid"``, frozen, camelCase
+aliases for the YAML keys, snake_case attributes for Python). Each field's own
+check raises a ``ValueError`` whose text names the value and the fix; pydantic
+collects them all, and ``_problems`` turns each error's location into our path
+style (``runtimeClasses[0].nodeSelector["a"]``). A ``null`` stands for the
+field's default (for ``runtimeClasses`` and ``containerd.podAnnotations``: none).
+The same models give the JSON schema the Helm chart checks values against
+(``katamgr.config_schema``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from decimal import Decimal
 from pathlib import Path, PurePosixPath
-from types import MappingProxyType
-from typing import Any
+from types import MappingProxyType, UnionType
+from typing import Annotated, Any, Literal
 
 import yaml
-from kubernetes.utils.quantity import parse_quantity
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError, PydanticUseDefault
 
+from katamgr import k8snames
 from katamgr.artifacts.refs import ArtifactRef, LayoutRef, parse_ref
 from katamgr.errors import ConfigError
+from katamgr.host.workload import WORKLOAD_LABEL, Workload
+from katamgr.runtime.settings import (
+    CONFIGURABLE_VERSIONS,
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_POD_ANNOTATIONS,
+    DEFAULT_RESTART_MODE,
+    DEFAULT_SOCKET,
+    RestartMode,
+)
 
 DEFAULT_ARTIFACTS_DIR = "/opt/nvidia-gpu-operator/artifacts/runtimeclasses"
-WORKLOAD_CONFIG_LABEL = "nvidia.com/gpu.workload.config"
 # A RuntimeClass with an empty nodeSelector in the config still must only
 # schedule onto nodes prepared for passthrough, like the GPU Operator does.
 DEFAULT_NODE_SELECTOR: Mapping[str, str] = MappingProxyType(
-    {WORKLOAD_CONFIG_LABEL: "vm-passthrough"}
+    {WORKLOAD_LABEL: Workload.VM_PASSTHROUGH.value}
 )
 
 DEFAULT_GPU_ARTIFACTS = "nvcr.io/nvidia/cloud-native/kata-gpu-artifacts:ubuntu22.04-535.54.03"
 DEFAULT_SNP_ARTIFACTS = "nvcr.io/nvidia/cloud-native/kata-gpu-artifacts:ubuntu22.04-535.86.10-snp"
 
-RESTART_MODES = ("signal", "systemd", "none")
-CONTAINERD_VERSIONS = (2, 3)
+RESTART_MODES = tuple(mode.value for mode in RestartMode)
 MAX_CONFIG_BYTES = 1 << 20
 
-# --- Kubernetes and OCI name grammars -------------------------------------
-
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
-# Non-negative only: an overhead below zero makes no sense.
-_QUANTITY = re.compile(
-    r"\+?(\d+(\.\d*)?|\.\d+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][-+]?\d+)?"
-)
+# A registry reachable over plain HTTP: host[:port].
 _HOST_COMPONENT = r"([A-Za-z0-9]|[A-Za-z0-9][-A-Za-z0-9]*[A-Za-z0-9])"
-_HOST = re.compile(rf"{_HOST_COMPONENT}(\.{_HOST_COMPONENT})*(:[0-9]{{1,5}})?")
+REGISTRY_HOST_PATTERN = rf"^{_HOST_COMPONENT}(\.{_HOST_COMPONENT})*(:[0-9]{{1,5}})?$"
+_REGISTRY_HOST = re.compile(REGISTRY_HOST_PATTERN)
 
 
-def is_dns1123_label(value: str) -> bool:
-    return len(value) <= 63 and _DNS_LABEL.fullmatch(value) is not None
+# --- messages ---------------------------------------------------------------
+
+_TYPE_NAMES = {
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "a mapping",
+    type(None): "null",
+}
 
 
-def is_dns1123_subdomain(value: str) -> bool:
-    return len(value) <= 253 and _DNS_SUBDOMAIN.fullmatch(value) is not None
+def _q(value: Any) -> str:
+    """A value as it appears in messages: strings double-quoted, like kubectl prints them."""
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    return repr(value)
 
 
-def label_key_problem(key: str) -> str | None:
-    """Why ``key`` is not a valid Kubernetes label key, or None."""
-    prefix, slash, name = key.rpartition("/")
-    if slash and not is_dns1123_subdomain(prefix):
-        return f"its prefix {_q(prefix)} is not a DNS-1123 subdomain"
-    if not name or len(name) > 63 or _LABEL_NAME.fullmatch(name) is None:
-        return (
-            "its name part must be 1-63 characters of letters, digits, '-', '_' or '.', "
-            "starting and ending with a letter or digit"
-        )
-    return None
+def _kind(value: Any) -> str:
+    return _TYPE_NAMES.get(type(value), type(value).__name__)
 
 
-def label_value_problem(value: str) -> str | None:
-    """Why ``value`` is not a valid Kubernetes label value, or None."""
-    if value == "":
-        return None
-    if len(value) > 63 or _LABEL_NAME.fullmatch(value) is None:
-        return (
-            "a label value must be at most 63 characters of letters, digits, '-', '_' or '.', "
-            "starting and ending with a letter or digit"
-        )
-    return None
+class _Says:
+    """Field metadata for messages pydantic's own errors lack: what a missing field
+    needs, and what a value of the wrong type must be ("it must be a list")."""
+
+    def __init__(self, *, missing: str | None = None, expect: str | None = None):
+        self.missing = missing
+        self.expect = expect
 
 
-def is_quantity(value: str) -> bool:
-    return _QUANTITY.fullmatch(value) is not None
+# --- field checks -------------------------------------------------------------
+# Each check returns why a string is not acceptable, or None.
 
 
-def quantity_value(value: str) -> Decimal:
-    """The number a Kubernetes quantity stands for ("250m" -> 0.25)."""
-    return parse_quantity(value)
+def _path_problem(value: str) -> str | None:
+    problem = _absolute_problem(value, "it")
+    return f"is not a usable path: {problem}" if problem else None
 
 
-# --- host paths ------------------------------------------------------------
-
-
-def _check_absolute(path: str, what: str) -> None:
+def _absolute_problem(path: str, what: str) -> str | None:
     if not path.startswith("/"):
-        raise ValueError(f"{what} must be absolute")
+        return f"{what} must be absolute"
     if PurePosixPath(path) == PurePosixPath("/"):
-        raise ValueError(f"{what} must not be the root directory")
+        return f"{what} must not be the root directory"
     if ".." in PurePosixPath(path).parts:
-        raise ValueError(f"{what} must not contain '..'")
+        return f"{what} must not contain '..'"
     if "\0" in path:
-        raise ValueError(f"{what} must not contain NUL")
+        return f"{what} must not contain NUL"
+    return None
+
+
+def _url_problem(value: str) -> str | None:
+    try:
+        ref = parse_ref(value)
+    except ConfigError as e:
+        return f"is not an artifact reference: {e}"
+    if isinstance(ref, LayoutRef):
+        # The layout is read on the node: a relative or '..' path would depend on
+        # the agent's working dir or escape the dir the operator meant.
+        if problem := _absolute_problem(str(ref.path), "the layout path"):
+            return f"is not an artifact reference: {problem}"
+    return None
+
+
+def _runtime_class_name_problem(value: str) -> str | None:
+    if k8snames.is_dns1123_label(value):
+        return None
+    return (f"is not a DNS-1123 label (lowercase letters, digits, '-', "
+            f"at most {k8snames.DNS1123_LABEL_MAX})")
+
+
+def _secret_name_problem(value: str) -> str | None:
+    if value == "" or k8snames.is_dns1123_subdomain(value):
+        return None
+    return "is not a valid Secret name (DNS-1123 subdomain)"
+
+
+def _registry_problem(value: str) -> str | None:
+    return None if _REGISTRY_HOST.fullmatch(value) else "is not a host or host:port"
+
+
+def _text(check: Callable[[str], str | None], *, required: bool = False,
+          normalize: Callable[[str], str] | None = None) -> BeforeValidator:
+    """A string field: the type, then ``check``; with ``required``, null and "" are missing."""
+
+    def validate(value: Any) -> Any:
+        if required and (value is None or value == ""):
+            raise PydanticCustomError("missing", "Field required")
+        if not isinstance(value, str):
+            raise ValueError(f"is {_kind(value)}; it must be a string")
+        if problem := check(value):
+            raise ValueError(f"{_q(value)} {problem}")
+        return normalize(value) if normalize else value
+
+    return BeforeValidator(validate)
+
+
+def _missing_if_null(value: Any) -> Any:
+    if value is None:
+        raise PydanticCustomError("missing", "Field required")
+    return value
+
+
+def _use_default_for_null(value: Any) -> Any:
+    if value is None:
+        raise PydanticUseDefault()
+    return value
+
+
+def _empty_for_null(value: Any) -> Any:
+    return () if value is None else value
+
+
+def _label_key(key: Any) -> str:
+    if not isinstance(key, str):
+        raise ValueError(f"key {_q(key)} is {_kind(key)}; label keys are strings")
+    if problem := k8snames.label_key_problem(key):
+        raise ValueError(f"key {_q(key)} is not a valid label key: {problem}")
+    return key
+
+
+def _label_value(value: Any) -> str:
+    if isinstance(value, bool):
+        raise ValueError(f"is a boolean; quote it (\"{str(value).lower()}\")")
+    if not isinstance(value, str):
+        raise ValueError(f"is {_kind(value)}; label values are strings (quote it)")
+    if problem := k8snames.label_value_problem(value):
+        raise ValueError(f"{_q(value)} is not a valid label value: {problem}")
+    return value
+
+
+def _resource_key(key: Any) -> str:
+    if not isinstance(key, str) or k8snames.label_key_problem(key):
+        raise ValueError(f"key {_q(key)} is not a resource name (e.g. cpu, memory)")
+    return key
+
+
+def _quantity(value: Any) -> str:
+    """A quantity as the API takes it; YAML numbers (``cpu: 1``) become their text."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"is {_kind(value)}; it must be a quantity like 250m or 160Mi")
+    text = str(value)
+    if not k8snames.is_quantity(text):
+        raise ValueError(f"{_q(text)} is not a Kubernetes quantity (e.g. 250m, 160Mi, 1)")
+    return text
+
+
+def _containerd_version(value: Any) -> Any:
+    if value is None or (type(value) is int and value in CONFIGURABLE_VERSIONS):
+        return value
+    versions = ", ".join(str(v) for v in CONFIGURABLE_VERSIONS)
+    raise ValueError(f"{_q(value)} is not a containerd config version; "
+                     f"use {versions} or null (detect)")
+
+
+def _restart_mode(value: Any) -> RestartMode:
+    if not isinstance(value, str):
+        raise ValueError(f"is {_kind(value)}; it must be a string")
+    if value not in RESTART_MODES:
+        raise ValueError(f"{_q(value)} is not a restart mode; use one of {', '.join(RESTART_MODES)}")
+    return RestartMode(value)
+
+
+def _annotation_glob(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{_q(value)} must be a non-empty string (an annotation glob)")
+    return value
+
+
+# --- field types: the check, and the JSON schema the chart gets for it --------------
+
+_ABSOLUTE_PATH_SCHEMA = {
+    "type": "string",
+    "pattern": "^/",
+    "not": {"anyOf": [{"pattern": r"(^|/)\.\.(/|$)"}, {"pattern": "^/+$"}]},
+}
+AbsolutePath = Annotated[
+    str,
+    _text(_path_problem, normalize=lambda s: str(PurePosixPath(s))),
+    WithJsonSchema(_ABSOLUTE_PATH_SCHEMA),
+]
+RuntimeClassName = Annotated[
+    str,
+    _text(_runtime_class_name_problem, required=True),
+    WithJsonSchema({"type": "string", "minLength": 1, "maxLength": k8snames.DNS1123_LABEL_MAX,
+                    "pattern": k8snames.DNS1123_LABEL_PATTERN}),
+]
+ArtifactUrl = Annotated[
+    str, _text(_url_problem, required=True), WithJsonSchema({"type": "string", "minLength": 1})
+]
+SecretName = Annotated[
+    str,
+    _text(_secret_name_problem),
+    WithJsonSchema({"anyOf": [
+        {"type": "string", "maxLength": 0},
+        {"type": "string", "minLength": 1, "maxLength": k8snames.DNS1123_SUBDOMAIN_MAX,
+         "pattern": k8snames.DNS1123_SUBDOMAIN_PATTERN},
+    ]}),
+]
+
+
+def _keyed_by_label_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """A mapping's schema: label keys (a bad key is an "additional property", which Helm
+    reports at the mapping's path) to ``values``."""
+    return {
+        "type": "object",
+        "patternProperties": {k8snames.LABEL_KEY_PATTERN: values},
+        "additionalProperties": False,
+        "propertyNames": {"maxLength": k8snames.LABEL_KEY_MAX},
+    }
+
+
+NodeSelector = Annotated[
+    dict[Annotated[str, BeforeValidator(_label_key)], Annotated[str, BeforeValidator(_label_value)]],
+    WithJsonSchema(_keyed_by_label_keys({"type": "string", "pattern": k8snames.LABEL_VALUE_PATTERN})),
+    _Says(expect="it must be a mapping of label keys to values"),
+]
+PodFixed = Annotated[
+    dict[Annotated[str, BeforeValidator(_resource_key)], Annotated[str, BeforeValidator(_quantity)]],
+    WithJsonSchema(_keyed_by_label_keys({"anyOf": [
+        {"type": "string", "pattern": k8snames.QUANTITY_PATTERN},
+        {"type": "number", "minimum": 0},
+    ]})),
+    _Says(expect="it must map resource names to quantities"),
+]
+RegistryHost = Annotated[
+    str, _text(_registry_problem), WithJsonSchema({"type": "string", "pattern": REGISTRY_HOST_PATTERN})
+]
+AnnotationGlob = Annotated[
+    str, BeforeValidator(_annotation_glob), WithJsonSchema({"type": "string", "minLength": 1})
+]
+ContainerdVersion = Annotated[
+    Literal[CONFIGURABLE_VERSIONS] | None, BeforeValidator(_containerd_version)
+]
+RestartModeField = Annotated[RestartMode, BeforeValidator(_restart_mode)]
+_NULL_IS_DEFAULT = BeforeValidator(_use_default_for_null)
+_NULL_IS_EMPTY = BeforeValidator(_empty_for_null)
 
 
 # --- the config model ------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Artifacts:
-    url: str
-    pull_secret: str = ""  # a kubernetes.io/dockerconfigjson Secret in the agent's namespace
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        alias_generator=to_camel,  # pull_secret <-> pullSecret
+        validate_by_name=True,  # Python callers use the attribute names
+        validate_by_alias=True,
+    )
+
+
+class Artifacts(_Model):
+    url: Annotated[
+        ArtifactUrl, _Says(missing=f"give the artifacts image, e.g. {DEFAULT_GPU_ARTIFACTS}")
+    ] = Field(description="The artifacts image (host/repo:tag or @sha256:...), or "
+                          "oci-layout:///PATH[:TAG] for an OCI layout on the node.")
+    # a kubernetes.io/dockerconfigjson Secret in the agent's namespace
+    pull_secret: Annotated[SecretName, _NULL_IS_DEFAULT] = ""
 
     @property
     def source(self) -> ArtifactRef:
@@ -122,11 +340,13 @@ class Artifacts:
         return parse_ref(self.url)
 
 
-@dataclass(frozen=True)
-class RuntimeClassConfig:
-    name: str
-    artifacts: Artifacts
-    node_selector: Mapping[str, str] = field(default_factory=dict)  # as configured
+class RuntimeClassConfig(_Model):
+    name: Annotated[RuntimeClassName, _Says(missing="every runtime class needs a name")]
+    node_selector: Annotated[NodeSelector, _NULL_IS_DEFAULT] = Field(default_factory=dict)
+    artifacts: Annotated[
+        Artifacts, BeforeValidator(_missing_if_null),
+        _Says(missing="every runtime class needs artifacts.url"),
+    ]
 
     @property
     def handler(self) -> str:
@@ -138,52 +358,17 @@ class RuntimeClassConfig:
         return dict(self.node_selector or DEFAULT_NODE_SELECTOR)
 
 
-@dataclass(frozen=True)
-class ContainerdConfig:
-    config_path: str = "/etc/containerd/config.toml"
-    socket: str = "/run/containerd/containerd.sock"
-    version: int | None = None  # 2 or 3; None = detect from the existing config
-    restart_mode: str = "signal"  # signal | systemd | none
-    pod_annotations: tuple[str, ...] = ("io.katacontainers.*",)
+class ContainerdConfig(_Model):
+    config_path: Annotated[AbsolutePath, _NULL_IS_DEFAULT] = DEFAULT_CONFIG_PATH
+    socket: Annotated[AbsolutePath, _NULL_IS_DEFAULT] = DEFAULT_SOCKET
+    version: ContainerdVersion = None  # None: detect from the existing config
+    restart_mode: Annotated[RestartModeField, _NULL_IS_DEFAULT] = DEFAULT_RESTART_MODE
+    pod_annotations: Annotated[tuple[AnnotationGlob, ...], _NULL_IS_EMPTY] = DEFAULT_POD_ANNOTATIONS
 
 
-@dataclass(frozen=True)
-class KataManagerConfig:
-    artifacts_dir: str = DEFAULT_ARTIFACTS_DIR
-    runtime_classes: tuple[RuntimeClassConfig, ...] = ()
-    containerd: ContainerdConfig = field(default_factory=ContainerdConfig)
-    # RuntimeClass overhead.podFixed, e.g. {"memory": "160Mi", "cpu": "250m"}; empty = none
-    overhead_pod_fixed: Mapping[str, str] = field(default_factory=dict)
-    insecure_registries: tuple[str, ...] = ()  # host[:port] reachable over plain HTTP
-
-    def runtime_class(self, name: str) -> RuntimeClassConfig | None:
-        return next((rc for rc in self.runtime_classes if rc.name == name), None)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The YAML shape (camelCase keys) this config was loaded from."""
-        out: dict[str, Any] = {
-            "artifactsDir": self.artifacts_dir,
-            "runtimeClasses": [
-                {
-                    "name": rc.name,
-                    "nodeSelector": dict(rc.node_selector),
-                    "artifacts": {"url": rc.artifacts.url, "pullSecret": rc.artifacts.pull_secret},
-                }
-                for rc in self.runtime_classes
-            ],
-            "containerd": {
-                "configPath": self.containerd.config_path,
-                "socket": self.containerd.socket,
-                "version": self.containerd.version,
-                "restartMode": self.containerd.restart_mode,
-                "podAnnotations": list(self.containerd.pod_annotations),
-            },
-            "runtimeClassOverhead": (
-                {"podFixed": dict(self.overhead_pod_fixed)} if self.overhead_pod_fixed else {}
-            ),
-            "insecureRegistries": list(self.insecure_registries),
-        }
-        return out
+class RuntimeClassOverhead(_Model):
+    # e.g. {"memory": "160Mi", "cpu": "250m"}; empty = none
+    pod_fixed: Annotated[PodFixed, _NULL_IS_DEFAULT] = Field(default_factory=dict)
 
 
 def default_runtime_classes() -> tuple[RuntimeClassConfig, ...]:
@@ -199,8 +384,69 @@ def default_runtime_classes() -> tuple[RuntimeClassConfig, ...]:
     )
 
 
+class KataManagerConfig(_Model):
+    artifacts_dir: Annotated[AbsolutePath, _NULL_IS_DEFAULT] = DEFAULT_ARTIFACTS_DIR
+    # Absent: the GPU Operator's two classes; null or []: none.
+    runtime_classes: Annotated[tuple[RuntimeClassConfig, ...], _NULL_IS_EMPTY] = Field(
+        default_factory=default_runtime_classes)
+    containerd: Annotated[ContainerdConfig, _NULL_IS_DEFAULT] = Field(
+        default_factory=ContainerdConfig)
+    runtime_class_overhead: Annotated[RuntimeClassOverhead, _NULL_IS_DEFAULT] = Field(
+        default_factory=RuntimeClassOverhead,
+        description="Added to every RuntimeClass as overhead (what each Kata VM costs "
+                    "beyond its containers).")
+    insecure_registries: Annotated[
+        tuple[RegistryHost, ...], _NULL_IS_DEFAULT,
+        _Says(expect="it must be a list of host[:port]"),
+    ] = Field(default=(), description="Registries (host[:port]) that may be reached over "
+                                      "plain HTTP.")
+
+    @field_validator("runtime_classes", mode="wrap")
+    @classmethod
+    def _names_are_unique(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
+        """A repeated name is reported next to the entries' own problems."""
+        failure: ValidationError | None = None
+        try:
+            result = handler(value)
+        except ValidationError as e:
+            failure, result = e, None
+        duplicates = []
+        first: dict[str, int] = {}
+        for i, entry in enumerate(value if isinstance(value, list | tuple) else ()):
+            name = entry.name if isinstance(entry, RuntimeClassConfig) else (
+                entry.get("name") if isinstance(entry, dict) else None)
+            if not isinstance(name, str) or not k8snames.is_dns1123_label(name):
+                continue  # no name, or a bad one: reported as such
+            if name not in first:
+                first[name] = i
+                continue
+            message = (f"{_q(name)} duplicates runtimeClasses[{first[name]}].name; "
+                       "runtime class names must be unique")
+            duplicates.append({"type": PydanticCustomError("duplicate", "{message}",
+                                                           {"message": message}),
+                               "loc": (i, "name"), "input": name})
+        if not duplicates:
+            if failure is not None:
+                raise failure
+            return result
+        errors = [*(failure.errors(include_url=False) if failure else ()), *duplicates]
+        raise ValidationError.from_exception_data(cls.__name__, errors)
+
+    @property
+    def overhead_pod_fixed(self) -> Mapping[str, str]:
+        """RuntimeClass overhead.podFixed, e.g. {"memory": "160Mi", "cpu": "250m"}; empty = none."""
+        return self.runtime_class_overhead.pod_fixed
+
+    def runtime_class(self, name: str) -> RuntimeClassConfig | None:
+        return next((rc for rc in self.runtime_classes if rc.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML shape (camelCase keys) this config was loaded from."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
 def default_config() -> KataManagerConfig:
-    return KataManagerConfig(runtime_classes=default_runtime_classes())
+    return KataManagerConfig()
 
 
 # --- loading ---------------------------------------------------------------
@@ -254,12 +500,12 @@ def parse_config(text: str, source: str = "<string>") -> KataManagerConfig:
 
 def config_from_dict(data: Any, source: str = "<dict>") -> KataManagerConfig:
     """Validate already-parsed data; raise InvalidConfig listing every problem."""
-    v = _Validator()
-    config = v.config(data)
-    if v.problems:
-        raise InvalidConfig(source, v.problems)
-    assert config is not None
-    return config
+    if data is None:
+        data = {}  # an empty file: every default
+    try:
+        return KataManagerConfig.model_validate(data)
+    except ValidationError as e:
+        raise InvalidConfig(source, _problems(e)) from None
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -286,297 +532,87 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-_TYPE_NAMES = {
-    bool: "a boolean",
-    int: "a number",
-    float: "a number",
-    str: "a string",
-    list: "a list",
-    dict: "a mapping",
-    type(None): "null",
+# --- pydantic's errors in our words --------------------------------------------------
+
+_CONTAINER_TYPES = {
+    "model_type": "it must be a mapping",
+    "model_attributes_type": "it must be a mapping",
+    "dict_type": "it must be a mapping",
+    "list_type": "it must be a list",
+    "tuple_type": "it must be a list",
 }
 
 
-def _q(value: Any) -> str:
-    """A value as it appears in messages: strings double-quoted, like kubectl prints them."""
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    return repr(value)
+def _problems(error: ValidationError) -> list[str]:
+    """One line per problem: the path in our style, then what is wrong and the fix."""
+    return [_problem(e) for e in error.errors(include_url=False)]
 
 
-def _kind(value: Any) -> str:
-    return _TYPE_NAMES.get(type(value), type(value).__name__)
+def _problem(error: Mapping[str, Any]) -> str:
+    loc = tuple(error["loc"])
+    kind = error["type"]
+    if loc and loc[-1] == "[key]":
+        # A bad mapping key: reported at the mapping ("nodeSelector key "x" is ...").
+        where, _, _ = _locate(loc[:-2])
+    else:
+        where, says, _ = _locate(loc)
+    value = error.get("input")
+    if kind == "value_error":
+        message = str(error["ctx"]["error"])
+    elif kind == "missing":
+        message = "is missing" + (f"; {says.missing}" if says and says.missing else "")
+    elif kind in ("extra_forbidden", "invalid_key"):  # invalid_key: not even a string
+        _, _, parent = _locate(loc[:-1])
+        known = ", ".join(_aliases(parent)) if parent else ""
+        message = f"is not a known key (known: {known})"
+    elif kind in _CONTAINER_TYPES:
+        if not loc:
+            return f"the config is {_kind(value)}; {_CONTAINER_TYPES[kind]}"
+        expect = says.expect if says and says.expect else _CONTAINER_TYPES[kind]
+        message = f"is {_kind(value)}; {expect}"
+    else:
+        message = error["msg"]
+    return f"{where} {message}" if where else message
 
 
-class _Validator:
-    """Walks the parsed YAML, collecting one message per problem."""
+def _aliases(model: type[BaseModel]) -> list[str]:
+    return [f.alias or name for name, f in model.model_fields.items()]
 
-    def __init__(self) -> None:
-        self.problems: list[str] = []
 
-    def bad(self, where: str, message: str) -> None:
-        self.problems.append(f"{where} {message}")
-
-    def mapping(self, where: str, value: Any, allowed: tuple[str, ...]) -> dict | None:
-        """The mapping at ``where`` (None -> {}), with unknown keys reported."""
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            self.bad(where, f"is {_kind(value)}; it must be a mapping")
-            return None
-        for key in value:
-            if key not in allowed:
-                self.bad(
-                    f"{where}.{key}" if where else str(key),
-                    f"is not a known key (known: {', '.join(allowed)})",
-                )
-        return value
-
-    def string(self, where: str, value: Any, check: Callable[[str], str | None] | None = None,
-               default: str | None = None) -> str | None:
-        if value is None and default is not None:
-            return default
-        if not isinstance(value, str):
-            self.bad(where, f"is {_kind(value)}; it must be a string")
-            return None
-        problem = check(value) if check else None
-        if problem:
-            self.bad(where, f"{_q(value)} {problem}")
-            return None
-        return value
-
-    def config(self, data: Any) -> KataManagerConfig | None:
-        top = self.mapping(
-            "",
-            data,
-            ("artifactsDir", "runtimeClasses", "containerd", "runtimeClassOverhead",
-             "insecureRegistries"),
-        )
-        if top is None:
-            self.problems[-1] = f"the config is {_kind(data)}; it must be a mapping"
-            return None
-        artifacts_dir = self.string(
-            "artifactsDir", top.get("artifactsDir"), _path_problem, default=DEFAULT_ARTIFACTS_DIR
-        )
-        if "runtimeClasses" in top:
-            runtime_classes = self.runtime_classes(top["runtimeClasses"])
+def _locate(loc: tuple[Any, ...]) -> tuple[str, _Says | None, type[BaseModel] | None]:
+    """Walk the models along ``loc``: our path for it, the message metadata of the field
+    it ends at, and the model there (None where it is not a model)."""
+    tp: Any = KataManagerConfig
+    path = ""
+    says: _Says | None = None
+    for part in loc:
+        tp, says = _unwrap(tp), None
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = next((f for n, f in tp.model_fields.items() if (f.alias or n) == part), None)
+            path = f"{path}.{part}" if path else str(part)
+            tp = field.annotation if field else None
+            says = next((m for m in field.metadata if isinstance(m, _Says)), None) if field else None
+        elif typing.get_origin(tp) in (tuple, list) and isinstance(part, int):
+            tp = typing.get_args(tp)[0]
+            path += f"[{part}]"
+        elif typing.get_origin(tp) is dict:
+            tp = typing.get_args(tp)[1]
+            path += f"[{_q(part)}]"
         else:
-            runtime_classes = default_runtime_classes()
-        containerd = self.containerd(top.get("containerd"))
-        overhead = self.overhead(top.get("runtimeClassOverhead"))
-        insecure = self.insecure_registries(top.get("insecureRegistries"))
-        if self.problems:
-            return None
-        return KataManagerConfig(
-            artifacts_dir=str(PurePosixPath(artifacts_dir)),
-            runtime_classes=runtime_classes,
-            containerd=containerd,
-            overhead_pod_fixed=overhead,
-            insecure_registries=insecure,
-        )
+            tp = None
+            path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    tp = _unwrap(tp)
+    return path, says, tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
 
-    def runtime_classes(self, value: Any) -> tuple[RuntimeClassConfig, ...]:
-        if value is None:
-            return ()
-        if not isinstance(value, list):
-            self.bad("runtimeClasses", f"is {_kind(value)}; it must be a list")
-            return ()
-        out: list[RuntimeClassConfig] = []
-        first_index: dict[str, int] = {}
-        for i, item in enumerate(value):
-            where = f"runtimeClasses[{i}]"
-            entry = self.mapping(where, item, ("name", "nodeSelector", "artifacts"))
-            if entry is None:
-                continue
-            name = self.runtime_class_name(f"{where}.name", entry.get("name"))
-            if name is not None:
-                if name in first_index:
-                    self.bad(
-                        f"{where}.name",
-                        f"{_q(name)} duplicates runtimeClasses[{first_index[name]}].name; "
-                        "runtime class names must be unique",
-                    )
-                else:
-                    first_index[name] = i
-            selector = self.node_selector(f"{where}.nodeSelector", entry.get("nodeSelector"))
-            artifacts = self.artifacts(f"{where}.artifacts", entry.get("artifacts"))
-            if name is not None and selector is not None and artifacts is not None:
-                out.append(RuntimeClassConfig(name=name, artifacts=artifacts,
-                                              node_selector=selector))
-        return tuple(out)
 
-    def runtime_class_name(self, where: str, value: Any) -> str | None:
-        if value is None or value == "":
-            self.bad(where, "is missing; every runtime class needs a name")
-            return None
-        return self.string(
-            where,
-            value,
-            lambda s: None if is_dns1123_label(s) else
-            "is not a DNS-1123 label (lowercase letters, digits, '-', at most 63)",
-        )
-
-    def node_selector(self, where: str, value: Any) -> dict[str, str] | None:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            self.bad(where, f"is {_kind(value)}; it must be a mapping of label keys to values")
-            return None
-        ok = True
-        for key, val in value.items():
-            if not isinstance(key, str):
-                self.bad(where, f"key {_q(key)} is {_kind(key)}; label keys are strings")
-                ok = False
-                continue
-            problem = label_key_problem(key)
-            if problem:
-                self.bad(where, f"key {_q(key)} is not a valid label key: {problem}")
-                ok = False
-            entry = f"{where}[{_q(key)}]"
-            if isinstance(val, bool):
-                self.bad(entry, f"is a boolean; quote it (\"{str(val).lower()}\")")
-                ok = False
-            elif not isinstance(val, str):
-                self.bad(entry, f"is {_kind(val)}; label values are strings (quote it)")
-                ok = False
-            elif problem := label_value_problem(val):
-                self.bad(entry, f"{_q(val)} is not a valid label value: {problem}")
-                ok = False
-        return dict(value) if ok else None
-
-    def artifacts(self, where: str, value: Any) -> Artifacts | None:
-        if value is None:
-            self.bad(where, "is missing; every runtime class needs artifacts.url")
-            return None
-        entry = self.mapping(where, value, ("url", "pullSecret"))
-        if entry is None:
-            return None
-        url_where = f"{where}.url"
-        url = entry.get("url")
-        if url is None or url == "":
-            self.bad(url_where, "is missing; give the artifacts image, e.g. "
-                     f"{DEFAULT_GPU_ARTIFACTS}")
-            url = None
+def _unwrap(tp: Any) -> Any:
+    """The type inside ``Annotated[...]`` and ``X | None``."""
+    while True:
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is Annotated:
+            tp = args[0]
+        elif (typing.get_origin(tp) in (typing.Union, UnionType)
+              and len(args) == 2 and type(None) in args):
+            tp = next(a for a in args if a is not type(None))
         else:
-            url = self.string(url_where, url, _url_problem)
-        secret = self.string(
-            f"{where}.pullSecret",
-            entry.get("pullSecret"),
-            lambda s: None if s == "" or is_dns1123_subdomain(s) else
-            "is not a valid Secret name (DNS-1123 subdomain)",
-            default="",
-        )
-        if url is None or secret is None:
-            return None
-        return Artifacts(url=url, pull_secret=secret)
-
-    def containerd(self, value: Any) -> ContainerdConfig:
-        default = ContainerdConfig()
-        before = len(self.problems)
-        entry = self.mapping(
-            "containerd", value,
-            ("configPath", "socket", "version", "restartMode", "podAnnotations"),
-        )
-        if entry is None:
-            return default
-        config_path = self.string("containerd.configPath", entry.get("configPath"),
-                                  _path_problem, default=default.config_path)
-        socket = self.string("containerd.socket", entry.get("socket"), _path_problem,
-                             default=default.socket)
-        version = entry.get("version")
-        if version is not None and (isinstance(version, bool) or version not in
-                                    CONTAINERD_VERSIONS):
-            self.bad("containerd.version",
-                     f"{_q(version)} is not a containerd config version; use 2, 3 or null (detect)")
-        restart = self.string(
-            "containerd.restartMode", entry.get("restartMode"),
-            lambda s: None if s in RESTART_MODES else
-            f"is not a restart mode; use one of {', '.join(RESTART_MODES)}",
-            default=default.restart_mode,
-        )
-        annotations = entry.get("podAnnotations", list(default.pod_annotations))
-        if annotations is None:
-            annotations = []
-        if not isinstance(annotations, list):
-            self.bad("containerd.podAnnotations", f"is {_kind(annotations)}; it must be a list")
-            annotations = []
-        for i, a in enumerate(annotations):
-            if not isinstance(a, str) or not a:
-                self.bad(f"containerd.podAnnotations[{i}]",
-                         f"{_q(a)} must be a non-empty string (an annotation glob)")
-        if len(self.problems) > before:
-            return default
-        return ContainerdConfig(
-            config_path=str(PurePosixPath(config_path)),
-            socket=str(PurePosixPath(socket)),
-            version=version,
-            restart_mode=restart,
-            pod_annotations=tuple(annotations),
-        )
-
-    def overhead(self, value: Any) -> dict[str, str]:
-        entry = self.mapping("runtimeClassOverhead", value, ("podFixed",))
-        if not entry:
-            return {}
-        fixed = entry.get("podFixed")
-        if fixed is None:
-            return {}
-        if not isinstance(fixed, dict):
-            self.bad("runtimeClassOverhead.podFixed",
-                     f"is {_kind(fixed)}; it must map resource names to quantities")
-            return {}
-        out: dict[str, str] = {}
-        for resource, qty in fixed.items():
-            where = f"runtimeClassOverhead.podFixed[{_q(resource)}]"
-            if not isinstance(resource, str) or label_key_problem(resource):
-                self.bad("runtimeClassOverhead.podFixed",
-                         f"key {_q(resource)} is not a resource name (e.g. cpu, memory)")
-                continue
-            if isinstance(qty, bool) or not isinstance(qty, str | int | float):
-                self.bad(where, f"is {_kind(qty)}; it must be a quantity like 250m or 160Mi")
-                continue
-            text = str(qty)
-            if not is_quantity(text):
-                self.bad(where, f"{_q(text)} is not a Kubernetes quantity (e.g. 250m, 160Mi, 1)")
-                continue
-            out[resource] = text
-        return out
-
-    def insecure_registries(self, value: Any) -> tuple[str, ...]:
-        if value is None:
-            return ()
-        if not isinstance(value, list):
-            self.bad("insecureRegistries", f"is {_kind(value)}; it must be a list of host[:port]")
-            return ()
-        out = []
-        for i, host in enumerate(value):
-            checked = self.string(
-                f"insecureRegistries[{i}]", host,
-                lambda s: None if _HOST.fullmatch(s) else "is not a host or host:port",
-            )
-            if checked:
-                out.append(checked)
-        return tuple(out)
-
-
-def _path_problem(value: str) -> str | None:
-    try:
-        _check_absolute(value, "it")
-    except ValueError as e:
-        return f"is not a usable path: {e}"
-    return None
-
-
-def _url_problem(value: str) -> str | None:
-    try:
-        ref = parse_ref(value)
-    except ConfigError as e:
-        return f"is not an artifact reference: {e}"
-    if isinstance(ref, LayoutRef):
-        # The layout is read on the node: a relative or '..' path would depend on
-        # the agent's working dir or escape the dir the operator meant.
-        try:
-            _check_absolute(str(ref.path), "the layout path")
-        except ValueError as e:
-            return f"is not an artifact reference: {e}"
-    return None
+            return tp

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import difflib
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
 from katamgr.kata import KataContext
 from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
-from katamgr.render import plan_text
+from katamgr.render import STORY, plan_text, print_report
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profiles import find_profile
 
@@ -36,12 +37,7 @@ def _step(title: str) -> None:
 
 
 def _print(report: Report) -> None:
-    for change in report.changes:
-        print(f"  changed: {change}")
-    for warning in report.warnings:
-        print(f"  note:    {warning}")
-    for failure in report.failures:
-        print(f"  ERROR:   {failure}")
+    print_report(report, prefixes=STORY, errors=sys.stdout)  # the story is told on stdout
 
 
 def prepare_node(host: HostRoot) -> None:

@@ -147,7 +147,7 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
 # ---- apply -------------------------------------------------------------------
 
 
-def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True, **reload_args) -> Report:
+def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> Report:
     report = Report()
     config = ctx.config
     ready: list[str] = []
@@ -196,17 +196,16 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True, **reload
             f"removed {', '.join(change.runtimes_removed)}" if change.runtimes_removed else "",
         ])) or "settings"
         report.changes.append(f"edited {change.path} ({what})")
-        report.merge(_reload(host, config, **reload_args))
+        report.merge(_reload(host, config))
     # RuntimeClasses are cluster-wide: one node whose pull failed must not
     # delete a class the other nodes serve, so the whole config is applied.
     report.merge(_cluster(ctx, config))
     return report
 
 
-def _reload(host: HostRoot, config: KataManagerConfig, **reload_args) -> Report:
+def _reload(host: HostRoot, config: KataManagerConfig) -> Report:
     report = Report()
-    result = reload_containerd(host, config.containerd.restart_mode, socket_path=config.containerd.socket,
-                               **reload_args)
+    result = reload_containerd(host, config.containerd.restart_mode, socket_path=config.containerd.socket)
     (report.changes if result.done else report.warnings).append(result.message)
     return report
 
@@ -230,7 +229,7 @@ def _cluster(ctx: KataContext, config: KataManagerConfig) -> Report:
 # ---- revert ------------------------------------------------------------------
 
 
-def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = False, **reload_args) -> Report:
+def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = False) -> Report:
     """Undo this node's Kata changes; the cluster-wide RuntimeClasses only when asked
     (they serve every node: delete them when the last node is reverted)."""
     report = Report()
@@ -244,7 +243,7 @@ def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = F
     change = revert_containerd(host, config.containerd.config_path)
     if change.changed:
         report.changes.append(f"restored {change.path}")
-        report.merge(_reload(host, config, **reload_args))
+        report.merge(_reload(host, config))
     for rc in config.runtime_classes:
         # Only dirs holding our install record: never a dir someone else filled.
         if remove_install(host.path(class_dir(config, rc.name))):

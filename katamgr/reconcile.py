@@ -7,7 +7,6 @@ same way.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, replace
 
 from katamgr import cdispecs, kata
@@ -17,12 +16,11 @@ from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
+from katamgr.host.workload import Workload
 from katamgr.kata import KataContext
 from katamgr.plan import Plan, build_plan
 
-log = logging.getLogger(__name__)
-
-PASSTHROUGH = "vm-passthrough"
+PASSTHROUGH = Workload.VM_PASSTHROUGH
 
 
 @dataclass(frozen=True)
@@ -32,11 +30,14 @@ class Steps:
     vfio: bool = True
     cdi: bool = True
     kata: bool = True
-    workload: str = PASSTHROUGH  # the node's nvidia.com/gpu.workload.config
+    workload: Workload = PASSTHROUGH  # the node's nvidia.com/gpu.workload.config
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workload", Workload(self.workload))  # "container" -> Workload
 
     @property
     def passthrough(self) -> bool:
-        return self.workload == PASSTHROUGH
+        return self.workload is PASSTHROUGH
 
 
 def _root_ports(plan: Plan) -> int:
@@ -47,7 +48,7 @@ def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
               *, force: bool = False) -> Plan:
     plan = build_plan(host, naming, force=force)
     if not steps.passthrough:
-        plan.problems.insert(0, f"node workload is {steps.workload!r}, not {PASSTHROUGH!r}: "
+        plan.problems.insert(0, f"node workload is {steps.workload.value!r}, not {PASSTHROUGH.value!r}: "
                                 "nothing is bound and no Kata runtime is set up on this node")
         plan.decisions = [d for d in plan.decisions if d.action is not Action.BIND]
         return plan
@@ -65,40 +66,39 @@ def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:
 
 
 def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
-              force: bool = False, wait: float = 5.0, **reload_args) -> Report:
+              force: bool = False, wait: float = 5.0) -> Report:
     report = Report()
     if not steps.passthrough:
-        report.warnings.append(f"node workload is {steps.workload!r}: nothing to do for VM passthrough here")
+        report.warnings.append(f"node workload is {steps.workload.value!r}: nothing to do for VM passthrough here")
         earlier = sorted(vfio.bound_by_us(host))
         if earlier:
             # Never unbound on a label change alone: a VM may still hold them.
             report.warnings.append(
-                f"{', '.join(earlier)} stay on vfio-pci from when this node ran vm-passthrough; "
+                f"{', '.join(earlier)} stay on vfio-pci from when this node ran {PASSTHROUGH}; "
                 "run katamgr revert to give them back to their drivers")
         return report
     plan = build_plan(host, naming, force=force)
-    moved = False
+    rescan = False
     if steps.vfio:
         bound = apply_host(host, plan, workload=steps.workload, wait=wait)
-        moved = any(c.startswith("bound ") for c in bound.changes) or bool(bound.failures)
+        # A failed group was rolled back, but maybe not all the way: look again.
+        rescan = bool(bound.moved) or not bound.ok
         report.merge(bound)
     report.warnings += plan.problems
     if steps.cdi:
         # The plan's scan still holds unless devices just moved driver.
-        report.merge(cdispecs.write_specs(host, discover(host) if moved else plan.inventory, naming))
+        report.merge(cdispecs.write_specs(host, discover(host) if rescan else plan.inventory, naming))
     if steps.kata and kata_ctx is not None:
-        report.merge(kata.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi, **reload_args))
-    for line in report.changes:
-        log.info("changed: %s", line)
+        report.merge(kata.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi))
     return report
 
 
 def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool = False,
-               delete_runtime_classes: bool = False, **reload_args) -> Report:
+               delete_runtime_classes: bool = False) -> Report:
     """Undo in the reverse order: cluster and containerd first, devices last."""
     report = Report()
     if steps.kata and kata_ctx is not None:
-        report.merge(kata.revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes, **reload_args))
+        report.merge(kata.revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
     elif steps.kata and kata.changes_recorded(host):
         report.failures.append(
             "katamgr has Kata changes recorded on this node (containerd config, artifacts); "

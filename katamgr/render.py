@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Sequence
+from typing import NamedTuple, TextIO
 
+from katamgr.apply import Report
 from katamgr.plan import Plan
 
 
@@ -42,3 +46,55 @@ def plan_text(plan: Plan) -> str:
     if plan.problems:
         out += ["", "Problems:", *[f"  - {p}" for p in plan.problems]]
     return "\n".join(out)
+
+
+# ---- reports -----------------------------------------------------------------
+
+
+class ReportLine(NamedTuple):
+    kind: str  # "changed", "warning" or "error"
+    text: str
+
+
+def report_lines(report: Report) -> list[ReportLine]:
+    """A report as lines, in the order every output shows them: changes, warnings, failures."""
+    return [*(ReportLine("changed", c) for c in report.changes),
+            *(ReportLine("warning", w) for w in report.warnings),
+            *(ReportLine("error", f) for f in report.failures)]
+
+
+def quiet(report: Report) -> bool:
+    """Nothing changed and nothing failed: the node already was as wanted."""
+    return not report.changes and not report.failures
+
+
+# How each kind of line starts: at the command line (failures go to stderr), and in
+# the demo's story (indented under its step, all on stdout).
+COMMAND = {"changed": "changed: ", "warning": "warning: ", "error": "error: "}
+STORY = {"changed": "  changed: ", "warning": "  note:    ", "error": "  ERROR:   "}
+
+
+def print_report(report: Report, nothing: str = "", *, prefixes: dict[str, str] = COMMAND,
+                 out: TextIO | None = None, errors: TextIO | None = None) -> None:
+    """Print a report for a person: ``out`` (default stdout), failures to ``errors``
+    (default stderr); ``nothing`` (when given) says that a quiet report is good news."""
+    out = out or sys.stdout
+    errors = errors or sys.stderr
+    for line in report_lines(report):
+        print(prefixes[line.kind] + line.text, file=errors if line.kind == "error" else out)
+    if nothing and quiet(report):
+        print(nothing, file=out)
+
+
+def log_report(report: Report, log: logging.Logger, nothing: str = "") -> None:
+    """Log a report (a daemon's only output): changes at INFO, warnings and failures at
+    their own levels; ``nothing`` (when given) at INFO for a quiet report."""
+    for line in report_lines(report):
+        if line.kind == "changed":
+            log.info("changed: %s", line.text)
+        elif line.kind == "warning":
+            log.warning("%s", line.text)
+        else:
+            log.error("%s", line.text)
+    if nothing and quiet(report):
+        log.info("%s", nothing)

@@ -5,22 +5,28 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 from pathlib import Path
 
+from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import inventory
 from katamgr.host import naming as resource_naming
 from katamgr.host.naming import Naming
+from katamgr.host.process import setup_logging, stop_on_signals
 from katamgr.host.root import HostRoot
+from katamgr.host.workload import (
+    AUTO,
+    WORKLOAD_LABEL,
+    WORKLOADS,
+    NoCluster,
+    Workload,
+    resolve_workload,
+)
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.server import PluginServerError
 
 log = logging.getLogger("sandbox_plugin")
-
-WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
-WORKLOAD_VALUES = ("container", "vm-passthrough", "vm-vgpu")
 
 DESCRIPTION = """\
 Advertise a node's NVIDIA GPUs to the kubelet as device plugins.
@@ -35,14 +41,19 @@ container: nvidia.com/gpu from NVML, device IDs are GPU UUIDs; without NVML
   nothing is advertised and the plugin waits.
 auto (default): the node label nvidia.com/gpu.workload.config, read through the
   Kubernetes API (in-cluster, else kubeconfig) when --node-name or NODE_NAME is
-  set; else what the host shows (an NVIDIA GPU on vfio-pci -> vm-passthrough,
-  otherwise container).
+  set; a node without the label runs --default-workload. Without that option, or
+  with no node name or no cluster credentials, what the host shows decides (an
+  NVIDIA GPU on vfio-pci -> vm-passthrough, otherwise container). A label value
+  that is not a workload mode exits 2 and a failed read exits 1: neither is
+  guessed around. katamgr --workload auto follows the same rule (its fallback:
+  vm-passthrough). A vm-vgpu node is served by NVIDIA's vGPU device manager:
+  this plugin serves nothing there.
 
 Stops cleanly (sockets removed, exit 0) on SIGTERM or SIGINT.
 """
 
 
-class UsageError(Exception):
+class UsageError(ConfigError):
     """Bad command-line input; exit code 2."""
 
 
@@ -54,10 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host-root", default="/", metavar="DIR",
                         help="where the host's / is mounted (default: /; /host in a DaemonSet)")
-    parser.add_argument("--mode", default="auto", choices=["auto", *(m.value for m in Mode)],
+    parser.add_argument("--mode", default=AUTO, choices=[AUTO, *(m.value for m in Mode)],
                         help="which plugins to run (default: auto)")
     parser.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="N",
                         help="this node's name, to read its workload label (default: $NODE_NAME)")
+    parser.add_argument("--default-workload", choices=WORKLOADS, metavar="WORKLOAD",
+                        help="with --mode auto, the workload of a node without the label: "
+                             f"{', '.join(WORKLOADS)} (default: what the host shows)")
     resource_naming.add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     return parser
@@ -70,14 +84,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def read_workload_label(node_name: str) -> str | None:
     """The node's workload label through the Kubernetes API (None when unset).
 
-    Raises any error of the client (no credentials, API unreachable, 403).
+    Raises NoCluster without credentials (in-cluster or kubeconfig), and any
+    error of the client when the API does not answer (unreachable, 403).
     """
     from kubernetes import client, config
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except config.ConfigException as exc:
+            raise NoCluster(str(exc)) from exc
     with client.ApiClient() as api:
         node = client.CoreV1Api(api).read_node(node_name, _request_timeout=10)
     return (node.metadata.labels or {}).get(WORKLOAD_LABEL)
@@ -92,31 +110,23 @@ def mode_from_host(host: HostRoot) -> tuple[Mode, str]:
 
 
 def decide_mode(
-    host: HostRoot, node_name: str | None, read_label=read_workload_label
+    host: HostRoot, node_name: str | None, read_label=read_workload_label,
+    default: Workload | str | None = None,
 ) -> tuple[Mode | None, str]:
-    """The mode for ``--mode auto`` and why; None means: nothing to serve here."""
-    if node_name:
-        try:
-            value = read_label(node_name)
-        except Exception as exc:  # any client failure: the host still tells us enough
-            mode, why = mode_from_host(host)
-            return mode, (f"could not read node {node_name}'s label {WORKLOAD_LABEL} "
-                          f"({type(exc).__name__}: {exc}); {why}")
-        if value == "vm-passthrough":
-            return Mode.VM_PASSTHROUGH, f"node {node_name} is labeled {WORKLOAD_LABEL}={value}"
-        if value == "container":
-            return Mode.CONTAINER, f"node {node_name} is labeled {WORKLOAD_LABEL}={value}"
-        if value == "vm-vgpu":
-            return None, (f"node {node_name} is labeled {WORKLOAD_LABEL}=vm-vgpu, which the "
-                          "vGPU device manager serves, not this plugin")
-        if value is not None:
-            mode, why = mode_from_host(host)
-            return mode, (f"node {node_name}'s label {WORKLOAD_LABEL}={value!r} is not one of "
-                          f"{', '.join(WORKLOAD_VALUES)}; {why}")
+    """The mode for ``--mode auto`` and why; None means: nothing to serve here.
+
+    The rule is ``katamgr.host.workload.resolve_workload``'s, with what the host
+    shows as the fallback. Raises ConfigError for a label that names no workload
+    and KatamgrError when the API was asked and did not answer.
+    """
+    def from_host() -> tuple[Workload, str]:
         mode, why = mode_from_host(host)
-        return mode, f"node {node_name} has no {WORKLOAD_LABEL} label; {why}"
-    mode, why = mode_from_host(host)
-    return mode, f"no --node-name or NODE_NAME to read the node label; {why}"
+        return Workload(mode.value), why
+
+    resolved = resolve_workload(node_name, read_label, default=default, fallback=from_host)
+    if resolved.workload is Workload.VM_VGPU:
+        return None, f"{resolved.why}, which the vGPU device manager serves, not this plugin"
+    return Mode(resolved.workload.value), resolved.why
 
 
 def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
@@ -129,33 +139,22 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+    stop = threading.Event()
     try:
         host, naming = _build(args)
-    except UsageError as exc:
+        stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
+        if args.mode == AUTO:
+            mode, why = decide_mode(host, args.node_name, default=args.default_workload)
+        else:
+            mode, why = Mode(args.mode), "chosen with --mode"
+    except KatamgrError as exc:  # bad usage or configuration 2, the API not answering 1
         print(f"sandbox-device-plugin: error: {exc}", file=sys.stderr)
-        return 2
-
-    stop = threading.Event()
-
-    def on_signal(signum, _frame) -> None:
-        log.info("received %s; stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
-    if args.mode == "auto":
-        mode, why = decide_mode(host, args.node_name)
-        log.info("mode %s: %s", mode.value if mode else "none", why)
-    else:
-        mode = Mode(args.mode)
-        log.info("mode %s: chosen with --mode", mode.value)
+        return exc.exit_code
+    log.info("mode %s: %s", mode.value if mode else "none", why)
     if mode is None:
         _wait(stop)
         return 0

@@ -20,6 +20,7 @@ from enum import StrEnum
 
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
+from katamgr.host.workload import Workload
 from sandbox_plugin.container import NvmlResource
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import Resource
@@ -30,8 +31,10 @@ log = logging.getLogger(__name__)
 
 
 class Mode(StrEnum):
-    VM_PASSTHROUGH = "vm-passthrough"
-    CONTAINER = "container"
+    """The workloads (``katamgr.host.workload``) this process serves."""
+
+    VM_PASSTHROUGH = Workload.VM_PASSTHROUGH.value
+    CONTAINER = Workload.CONTAINER.value
 
 
 class PluginManager:

@@ -14,12 +14,13 @@ its inotify thread). The default ``watch`` turns those notifications into fresh
 
 from __future__ import annotations
 
-import re
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
+
+from katamgr.k8snames import QUALIFIED_NAME_MAX, is_extended_resource_name
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -28,11 +29,6 @@ HEALTH_VALUES = (HEALTHY, UNHEALTHY)
 # The kubelet refuses longer device IDs.
 MAX_DEVICE_ID_LENGTH = 63
 
-# <domain>/<name>, name at most 63 characters (Kubernetes extended resource name).
-_RESOURCE_NAME = re.compile(
-    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-    r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
-)
 KUBELET_SOCKET = "kubelet.sock"
 
 
@@ -140,10 +136,11 @@ def socket_name_for(resource_name: str) -> str:
 
 
 def validate_resource_name(resource_name: str) -> None:
-    if not _RESOURCE_NAME.match(resource_name):
+    if not is_extended_resource_name(resource_name):
         raise ValueError(
             f"resource name {resource_name!r} is not a valid extended resource name; "
-            "use <domain>/<name> with a name of at most 63 letters, digits, '-', '_' or '.'"
+            f"use <domain>/<name> with a name of at most {QUALIFIED_NAME_MAX} letters, digits, "
+            "'-', '_' or '.'"
         )
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import stat
 import threading
 import time
@@ -30,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from inotify_simple import INotify
 from inotify_simple import flags as inotify_flags
 
 from katamgr.host.root import HostRoot
+from katamgr.host.watching import Watcher
 from sandbox_plugin.api import deviceplugin_pb2 as pb
 from sandbox_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from sandbox_plugin.resources import (
@@ -236,7 +235,7 @@ def request_problem(containers: list[list[str]]) -> str:
 
 
 class _DirWatcher:
-    """inotify on the device-plugins dir, plus a pipe so stop() can wake us."""
+    """inotify on the device-plugins dir; ``wake()`` (from stop()) cuts a wait short."""
 
     MASK = (
         inotify_flags.CREATE
@@ -249,14 +248,12 @@ class _DirWatcher:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._inotify = INotify()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._watcher = Watcher()
         self._watch()
 
     def _watch(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._inotify.add_watch(self.directory, self.MASK)
+        self._watcher.add_watch(self.directory, self.MASK)
 
     def wait(self, timeout: float, names: frozenset[str]) -> bool:
         """Wait up to ``timeout`` s for an event on one of ``names`` (or on the dir
@@ -264,37 +261,27 @@ class _DirWatcher:
         remaining = timeout
         deadline = time.monotonic() + timeout
         while remaining > 0:
-            ready, _, _ = select.select([self._inotify.fileno(), self._wake_r], [], [], remaining)
-            if self._wake_r in ready:
-                try:
-                    os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
+            events = self._watcher.wait(remaining)
+            if events is None:  # wake()
                 return False
-            if ready:
-                relevant = False
-                for event in self._inotify.read(timeout=0):
-                    if event.mask & (inotify_flags.DELETE_SELF | inotify_flags.MOVE_SELF):
-                        log.warning("%s was removed or moved; watching it afresh", self.directory)
-                        self._watch()
-                        relevant = True
-                    elif event.name in names:
-                        relevant = True
-                if relevant:
-                    return True
+            relevant = False
+            for event in events:
+                if event.mask & (inotify_flags.DELETE_SELF | inotify_flags.MOVE_SELF):
+                    log.warning("%s was removed or moved; watching it afresh", self.directory)
+                    self._watch()
+                    relevant = True
+                elif event.name in names:
+                    relevant = True
+            if relevant:
+                return True
             remaining = deadline - time.monotonic()
         return False
 
     def wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass
+        self._watcher.wake()
 
     def close(self) -> None:
-        self._inotify.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._watcher.close()
 
 
 class PluginServer:

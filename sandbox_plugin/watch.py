@@ -20,17 +20,14 @@ the rest.
 from __future__ import annotations
 
 import logging
-import os
-import select
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-from inotify_simple import INotify
 from inotify_simple import flags as inotify_flags
 
 from katamgr.host.root import HostRoot
+from katamgr.host.watching import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +61,8 @@ class DeviceWatcher:
         self.host = host
         self.on_change = on_change
         self.rescan_interval = rescan_interval
-        self._inotify = INotify()
+        self._watcher = Watcher()
         self._watches: dict[int, Path] = {}
-        self._wake_r, self._wake_w = os.pipe()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rescans = 0
@@ -78,12 +74,10 @@ class DeviceWatcher:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        os.write(self._wake_w, b"x")
+        self._watcher.wake()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._inotify.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._watcher.close()
 
     def _add_watches(self) -> None:
         """Watch each target, or its nearest existing ancestor until it appears."""
@@ -95,7 +89,7 @@ class DeviceWatcher:
             if path in present:
                 continue
             try:
-                wd = self._inotify.add_watch(path, _MASK)
+                wd = self._watcher.add_watch(path, _MASK)
             except OSError as exc:
                 log.warning("cannot watch %s (%s); relying on the periodic rescan", path, exc)
                 continue
@@ -104,13 +98,11 @@ class DeviceWatcher:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            ready, _, _ = select.select(
-                [self._inotify.fileno(), self._wake_r], [], [], self.rescan_interval
-            )
+            events = self._watcher.wait(self.rescan_interval)
             if self._stop.is_set():
                 return
-            if ready:
-                self._drain()
+            if events:
+                self._forget_gone(events + self._watcher.settle(_SETTLE, _MAX_SETTLE))
             self._add_watches()  # a watched dir may have just been created
             self.rescans += 1
             try:
@@ -118,14 +110,7 @@ class DeviceWatcher:
             except Exception:  # a bad rescan must not end watching for good
                 log.exception("rescanning passthrough devices failed; will retry on the next change")
 
-    def _drain(self) -> None:
-        deadline = time.monotonic() + _MAX_SETTLE
-        while True:
-            events = self._inotify.read(timeout=0)
-            for event in events:
-                if event.mask & inotify_flags.IGNORED:
-                    self._watches.pop(event.wd, None)  # the dir went away
-            if not events and not select.select([self._inotify.fileno()], [], [], _SETTLE)[0]:
-                return
-            if time.monotonic() >= deadline:
-                return
+    def _forget_gone(self, events: list) -> None:
+        for event in events:
+            if event.mask & inotify_flags.IGNORED:
+                self._watches.pop(event.wd, None)  # the dir went away

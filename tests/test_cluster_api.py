@@ -18,7 +18,6 @@ from katamgr.cluster import (
     node_workload_mode,
     read_pull_secret,
     record_event,
-    set_node_label,
 )
 from katamgr.errors import ConfigError, KatamgrError
 
@@ -193,23 +192,6 @@ def test_unknown_workload_mode_names_the_value(server, api):
 def test_missing_node_is_named(api):
     with pytest.raises(KatamgrError, match="node gpu-9 does not exist"):
         node_workload_mode(api, "gpu-9")
-
-
-def test_set_node_label_patches_only_when_needed(server, api):
-    server.seed(node("gpu-1", {"kubernetes.io/hostname": "gpu-1"}))
-
-    assert set_node_label(api, "gpu-1", "nvidia.com/gpu.workload.config", "vm-passthrough")
-    assert set_node_label(api, "gpu-1", "nvidia.com/gpu.workload.config",
-                          "vm-passthrough") is False
-    [patch] = server.writes()
-    assert patch.method == "PATCH" and patch.content_type == "application/merge-patch+json"
-    assert server.get("nodes", "gpu-1")["metadata"]["labels"] == {
-        "kubernetes.io/hostname": "gpu-1", "nvidia.com/gpu.workload.config": "vm-passthrough"}
-
-    assert set_node_label(api, "gpu-1", "nvidia.com/gpu.workload.config", None)
-    assert server.get("nodes", "gpu-1")["metadata"]["labels"] == {"kubernetes.io/hostname": "gpu-1"}
-    with pytest.raises(ConfigError, match="not a valid value"):
-        set_node_label(api, "gpu-1", "a", "bad value")
 
 
 # --- events ------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 
 import pytest
 from apiserver import APPLY, FakeApiServer
@@ -20,6 +19,7 @@ from katamgr.config import (
     DEFAULT_GPU_ARTIFACTS,
     Artifacts,
     RuntimeClassConfig,
+    RuntimeClassOverhead,
     default_config,
 )
 from katamgr.errors import KatamgrError
@@ -33,6 +33,14 @@ def runtime_class(name, labels=None, handler=None, **spec) -> dict:
     return {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
             "metadata": {"name": name, "labels": labels or {}},
             "handler": handler or name, **spec}
+
+
+def replace(config, **changes):
+    """A copy of a (frozen) config model with some fields changed."""
+    if "overhead_pod_fixed" in changes:
+        changes["runtime_class_overhead"] = RuntimeClassOverhead(
+            pod_fixed=changes.pop("overhead_pod_fixed"))
+    return config.model_copy(update=changes)
 
 
 def with_selector(config, name, selector):

@@ -14,8 +14,10 @@ from conftest import REPO
 from kubelet_sim import short_root, sim_host  # noqa: F401  (pytest fixtures)
 
 from katamgr.apply import apply_host
+from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
+from katamgr.host.workload import NoCluster
 from katamgr.plan import build_plan
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profiles import find_profile
@@ -92,16 +94,26 @@ def test_auto_mode_follows_the_label_then_the_host(short_root):  # noqa: F811
     def unreachable(node):
         raise ConnectionRefusedError("connection refused")
 
+    def no_cluster(node):
+        raise NoCluster("no kubeconfig")
+
     assert decide_mode(host, "n1", label("vm-passthrough"))[0] is Mode.VM_PASSTHROUGH
     assert decide_mode(host, "n1", label("container"))[0] is Mode.CONTAINER
     mode, why = decide_mode(host, "n1", label("vm-vgpu"))
     assert mode is None and "vm-vgpu" in why
-    # No label, a bad label or no API: the host decides (A10s still on nvidia -> container).
-    for reader in (label(None), label("bogus"), unreachable):
+    # No label, or no cluster to ask: the host decides (A10s still on nvidia -> container).
+    for reader in (label(None), no_cluster):
         mode, why = decide_mode(host, "n1", reader)
         assert mode is Mode.CONTAINER and "no NVIDIA GPU is bound to vfio-pci" in why
-    assert "connection refused" in decide_mode(host, "n1", unreachable)[1]
-    assert "'bogus'" in decide_mode(host, "n1", label("bogus"))[1]
+    # ... unless --default-workload says what an unlabeled node runs, as for katamgr.
+    assert decide_mode(host, "n1", label(None), default="vm-passthrough")[0] is Mode.VM_PASSTHROUGH
+    # A bad label is bad configuration (exit 2) and an API that does not answer a
+    # failure (exit 1), as for katamgr: neither is guessed around.
+    with pytest.raises(ConfigError, match="'bogus'"):
+        decide_mode(host, "n1", label("bogus"))
+    with pytest.raises(KatamgrError, match="connection refused") as failed:
+        decide_mode(host, "n1", unreachable)
+    assert failed.value.exit_code == 1
 
     assert apply_host(host, build_plan(host, NAMING)).ok
     mode, why = mode_from_host(host)

@@ -12,7 +12,7 @@ from katamgr.cluster.client import (
     connect,
 )
 from katamgr.cluster.events import ObjectRef, record_event
-from katamgr.cluster.nodes import WORKLOAD_MODES, node_workload_mode, set_node_label
+from katamgr.cluster.nodes import node_workload_mode
 from katamgr.cluster.runtimeclasses import (
     RuntimeClassChanges,
     delete_managed_runtime_classes,
@@ -25,7 +25,6 @@ __all__ = [
     "FIELD_MANAGER",
     "MANAGED_BY_LABEL",
     "MANAGED_BY_VALUE",
-    "WORKLOAD_MODES",
     "ObjectRef",
     "RuntimeClassChanges",
     "agent_namespace",
@@ -36,5 +35,4 @@ __all__ = [
     "read_pull_secret",
     "reconcile_runtime_classes",
     "record_event",
-    "set_node_label",
 ]

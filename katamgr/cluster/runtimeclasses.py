@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes.client import ApiClient, NodeV1Api, V1DeleteOptions, V1Preconditions
 from kubernetes.client.exceptions import ApiException
+from kubernetes.utils.quantity import parse_quantity
 from urllib3.exceptions import HTTPError
 
 from katamgr.cluster.client import (
@@ -23,7 +24,7 @@ from katamgr.cluster.client import (
     MANAGED_BY_VALUE,
     api_error_message,
 )
-from katamgr.config import KataManagerConfig, quantity_value
+from katamgr.config import KataManagerConfig
 from katamgr.errors import KatamgrError
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ def reconcile_runtime_classes(api: ApiClient, config: KataManagerConfig) -> Runt
 
 def delete_managed_runtime_classes(api: ApiClient, config: KataManagerConfig) -> RuntimeClassChanges:
     """Remove every RuntimeClass we manage (the cluster half of a revert)."""
-    return reconcile_runtime_classes(api, replace(config, runtime_classes=()))
+    return reconcile_runtime_classes(api, config.model_copy(update={"runtime_classes": ()}))
 
 
 def _list(api: ApiClient, node_api: NodeV1Api) -> list[dict[str, Any]]:
@@ -187,7 +188,7 @@ def _same(path: tuple[str, ...], have: Any, want: Any) -> bool:
     if path[:2] == ("overhead", "podFixed") and have is not None:
         # The API server canonicalises quantities ("0.25" comes back as "250m").
         try:
-            return quantity_value(str(have)) == quantity_value(str(want))
+            return parse_quantity(str(have)) == parse_quantity(str(want))
         except ValueError:
             return False
     return have == want

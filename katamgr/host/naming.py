@@ -33,9 +33,10 @@ from enum import StrEnum
 
 from katamgr.host.pci import Device
 from katamgr.host.pciids import PciIds
+from katamgr.k8snames import QUALIFIED_NAME_MAX
 
 RESOURCE_VENDOR = "nvidia.com"
-MAX_NAME = 63
+MAX_NAME = QUALIFIED_NAME_MAX  # the part after nvidia.com/ is a qualified name's
 VARIANT_PREFIX = "PCI_"
 _HASHED_KEEP = 56
 
@@ -50,7 +51,7 @@ _EDGE = re.compile(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$")
 _TRAILING = re.compile(r"[^A-Za-z0-9]+$")
 # An alias is typed by the operator: never rewritten, so it must already be a
 # valid name part and CDI class.
-_ALIAS = re.compile(r"^[A-Za-z]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$")
+_ALIAS = re.compile(rf"^[A-Za-z]([A-Za-z0-9_-]{{0,{MAX_NAME - 2}}}[A-Za-z0-9])?$")
 
 
 class ResourceNaming(StrEnum):

@@ -26,6 +26,7 @@ import tomlkit
 from katamgr.errors import ConfigError
 from katamgr.host.files import remove_file, write_atomic
 from katamgr.host.root import HostRoot
+from katamgr.k8snames import DNS1123_LABEL_MAX, is_dns1123_label
 from katamgr.runtime import containerd_state as st
 from katamgr.runtime.containerd_imports import (
     effective_plugin_section,
@@ -39,6 +40,7 @@ from katamgr.runtime.containerd_schema import (
     detect_version,
     layout_for,
 )
+from katamgr.runtime.settings import DEFAULT_CONFIG_PATH, DEFAULT_POD_ANNOTATIONS
 from katamgr.runtime.tomledit import (
     add_table,
     delete,
@@ -51,10 +53,7 @@ from katamgr.runtime.tomledit import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONFIG = "/etc/containerd/config.toml"
-DEFAULT_POD_ANNOTATIONS = ("io.katacontainers.*",)
 NEW_FILE_VERSION = 2
-_HANDLER = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 MAIN, DROP_IN = "main", "drop-in"
 
 
@@ -102,10 +101,10 @@ class _Outcome:
 def _validate(runtimes: Sequence[KataRuntime]) -> None:
     seen: set[str] = set()
     for rt in runtimes:
-        if not _HANDLER.match(rt.name) or len(rt.name) > 63:
+        if not is_dns1123_label(rt.name):
             raise ConfigError(
                 f"runtime class name {rt.name!r} is not a valid RuntimeClass handler; use "
-                f"lowercase letters, digits and '-' (at most 63 characters)"
+                f"lowercase letters, digits and '-' (at most {DNS1123_LABEL_MAX} characters)"
             )
         if rt.name in seen:
             raise ConfigError(f"runtime class {rt.name!r} is listed twice; list it once")
@@ -163,7 +162,7 @@ def _target(main: _Main) -> tuple[str, str]:
 def configure_containerd(
     host: HostRoot,
     runtimes: Sequence[KataRuntime],
-    config_path: str = DEFAULT_CONFIG,
+    config_path: str = DEFAULT_CONFIG_PATH,
     version: int | None = None,
     enable_cdi: bool = True,
     dry_run: bool = False,
@@ -462,7 +461,7 @@ def _apply_drop_in(
     return change
 
 
-def revert_containerd(host: HostRoot, config_path: str = DEFAULT_CONFIG) -> ContainerdChange:
+def revert_containerd(host: HostRoot, config_path: str = DEFAULT_CONFIG_PATH) -> ContainerdChange:
     """Undo everything ``configure_containerd`` did to this config.
 
     Untouched since our last write: the original bytes come back exactly (or the file

@@ -20,22 +20,14 @@ import signal
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.root import HostRoot
+from katamgr.runtime.settings import DEFAULT_SOCKET, DEFAULT_UNIT, RestartMode
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOCKET = "/run/containerd/containerd.sock"
-DEFAULT_UNIT = "containerd"
 _SOCKET_LINK = re.compile(r"^socket:\[(\d+)\]$")
-
-
-class RestartMode(StrEnum):
-    SIGNAL = "signal"
-    SYSTEMD = "systemd"
-    NONE = "none"
 
 
 @dataclass(frozen=True)
@@ -125,7 +117,8 @@ def reload_containerd(
         mode = RestartMode(mode)
     except ValueError:
         raise ConfigError(
-            f"restartMode {mode!r} is not known; use signal, systemd or none"
+            f"restartMode {mode!r} is not known; use {', '.join(list(RestartMode)[:-1])} "
+            f"or {list(RestartMode)[-1]}"
         ) from None
     if mode is RestartMode.NONE:
         message = "containerd config changed; restart containerd to load the Kata runtimes"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
 import stat
 import threading
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 import grpc
 
 from katamgr.host.root import HostRoot
+from katamgr.k8snames import is_extended_resource_name
 from sandbox_plugin.api import deviceplugin_pb2 as pb
 from sandbox_plugin.api import deviceplugin_pb2_grpc as pb_grpc
 from sandbox_plugin.resources import KUBELET_SOCKET, PluginDevice, PluginOptions
@@ -54,13 +54,6 @@ from sandbox_plugin.testing.podresources import (
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = (API_VERSION,)
-
-# Extended resource names as the kubelet accepts them: a domain outside
-# kubernetes.io, a slash, a qualified name.
-_EXTENDED_RESOURCE = re.compile(
-    r"^(?!kubernetes\.io/|requests\.)[a-z0-9]([-a-z0-9.]*[a-z0-9])?"
-    r"/[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
-)
 
 
 class AdmissionError(Exception):
@@ -371,7 +364,7 @@ class KubeletSimulator:
                 f"requested API version {request.version!r} is not supported by kubelet. "
                 f"Supported versions are {list(SUPPORTED_VERSIONS)}"
             )
-        if not _EXTENDED_RESOURCE.match(request.resource_name):
+        if not is_extended_resource_name(request.resource_name):
             return f"the ResourceName {request.resource_name!r} is invalid"
         if not request.endpoint or "/" in request.endpoint or request.endpoint in (".", ".."):
             return f"invalid endpoint {request.endpoint!r}: it must be a socket file name"
