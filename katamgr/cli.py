@@ -16,7 +16,6 @@ from pathlib import Path
 from katamgr import __version__
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import naming as resource_naming
-from katamgr.host.errors import HostError
 from katamgr.host.naming import Naming
 from katamgr.host.process import setup_logging
 from katamgr.host.root import HostRoot
@@ -25,7 +24,6 @@ from katamgr.kata import KataContext
 from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text, print_report
 from katamgr.simulator.materialise import is_simulated, materialise, open_root
-from katamgr.simulator.profile import ProfileError
 from katamgr.simulator.profiles import find_profile, shipped_names
 
 log = logging.getLogger("katamgr")
@@ -254,9 +252,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def exit_code_of(exc: BaseException) -> int | None:
     """The exit code of an error raised on purpose, whose message says it all (2: bad usage
     or configuration, nothing was changed; 1: a failure); None for anything else (a bug)."""
-    if isinstance(exc, ProfileError | FileExistsError):  # a bad --host profile, a non-empty --into
+    if isinstance(exc, FileExistsError):  # a non-empty --into
         return ConfigError.exit_code
-    if isinstance(exc, KatamgrError | HostError):
+    if isinstance(exc, KatamgrError):  # HostError and ProfileError included
         return exc.exit_code
     return None
 

@@ -107,7 +107,7 @@ def _read(host: HostRoot, bdf: str, full: bool) -> Device:
 
 def _read_device(dir_fd: int, base: str, bdf: str, full: bool) -> Device:
     # Plain fd-relative syscalls: a node can have thousands of PCI functions and
-    # the scan must stay well under 100 ms (DESIGN.md section 7).
+    # the scan must stay well under 100 ms (bench/bench_scan.py measures it).
     notes: list[str] = []
 
     def text(name: str) -> str | None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from katamgr.host.files import remove_file, write_atomic
 from katamgr.host.root import HostRoot
+from katamgr.host.workload import Workload
 
 VALIDATIONS = "/run/nvidia/validations"
 VFIO_READY = f"{VALIDATIONS}/vfio-pci-ready"
 WORKLOAD_TYPE = f"{VALIDATIONS}/workload-type"
 
 
-def mark_ready(host: HostRoot, workload: str = "vm-passthrough") -> list[str]:
+def mark_ready(host: HostRoot, workload: str = Workload.VM_PASSTHROUGH) -> list[str]:
     """Write the readiness files; return the host paths that changed."""
     changed = []
     if write_atomic(host.path(VFIO_READY), "true\n"):

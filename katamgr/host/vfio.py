@@ -1,6 +1,6 @@
 """Moving devices to vfio-pci and back, one IOMMU group at a time.
 
-The procedure is the kernel's (DESIGN.md section 4): ``driver_override``,
+The procedure is the kernel's own for moving a device between drivers: ``driver_override``,
 ``<driver>/unbind``, ``drivers_probe``. Guarantees: a group moves whole or not
 at all; a group with a foreign endpoint is never touched; a device already on
 vfio-pci is left alone; a GPU in use is not unbound unless forced; the

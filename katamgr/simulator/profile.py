@@ -1,4 +1,4 @@
-"""Host profiles: a YAML description of a node's PCI devices (DESIGN.md section 3).
+"""Host profiles: a YAML description of a node's PCI devices (the files in ``examples/hosts/``).
 
 A profile is what the simulator materialises (``katamgr.simulator.materialise``);
 shipped ones are found by name through ``katamgr.simulator.profiles``.
@@ -12,12 +12,13 @@ from typing import Any
 
 import yaml
 
+from katamgr.errors import ConfigError
 from katamgr.host.pci import BDF_RE
 
 VFIO_STATES = ("loaded", "loadable", "missing")
 
 
-class ProfileError(ValueError):
+class ProfileError(ConfigError, ValueError):
     """A host profile that cannot describe a real node; the message names the entry."""
 
 
