@@ -60,8 +60,8 @@ def naming():
 
 
 def simulated_dgx(root: str) -> HostRoot:
-    from katamgr.apply import apply_host
-    from katamgr.plan import build_plan
+    from katamgr.pipeline.devices import apply_host
+    from katamgr.pipeline.plan import build_plan
     from katamgr.simulator.materialise import materialise
     from katamgr.simulator.profiles import find_profile
 

@@ -17,8 +17,8 @@ from katamgr.config import load_config
 from katamgr.demo import DATA, prepare_node
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.kata import KataContext
-from katamgr.reconcile import Steps, reconcile
+from katamgr.pipeline.kata_runtime import KataContext
+from katamgr.pipeline.reconcile import Steps, reconcile
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profiles import find_profile
 

@@ -15,7 +15,7 @@ from katamgr.host import pci
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.plan import build_plan
+from katamgr.pipeline.plan import build_plan
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profile import parse_profile
 

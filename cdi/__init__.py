@@ -6,6 +6,16 @@ A small, vendor-neutral library: ``Spec`` and friends model a CDI spec document,
 across spec directories. It depends on PyYAML only.
 """
 
+from cdi.cache import (
+    DEFAULT_SPEC_DIRS,
+    DYNAMIC_SPEC_DIR,
+    STATIC_SPEC_DIR,
+    LoadedSpec,
+    ResolvedDevice,
+    SpecRegistry,
+    UnresolvedDeviceError,
+    load_specs,
+)
 from cdi.errors import (
     CDIError,
     InvalidNameError,
@@ -44,16 +54,6 @@ from cdi.names import (
     validate_class,
     validate_device_name,
     validate_vendor,
-)
-from cdi.registry import (
-    DEFAULT_SPEC_DIRS,
-    DYNAMIC_SPEC_DIR,
-    STATIC_SPEC_DIR,
-    LoadedSpec,
-    ResolvedDevice,
-    SpecRegistry,
-    UnresolvedDeviceError,
-    load_specs,
 )
 from cdi.validate import HOOK_NAMES, spec_problems, validate_spec
 from cdi.version import (

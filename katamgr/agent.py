@@ -18,15 +18,15 @@ from pathlib import Path
 
 from inotify_simple import flags as inflags
 
-from katamgr import cdispecs, kata
-from katamgr.apply import Report
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.process import stop_on_signals
 from katamgr.host.root import HostRoot
 from katamgr.host.watching import Watcher
-from katamgr.kata import KataContext
-from katamgr.reconcile import Steps, reconcile, revert_all
+from katamgr.pipeline import cdi_specs, kata_runtime
+from katamgr.pipeline.kata_runtime import KataContext
+from katamgr.pipeline.reconcile import Steps, reconcile, revert_all
+from katamgr.pipeline.report import Report
 from katamgr.render import log_report
 from katamgr.runtime import check_entries, configure_containerd
 
@@ -75,7 +75,7 @@ class Agent:
         """Why containerd's config no longer matches what we would write, if it does not."""
         if self.ctx is None or not self.steps.kata or not self.steps.passthrough:
             return None
-        wanted = kata.runtimes(self.host, self.ctx)
+        wanted = kata_runtime.runtimes(self.host, self.ctx)
         if not wanted:
             return None
         containerd = self.ctx.config.containerd
@@ -96,13 +96,13 @@ class Agent:
         if not (self.steps.cdi and self.steps.passthrough):
             return None
         inv = discover(self.host)
-        found, _ = cdispecs.changes(self.host, inv, self.naming)
+        found, _ = cdi_specs.changes(self.host, inv, self.naming)
         stale = [c for c in found if c.action != "keep"]
         if not stale:
             return None
         log.info("CDI specs out of step with the devices on vfio-pci (%s): rewriting",
                  ", ".join(f"{c.action} {c.path}" for c in stale))
-        report = cdispecs.write_specs(self.host, inv, self.naming)
+        report = cdi_specs.write_specs(self.host, inv, self.naming)
         log_report(report, log)
         return report
 

@@ -20,8 +20,8 @@ from katamgr.host.naming import Naming
 from katamgr.host.process import setup_logging
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import AUTO, DEFAULT_WORKLOAD, WORKLOADS, Workload, resolve_workload
-from katamgr.kata import KataContext
-from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
+from katamgr.pipeline.kata_runtime import KataContext
+from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text, print_report
 from katamgr.simulator.materialise import is_simulated, materialise, open_root
 from katamgr.simulator.profiles import find_profile, shipped_names

@@ -16,14 +16,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from katamgr.apply import Report
 from katamgr.config import load_config
 from katamgr.host.files import write_atomic
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
-from katamgr.kata import KataContext
-from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
+from katamgr.pipeline.kata_runtime import KataContext
+from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
+from katamgr.pipeline.report import Report
 from katamgr.render import STORY, plan_text, print_report
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profiles import find_profile

@@ -7,8 +7,8 @@ import sys
 from collections.abc import Sequence
 from typing import NamedTuple, TextIO
 
-from katamgr.apply import Report
-from katamgr.plan import Plan
+from katamgr.pipeline.plan import Plan
+from katamgr.pipeline.report import Report
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

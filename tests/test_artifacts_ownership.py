@@ -19,8 +19,8 @@ from katamgr.artifacts import NotOursError, install_artifact, read_install, remo
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.kata import KataContext
-from katamgr.reconcile import Steps, reconcile, revert_all
+from katamgr.pipeline.kata_runtime import KataContext
+from katamgr.pipeline.reconcile import Steps, reconcile, revert_all
 
 LAYOUT = EXAMPLES / "oci-layout"
 NAMING = Naming(PciIds.find())

@@ -17,7 +17,7 @@ from katamgr.artifacts import (
     parse_ref,
 )
 from katamgr.artifacts.manifest import MAX_MANIFEST_BYTES, parse_manifest, sha256_digest
-from katamgr.artifacts.registry import use_plain_http
+from katamgr.artifacts.remote import use_plain_http
 from katamgr.errors import ConfigError
 
 DIGEST = "sha256:" + "ab" * 32

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from registry import TEST_PASSWORD, TEST_USER, auth_registry_server, registry_server
+from registry_server import TEST_PASSWORD, TEST_USER, auth_registry_server, registry_server
 from test_artifacts_layout import leftovers, snapshot
 
 import katamgr.artifacts.install as install_module

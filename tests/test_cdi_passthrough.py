@@ -13,7 +13,7 @@ from hostkit import GPU_A10, dev, driver_of, make_host
 import cdi
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
+from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.simulator import kernel
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profile import load_profile

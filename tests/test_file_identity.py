@@ -20,8 +20,8 @@ from katamgr.config import parse_config
 from katamgr.host.files import write_atomic
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.kata import KataContext
-from katamgr.reconcile import Steps, reconcile, revert_all
+from katamgr.pipeline.kata_runtime import KataContext
+from katamgr.pipeline.reconcile import Steps, reconcile, revert_all
 
 DATA = REPO / "katamgr" / "data"
 ORIGINAL = (DATA / "demo" / "containerd-config.toml").read_bytes()

@@ -13,7 +13,7 @@ from katamgr.host import iommu, pci
 from katamgr.host.inventory import Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.plan import build_plan
+from katamgr.pipeline.plan import build_plan
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profile import load_profile
 
@@ -197,8 +197,8 @@ def test_malformed_sysfs_attributes_become_notes_not_crashes(tmp_path):
 
 
 def test_iommufd_host_exposes_cdev_after_binding(tmp_path):
-    from katamgr.apply import apply_host
     from katamgr.host.passthrough import passthrough_devices
+    from katamgr.pipeline.devices import apply_host
 
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)], iommufd=True)
     plan = build_plan(host, naming())

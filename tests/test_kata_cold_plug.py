@@ -21,7 +21,7 @@ import cdi
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, ResourceNaming
 from katamgr.host.pciids import PciIds
-from katamgr.reconcile import Steps, reconcile
+from katamgr.pipeline.reconcile import Steps, reconcile
 from katamgr.simulator.profile import load_profile, parse_profile
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.testing import kata_shim

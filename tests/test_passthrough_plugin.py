@@ -15,13 +15,13 @@ from hostkit import GPU_A10, dev
 from kubelet_sim import sim_host  # noqa: F401  (pytest fixture)
 
 import cdi
-from katamgr.apply import apply_host
-from katamgr.cdispecs import write_specs
 from katamgr.host import pci, vfio
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, resource_name
 from katamgr.host.pciids import PciIds
-from katamgr.plan import build_plan
+from katamgr.pipeline.cdi_specs import write_specs
+from katamgr.pipeline.devices import apply_host
+from katamgr.pipeline.plan import build_plan
 from katamgr.simulator.kernel import handle_write
 from katamgr.simulator.profile import parse_profile
 from sandbox_plugin.manager import Mode, PluginManager

@@ -13,12 +13,12 @@ from apiserver import FakeApiServer
 from conftest import REPO
 from kubelet_sim import short_root, sim_host  # noqa: F401  (pytest fixtures)
 
-from katamgr.apply import apply_host
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.workload import NoCluster
-from katamgr.plan import build_plan
+from katamgr.pipeline.devices import apply_host
+from katamgr.pipeline.plan import build_plan
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profiles import find_profile
 from sandbox_plugin.cli import WORKLOAD_LABEL, decide_mode, main, mode_from_host

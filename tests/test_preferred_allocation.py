@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kubelet_sim import sim_host  # noqa: F401  (pytest fixture)
 
-from katamgr.apply import apply_host
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, resource_name
 from katamgr.host.pciids import PciIds
-from katamgr.plan import build_plan
+from katamgr.pipeline.devices import apply_host
+from katamgr.pipeline.plan import build_plan
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.server import Backoff
 from sandbox_plugin.topology import Placement, placement_of, preferred

@@ -22,8 +22,8 @@ from katamgr.agent import Agent
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.kata import KataContext, runtimes
-from katamgr.reconcile import Steps, full_plan, reconcile, revert_all
+from katamgr.pipeline.kata_runtime import KataContext, runtimes
+from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.runtime import check_entries
 
 DATA = REPO / "katamgr" / "data"

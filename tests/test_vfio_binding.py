@@ -8,10 +8,10 @@ import pytest
 from conftest import HOST_PROFILES
 from hostkit import AUDIO_A6000, GPU_A10, GPU_A6000, dev, driver_of, make_host, snapshot, tune
 
-from katamgr.apply import apply_host, revert_host
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.plan import build_plan
+from katamgr.pipeline.devices import apply_host, revert_host
+from katamgr.pipeline.plan import build_plan
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profile import load_profile
 

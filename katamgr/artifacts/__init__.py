@@ -18,7 +18,7 @@ from .install import (
 )
 from .manifest import DEFAULT_MAX_LAYER_BYTES, MAX_MANIFEST_BYTES
 from .refs import ArtifactRef, LayoutRef, RegistryRef, parse_ref
-from .registry import DEFAULT_DEADLINES, Deadlines
+from .remote import DEFAULT_DEADLINES, Deadlines
 
 __all__ = [
     "DEFAULT_DEADLINES",

@@ -36,7 +36,7 @@ from .errors import ArtifactError
 from .layout import LayoutSource
 from .manifest import DEFAULT_MAX_LAYER_BYTES, Layer, Manifest, parse_manifest
 from .refs import ArtifactRef, LayoutRef, parse_ref
-from .registry import DEFAULT_DEADLINES, Deadlines, RegistrySource
+from .remote import DEFAULT_DEADLINES, Deadlines, RegistrySource
 from .source import RetryPolicy, Source, SourceUnreachable, with_retries
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """What an artifact source gives the installer: manifest bytes and blob byte streams.
 
-Two sources implement it, a registry (``registry.py``) and an OCI layout on disk
+Two sources implement it, a registry (``remote.py``) and an OCI layout on disk
 (``layout.py``); the installer verifies and writes what either of them yields.
 """
 

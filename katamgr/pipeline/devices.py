@@ -1,43 +1,17 @@
-"""Carry out a plan on the node, and undo it."""
+"""The device step: bind what the plan says to vfio-pci, write the readiness files; undo both."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from katamgr.host import readiness, vfio
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Workload
-from katamgr.plan import Plan
+from katamgr.pipeline.plan import Plan
+from katamgr.pipeline.report import HostReport, Report
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Report:
-    """What a step did, for humans: every change, warning and failure as a sentence."""
-
-    changes: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def merge(self, other: Report) -> Report:
-        self.changes += other.changes
-        self.warnings += other.warnings
-        self.failures += other.failures
-        return self
-
-
-@dataclass
-class HostReport(Report):
-    """What ``apply_host`` did: the sentences, and the facts a caller acts on."""
-
-    moved: list[str] = field(default_factory=list)  # BDFs this call moved to vfio-pci
 
 
 def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workload.VM_PASSTHROUGH,

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from kubernetes.client import ApiClient
 
 from katamgr import cluster
-from katamgr.apply import Report
 from katamgr.artifacts import (
     DEFAULT_DEADLINES,
     ArtifactError,
@@ -32,7 +31,8 @@ from katamgr.artifacts import (
 from katamgr.config import KataManagerConfig, RuntimeClassConfig
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.root import HostRoot
-from katamgr.plan import PlanSection
+from katamgr.pipeline.plan import PlanSection
+from katamgr.pipeline.report import Report
 from katamgr.runtime import (
     KataRuntime,
     configure_containerd,

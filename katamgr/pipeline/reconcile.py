@@ -9,16 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from katamgr import cdispecs, kata
-from katamgr.apply import Report, apply_host, revert_host
 from katamgr.host import vfio
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Workload
-from katamgr.kata import KataContext
-from katamgr.plan import Plan, build_plan
+from katamgr.pipeline import cdi_specs, kata_runtime
+from katamgr.pipeline.devices import apply_host, revert_host
+from katamgr.pipeline.kata_runtime import KataContext
+from katamgr.pipeline.plan import Plan, build_plan
+from katamgr.pipeline.report import Report
 
 PASSTHROUGH = Workload.VM_PASSTHROUGH
 
@@ -53,11 +54,11 @@ def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
         plan.decisions = [d for d in plan.decisions if d.action is not Action.BIND]
         return plan
     if steps.cdi:
-        plan.sections.append(cdispecs.plan_section(host, plan.inventory, plan.decisions if steps.vfio else [],
+        plan.sections.append(cdi_specs.plan_section(host, plan.inventory, plan.decisions if steps.vfio else [],
                                                    naming))
     if steps.kata and kata_ctx is not None:
         ctx = _with_root_ports(kata_ctx, plan)
-        plan.sections += kata.plan_sections(host, ctx, enable_cdi=steps.cdi)
+        plan.sections += kata_runtime.plan_sections(host, ctx, enable_cdi=steps.cdi)
     return plan
 
 
@@ -87,9 +88,9 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
     report.warnings += plan.problems
     if steps.cdi:
         # The plan's scan still holds unless devices just moved driver.
-        report.merge(cdispecs.write_specs(host, discover(host) if rescan else plan.inventory, naming))
+        report.merge(cdi_specs.write_specs(host, discover(host) if rescan else plan.inventory, naming))
     if steps.kata and kata_ctx is not None:
-        report.merge(kata.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi))
+        report.merge(kata_runtime.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi))
     return report
 
 
@@ -98,13 +99,13 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
     """Undo in the reverse order: cluster and containerd first, devices last."""
     report = Report()
     if steps.kata and kata_ctx is not None:
-        report.merge(kata.revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
-    elif steps.kata and kata.changes_recorded(host):
+        report.merge(kata_runtime.revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
+    elif steps.kata and kata_runtime.changes_recorded(host):
         report.failures.append(
             "katamgr has Kata changes recorded on this node (containerd config, artifacts); "
             "pass the same --config FILE that applied them to revert them too")
     if steps.cdi:
-        report.merge(cdispecs.remove_specs(host))
+        report.merge(cdi_specs.remove_specs(host))
     if steps.vfio:
         report.merge(revert_host(host, force=force))
     return report

@@ -6,7 +6,7 @@ answers and stops it on exit. Artifacts are pushed with oras-py, the way an oper
 CI would publish them. The pytest fixtures ``registry_server`` and ``auth_registry_server``
 share one registry per test module; tests use their own repository names.
 
-Use from a test module: ``from registry import auth_registry_server, registry_server``.
+Use from a test module: ``from registry_server import auth_registry_server, registry_server``.
 """
 
 from __future__ import annotations

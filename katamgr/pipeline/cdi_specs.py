@@ -24,7 +24,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import cdi
-from katamgr.apply import Report
 from katamgr.errors import KatamgrError
 from katamgr.host.files import read_json, write_json
 from katamgr.host.inventory import Inventory
@@ -39,7 +38,8 @@ from katamgr.host.passthrough import (
 )
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action, GroupDecision
-from katamgr.plan import PlanSection
+from katamgr.pipeline.plan import PlanSection
+from katamgr.pipeline.report import Report
 
 SPEC_DIR = "/var/run/cdi"
 USER_KINDS = (f"{RESOURCE_VENDOR}/{PGPU_CLASS}", f"{RESOURCE_VENDOR}/{NVSWITCH_CLASS}")

@@ -1,0 +1,34 @@
+"""What a pipeline step did: sentences for people, facts for the steps after it.
+
+Steps return these; only the edge (``katamgr.render``) turns them into output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Report:
+    """What a step did, for humans: every change, warning and failure as a sentence."""
+
+    changes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def merge(self, other: Report) -> Report:
+        self.changes += other.changes
+        self.warnings += other.warnings
+        self.failures += other.failures
+        return self
+
+
+@dataclass
+class HostReport(Report):
+    """What ``apply_host`` did: the sentences, and the facts a caller acts on."""
+
+    moved: list[str] = field(default_factory=list)  # BDFs this call moved to vfio-pci
