@@ -18,14 +18,16 @@ from pathlib import Path
 
 from inotify_simple import flags as inflags
 
+from katamgr.errors import KatamgrError
 from katamgr.host.inventory import discover
+from katamgr.host.lock import NodeBusyError, node_lock
 from katamgr.host.naming import Naming
 from katamgr.host.process import stop_on_signals
 from katamgr.host.root import HostRoot
 from katamgr.host.watching import Watcher
 from katamgr.pipeline import cdi_specs, kata_runtime
 from katamgr.pipeline.kata_runtime import KataContext
-from katamgr.pipeline.reconcile import Steps, reconcile, revert_all
+from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, reconcile, revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report
 from katamgr.runtime import check_entries, configure_containerd
@@ -38,7 +40,8 @@ _WATCH = inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE | inflags.DELET
 class Agent:
     def __init__(self, host: HostRoot, naming: Naming, steps: Steps, ctx: KataContext | None, *,
                  force: bool = False, wait: float = 5.0, repull_interval: float = 3600.0,
-                 revert_on_exit: bool = False, check_interval: float = 10.0):
+                 revert_on_exit: bool = False, check_interval: float = 10.0,
+                 lock_wait: float = DEFAULT_LOCK_WAIT):
         self.host = host
         self.naming = naming
         self.steps = steps
@@ -47,6 +50,7 @@ class Agent:
         self.wait = wait
         self.repull_interval = repull_interval
         self.check_interval = check_interval
+        self.lock_wait = lock_wait
         self.revert_on_exit = revert_on_exit
         self.stop = threading.Event()
         self.reconciles = 0
@@ -58,9 +62,17 @@ class Agent:
         if watcher is not None:
             watcher.wake()  # a sleeping loop stops at once
 
-    def reconcile(self, why: str) -> Report:
+    def reconcile(self, why: str, *, raise_errors: bool = False) -> Report:
+        """One reconcile under the node lock; an error that stopped it before any
+        change (a busy lock, a bad input) is logged and tried again later."""
         log.info("reconciling: %s", why)
-        report = reconcile(self.host, self.naming, self.steps, self.ctx, force=self.force, wait=self.wait)
+        try:
+            report = reconcile(self.host, self.naming, self.steps, self.ctx, force=self.force,
+                               wait=self.wait, lock_wait=self.lock_wait, command="katamgr run")
+        except KatamgrError as exc:
+            if raise_errors:
+                raise
+            report = Report(failures=[str(exc)])
         self.reconciles += 1
         log_report(report, log, "nothing to change")
         return report
@@ -102,12 +114,18 @@ class Agent:
             return None
         log.info("CDI specs out of step with the devices on vfio-pci (%s): rewriting",
                  ", ".join(f"{c.action} {c.path}" for c in stale))
-        report = cdi_specs.write_specs(self.host, inv, self.naming)
+        try:
+            with node_lock(self.host, "katamgr run (CDI specs)", 0):
+                # Under the lock the devices may have moved on: look again.
+                report = cdi_specs.write_specs(self.host, discover(self.host), self.naming)
+        except NodeBusyError:
+            log.info("another katamgr holds the node lock; the CDI specs are checked again next time")
+            return None
         log_report(report, log)
         return report
 
     def run(self, once: bool = False) -> int:
-        first = self.reconcile("start")
+        first = self.reconcile("start", raise_errors=once)
         if once:
             return 0 if first.ok else 1
         stop_on_signals(self.request_stop, log)
@@ -116,7 +134,8 @@ class Agent:
         finally:
             if self.revert_on_exit:
                 log.info("reverting on exit (--revert-on-exit)")
-                log_report(revert_all(self.host, self.steps, self.ctx), log)
+                log_report(revert_all(self.host, self.steps, self.ctx, lock_wait=self.lock_wait,
+                                      command="katamgr run --revert-on-exit"), log)
         return 0
 
     def loop(self) -> None:

@@ -21,7 +21,8 @@ from katamgr.host.process import setup_logging
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import AUTO, DEFAULT_WORKLOAD, WORKLOADS, Workload, resolve_workload
 from katamgr.pipeline.kata_runtime import KataContext
-from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
+from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
+from katamgr.pipeline.report import Report
 from katamgr.render import plan_text, print_report
 from katamgr.simulator.materialise import is_simulated, materialise, open_root
 from katamgr.simulator.profiles import find_profile, shipped_names
@@ -42,6 +43,14 @@ exit codes: 0 success, 1 failure (the host is left as it was or rolled back),
 2 bad usage or configuration (nothing was changed).
 shipped host profiles: {profiles}
 """
+
+
+def _waits(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--wait", type=float, default=DEFAULT_LOCK_WAIT, metavar="SECONDS",
+                        help="how long to wait while another katamgr holds the node lock, then fail "
+                             f"with nothing changed (default {DEFAULT_LOCK_WAIT:g})")
+    parser.add_argument("--device-wait", type=float, default=5.0, metavar="SECONDS",
+                        help="how long to wait for /dev/vfio/<group> after binding (default 5)")
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -95,8 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--force", action="store_true",
                    help="unbind GPUs even while a process holds /dev/nvidiaN (that workload will crash)")
-    p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
-                   help="how long to wait for /dev/vfio/<group> after binding (default 5)")
+    _waits(p)
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("revert", help="put every device back on the driver it had",
@@ -108,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delete-runtimeclasses", action="store_true",
                    help="also delete the RuntimeClasses katamgr manages; they serve every node, "
                         "so do this when reverting the last one")
+    _waits(p)
     p.set_defaults(func=cmd_revert)
 
     p = sub.add_parser("run", help="the node agent: reconcile, then keep the node that way",
@@ -116,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "SIGTERM stops it; the node keeps its state unless --revert-on-exit is given.")
     _common(p)
     p.add_argument("--force", action="store_true", help="as for apply")
-    p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS", help="as for apply")
+    _waits(p)
     p.add_argument("--repull-interval", type=float, default=3600.0, metavar="SECONDS",
                    help="how often to check the registry for new artifacts (default 3600)")
     p.add_argument("--revert-on-exit", action="store_true", help="undo everything on SIGTERM/SIGINT")
@@ -205,16 +214,28 @@ def cmd_apply(args: argparse.Namespace) -> int:
     naming = naming_from(args)
     with host_from(args) as host:
         steps, ctx = steps_and_context(args, host)
-        report = reconcile(host, naming, steps, ctx, force=args.force, wait=args.wait)
+        report = reconcile(host, naming, steps, ctx, force=args.force, wait=args.device_wait,
+                           lock_wait=args.wait, command="katamgr apply")
         print_report(report, "nothing to change: the node is already as planned")
+        _tell_how_to_undo(report, args)
     return 0 if report.ok else 1
+
+
+def _tell_how_to_undo(report: Report, args: argparse.Namespace) -> None:
+    """A failed apply that changed something says so, and how to undo it (exit 1)."""
+    if report.ok or not report.changes:
+        return
+    where = f" --host-root {args.host_root}" if args.host_root not in (None, "/") else ""
+    config = f" --config {args.config}" if args.config else ""
+    print(f"katamgr: apply failed after the changes listed above, which are still in place; "
+          f"`katamgr revert{where}{config}` undoes them", file=sys.stderr)
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     with host_from(args) as host:
         steps, ctx = steps_and_context(args, host)
         report = revert_all(host, steps, ctx, force=args.force,
-                            delete_runtime_classes=args.delete_runtimeclasses)
+                            delete_runtime_classes=args.delete_runtimeclasses, lock_wait=args.wait)
         print_report(report, "nothing to revert: katamgr has no changes recorded on this node")
     return 0 if report.ok else 1
 
@@ -227,7 +248,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     naming = naming_from(args)
     with host_from(args) as host:
         steps, ctx = steps_and_context(args, host)
-        agent = Agent(host, naming, steps, ctx, force=args.force, wait=args.wait,
+        agent = Agent(host, naming, steps, ctx, force=args.force, wait=args.device_wait,
+                      lock_wait=args.wait,
                       repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit)
         return agent.run(once=args.once)
 

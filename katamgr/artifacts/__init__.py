@@ -12,9 +12,11 @@ from .install import (
     InstallRecord,
     InstallResult,
     NotOursError,
+    Resolution,
     install_artifact,
     read_install,
     remove_install,
+    resolve_artifact,
 )
 from .manifest import DEFAULT_MAX_LAYER_BYTES, MAX_MANIFEST_BYTES
 from .refs import ArtifactRef, LayoutRef, RegistryRef, parse_ref
@@ -34,9 +36,11 @@ __all__ = [
     "LayoutRef",
     "NotOursError",
     "RegistryRef",
+    "Resolution",
     "credentials_from_dockerconfigjson",
     "install_artifact",
     "parse_ref",
     "read_install",
     "remove_install",
+    "resolve_artifact",
 ]

@@ -104,6 +104,59 @@ def read_install(dest: Path) -> InstallRecord | None:
         return None
 
 
+@dataclass(frozen=True)
+class Resolution:
+    """What installing an artifact would take, found before anything is written."""
+
+    digest: str | None  # the manifest digest the source offers (None: kept install, source down)
+    bytes_needed: int  # free space the install needs beside the destination (0: up to date)
+    warning: str | None = None  # the source is unreachable but a complete install is kept
+
+
+def resolve_artifact(
+    ref: str | ArtifactRef,
+    dest: Path,
+    *,
+    credentials: Credentials | None = None,
+    insecure_registries: Iterable[str] = (),
+    retries: int = 3,
+    backoff: float = 0.5,
+    max_layer_bytes: int = DEFAULT_MAX_LAYER_BYTES,
+    label: str | None = None,
+    deadlines: Deadlines = DEFAULT_DEADLINES,
+) -> Resolution:
+    """Check that ``ref`` can be installed into ``dest``: the destination is ours, the
+    source answers with a valid manifest, and there is room. Writes nothing; raises
+    what ``install_artifact`` would (NotOursError, ArtifactError, SourceUnreachable).
+    """
+    parsed = parse_ref(ref) if isinstance(ref, str) else ref
+    text = label or str(parsed)
+    dest = Path(dest)
+    check_ours(dest)
+    source = _source_for(parsed, credentials, insecure_registries, deadlines)
+    current = read_install(dest) if dest.is_dir() else None
+    try:
+        fetched = with_retries(RetryPolicy(max(0, retries), backoff), source.fetch_manifest)
+    except SourceUnreachable as exc:
+        if current is None:
+            raise
+        return Resolution(None, 0, f"{exc}; the installed {current.ref} ({current.digest}) is kept")
+    manifest = parse_manifest(fetched.data, text, expected_digest=fetched.expected_digest,
+                              max_layer_bytes=max_layer_bytes, media_type=fetched.media_type)
+    if current is not None and current.digest == manifest.digest:
+        return Resolution(manifest.digest, 0)
+    # The new files are staged beside the old install before the swap.
+    return Resolution(manifest.digest, manifest.total_size)
+
+
+def _source_for(parsed: ArtifactRef, credentials: Credentials | None,
+                insecure_registries: Iterable[str], deadlines: Deadlines) -> Source:
+    if isinstance(parsed, LayoutRef):
+        return LayoutSource(parsed)
+    return RegistrySource(parsed, credentials=credentials, insecure_registries=insecure_registries,
+                          deadlines=deadlines)
+
+
 def install_artifact(
     ref: str | ArtifactRef,
     dest: Path,
@@ -129,14 +182,7 @@ def install_artifact(
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     policy = RetryPolicy(retries=max(0, retries), backoff=backoff)
-    source: Source
-    if isinstance(parsed, LayoutRef):
-        source = LayoutSource(parsed)
-    else:
-        source = RegistrySource(
-            parsed, credentials=credentials, insecure_registries=insecure_registries,
-            deadlines=deadlines,
-        )
+    source = _source_for(parsed, credentials, insecure_registries, deadlines)
     check_ours(dest)  # before the lock file is created: a refusal writes nothing
     with _locked(dest):
         _recover(dest)

@@ -199,7 +199,7 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
         override = sysfs.read_text(host.path(f"{sysfs.PCI_DEVICES}/{device.bdf}/driver_override"))
         state["devices"].setdefault(device.bdf, {
             "driver": device.driver,
-            "override": None if override in (None, "", "(null)") else override,
+            "override": _original_override(override),
             "group": decision.group,
         })
     write_json(host.state_path(STATE_FILE), state)
@@ -219,6 +219,15 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
         extra = f" (roll-back problems: {'; '.join(undo_errors)})" if undo_errors else ""
         raise HostError(f"binding IOMMU group {decision.group} failed and was rolled back: {exc}{extra}") from exc
     return moved
+
+
+def _original_override(value: str | None) -> str | None:
+    """The override to give back on revert. ``vfio-pci`` on a device not yet on vfio-pci
+    is a move in flight (another tool's, or one a crash cut short), never a setting to
+    restore: restoring it would send the device straight back to vfio-pci."""
+    if value in (None, "", "(null)", VFIO_DRIVER):
+        return None
+    return value
 
 
 def _move_to_vfio(host: HostRoot, device: Device) -> None:

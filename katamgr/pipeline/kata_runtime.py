@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 from kubernetes.client import ApiClient
 
@@ -27,6 +30,7 @@ from katamgr.artifacts import (
     install_artifact,
     read_install,
     remove_install,
+    resolve_artifact,
 )
 from katamgr.config import KataManagerConfig, RuntimeClassConfig
 from katamgr.errors import ConfigError, KatamgrError
@@ -147,6 +151,79 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
 # ---- apply -------------------------------------------------------------------
 
 
+# ---- preflight (read-only) ------------------------------------------------------
+
+
+def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> None:
+    """Check everything this step needs before the node's first write.
+
+    Raises ConfigError (exit 2) listing every bad input (containerd config that does
+    not parse or cannot be written, a pull secret that cannot be read, an artifacts
+    dir that is not ours), or KatamgrError (exit 1) when the inputs are fine but the
+    node cannot take the change now (a registry down with nothing installed, no room).
+    Either way nothing was changed yet.
+    """
+    config = ctx.config
+    bad: list[str] = []
+    blocked: list[str] = []
+    try:
+        configure_containerd(host, runtimes(host, ctx), config.containerd.config_path,
+                             config.containerd.version, enable_cdi=enable_cdi, dry_run=True)
+    except KatamgrError as exc:
+        bad.append(str(exc))
+    bad += _not_writable(host, config.containerd.config_path)
+    needed: dict[Path, int] = {}
+    for rc in config.runtime_classes:
+        dest = host.path(class_dir(config, rc.name))
+        try:
+            ref = _source(host, rc)
+            found = resolve_artifact(ref, dest, credentials=_credentials(ctx, rc, ref),
+                                     deadlines=ctx.deadlines, insecure_registries=config.insecure_registries,
+                                     label=rc.artifacts.url)
+        except NotOursError as exc:
+            bad.append(f"runtime class {rc.name}: {exc}; choose another kataManager.config.artifactsDir "
+                       f"({config.artifacts_dir}) or runtime class name, or move that directory aside")
+        except ConfigError as exc:
+            bad.append(f"runtime class {rc.name}: {exc}")
+        except (ArtifactError, KatamgrError) as exc:
+            blocked.append(f"runtime class {rc.name}: {exc}")
+        else:
+            if found.bytes_needed:
+                volume = _existing(dest.parent)
+                needed[volume] = needed.get(volume, 0) + found.bytes_needed
+    for volume, size in needed.items():
+        free = shutil.disk_usage(volume).free
+        if size > free:
+            blocked.append(f"{host.host_path(volume)} has {free} bytes free, the artifacts need {size}; "
+                           "free some space or choose another kataManager.config.artifactsDir")
+    if bad:
+        raise ConfigError("nothing was changed: " + "; ".join(bad + blocked))
+    if blocked:
+        raise KatamgrError("nothing was changed: " + "; ".join(blocked))
+
+
+def _not_writable(host: HostRoot, config_path: str) -> list[str]:
+    local = host.path(config_path)
+    target = Path(os.path.realpath(local)) if local.is_symlink() else local
+    if target.exists():
+        if not os.access(target, os.W_OK):
+            return [f"{host.host_path(target)} cannot be written (read-only, immutable or not ours to "
+                    "write); make it writable for katamgr or turn kataManager off on this node"]
+        parent = target.parent
+    else:
+        parent = _existing(target.parent)
+    if not os.access(parent, os.W_OK):
+        return [f"{host.host_path(parent)} cannot be written, so containerd's config beside it cannot be "
+                "replaced atomically; make it writable for katamgr"]
+    return []
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> Report:
     report = Report()
     config = ctx.config
@@ -187,8 +264,13 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> Repor
         ready.append(rc.name)
 
     entries = runtimes(host, ctx, ready)
-    change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
-                                  enable_cdi=enable_cdi)
+    try:
+        change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
+                                      enable_cdi=enable_cdi)
+    except OSError as exc:
+        report.failures.append(f"containerd config {config.containerd.config_path} was not written: "
+                               f"{exc.strerror or exc}")
+        return report.merge(_cluster(ctx, config))
     if change.changed:
         what = ", ".join(filter(None, [
             f"added {', '.join(change.runtimes_added)}" if change.runtimes_added else "",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from katamgr.host import vfio
 from katamgr.host.inventory import discover
+from katamgr.host.lock import LOCK_FILE, node_lock, remove_lock_file
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
@@ -22,6 +23,8 @@ from katamgr.pipeline.plan import Plan, build_plan
 from katamgr.pipeline.report import Report
 
 PASSTHROUGH = Workload.VM_PASSTHROUGH
+# How long a second katamgr waits for the one holding the node lock (--wait).
+DEFAULT_LOCK_WAIT = 60.0
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,19 @@ def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:
 
 
 def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
-              force: bool = False, wait: float = 5.0) -> Report:
+              force: bool = False, wait: float = 5.0, lock_wait: float = DEFAULT_LOCK_WAIT,
+              command: str = "katamgr apply") -> Report:
+    """Bring the node to the plan, holding the node lock (NodeBusyError after ``lock_wait``).
+
+    Every input is checked before the first write (``kata_runtime.preflight``): a
+    ConfigError or KatamgrError out of here means nothing was changed.
+    """
+    with node_lock(host, command, lock_wait):
+        return _reconcile(host, naming, steps, kata_ctx, force=force, wait=wait)
+
+
+def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
+               force: bool, wait: float) -> Report:
     report = Report()
     if not steps.passthrough:
         report.warnings.append(f"node workload is {steps.workload.value!r}: nothing to do for VM passthrough here")
@@ -78,6 +93,8 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
                 f"{', '.join(earlier)} stay on vfio-pci from when this node ran {PASSTHROUGH}; "
                 "run katamgr revert to give them back to their drivers")
         return report
+    if steps.kata and kata_ctx is not None:
+        kata_runtime.preflight(host, kata_ctx, enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
     rescan = False
     if steps.vfio:
@@ -95,8 +112,21 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
 
 
 def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool = False,
-               delete_runtime_classes: bool = False) -> Report:
-    """Undo in the reverse order: cluster and containerd first, devices last."""
+               delete_runtime_classes: bool = False, lock_wait: float = DEFAULT_LOCK_WAIT,
+               command: str = "katamgr revert") -> Report:
+    """Undo in the reverse order, holding the node lock: cluster and containerd first,
+    devices last. A revert that leaves nothing recorded removes the lock file too."""
+    with node_lock(host, command, lock_wait):
+        report = _revert_all(host, steps, kata_ctx, force=force,
+                             delete_runtime_classes=delete_runtime_classes)
+        state = host.state_path(".")
+        if state.is_dir() and {p.name for p in state.iterdir()} == {LOCK_FILE}:
+            remove_lock_file(host)
+        return report
+
+
+def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool,
+                delete_runtime_classes: bool) -> Report:
     report = Report()
     if steps.kata and kata_ctx is not None:
         report.merge(kata_runtime.revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))

@@ -1,0 +1,103 @@
+"""One writer per node: the lock every katamgr process holds while it changes the host.
+
+Two runs at once (three ``apply``, or ``katamgr run`` beside a manual ``revert``)
+would each read the device records, bind or unbind, and write the records back:
+GPUs end up on vfio-pci with no record left to give them back. So every command
+that changes the host holds ``/var/lib/kata-sandbox-manager/node.lock`` (an
+``flock``) for its whole read-modify-write; a second one waits, saying who holds
+it, up to ``--wait`` seconds, then fails with exit 1 having changed nothing.
+
+The holder writes who it is into the file (pid, command, since when) for the
+waiter's message; the kernel drops the lock when the holder dies, even by kill -9.
+``release(remove=True)`` deletes the file while still holding it (revert leaves
+nothing behind); a waiter that then wins the lock on the deleted file notices the
+path no longer names its inode and takes the lock again on the new file.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from katamgr.errors import KatamgrError
+from katamgr.host.root import HostRoot
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "node.lock"
+POLL_SECONDS = 0.05
+
+
+class NodeBusyError(KatamgrError):
+    """Another katamgr process held the node lock for longer than we would wait."""
+
+
+def holder_text(path: Path) -> str:
+    """Who holds the lock, as the holder wrote it; "" when unknown."""
+    try:
+        info = json.loads(path.read_text() or "{}")
+        return f"pid {int(info['pid'])} ({info['command']}, since {info['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+@contextmanager
+def node_lock(host: HostRoot, command: str, wait: float,
+              on_wait: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """Hold the node lock for the block; NodeBusyError after ``wait`` seconds.
+
+    ``on_wait`` gets one message when the lock is busy (default: a warning in the log).
+    """
+    path = host.state_path(LOCK_FILE)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + max(0.0, wait)
+    told = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            who = holder_text(path) or "another process"
+            if time.monotonic() >= deadline:
+                raise NodeBusyError(
+                    f"another katamgr holds the node lock {host.host_path(path)}: {who}; waited "
+                    f"{wait:g} s (--wait), nothing was changed; run again when it has finished"
+                ) from None
+            if not told:
+                told = True
+                (on_wait or log.warning)(f"waiting up to {wait:g} s for the node lock held by {who}")
+            time.sleep(POLL_SECONDS)
+            continue
+        if not _still_named(fd, path):
+            os.close(fd)  # won the lock on a file a finished revert deleted: take the new one
+            continue
+        break
+    try:
+        os.ftruncate(fd, 0)
+        since = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        os.write(fd, json.dumps({"pid": os.getpid(), "command": command, "since": since}).encode())
+        yield path
+    finally:
+        os.close(fd)  # closing drops the flock
+
+
+def remove_lock_file(host: HostRoot) -> None:
+    """Delete the lock file while holding the lock (the end of a revert)."""
+    host.state_path(LOCK_FILE).unlink(missing_ok=True)
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    try:
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
