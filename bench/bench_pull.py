@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from registry_server import run_registry  # noqa: E402
+from support.registry_server import run_registry  # noqa: E402
 
 from katamgr.artifacts import install_artifact  # noqa: E402
 from katamgr.artifacts.install import WRITEBACK_BYTES, _start_writeback  # noqa: E402

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from katamgr.host.faults import write_point
 from katamgr.host.files import fsync_dir, write_atomic
 
 from .credentials import Credentials
@@ -232,29 +233,45 @@ def check_ours(dest: Path) -> None:
 
 
 def remove_install(dest: Path) -> bool:
-    """Remove an install of ours; False (nothing touched) when ``dest`` holds none.
+    """Remove an install of ours and whatever a killed run left beside it; True when
+    an install was removed. A dir that is not ours is never touched.
 
     The dir is first renamed aside in one step, so a crash part-way through the
     deletion leaves no half-removed install under the runtime class's name: the
-    next run's ``_recover`` (or this function) deletes the renamed leftovers.
+    next run (install or removal) deletes the renamed leftovers.
     """
+    dest = Path(dest)
+    lock = dest.parent / f".{dest.name}.lock"
+    if not (lock.exists() or _leftovers(dest) or read_install(dest) is not None):
+        return False  # nothing of ours here: not even a lock file is created
+    removed = False
     with _locked(dest):
         _recover(dest)
-        if dest.is_symlink() or read_install(dest) is None:
-            return False
-        trash = dest.parent / f".{dest.name}.removing-{os.getpid()}-{time.monotonic_ns()}"
-        os.rename(dest, trash)
-        fsync_dir(dest.parent)
-        shutil.rmtree(trash)
-    (dest.parent / f".{dest.name}.lock").unlink(missing_ok=True)
+        if not dest.is_symlink() and read_install(dest) is not None:
+            trash = dest.parent / f".{dest.name}.removing-{os.getpid()}-{time.monotonic_ns()}"
+            write_point(f"rename {dest} aside")
+            os.rename(dest, trash)
+            fsync_dir(dest.parent)
+            write_point(f"delete {trash}")
+            shutil.rmtree(trash)
+            removed = True
+        write_point(f"remove the lock of {dest}")
+        lock.unlink(missing_ok=True)
     fsync_dir(dest.parent)
-    return True
+    return removed
+
+
+def _leftovers(dest: Path) -> list[Path]:
+    """What killed installs or removals of ``dest`` left beside it (ours by name)."""
+    return [p for kind in ("old", "staging", "removing")
+            for p in dest.parent.glob(f".{dest.name}.{kind}-*")]
 
 
 def _stage_and_swap(
     source: Source, manifest: Manifest, ref: str, dest: Path, intact: dict[str, Path],
     policy: RetryPolicy,
 ) -> int:
+    write_point(f"stage {dest}")
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
     try:
         files, transferred = _fill(source, manifest, ref, staging, intact, policy)
@@ -265,6 +282,7 @@ def _stage_and_swap(
             os.fsync(out.fileno())  # after a crash the swapped-in dir must hold its record
         os.chmod(staging, 0o755)
         fsync_dir(staging)
+        write_point(f"swap {staging} into {dest}")
         _swap(staging, dest)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -345,6 +363,7 @@ def _write_verified(
     if report:
         log.info("%s: downloading %s (%.1f MiB)", ref, layer.name, layer.size / 2**20)
     # a retry starts the file afresh ("wb")
+    write_point(f"write {target}")
     with target.open("wb") as out, _hashing(hasher, layer.size) as hash_chunk:
         for chunk in chunks:
             if stop.is_set():
@@ -493,6 +512,7 @@ def _recover(dest: Path) -> None:
         log.warning("restored %s from an install swap a crash interrupted", dest)
     for stale in [*leftovers, *dest.parent.glob(f".{dest.name}.staging-*"),
                   *dest.parent.glob(f".{dest.name}.removing-*")]:
+        write_point(f"delete leftover {stale}")
         shutil.rmtree(stale, ignore_errors=True)
 
 
@@ -506,6 +526,7 @@ def _swap(staging: Path, dest: Path) -> None:
         # complete under .<name>.old-*, and the next run's _recover puts it back
         old = dest.parent / f".{dest.name}.old-{os.getpid()}-{time.monotonic_ns()}"
         os.rename(dest, old)
+        write_point(f"rename {staging} to {dest}")
         os.rename(staging, dest)
         fsync_dir(dest.parent)
         if old.is_dir() and not old.is_symlink():

@@ -17,10 +17,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from katamgr.host.faults import write_point
 
 
 def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> bool:
@@ -31,6 +34,7 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> bool:
     if isinstance(data, str):
         data = data.encode()
     path = Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
+    remove_stale_temps(path)  # a killed earlier write's, even when this one writes nothing
     try:
         if path.read_bytes() == data:
             return False
@@ -41,6 +45,7 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> bool:
     except FileNotFoundError:
         before = None
     path.parent.mkdir(parents=True, exist_ok=True)
+    write_point(f"write {path}")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -51,6 +56,7 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> bool:
             else:
                 _copy_identity(path, before, fh.fileno())
             os.fsync(fh.fileno())
+        write_point(f"rename into {path}")
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -77,6 +83,32 @@ def _copy_identity(source: Path, st: os.stat_result, fd: int) -> None:
         os.setxattr(fd, name, os.getxattr(source, name))
 
 
+# mkstemp(prefix=".<name>.", suffix=".tmp"): what write_atomic (and the cdi library's
+# writer) leave behind when killed between creating the temp file and the rename.
+_TEMP = re.compile(r"^\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp$")
+
+
+def remove_stale_temps(path: Path, *, any_name: bool = False) -> list[Path]:
+    """Remove the temp files a killed write of ``path`` left beside it (every
+    write's, for any file of that dir, with ``any_name``); the paths removed."""
+    path = Path(path)
+    directory = path if any_name else path.parent
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        match = _TEMP.match(entry.name)
+        if match and (any_name or match["name"] == path.name) and entry.is_file(follow_symlinks=False):
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            removed.append(Path(entry.path))
+    return removed
+
+
 def fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -92,6 +124,8 @@ def fsync_dir(directory: Path) -> None:
 
 def remove_file(path: Path) -> bool:
     """Remove ``path``; return True when something was removed."""
+    remove_stale_temps(Path(path))
+    write_point(f"remove {path}")
     try:
         Path(path).unlink()
     except FileNotFoundError:

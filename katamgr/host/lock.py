@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from katamgr.errors import KatamgrError
+from katamgr.host.files import remove_stale_temps
 from katamgr.host.root import HostRoot
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,10 @@ def node_lock(host: HostRoot, command: str, wait: float,
     ``on_wait`` gets one message when the lock is busy (default: a warning in the log).
     """
     path = host.state_path(LOCK_FILE)
-    path.parent.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + max(0.0, wait)
     told = False
     while True:
+        path.parent.mkdir(parents=True, exist_ok=True)  # again: a finished revert removes it
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -91,9 +92,21 @@ def node_lock(host: HostRoot, command: str, wait: float,
         os.close(fd)  # closing drops the flock
 
 
-def remove_lock_file(host: HostRoot) -> None:
-    """Delete the lock file while holding the lock (the end of a revert)."""
-    host.state_path(LOCK_FILE).unlink(missing_ok=True)
+def tidy_state_dir(host: HostRoot) -> None:
+    """At the end of a revert, with the lock held: drop what killed runs left in the
+    state dir (temp files, empty dirs) and, when no record is left, the lock file and
+    the dir itself, so a reverted node keeps no trace of katamgr."""
+    state = host.state_path(".").resolve()
+    if not state.is_dir():
+        return
+    for dirpath, _dirnames, _filenames in os.walk(state, topdown=False):
+        directory = Path(dirpath)
+        remove_stale_temps(directory, any_name=True)  # the whole dir is ours
+        if directory != state and not any(directory.iterdir()):
+            directory.rmdir()
+    if {p.name for p in state.iterdir()} == {LOCK_FILE}:
+        (state / LOCK_FILE).unlink()  # a waiter holding the old inode retries (see node_lock)
+        state.rmdir()
 
 
 def _still_named(fd: int, path: Path) -> bool:

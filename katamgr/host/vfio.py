@@ -21,7 +21,8 @@ from enum import StrEnum
 
 from katamgr.host import holders, iommu, sysfs
 from katamgr.host.errors import HostError
-from katamgr.host.files import read_json, write_json
+from katamgr.host.faults import write_point
+from katamgr.host.files import read_json, remove_file, write_json
 from katamgr.host.inventory import Inventory, Kind
 from katamgr.host.pci import VFIO_DRIVER, Device
 from katamgr.host.root import HostRoot
@@ -221,6 +222,11 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
     return moved
 
 
+def _kernel_write(host: HostRoot, path: str, value: str) -> None:
+    write_point(f"kernel {path} <- {value.strip()!r}")
+    host.kernel.write(host, path, value)
+
+
 def _original_override(value: str | None) -> str | None:
     """The override to give back on revert. ``vfio-pci`` on a device not yet on vfio-pci
     is a move in flight (another tool's, or one a crash cut short), never a setting to
@@ -232,12 +238,12 @@ def _original_override(value: str | None) -> str | None:
 
 def _move_to_vfio(host: HostRoot, device: Device) -> None:
     base = f"{sysfs.PCI_DEVICES}/{device.bdf}"
-    host.kernel.write(host, f"{base}/driver_override", VFIO_DRIVER + "\n")
+    _kernel_write(host, f"{base}/driver_override", VFIO_DRIVER + "\n")
     current = _current_driver(host, device.bdf)
     if current is not None and current != VFIO_DRIVER:
-        host.kernel.write(host, f"{sysfs.PCI_DRIVERS}/{current}/unbind", device.bdf)
+        _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{current}/unbind", device.bdf)
     if _current_driver(host, device.bdf) is None:
-        host.kernel.write(host, sysfs.DRIVERS_PROBE, device.bdf)
+        _kernel_write(host, sysfs.DRIVERS_PROBE, device.bdf)
     now = _current_driver(host, device.bdf)
     if now != VFIO_DRIVER:
         raise HostError(f"{device.bdf} did not bind to vfio-pci (driver is now {now or 'none'}); see dmesg for the probe error")
@@ -246,10 +252,10 @@ def _move_to_vfio(host: HostRoot, device: Device) -> None:
 def _restore(host: HostRoot, bdf: str, driver: str | None, override: str | None) -> None:
     base = f"{sysfs.PCI_DEVICES}/{bdf}"
     if _current_driver(host, bdf) == VFIO_DRIVER:
-        host.kernel.write(host, f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}/unbind", bdf)
-    host.kernel.write(host, f"{base}/driver_override", (override or "") + "\n")
+        _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}/unbind", bdf)
+    _kernel_write(host, f"{base}/driver_override", (override or "") + "\n")
     if driver is not None and _current_driver(host, bdf) is None:
-        host.kernel.write(host, sysfs.DRIVERS_PROBE, bdf)
+        _kernel_write(host, sysfs.DRIVERS_PROBE, bdf)
         now = _current_driver(host, bdf)
         if now != driver:
             raise HostError(f"{bdf} came back on {now or 'no driver'} instead of {driver}; bind it by hand: echo {bdf} > /sys/bus/pci/drivers/{driver}/bind")
@@ -311,5 +317,5 @@ def unbind_all(host: HostRoot, *, force: bool = False) -> BindReport:
     if state["devices"]:
         write_json(host.state_path(STATE_FILE), state)
     else:
-        host.state_path(STATE_FILE).unlink(missing_ok=True)
+        remove_file(host.state_path(STATE_FILE))
     return report

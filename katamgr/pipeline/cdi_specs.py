@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import cdi
 from katamgr.errors import KatamgrError
-from katamgr.host.files import read_json, write_json
+from katamgr.host.faults import write_point
+from katamgr.host.files import read_json, remove_file, remove_stale_temps, write_json
 from katamgr.host.inventory import Inventory
 from katamgr.host.naming import RESOURCE_VENDOR, Naming
 from katamgr.host.passthrough import (
@@ -195,17 +196,20 @@ def write_specs(host: HostRoot, inv: Inventory, naming: Naming) -> Report:
     written = set(_written(host))
     spec_dir = host.path(SPEC_DIR)
     for change in found:
+        remove_stale_temps(host.path(change.path))  # a killed earlier write's
         if change.action == "write":
             # Recorded before the write: a crash in between leaves a spec we know is ours.
             written.add(change.kind)
             write_json(host.state_path(STATE_FILE), {"kinds": sorted(written)})
             try:
+                write_point(f"write CDI spec {change.path}")
                 cdi.write_spec(change.spec, spec_dir)
             except cdi.CDIError as exc:
                 report.failures.append(f"{change.path} was not written: {exc}")
                 continue
             report.changes.append(f"wrote {change.path} ({len(change.spec.devices)} device names)")
         elif change.action == "remove":
+            write_point(f"remove CDI spec {change.path}")
             cdi.remove_spec(spec_dir, change.kind)
             written.discard(change.kind)
             report.changes.append(f"removed stale {change.path}: no {change.kind} device is on vfio-pci")
@@ -216,7 +220,9 @@ def write_specs(host: HostRoot, inv: Inventory, naming: Naming) -> Report:
 def remove_specs(host: HostRoot) -> Report:
     report = Report()
     for kind in _written(host):
+        remove_stale_temps(host.path(spec_path(kind)))
+        write_point(f"remove CDI spec {spec_path(kind)}")
         if cdi.remove_spec(host.path(SPEC_DIR), kind):
             report.changes.append(f"removed {spec_path(kind)}")
-    host.state_path(STATE_FILE).unlink(missing_ok=True)
+    remove_file(host.state_path(STATE_FILE))
     return report

@@ -34,6 +34,7 @@ from katamgr.artifacts import (
 )
 from katamgr.config import KataManagerConfig, RuntimeClassConfig
 from katamgr.errors import ConfigError, KatamgrError
+from katamgr.host.files import remove_stale_temps
 from katamgr.host.root import HostRoot
 from katamgr.pipeline.plan import PlanSection
 from katamgr.pipeline.report import Report
@@ -264,6 +265,7 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> Repor
         ready.append(rc.name)
 
     entries = runtimes(host, ctx, ready)
+    remove_stale_temps(host.path(config.containerd.config_path))  # a killed earlier write's
     try:
         change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
                                       enable_cdi=enable_cdi)
@@ -271,6 +273,7 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> Repor
         report.failures.append(f"containerd config {config.containerd.config_path} was not written: "
                                f"{exc.strerror or exc}")
         return report.merge(_cluster(ctx, config))
+    remove_stale_temps(host.path(change.path))  # the drop-in's, where that is the target
     if change.changed:
         what = ", ".join(filter(None, [
             f"added {', '.join(change.runtimes_added)}" if change.runtimes_added else "",
@@ -323,6 +326,9 @@ def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = F
         except KatamgrError as exc:
             report.failures.append(str(exc))
     change = revert_containerd(host, config.containerd.config_path)
+    # A killed apply's temp file beside the config, when the revert had nothing to write.
+    remove_stale_temps(host.path(config.containerd.config_path))
+    remove_stale_temps(host.path(change.path))
     if change.changed:
         report.changes.append(f"restored {change.path}")
         report.merge(_reload(host, config))

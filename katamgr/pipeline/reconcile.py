@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from katamgr.host import vfio
 from katamgr.host.inventory import discover
-from katamgr.host.lock import LOCK_FILE, node_lock, remove_lock_file
+from katamgr.host.lock import node_lock, tidy_state_dir
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
@@ -119,9 +119,7 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
     with node_lock(host, command, lock_wait):
         report = _revert_all(host, steps, kata_ctx, force=force,
                              delete_runtime_classes=delete_runtime_classes)
-        state = host.state_path(".")
-        if state.is_dir() and {p.name for p in state.iterdir()} == {LOCK_FILE}:
-            remove_lock_file(host)
+        tidy_state_dir(host)
         return report
 
 

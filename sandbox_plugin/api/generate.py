@@ -5,7 +5,7 @@ The files are ``deviceplugin.proto`` (kubelet device plugin API v1beta1) and
 ``NAME_pb2.py``, ``NAME_pb2.pyi`` and ``NAME_pb2_grpc.py``.
 
 Run ``python -m sandbox_plugin.api.generate`` after editing a .proto and commit
-the result. tests/test_proto_stubs.py calls :func:`generate` into a temp dir and
+the result. tests/plugin/test_proto_stubs.py calls :func:`generate` into a temp dir and
 fails when the committed stubs differ, so the two never drift apart.
 
 protoc writes ``import NAME_pb2`` into the gRPC module, which only works when

@@ -1,0 +1,54 @@
+"""The agent's config (configmap.yaml): what the chart writes, and that katamgr loads it."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from chartvalues import CUSTOM_CLASSES, VALUE_SETS
+from support.chartkit import FULL, RELEASE, host_mounts, merged, render
+
+
+@pytest.mark.integration
+def test_config_map_carries_the_kata_manager_config(chart):
+    rendered = render(chart, CUSTOM_CLASSES)
+    config = yaml.safe_load(rendered.get("ConfigMap", "-config")["data"]["config.yaml"])
+    assert config == {
+        "artifactsDir": "/var/lib/kata-artifacts",
+        "runtimeClasses": CUSTOM_CLASSES["kataManager"]["config"]["runtimeClasses"],
+        "containerd": {"configPath": "/etc/containerd/config.toml",
+                       "socket": "/run/containerd/containerd.sock", "restartMode": "signal"},
+        "runtimeClassOverhead": {"podFixed": {"memory": "160Mi", "cpu": "250m"}},
+        "insecureRegistries": ["registry.local:5000"],
+    }
+    # Optional keys stay out of the file unless set.
+    default = yaml.safe_load(render(chart, FULL).get("ConfigMap", "-config")["data"]["config.yaml"])
+    assert set(default) == {"artifactsDir", "runtimeClasses", "containerd"}
+    pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
+    config_volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert config_volume["configMap"]["name"] == f"{RELEASE}-config"
+    mounts = host_mounts(rendered, "-sandbox-agent", "kata-manager")
+    assert mounts["/host/var/lib/kata-artifacts"] == ("/var/lib/kata-artifacts", False)
+    assert not any("nvidia-gpu-operator" in path for path in mounts)
+    assert pod["imagePullSecrets"] == [{"name": "ghcr-creds"}]
+
+
+@pytest.mark.parametrize("values", [FULL, CUSTOM_CLASSES, VALUE_SETS["example-mixed-cluster"],
+                                    VALUE_SETS["air-gapped"], VALUE_SETS["example-air-gapped"]],
+                         ids=["defaults", "custom-classes", "example-mixed-cluster", "air-gapped",
+                              "example-air-gapped"])
+@pytest.mark.integration
+def test_katamgr_accepts_the_config_the_chart_writes(chart, values):
+    from katamgr.config import parse_config
+
+    text = render(chart, values).get("ConfigMap", "-config")["data"]["config.yaml"]
+    config = parse_config(text, source="ConfigMap config.yaml")
+    classes = chart.merge_values(values)["kataManager"]["config"]["runtimeClasses"]
+    assert [rc.name for rc in config.runtime_classes] == [rc["name"] for rc in classes]
+    assert config.containerd.restart_mode == "signal"
+
+
+@pytest.mark.integration
+def test_duplicate_runtime_class_names_are_refused(helm, chart):
+    classes = [{"name": "kata-gpu", "artifacts": {"url": "registry.local/kata:1"}}] * 2
+    with pytest.raises(helm.HelmError, match='"kata-gpu" appears twice'):
+        render(chart, merged(FULL, {"kataManager": {"config": {"runtimeClasses": classes}}}))

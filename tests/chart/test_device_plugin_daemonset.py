@@ -1,0 +1,53 @@
+"""The container GPU plugin's DaemonSet (device-plugin-daemonset.yaml), and the arguments
+every sandbox-device-plugin container is given."""
+
+from __future__ import annotations
+
+import pytest
+from support.chartkit import FULL, RELEASE, container, env_names, host_mounts, merged, render, rules
+
+# --- defaults: like the GPU Operator, sandbox workloads are off ------------------------
+
+@pytest.mark.integration
+def test_defaults_run_only_the_container_gpu_plugin_unprivileged(chart):
+    rendered = render(chart, {})
+    assert rendered.kinds() == [
+        ("ClusterRole", RELEASE), ("ClusterRoleBinding", RELEASE),
+        ("DaemonSet", f"{RELEASE}-device-plugin"), ("ServiceAccount", RELEASE),
+    ]
+    plugin = container(rendered, "-device-plugin", "device-plugin")
+    assert plugin["command"] == ["sandbox-device-plugin"]
+    assert plugin["args"] == ["--host-root", "/host", "--mode", "container",
+                              "--node-name", "$(NODE_NAME)"]
+    assert env_names(plugin)["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env_names(plugin)["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert plugin["securityContext"]["privileged"] is False
+    assert plugin["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert host_mounts(rendered, "-device-plugin", "device-plugin") == {
+        "/host/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", False),
+        "/host/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", True),
+    }
+    pod = rendered.get("DaemonSet", "-device-plugin")["spec"]["template"]["spec"]
+    assert not pod.get("hostPID")
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    # Read-only access to nodes, nothing else.
+    assert rules(rendered.get("ClusterRole")) == {
+        "nodes": {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+    }
+
+
+# --- the device plugin accepts the arguments the chart passes --------------------------
+
+# A missing Helm engine fails this under REQUIRE_INTEGRATION through the helm fixture.
+
+@pytest.mark.parametrize("values", [{}, merged(FULL, {"sandboxDevicePlugin": {"alias": "pgpu"}})],
+                         ids=["container", "vm-passthrough-alias"])
+def test_device_plugin_understands_its_arguments(chart, values):
+    from sandbox_plugin import cli
+
+    rendered = render(chart, values)
+    for _, c in rendered.containers():
+        if c["command"] == ["sandbox-device-plugin"]:
+            args = [a.replace("$(NODE_NAME)", "gpu-node-1") for a in c["args"]]
+            cli.build_parser().parse_args(args)

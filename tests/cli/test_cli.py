@@ -1,0 +1,109 @@
+"""The katamgr command as an operator runs it: output, exit codes, errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.paths import HOST_PROFILES, REPO
+
+from katamgr.host.naming import resource_name
+from katamgr.host.pciids import PciIds
+
+KATAMGR = str(Path(sys.executable).parent / "katamgr")
+H100 = resource_name(PciIds.find(), 0x10DE, 0x2330)
+
+
+def run(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([KATAMGR, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+@pytest.mark.parametrize("profile_path", HOST_PROFILES, ids=lambda p: p.stem)
+def test_plan_json_for_each_shipped_profile(profile_path):
+    result = run("plan", "--host", f"examples/hosts/{profile_path.name}", "--output", "json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert {"devices", "resources", "problems"} <= plan.keys()
+    for device in plan["devices"]:
+        assert {"bdf", "kind", "driver", "iommu_group", "numa_node", "resource", "action", "reason"} <= device.keys()
+        assert device["kind"] in ("gpu", "nvswitch", "companion", "other")
+        assert device["action"] in ("bind", "keep", "skip")
+
+
+def test_plan_text_is_a_table():
+    result = run("plan", "--host", "a10-server")
+    assert result.returncode == 0
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("BDF"))
+    assert header.split()[:4] == ["BDF", "KIND", "MODEL", "DRIVER"]
+    assert "nvidia.com/GA102GL_A10: 4" in result.stdout
+
+
+def test_apply_twice_then_revert_on_a_host_root(tmp_path):
+    root = tmp_path / "node"
+    assert run("simulate", "workstation-a6000", "--into", str(root)).returncode == 0
+    first = run("apply", "--host-root", str(root))
+    assert first.returncode == 0, first.stderr
+    assert "changed: bound 0000:01:00.0" in first.stdout and "changed: bound 0000:01:00.1" in first.stdout
+    second = run("apply", "--host-root", str(root))
+    assert second.returncode == 0
+    assert "nothing to change" in second.stdout
+    plan = json.loads(run("plan", "--host-root", str(root), "--output", "json").stdout)
+    assert {d["action"] for d in plan["devices"]} == {"keep"}
+    reverted = run("revert", "--host-root", str(root))
+    assert "restored 0000:01:00.0 to nvidia" in reverted.stdout
+    assert "nothing to revert" in run("revert", "--host-root", str(root)).stdout
+
+
+def test_demo_runs_and_tells_the_story():
+    result = run("demo")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "no changes, as expected" in out
+    assert "changed: bound 0000:03:00.0 (10de:2330) to vfio-pci" in out
+    assert "changed: wrote /var/run/cdi/nvidia.com-pgpu.yaml" in out
+    assert "changed: installed oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu" in out
+    assert "runtimes.kata-qemu-nvidia-gpu.options]" in out  # the containerd excerpt
+    assert "containerd config byte-identical to before: yes" in out
+    assert f"registered {H100}" in out and "8 healthy of 8" in out
+    assert "CDI device nvidia.com/pgpu=0" in out and "device node /dev/vfio/6 (rw)" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (("plan", "--host-root", "/nonexistent/dir"), "--host-root /nonexistent/dir is not a directory"),
+    (("plan", "--host", "no-such-profile"), "shipped: a10-server"),
+    (("plan", "--host", "a10-server", "--alias", "bad alias!"), "alias 'bad alias!'"),
+    (("plan", "--host", "a10-server", "--pci-ids", "/nonexistent/pci.ids"), "/nonexistent/pci.ids"),
+])
+def test_bad_usage_exits_2_with_one_clear_sentence(args, message):
+    result = run(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_simulate_refuses_a_non_empty_dir(tmp_path):
+    (tmp_path / "something").write_text("x")
+    result = run("simulate", "a10-server", "--into", str(tmp_path))
+    assert result.returncode == 2 and "not empty" in result.stderr
+
+
+def test_apply_failure_exits_1(tmp_path):
+    profile = tmp_path / "p.yaml"
+    profile.write_text(
+        "name: no-vfio\niommu: true\nvfio_pci: missing\ndevices:\n"
+        "  - {bdf: '0000:01:00.0', vendor: 0x10de, device: 0x2236, class: 0x030200, driver: nvidia, iommu_group: 3}\n"
+    )
+    result = run("apply", "--host", str(profile))
+    assert result.returncode == 1
+    assert "vfio-pci" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_explains():
+    result = run("--help")
+    assert result.returncode == 0
+    for word in ("plan", "apply", "revert", "demo", "simulate", "exit codes"):
+        assert word in result.stdout

@@ -1,0 +1,173 @@
+"""The kata manager config: GPU Operator shape, defaults, and every problem reported at once."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import yaml
+from configkit import BAD_CASES
+from support.paths import EXAMPLES
+
+from katamgr.artifacts.refs import LayoutRef, RegistryRef
+from katamgr.config import (
+    DEFAULT_ARTIFACTS_DIR,
+    DEFAULT_GPU_ARTIFACTS,
+    DEFAULT_SNP_ARTIFACTS,
+    InvalidConfig,
+    config_from_dict,
+    default_config,
+    load_config,
+    parse_config,
+)
+from katamgr.errors import ConfigError
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def problems_of(data) -> list[str]:
+    with pytest.raises(InvalidConfig) as caught:
+        config_from_dict(data)
+    return caught.value.problems
+
+
+def test_default_config_matches_the_gpu_operator_defaults():
+    config = default_config()
+    assert config.artifacts_dir == DEFAULT_ARTIFACTS_DIR
+    assert [rc.name for rc in config.runtime_classes] == [
+        "kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"]
+    gpu, snp = config.runtime_classes
+    assert gpu.artifacts.url == DEFAULT_GPU_ARTIFACTS
+    assert snp.artifacts.url == DEFAULT_SNP_ARTIFACTS
+    assert gpu.scheduling_node_selector == {"nvidia.com/gpu.workload.config": "vm-passthrough"}
+    assert snp.scheduling_node_selector == {"nvidia.com/cc.capable": "true"}
+    assert config.containerd.restart_mode == "signal"
+    assert config.containerd.pod_annotations == ("io.katacontainers.*",)
+    assert load_config(None) == config
+
+
+def test_shipped_example_configs_load():
+    assert load_config(EXAMPLES / "configs" / "kata-manager.yaml") == default_config()
+    air_gapped = load_config(EXAMPLES / "configs" / "air-gapped.yaml")
+    sources = [rc.artifacts.source for rc in air_gapped.runtime_classes]
+    assert all(isinstance(s, LayoutRef) for s in sources)
+    assert str(sources[0].path) == "/var/lib/kata-artifacts/kata-gpu-artifacts"
+    assert sources[0].tag == "ubuntu22.04-535.54.03"
+
+
+def test_gpu_operator_values_shape_loads_with_our_additions():
+    config = parse_config(textwrap.dedent("""\
+        artifactsDir: /opt/nvidia-gpu-operator/artifacts/runtimeclasses
+        runtimeClasses:
+          - name: kata-nvidia-gpu
+            nodeSelector: {}
+            artifacts:
+              url: nvcr.io/nvidia/cloud-native/kata-gpu-artifacts:ubuntu22.04-535.54.03
+              pullSecret: ngc-secret
+        containerd:
+          version: 3
+          restartMode: systemd
+          configPath: /etc/containerd/config.toml
+        runtimeClassOverhead: {podFixed: {memory: 160Mi, cpu: 250m}}
+        insecureRegistries: ["registry.lab:5000"]
+        """))
+    rc = config.runtime_classes[0]
+    assert rc.artifacts.pull_secret == "ngc-secret"
+    assert config.containerd.version == 3
+    assert config.containerd.restart_mode == "systemd"
+    assert config.overhead_pod_fixed == {"memory": "160Mi", "cpu": "250m"}
+    assert config.insecure_registries == ("registry.lab:5000",)
+
+
+def test_missing_optional_sections_take_defaults_and_round_trip():
+    config = config_from_dict({})
+    assert config == default_config()
+    assert config_from_dict(config.to_dict()) == config
+    empty = config_from_dict({"runtimeClasses": []})
+    assert empty.runtime_classes == ()
+
+
+def test_artifact_url_forms_are_accepted():
+    urls = [DEFAULT_GPU_ARTIFACTS, f"127.0.0.1:5000/kata/gpu@{DIGEST}",
+            f"localhost/kata/gpu:v1@{DIGEST}", "oci-layout:///srv/layouts/kata",
+            "oci-layout:///srv/kata:v2"]
+    config = config_from_dict({"runtimeClasses": [
+        {"name": f"kata-{i}", "artifacts": {"url": url}} for i, url in enumerate(urls)]})
+    sources = [rc.artifacts.source for rc in config.runtime_classes]
+    assert isinstance(sources[0], RegistryRef) and sources[0].registry == "nvcr.io"
+    assert sources[1].digest == DIGEST
+    assert isinstance(sources[4], LayoutRef) and str(sources[4].path) == "/srv/kata"
+    assert sources[4].tag == "v2"
+
+
+@pytest.mark.parametrize("data, fragment", BAD_CASES, ids=[f"case{i}" for i in range(len(BAD_CASES))])
+def test_each_invalid_entry_is_named(data, fragment):
+    problems = problems_of(data)
+    assert any(fragment in p for p in problems), problems
+
+
+def test_duplicate_names_name_both_indexes():
+    data = {"runtimeClasses": [
+        {"name": "kata-a", "artifacts": {"url": DEFAULT_GPU_ARTIFACTS}},
+        {"name": "kata-b", "artifacts": {"url": DEFAULT_GPU_ARTIFACTS}},
+        {"name": "kata-a", "artifacts": {"url": DEFAULT_SNP_ARTIFACTS}},
+    ]}
+    assert problems_of(data) == [
+        'runtimeClasses[2].name "kata-a" duplicates runtimeClasses[0].name; '
+        "runtime class names must be unique"
+    ]
+
+
+def test_every_problem_is_reported_at_once():
+    text = textwrap.dedent("""\
+        runtimeClases: []
+        artifactsDir: relative/dir
+        runtimeClasses:
+          - name: Kata_GPU
+            artifacts: {url: "nvidia/kata:v1"}
+          - name: kata-ok
+            nodeSelector: {nvidia.com/cc.capable: true}
+            artifacts: {url: "oci-layout:///srv/kata:v1"}
+        containerd: {restartMode: reboot}
+        runtimeClassOverhead: {podFixed: {memory: lots}}
+        """)
+    with pytest.raises(ConfigError) as caught:
+        parse_config(text, source="/etc/kata/config.yaml")
+    message = str(caught.value)
+    assert "/etc/kata/config.yaml" in message
+    assert "7 problems" in message
+    for fragment in ("runtimeClases", "artifactsDir", 'runtimeClasses[0].name "Kata_GPU"',
+                     "runtimeClasses[0].artifacts.url", "runtimeClasses[1].nodeSelector",
+                     "containerd.restartMode", "runtimeClassOverhead.podFixed"):
+        assert fragment in message
+    assert caught.value.exit_code == 2
+
+
+def test_yaml_errors_and_duplicate_keys_name_the_source(tmp_path):
+    with pytest.raises(ConfigError, match=r"<string> is not valid YAML"):
+        parse_config("runtimeClasses: [")
+    path = tmp_path / "dup.yaml"
+    path.write_text("artifactsDir: /a\nartifactsDir: /b\n")
+    with pytest.raises(ConfigError, match=r"dup.yaml is not valid YAML.*duplicate key \"artifactsDir\""):
+        load_config(path)
+
+
+def test_unreadable_or_huge_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"cannot read kata manager config .*missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("# " + "x" * (1 << 20))
+    with pytest.raises(ConfigError, match="larger than"):
+        load_config(huge)
+
+
+def test_yaml_numbers_in_overhead_become_quantities():
+    config = config_from_dict({"runtimeClassOverhead": {"podFixed": {"cpu": 1, "memory": "1Gi"}}})
+    assert config.overhead_pod_fixed == {"cpu": "1", "memory": "1Gi"}
+
+
+def test_example_config_is_what_the_helm_values_would_render():
+    # The default example doubles as documentation: it must list every key we accept.
+    data = yaml.safe_load((EXAMPLES / "configs" / "kata-manager.yaml").read_text())
+    assert set(data) == set(default_config().to_dict())
+    assert set(data["containerd"]) == set(default_config().to_dict()["containerd"])

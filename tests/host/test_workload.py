@@ -1,0 +1,83 @@
+"""The node's workload: one rule for ``katamgr --workload auto`` and ``sandbox-device-plugin --mode auto``."""
+
+from __future__ import annotations
+
+import pytest
+from support.apiserver import FakeApiServer
+
+from katamgr.cli import build_parser, steps_and_context
+from katamgr.errors import ConfigError, KatamgrError
+from katamgr.host.root import HostRoot
+from katamgr.host.workload import WORKLOAD_LABEL, NoCluster, Workload, resolve_workload
+
+
+def fallback():
+    return Workload.VM_PASSTHROUGH, "the fallback"
+
+
+def reader(value):
+    return lambda node: value
+
+
+def test_the_label_wins_then_the_default_then_the_fallback():
+    resolved = resolve_workload("n1", reader("vm-vgpu"), default="container", fallback=fallback)
+    assert resolved.workload is Workload.VM_VGPU
+    assert resolved.why == f"node n1 is labeled {WORKLOAD_LABEL}=vm-vgpu"
+    # A node without the label (or with an empty one) runs the default...
+    for value in (None, ""):
+        resolved = resolve_workload("n1", reader(value), default="container", fallback=fallback)
+        assert resolved.workload is Workload.CONTAINER and "--default-workload is container" in resolved.why
+    # ... or, without one, the command's own fallback, as when nothing can be asked.
+    assert resolve_workload("n1", reader(None), default=None, fallback=fallback).workload is Workload.VM_PASSTHROUGH
+
+    def no_cluster(node):
+        raise NoCluster("no kubeconfig")
+
+    for node, read in ((None, reader("container")), ("", reader("container")), ("n1", None), ("n1", no_cluster)):
+        resolved = resolve_workload(node, read, default="container", fallback=fallback)
+        assert resolved.workload is Workload.VM_PASSTHROUGH and resolved.why.endswith("; the fallback")
+
+
+def test_a_bad_label_or_a_failed_read_is_an_error_not_a_guess():
+    with pytest.raises(ConfigError, match=r"node n1 has label nvidia.com/gpu.workload.config='VM', .*"
+                                          r"container, vm-passthrough, vm-vgpu") as bad:
+        resolve_workload("n1", reader("VM"), default="container", fallback=fallback)
+    assert bad.value.exit_code == 2
+
+    def forbidden(node):
+        raise PermissionError("HTTP 403")
+
+    with pytest.raises(KatamgrError, match="could not read node n1's label .*HTTP 403") as failed:
+        resolve_workload("n1", forbidden, default="container", fallback=fallback)
+    assert failed.value.exit_code == 1
+
+    def gone(node):
+        raise KatamgrError("node n1 does not exist in the cluster")
+
+    with pytest.raises(KatamgrError, match="^node n1 does not exist"):  # its own sentence, unchanged
+        resolve_workload("n1", gone, default="container", fallback=fallback)
+
+
+def test_katamgr_reads_the_label_through_the_api(tmp_path, monkeypatch):
+    host = HostRoot.at(tmp_path / "node")
+    host.root.mkdir()
+
+    def workload(*args: str) -> Workload:
+        return steps_and_context(build_parser().parse_args(["plan", *args]), host)[0].workload
+
+    with FakeApiServer() as server:
+        for name, labels in (("vgpu", {WORKLOAD_LABEL: "vm-vgpu"}), ("plain", {}),
+                             ("typo", {WORKLOAD_LABEL: "vm-passthru"})):
+            server.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}})
+        monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig")))
+        assert workload("--node-name", "vgpu") is Workload.VM_VGPU
+        assert workload("--node-name", "plain") is Workload.CONTAINER
+        assert workload("--node-name", "plain", "--default-workload", "vm-passthrough") is Workload.VM_PASSTHROUGH
+        assert workload("--node-name", "vgpu", "--workload", "container") is Workload.CONTAINER
+        with pytest.raises(ConfigError, match="'vm-passthru'"):
+            workload("--node-name", "typo")
+        with pytest.raises(KatamgrError, match="node gone does not exist"):
+            workload("--node-name", "gone")
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    # Run by hand with no node name: katamgr is there to set the node up for passthrough.
+    assert workload() is Workload.VM_PASSTHROUGH

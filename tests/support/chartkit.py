@@ -1,0 +1,132 @@
+"""The Helm chart rendered by the real Helm v4 engine (helm-python-sdk), for the chart
+tests (tests/chart) and the config schema tests (tests/config): where the chart is, the
+release it is rendered as, the base value sets, and helpers that pick rendered objects apart.
+The pytest fixtures ``helm``, ``chart`` and ``kube_validate`` are in tests/chart/conftest.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+
+from support.paths import REPO, REQUIRE_INTEGRATION
+
+CHART = REPO / "deploy" / "helm" / "kata-sandbox-manager"
+RELEASE = "kata-sandbox-manager"
+NAMESPACE = "gpu-sandbox"
+
+SANDBOX = {"sandboxWorkloads": {"enabled": True}}
+# cdi.enabled is true by default (as in the GPU Operator); FULL still says so explicitly.
+FULL = {
+    "sandboxWorkloads": {"enabled": True},
+    "kataManager": {"enabled": True},
+    "cdi": {"enabled": True},
+}
+
+
+def merged(*parts: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge value dicts left to right (later wins), like repeated --values."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, dict) and isinstance(out.get(key), dict):
+                out[key] = merged(out[key], value)
+            else:
+                out[key] = value
+    return out
+
+
+# --- the real Helm engine ---------------------------------------------------------------
+
+def load_helm():
+    """helm_python, or skip (fail under REQUIRE_INTEGRATION=1) when it cannot load."""
+    try:
+        import helm_python
+    except ImportError as exc:
+        part_missing(f"helm-python-sdk is not installed ({exc}); run: pip install helm-python-sdk")
+    try:
+        helm_python.helm_sdk_version()  # loads the embedded Helm engine (libhelm_c)
+    except (helm_python.HelmError, OSError) as exc:
+        part_missing(f"helm-python-sdk cannot load its Helm engine: {exc}")
+    return helm_python
+
+
+def part_missing(message: str) -> None:
+    if REQUIRE_INTEGRATION:
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@dataclass(frozen=True)
+class Rendered:
+    objects: list[dict[str, Any]]
+
+    def kinds(self) -> list[tuple[str, str]]:
+        return sorted((o["kind"], o["metadata"]["name"]) for o in self.objects)
+
+    def get(self, kind: str, suffix: str = "") -> dict[str, Any]:
+        name = RELEASE + suffix
+        found = [o for o in self.objects if o["kind"] == kind and o["metadata"]["name"] == name]
+        assert found, f"no {kind} {name} rendered; have {self.kinds()}"
+        return found[0]
+
+    def find(self, kind: str, suffix: str = "") -> dict[str, Any] | None:
+        name = RELEASE + suffix
+        return next((o for o in self.objects
+                     if o["kind"] == kind and o["metadata"]["name"] == name), None)
+
+    def daemonsets(self) -> list[dict[str, Any]]:
+        return [o for o in self.objects if o["kind"] == "DaemonSet"]
+
+    def containers(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        for ds in self.daemonsets():
+            for container in ds["spec"]["template"]["spec"]["containers"]:
+                yield ds, container
+
+
+def render(chart, values: dict[str, Any]) -> Rendered:
+    manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = [
+        obj
+        for path, text in sorted(manifests.items()) if path.endswith((".yaml", ".yml"))
+        for obj in yaml.safe_load_all(text) if obj
+    ]
+    return Rendered(objects)
+
+
+def container(rendered: Rendered, ds_suffix: str, name: str) -> dict[str, Any]:
+    ds = rendered.get("DaemonSet", ds_suffix)
+    for c in ds["spec"]["template"]["spec"]["containers"]:
+        if c["name"] == name:
+            return c
+    raise AssertionError(f"DaemonSet {RELEASE}{ds_suffix} has no container {name}")
+
+
+def container_names(rendered: Rendered, ds_suffix: str) -> list[str]:
+    ds = rendered.get("DaemonSet", ds_suffix)
+    return [c["name"] for c in ds["spec"]["template"]["spec"]["containers"]]
+
+
+def host_mounts(rendered: Rendered, ds_suffix: str, name: str) -> dict[str, tuple[str, bool]]:
+    """mountPath -> (host path, read-only) for every hostPath mount of a container."""
+    ds = rendered.get("DaemonSet", ds_suffix)
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    out = {}
+    for mount in container(rendered, ds_suffix, name).get("volumeMounts", []):
+        volume = volumes[mount["name"]]
+        if "hostPath" in volume:
+            out[mount["mountPath"]] = (volume["hostPath"]["path"], bool(mount.get("readOnly")))
+    return out
+
+
+def rules(role: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """resource -> rule, for roles whose rules name one resource each."""
+    return {rule["resources"][0]: rule for rule in role["rules"]}
+
+
+def env_names(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e for e in c.get("env", [])}
