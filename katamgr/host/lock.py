@@ -7,7 +7,7 @@ that changes the host holds ``/var/lib/kata-sandbox-manager/node.lock`` (an
 ``flock``) for its whole read-modify-write; a second one waits, saying who holds
 it, up to ``--wait`` seconds, then fails with exit 1 having changed nothing.
 
-The holder writes who it is into the file (pid, command, since when) for the
+The holder writes who it is into the file (pid and command) for the
 waiter's message; the kernel drops the lock when the holder dies, even by kill -9.
 ``release(remove=True)`` deletes the file while still holding it (revert leaves
 nothing behind); a waiter that then wins the lock on the deleted file notices the
@@ -44,7 +44,7 @@ def holder_text(path: Path) -> str:
     """Who holds the lock, as the holder wrote it; "" when unknown."""
     try:
         info = json.loads(path.read_text() or "{}")
-        return f"pid {int(info['pid'])} ({info['command']}, since {info['since']})"
+        return f"pid {int(info['pid'])} ({info['command']})"
     except (OSError, ValueError, KeyError, TypeError):
         return ""
 
@@ -84,9 +84,11 @@ def node_lock(host: HostRoot, command: str, wait: float,
             continue
         break
     try:
-        os.ftruncate(fd, 0)
-        since = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        os.write(fd, json.dumps({"pid": os.getpid(), "command": command, "since": since}).encode())
+        me = json.dumps({"pid": os.getpid(), "command": command}).encode()
+        # Said only when it changes: the agent's next reconcile with nothing to do writes nothing.
+        if os.pread(fd, len(me) + 1, 0) != me:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, me, 0)
         yield path
     finally:
         os.close(fd)  # closing drops the flock
