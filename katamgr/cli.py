@@ -147,7 +147,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep", metavar="DIR", help="simulate into DIR and leave it there to look at")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_demo, host=None, host_root=None)
+
+    _webhook_parser(sub)
     return parser
+
+
+def _webhook_parser(sub) -> None:
+    from katamgr.admission import rules
+    from katamgr.admission.server import DEFAULT_LISTEN
+
+    p = sub.add_parser("webhook", help="the admission webhook: no GPU for a pod that asked for none, "
+                                       "passthrough GPUs only in Kata VMs",
+                       description="Serve the admission.k8s.io/v1 webhook over HTTPS: POST /mutate sets "
+                                   "NVIDIA_VISIBLE_DEVICES=void in every container of a pod that requests no "
+                                   "GPU resource; POST /validate denies a pod requesting a passthrough resource "
+                                   "unless its runtimeClassName is a Kata class; GET /healthz for probes. The TLS "
+                                   "files are read again when they change.")
+    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+                   help=f"address to serve on (default {DEFAULT_LISTEN})")
+    p.add_argument("--tls-cert-file", required=True, metavar="FILE", help="PEM server certificate (chain)")
+    p.add_argument("--tls-private-key-file", required=True, metavar="FILE", help="PEM private key")
+    p.add_argument("--runtime-class", action="append", metavar="NAME",
+                   help="a Kata runtime class a passthrough pod may use (repeatable; default "
+                        f"{', '.join(rules.DEFAULT_RUNTIME_CLASSES)})")
+    p.add_argument("--passthrough-resource", action="append", metavar="PATTERN",
+                   help="resources (glob) that are passthrough GPUs, the container GPU names "
+                        f"({', '.join(rules.CONTAINER_GPU_RESOURCES)}) excepted (repeatable; default "
+                        f"{', '.join(rules.DEFAULT_PASSTHROUGH)})")
+    p.add_argument("--inject-runtime-class", action="store_true",
+                   help="on /mutate, give a passthrough pod without a runtimeClassName the first "
+                        "--runtime-class instead of leaving /validate to deny it")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    p.set_defaults(func=cmd_webhook, host=None, host_root=None)
 
 
 @contextlib.contextmanager
@@ -173,11 +204,12 @@ def naming_from(args: argparse.Namespace) -> Naming:
 
 
 def steps_and_context(args: argparse.Namespace, host: HostRoot) -> tuple[Steps, KataContext | None]:
-    from katamgr import cluster
     from katamgr.config import load_config
 
     config = load_config(args.config) if args.config else None
     wants_cluster = (config is not None and not args.no_kata) or (args.workload == AUTO and args.node_name)
+    if wants_cluster or config is not None:
+        from katamgr import cluster  # the Kubernetes client costs a second: only when it is used
     api = cluster.connect() if wants_cluster and not is_simulated(host) else None
     if args.workload == AUTO:
         resolved = resolve_workload(
@@ -269,6 +301,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         # The demo tells its own story; library warnings would repeat it.
         logging.getLogger().setLevel(logging.ERROR)
     return run_demo(args)
+
+
+def cmd_webhook(args: argparse.Namespace) -> int:
+    from katamgr.admission.rules import DEFAULT_PASSTHROUGH, DEFAULT_RUNTIME_CLASSES, Policy
+    from katamgr.admission.server import make_server
+
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    policy = Policy(runtime_classes=tuple(args.runtime_class or DEFAULT_RUNTIME_CLASSES),
+                    passthrough=tuple(args.passthrough_resource or DEFAULT_PASSTHROUGH),
+                    inject_runtime_class=args.inject_runtime_class)
+    server = make_server(args.listen, args.tls_cert_file, args.tls_private_key_file, policy)
+    log.warning("katamgr webhook serving on https://%s (runtime classes %s)", args.listen,
+                ", ".join(policy.runtime_classes))
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
 
 
 def exit_code_of(exc: BaseException) -> int | None:

@@ -14,10 +14,8 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kubernetes.client import ApiClient
-
-from katamgr import cluster
 from katamgr.artifacts import (
     DEFAULT_DEADLINES,
     ArtifactError,
@@ -46,6 +44,9 @@ from katamgr.runtime import (
     transform_kata_config,
 )
 from katamgr.runtime.kata_config import installed_cold_plug_gaps, rendered_config
+
+if TYPE_CHECKING:  # the client is imported only where a cluster is talked to
+    from kubernetes.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ def _credentials(ctx: KataContext, rc: RuntimeClassConfig, ref: RegistryRef | La
         raise ConfigError(
             f"runtimeClasses {rc.name}: pullSecret {secret!r} is set but no cluster is reachable to read it"
         )
+    from katamgr import cluster
+
     data = cluster.read_pull_secret(ctx.api, ctx.namespace, secret)
     return credentials_from_dockerconfigjson(data, ref.registry, secret=f"{ctx.namespace}/{secret}")
 
@@ -140,6 +143,8 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
     if missing:
         lines.append(f"runtimes added once their artifacts are installed: {', '.join(missing)}")
     sections.append(PlanSection("containerd", "containerd", data, lines, pending=change.changed or bool(missing)))
+
+    from katamgr import cluster
 
     desired = cluster.desired_runtime_classes(config)
     rc_lines = [f"{'apply' if ctx.api else 'skip (no cluster reachable)'} RuntimeClass {b['metadata']['name']}"
@@ -247,6 +252,7 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> Repor
                 continue
             report.warnings.append(f"runtime class {rc.name}: keeping the artifacts already installed")
         else:
+            report.bytes_pulled += result.bytes_transferred
             if result.warning:
                 report.warnings.append(f"runtime class {rc.name}: {result.warning}")
             if result.changed:
@@ -301,6 +307,8 @@ def _cluster(ctx: KataContext, config: KataManagerConfig) -> Report:
         report.warnings.append("no cluster reachable (no in-cluster token, no kubeconfig): RuntimeClasses skipped")
         return report
     try:
+        from katamgr import cluster
+
         changes = cluster.reconcile_runtime_classes(ctx.api, config)
     except KatamgrError as exc:
         report.failures.append(str(exc))
@@ -321,6 +329,8 @@ def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = F
     config = ctx.config
     if delete_runtime_classes and ctx.api is not None:
         try:
+            from katamgr import cluster
+
             gone = cluster.delete_managed_runtime_classes(ctx.api, config)
             report.changes += [f"deleted RuntimeClass {n}" for n in gone.deleted]
         except KatamgrError as exc:
