@@ -6,7 +6,11 @@ entries, so we watch the containerd config (inotify, not polling) and re-apply
 only when our entries are really gone. The CDI specs follow the devices on
 vfio-pci (checked every few seconds: a hotplug or a re-bind by hand must not
 leave Kata a name that no longer resolves, or one that names another GPU).
-Artifacts are re-checked on a timer.
+Artifacts are re-checked on a timer (drift); a failed reconcile is retried with
+capped exponential backoff (2 s doubling to 5 min, reset by a success), not on that
+timer. With ``--metrics-address`` it serves ``/metrics``, ``/healthz`` (the loop
+ticked recently) and ``/readyz`` (the last reconcile succeeded); with a cluster
+and a node name it records Events on the Node for every change and failure.
 """
 
 from __future__ import annotations
@@ -17,31 +21,98 @@ import time
 from pathlib import Path
 
 from inotify_simple import flags as inflags
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from katamgr.errors import KatamgrError
 from katamgr.host.inventory import discover
 from katamgr.host.lock import NodeBusyError, node_lock
+from katamgr.host.metrics_server import MetricsServer
 from katamgr.host.naming import Naming
 from katamgr.host.process import stop_on_signals
 from katamgr.host.root import HostRoot
 from katamgr.host.watching import Watcher
 from katamgr.pipeline import cdi_specs, kata_runtime
 from katamgr.pipeline.kata_runtime import KataContext
-from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, reconcile, revert_all
+from katamgr.pipeline.plan import Plan
+from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report
 from katamgr.runtime import check_entries, configure_containerd
 
 log = logging.getLogger(__name__)
 
+# A failed reconcile is tried again after 2 s, 4 s, ... at most 5 min apart.
+RETRY_INITIAL = 2.0
+RETRY_MAX = 300.0
+# /healthz fails when the loop has not ticked for this long (a reconcile in progress
+# may take up to BUSY_LIMIT: a blob download alone is bounded at 30 min).
+STALE_AFTER = 120.0
+BUSY_LIMIT = 3600.0
+
 _WATCH = inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE | inflags.DELETE | inflags.MOVED_FROM
+
+
+class AgentMetrics:
+    """The agent's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.reconcile_seconds = Histogram(
+            "katamgr_reconcile_duration_seconds", "How long a reconcile took.", ["result"], registry=r,
+            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800))
+        self.reconciles = Counter("katamgr_reconciles", "Reconciles run, by result.", ["result"], registry=r)
+        self.reconcile_errors = Counter("katamgr_reconcile_errors", "Failures reported by reconciles.", registry=r)
+        self.last_success = Gauge("katamgr_last_successful_reconcile_timestamp_seconds",
+                                  "Unix time of the last reconcile that succeeded.", registry=r)
+        self.retry_delay = Gauge("katamgr_reconcile_retry_delay_seconds",
+                                 "Backoff before the next retry of a failed reconcile (0: none pending).",
+                                 registry=r)
+        self.devices = Gauge("katamgr_devices", "NVIDIA devices on the node by kind, driver and planned action.",
+                             ["kind", "driver", "action"], registry=r)
+        self.groups_skipped = Gauge("katamgr_iommu_groups_skipped", "IOMMU groups left alone, by reason.",
+                                    ["reason"], registry=r)
+        self.artifact_bytes = Counter("katamgr_artifact_pulled_bytes", "Kata artifact blob bytes pulled.",
+                                      registry=r)
+        self.cdi_syncs = Counter("katamgr_cdi_spec_syncs", "CDI spec rewrites after the devices changed.",
+                                 registry=r)
+
+    def observe_plan(self, plan: Plan) -> None:
+        counts: dict[tuple[str, str, str], int] = {}
+        for d in plan.devices:
+            key = (d.kind, d.driver or "none", d.action)
+            counts[key] = counts.get(key, 0) + 1
+        self.devices.clear()
+        for key, n in counts.items():
+            self.devices.labels(*key).set(n)
+        skipped: dict[str, int] = {}
+        for decision in plan.decisions:
+            if decision.action.value == "skip":
+                code = skip_reason(decision.reason)
+                skipped[code] = skipped.get(code, 0) + 1
+        self.groups_skipped.clear()
+        for code, n in skipped.items():
+            self.groups_skipped.labels(code).set(n)
+
+
+def skip_reason(reason: str) -> str:
+    """A short label for why ``katamgr.host.vfio.decide`` skipped a group."""
+    if "no IOMMU group" in reason:
+        return "no_iommu_group"
+    if "not viable" in reason:
+        return "group_shared"
+    if reason.startswith("in use by"):
+        return "in_use"
+    if "workload" in reason:
+        return "workload"
+    return "other"
 
 
 class Agent:
     def __init__(self, host: HostRoot, naming: Naming, steps: Steps, ctx: KataContext | None, *,
                  force: bool = False, wait: float = 5.0, repull_interval: float = 3600.0,
                  revert_on_exit: bool = False, check_interval: float = 10.0,
-                 lock_wait: float = DEFAULT_LOCK_WAIT):
+                 lock_wait: float = DEFAULT_LOCK_WAIT, retry_initial: float = RETRY_INITIAL,
+                 retry_max: float = RETRY_MAX, events=None, metrics_address: str | None = None):
         self.host = host
         self.naming = naming
         self.steps = steps
@@ -55,6 +126,41 @@ class Agent:
         self.stop = threading.Event()
         self.reconciles = 0
         self._watcher: Watcher | None = None  # loop()'s, woken by request_stop()
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self.retry_delay: float | None = None  # the backoff now pending after failures
+        self.retry_at: float | None = None  # monotonic time of the next retry
+        self.events = events  # a katamgr.cluster.EventRecorder, or None without a cluster
+        self.metrics = AgentMetrics()
+        self.metrics_address = metrics_address
+        self.last_result: Report | None = None
+        self.last_tick = time.monotonic()
+        self.busy_since: float | None = None  # a reconcile in progress
+
+    # -- health ------------------------------------------------------------------
+
+    def health(self) -> tuple[bool, str]:
+        """/healthz: the loop ticked recently (or a reconcile is running, for a bounded time)."""
+        now = time.monotonic()
+        if self.busy_since is not None:
+            busy = now - self.busy_since
+            return busy < BUSY_LIMIT, f"reconciling for {busy:.0f} s"
+        idle = now - self.last_tick
+        limit = max(STALE_AFTER, 3 * self.check_interval)
+        return idle < limit, f"loop last ticked {idle:.0f} s ago (limit {limit:.0f} s)"
+
+    def readiness(self) -> tuple[bool, str]:
+        """/readyz: the last reconcile succeeded."""
+        last = self.last_result
+        if last is None:
+            return False, "no reconcile has finished yet"
+        if not last.ok:
+            retry = f"; retrying in {max(0.0, self.retry_at - time.monotonic()):.0f} s" if self.retry_at else ""
+            return False, f"the last reconcile failed: {'; '.join(last.failures)}{retry}"
+        return True, "the last reconcile succeeded"
+
+    def serve_metrics(self, address: str) -> MetricsServer:
+        return MetricsServer(address, self.metrics.registry, healthy=self.health, ready=self.readiness).start()
 
     def request_stop(self) -> None:
         self.stop.set()
@@ -66,6 +172,8 @@ class Agent:
         """One reconcile under the node lock; an error that stopped it before any
         change (a busy lock, a bad input) is logged and tried again later."""
         log.info("reconciling: %s", why)
+        started = time.monotonic()
+        self.busy_since = started
         try:
             report = reconcile(self.host, self.naming, self.steps, self.ctx, force=self.force,
                                wait=self.wait, lock_wait=self.lock_wait, command="katamgr run")
@@ -73,9 +181,54 @@ class Agent:
             if raise_errors:
                 raise
             report = Report(failures=[str(exc)])
+        except Exception as exc:  # a bug must not end the loop: retried like any failure
+            if raise_errors:
+                raise
+            log.exception("unexpected error while reconciling")
+            report = Report(failures=[f"unexpected {type(exc).__name__}: {exc}"])
+        finally:
+            self.busy_since = None
+            self.last_tick = time.monotonic()
         self.reconciles += 1
         log_report(report, log, "nothing to change")
+        self._after_reconcile(report, time.monotonic() - started)
         return report
+
+    def _after_reconcile(self, report: Report, seconds: float) -> None:
+        """Metrics, Events and the retry schedule after one reconcile."""
+        m = self.metrics
+        result = "success" if report.ok else "failure"
+        m.reconcile_seconds.labels(result).observe(seconds)
+        m.reconciles.labels(result).inc()
+        m.artifact_bytes.inc(report.bytes_pulled)
+        failed_before = self.last_result is not None and not self.last_result.ok
+        self.last_result = report
+        if report.ok:
+            m.last_success.set_to_current_time()
+            self.retry_delay = self.retry_at = None
+            m.retry_delay.set(0)
+        else:
+            m.reconcile_errors.inc(len(report.failures))
+            self.retry_delay = (self.retry_initial if self.retry_delay is None
+                                else min(self.retry_delay * 2, self.retry_max))
+            self.retry_at = time.monotonic() + self.retry_delay
+            m.retry_delay.set(self.retry_delay)
+            log.warning("reconcile failed; retrying in %.0f s", self.retry_delay)
+        try:
+            m.observe_plan(full_plan(self.host, self.naming, self.steps, None, force=self.force))
+        except Exception as exc:  # noqa: BLE001 - the metrics never fail the loop
+            log.debug("could not scan the devices for the metrics: %s", exc)
+        self._record_events(report, failed_before)
+
+    def _record_events(self, report: Report, failed_before: bool) -> None:
+        if self.events is None:
+            return
+        if report.failures:
+            self.events.record("ReconcileFailed", "; ".join(report.failures), "Warning")
+        if report.changes:
+            self.events.record("Reconciled", "; ".join(report.changes))
+        elif report.ok and failed_before:
+            self.events.record("Reconciled", "the node is as planned again after a failed reconcile")
 
     def _containerd_paths(self) -> list[Path]:
         if self.ctx is None or not self.steps.kata:
@@ -122,13 +275,28 @@ class Agent:
             log.info("another katamgr holds the node lock; the CDI specs are checked again next time")
             return None
         log_report(report, log)
+        self.metrics.cdi_syncs.inc()
+        if self.events is not None:
+            if report.failures:
+                self.events.record("CdiSpecsFailed", "; ".join(report.failures), "Warning")
+            if report.changes:
+                self.events.record("CdiSpecsUpdated", "; ".join(report.changes))
         return report
 
     def run(self, once: bool = False) -> int:
-        first = self.reconcile("start", raise_errors=once)
-        if once:
-            return 0 if first.ok else 1
-        stop_on_signals(self.request_stop, log)
+        server = self.serve_metrics(self.metrics_address) if self.metrics_address and not once else None
+        try:
+            first = self.reconcile("start", raise_errors=once)
+            if once:
+                return 0 if first.ok else 1
+            stop_on_signals(self.request_stop, log)
+            self._loop_and_revert()
+        finally:
+            if server is not None:
+                server.stop()
+        return 0
+
+    def _loop_and_revert(self) -> None:
         try:
             self.loop()
         finally:
@@ -136,7 +304,6 @@ class Agent:
                 log.info("reverting on exit (--revert-on-exit)")
                 log_report(revert_all(self.host, self.steps, self.ctx, lock_wait=self.lock_wait,
                                       command="katamgr run --revert-on-exit"), log)
-        return 0
 
     def loop(self) -> None:
         watcher = self._watcher = Watcher()
@@ -149,18 +316,27 @@ class Agent:
         next_pull = time.monotonic() + self.repull_interval
         try:
             while not self.stop.is_set():
-                timeout = max(0.0, min(next_pull - time.monotonic(), self.check_interval))
+                self.last_tick = time.monotonic()
+                due = min(next_pull, self.retry_at if self.retry_at is not None else next_pull)
+                timeout = max(0.0, min(due - time.monotonic(), self.check_interval))
                 # Woken by an inotify event, a stop request or, at the latest, every
                 # check_interval: checking our entries and the CDI specs is cheap and
                 # covers a lost event (sysfs sends none for a kernel's driver change).
                 watcher.wait(timeout)  # the events themselves do not matter: the files do
                 if self.stop.is_set():
                     break
-                drift = self.containerd_drift()
-                if drift:
-                    self.reconcile(drift)
-                else:
-                    self.sync_cdi()
+                self.last_tick = time.monotonic()
+                if self.retry_at is not None and time.monotonic() >= self.retry_at:
+                    self.reconcile(f"retry after a failure (backoff {self.retry_delay:g} s)")
+                    continue
+                try:
+                    drift = self.containerd_drift()
+                    if drift:
+                        self.reconcile(drift)
+                    else:
+                        self.sync_cdi()
+                except KatamgrError as exc:  # an unreadable config, a failed scan: next time
+                    log.warning("could not check the node: %s", exc)
                 if time.monotonic() >= next_pull:
                     self.reconcile("periodic artifact check")
                     next_pull = time.monotonic() + self.repull_interval

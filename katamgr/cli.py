@@ -11,6 +11,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from katamgr import __version__
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often to check the registry for new artifacts (default 3600)")
     p.add_argument("--revert-on-exit", action="store_true", help="undo everything on SIGTERM/SIGINT")
     p.add_argument("--once", action="store_true", help="reconcile once and exit (like apply)")
+    p.add_argument("--metrics-address", metavar="HOST:PORT",
+                   help="serve /metrics (Prometheus), /healthz and /readyz there (default: off)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("simulate", help="materialise a host profile as a host root",
@@ -203,7 +206,23 @@ def naming_from(args: argparse.Namespace) -> Naming:
         raise ConfigError(str(exc)) from exc
 
 
+@dataclass(frozen=True)
+class NodeSetup:
+    """What a command acts with: the steps, the Kata context, the cluster (None: none
+    reachable) and why the node runs its workload."""
+
+    steps: Steps
+    ctx: KataContext | None
+    api: object | None
+    workload_why: str
+
+
 def steps_and_context(args: argparse.Namespace, host: HostRoot) -> tuple[Steps, KataContext | None]:
+    setup = node_setup(args, host)
+    return setup.steps, setup.ctx
+
+
+def node_setup(args: argparse.Namespace, host: HostRoot) -> NodeSetup:
     from katamgr.config import load_config
 
     config = load_config(args.config) if args.config else None
@@ -220,21 +239,22 @@ def steps_and_context(args: argparse.Namespace, host: HostRoot) -> tuple[Steps, 
             fallback=lambda: (Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"),
         )
         log.info("node workload %s: %s", resolved.workload, resolved.why)
-        workload = resolved.workload
+        workload, why = resolved.workload, resolved.why
     else:
-        workload = Workload(args.workload)
+        workload, why = Workload(args.workload), "chosen with --workload"
     steps = Steps(vfio=not args.no_vfio, cdi=not args.no_cdi, kata=not args.no_kata, workload=workload)
     ctx = None
     if config is not None:
         ctx = KataContext(config, api, cluster.agent_namespace())
-    return steps, ctx
+    return NodeSetup(steps, ctx, api, why)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     naming = naming_from(args)
     with host_from(args) as host:
-        steps, ctx = steps_and_context(args, host)
-        plan = full_plan(host, naming, steps, ctx, force=args.force)
+        setup = node_setup(args, host)
+        plan = full_plan(host, naming, setup.steps, setup.ctx, force=args.force,
+                         workload_why=setup.workload_why)
         if args.output == "json":
             print(json.dumps(plan.to_json(), indent=2))
         else:
@@ -278,11 +298,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     # A daemon's log is its only voice: say what changed even without -v.
     logging.getLogger().setLevel(logging.INFO)
     naming = naming_from(args)
+    if args.metrics_address:
+        from katamgr.host.metrics_server import parse_address
+
+        try:
+            parse_address(args.metrics_address)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     with host_from(args) as host:
-        steps, ctx = steps_and_context(args, host)
-        agent = Agent(host, naming, steps, ctx, force=args.force, wait=args.device_wait,
+        setup = node_setup(args, host)
+        events = None
+        if setup.api is not None and args.node_name:
+            from katamgr.cluster import EventRecorder, agent_namespace
+
+            # In the agent's namespace, where its Role may create Events; `kubectl describe
+            # node` lists a Node's Events from every namespace.
+            events = EventRecorder(setup.api, args.node_name, namespace=agent_namespace())
+        agent = Agent(host, naming, setup.steps, setup.ctx, force=args.force, wait=args.device_wait,
                       lock_wait=args.wait,
-                      repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit)
+                      repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
+                      events=events, metrics_address=args.metrics_address)
         return agent.run(once=args.once)
 
 

@@ -25,7 +25,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 def plan_text(plan: Plan) -> str:
     out = [f"Host root: {plan.host_root}   IOMMU: {'on' if plan.iommu_enabled else 'OFF'}"
-           f"{' (iommufd)' if plan.iommufd else ''}   vfio-pci: {plan.vfio_module}", ""]
+           f"{' (iommufd)' if plan.iommufd else ''}   vfio-pci: {plan.vfio_module}"]
+    if plan.workload:
+        why = f" ({plan.workload['why']})" if plan.workload.get("why") else ""
+        out.append(f"Workload: {plan.workload['mode']}{why}")
+    out.append("")
     if plan.devices:
         rows = [
             (d.bdf, d.kind, d.model or d.ids, d.driver, d.iommu_group, d.numa_node, d.action, d.reason)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import inventory
 from katamgr.host import naming as resource_naming
+from katamgr.host.metrics_server import MetricsServer, parse_address
 from katamgr.host.naming import Naming
 from katamgr.host.process import setup_logging, stop_on_signals
 from katamgr.host.root import HostRoot
@@ -24,6 +26,7 @@ from katamgr.host.workload import (
     resolve_workload,
 )
 from sandbox_plugin.manager import Mode, PluginManager
+from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.server import PluginServerError
 
 log = logging.getLogger("sandbox_plugin")
@@ -73,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --mode auto, the workload of a node without the label: "
                              f"{', '.join(WORKLOADS)} (default: what the host shows)")
     resource_naming.add_arguments(parser)
+    parser.add_argument("--metrics-address", metavar="HOST:PORT",
+                        help="serve /metrics (Prometheus), /healthz and /readyz there (default: off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     return parser
 
@@ -134,6 +139,11 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
     if not root.is_dir():
         raise UsageError(f"--host-root {args.host_root!r} is not a directory; pass where the "
                          "host's / is mounted")
+    if args.metrics_address:
+        try:
+            parse_address(args.metrics_address)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     try:
         return HostRoot.at(root), resource_naming.from_arguments(args)
     except ValueError as exc:
@@ -156,13 +166,18 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     log.info("mode %s: %s", mode.value if mode else "none", why)
     if mode is None:
-        _wait(stop)
+        def nothing() -> tuple[bool, str]:
+            return True, f"nothing to serve: {why}"
+
+        with _metrics(args, PluginMetrics().registry, nothing, nothing):
+            _wait(stop)
         return 0
 
     manager = PluginManager(host, mode, naming=naming)
     try:
-        manager.start()
-        _wait(stop)
+        with _metrics(args, manager.metrics.registry, manager.health, manager.readiness):
+            manager.start()
+            _wait(stop)
     except PluginServerError as exc:
         log.error("%s", exc)
         return 1
@@ -170,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         manager.stop()
     log.info("stopped")
     return 0
+
+
+def _metrics(args: argparse.Namespace, registry, healthy, ready) -> contextlib.AbstractContextManager:
+    if not args.metrics_address:
+        return contextlib.nullcontext()
+    return MetricsServer(args.metrics_address, registry, healthy=healthy, ready=ready)
 
 
 def _wait(stop: threading.Event) -> None:

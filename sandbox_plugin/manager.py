@@ -22,6 +22,7 @@ from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import Workload
 from sandbox_plugin.container import NvmlResource
+from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import Resource
 from sandbox_plugin.server import Backoff, PluginServer
@@ -57,6 +58,8 @@ class PluginManager:
         self.servers: dict[str, PluginServer] = {}
         self._lock = threading.Lock()
         self._stopped = False
+        self._started = False
+        self.metrics = PluginMetrics()
         self._watcher: DeviceWatcher | None = None
         self.discovery: PassthroughDiscovery | None = None
         self.nvml_resource: NvmlResource | None = None
@@ -74,6 +77,7 @@ class PluginManager:
             return {name: server.resource for name, server in self.servers.items()}
 
     def start(self) -> None:
+        self._started = True
         if self.discovery is not None:
             self.refresh()
             assert self._watcher is not None
@@ -96,7 +100,7 @@ class PluginManager:
         with self._lock:
             if self._stopped or resource.resource_name in self.servers:
                 return
-            server = PluginServer(resource, self.host, backoff=self.backoff)
+            server = PluginServer(resource, self.host, backoff=self.backoff, metrics=self.metrics)
             self.servers[resource.resource_name] = server
         server.start()
         log.info("serving %s", resource.resource_name)
@@ -111,6 +115,30 @@ class PluginManager:
             if not server.wait_registered(left):
                 return False
         return True
+
+    def health(self) -> tuple[bool, str]:
+        """/healthz: started, not stopped, and every server's supervisor still running."""
+        if not self._started or self._stopped:
+            return False, "the plugin manager is not running"
+        with self._lock:
+            dead = [name for name, server in self.servers.items() if not server.alive]
+        if dead:
+            return False, f"the device plugin for {', '.join(dead)} stopped"
+        return True, f"serving {len(self.servers)} resource(s)"
+
+    def readiness(self) -> tuple[bool, str]:
+        """/readyz: every resource served is registered with the kubelet."""
+        healthy, why = self.health()
+        if not healthy:
+            return False, why
+        with self._lock:
+            servers = dict(self.servers)
+        waiting = sorted(name for name, server in servers.items() if not server.registered)
+        if waiting:
+            return False, f"not registered with the kubelet yet: {', '.join(waiting)}"
+        if not servers:
+            return True, "no resource to serve yet (nothing on vfio-pci, or NVML not available)"
+        return True, f"{', '.join(sorted(servers))} registered with the kubelet"
 
     def stop(self) -> None:
         with self._lock:

@@ -35,6 +35,7 @@ from katamgr.host.root import HostRoot
 from katamgr.host.watching import Watcher
 from sandbox_plugin.api import deviceplugin_pb2 as pb
 from sandbox_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.resources import (
     KUBELET_SOCKET,
     MAX_DEVICE_ID_LENGTH,
@@ -135,8 +136,9 @@ def to_proto_allocation(allocation: ContainerAllocation) -> pb.ContainerAllocate
 
 
 class _DevicePluginServicer(pb_grpc.DevicePluginServicer):
-    def __init__(self, resource: Resource) -> None:
+    def __init__(self, resource: Resource, metrics: PluginMetrics | None = None) -> None:
         self.resource = resource
+        self.metrics = metrics
         self._warned: set[str] = set()
         self._streams: set[threading.Event] = set()
         self._lock = threading.Lock()
@@ -193,6 +195,20 @@ class _DevicePluginServicer(pb_grpc.DevicePluginServicer):
         return response
 
     def Allocate(self, request, context):
+        if self.metrics is None:
+            return self._allocate(request, context)
+        name = self.resource.resource_name
+        started = time.perf_counter()
+        try:
+            return self._allocate(request, context)
+        except Exception:
+            code = context.code() if hasattr(context, "code") else None
+            self.metrics.allocate_errors.labels(name, getattr(code, "name", None) or "UNKNOWN").inc()
+            raise
+        finally:
+            self.metrics.allocate_seconds.labels(name).observe(time.perf_counter() - started)
+
+    def _allocate(self, request, context):
         response = pb.AllocateResponse()
         name = self.resource.resource_name
         problem = request_problem([list(r.devices_ids) for r in request.container_requests])
@@ -296,8 +312,10 @@ class PluginServer:
         max_workers: int = 6,
         register_timeout: float = 5.0,
         recheck_interval: float = 5.0,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self.resource = resource
+        self.metrics = metrics
         self.host_root = host_root or HostRoot()
         self.backoff = backoff or Backoff()
         # Every worker beyond what the GIL can run at once only adds switching:
@@ -317,7 +335,7 @@ class PluginServer:
                 "unix socket allows; use a shorter host root or socket name"
             )
         self.registrations = 0  # successful Register calls so far
-        self._servicer = _DevicePluginServicer(resource)
+        self._servicer = _DevicePluginServicer(resource, metrics)
         self._grpc: grpc.Server | None = None
         self._socket_id: _FileId | None = None
         self._stopping = threading.Event()
@@ -360,6 +378,11 @@ class PluginServer:
     def registered(self) -> bool:
         return self._registered.is_set()
 
+    @property
+    def alive(self) -> bool:
+        """The supervisor (registering, re-registering) is running."""
+        return self._thread is not None and self._thread.is_alive()
+
     def __enter__(self) -> PluginServer:
         self.start()
         return self
@@ -380,6 +403,8 @@ class PluginServer:
                     self._start_grpc()
                 kubelet_id = self._register()
             except (grpc.RpcError, OSError, RuntimeError, PluginServerError) as exc:
+                if self.metrics is not None:
+                    self.metrics.registration_failures.labels(name).inc()
                 delay = next(delays)
                 log.warning(
                     "%s: could not register with the kubelet at %s (%s); retrying in %.1f s",
@@ -397,6 +422,8 @@ class PluginServer:
                 continue
             delays = self.backoff.delays()
             self.registrations += 1
+            if self.metrics is not None:
+                self.metrics.registrations.labels(name).inc()
             self._registered.set()
             log.info(
                 "%s: registered with the kubelet, serving on %s",

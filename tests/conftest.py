@@ -10,6 +10,8 @@ share is in tests/support (imported as ``support.<module>``).
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from support.paths import REQUIRE_INTEGRATION
 
@@ -21,3 +23,14 @@ def pytest_runtest_makereport(item, call):
     if REQUIRE_INTEGRATION and report.skipped and item.get_closest_marker("integration"):
         report.outcome = "failed"
         report.longrepr = f"integration test skipped under REQUIRE_INTEGRATION=1: {report.longrepr}"
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+    """A test that runs a command's main() in-process (which sets up logging) must not
+    change what later tests' log captures see."""
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    yield
+    root.setLevel(level)
+    root.handlers[:] = handlers

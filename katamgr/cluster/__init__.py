@@ -11,7 +11,7 @@ from katamgr.cluster.client import (
     agent_namespace,
     connect,
 )
-from katamgr.cluster.events import ObjectRef, record_event
+from katamgr.cluster.events import EventRecorder, ObjectRef, record_event
 from katamgr.cluster.nodes import node_workload_mode
 from katamgr.cluster.runtimeclasses import (
     RuntimeClassChanges,
@@ -22,6 +22,7 @@ from katamgr.cluster.runtimeclasses import (
 from katamgr.cluster.secrets import read_pull_secret
 
 __all__ = [
+    "EventRecorder",
     "FIELD_MANAGER",
     "MANAGED_BY_LABEL",
     "MANAGED_BY_VALUE",

@@ -93,3 +93,37 @@ def record_event(
 
 def _host() -> str:
     return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+class EventRecorder:
+    """Events on one Node, de-duplicated and rate-limited, for a loop that may fail
+    the same way every few seconds: the same type, reason and message within
+    ``window`` seconds is recorded once, and at most ``burst`` events are written
+    per ``window`` in all (the rest are logged and dropped)."""
+
+    def __init__(self, api: ApiClient, node_name: str, *, namespace: str = "default",
+                 window: float = 600.0, burst: int = 20, clock=time.monotonic) -> None:
+        # kubelet's convention for Node events (kubectl describe node finds them by it).
+        self.node = ObjectRef("Node", node_name, uid=node_name)
+        self.api = api
+        self.namespace = namespace
+        self.window = window
+        self.burst = burst
+        self.clock = clock
+        self._seen: dict[tuple[str, str, str], float] = {}
+        self._written: list[float] = []
+
+    def record(self, reason: str, message: str, type: str = "Normal") -> bool:  # noqa: A002
+        """True when an Event was written; False when de-duplicated, rate-limited or failed."""
+        now = self.clock()
+        key = (type, reason, message[:MAX_MESSAGE])
+        self._seen = {k: t for k, t in self._seen.items() if now - t < self.window}
+        self._written = [t for t in self._written if now - t < self.window]
+        if key in self._seen:
+            return False
+        if len(self._written) >= self.burst:
+            log.info("not recording event %s (more than %d in %.0f s): %s", reason, self.burst, self.window, message)
+            return False
+        self._seen[key] = now
+        self._written.append(now)
+        return record_event(self.api, self.namespace, self.node, reason, message, type)

@@ -57,6 +57,8 @@ class Plan:
     sections: list[PlanSection] = field(default_factory=list)
     # Why a resource name differs from what the naming rule alone gives.
     naming_notes: list[str] = field(default_factory=list)
+    # The workload the plan is for and why: {"mode": "vm-passthrough", "why": "..."}.
+    workload: dict[str, str] = field(default_factory=dict)
 
     @property
     def changes_pending(self) -> bool:
@@ -72,6 +74,7 @@ class Plan:
             "resources": dict(self.resources),
             "problems": list(self.problems),
             "naming_notes": list(self.naming_notes),
+            "workload": dict(self.workload),
         }
         for section in self.sections:
             out[section.key] = section.data

@@ -49,12 +49,11 @@ def _root_ports(plan: Plan) -> int:
 
 
 def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None,
-              *, force: bool = False) -> Plan:
+              *, force: bool = False, workload_why: str = "") -> Plan:
     plan = build_plan(host, naming, force=force)
+    plan.workload = {"mode": steps.workload.value, "why": workload_why}
     if not steps.passthrough:
-        plan.problems.insert(0, f"node workload is {steps.workload.value!r}, not {PASSTHROUGH.value!r}: "
-                                "nothing is bound and no Kata runtime is set up on this node")
-        plan.decisions = [d for d in plan.decisions if d.action is not Action.BIND]
+        _not_passthrough(host, plan, steps.workload)
         return plan
     if steps.cdi:
         plan.sections.append(cdi_specs.plan_section(host, plan.inventory, plan.decisions if steps.vfio else [],
@@ -63,6 +62,27 @@ def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
         ctx = _with_root_ports(kata_ctx, plan)
         plan.sections += kata_runtime.plan_sections(host, ctx, enable_cdi=steps.cdi)
     return plan
+
+
+def _not_passthrough(host: HostRoot, plan: Plan, workload: Workload) -> None:
+    """What a node that does not run VMs will see: no binds, nothing schedulable for
+    passthrough, and the GPUs an earlier vm-passthrough left on vfio-pci with the way back."""
+    earlier = vfio.bound_by_us(host)
+    plan.decisions = [d for d in plan.decisions if d.action is not Action.BIND]
+    plan.devices = [
+        replace(d, action=Action.KEEP.value if d.bdf in earlier else Action.SKIP.value,
+                reason=(f"left on vfio-pci from when this node ran {PASSTHROUGH.value}; "
+                        "`katamgr revert` gives it back to its driver") if d.bdf in earlier
+                else f"node workload is {workload.value}: stays on its driver")
+        if d.action == Action.BIND.value or d.bdf in earlier else d
+        for d in plan.devices
+    ]
+    plan.resources = {}
+    plan.problems.insert(0, f"node workload is {workload.value!r}, not {PASSTHROUGH.value!r}: "
+                            "nothing is bound and no Kata runtime is set up on this node")
+    if earlier:
+        plan.problems.insert(1, f"{', '.join(sorted(earlier))} stay on vfio-pci from when this node ran "
+                                f"{PASSTHROUGH.value}: `katamgr revert` gives them back to their drivers")
 
 
 def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:

@@ -15,6 +15,7 @@ class Report:
     changes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    bytes_pulled: int = 0  # artifact blob bytes read from their sources (for the metrics)
 
     @property
     def ok(self) -> bool:
@@ -24,6 +25,7 @@ class Report:
         self.changes += other.changes
         self.warnings += other.warnings
         self.failures += other.failures
+        self.bytes_pulled += other.bytes_pulled
         return self
 
 

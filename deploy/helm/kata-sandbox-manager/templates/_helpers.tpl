@@ -373,3 +373,46 @@ securityContext:
   capabilities:
     drop: ["ALL"]
 {{- end -}}
+
+{{/*
+The namespaceSelector of the isolation webhook and policy: the user's selector with the
+release namespace and isolation.excludedNamespaces (default kube-system) excluded.
+*/}}
+{{- define "ksm.isolationNamespaceSelector" -}}
+{{- $root := index . 0 -}}
+{{- $selector := deepCopy (index . 1 | default dict) -}}
+{{- $excluded := concat (list $root.Release.Namespace) ($root.Values.isolation.excludedNamespaces | default list) | uniq -}}
+{{- $exprs := concat ($selector.matchExpressions | default list) (list (dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" $excluded)) -}}
+{{- $_ := set $selector "matchExpressions" $exprs -}}
+{{- toYaml $selector -}}
+{{- end -}}
+
+{{/* One webhook entry of the isolation webhook configurations (dict: root name ns caBundle path). */}}
+{{- define "ksm.webhookCommon" -}}
+{{- $root := .root -}}
+{{- $w := $root.Values.isolation.webhook -}}
+admissionReviewVersions: ["v1"]
+sideEffects: None
+failurePolicy: {{ $w.failurePolicy }}
+matchPolicy: Equivalent
+timeoutSeconds: {{ $w.timeoutSeconds }}
+clientConfig:
+  service:
+    name: {{ .name }}
+    namespace: {{ .ns }}
+    path: {{ .path }}
+    port: 443
+  {{- if .caBundle }}
+  caBundle: {{ .caBundle }}
+  {{- end }}
+rules:
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["CREATE"]
+    resources: ["pods"]
+    scope: Namespaced
+namespaceSelector:
+  {{- include "ksm.isolationNamespaceSelector" (list $root $w.namespaceSelector) | nindent 2 }}
+objectSelector:
+  {{- toYaml ($w.objectSelector | default dict) | nindent 2 }}
+{{- end -}}

@@ -1,0 +1,197 @@
+"""The isolation objects of the chart (templates/isolation-webhook.yaml and
+isolation-policy.yaml), rendered by the real Helm engine: off by default; the webhook's
+Deployment, Service, PDB, TLS and webhook configurations when enabled; the
+ValidatingAdmissionPolicy, whose CEL is evaluated with cel-python against the same pods as
+the webhook's rules (tests/support/podkit.py)."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from cryptography import x509
+from support import podkit
+from support.chartkit import NAMESPACE, RELEASE, render
+
+from katamgr.admission.rules import Policy, validate
+
+WEBHOOK = {"isolation": {"webhook": {"enabled": True}}}
+POLICY = {"isolation": {"admissionPolicy": {"enabled": True}}}
+CERT_MANAGER = {"isolation": {"webhook": {"enabled": True, "certManager": {"enabled": True}}}}
+ISOLATION_KINDS = {"MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
+                   "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                   "Certificate", "Issuer", "PodDisruptionBudget", "Deployment", "Service", "Secret"}
+CLUSTER_SCOPED = {"MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
+                  "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                  "ClusterRole", "ClusterRoleBinding"}
+WEBHOOK_NAME = RELEASE + "-webhook"
+
+pytestmark = pytest.mark.integration
+
+
+def excluded_namespaces(selector: dict) -> list[str]:
+    (expr,) = [e for e in selector["matchExpressions"] if e["key"] == "kubernetes.io/metadata.name"]
+    assert expr["operator"] == "NotIn"
+    return expr["values"]
+
+
+def test_defaults_render_no_isolation_object(chart):
+    kinds = {o["kind"] for o in render(chart, {}).objects}
+    assert not kinds & ISOLATION_KINDS
+
+
+@pytest.mark.parametrize("values", [WEBHOOK, POLICY, CERT_MANAGER,
+                                    {"isolation": {"webhook": {"enabled": True, "injectRuntimeClass": True,
+                                                               "replicas": 1},
+                                                   "admissionPolicy": {"enabled": True}}}],
+                         ids=["webhook", "policy", "cert-manager", "both"])
+def test_enabled_objects_are_valid_for_kubernetes(chart, kube_validate, values):
+    rendered = render(chart, values)
+    for obj in rendered.objects:
+        if obj["apiVersion"].startswith("cert-manager.io/"):
+            continue  # a CRD kubernetes-validate has no schema for
+        kube_validate.validate(obj, "1.33.0", strict=True)
+        if obj["kind"] not in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
+            kube_validate.validate(obj, "1.30.0", strict=True)
+        if obj["kind"] in CLUSTER_SCOPED:
+            assert "namespace" not in obj["metadata"]
+        else:
+            assert obj["metadata"]["namespace"] == NAMESPACE
+
+
+def test_the_webhook_objects(chart):
+    rendered = render(chart, WEBHOOK)
+    deploy = rendered.get("Deployment", "-webhook")
+    assert deploy["spec"]["replicas"] == 2
+    pod = deploy["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["katamgr", "webhook"]
+    assert "--runtime-class=kata-qemu-nvidia-gpu" in c["args"]
+    assert "--runtime-class=kata-qemu-nvidia-gpu-snp" in c["args"]
+    assert "--inject-runtime-class" not in c["args"]
+    for probe in (c["readinessProbe"], c["livenessProbe"]):
+        assert probe["httpGet"] == {"path": "/healthz", "port": "https", "scheme": "HTTPS"}
+    assert c["resources"]["requests"]
+    assert {v["secret"]["secretName"] for v in pod["volumes"]} == {WEBHOOK_NAME + "-tls"}
+    pdb = rendered.get("PodDisruptionBudget", "-webhook")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    service = rendered.get("Service", "-webhook")
+    assert service["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
+
+
+def test_helm_makes_a_ca_whose_bundle_the_webhooks_trust(chart):
+    rendered = render(chart, WEBHOOK)
+    secret = rendered.get("Secret", "-webhook-tls")
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert f"{WEBHOOK_NAME}.{NAMESPACE}.svc" in names.get_values_for_type(x509.DNSName)
+    for kind, path in (("MutatingWebhookConfiguration", "/mutate"),
+                       ("ValidatingWebhookConfiguration", "/validate")):
+        (hook,) = rendered.get(kind, "-webhook")["webhooks"]
+        assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        assert hook["clientConfig"]["service"] == {"name": WEBHOOK_NAME, "namespace": NAMESPACE,
+                                                   "path": path, "port": 443}
+        assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
+        assert hook["admissionReviewVersions"] == ["v1"]
+        assert hook["rules"][0]["resources"] == ["pods"]
+        assert excluded_namespaces(hook["namespaceSelector"]) == [NAMESPACE, "kube-system"]
+
+
+def test_selectors_and_failure_policy_are_values(chart):
+    rendered = render(chart, {"isolation": {
+        "excludedNamespaces": ["kube-system", "monitoring"],
+        "webhook": {"enabled": True, "failurePolicy": "Ignore",
+                    "namespaceSelector": {"matchLabels": {"gpu": "yes"}},
+                    "objectSelector": {"matchExpressions": [{"key": "skip", "operator": "DoesNotExist"}]}}}})
+    (hook,) = rendered.get("MutatingWebhookConfiguration", "-webhook")["webhooks"]
+    assert hook["failurePolicy"] == "Ignore"
+    assert hook["namespaceSelector"]["matchLabels"] == {"gpu": "yes"}
+    assert excluded_namespaces(hook["namespaceSelector"]) == [NAMESPACE, "kube-system", "monitoring"]
+    assert hook["objectSelector"] == {"matchExpressions": [{"key": "skip", "operator": "DoesNotExist"}]}
+
+
+def test_cert_manager_issues_and_injects(chart):
+    rendered = render(chart, CERT_MANAGER)
+    assert rendered.find("Secret", "-webhook-tls") is None
+    cert = rendered.get("Certificate", "-webhook")
+    assert cert["spec"]["secretName"] == WEBHOOK_NAME + "-tls"
+    assert f"{WEBHOOK_NAME}.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
+    assert cert["spec"]["issuerRef"]["name"] == WEBHOOK_NAME + "-ca"
+    assert rendered.get("Issuer", "-webhook-ca")["spec"]["ca"]["secretName"] == WEBHOOK_NAME + "-ca"
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        obj = rendered.get(kind, "-webhook")
+        assert obj["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{NAMESPACE}/{WEBHOOK_NAME}"
+        assert "caBundle" not in obj["webhooks"][0]["clientConfig"]
+    own = render(chart, {"isolation": {"webhook": {"enabled": True, "certManager": {
+        "enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer"}}}}})
+    assert own.find("Issuer", "-webhook-ca") is None
+    assert own.get("Certificate", "-webhook")["spec"]["issuerRef"]["kind"] == "ClusterIssuer"
+
+
+def test_the_schema_refuses_a_bad_failure_policy(chart):
+    import helm_python
+
+    with pytest.raises((helm_python.HelmError, Exception), match="failurePolicy|enum"):
+        render(chart, {"isolation": {"webhook": {"enabled": True, "failurePolicy": "Maybe"}}})
+
+
+# --- the ValidatingAdmissionPolicy's CEL, evaluated -------------------------------------
+
+def _cel_env():
+    celpy = pytest.importorskip("celpy")
+    return celpy, celpy.Environment()
+
+
+def evaluate_policy(policy: dict, pod: dict) -> tuple[bool, str | None]:
+    celpy, env = _cel_env()
+    from celpy import json_to_cel
+
+    spec = policy["spec"]
+    variables: dict = {}
+    activation = {"object": json_to_cel(pod), "variables": celpy.celtypes.MapType(variables)}
+
+    def run(expression: str):
+        program = env.program(env.compile(expression))
+        activation["variables"] = celpy.celtypes.MapType(variables)
+        return program.evaluate(activation)
+
+    for var in spec["variables"]:
+        variables[celpy.celtypes.StringType(var["name"])] = run(var["expression"])
+    (check,) = spec["validations"]
+    ok = bool(run(check["expression"]))
+    return ok, None if ok else str(run(check["messageExpression"]))
+
+
+@pytest.mark.parametrize("case", sorted(podkit.cases()))
+def test_the_policy_cel_agrees_with_the_webhook(chart, case):
+    policy = render(chart, POLICY).get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
+    obj = podkit.cases()[case]
+    ok, message = evaluate_policy(policy, obj)
+    denial = validate(obj, Policy())
+    assert ok == (denial is None), (case, message, denial)
+    if not ok:
+        # The same sentence as the webhook, less the pod name the policy's status already gives.
+        assert message == denial.split(": ", 1)[1]
+
+
+def test_the_policy_binding(chart):
+    rendered = render(chart, POLICY)
+    binding = rendered.get("ValidatingAdmissionPolicyBinding", "-passthrough-needs-kata")
+    assert binding["spec"]["policyName"] == RELEASE + "-passthrough-needs-kata"
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert excluded_namespaces(binding["spec"]["matchResources"]["namespaceSelector"]) == [
+        NAMESPACE, "kube-system"]
+    policy = rendered.get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
+    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["pods"]
+    assert policy["spec"]["failurePolicy"] == "Fail"
+
+
+
+def test_values_without_an_isolation_block_render_none(chart):
+    # As in helm upgrade --reuse-values from a release made before the isolation block:
+    # null removes the chart's default block (Helm's rule), and nothing fails.
+    kinds = {o["kind"] for o in render(chart, {"isolation": None}).objects}
+    assert kinds and not kinds & ISOLATION_KINDS

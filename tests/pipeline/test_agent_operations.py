@@ -1,0 +1,209 @@
+"""``katamgr run`` as an operator watches it: a failed reconcile retried with backoff
+(not on the hourly artifact timer), ``/metrics``, ``/healthz`` and ``/readyz`` over
+HTTP, and Events on the Node through the API stand-in."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+from support.apiserver import FakeApiServer
+from support.hostkit import GPU_A10, dev, make_host
+from support.paths import REPO
+
+from katamgr.agent import Agent
+from katamgr.cluster import EventRecorder
+from katamgr.config import parse_config
+from katamgr.host.naming import Naming
+from katamgr.host.pciids import PciIds
+from katamgr.pipeline.kata_runtime import KataContext
+from katamgr.pipeline.reconcile import Steps
+
+LAYOUT = REPO / "katamgr" / "data" / "oci-layout"
+NAMING = Naming(PciIds.find())
+# The layout is not on the node at first (a copy still under way, a mirror not synced).
+LATE = """
+artifactsDir: /opt/nvidia-gpu-operator/artifacts/runtimeclasses
+runtimeClasses:
+  - name: kata-qemu-nvidia-gpu
+    artifacts: {url: "oci-layout:///opt/kata-artifacts/late:kata-qemu-nvidia-gpu"}
+containerd: {restartMode: none}
+"""
+
+
+def node(tmp_path):
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
+    host.path("/etc/containerd").mkdir(parents=True)
+    host.path("/etc/containerd/config.toml").write_text(
+        (REPO / "katamgr" / "data" / "demo" / "containerd-config.toml").read_text())
+    return host
+
+
+def publish_layout(host) -> None:
+    shutil.copytree(LAYOUT, host.path("/opt/kata-artifacts/late"))
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def scrape(port: int) -> dict[str, list]:
+    status, text = get(port, "/metrics")
+    assert status == 200
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+def value(samples, name: str, **labels) -> float:
+    found = [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert found, (name, labels, samples)
+    return sum(found)
+
+
+def wait_for(condition, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
+    host = node(tmp_path)
+    # The artifact timer is an hour away: only the retry backoff can bring the pull back.
+    agent = Agent(host, NAMING, Steps(), KataContext(parse_config(LATE)), repull_interval=3600,
+                  retry_initial=0.1, retry_max=0.4)
+    server = agent.serve_metrics("127.0.0.1:0")
+    try:
+        assert get(server.port, "/readyz")[0] == 503  # nothing reconciled yet
+        assert get(server.port, "/healthz")[0] == 200
+        first = agent.reconcile("start")
+        assert not first.ok and "late" in first.failures[0]
+        status, body = get(server.port, "/readyz")
+        assert status == 503 and "the last reconcile failed" in body
+        assert agent.retry_delay == 0.1
+        thread = threading.Thread(target=agent.loop, daemon=True)
+        thread.start()
+        try:
+            # It keeps failing, backing off (0.1, 0.2, 0.4, 0.4 ...) but never waiting an hour.
+            assert wait_for(lambda: agent.reconciles >= 4)
+            assert agent.retry_delay == 0.4
+            metrics = scrape(server.port)
+            assert value(metrics["katamgr_reconciles"], "katamgr_reconciles_total", result="failure") >= 4
+            assert value(metrics["katamgr_reconcile_errors"], "katamgr_reconcile_errors_total") >= 4
+            publish_layout(host)
+            assert wait_for(lambda: agent.last_result is not None and agent.last_result.ok)
+            assert agent.retry_delay is None and agent.retry_at is None  # the backoff is reset
+            status, body = get(server.port, "/readyz")
+            assert status == 200, body
+            settled = agent.reconciles
+            time.sleep(0.6)
+            assert agent.reconciles == settled  # no retries after a success
+            assert get(server.port, "/healthz")[0] == 200
+        finally:
+            agent.request_stop()
+            thread.join(timeout=15)
+        assert not thread.is_alive()
+        metrics = scrape(server.port)
+    finally:
+        server.stop()
+    assert "kata-qemu-nvidia-gpu" in host.path("/etc/containerd/config.toml").read_text()
+    assert value(metrics["katamgr_reconciles"], "katamgr_reconciles_total", result="success") == 1
+    assert value(metrics["katamgr_reconcile_duration_seconds"], "katamgr_reconcile_duration_seconds_count") \
+        == agent.reconciles
+    assert value(metrics["katamgr_last_successful_reconcile_timestamp_seconds"],
+                 "katamgr_last_successful_reconcile_timestamp_seconds") > time.time() - 120
+    assert value(metrics["katamgr_artifact_pulled_bytes"], "katamgr_artifact_pulled_bytes_total") > 0
+    assert value(metrics["katamgr_devices"], "katamgr_devices", kind="gpu", driver="vfio-pci", action="keep") == 2
+    assert metrics["katamgr_iommu_groups_skipped"] == []
+
+
+def test_healthz_fails_when_the_loop_stops_ticking(tmp_path):
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)])
+    agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05)
+    agent.reconcile("start")
+    with agent.serve_metrics("127.0.0.1:0") as server:
+        assert get(server.port, "/healthz")[0] == 200
+        agent.last_tick -= 3600  # as if the loop hung an hour ago
+        status, body = get(server.port, "/healthz")
+        assert status == 503 and "last ticked" in body
+        assert get(server.port, "/nothing")[0] == 404
+
+
+def test_events_on_the_node_for_changes_and_failures_deduplicated(tmp_path):
+    host = node(tmp_path)
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
+        recorder = EventRecorder(api.client(), "gpu-node-1", window=600)
+        agent = Agent(host, NAMING, Steps(), KataContext(parse_config(LATE)), events=recorder,
+                      retry_initial=0.01, retry_max=0.01)
+        for _ in range(3):  # the same failure three times: one Event
+            assert not agent.reconcile("start").ok
+        events = [api.get("events", n, "default") for n in api.names("events")]
+        assert [(e["type"], e["reason"]) for e in events] == [("Warning", "ReconcileFailed")]
+        failed = events[0]
+        assert failed["involvedObject"]["kind"] == "Node" and failed["involvedObject"]["name"] == "gpu-node-1"
+        assert "late" in failed["message"]
+        publish_layout(host)
+        assert agent.reconcile("retry").ok
+        events = [api.get("events", n, "default") for n in api.names("events")]
+        reasons = sorted((e["type"], e["reason"]) for e in events)
+        assert reasons == [("Normal", "Reconciled"), ("Warning", "ReconcileFailed")]
+        changed = next(e for e in events if e["reason"] == "Reconciled")
+        assert "bound 0000:01:00.0" in changed["message"] or "vfio-pci" in changed["message"]
+        assert agent.reconcile("again").changes == []  # nothing changed: no Event
+        assert len(api.names("events")) == 2
+
+
+def test_the_recorder_is_rate_limited():
+    now = [0.0]
+    with FakeApiServer() as api:
+        recorder = EventRecorder(api.client(), "n1", window=60, burst=3, clock=lambda: now[0])
+        assert [recorder.record("R", f"m{i}") for i in range(5)] == [True, True, True, False, False]
+        assert recorder.record("R", "m0") is False  # a repeat, and over the limit anyway
+        now[0] = 61  # the window passed: the same message is news again
+        assert recorder.record("R", "m0") is True
+        assert len(api.names("events")) == 4
+
+
+def test_cli_run_serves_the_endpoints_and_refuses_a_bad_address(tmp_path):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    katamgr = str(Path(sys.executable).parent / "katamgr")
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)])
+    bad = subprocess.run([katamgr, "run", "--host-root", str(host.root), "--metrics-address", "nowhere"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([katamgr, "run", "--host-root", str(host.root), "--no-kata",
+                             "--metrics-address", f"127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(lambda: _answers(port), timeout=30), proc.stderr
+        assert wait_for(lambda: get(port, "/readyz")[0] == 200, timeout=30)
+        assert "katamgr_reconcile_duration_seconds" in scrape(port)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+
+def _answers(port: int) -> bool:
+    try:
+        return get(port, "/healthz")[0] == 200
+    except OSError:
+        return False
