@@ -9,7 +9,6 @@ import logging
 import os
 import sys
 import tempfile
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from katamgr import __version__
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import naming as resource_naming
 from katamgr.host.naming import Naming
-from katamgr.host.process import setup_logging
+from katamgr.host.process import TEXT, add_log_format_argument, report_error, setup_logging
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import AUTO, DEFAULT_WORKLOAD, WORKLOADS, Workload, resolve_workload
 from katamgr.pipeline.kata_runtime import KataContext
@@ -80,6 +79,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cdi", action="store_true", help="do not write CDI specs (cdi off)")
     parser.add_argument("--no-kata", action="store_true", help="skip the Kata chain even with --config (kataManager off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every step")
+    add_log_format_argument(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("profile", metavar="PROFILE", help=f"a profile file or one of: {', '.join(shipped_names())}")
     p.add_argument("--into", required=True, metavar="DIR", help="a new or empty directory")
     p.add_argument("-v", "--verbose", action="store_true")
+    add_log_format_argument(p)
     p.set_defaults(func=cmd_simulate, host=None, host_root=None)
 
     p = sub.add_parser("demo", help="run the whole job on a simulated DGX-H100-like node",
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="dgx-h100", help="host profile to simulate (default dgx-h100)")
     p.add_argument("--keep", metavar="DIR", help="simulate into DIR and leave it there to look at")
     p.add_argument("-v", "--verbose", action="store_true")
+    add_log_format_argument(p)
     p.set_defaults(func=cmd_demo, host=None, host_root=None)
 
     _webhook_parser(sub)
@@ -181,6 +183,7 @@ def _webhook_parser(sub) -> None:
                    help="on /mutate, give a passthrough pod without a runtimeClassName the first "
                         "--runtime-class instead of leaving /validate to deny it")
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
+    add_log_format_argument(p)
     p.set_defaults(func=cmd_webhook, host=None, host_root=None)
 
 
@@ -369,7 +372,8 @@ def exit_code_of(exc: BaseException) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging(logging.INFO if args.verbose else logging.WARNING)
+    log_format = getattr(args, "log_format", TEXT)
+    setup_logging(logging.INFO if args.verbose else logging.WARNING, log_format)
     try:
         return args.func(args)
     except KeyboardInterrupt:
@@ -377,12 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - every error ends here: one sentence and an exit code
         code = exit_code_of(exc)
         if code is not None:
-            print(f"katamgr: {exc}", file=sys.stderr)
+            report_error(f"katamgr: {exc}", log_format, log)
             return code
-        if getattr(args, "verbose", False):
-            traceback.print_exc()
-        print(f"katamgr: unexpected {type(exc).__name__}: {exc} (run with -v for the traceback; "
-              f"please report it)", file=sys.stderr)
+        report_error(f"katamgr: unexpected {type(exc).__name__}: {exc} (run with -v for the traceback; "
+                     f"please report it)", log_format, log, exc_info=getattr(args, "verbose", False))
         return 1
 
 

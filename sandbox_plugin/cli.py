@@ -15,7 +15,12 @@ from katamgr.host import inventory
 from katamgr.host import naming as resource_naming
 from katamgr.host.metrics_server import MetricsServer, parse_address
 from katamgr.host.naming import Naming
-from katamgr.host.process import setup_logging, stop_on_signals
+from katamgr.host.process import (
+    add_log_format_argument,
+    report_error,
+    setup_logging,
+    stop_on_signals,
+)
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import (
     AUTO,
@@ -25,6 +30,7 @@ from katamgr.host.workload import (
     Workload,
     resolve_workload,
 )
+from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.server import PluginServerError
@@ -52,6 +58,32 @@ auto (default): the node label nvidia.com/gpu.workload.config, read through the
   vm-passthrough). A vm-vgpu node is served by NVIDIA's vGPU device manager:
   this plugin serves nothing there.
 
+Device-list strategies (container mode, --device-list-strategy; comma-separated
+or repeated; default envvar,cdi-cri): how Allocate names the GPUs to the NVIDIA
+Container Toolkit, and the toolkit settings (/etc/nvidia-container-runtime/
+config.toml) each needs:
+  envvar           NVIDIA_VISIBLE_DEVICES=<uuid,...>. Unprivileged pods get their
+                   GPUs only with accept-nvidia-visible-devices-envvar-when-
+                   unprivileged = true (the toolkit's default), which also lets
+                   any pod pick GPUs by setting the variable itself.
+  volume-mounts    /dev/null mounted at /var/run/nvidia-container-devices/<uuid>
+                   per GPU, NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices
+                   (replaces envvar's value). Needs
+                   accept-nvidia-visible-devices-as-volume-mounts = true; then
+                   accept-nvidia-visible-devices-envvar-when-unprivileged = false
+                   closes the variable to pods: the safest with the toolkit's
+                   runtime or hook.
+  cdi-annotations  annotation cdi.k8s.io/sandbox-device-plugin_<digest> listing
+                   nvidia.com/gpu=<uuid>. Needs CDI in the runtime (containerd
+                   1.7+ enable_cdi = true, default in 2.0; CRI-O) or the toolkit's
+                   runtime in cdi mode, and a CDI spec naming GPUs by UUID
+                   (nvidia-ctk cdi generate --device-name-strategy=uuid).
+  cdi-cri          the same names in the Allocate answer's CDIDevices field.
+                   Needs kubelet 1.29+ (DevicePluginCDIDevices) besides what
+                   cdi-annotations needs.
+  Both CDI strategies hand out only names a spec in /etc/cdi or /var/run/cdi
+  defines (an undefined name fails the pod).
+
 Stops cleanly (sockets removed, exit 0) on SIGTERM or SIGINT.
 """
 
@@ -76,9 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --mode auto, the workload of a node without the label: "
                              f"{', '.join(WORKLOADS)} (default: what the host shows)")
     resource_naming.add_arguments(parser)
+    parser.add_argument("--device-list-strategy", action="append", default=[], metavar="S[,S]",
+                        help="container mode: how Allocate names the GPUs, any of "
+                             f"{', '.join(DEVICE_LIST_STRATEGIES)} (comma-separated or repeated; "
+                             "default: envvar,cdi-cri; toolkit settings each needs: above)")
     parser.add_argument("--metrics-address", metavar="HOST:PORT",
                         help="serve /metrics (Prometheus), /healthz and /readyz there (default: off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    add_log_format_argument(parser)
     return parser
 
 
@@ -150,19 +187,27 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
         raise UsageError(str(exc)) from None
 
 
+def _device_list_strategies(args: argparse.Namespace):
+    try:
+        return parse_device_list_strategies(args.device_list_strategy)
+    except ValueError as exc:
+        raise UsageError(f"--device-list-strategy: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     stop = threading.Event()
     try:
         host, naming = _build(args)
+        strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
         if args.mode == AUTO:
             mode, why = decide_mode(host, args.node_name, default=args.default_workload)
         else:
             mode, why = Mode(args.mode), "chosen with --mode"
     except KatamgrError as exc:  # bad usage or configuration 2, the API not answering 1
-        print(f"sandbox-device-plugin: error: {exc}", file=sys.stderr)
+        report_error(f"sandbox-device-plugin: error: {exc}", args.log_format, log)
         return exc.exit_code
     log.info("mode %s: %s", mode.value if mode else "none", why)
     if mode is None:
@@ -173,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             _wait(stop)
         return 0
 
-    manager = PluginManager(host, mode, naming=naming)
+    manager = PluginManager(host, mode, naming=naming, device_list_strategies=strategies)
     try:
         with _metrics(args, manager.metrics.registry, manager.health, manager.readiness):
             manager.start()

@@ -1,10 +1,23 @@
 """The fallback for nodes that run ordinary containers: ``nvidia.com/gpu`` from NVML.
 
 Device IDs are GPU UUIDs; topology is the NUMA node of the GPU's PCI function
-(read from sysfs through the host root). Allocate answers with
-``NVIDIA_VISIBLE_DEVICES=<uuid,...>`` and the CDI names ``nvidia.com/gpu=<uuid>``,
-each only when a spec on the host defines it (the NVIDIA Container Toolkit
-writes one in some setups only; an undefined name fails the pod in containerd).
+(read from sysfs through the host root). How Allocate hands the GPUs to the
+runtime is a list of device-list strategies, named as NVIDIA's k8s-device-plugin
+names them (``DeviceListStrategy``; several may be combined):
+
+- ``envvar``: ``NVIDIA_VISIBLE_DEVICES=<uuid,...>``;
+- ``volume-mounts``: a mount of the host's ``/dev/null`` at
+  ``/var/run/nvidia-container-devices/<uuid>`` per GPU and
+  ``NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices`` (this value
+  replaces envvar's when both are chosen, as NVIDIA's plugin does);
+- ``cdi-annotations``: one ``cdi.k8s.io/sandbox-device-plugin_<digest>``
+  annotation listing the CDI names ``nvidia.com/gpu=<uuid>``;
+- ``cdi-cri``: the same CDI names in the answer's ``cdi_devices``.
+
+The CDI names (both CDI strategies) are only those a spec on the host defines
+(the NVIDIA Container Toolkit writes one in some setups only; an undefined name
+fails the pod in containerd). The default, ``envvar`` and ``cdi-cri``, is the
+answer this plugin gave before the strategies existed.
 
 Health comes from NVML's critical-XID events. XIDs a user's own program causes
 (and that leave the GPU usable) do not mark it Unhealthy, or any tenant could
@@ -25,11 +38,14 @@ The NVML module is injectable: production uses ``pynvml`` (package
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
+import cdi
 from katamgr.host import pci
 from katamgr.host.root import HostRoot
 from sandbox_plugin.cdinames import HostCdiSpecs
@@ -38,6 +54,7 @@ from sandbox_plugin.resources import (
     UNHEALTHY,
     AllocationError,
     ContainerAllocation,
+    Mount,
     PluginDevice,
     Resource,
     UnknownDeviceError,
@@ -51,6 +68,59 @@ VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 # Short waits so stop() is prompt; NVML blocks in C with the GIL released.
 EVENT_WAIT_MS = 200
+
+# The volume-mounts strategy, as the NVIDIA Container Toolkit reads it.
+DEVICE_MOUNTS_ROOT = "/var/run/nvidia-container-devices"
+DEVICE_MOUNTS_HOST_PATH = "/dev/null"
+# The <plugin> part of the cdi.k8s.io/<plugin>_<id> annotation key.
+CDI_ANNOTATION_PLUGIN = "sandbox-device-plugin"
+
+
+class DeviceListStrategy(StrEnum):
+    """How an Allocate answer names the GPUs (NVIDIA k8s-device-plugin's names)."""
+
+    ENVVAR = "envvar"
+    VOLUME_MOUNTS = "volume-mounts"
+    CDI_ANNOTATIONS = "cdi-annotations"
+    CDI_CRI = "cdi-cri"
+
+
+DEVICE_LIST_STRATEGIES = tuple(s.value for s in DeviceListStrategy)
+# What the plugin answered before the strategies existed: the variable, and the
+# CDI names the host's spec defines.
+DEFAULT_DEVICE_LIST_STRATEGIES = (DeviceListStrategy.ENVVAR, DeviceListStrategy.CDI_CRI)
+
+
+def parse_device_list_strategies(values: Iterable[str]) -> tuple[DeviceListStrategy, ...]:
+    """``["envvar,volume-mounts", "cdi-cri"]`` -> the strategies, in order, each once.
+
+    Raises ValueError naming the first value that is not a strategy; no value
+    at all gives the default.
+    """
+    chosen: list[DeviceListStrategy] = []
+    for value in values:
+        for part in str(value).split(","):
+            name = part.strip()
+            try:
+                strategy = DeviceListStrategy(name)
+            except ValueError:
+                raise ValueError(
+                    f"device list strategy {name!r} is not one of {', '.join(DEVICE_LIST_STRATEGIES)}"
+                ) from None
+            if strategy not in chosen:
+                chosen.append(strategy)
+    return tuple(chosen) or DEFAULT_DEVICE_LIST_STRATEGIES
+
+
+def cdi_annotation_key(uuids: Sequence[str]) -> str:
+    """``cdi.k8s.io/sandbox-device-plugin_<digest>``: one key per set of GPUs.
+
+    NVIDIA's plugin uses a random ID; a digest of the GPUs keeps the key unique
+    per answer (one answer per container and resource) and the answer the same
+    for the same request.
+    """
+    digest = hashlib.sha256(",".join(uuids).encode()).hexdigest()[:16]
+    return cdi.annotation_key(CDI_ANNOTATION_PLUGIN, digest)
 
 
 @dataclass(frozen=True)
@@ -99,8 +169,10 @@ class NvmlResource(Resource):
         *,
         retry_interval: float = 300.0,
         ignored_xids: Iterable[int] = APPLICATION_XIDS,
+        device_list_strategies: Iterable[DeviceListStrategy | str] = DEFAULT_DEVICE_LIST_STRATEGIES,
     ) -> None:
         super().__init__(RESOURCE_NAME)
+        self.device_list_strategies = parse_device_list_strategies(device_list_strategies)
         self.host = host
         self.nvml = nvml if nvml is not None else load_pynvml()
         self.retry_interval = retry_interval
@@ -274,8 +346,22 @@ class NvmlResource(Resource):
                 raise AllocationError(
                     f"GPU {device_id} is unhealthy after a critical XID; pick another GPU"
                 )
-        ids = list(dict.fromkeys(device_ids))
-        return ContainerAllocation(
-            envs={VISIBLE_DEVICES: ",".join(ids)},
-            cdi_devices=self.cdi_specs.defined(f"{CDI_KIND}={uuid}" for uuid in ids),
-        )
+        return self._answer(list(dict.fromkeys(device_ids)))
+
+    def _answer(self, ids: list[str]) -> ContainerAllocation:
+        strategies = self.device_list_strategies
+        allocation = ContainerAllocation()
+        if DeviceListStrategy.ENVVAR in strategies:
+            allocation.envs[VISIBLE_DEVICES] = ",".join(ids)
+        if DeviceListStrategy.VOLUME_MOUNTS in strategies:
+            # NVIDIA's plugin does the same: the variable points the toolkit at the mounts.
+            allocation.envs[VISIBLE_DEVICES] = DEVICE_MOUNTS_ROOT
+            allocation.mounts = [Mount(f"{DEVICE_MOUNTS_ROOT}/{uuid}", DEVICE_MOUNTS_HOST_PATH)
+                                 for uuid in ids]
+        if DeviceListStrategy.CDI_ANNOTATIONS in strategies or DeviceListStrategy.CDI_CRI in strategies:
+            names = self.cdi_specs.defined(f"{CDI_KIND}={uuid}" for uuid in ids)
+            if names and DeviceListStrategy.CDI_ANNOTATIONS in strategies:
+                allocation.annotations[cdi_annotation_key(ids)] = cdi.annotation_value(names)
+            if DeviceListStrategy.CDI_CRI in strategies:
+                allocation.cdi_devices = names
+        return allocation

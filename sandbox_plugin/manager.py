@@ -16,12 +16,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from enum import StrEnum
 
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import Workload
-from sandbox_plugin.container import NvmlResource
+from sandbox_plugin.container import (
+    DEFAULT_DEVICE_LIST_STRATEGIES,
+    DeviceListStrategy,
+    NvmlResource,
+)
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import Resource
@@ -51,6 +56,7 @@ class PluginManager:
         backoff: Backoff | None = None,
         rescan_interval: float = 30.0,
         nvml_retry_interval: float = 300.0,
+        device_list_strategies: Sequence[DeviceListStrategy | str] = DEFAULT_DEVICE_LIST_STRATEGIES,
     ) -> None:
         self.host = host
         self.mode = Mode(mode)
@@ -69,7 +75,8 @@ class PluginManager:
             self.discovery = PassthroughDiscovery(host, naming)
             self._watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval)
         else:
-            self.nvml_resource = NvmlResource(host, nvml, retry_interval=nvml_retry_interval)
+            self.nvml_resource = NvmlResource(host, nvml, retry_interval=nvml_retry_interval,
+                                              device_list_strategies=device_list_strategies)
 
     @property
     def resources(self) -> dict[str, Resource]:

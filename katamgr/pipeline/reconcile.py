@@ -14,12 +14,13 @@ from katamgr.host.inventory import discover
 from katamgr.host.lock import node_lock, tidy_state_dir
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
+from katamgr.host.toolkit import isolation_problem, read_toolkit_config, toml_value
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Workload
 from katamgr.pipeline import cdi_specs, kata_runtime
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.kata_runtime import KataContext
-from katamgr.pipeline.plan import Plan, build_plan
+from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import Report
 
 PASSTHROUGH = Workload.VM_PASSTHROUGH
@@ -83,6 +84,24 @@ def _not_passthrough(host: HostRoot, plan: Plan, workload: Workload) -> None:
     if earlier:
         plan.problems.insert(1, f"{', '.join(sorted(earlier))} stay on vfio-pci from when this node ran "
                                 f"{PASSTHROUGH.value}: `katamgr revert` gives them back to their drivers")
+    if workload is Workload.CONTAINER:
+        _toolkit_isolation(host, plan)
+
+
+def _toolkit_isolation(host: HostRoot, plan: Plan) -> None:
+    """Whether the NVIDIA Container Toolkit lets unprivileged pods pick GPUs (read-only advice)."""
+    config = read_toolkit_config(host)
+    if config.read:
+        value = config.envvar_when_unprivileged
+        lines = [f"{config.path}: accept-nvidia-visible-devices-envvar-when-unprivileged = "
+                 f"{'(not set: true)' if value is None else toml_value(value)}"]
+    else:
+        lines = []
+    lines += [f"note: {n}" for n in config.notes]
+    plan.sections.append(PlanSection("toolkit", "NVIDIA Container Toolkit", config.to_json(), lines))
+    problem = isolation_problem(config)
+    if problem:
+        plan.problems.append(problem)
 
 
 def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:

@@ -107,12 +107,16 @@ class _Endpoint:
         self.stub = pb_grpc.DevicePluginStub(self.channel)
         self._stream = None
         self._closed = threading.Event()
+        # start() and close() may race (a stop() while a Register is being accepted).
+        self._lifecycle = threading.Lock()
         self.thread = threading.Thread(
             target=self._run, name=f"kubelet-sim-{registration.resource_name}", daemon=True
         )
 
     def start(self) -> None:
-        self.thread.start()
+        with self._lifecycle:
+            if not self._closed.is_set():
+                self.thread.start()
 
     def _run(self) -> None:
         name = self.registration.resource_name
@@ -141,15 +145,21 @@ class _Endpoint:
         except grpc.RpcError as exc:
             if not self._closed.is_set():
                 log.info("kubelet-sim: stream from %s ended: %s", name, exc.code().name)
+        except ValueError:
+            if not self._closed.is_set():  # "Cannot invoke RPC on closed channel": closed meanwhile
+                raise
         finally:
             self.sim._record_disconnect(self)
 
     def close(self) -> None:
-        self._closed.set()
+        with self._lifecycle:
+            self._closed.set()
+            started = self.thread.ident is not None
         if self._stream is not None:
             self._stream.cancel()
         self.channel.close()
-        self.thread.join(5)
+        if started:
+            self.thread.join(5)
 
 
 class _RegistrationServicer(pb_grpc.RegistrationServicer):

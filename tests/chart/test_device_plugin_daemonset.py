@@ -13,12 +13,14 @@ def test_defaults_run_only_the_container_gpu_plugin_unprivileged(chart):
     rendered = render(chart, {})
     assert rendered.kinds() == [
         ("ClusterRole", RELEASE), ("ClusterRoleBinding", RELEASE),
-        ("DaemonSet", f"{RELEASE}-device-plugin"), ("ServiceAccount", RELEASE),
+        ("DaemonSet", f"{RELEASE}-device-plugin"), ("Service", f"{RELEASE}-device-plugin-metrics"),
+        ("ServiceAccount", RELEASE),
     ]
     plugin = container(rendered, "-device-plugin", "device-plugin")
     assert plugin["command"] == ["sandbox-device-plugin"]
     assert plugin["args"] == ["--host-root", "/host", "--mode", "container",
-                              "--node-name", "$(NODE_NAME)"]
+                              "--node-name", "$(NODE_NAME)", "--log-format", "text",
+                              "--metrics-address", "0.0.0.0:9411"]
     assert env_names(plugin)["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert env_names(plugin)["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
     assert plugin["securityContext"]["privileged"] is False

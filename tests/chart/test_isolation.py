@@ -29,6 +29,11 @@ WEBHOOK_NAME = RELEASE + "-webhook"
 pytestmark = pytest.mark.integration
 
 
+def kinds_of(rendered) -> set[str]:
+    """The kinds rendered, less the metrics Services of the DaemonSets (templates/metrics.yaml)."""
+    return {o["kind"] for o in rendered.objects if not o["metadata"]["name"].endswith("-metrics")}
+
+
 def excluded_namespaces(selector: dict) -> list[str]:
     (expr,) = [e for e in selector["matchExpressions"] if e["key"] == "kubernetes.io/metadata.name"]
     assert expr["operator"] == "NotIn"
@@ -36,7 +41,7 @@ def excluded_namespaces(selector: dict) -> list[str]:
 
 
 def test_defaults_render_no_isolation_object(chart):
-    kinds = {o["kind"] for o in render(chart, {}).objects}
+    kinds = kinds_of(render(chart, {}))
     assert not kinds & ISOLATION_KINDS
 
 
@@ -193,5 +198,5 @@ def test_the_policy_binding(chart):
 def test_values_without_an_isolation_block_render_none(chart):
     # As in helm upgrade --reuse-values from a release made before the isolation block:
     # null removes the chart's default block (Helm's rule), and nothing fails.
-    kinds = {o["kind"] for o in render(chart, {"isolation": None}).objects}
+    kinds = kinds_of(render(chart, {"isolation": None}))
     assert kinds and not kinds & ISOLATION_KINDS

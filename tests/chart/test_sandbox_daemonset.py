@@ -31,7 +31,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     agent = container(rendered, "-sandbox-agent", "kata-manager")
     assert agent["command"] == ["katamgr"]
     assert agent["args"] == ["run", "--config", "/etc/kata-sandbox-manager/config.yaml",
-                             "--host-root", "/host", "--default-workload", "container",
+                             "--host-root", "/host", "--log-format", "text",
+                             "--metrics-address", "0.0.0.0:9410", "--default-workload", "container",
                              "--resource-naming", "nvidia"]
     assert set(env_names(agent)) >= {"NODE_NAME", "POD_NAMESPACE"}
     assert agent["securityContext"]["privileged"] is True
@@ -53,7 +54,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
 
     plugin = container(rendered, "-sandbox-agent", "sandbox-device-plugin")
     assert plugin["args"] == ["--host-root", "/host", "--mode", "vm-passthrough",
-                              "--node-name", "$(NODE_NAME)", "--resource-naming", "nvidia"]
+                              "--node-name", "$(NODE_NAME)", "--log-format", "text",
+                              "--metrics-address", "0.0.0.0:9411", "--resource-naming", "nvidia"]
     assert plugin["securityContext"]["privileged"] is False
     assert plugin["securityContext"]["allowPrivilegeEscalation"] is False
     assert host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin") == {

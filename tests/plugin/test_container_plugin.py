@@ -8,15 +8,27 @@ is the simulator over real gRPC.
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import grpc
 import pytest
 
 import cdi
+from cdi.names import annotation_key_problem
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profiles import find_profile
-from sandbox_plugin.container import RESOURCE_NAME, NvmlResource, load_pynvml, normalise_bus_id
+from sandbox_plugin.cli import main as plugin_main
+from sandbox_plugin.container import (
+    DEFAULT_DEVICE_LIST_STRATEGIES,
+    RESOURCE_NAME,
+    DeviceListStrategy,
+    NvmlResource,
+    cdi_annotation_key,
+    load_pynvml,
+    normalise_bus_id,
+    parse_device_list_strategies,
+)
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY
 from sandbox_plugin.server import Backoff
@@ -103,6 +115,105 @@ def test_cdi_names_only_when_a_spec_on_the_host_defines_them(serve_container, ca
     answer = kubelet.allocate(RESOURCE_NAME, [UUIDS[1], UUIDS[2]])
     assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": f"{UUIDS[1]},{UUIDS[2]}"}
     assert [c.name for c in answer.cdi_devices] == [f"nvidia.com/gpu={UUIDS[1]}"]
+
+
+# ---- device-list strategies ---------------------------------------------------------
+
+MOUNTS_ROOT = "/var/run/nvidia-container-devices"
+ANNOTATION_KEY = re.compile(r"cdi\.k8s\.io/sandbox-device-plugin_[0-9a-f]{16}")
+
+
+def allocate_with(serve_container, strategies, uuids, *, spec=UUIDS):
+    """The kubelet's Allocate answer for ``uuids`` from a plugin using ``strategies``,
+    with a toolkit CDI spec on the host naming ``spec`` (None: no spec)."""
+    manager, kubelet = serve_container(FakeNvml(fake_gpus()), device_list_strategies=strategies)
+    if spec is not None:
+        write_gpu_spec(manager.host, spec)
+    kubelet.wait_for(lambda s: len(s.healthy(RESOURCE_NAME)) == 3)
+    return kubelet.allocate(RESOURCE_NAME, uuids)
+
+
+def mounts(answer):
+    return [(m.container_path, m.host_path) for m in answer.mounts]
+
+
+def cdi_annotation(answer) -> list[str]:
+    """The names of the one cdi.k8s.io annotation, checked as the CDI rules and containerd read it."""
+    annotations = dict(answer.annotations)
+    assert len(annotations) == 1, annotations
+    [key] = annotations
+    assert ANNOTATION_KEY.fullmatch(key), key
+    assert annotation_key_problem(key) is None
+    return cdi.parse_annotations(annotations)[key]
+
+
+def test_envvar_names_the_uuids_in_the_variable_only(serve_container):
+    answer = allocate_with(serve_container, ["envvar"], [UUIDS[2], UUIDS[0]])
+    assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": f"{UUIDS[2]},{UUIDS[0]}"}
+    assert (mounts(answer), dict(answer.annotations), list(answer.cdi_devices)) == ([], {}, [])
+
+
+def test_volume_mounts_mount_dev_null_per_gpu_and_point_the_variable_at_them(serve_container):
+    answer = allocate_with(serve_container, ["volume-mounts"], [UUIDS[2], UUIDS[0]])
+    assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": MOUNTS_ROOT}
+    assert mounts(answer) == [(f"{MOUNTS_ROOT}/{UUIDS[2]}", "/dev/null"), (f"{MOUNTS_ROOT}/{UUIDS[0]}", "/dev/null")]
+    assert all(m.read_only for m in answer.mounts)
+    assert (list(answer.devices), dict(answer.annotations), list(answer.cdi_devices)) == ([], {}, [])
+
+
+def test_cdi_annotations_list_the_names_the_host_spec_defines(serve_container):
+    answer = allocate_with(serve_container, ["cdi-annotations"], [UUIDS[1], UUIDS[2]], spec=UUIDS[:2])
+    assert cdi_annotation(answer) == [f"nvidia.com/gpu={UUIDS[1]}"]  # UUIDS[2] is not in the spec
+    assert (dict(answer.envs), mounts(answer), list(answer.cdi_devices)) == ({}, [], [])
+
+
+def test_cdi_annotations_without_a_spec_add_no_annotation(serve_container):
+    answer = allocate_with(serve_container, ["cdi-annotations"], [UUIDS[0]], spec=None)
+    assert dict(answer.annotations) == {}
+
+
+def test_cdi_annotation_key_is_stable_and_differs_per_gpu_set():
+    key = cdi_annotation_key([UUIDS[0], UUIDS[1]])
+    assert ANNOTATION_KEY.fullmatch(key)
+    assert key == cdi_annotation_key([UUIDS[0], UUIDS[1]]) != cdi_annotation_key([UUIDS[2]])
+
+
+def test_cdi_cri_hands_out_only_defined_names_and_no_variable(serve_container):
+    answer = allocate_with(serve_container, ["cdi-cri"], [UUIDS[1], UUIDS[2]], spec=UUIDS[:2])
+    assert [c.name for c in answer.cdi_devices] == [f"nvidia.com/gpu={UUIDS[1]}"]
+    assert (dict(answer.envs), mounts(answer), dict(answer.annotations)) == ({}, [], {})
+
+
+def test_strategies_combine(serve_container):
+    answer = allocate_with(serve_container, ["envvar,volume-mounts", "cdi-annotations", "cdi-cri"], [UUIDS[0]])
+    names = [f"nvidia.com/gpu={UUIDS[0]}"]
+    # As NVIDIA's plugin does: with volume-mounts the variable points at the mounts.
+    assert dict(answer.envs) == {"NVIDIA_VISIBLE_DEVICES": MOUNTS_ROOT}
+    assert mounts(answer) == [(f"{MOUNTS_ROOT}/{UUIDS[0]}", "/dev/null")]
+    assert cdi_annotation(answer) == names
+    assert [c.name for c in answer.cdi_devices] == names
+
+
+def test_the_default_is_the_answer_from_before_strategies():
+    assert DEFAULT_DEVICE_LIST_STRATEGIES == (DeviceListStrategy.ENVVAR, DeviceListStrategy.CDI_CRI)
+    assert parse_device_list_strategies([]) == DEFAULT_DEVICE_LIST_STRATEGIES
+
+
+def test_strategy_values_split_on_commas_repeat_and_keep_their_order():
+    assert parse_device_list_strategies(["volume-mounts, envvar", "cdi-cri", "envvar"]) == (
+        DeviceListStrategy.VOLUME_MOUNTS, DeviceListStrategy.ENVVAR, DeviceListStrategy.CDI_CRI)
+    with pytest.raises(ValueError, match="'volumes'"):
+        parse_device_list_strategies(["envvar,volumes"])
+    with pytest.raises(ValueError, match="''"):
+        parse_device_list_strategies(["envvar,"])
+
+
+@pytest.mark.parametrize("args", [["--device-list-strategy", "envvar,cdi"],
+                                  ["--device-list-strategy", "envvar", "--device-list-strategy=cdi"]])
+def test_a_bad_strategy_exits_2_naming_it(capsys, short_root, args):
+    assert plugin_main(["--host-root", str(short_root), "--mode", "container", *args]) == 2
+    err = capsys.readouterr().err
+    assert "--device-list-strategy" in err and "'cdi'" in err and "volume-mounts" in err
 
 
 def test_critical_xid_marks_only_that_gpu_unhealthy(serve_container):

@@ -181,6 +181,14 @@ block overrides for the same container counts when it differs from the value use
 {{- if eq (toString .Values.sandboxWorkloads.mode) "kubevirt" -}}
 {{- fail "sandboxWorkloads.mode=kubevirt: this chart runs Kata Containers only; use the NVIDIA GPU Operator for KubeVirt, or set sandboxWorkloads.mode=kata (the default)" -}}
 {{- end -}}
+{{- /* (| default: a release upgraded with --reuse-values from before these values existed) */ -}}
+{{- $m := .Values.metrics | default dict -}}
+{{- if and (dig "serviceMonitor" "enabled" false $m) (not (include "ksm.metricsOn" .)) -}}
+{{- fail "metrics.serviceMonitor.enabled=true needs metrics.enabled=true: with metrics off there is nothing to scrape" -}}
+{{- end -}}
+{{- if and (include "ksm.metricsOn" .) (eq (int $m.agentPort) (int $m.pluginPort)) -}}
+{{- fail (printf "metrics.agentPort and metrics.pluginPort are both %d: the sandbox agent pod runs both containers (on the host network with containerd.restartMode=signal), so they need two ports" (int $m.agentPort)) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* A host path below hostPaths.rootFS, as the kubelet sees it. Call with (list $ "/sys"). */}}
@@ -415,4 +423,79 @@ namespaceSelector:
   {{- include "ksm.isolationNamespaceSelector" (list $root $w.namespaceSelector) | nindent 2 }}
 objectSelector:
   {{- toYaml ($w.objectSelector | default dict) | nindent 2 }}
+{{- end -}}
+
+
+{{/*
+The log format and metrics arguments of a katamgr or sandbox-device-plugin container.
+ksm.metricsArgs is called with (list $ PORT) and renders nothing with metrics off.
+*/}}
+{{- define "ksm.logArgs" -}}
+- --log-format
+- {{ .Values.logFormat | default "text" }}
+{{- end -}}
+
+{{- define "ksm.metricsOn" -}}
+{{- if dig "enabled" false (.Values.metrics | default dict) }}true{{ end -}}
+{{- end -}}
+
+{{- define "ksm.metricsArgs" -}}
+{{- $root := index . 0 -}}
+{{- if include "ksm.metricsOn" $root }}
+- --metrics-address
+- 0.0.0.0:{{ index . 1 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The metrics port and the probes of a container serving --metrics-address (dict: root,
+port, name, startupSeconds). /healthz (the loop is alive) for the startup and liveness
+probes, /readyz (the work is done) for readiness. The startup probe only covers the
+process coming up to the point where it serves (import, flags, the cluster client); from
+then on /healthz answers ok during a long reconcile too (katamgr: up to an hour, e.g.
+pulling artifacts), so liveness never kills a pod that is still pulling; readiness is
+the probe that waits, and keeps a rolling update from moving on until the node is done.
+With hostNetwork (the sandbox agent with containerd.restartMode=signal) the pod IP the
+kubelet probes is the node's.
+*/}}
+{{- define "ksm.metricsContainer" -}}
+{{- if include "ksm.metricsOn" .root -}}
+ports:
+  - name: {{ .name }}
+    containerPort: {{ .port }}
+    protocol: TCP
+startupProbe:
+  httpGet:
+    path: /healthz
+    port: {{ .name }}
+  periodSeconds: 5
+  timeoutSeconds: 5
+  failureThreshold: {{ div .startupSeconds 5 }}
+livenessProbe:
+  httpGet:
+    path: /healthz
+    port: {{ .name }}
+  periodSeconds: 20
+  timeoutSeconds: 5
+  failureThreshold: 3
+readinessProbe:
+  httpGet:
+    path: /readyz
+    port: {{ .name }}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 3
+{{- end -}}
+{{- end -}}
+
+{{/* A container's resources: the first non-empty of the candidates, else nothing. Call with a list. */}}
+{{- define "ksm.resources" -}}
+{{- $found := dict -}}
+{{- range . -}}
+{{- if and (empty $found) (not (empty .)) }}{{ $found = . }}{{ end -}}
+{{- end -}}
+{{- with $found -}}
+resources:
+  {{- toYaml . | nindent 2 }}
+{{- end -}}
 {{- end -}}
