@@ -11,6 +11,15 @@ capped exponential backoff (2 s doubling to 5 min, reset by a success), not on t
 timer. With ``--metrics-address`` it serves ``/metrics``, ``/healthz`` (the loop
 ticked recently) and ``/readyz`` (the last reconcile succeeded); with a cluster
 and a node name it records Events on the Node for every change and failure.
+
+With a cluster and a node name it also follows the node's workload label
+(``nvidia.com/gpu.workload.config``, read every check interval: the API stand-in
+has no watch, and one ``get node`` per interval is cheap). ``vm-passthrough`` →
+``container`` gives the GPUs no running VM holds back to their drivers, leaves the
+held ones on vfio-pci (reported, and given back once their VM is gone), and makes
+the CDI specs and readiness files follow; the Kata runtime entries in containerd
+stay. ``container`` → ``vm-passthrough`` reconciles (binds). Each switch is one log
+line, a ``katamgr_workload_switches_total`` sample and a ``WorkloadSwitched`` Event.
 """
 
 from __future__ import annotations
@@ -18,12 +27,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from inotify_simple import flags as inflags
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from katamgr.errors import KatamgrError
+from katamgr.host import vfio
 from katamgr.host.inventory import discover
 from katamgr.host.lock import NodeBusyError, node_lock
 from katamgr.host.metrics_server import MetricsServer
@@ -31,10 +43,18 @@ from katamgr.host.naming import Naming
 from katamgr.host.process import stop_on_signals
 from katamgr.host.root import HostRoot
 from katamgr.host.watching import Watcher
+from katamgr.host.workload import Workload
 from katamgr.pipeline import cdi_specs, kata_runtime
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.plan import Plan
-from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
+from katamgr.pipeline.reconcile import (
+    DEFAULT_LOCK_WAIT,
+    Steps,
+    full_plan,
+    leave_passthrough,
+    reconcile,
+    revert_all,
+)
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report
 from katamgr.runtime import check_entries, configure_containerd
@@ -75,6 +95,9 @@ class AgentMetrics:
                                       registry=r)
         self.cdi_syncs = Counter("katamgr_cdi_spec_syncs", "CDI spec rewrites after the devices changed.",
                                  registry=r)
+        self.workload_switches = Counter("katamgr_workload_switches",
+                                         "Switches of the node's workload after a relabel, by from and to.",
+                                         ["from", "to"], registry=r)
 
     def observe_plan(self, plan: Plan) -> None:
         counts: dict[tuple[str, str, str], int] = {}
@@ -112,7 +135,8 @@ class Agent:
                  force: bool = False, wait: float = 5.0, repull_interval: float = 3600.0,
                  revert_on_exit: bool = False, check_interval: float = 10.0,
                  lock_wait: float = DEFAULT_LOCK_WAIT, retry_initial: float = RETRY_INITIAL,
-                 retry_max: float = RETRY_MAX, events=None, metrics_address: str | None = None):
+                 retry_max: float = RETRY_MAX, events=None, metrics_address: str | None = None,
+                 read_workload: Callable[[], Workload | str] | None = None):
         self.host = host
         self.naming = naming
         self.steps = steps
@@ -136,6 +160,10 @@ class Agent:
         self.last_result: Report | None = None
         self.last_tick = time.monotonic()
         self.busy_since: float | None = None  # a reconcile in progress
+        # The node's workload now (its label, resolved as at start); None: not followed.
+        self.read_workload = read_workload
+        self._label_error: str | None = None  # the last failure to read it, logged once
+        self.held: set[str] = set()  # BDFs a switch left on vfio-pci because a VM holds them
 
     # -- health ------------------------------------------------------------------
 
@@ -283,6 +311,84 @@ class Agent:
                 self.events.record("CdiSpecsUpdated", "; ".join(report.changes))
         return report
 
+    # -- following the workload label -------------------------------------------
+
+    def follow_workload(self) -> bool:
+        """Switch when the node's workload label changed; True when a switch was done."""
+        if self.read_workload is None:
+            return False
+        try:
+            wanted = Workload(self.read_workload())
+        except KatamgrError as exc:  # the API down, a bad label value: keep what we run
+            if str(exc) != self._label_error:
+                log.warning("could not read the node's workload (%s); keeping %s", exc, self.steps.workload)
+            self._label_error = str(exc)
+            return False
+        self._label_error = None
+        if wanted is self.steps.workload:
+            return False
+        return self.switch_workload(wanted)
+
+    def switch_workload(self, new: Workload) -> bool:
+        """Carry the node from its workload to ``new``; False when it must be tried again."""
+        old = self.steps.workload
+        steps = replace(self.steps, workload=new)
+        if new is Workload.VM_PASSTHROUGH:
+            self.steps = steps
+            self.held = set()
+            report = self.reconcile(f"node relabeled {old} -> {new}")
+            bound = [c.split()[1] for c in report.changes if c.startswith("bound ")]
+            what = f"bound {', '.join(bound)} to vfio-pci" if bound else "no GPU to bind"
+            if not report.ok:
+                what += f" (the reconcile failed, retried with backoff: {'; '.join(report.failures)})"
+        elif old is Workload.VM_PASSTHROUGH:
+            try:
+                report = leave_passthrough(self.host, self.naming, steps, lock_wait=self.lock_wait)
+            except KatamgrError as exc:  # a busy node lock, an unreadable record: next tick
+                log.warning("could not switch the workload %s -> %s yet (%s); trying again", old, new, exc)
+                return False
+            self.steps = steps
+            self.held = set(report.held)
+            what = (f"gave {', '.join(report.restored)} back to their drivers" if report.restored
+                    else "no free GPU to give back")
+            if report.held:
+                what += "; kept on vfio-pci, held by running VMs: " + "; ".join(
+                    f"{bdf} ({', '.join(who)})" for bdf, who in sorted(report.held.items()))
+            if report.failures:
+                what += f"; failed: {'; '.join(report.failures)}"
+            # Not reverted: running VMs still use them, and a switch back needs no
+            # containerd restart; `katamgr revert` removes them.
+            what += ("; CDI specs and readiness files follow; the Kata runtime entries in containerd stay "
+                     "(running VMs use them and switching back needs no containerd restart; "
+                     "katamgr revert removes them)")
+        else:
+            self.steps = steps
+            what = "nothing bound to move"
+        summary = f"workload switch {old} -> {new}: {what}"
+        log.info("%s", summary)
+        self.metrics.workload_switches.labels(old.value, new.value).inc()
+        if self.events is not None:
+            self.events.record("WorkloadSwitched", summary)
+        return True
+
+    def release_freed(self) -> None:
+        """After a switch away from vm-passthrough: give back a held GPU once its VM is gone."""
+        if not self.held or self.steps.passthrough:
+            return
+        records = vfio.bound_by_us(self.host)
+        self.held &= set(records)
+        freed = [bdf for bdf in sorted(self.held)
+                 if not vfio.vfio_holders(self.host, bdf, records[bdf].get("group"))]
+        if not freed:
+            return
+        try:
+            report = leave_passthrough(self.host, self.naming, self.steps, lock_wait=0)
+        except KatamgrError as exc:
+            log.info("could not give back %s yet (%s); trying again", ", ".join(freed), exc)
+            return
+        self.held = set(report.held)
+        log_report(report, log)
+
     def run(self, once: bool = False) -> int:
         server = self.serve_metrics(self.metrics_address) if self.metrics_address and not once else None
         try:
@@ -330,6 +436,9 @@ class Agent:
                     self.reconcile(f"retry after a failure (backoff {self.retry_delay:g} s)")
                     continue
                 try:
+                    if self.follow_workload():
+                        continue
+                    self.release_freed()
                     drift = self.containerd_drift()
                     if drift:
                         self.reconcile(drift)

@@ -320,8 +320,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         agent = Agent(host, naming, setup.steps, setup.ctx, force=args.force, wait=args.device_wait,
                       lock_wait=args.wait,
                       repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
-                      events=events, metrics_address=args.metrics_address)
+                      events=events, metrics_address=args.metrics_address,
+                      read_workload=_workload_follower(args, setup.api))
         return agent.run(once=args.once)
+
+
+def _workload_follower(args: argparse.Namespace, api: object | None):
+    """What ``katamgr run`` asks every check interval for the node's workload: the label,
+    by the rule it started with; None (not followed) without ``--workload auto``, a node
+    name or a cluster."""
+    if args.workload != AUTO or not args.node_name or api is None:
+        return None
+    from katamgr import cluster
+
+    def read() -> Workload:
+        return resolve_workload(
+            args.node_name, lambda node: cluster.node_workload_mode(api, node, default=None),
+            default=args.default_workload,
+            fallback=lambda: (Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"),
+        ).workload
+
+    return read
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -23,3 +23,12 @@ def mark_ready(host: HostRoot, workload: str = Workload.VM_PASSTHROUGH) -> list[
 
 def clear_ready(host: HostRoot) -> list[str]:
     return [p for p in (VFIO_READY, WORKLOAD_TYPE) if remove_file(host.path(p))]
+
+
+def mark_workload(host: HostRoot, workload: str) -> list[str]:
+    """A node that no longer runs VM passthrough: ``workload-type`` names the new
+    workload and ``vfio-pci-ready`` goes; return the host paths that changed."""
+    changed = [VFIO_READY] if remove_file(host.path(VFIO_READY)) else []
+    if write_atomic(host.path(WORKLOAD_TYPE), workload + "\n"):
+        changed.append(WORKLOAD_TYPE)
+    return changed

@@ -67,6 +67,8 @@ class GroupDecision:
 class BindReport:
     changes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    # unbind_all: devices left on vfio-pci because a process (a VM) holds them, with who
+    held: dict[str, list[holders.Holder]] = field(default_factory=dict)
 
 
 def vfio_module(host: HostRoot) -> VfioModule:
@@ -304,6 +306,7 @@ def unbind_all(host: HostRoot, *, force: bool = False) -> BindReport:
         if current == VFIO_DRIVER and not force:
             busy = vfio_holders(host, bdf, record.get("group"))
             if busy:
+                report.held[bdf] = busy
                 who = "; ".join(str(h) for h in busy)
                 report.failures.append(f"{bdf} is in use by {who}: stop that VM first or pass --force; left on vfio-pci")
                 continue

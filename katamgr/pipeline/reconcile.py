@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from katamgr.host import vfio
+from katamgr.host import readiness, vfio
 from katamgr.host.inventory import discover
 from katamgr.host.lock import node_lock, tidy_state_dir
 from katamgr.host.naming import Naming
@@ -21,7 +21,7 @@ from katamgr.pipeline import cdi_specs, kata_runtime
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
-from katamgr.pipeline.report import Report
+from katamgr.pipeline.report import LeaveReport, Report
 
 PASSTHROUGH = Workload.VM_PASSTHROUGH
 # How long a second katamgr waits for the one holding the node lock (--wait).
@@ -176,3 +176,34 @@ def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, f
     if steps.vfio:
         report.merge(revert_host(host, force=force))
     return report
+
+
+def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, lock_wait: float = DEFAULT_LOCK_WAIT,
+                      command: str = "katamgr run (workload switch)") -> LeaveReport:
+    """The node was relabeled away from vm-passthrough (``steps.workload`` is the new
+    workload): give the GPUs no VM holds back to their drivers, leave the held ones
+    on vfio-pci (never forced: a label change must not crash a running VM), make the
+    readiness files and the CDI specs follow. The Kata runtime entries stay (see the
+    agent). Holding the node lock (NodeBusyError after ``lock_wait``)."""
+    with node_lock(host, command, lock_wait):
+        report = LeaveReport()
+        if steps.vfio:
+            before = set(vfio.bound_by_us(host))
+            result = vfio.unbind_all(host, force=False)
+            report.changes += result.changes
+            report.held = {bdf: [str(h) for h in who] for bdf, who in result.held.items()}
+            report.restored = sorted(before - set(vfio.bound_by_us(host)))
+            for failure in result.failures:
+                bdf = failure.split(" ", 1)[0]
+                if bdf in result.held:  # expected: a running VM keeps its GPU
+                    report.warnings.append(
+                        f"{bdf} stays on vfio-pci while {'; '.join(report.held[bdf])} "
+                        "(a running VM); it goes back to its driver once that VM is gone")
+                else:
+                    report.failures.append(failure)
+            report.changes += [f"wrote {p}" if p == readiness.WORKLOAD_TYPE else f"removed {p}"
+                               for p in readiness.mark_workload(host, steps.workload)]
+        if steps.cdi:
+            # The specs follow the devices still on vfio-pci (the held ones, or none).
+            report.merge(cdi_specs.write_specs(host, discover(host), naming))
+        return report

@@ -34,3 +34,11 @@ class HostReport(Report):
     """What ``apply_host`` did: the sentences, and the facts a caller acts on."""
 
     moved: list[str] = field(default_factory=list)  # BDFs this call moved to vfio-pci
+
+
+@dataclass
+class LeaveReport(Report):
+    """What ``leave_passthrough`` did: the sentences, and which devices went where."""
+
+    restored: list[str] = field(default_factory=list)  # BDFs given back to their drivers
+    held: dict[str, list[str]] = field(default_factory=dict)  # BDFs left on vfio-pci: who holds them

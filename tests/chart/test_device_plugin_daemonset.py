@@ -35,7 +35,7 @@ def test_defaults_run_only_the_container_gpu_plugin_unprivileged(chart):
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     # Read-only access to nodes, nothing else.
     assert rules(rendered.get("ClusterRole")) == {
-        "nodes": {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]},
+        "nodes": {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
     }
 
 

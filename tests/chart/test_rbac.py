@@ -1,30 +1,124 @@
-"""The agent's rights (rbac.yaml): least privilege, secrets only by name."""
+"""The agent's rights (rbac.yaml): least privilege, derived from the API calls the code
+makes (every call needs a granted verb, every granted verb a call), secrets and the
+RuntimeClasses' patch and delete only by name."""
 
 from __future__ import annotations
 
+import ast
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
 import pytest
-from chartvalues import CUSTOM_CLASSES
-from support.chartkit import FULL, NAMESPACE, RELEASE, render, rules
+from chartvalues import CUSTOM_CLASSES, VALUE_SETS
+from support.chartkit import FULL, NAMESPACE, RELEASE, render
+from support.paths import REPO
+
+# The code that talks to the Kubernetes API with the chart's service account: katamgr's
+# cluster layer and agent (katamgr run, katamgr revert) and the device plugin's label read.
+API_CALLERS = [*sorted((REPO / "katamgr" / "cluster").glob("*.py")),
+               REPO / "katamgr" / "agent.py", REPO / "sandbox_plugin" / "cli.py"]
+
+# The official client's method names: <action>_[namespaced_]<kind in snake case>.
+ACTIONS = {"read": "get", "list": "list", "create": "create", "patch": "patch",
+           "replace": "update", "delete": "delete", "watch": "watch"}
+METHOD = re.compile(r"^(read|list|create|patch|replace|delete)_(namespaced_)?([a-z_]+?)(_for_all_namespaces)?$")
+# snake-case kind -> (API group, resource)
+KINDS = {"node": ("", "nodes"), "event": ("", "events"), "secret": ("", "secrets"),
+         "runtime_class": ("node.k8s.io", "runtimeclasses")}
+CLUSTER_SCOPED = {"nodes", "runtimeclasses"}
+APPLY = "application/apply-patch+yaml"
+
+
+def api_calls(paths: Iterable[Path]) -> dict[tuple[str, str], list[str]]:
+    """(resource, verb) -> where: every official-client call in ``paths``. A server-side
+    apply (a patch with the apply content type) may create the object, which the API
+    server authorizes as create as well."""
+    needed: dict[tuple[str, str], list[str]] = {}
+    for path in paths:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            match = METHOD.match(node.func.attr)
+            if not match or match.group(3) not in KINDS:
+                continue
+            resource = KINDS[match.group(3)][1]
+            where = f"{path.relative_to(REPO)}:{node.lineno} {node.func.attr}"
+            verbs = [ACTIONS[match.group(1)]]
+            if any(isinstance(k.value, ast.Name) and k.value.id == "APPLY_CONTENT_TYPE"
+                   or isinstance(k.value, ast.Constant) and k.value.value == APPLY
+                   for k in node.keywords if k.arg == "_content_type"):
+                verbs.append("create")
+            for keyword in node.keywords:  # list_x(watch=True) is a watch
+                if keyword.arg == "watch":
+                    verbs.append("watch")
+            for verb in verbs:
+                needed.setdefault((resource, verb), []).append(where)
+    return needed
+
+
+def granted(*roles: dict[str, Any]) -> dict[tuple[str, str], list[str] | None]:
+    """(resource, verb) -> resourceNames (None: any name), over all rules of ``roles``."""
+    out: dict[tuple[str, str], list[str] | None] = {}
+    for role in roles:
+        for rule in role["rules"]:
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    assert (resource, verb) not in out, f"{resource} {verb} granted twice"
+                    out[(resource, verb)] = rule.get("resourceNames")
+    return out
+
+
+def test_the_call_scan_finds_the_calls_we_know_of():
+    needed = api_calls(API_CALLERS)
+    assert set(needed) == {("nodes", "get"), ("events", "create"), ("secrets", "get"),
+                           ("runtimeclasses", "list"), ("runtimeclasses", "patch"),
+                           ("runtimeclasses", "create"), ("runtimeclasses", "delete")}
+    assert any("sandbox_plugin/cli.py" in w for w in needed[("nodes", "get")])
+
+
+@pytest.mark.integration
+def test_rbac_grants_exactly_what_the_code_calls(chart):
+    rendered = render(chart, CUSTOM_CLASSES)
+    cluster = granted(rendered.get("ClusterRole"))
+    namespaced = granted(rendered.get("Role"))
+    have = set(cluster) | set(namespaced)
+    needed = api_calls(API_CALLERS)
+    missing = {k: v for k, v in needed.items() if k not in have}
+    assert not missing, f"calls the chart's roles do not allow: {missing}"
+    unused = have - set(needed)
+    assert not unused, f"the chart grants verbs no call uses: {sorted(unused)}"
+    for resource, _ in cluster:
+        assert resource in CLUSTER_SCOPED
+    for resource, _ in namespaced:
+        assert resource not in CLUSTER_SCOPED
 
 
 @pytest.mark.integration
 def test_rbac_is_least_privilege_for_the_full_agent(chart):
     rendered = render(chart, CUSTOM_CLASSES)
-    cluster = rules(rendered.get("ClusterRole"))
-    assert set(cluster) == {"nodes", "runtimeclasses"}
-    assert cluster["nodes"]["verbs"] == ["get", "list", "watch"]  # nothing writes the Node
-    assert cluster["runtimeclasses"]["apiGroups"] == ["node.k8s.io"]
-    assert sorted(cluster["runtimeclasses"]["verbs"]) == sorted(
-        ["get", "list", "watch", "create", "patch", "delete"])
+    cluster = granted(rendered.get("ClusterRole"))
+    classes = ["kata-gpu", "kata-gpu-cc", "kata-gpu-test"]
+    assert cluster == {
+        ("nodes", "get"): None,  # nothing writes the Node
+        ("runtimeclasses", "list"): None,
+        ("runtimeclasses", "create"): None,  # RBAC cannot limit create by name
+        ("runtimeclasses", "patch"): classes,
+        ("runtimeclasses", "delete"): classes,
+    }
+    for rule in rendered.get("ClusterRole")["rules"]:
+        if "runtimeclasses" in rule["resources"]:
+            assert rule["apiGroups"] == ["node.k8s.io"]
 
     role = rendered.get("Role")
     assert role["metadata"]["namespace"] == NAMESPACE
-    namespaced = rules(role)
-    assert set(namespaced) == {"events", "secrets"}
-    assert namespaced["events"]["verbs"] == ["create"]
     # Only the pull secrets the runtime classes name.
-    assert namespaced["secrets"]["verbs"] == ["get"]
-    assert sorted(namespaced["secrets"]["resourceNames"]) == ["lab", "mirror"]
+    namespaced = granted(role)
+    assert set(namespaced) == {("events", "create"), ("secrets", "get")}
+    assert namespaced[("events", "create")] is None
+    assert sorted(namespaced[("secrets", "get")]) == ["lab", "mirror"]
 
     for binding_kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
         binding = rendered.get(binding_kind)
@@ -37,4 +131,23 @@ def test_rbac_is_least_privilege_for_the_full_agent(chart):
 @pytest.mark.integration
 def test_no_pull_secret_no_secret_access(chart):
     rendered = render(chart, FULL)  # default runtime classes have pullSecret ""
-    assert set(rules(rendered.get("Role"))) == {"events"}
+    assert set(granted(rendered.get("Role"))) == {("events", "create")}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_host_network_only_for_the_containerd_signal(chart, name):
+    """hostNetwork (and hostPID) only where katamgr signals containerd: the sandbox agent
+    (and the revert that undoes its work) with kataManager on and containerd.restartMode=signal."""
+    values = VALUE_SETS[name]
+    rendered = render(chart, values)
+    signal = (rendered.find("ConfigMap", "-config") is not None
+              and (values.get("containerd") or {}).get("restartMode", "signal") == "signal"
+              and values.get("sandboxWorkloads", {}).get("enabled")
+              and values.get("kataManager", {}).get("enabled"))
+    for obj in rendered.daemonsets():
+        pod = obj["spec"]["template"]["spec"]
+        expected = bool(signal) and obj["metadata"]["name"] in (
+            RELEASE + "-sandbox-agent", RELEASE + "-revert")
+        assert bool(pod.get("hostNetwork")) == expected, obj["metadata"]["name"]
+        assert bool(pod.get("hostPID")) == expected, obj["metadata"]["name"]

@@ -499,3 +499,26 @@ resources:
   {{- toYaml . | nindent 2 }}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The RuntimeClass names katamgr may patch and delete (a JSON list): the configured classes,
+plus the names this release's ClusterRole (named by the second argument) already granted
+delete on, found through lookup at install/upgrade time. katamgr deletes the classes it
+created that left the config, so a class removed by an upgrade must stay deletable; offline
+(helm template) lookup finds nothing and only the configured names are listed.
+Call with (list $ CLUSTERROLE-NAME).
+*/}}
+{{- define "ksm.runtimeClassNames" -}}
+{{- $root := index . 0 -}}
+{{- $names := list -}}
+{{- range $root.Values.kataManager.config.runtimeClasses -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- $live := lookup "rbac.authorization.k8s.io/v1" "ClusterRole" "" (index . 1) -}}
+{{- range ($live.rules | default list) -}}
+{{- if and (has "runtimeclasses" (.resources | default list)) (has "delete" (.verbs | default list)) -}}
+{{- $names = concat $names (.resourceNames | default list) -}}
+{{- end -}}
+{{- end -}}
+{{- $names | uniq | sortAlpha | toJson -}}
+{{- end -}}
