@@ -110,24 +110,11 @@ class AgentMetrics:
         skipped: dict[str, int] = {}
         for decision in plan.decisions:
             if decision.action.value == "skip":
-                code = skip_reason(decision.reason)
+                code = str(decision.skipped_because or "other")
                 skipped[code] = skipped.get(code, 0) + 1
         self.groups_skipped.clear()
         for code, n in skipped.items():
             self.groups_skipped.labels(code).set(n)
-
-
-def skip_reason(reason: str) -> str:
-    """A short label for why ``katamgr.host.vfio.decide`` skipped a group."""
-    if "no IOMMU group" in reason:
-        return "no_iommu_group"
-    if "not viable" in reason:
-        return "group_shared"
-    if reason.startswith("in use by"):
-        return "in_use"
-    if "workload" in reason:
-        return "workload"
-    return "other"
 
 
 class Agent:
@@ -337,8 +324,7 @@ class Agent:
             self.steps = steps
             self.held = set()
             report = self.reconcile(f"node relabeled {old} -> {new}")
-            bound = [c.split()[1] for c in report.changes if c.startswith("bound ")]
-            what = f"bound {', '.join(bound)} to vfio-pci" if bound else "no GPU to bind"
+            what = f"bound {', '.join(report.moved)} to vfio-pci" if report.moved else "no GPU to bind"
             if not report.ok:
                 what += f" (the reconcile failed, retried with backoff: {'; '.join(report.failures)})"
         elif old is Workload.VM_PASSTHROUGH:

@@ -44,6 +44,12 @@ class VfioModule(StrEnum):
     MISSING = "missing"
 
 
+class SkipReason(StrEnum):
+    NO_IOMMU_GROUP = "no_iommu_group"
+    GROUP_SHARED = "group_shared"
+    IN_USE = "in_use"
+
+
 @dataclass(frozen=True)
 class GroupDecision:
     """What happens to the devices of ours in one IOMMU group."""
@@ -52,6 +58,7 @@ class GroupDecision:
     devices: tuple[Device, ...]  # GPUs/NVSwitches and their companions, bus order
     action: Action
     reason: str
+    skipped_because: SkipReason | None = None  # the reason as a fact, for metrics
 
     def action_for(self, device: Device) -> Action:
         if self.action is Action.BIND and device.on_vfio:
@@ -98,7 +105,7 @@ def _no_group(inv: Inventory, device: Device) -> GroupDecision:
         reason = "the IOMMU is off: boot with intel_iommu=on (Intel) or amd_iommu=on (AMD) and iommu=pt"
     else:
         reason = f"{device.bdf} has no IOMMU group, so VFIO cannot pass it through"
-    return GroupDecision(None, (device,), Action.SKIP, reason)
+    return GroupDecision(None, (device,), Action.SKIP, reason, SkipReason.NO_IOMMU_GROUP)
 
 
 def _group_decision(host: HostRoot, inv: Inventory, group: int, devices: tuple[Device, ...], force: bool) -> GroupDecision:
@@ -108,6 +115,7 @@ def _group_decision(host: HostRoot, inv: Inventory, group: int, devices: tuple[D
         return GroupDecision(
             group, devices, Action.SKIP,
             f"IOMMU group {group} is not viable: it also holds {names}, which is not ours to bind",
+            SkipReason.GROUP_SHARED,
         )
     if all(d.on_vfio for d in devices):
         return GroupDecision(group, devices, Action.KEEP, "already on vfio-pci")
@@ -115,7 +123,8 @@ def _group_decision(host: HostRoot, inv: Inventory, group: int, devices: tuple[D
         busy = in_use(host, devices)
         if busy:
             who = "; ".join(str(h) for h in busy)
-            return GroupDecision(group, devices, Action.SKIP, f"in use by {who}: stop it first or pass --force")
+            return GroupDecision(group, devices, Action.SKIP, f"in use by {who}: stop it first or pass --force",
+                                 SkipReason.IN_USE)
     moving = [d for d in devices if not d.on_vfio]
     froms = sorted({d.driver or "no driver" for d in moving})
     return GroupDecision(group, devices, Action.BIND, f"move from {', '.join(froms)} to vfio-pci")

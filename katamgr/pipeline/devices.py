@@ -9,15 +9,15 @@ from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Workload
 from katamgr.pipeline.plan import Plan
-from katamgr.pipeline.report import HostReport, Report
+from katamgr.pipeline.report import Report
 
 log = logging.getLogger(__name__)
 
 
 def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workload.VM_PASSTHROUGH,
-               wait: float = 5.0) -> HostReport:
+               wait: float = 5.0) -> Report:
     """Bind what the plan says to bind, then write the readiness files."""
-    report = HostReport()
+    report = Report()
     # One group at a time: a group moves whole or is rolled back, so a group
     # without a failure moved exactly the devices the plan said it would.
     for decision in (d for d in plan.decisions if d.to_move):

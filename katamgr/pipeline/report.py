@@ -16,6 +16,7 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     bytes_pulled: int = 0  # artifact blob bytes read from their sources (for the metrics)
+    moved: list[str] = field(default_factory=list)  # BDFs moved to vfio-pci by this step
 
     @property
     def ok(self) -> bool:
@@ -26,14 +27,8 @@ class Report:
         self.warnings += other.warnings
         self.failures += other.failures
         self.bytes_pulled += other.bytes_pulled
+        self.moved += other.moved
         return self
-
-
-@dataclass
-class HostReport(Report):
-    """What ``apply_host`` did: the sentences, and the facts a caller acts on."""
-
-    moved: list[str] = field(default_factory=list)  # BDFs this call moved to vfio-pci
 
 
 @dataclass
