@@ -61,12 +61,12 @@ def test_every_rendered_object_is_valid_for_kubernetes(chart, kube_validate, val
 @pytest.mark.integration
 def test_every_mount_has_its_volume_and_every_volume_a_mount(chart, values):
     # What the API server checks beyond the JSON schema: names resolve and are unique.
-    for ds in render(chart, values).daemonsets():
+    for ds in render(chart, values).daemonsets(hooks=True):
         pod = ds["spec"]["template"]["spec"]
         volumes = [v["name"] for v in pod.get("volumes", [])]
         assert len(volumes) == len(set(volumes)), volumes
         used = set()
-        for c in pod["containers"]:
+        for c in pod.get("initContainers", []) + pod["containers"]:
             mounts = [m["mountPath"] for m in c.get("volumeMounts", [])]
             assert len(mounts) == len(set(mounts)), mounts
             for m in c.get("volumeMounts", []):

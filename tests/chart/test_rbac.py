@@ -145,7 +145,7 @@ def test_host_network_only_for_the_containerd_signal(chart, name):
               and (values.get("containerd") or {}).get("restartMode", "signal") == "signal"
               and values.get("sandboxWorkloads", {}).get("enabled")
               and values.get("kataManager", {}).get("enabled"))
-    for obj in rendered.daemonsets():
+    for obj in rendered.daemonsets(hooks=True):
         pod = obj["spec"]["template"]["spec"]
         expected = bool(signal) and obj["metadata"]["name"] in (
             RELEASE + "-sandbox-agent", RELEASE + "-revert")

@@ -79,13 +79,22 @@ class Rendered:
         return next((o for o in self.objects
                      if o["kind"] == kind and o["metadata"]["name"] == name), None)
 
-    def daemonsets(self) -> list[dict[str, Any]]:
-        return [o for o in self.objects if o["kind"] == "DaemonSet"]
+    def daemonsets(self, hooks: bool = False) -> list[dict[str, Any]]:
+        """The release's DaemonSets; with ``hooks`` also those of Helm hooks (the
+        uninstall revert), which run only while the hook does."""
+        return [o for o in self.objects if o["kind"] == "DaemonSet" and (hooks or not is_hook(o))]
+
+    def hooks(self) -> list[dict[str, Any]]:
+        return [o for o in self.objects if is_hook(o)]
 
     def containers(self) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
         for ds in self.daemonsets():
             for container in ds["spec"]["template"]["spec"]["containers"]:
                 yield ds, container
+
+
+def is_hook(obj: dict[str, Any]) -> bool:
+    return "helm.sh/hook" in ((obj.get("metadata") or {}).get("annotations") or {})
 
 
 def render(chart, values: dict[str, Any]) -> Rendered:

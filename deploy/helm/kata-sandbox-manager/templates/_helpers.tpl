@@ -304,13 +304,14 @@ mounts at one path are refused by the API server.
 {{- end -}}
 
 {{/*
-Pod-level settings every DaemonSet shares. Call with (list $ SECRETS): SECRETS are the
-imagePullSecrets of the operands the pod runs, added to image.pullSecrets.
+Pod-level settings every DaemonSet shares. Call with (list $ SECRETS [SERVICEACCOUNT]):
+SECRETS are the imagePullSecrets of the operands the pod runs, added to image.pullSecrets;
+SERVICEACCOUNT defaults to the release's (the uninstall hook brings its own).
 */}}
 {{- define "ksm.podCommon" -}}
 {{- $root := index . 0 -}}
 {{- $secrets := concat ($root.Values.image.pullSecrets | default list) (index . 1) | uniq -}}
-serviceAccountName: {{ include "ksm.fullname" $root }}
+serviceAccountName: {{ if gt (len .) 2 }}{{ index . 2 }}{{ else }}{{ include "ksm.fullname" $root }}{{ end }}
 priorityClassName: {{ $root.Values.daemonsets.priorityClassName }}
 {{- with $root.Values.daemonsets.tolerations }}
 tolerations:
@@ -521,4 +522,178 @@ Call with (list $ CLUSTERROLE-NAME).
 {{- end -}}
 {{- end -}}
 {{- $names | uniq | sortAlpha | toJson -}}
+{{- end -}}
+
+{{/*
+The host the agent container (katamgr run) works on, and the same for katamgr revert in the
+uninstall hook, so a revert reaches everything the agent changed: the locals both need
+(JSON: vfio cdi kata signal hostProc containerdConfigDir containerdSocketDir artifactsDir
+layoutDirs).
+*/}}
+{{- define "ksm.agentHost" -}}
+{{- $v := .Values -}}
+{{- $kata := include "ksm.kata" . -}}
+{{- $signal := and $kata (eq $v.containerd.restartMode "signal") -}}
+{{- $layoutDirs := list -}}
+{{- if $kata -}}
+{{- $layoutDirs = include "ksm.ociLayoutDirs" . | splitList "\n" | compact -}}
+{{- end -}}
+{{- toJson (dict
+      "vfio" $v.vfioManager.enabled
+      "cdi" $v.cdi.enabled
+      "kata" (not (empty $kata))
+      "signal" (not (empty $signal))
+      "hostProc" (and (include "ksm.agent" .) (or $v.vfioManager.enabled $signal))
+      "containerdConfigDir" (dir $v.containerd.configPath)
+      "containerdSocketDir" (dir $v.containerd.socket)
+      "artifactsDir" ($v.kataManager.config.artifactsDir | trimSuffix "/")
+      "layoutDirs" $layoutDirs) -}}
+{{- end -}}
+
+{{/* The volumeMounts of the katamgr container (agent and uninstall revert). */}}
+{{- define "ksm.agentMounts" -}}
+{{- $h := include "ksm.agentHost" . | fromJson -}}
+{{- $vfio := $h.vfio -}}
+{{- $cdi := $h.cdi -}}
+{{- $kata := $h.kata -}}
+{{- $hostProc := $h.hostProc -}}
+{{- $containerdConfigDir := $h.containerdConfigDir -}}
+{{- $containerdSocketDir := $h.containerdSocketDir -}}
+{{- $artifactsDir := $h.artifactsDir -}}
+{{- $layoutDirs := $h.layoutDirs -}}
+- name: config
+  mountPath: /etc/kata-sandbox-manager
+  readOnly: true
+- name: validations
+  mountPath: {{ include "ksm.inHost" "/run/nvidia/validations" }}
+- name: state
+  mountPath: {{ include "ksm.inHost" "/var/lib/kata-sandbox-manager" }}
+- name: sysfs
+  mountPath: {{ include "ksm.inHost" "/sys" }}
+  readOnly: {{ not $vfio }}
+{{- if $hostProc }}
+- name: proc
+  mountPath: {{ include "ksm.inHost" "/proc" }}
+  readOnly: true
+{{- end }}
+{{- if or $vfio $cdi }}
+- name: dev-vfio
+  mountPath: {{ include "ksm.inHost" "/dev/vfio" }}
+  readOnly: true
+{{- end }}
+{{- if $vfio }}
+- name: lib-modules
+  mountPath: {{ include "ksm.inHost" "/lib/modules" }}
+  readOnly: true
+{{- end }}
+{{- if $kata }}
+- name: containerd-config
+  mountPath: {{ include "ksm.inHost" $containerdConfigDir }}
+- name: containerd-socket
+  mountPath: {{ include "ksm.inHost" $containerdSocketDir }}
+- name: artifacts
+  mountPath: {{ include "ksm.inHost" $artifactsDir }}
+{{- range $i, $dir := $layoutDirs }}
+- name: oci-layout-{{ $i }}
+  mountPath: {{ include "ksm.inHost" $dir }}
+  readOnly: true
+{{- end }}
+{{- end }}
+{{- if $cdi }}
+- name: cdi
+  mountPath: {{ include "ksm.inHost" "/var/run/cdi" }}
+{{- end }}
+{{- end -}}
+
+{{/* The volumes of ksm.agentMounts. Call with (list $ CONFIGMAP-NAME). */}}
+{{- define "ksm.agentVolumes" -}}
+{{- $root := index . 0 -}}
+{{- $h := include "ksm.agentHost" $root | fromJson -}}
+- name: config
+  configMap:
+    name: {{ index . 1 }}
+- name: sysfs
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root "/sys") }}
+    type: Directory
+{{- if or $h.vfio $h.cdi }}
+# Created by the kernel once vfio is loaded; created here first so the pod can start.
+- name: dev-vfio
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root "/dev/vfio") }}
+    type: DirectoryOrCreate
+{{- end }}
+- name: validations
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root "/run/nvidia/validations") }}
+    type: DirectoryOrCreate
+- name: state
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root "/var/lib/kata-sandbox-manager") }}
+    type: DirectoryOrCreate
+{{- if $h.hostProc }}
+- name: proc
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root "/proc") }}
+    type: Directory
+{{- end }}
+{{- if $h.vfio }}
+- name: lib-modules
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root "/lib/modules") }}
+    type: Directory
+{{- end }}
+{{- if $h.kata }}
+- name: containerd-config
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root $h.containerdConfigDir) }}
+    type: Directory
+- name: containerd-socket
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root $h.containerdSocketDir) }}
+    type: Directory
+- name: artifacts
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root $h.artifactsDir) }}
+    type: DirectoryOrCreate
+{{- /* OCI image layouts copied onto the node for air-gapped installs. Created
+       empty where missing, so a node lacking one still binds its GPUs and katamgr
+       names the runtime class whose artifacts it cannot find. */}}
+{{- range $i, $dir := $h.layoutDirs }}
+- name: oci-layout-{{ $i }}
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root $dir) }}
+    type: DirectoryOrCreate
+{{- end }}
+{{- end }}
+{{- if $h.cdi }}
+- name: cdi
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root "/var/run/cdi") }}
+    type: DirectoryOrCreate
+{{- end }}
+{{- end -}}
+
+{{/* The kataManager config file katamgr reads (configmap.yaml, and the uninstall hook's copy). */}}
+{{- define "ksm.kataManagerConfig" -}}
+{{- $kata := .Values.kataManager.config }}
+{{- /* The kataManager config of the GPU Operator, plus how to reach containerd. */}}
+{{- $config := dict
+      "artifactsDir" $kata.artifactsDir
+      "runtimeClasses" $kata.runtimeClasses
+      "containerd" .Values.containerd }}
+{{- with $kata.runtimeClassOverhead }}
+{{- $_ := set $config "runtimeClassOverhead" . }}
+{{- end }}
+{{- with $kata.insecureRegistries }}
+{{- $_ := set $config "insecureRegistries" . }}
+{{- end }}
+{{- toYaml $config }}
+{{- end -}}
+
+{{/* The annotations of every uninstall hook object; call with its hook weight. */}}
+{{- define "ksm.revertHook" -}}
+helm.sh/hook: post-delete
+helm.sh/hook-weight: {{ . | quote }}
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
 {{- end -}}
