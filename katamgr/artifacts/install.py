@@ -38,7 +38,7 @@ from .layout import LayoutSource
 from .manifest import DEFAULT_MAX_LAYER_BYTES, Layer, Manifest, parse_manifest
 from .refs import ArtifactRef, LayoutRef, parse_ref
 from .remote import DEFAULT_DEADLINES, Deadlines, RegistrySource
-from .source import RetryPolicy, Source, SourceUnreachable, with_retries
+from .source import FetchedManifest, RetryPolicy, Source, SourceUnreachable, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class Resolution:
     digest: str | None  # the manifest digest the source offers (None: kept install, source down)
     bytes_needed: int  # free space the install needs beside the destination (0: up to date)
     warning: str | None = None  # the source is unreachable but a complete install is kept
+    fetched: FetchedManifest | None = None  # for install_artifact: what was checked is installed
 
 
 def resolve_artifact(
@@ -145,9 +146,9 @@ def resolve_artifact(
     manifest = parse_manifest(fetched.data, text, expected_digest=fetched.expected_digest,
                               max_layer_bytes=max_layer_bytes, media_type=fetched.media_type)
     if current is not None and current.digest == manifest.digest:
-        return Resolution(manifest.digest, 0)
+        return Resolution(manifest.digest, 0, fetched=fetched)
     # The new files are staged beside the old install before the swap.
-    return Resolution(manifest.digest, manifest.total_size)
+    return Resolution(manifest.digest, manifest.total_size, fetched=fetched)
 
 
 def _source_for(parsed: ArtifactRef, credentials: Credentials | None,
@@ -170,11 +171,13 @@ def install_artifact(
     verify_files: bool = False,
     label: str | None = None,
     deadlines: Deadlines = DEFAULT_DEADLINES,
+    fetched: FetchedManifest | None = None,
 ) -> InstallResult:
     """Make ``dest`` hold exactly the files of artifact ``ref``; see the module doc.
 
-    ``verify_files`` re-hashes installed files even when their size and mtime match the
-    record. ``label`` is the reference as the operator wrote it (recorded and used in
+    ``fetched`` is the manifest ``resolve_artifact`` already read (not fetched again,
+    so what was checked is what gets installed). ``verify_files`` re-hashes installed
+    files even when their size and mtime match the record. ``label`` is the reference as the operator wrote it (recorded and used in
     messages), when ``ref`` was rewritten to reach it, e.g. a layout path under a host
     root. Raises ArtifactError (the previous install untouched) or ConfigError (bad ref).
     """
@@ -192,7 +195,8 @@ def install_artifact(
         intact = _intact_files(dest, current, verify_files) if current else {}
         complete = current is not None and len(intact) == len(current.files)
         try:
-            fetched = with_retries(policy, source.fetch_manifest)
+            if fetched is None:
+                fetched = with_retries(policy, source.fetch_manifest)
         except SourceUnreachable as exc:
             if current is None or not complete:
                 raise

@@ -24,6 +24,7 @@ from katamgr.artifacts import (
     LayoutRef,
     NotOursError,
     RegistryRef,
+    Resolution,
     credentials_from_dockerconfigjson,
     install_artifact,
     read_install,
@@ -160,8 +161,18 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
 # ---- preflight (read-only) ------------------------------------------------------
 
 
-def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> None:
-    """Check everything this step needs before the node's first write.
+@dataclass(frozen=True)
+class Checked:
+    """One runtime class's artifact as ``preflight`` found it, for ``apply`` to install."""
+
+    ref: RegistryRef | LayoutRef
+    credentials: Credentials | None
+    resolution: Resolution
+
+
+def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> dict[str, Checked]:
+    """Check everything this step needs before the node's first write; what was found,
+    by runtime class name (``apply`` installs exactly that, reading nothing twice).
 
     Raises ConfigError (exit 2) listing every bad input (containerd config that does
     not parse or cannot be written, a pull secret that cannot be read, an artifacts
@@ -179,16 +190,17 @@ def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> N
         bad.append(str(exc))
     bad += _not_writable(host, config.containerd.config_path)
     needed: dict[Path, int] = {}
+    checked: dict[str, Checked] = {}
     for rc in config.runtime_classes:
         dest = host.path(class_dir(config, rc.name))
         try:
             ref = _source(host, rc)
-            found = resolve_artifact(ref, dest, credentials=_credentials(ctx, rc, ref),
-                                     deadlines=ctx.deadlines, insecure_registries=config.insecure_registries,
-                                     label=rc.artifacts.url)
+            credentials = _credentials(ctx, rc, ref)
+            found = resolve_artifact(ref, dest, credentials=credentials, deadlines=ctx.deadlines,
+                                     insecure_registries=config.insecure_registries, label=rc.artifacts.url)
+            checked[rc.name] = Checked(ref, credentials, found)
         except NotOursError as exc:
-            bad.append(f"runtime class {rc.name}: {exc}; choose another kataManager.config.artifactsDir "
-                       f"({config.artifacts_dir}) or runtime class name, or move that directory aside")
+            bad.append(_not_ours(rc, config, exc))
         except ConfigError as exc:
             bad.append(f"runtime class {rc.name}: {exc}")
         except (ArtifactError, KatamgrError) as exc:
@@ -206,6 +218,12 @@ def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> N
         raise ConfigError("nothing was changed: " + "; ".join(bad + blocked))
     if blocked:
         raise KatamgrError("nothing was changed: " + "; ".join(blocked))
+    return checked
+
+
+def _not_ours(rc: RuntimeClassConfig, config: KataManagerConfig, exc: NotOursError) -> str:
+    return (f"runtime class {rc.name}: {exc}; choose another kataManager.config.artifactsDir "
+            f"({config.artifacts_dir}) or runtime class name, or move that directory aside")
 
 
 def _not_writable(host: HostRoot, config_path: str) -> list[str]:
@@ -230,21 +248,26 @@ def _existing(path: Path) -> Path:
     return path
 
 
-def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> Report:
+def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
+          checked: dict[str, Checked] | None = None) -> Report:
+    """Install, render and register; ``checked`` is what ``preflight`` found (else each
+    source is read here)."""
     report = Report()
     config = ctx.config
     ready: list[str] = []
     for rc in config.runtime_classes:
         dest = host.path(class_dir(config, rc.name))
         try:
-            ref = _source(host, rc)
-            result = install_artifact(ref, dest, credentials=_credentials(ctx, rc, ref),
-                                      deadlines=ctx.deadlines,
-                                      insecure_registries=config.insecure_registries, label=rc.artifacts.url)
+            found = (checked or {}).get(rc.name)
+            if found is None:
+                ref = _source(host, rc)
+                found = Checked(ref, _credentials(ctx, rc, ref), Resolution(None, 0))
+            result = None if found.resolution.warning else install_artifact(  # source down: keep
+                found.ref, dest, credentials=found.credentials, deadlines=ctx.deadlines,
+                fetched=found.resolution.fetched, insecure_registries=config.insecure_registries,
+                label=rc.artifacts.url)
         except NotOursError as exc:
-            report.failures.append(
-                f"runtime class {rc.name}: {exc}; choose another kataManager.config.artifactsDir "
-                f"({config.artifacts_dir}) or runtime class name, or move that directory aside")
+            report.failures.append(_not_ours(rc, config, exc))
             continue
         except (ArtifactError, ConfigError) as exc:
             report.failures.append(f"runtime class {rc.name}: {exc}")
@@ -252,10 +275,12 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> Repor
                 continue
             report.warnings.append(f"runtime class {rc.name}: keeping the artifacts already installed")
         else:
-            report.bytes_pulled += result.bytes_transferred
-            if result.warning:
+            if result is None:
+                report.warnings.append(f"runtime class {rc.name}: {found.resolution.warning}")
+            elif result.warning:
                 report.warnings.append(f"runtime class {rc.name}: {result.warning}")
-            if result.changed:
+            if result is not None and result.changed:
+                report.bytes_pulled += result.bytes_transferred
                 report.changes.append(
                     f"installed {rc.artifacts.url} ({result.digest[:19]}..., {result.bytes_transferred} bytes) "
                     f"into {class_dir(config, rc.name)}"

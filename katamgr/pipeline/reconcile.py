@@ -132,8 +132,9 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
                 f"{', '.join(earlier)} stay on vfio-pci from when this node ran {PASSTHROUGH}; "
                 "run katamgr revert to give them back to their drivers")
         return report
+    checked = None
     if steps.kata and kata_ctx is not None:
-        kata_runtime.preflight(host, kata_ctx, enable_cdi=steps.cdi)
+        checked = kata_runtime.preflight(host, kata_ctx, enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
     rescan = False
     if steps.vfio:
@@ -146,7 +147,8 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         # The plan's scan still holds unless devices just moved driver.
         report.merge(cdi_specs.write_specs(host, discover(host) if rescan else plan.inventory, naming))
     if steps.kata and kata_ctx is not None:
-        report.merge(kata_runtime.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi))
+        report.merge(kata_runtime.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
+                                        checked=checked))
     return report
 
 

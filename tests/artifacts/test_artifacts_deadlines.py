@@ -35,12 +35,14 @@ def layout_manifest() -> tuple[str, bytes]:
 class Throttled(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     trickle: set[str] = set()  # "manifest" and/or "blob"
+    requests: list[str] = []  # every path asked for, in order
     gap = 0.2  # seconds between bytes when trickling
 
     def log_message(self, *args) -> None:
         pass
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.requests.append(self.path)
         if self.path == "/v2/":
             return self._send(200, b"{}", "application/json", False)
         _, manifest = layout_manifest()
@@ -74,7 +76,8 @@ def registry():
     servers = []
 
     def start(*trickle: str) -> str:
-        handler = type("Handler", (Throttled,), {"trickle": set(trickle)})
+        handler = type("Handler", (Throttled,), {"trickle": set(trickle), "requests": []})
+        start.handler = handler  # the latest server's, for tests that count requests
         server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -111,3 +114,14 @@ def test_a_trickling_registry_is_cut_at_the_deadline(registry, tmp_path, what, f
     assert elapsed < 20, elapsed
     assert not (tmp_path / "rc").exists()
     assert [p.name for p in tmp_path.iterdir() if ".staging-" in p.name] == []
+
+
+def test_what_preflight_resolved_is_installed_without_asking_again(registry, tmp_path):
+    from katamgr.artifacts import resolve_artifact
+
+    where = registry()
+    url = f"{where}/kata/artifacts:{TAG}"
+    found = resolve_artifact(url, tmp_path / "rc", deadlines=FAST, retries=0)
+    assert found.bytes_needed > 0 and found.fetched is not None
+    install_artifact(url, tmp_path / "rc", deadlines=FAST, retries=0, fetched=found.fetched)
+    assert [p for p in registry.handler.requests if "/manifests/" in p] == [f"/v2/kata/artifacts/manifests/{TAG}"]
