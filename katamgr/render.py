@@ -32,12 +32,14 @@ def plan_text(plan: Plan) -> str:
     out.append("")
     if plan.devices:
         rows = [
-            (d.bdf, d.kind, d.model or d.ids, d.driver, d.iommu_group, d.numa_node, d.action, d.reason)
+            (d.bdf, d.kind, d.model or d.ids, d.driver, d.iommu_group, d.numa_node, d.selection,
+             d.action, d.reason)
             for d in plan.devices
         ]
-        out.append(table(("BDF", "KIND", "MODEL", "DRIVER", "GROUP", "NUMA", "ACTION", "REASON"), rows))
+        out.append(table(("BDF", "KIND", "MODEL", "DRIVER", "GROUP", "NUMA", "SELECTION", "ACTION",
+                          "REASON"), rows))
     else:
-        out.append("No NVIDIA devices found.")
+        out.append("No passthrough devices found.")
     out.append("")
     if plan.resources:
         out.append("Schedulable after apply (one unit per IOMMU group):")
@@ -47,6 +49,8 @@ def plan_text(plan: Plan) -> str:
     out += [f"  note: {n}" for n in plan.naming_notes]
     for section in plan.sections:
         out += ["", f"{section.title}:", *[f"  {line}" for line in section.lines]]
+    if plan.warnings:
+        out += ["", "Warnings:", *[f"  - {w}" for w in plan.warnings]]
     if plan.problems:
         out += ["", "Problems:", *[f"  - {p}" for p in plan.problems]]
     return "\n".join(out)

@@ -1,6 +1,10 @@
 """Noticing passthrough devices come, go and change health, without polling.
 
-inotify watches the places where binding, unbinding and hotplug leave traces:
+On a real kernel the first source is the kernel's uevents
+(``katamgr.host.uevents``): every bind, unbind, hotplug and VFIO group node
+is announced there, whether udev runs or not. inotify is the second source,
+and the only one on a simulated host; it watches the places where binding,
+unbinding and hotplug leave traces:
 
 - ``dev/vfio`` and ``dev/vfio/devices``: group nodes and iommufd cdevs appear
   when a device binds to vfio-pci and vanish when the group's last device
@@ -13,20 +17,23 @@ are picked up when their parent reports them created. Events are only a hint:
 after a burst settles the callback rescans the host, so coalesced or missed
 events do no harm. On a real kernel sysfs raises no inotify events for its own
 changes, but devtmpfs does (``/dev/vfio/<group>`` follows every bind and the
-last unbind of a group), and a slow safety rescan (30 s by default) covers
-the rest.
+last unbind of a group). A slow safety rescan covers what both may miss: every
+30 s without uevents, every 5 minutes with them.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from inotify_simple import flags as inotify_flags
 
+from katamgr.host.kernel import LinuxKernel
 from katamgr.host.root import HostRoot
+from katamgr.host.uevents import DEVICE_SUBSYSTEMS, KernelEvents, open_kernel_events
 from katamgr.host.watching import Watcher
 
 log = logging.getLogger(__name__)
@@ -50,24 +57,41 @@ _MASK = (
 # settles so one change is one rescan, but never longer than _MAX_SETTLE.
 _SETTLE = 0.005
 _MAX_SETTLE = 0.05
+# With uevents the rescan is only a safety net against dropped events.
+UEVENT_RESCAN_INTERVAL = 300.0
 
 
 class DeviceWatcher:
     """Call ``on_change()`` from a thread whenever passthrough devices may have changed."""
 
     def __init__(
-        self, host: HostRoot, on_change: Callable[[], None], *, rescan_interval: float = 30.0
+        self, host: HostRoot, on_change: Callable[[], None], *, rescan_interval: float = 30.0,
+        uevents: bool | None = None, uevent_subsystems: frozenset[str] = DEVICE_SUBSYSTEMS,
     ) -> None:
+        """``uevents``: listen to the kernel's device events (default: when the
+        host root is the real kernel's, not a simulated one)."""
         self.host = host
         self.on_change = on_change
         self.rescan_interval = rescan_interval
+        self._want_uevents = isinstance(host.kernel, LinuxKernel) if uevents is None else uevents
+        self._uevent_subsystems = uevent_subsystems
+        self._uevents: KernelEvents | None = None
         self._watcher = Watcher()
         self._watches: dict[int, Path] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rescans = 0
 
+    @property
+    def hears_uevents(self) -> bool:
+        return self._uevents is not None
+
     def start(self) -> None:
+        if self._want_uevents:
+            self._uevents = open_kernel_events(self._uevent_subsystems)
+            if self._uevents is not None:
+                self._watcher.add_source(self._uevents.fileno(), self._uevents.drain)
+                self.rescan_interval = max(self.rescan_interval, UEVENT_RESCAN_INTERVAL)
         self._add_watches()
         self._thread = threading.Thread(target=self._run, name="device-watcher", daemon=True)
         self._thread.start()
@@ -78,6 +102,8 @@ class DeviceWatcher:
         if self._thread is not None:
             self._thread.join(timeout)
         self._watcher.close()
+        if self._uevents is not None:
+            self._uevents.close()
 
     def _add_watches(self) -> None:
         """Watch each target, or its nearest existing ancestor until it appears."""
@@ -97,12 +123,16 @@ class DeviceWatcher:
             present.add(path)
 
     def _run(self) -> None:
+        deadline = time.monotonic() + self.rescan_interval
         while not self._stop.is_set():
-            events = self._watcher.wait(self.rescan_interval)
+            events = self._watcher.wait(max(0.0, deadline - time.monotonic()))
             if self._stop.is_set():
                 return
+            if events == [] and time.monotonic() < deadline:
+                continue  # only uevents of other subsystems
             if events:
                 self._forget_gone(events + self._watcher.settle(_SETTLE, _MAX_SETTLE))
+            deadline = time.monotonic() + self.rescan_interval
             self._add_watches()  # a watched dir may have just been created
             self.rescans += 1
             try:
@@ -112,5 +142,5 @@ class DeviceWatcher:
 
     def _forget_gone(self, events: list) -> None:
         for event in events:
-            if event.mask & inotify_flags.IGNORED:
+            if getattr(event, "mask", 0) & inotify_flags.IGNORED:
                 self._watches.pop(event.wd, None)  # the dir went away

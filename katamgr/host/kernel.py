@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,7 +29,8 @@ class Kernel(Protocol):
 
     def write(self, host: HostRoot, host_path: str, value: str) -> None:
         """Write ``value`` to the sysfs control file ``host_path`` (one write call);
-        a refused write is a HostError naming the file."""
+        a refused write is a HostError naming the file, and one the kernel holds
+        past a bound is a ``BlockedWrite`` (never a hang)."""
 
     def module_loadable(self, host: HostRoot, module: str) -> bool:
         """Whether ``modprobe module`` could load it (it is not loaded now)."""
@@ -40,19 +43,18 @@ class Kernel(Protocol):
 
 @dataclass(frozen=True)
 class LinuxKernel:
-    """The real kernel, reached through the host root's files and ``modprobe``."""
+    """The real kernel, reached through the host root's files and ``modprobe``.
+
+    ``write_timeout`` bounds a write the kernel may hold (see ``_MAY_BLOCK``).
+    """
+
+    write_timeout: float = 10.0
 
     def write(self, host: HostRoot, host_path: str, value: str) -> None:
-        try:
-            fd = os.open(host.path(host_path), os.O_WRONLY)
-        except OSError as exc:
-            raise HostError(f"cannot open {host_path} for writing: {exc.strerror}") from exc
-        try:
-            os.write(fd, value.encode())
-        except OSError as exc:
-            raise HostError(f"the kernel refused {value.strip()!r} written to {host_path}: {exc.strerror}") from exc
-        finally:
-            os.close(fd)
+        if not host_path.endswith(_MAY_BLOCK):
+            _write_now(host.path(host_path), host_path, value)
+            return
+        _write_bounded(str(host.path(host_path)), host_path, value, self.write_timeout)
 
     def module_loadable(self, host: HostRoot, module: str) -> bool:
         try:
@@ -86,3 +88,94 @@ class LinuxKernel:
 
 
 LINUX = LinuxKernel()
+
+# Writes the kernel may hold until a device is released. Unbinding a device
+# whose VFIO group a VM has open waits in vfio_unregister_group_dev() for the
+# VM to let go, and once the writer gets a signal that wait can no longer be
+# interrupted (Linux 6.1 drivers/vfio/vfio_main.c; the kernel logs "Device is
+# currently in use, task ... blocked until device is released"). Probing can
+# sit in a device reset for as long. ``driver_override`` never blocks.
+_MAY_BLOCK = ("/unbind", "/bind", "/drivers_probe", "/remove", "/reset")
+
+# The write runs in a child process so that a write the kernel holds strands
+# only that child, never the agent: a thread stuck in the kernel would keep
+# our own process from exiting, and no signal frees it.
+_WRITER = (
+    "import os, sys\n"
+    "try:\n"
+    "    fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+    "except OSError as e:\n"
+    "    sys.stderr.write('open:' + (e.strerror or str(e))); sys.exit(3)\n"
+    "try:\n"
+    "    os.write(fd, sys.argv[2].encode())\n"
+    "except OSError as e:\n"
+    "    sys.stderr.write('write:' + (e.strerror or str(e))); sys.exit(4)\n"
+)
+
+# Writers still held by the kernel; reaped when they finish.
+_pending: list[subprocess.Popen] = []
+_pending_lock = threading.Lock()
+
+
+class BlockedWrite(HostError):
+    """The kernel has not returned from a write within the bound; it goes on
+    in the background (in ``pid``) and completes once the device is released."""
+
+    def __init__(self, host_path: str, value: str, seconds: float, pid: int):
+        self.host_path = host_path
+        self.pid = pid
+        super().__init__(
+            f"the kernel did not finish {value.strip()!r} written to {host_path} within {seconds:g}s "
+            f"(the device is probably held open by a process, a VM); the write stays pending in "
+            f"process {pid} and takes effect when the device is released: look for 'blocked until "
+            f"device is released' in dmesg"
+        )
+
+
+def _write_now(path: os.PathLike[str], host_path: str, value: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError as exc:
+        raise HostError(f"cannot open {host_path} for writing: {exc.strerror}") from exc
+    try:
+        os.write(fd, value.encode())
+    except OSError as exc:
+        raise HostError(f"the kernel refused {value.strip()!r} written to {host_path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
+def _write_bounded(path: str, host_path: str, value: str, timeout: float) -> None:
+    _reap()
+    argv = [sys.executable, "-I", "-S", "-c", _WRITER, path, value]
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,  # noqa: S603
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    except OSError as exc:
+        raise HostError(f"cannot start a writer for {host_path}: {exc}") from exc
+    try:
+        _out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with _pending_lock:
+            _pending.append(proc)
+        raise BlockedWrite(host_path, value, timeout, proc.pid) from None
+    if proc.returncode == 0:
+        return
+    step, _, reason = (err or "").partition(":")
+    if step == "open":
+        raise HostError(f"cannot open {host_path} for writing: {reason}")
+    if step == "write":
+        raise HostError(f"the kernel refused {value.strip()!r} written to {host_path}: {reason}")
+    raise HostError(f"writing {value.strip()!r} to {host_path} failed (writer exit code {proc.returncode}: {err.strip()})")
+
+
+def pending_writes() -> list[int]:
+    """PIDs of writers the kernel still holds (reaping those that finished)."""
+    _reap()
+    with _pending_lock:
+        return [p.pid for p in _pending]
+
+
+def _reap() -> None:
+    with _pending_lock:
+        _pending[:] = [p for p in _pending if p.poll() is None]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from katamgr.host import holders, iommu, sysfs
@@ -59,6 +59,9 @@ class GroupDecision:
     action: Action
     reason: str
     skipped_because: SkipReason | None = None  # the reason as a fact, for metrics
+    # What the operator should know though it does not stop the move.
+    warnings: tuple[str, ...] = ()
+    forced: bool = False  # --force: move even when a process holds the device
 
     def action_for(self, device: Device) -> Action:
         if self.action is Action.BIND and device.on_vfio:
@@ -85,11 +88,10 @@ def vfio_module(host: HostRoot) -> VfioModule:
 
 
 def decide(host: HostRoot, inv: Inventory, *, force: bool = False) -> list[GroupDecision]:
-    """One decision per IOMMU group holding GPUs or NVSwitches (read-only)."""
+    """One decision per IOMMU group holding passthrough devices (read-only)."""
     ours: dict[int | None, list[Device]] = {}
-    for device in inv.devices:
-        if inv.kind(device) in (Kind.GPU, Kind.NVSWITCH, Kind.COMPANION):
-            ours.setdefault(device.iommu_group, []).append(device)
+    for device in inv.ours:  # the selected devices and their companions
+        ours.setdefault(device.iommu_group, []).append(device)
     decisions = []
     for group, devices in ours.items():
         if group is None:
@@ -109,25 +111,56 @@ def _no_group(inv: Inventory, device: Device) -> GroupDecision:
 
 
 def _group_decision(host: HostRoot, inv: Inventory, group: int, devices: tuple[Device, ...], force: bool) -> GroupDecision:
-    foreign = inv.foreign(group)
-    if foreign:
-        names = ", ".join(f"{d.bdf} ({d.id_string()}, driver {d.driver or 'none'})" for d in foreign)
+    blocking, driverless = _viability(inv, group)
+    if blocking:
+        names = ", ".join(f"{d.bdf} ({d.id_string()}, driver {d.driver or 'none'}"
+                          f"{', ' + inv.why(d) if inv.kind(d) is Kind.EXCLUDED else ''})" for d in blocking)
         return GroupDecision(
             group, devices, Action.SKIP,
             f"IOMMU group {group} is not viable: it also holds {names}, which is not ours to bind",
             SkipReason.GROUP_SHARED,
         )
+    warnings = tuple(
+        f"IOMMU group {group} also holds {d.bdf} ({d.id_string()}) with no driver: the kernel allows that, "
+        f"but a VM given this group must be given {d.bdf} too (Kata passes every function of the group), "
+        f"so bind it to vfio-pci or include it (--include-device {d.id_string()}=RESOURCE)"
+        for d in driverless
+    )
     if all(d.on_vfio for d in devices):
-        return GroupDecision(group, devices, Action.KEEP, "already on vfio-pci")
+        return GroupDecision(group, devices, Action.KEEP, "already on vfio-pci", warnings=warnings)
     if not force:
         busy = in_use(host, devices)
         if busy:
             who = "; ".join(str(h) for h in busy)
             return GroupDecision(group, devices, Action.SKIP, f"in use by {who}: stop it first or pass --force",
-                                 SkipReason.IN_USE)
+                                 SkipReason.IN_USE, warnings=warnings)
     moving = [d for d in devices if not d.on_vfio]
     froms = sorted({d.driver or "no driver" for d in moving})
-    return GroupDecision(group, devices, Action.BIND, f"move from {', '.join(froms)} to vfio-pci")
+    return GroupDecision(group, devices, Action.BIND, f"move from {', '.join(froms)} to vfio-pci",
+                         warnings=warnings, forced=force)
+
+
+# Drivers that leave a group's DMA to its owner, so a VM may take the group
+# while they are bound: the kernel's DMA-ownership rule since Linux 5.19
+# (drivers with driver_managed_dma set: vfio-pci, pci-stub, pcieport;
+# drivers/iommu/iommu.c iommu_device_use_default_domain). A device with no
+# driver claims nothing either.
+_DMA_NEUTRAL = frozenset({VFIO_DRIVER, "pci-stub", "pcieport"})
+
+
+def _viability(inv: Inventory, group: int) -> tuple[list[Device], list[Device]]:
+    """The foreign endpoints of ``group`` that make it unusable by a VM (bound to a
+    driver that owns DMA), and those that do not but have no driver at all."""
+    blocking, driverless = [], []
+    for device in inv.foreign(group):
+        if inv.kind(device) is Kind.EXCLUDED:
+            # The operator keeps it off vfio-pci, so a VM can never be given its group.
+            blocking.append(device)
+        elif device.driver is None:
+            driverless.append(device)
+        elif device.driver not in _DMA_NEUTRAL:
+            blocking.append(device)
+    return blocking, driverless
 
 
 def in_use(host: HostRoot, devices: tuple[Device, ...] | list[Device]) -> list[holders.Holder]:
@@ -219,7 +252,7 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
     try:
         for device in decision.to_move:
             moved.append(device)
-            _move_to_vfio(host, device)
+            _move_to_vfio(host, device, forced=decision.forced)
         node = host.path(f"/dev/vfio/{decision.group}")
         if not _wait_for(node.exists, wait):
             raise HostError(
@@ -247,22 +280,48 @@ def _original_override(value: str | None) -> str | None:
     return value
 
 
-def _move_to_vfio(host: HostRoot, device: Device) -> None:
+def _move_to_vfio(host: HostRoot, device: Device, *, forced: bool = False) -> None:
     base = f"{sysfs.PCI_DEVICES}/{device.bdf}"
     _kernel_write(host, f"{base}/driver_override", VFIO_DRIVER + "\n")
     current = _current_driver(host, device.bdf)
     if current is not None and current != VFIO_DRIVER:
+        if not forced:
+            # Looked at again right before the write: the plan may be minutes old,
+            # and the driver would make the writer wait for the user to let go.
+            _refuse_if_held(device.bdf, in_use(host, [replace(device, driver=current)]))
         _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{current}/unbind", device.bdf)
     if _current_driver(host, device.bdf) is None:
         _kernel_write(host, sysfs.DRIVERS_PROBE, device.bdf)
+    # drivers_probe returns success even when vfio-pci's probe fails (the
+    # reason is only in dmesg): the driver link is the one true answer.
     now = _current_driver(host, device.bdf)
     if now != VFIO_DRIVER:
         raise HostError(f"{device.bdf} did not bind to vfio-pci (driver is now {now or 'none'}); see dmesg for the probe error")
 
 
-def _restore(host: HostRoot, bdf: str, driver: str | None, override: str | None) -> None:
+class DeviceHeld(HostError):
+    """A process holds the device, so its driver cannot be taken away now."""
+
+    def __init__(self, bdf: str, who: list[holders.Holder]):
+        self.bdf = bdf
+        self.holders = who
+        names = "; ".join(str(h) for h in who)
+        super().__init__(f"{bdf} is in use by {names}: stop it first or pass --force")
+
+
+def _refuse_if_held(bdf: str, who: list[holders.Holder]) -> None:
+    if who:
+        raise DeviceHeld(bdf, who)
+
+
+def _restore(host: HostRoot, bdf: str, driver: str | None, override: str | None, *,
+             group: int | None = None, forced: bool = False) -> None:
     base = f"{sysfs.PCI_DEVICES}/{bdf}"
     if _current_driver(host, bdf) == VFIO_DRIVER:
+        if not forced:
+            # Never write unbind for a group a VM holds: vfio-pci would ask the VM
+            # to give the device up and the write would wait until it does.
+            _refuse_if_held(bdf, vfio_holders(host, bdf, group))
         _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}/unbind", bdf)
     _kernel_write(host, f"{base}/driver_override", (override or "") + "\n")
     if driver is not None and _current_driver(host, bdf) is None:
@@ -277,7 +336,8 @@ def _roll_back(host: HostRoot, moved: list[Device], recorded: dict[str, dict]) -
     state = _state(host)
     for device in reversed(moved):
         try:
-            _restore(host, device.bdf, device.driver, recorded.get(device.bdf, {}).get("override"))
+            _restore(host, device.bdf, device.driver, recorded.get(device.bdf, {}).get("override"),
+                     group=device.iommu_group)
             state["devices"].pop(device.bdf, None)
         except HostError as exc:
             errors.append(str(exc))
@@ -312,15 +372,13 @@ def unbind_all(host: HostRoot, *, force: bool = False) -> BindReport:
         if current not in (VFIO_DRIVER, None) and current != original:
             report.failures.append(f"{bdf} is now on {current}, which katamgr did not do; left alone")
             continue
-        if current == VFIO_DRIVER and not force:
-            busy = vfio_holders(host, bdf, record.get("group"))
-            if busy:
-                report.held[bdf] = busy
-                who = "; ".join(str(h) for h in busy)
-                report.failures.append(f"{bdf} is in use by {who}: stop that VM first or pass --force; left on vfio-pci")
-                continue
         try:
-            _restore(host, bdf, original, record.get("override"))
+            _restore(host, bdf, original, record.get("override"), group=record.get("group"), forced=force)
+        except DeviceHeld as exc:
+            report.held[bdf] = exc.holders
+            who = "; ".join(str(h) for h in exc.holders)
+            report.failures.append(f"{bdf} is in use by {who}: stop that VM first or pass --force; left on vfio-pci")
+            continue
         except HostError as exc:
             report.failures.append(str(exc))
             continue

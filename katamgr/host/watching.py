@@ -7,6 +7,8 @@ sysfs) and each plugin server's supervisor (the kubelet's socket dir). Each one
 ``wake()`` writes to (a stop request, or a hint to look again), with a timeout
 as the safety net for events that never come: inotify events are only a hint,
 and the loops decide from the state of the files. ``Watcher`` is that wait.
+Other event sources (the kernel's uevent socket) join the same ``select`` with
+``add_source``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from inotify_simple import INotify
@@ -30,23 +33,28 @@ class Watcher:
         os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()
         self._closed = False
+        self._sources: dict[int, Callable[[], list]] = {}
 
     def add_watch(self, path: Path, mask: int) -> int:
         """Watch ``path`` for the events in ``mask``; the watch descriptor. Raises OSError."""
         return self._inotify.add_watch(path, mask)
 
-    def wait(self, timeout: float | None) -> list | None:
-        """Block until inotify events arrive, ``wake()`` is called or ``timeout`` s pass.
+    def add_source(self, fd: int, read: Callable[[], list]) -> None:
+        """Wait on ``fd`` too; when it is readable ``read()`` drains it and what it
+        returns joins the events (an empty list: nothing of interest)."""
+        self._sources[fd] = read
 
-        Returns the events read (an empty list on timeout), or None when woken.
+    def wait(self, timeout: float | None) -> list | None:
+        """Block until events arrive, ``wake()`` is called or ``timeout`` s pass.
+
+        Returns the events read (an empty list on timeout, or when a source had
+        nothing of interest), or None when woken.
         """
-        ready, _, _ = select.select([self._inotify.fileno(), self._wake_r], [], [], timeout)
+        ready, _, _ = select.select([self._inotify.fileno(), self._wake_r, *self._sources], [], [], timeout)
         if self._wake_r in ready:
             self._drain_wake()
             return None
-        if ready:
-            return self._inotify.read(timeout=0)
-        return []
+        return self._read(ready)
 
     def settle(self, quiet: float, limit: float) -> list:
         """The rest of a burst of events: read until ``quiet`` s pass without one,
@@ -54,9 +62,19 @@ class Watcher:
         events: list = []
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            if not select.select([self._inotify.fileno()], [], [], quiet)[0]:
+            ready = select.select([self._inotify.fileno(), *self._sources], [], [], quiet)[0]
+            if not ready:
                 break
+            events += self._read(ready)
+        return events
+
+    def _read(self, ready: list[int]) -> list:
+        events: list = []
+        if self._inotify.fileno() in ready:
             events += self._inotify.read(timeout=0)
+        for fd in ready:
+            if fd in self._sources:
+                events += self._sources[fd]()
         return events
 
     def wake(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 from katamgr.host import vfio
 from katamgr.host.inventory import Inventory, Kind, discover
 from katamgr.host.naming import Naming
+from katamgr.host.passthrough import unit_head
 from katamgr.host.pci import Device
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action, GroupDecision, VfioModule
@@ -30,6 +31,9 @@ class DevicePlan:
     resource: str | None
     action: str
     reason: str
+    # Why the device is a passthrough device or not (katamgr.host.selection's verdict,
+    # or the passthrough device a companion travels with).
+    selection: str
 
 
 @dataclass
@@ -59,6 +63,9 @@ class Plan:
     naming_notes: list[str] = field(default_factory=list)
     # The workload the plan is for and why: {"mode": "vm-passthrough", "why": "..."}.
     workload: dict[str, str] = field(default_factory=dict)
+    # What does not stop the plan but the operator should know (a driverless
+    # device sharing a group that will be moved).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def changes_pending(self) -> bool:
@@ -75,6 +82,7 @@ class Plan:
             "problems": list(self.problems),
             "naming_notes": list(self.naming_notes),
             "workload": dict(self.workload),
+            "warnings": list(self.warnings),
         }
         for section in self.sections:
             out[section.key] = section.data
@@ -82,7 +90,7 @@ class Plan:
 
 
 def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
-    inv = discover(host)
+    inv = discover(host, naming.selection)
     decisions = vfio.decide(host, inv, force=force)
     module = vfio.vfio_module(host)
     devices: list[DevicePlan] = []
@@ -93,21 +101,26 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
         for device in decision.devices:
             devices.append(_device_plan(inv, naming, device, decision.action_for(device).value, decision.reason))
         for device in inv.foreign(decision.group) if decision.group is not None else []:
-            devices.append(_device_plan(inv, naming, device, Action.SKIP.value, "not an NVIDIA device; left alone"))
+            devices.append(_device_plan(inv, naming, device, Action.SKIP.value, _left_alone(inv, device)))
         if decision.action in (Action.BIND, Action.KEEP):
-            head = next((d for d in decision.devices if d.is_gpu or d.is_nvswitch), None)
-            if head is not None:
+            selected = [d for d in decision.devices if inv.selected(d)]
+            if selected:
                 # The schedulable unit is the IOMMU group, so GPUs sharing
                 # a group count once: two pods can never split a group.
-                resources[naming.resource(head)] += 1
+                resources[naming.resource(unit_head(selected))] += 1
         elif decision.group is not None or inv.iommu_enabled:
             problems.append(f"{', '.join(d.bdf for d in decision.devices)}: {decision.reason}")
+
+    # An excluded device in no group of ours is listed too: the plan says why each is out.
+    listed = {d.bdf for d in devices}
+    devices += [_device_plan(inv, naming, d, Action.SKIP.value, _left_alone(inv, d))
+                for d in inv.excluded if d.bdf not in listed]
 
     if not inv.iommu_enabled and inv.passthrough:
         problems.insert(0, "The IOMMU is off on this host, so no GPU can be passed through: boot with "
                            "intel_iommu=on (Intel) or amd_iommu=on (AMD) and iommu=pt, then re-run.")
     if not inv.passthrough:
-        problems.append("No NVIDIA GPU or NVSwitch was found under /sys/bus/pci/devices.")
+        problems.append(_nothing_selected(inv))
     if module is VfioModule.MISSING and any(d.action is Action.BIND for d in decisions):
         problems.append("vfio-pci is not loaded and no vfio-pci module was found for the running kernel: "
                         "install the kernel's vfio modules (or boot a kernel with CONFIG_VFIO_PCI).")
@@ -123,6 +136,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
         problems=problems,
         decisions=decisions,
         inventory=inv,
+        warnings=[w for decision in decisions for w in decision.warnings],
     )
 
 
@@ -139,6 +153,24 @@ def _naming_notes(inv: Inventory, naming: Naming, decisions: list[GroupDecision]
     return list(notes.values())
 
 
+def _left_alone(inv: Inventory, device: Device) -> str:
+    if inv.verdict(device).excluded:
+        return "excluded from passthrough: stays on its driver"
+    return "not a passthrough device; left alone"
+
+
+def _nothing_selected(inv: Inventory) -> str:
+    if inv.selection.is_default:
+        found = "No NVIDIA GPU or NVSwitch was found under /sys/bus/pci/devices."
+    else:
+        found = ("No passthrough device was found under /sys/bus/pci/devices (NVIDIA GPUs and "
+                 "NVSwitches, and devices an include rule names).")
+    excluded = inv.excluded
+    if excluded:
+        found += f" Excluded: {', '.join(f'{d.bdf} ({inv.why(d)})' for d in excluded)}."
+    return found
+
+
 def _device_plan(inv: Inventory, naming: Naming, device: Device, action: str, reason: str) -> DevicePlan:
     kind = inv.kind(device)
     return DevicePlan(
@@ -152,4 +184,5 @@ def _device_plan(inv: Inventory, naming: Naming, device: Device, action: str, re
         resource=naming.resource(device),
         action=action,
         reason=reason,
+        selection=inv.why(device),
     )

@@ -14,6 +14,7 @@ from katamgr.host.inventory import Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.plan import build_plan
+from katamgr.render import plan_text
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profile import load_profile
 
@@ -222,3 +223,35 @@ def test_scan_reads_other_vendors_from_uevent_or_their_attributes(tmp_path):
     assert (fast.vendor, fast.device, fast.class_code, fast.driver, fast.iommu_group, fast.subsystem_vendor) == (
         slow.vendor, slow.device, slow.class_code, slow.driver, slow.iommu_group, slow.subsystem_vendor)
     assert fast.driver == "igb" and fast.class_code == 0x020000
+
+
+# The kernel's rule for a group a VM may take (Linux >= 5.19, drivers/iommu/iommu.c,
+# iommu_device_use_default_domain): every endpoint is driverless or bound to a
+# driver that leaves DMA to the group's owner (vfio-pci, pci-stub, pcieport).
+# Seen on Debian's 6.1 kernel under QEMU: a driverless `edu` beside a bound
+# device does not stop QEMU opening the group; an e1000 on its driver does.
+
+
+def test_driverless_device_in_group_does_not_block_but_is_warned_about(tmp_path):
+    host = make_host(tmp_path, [
+        dev("0000:01:00.0", GPU_A10, "nvidia", 7),
+        dev("0000:02:00.0", NIC_I210, None, 7),
+    ])
+    plan = build_plan(host, naming())
+    by = {d.bdf: d for d in plan.devices}
+    assert by["0000:01:00.0"].action == "bind"
+    assert plan.resources == {"nvidia.com/GA102GL_A10": 1}
+    assert len(plan.warnings) == 1
+    assert "0000:02:00.0" in plan.warnings[0] and "no driver" in plan.warnings[0]
+    assert plan.to_json()["warnings"] == plan.warnings
+    assert "Warnings:" in plan_text(plan)
+
+
+def test_device_on_pci_stub_in_group_does_not_block(tmp_path):
+    host = make_host(tmp_path, [
+        dev("0000:01:00.0", GPU_A10, "nvidia", 7),
+        dev("0000:02:00.0", NIC_I210, "pci-stub", 7),
+    ])
+    plan = build_plan(host, naming())
+    assert plan.resources == {"nvidia.com/GA102GL_A10": 1}
+    assert plan.warnings == []

@@ -200,3 +200,41 @@ def test_revert_leaves_a_gpu_a_vm_holds_unless_forced(tmp_path):
     assert driver_of(host, "0000:02:00.0") == "nvidia"
     assert revert_host(host, force=True).ok
     assert driver_of(host, "0000:01:00.0") == "nvidia"
+
+
+def _hold(host, pid: int, comm: str, node: str) -> None:
+    """A process with ``node`` open, as /proc shows it (fd links to the node)."""
+    fd_dir = host.path(f"/proc/{pid}/fd")
+    fd_dir.mkdir(parents=True)
+    (fd_dir.parent / "comm").write_text(comm + "\n")
+    (fd_dir / "12").symlink_to(node)
+
+
+def test_a_gpu_taken_into_use_after_the_plan_is_not_unbound(tmp_path):
+    """Holders are looked at right before the unbind write, not only when planning:
+    the nvidia driver would make the writer wait until the CUDA process lets go."""
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4, minor=0)])
+    plan = build_plan(host, NAMING)
+    assert [d.action for d in plan.devices] == ["bind"]
+    _hold(host, 4242, "python3", "/dev/nvidia0")
+    report = apply_host(host, plan)
+    assert not report.ok
+    assert "0000:01:00.0 is in use by PID 4242 (python3) holding /dev/nvidia0" in report.failures[0]
+    assert "rolled back" in report.failures[0]
+    assert driver_of(host, "0000:01:00.0") == "nvidia"
+
+
+def test_revert_checks_the_group_right_before_unbinding(tmp_path):
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)])
+    assert plan_and_apply(host).ok
+    _hold(host, 7777, "qemu-system-x86", "/dev/vfio/4")
+    report = revert_host(host)
+    assert "0000:01:00.0 is in use by PID 7777" in report.failures[0]
+    assert [h.pid for h in report_held(host)] == [7777]
+    assert driver_of(host, "0000:01:00.0") == "vfio-pci"
+
+
+def report_held(host):
+    from katamgr.host import vfio
+
+    return vfio.unbind_all(host).held["0000:01:00.0"]

@@ -1,0 +1,74 @@
+"""Writes to the real kernel that it may hold: bounded, reported, never a hang.
+
+Fact (Linux 6.1 drivers/vfio/vfio_main.c, vfio_unregister_group_dev, and seen on
+Debian's 6.1 kernel under QEMU by tests/kernel): writing ``unbind`` for a device
+whose VFIO group a process holds blocks the writer until the holder exits, and
+after a signal that wait is uninterruptible. A FIFO with no reader is a real
+file whose ``open(O_WRONLY)`` blocks the same way, so it stands in for the
+held ``unbind`` file here, with the real ``LinuxKernel``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from katamgr.host import kernel
+from katamgr.host.errors import HostError
+from katamgr.host.kernel import BlockedWrite, LinuxKernel
+from katamgr.host.root import HostRoot
+
+
+def _root(tmp_path, kern: LinuxKernel) -> HostRoot:
+    (tmp_path / "sys/bus/pci/drivers/vfio-pci").mkdir(parents=True)
+    return HostRoot.at(tmp_path, kernel=kern)
+
+
+def test_a_write_the_kernel_holds_returns_within_the_bound_and_completes_later(tmp_path):
+    host = _root(tmp_path, LinuxKernel(write_timeout=0.5))
+    unbind = host.path("/sys/bus/pci/drivers/vfio-pci/unbind")
+    os.mkfifo(unbind)
+    started = time.monotonic()
+    with pytest.raises(BlockedWrite) as caught:
+        host.kernel.write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:01:00.0")
+    assert time.monotonic() - started < 5
+    message = str(caught.value)
+    assert "/sys/bus/pci/drivers/vfio-pci/unbind" in message and "'0000:01:00.0'" in message
+    assert f"process {caught.value.pid}" in message
+    assert caught.value.pid in kernel.pending_writes()
+    # The holder lets go: the write the kernel held goes through, and the
+    # writer is reaped.
+    fd = os.open(unbind, os.O_RDONLY)
+    try:
+        deadline = time.monotonic() + 10
+        data = b""
+        while not data.endswith(b"0000:01:00.0") and time.monotonic() < deadline:
+            data += os.read(fd, 64)
+    finally:
+        os.close(fd)
+    assert data == b"0000:01:00.0"
+    deadline = time.monotonic() + 10
+    while caught.value.pid in kernel.pending_writes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert caught.value.pid not in kernel.pending_writes()
+
+
+def test_bounded_write_lands_and_a_refusal_names_the_file(tmp_path):
+    host = _root(tmp_path, LinuxKernel())
+    probe = host.path("/sys/bus/pci/drivers_probe")
+    probe.write_text("")
+    host.kernel.write(host, "/sys/bus/pci/drivers_probe", "0000:01:00.0")
+    assert probe.read_text() == "0000:01:00.0"
+    with pytest.raises(HostError, match="cannot open /sys/bus/pci/drivers/nvidia/unbind for writing"):
+        host.kernel.write(host, "/sys/bus/pci/drivers/nvidia/unbind", "0000:01:00.0")
+
+
+def test_driver_override_is_written_directly(tmp_path):
+    host = _root(tmp_path, LinuxKernel(write_timeout=0.01))
+    override = host.path("/sys/bus/pci/devices/0000:01:00.0/driver_override")
+    override.parent.mkdir(parents=True)
+    override.write_text("")
+    host.kernel.write(host, "/sys/bus/pci/devices/0000:01:00.0/driver_override", "vfio-pci\n")
+    assert override.read_text() == "vfio-pci\n"
