@@ -11,3 +11,6 @@
 It sits beside ``katamgr.agent`` in the entry-point layer: a program of its own that imports
 only the base layer.
 """
+
+# Here, not in ``server``, so ``katamgr --help`` need not load ssl for it.
+DEFAULT_LISTEN = "0.0.0.0:8443"

@@ -29,7 +29,6 @@ from katamgr.admission import review, rules
 from katamgr.errors import ConfigError
 
 log = logging.getLogger("katamgr.webhook")
-DEFAULT_LISTEN = "0.0.0.0:8443"
 IO_TIMEOUT = 10.0  # the API server's default webhook timeout
 DRAIN_LIMIT = 4 * review.MAX_BODY
 

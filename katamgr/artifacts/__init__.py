@@ -6,6 +6,7 @@ Public API: ``install_artifact`` -> ``InstallResult``, ``read_install``, ``remov
 """
 
 from .credentials import Credentials, credentials_from_dockerconfigjson
+from .deadlines import DEFAULT_DEADLINES, Deadlines
 from .errors import ArtifactError
 from .install import (
     InstalledFile,
@@ -20,7 +21,6 @@ from .install import (
 )
 from .manifest import DEFAULT_MAX_LAYER_BYTES, MAX_MANIFEST_BYTES
 from .refs import ArtifactRef, LayoutRef, RegistryRef, parse_ref
-from .remote import DEFAULT_DEADLINES, Deadlines
 
 __all__ = [
     "DEFAULT_DEADLINES",

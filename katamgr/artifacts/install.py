@@ -33,11 +33,11 @@ from katamgr.host.faults import write_point
 from katamgr.host.files import fsync_dir, write_atomic
 
 from .credentials import Credentials
+from .deadlines import DEFAULT_DEADLINES, Deadlines
 from .errors import ArtifactError
 from .layout import LayoutSource
 from .manifest import DEFAULT_MAX_LAYER_BYTES, Layer, Manifest, parse_manifest
 from .refs import ArtifactRef, LayoutRef, parse_ref
-from .remote import DEFAULT_DEADLINES, Deadlines, RegistrySource
 from .source import FetchedManifest, RetryPolicy, Source, SourceUnreachable, with_retries
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,10 @@ def _source_for(parsed: ArtifactRef, credentials: Credentials | None,
                 insecure_registries: Iterable[str], deadlines: Deadlines) -> Source:
     if isinstance(parsed, LayoutRef):
         return LayoutSource(parsed)
+    # The registry client pulls in oras, requests and jsonschema (a third of a
+    # second): only a pull pays for it, never plan or revert.
+    from .remote import RegistrySource  # noqa: PLC0415
+
     return RegistrySource(parsed, credentials=credentials, insecure_registries=insecure_registries,
                           deadlines=deadlines)
 

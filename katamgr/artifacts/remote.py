@@ -25,7 +25,6 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import oras.container
 import oras.provider
@@ -34,6 +33,7 @@ import requests.adapters
 import urllib3.exceptions
 
 from .credentials import Credentials
+from .deadlines import DEFAULT_DEADLINES, Deadlines
 from .errors import ArtifactError
 from .manifest import INDEX_MEDIA_TYPES, MANIFEST_MEDIA_TYPES, MAX_MANIFEST_BYTES, Layer
 from .refs import RegistryRef
@@ -44,17 +44,6 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1024 * 1024
 
 
-@dataclass(frozen=True)
-class Deadlines:
-    """Seconds each network step may take; the defaults suit a GPU node's artifacts."""
-
-    connect: float = 10.0  # TCP (and TLS) connect
-    read: float = 60.0  # the wait for any one read
-    manifest: float = 60.0  # a whole manifest request, headers and body
-    blob: float = 1800.0  # a whole blob (a 500 MB initrd at 0.3 MB/s)
-
-
-DEFAULT_DEADLINES = Deadlines()
 _STREAM_ERRORS = (
     requests.exceptions.ChunkedEncodingError,
     requests.exceptions.ConnectionError,
