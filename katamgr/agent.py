@@ -275,7 +275,7 @@ class Agent:
         (hotplug, a re-bind by hand), so every name Kata resolves stays true."""
         if not (self.steps.cdi and self.steps.passthrough):
             return None
-        inv = discover(self.host)
+        inv = discover(self.host, self.naming.selection)
         found, _ = cdi_specs.changes(self.host, inv, self.naming)
         stale = [c for c in found if c.action != "keep"]
         if not stale:
@@ -285,7 +285,7 @@ class Agent:
         try:
             with node_lock(self.host, "katamgr run (CDI specs)", 0):
                 # Under the lock the devices may have moved on: look again.
-                report = cdi_specs.write_specs(self.host, discover(self.host), self.naming)
+                report = cdi_specs.write_specs(self.host, discover(self.host, self.naming.selection), self.naming)
         except NodeBusyError:
             log.info("another katamgr holds the node lock; the CDI specs are checked again next time")
             return None

@@ -12,10 +12,12 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from katamgr import __version__
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import naming as resource_naming
+from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
 from katamgr.host.process import TEXT, add_log_format_argument, report_error, setup_logging
 from katamgr.host.root import HostRoot
@@ -27,12 +29,18 @@ from katamgr.render import plan_text, print_report
 from katamgr.simulator.materialise import is_simulated, materialise, open_root
 from katamgr.simulator.profiles import find_profile, shipped_names
 
+if TYPE_CHECKING:
+    from katamgr.config import KataManagerConfig
+
 log = logging.getLogger("katamgr")
 
 DESCRIPTION = """\
 Turn a Kubernetes GPU node into a safe host for Kata Containers with whole GPUs
 passed through by VFIO: bind NVIDIA GPUs (with their companion functions) and
-NVSwitches to vfio-pci one IOMMU group at a time, and undo it exactly.
+NVSwitches to vfio-pci one IOMMU group at a time, and undo it exactly. Which
+devices are passed through can be changed with --include-device and
+--exclude-device (or the config's devices key); `katamgr plan` says why each
+device is in or out.
 
 Start with `katamgr demo` (a simulated DGX-H100-like node, nothing on this
 machine is touched), then `katamgr plan --host dgx-h100`.
@@ -94,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="show what apply would change (read-only)",
                        description="Show what `katamgr apply` would change on the node. Reads only.")
     _common(p)
+    device_selection.add_arguments(p)
     p.add_argument("--output", choices=("text", "json"), default="text", help="output format (default text)")
     p.add_argument("--force", action="store_true", help="plan as if --force were given to apply")
     p.set_defaults(func=cmd_plan)
@@ -103,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(with companions) to vfio-pci, then write /run/nvidia/validations files. "
                                    "Running it again changes nothing.")
     _common(p)
+    device_selection.add_arguments(p)
     p.add_argument("--force", action="store_true",
                    help="unbind GPUs even while a process holds /dev/nvidiaN (that workload will crash)")
     _waits(p)
@@ -110,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("revert", help="put every device back on the driver it had",
                        description="Undo apply: every device katamgr moved goes back to its recorded driver; "
-                                   "readiness files are removed. Devices that were on vfio-pci before stay there.")
+                                   "readiness files are removed. Devices that were on vfio-pci before stay there. "
+                                   "What katamgr recorded as bound is reverted whatever the device selection "
+                                   "is now, so revert takes no --include-device or --exclude-device.")
     _common(p)
     p.add_argument("--force", action="store_true",
                    help="unbind devices even while a process (a Kata VM) holds their /dev/vfio nodes")
@@ -125,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(someone else's edit or restart), re-pull artifacts every --repull-interval. "
                                    "SIGTERM stops it; the node keeps its state unless --revert-on-exit is given.")
     _common(p)
+    device_selection.add_arguments(p)
     p.add_argument("--force", action="store_true", help="as for apply")
     _waits(p)
     p.add_argument("--repull-interval", type=float, default=3600.0, metavar="SECONDS",
@@ -149,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "revert, and print a short report. Touches nothing on this machine.")
     p.add_argument("--profile", default="dgx-h100", help="host profile to simulate (default dgx-h100)")
     p.add_argument("--keep", metavar="DIR", help="simulate into DIR and leave it there to look at")
+    device_selection.add_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true")
     add_log_format_argument(p)
     p.set_defaults(func=cmd_demo, host=None, host_root=None)
@@ -158,8 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _webhook_parser(sub) -> None:
-    from katamgr.admission import rules
-    from katamgr.admission.server import DEFAULT_LISTEN
+    from katamgr.admission import DEFAULT_LISTEN, rules
 
     p = sub.add_parser("webhook", help="the admission webhook: no GPU for a pod that asked for none, "
                                        "passthrough GPUs only in Kata VMs",
@@ -202,9 +215,20 @@ def host_from(args: argparse.Namespace) -> Iterator[HostRoot]:
     yield open_root(root)
 
 
-def naming_from(args: argparse.Namespace) -> Naming:
+def config_from(args: argparse.Namespace) -> KataManagerConfig | None:
+    """The --config file's model, or None without one (ConfigError when it is bad)."""
+    if not args.config:
+        return None
+    from katamgr.config import load_config  # pydantic: only when a config is given
+
+    return load_config(args.config)
+
+
+def naming_from(args: argparse.Namespace, config: KataManagerConfig | None = None) -> Naming:
+    """The naming options and the device selection: the config's devices, then the flags'."""
     try:
-        return resource_naming.from_arguments(args)
+        base = config.devices.selection if config is not None else device_selection.DEFAULT_SELECTION
+        return resource_naming.from_arguments(args, device_selection.from_arguments(args, base))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -220,15 +244,16 @@ class NodeSetup:
     workload_why: str
 
 
-def steps_and_context(args: argparse.Namespace, host: HostRoot) -> tuple[Steps, KataContext | None]:
-    setup = node_setup(args, host)
+def steps_and_context(args: argparse.Namespace, host: HostRoot,
+                      config: KataManagerConfig | None = None) -> tuple[Steps, KataContext | None]:
+    setup = node_setup(args, host, config)
     return setup.steps, setup.ctx
 
 
-def node_setup(args: argparse.Namespace, host: HostRoot) -> NodeSetup:
-    from katamgr.config import load_config
-
-    config = load_config(args.config) if args.config else None
+def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None = None) -> NodeSetup:
+    """``config``: the --config file already loaded (else it is loaded here)."""
+    if config is None:
+        config = config_from(args)
     wants_cluster = (config is not None and not args.no_kata) or (args.workload == AUTO and args.node_name)
     if wants_cluster or config is not None:
         from katamgr import cluster  # the Kubernetes client costs a second: only when it is used
@@ -253,9 +278,10 @@ def node_setup(args: argparse.Namespace, host: HostRoot) -> NodeSetup:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    naming = naming_from(args)
+    config = config_from(args)
+    naming = naming_from(args, config)
     with host_from(args) as host:
-        setup = node_setup(args, host)
+        setup = node_setup(args, host, config)
         plan = full_plan(host, naming, setup.steps, setup.ctx, force=args.force,
                          workload_why=setup.workload_why)
         if args.output == "json":
@@ -266,9 +292,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    naming = naming_from(args)
+    config = config_from(args)
+    naming = naming_from(args, config)
     with host_from(args) as host:
-        steps, ctx = steps_and_context(args, host)
+        steps, ctx = steps_and_context(args, host, config)
         report = reconcile(host, naming, steps, ctx, force=args.force, wait=args.device_wait,
                            lock_wait=args.wait, command="katamgr apply")
         print_report(report, "nothing to change: the node is already as planned")
@@ -300,7 +327,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # A daemon's log is its only voice: say what changed even without -v.
     logging.getLogger().setLevel(logging.INFO)
-    naming = naming_from(args)
+    config = config_from(args)
+    naming = naming_from(args, config)
     if args.metrics_address:
         from katamgr.host.metrics_server import parse_address
 
@@ -309,7 +337,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     with host_from(args) as host:
-        setup = node_setup(args, host)
+        setup = node_setup(args, host, config)
         events = None
         if setup.api is not None and args.node_name:
             from katamgr.cluster import EventRecorder, agent_namespace

@@ -42,6 +42,7 @@ from pydantic_core import PydanticCustomError, PydanticUseDefault
 from katamgr import k8snames
 from katamgr.artifacts.refs import ArtifactRef, LayoutRef, parse_ref
 from katamgr.errors import ConfigError
+from katamgr.host import selection as device_selection
 from katamgr.host.workload import WORKLOAD_LABEL, Workload
 from katamgr.runtime.settings import (
     CONFIGURABLE_VERSIONS,
@@ -299,6 +300,22 @@ PodFixed = Annotated[
     ]})),
     _Says(expect="it must map resource names to quantities"),
 ]
+PciIds = Annotated[
+    str,
+    _text(device_selection.ids_problem, required=True, normalize=str.lower),
+    WithJsonSchema({"type": "string", "pattern": device_selection.IDS_PATTERN}),
+]
+ResourceName = Annotated[
+    str,
+    _text(device_selection.resource_problem, required=True),
+    WithJsonSchema({"type": "string", "pattern": device_selection.RESOURCE_PATTERN,
+                    "not": {"pattern": "kubernetes\\.io/"}}),
+]
+ExcludedDevice = Annotated[
+    str,
+    _text(device_selection.exclude_problem, required=True, normalize=str.lower),
+    WithJsonSchema({"type": "string", "pattern": device_selection.EXCLUDE_PATTERN}),
+]
 RegistryHost = Annotated[
     str, _text(_registry_problem), WithJsonSchema({"type": "string", "pattern": REGISTRY_HOST_PATTERN})
 ]
@@ -371,6 +388,50 @@ class RuntimeClassOverhead(_Model):
     pod_fixed: Annotated[PodFixed, _NULL_IS_DEFAULT] = Field(default_factory=dict)
 
 
+class IncludedDevice(_Model):
+    ids: Annotated[PciIds, _Says(missing="give the PCI ids as vendor:device, e.g. 1234:11e8")] = Field(
+        description="PCI vendor:device ids (4 hex digits each) of the devices to pass through.")
+    resource: Annotated[ResourceName, _Says(missing="give the resource to advertise, e.g. example.com/edu")] = Field(
+        description="The extended resource (domain/name) they are advertised as; also the CDI "
+                    "kind of their spec.")
+
+
+class DevicesConfig(_Model):
+    """Which PCI devices are passthrough devices (``katamgr.host.selection``). By default
+    NVIDIA GPUs and NVSwitches; the command line's --include-device and --exclude-device
+    add to these lists."""
+
+    include: Annotated[
+        tuple[IncludedDevice, ...], _NULL_IS_EMPTY,
+        _Says(expect="it must be a list of {ids, resource}"),
+    ] = Field(default=(), description="Devices to pass through besides NVIDIA GPUs and NVSwitches.")
+    exclude: Annotated[
+        tuple[ExcludedDevice, ...], _NULL_IS_EMPTY,
+        _Says(expect="it must be a list of PCI addresses (0000:01:00.0) or vendor:device ids"),
+    ] = Field(default=(), description="Devices never to pass through, by full PCI address "
+                                      "(0000:01:00.0) or vendor:device ids (10de:1eb8); they "
+                                      "stay on their drivers. Wins over include.")
+
+    @field_validator("include", mode="after")
+    @classmethod
+    def _one_resource_per_ids(cls, value: tuple[IncludedDevice, ...]) -> tuple[IncludedDevice, ...]:
+        first: dict[str, IncludedDevice] = {}
+        for entry in value:
+            seen = first.setdefault(entry.ids, entry)
+            if seen.resource != entry.resource:
+                raise ValueError(f"includes {_q(entry.ids)} twice, as {_q(seen.resource)} and "
+                                 f"{_q(entry.resource)}; a device is advertised under one resource")
+        return value
+
+    @property
+    def selection(self) -> device_selection.Selection:
+        return device_selection.Selection(
+            tuple(device_selection.include_rule(e.ids, e.resource, device_selection.INCLUDE_CONFIG)
+                  for e in self.include),
+            tuple(device_selection.parse_exclude(e, device_selection.EXCLUDE_CONFIG) for e in self.exclude),
+        )
+
+
 def default_runtime_classes() -> tuple[RuntimeClassConfig, ...]:
     return (
         RuntimeClassConfig(
@@ -400,6 +461,9 @@ class KataManagerConfig(_Model):
         _Says(expect="it must be a list of host[:port]"),
     ] = Field(default=(), description="Registries (host[:port]) that may be reached over "
                                       "plain HTTP.")
+    devices: Annotated[DevicesConfig, _NULL_IS_DEFAULT] = Field(
+        default_factory=DevicesConfig,
+        description="Which PCI devices are passed through (default: NVIDIA GPUs and NVSwitches).")
 
     @field_validator("runtime_classes", mode="wrap")
     @classmethod

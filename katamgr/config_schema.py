@@ -1,7 +1,8 @@
 """JSON schemas made from the config models: the config file's, and the Helm chart's parts.
 
 The chart checks ``kataManager.config`` and ``containerd`` (which it renders into the
-agent's config file) against ``values.schema.json`` at install time. Those parts of
+agent's config file) and ``devices`` (which it passes to the agent and the device plugin
+as flags) against ``values.schema.json`` at install time. Those parts of
 that file are generated here from ``katamgr.config``'s models, so the chart refuses
 what the agent would refuse instead of rendering a crash-looping DaemonSet, and
 nothing is written twice. The chart differs from the model only where
@@ -42,6 +43,10 @@ CHART_OVERLAY: dict[str, Any] = {
     "containerd_keys": ["configPath", "socket", "restartMode"],
     # systemd runs `chroot /host systemctl`, and the chart mounts only chosen host dirs.
     "restart_modes": [RestartMode.SIGNAL.value, RestartMode.NONE.value],
+    # The device selection is a top-level value the chart passes to both the agent and the
+    # sandbox device plugin (--include-device, --exclude-device): in kataManager.config only
+    # the agent would see it, and the plugin would advertise other devices than it binds.
+    "top_level_keys": ["devices"],
 }
 
 # Key order of the generated schema: what a reader looks for first.
@@ -64,6 +69,7 @@ def chart_parts() -> dict[tuple[str, ...], Any]:
     schema = config_schema()
     config = {k: v for k, v in schema.items() if k not in ("$schema", "title")}
     containerd = config["properties"].pop("containerd")
+    top_level = {key: config["properties"].pop(key) for key in CHART_OVERLAY["top_level_keys"]}
     config["required"] = list(CHART_OVERLAY["config_required"])
     containerd["properties"] = {
         key: containerd["properties"][key] for key in CHART_OVERLAY["containerd_keys"]}
@@ -83,6 +89,7 @@ def chart_parts() -> dict[tuple[str, ...], Any]:
         ("properties", "kataManager", "properties", "config"):
             _ordered(_refer(config, definitions)),
         ("properties", "containerd"): _ordered(_refer(containerd, definitions)),
+        **{("properties", key): _ordered(_refer(part, definitions)) for key, part in top_level.items()},
     }
 
 

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 from katamgr.config import load_config
+from katamgr.errors import ConfigError
+from katamgr.host import selection as device_selection
 from katamgr.host.files import write_atomic
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
@@ -48,6 +50,10 @@ def prepare_node(host: HostRoot) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     profile = find_profile(args.profile)
+    try:
+        naming = Naming(PciIds.find(), selection=device_selection.from_arguments(args))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     with contextlib.ExitStack() as stack:
         if args.keep:
             root = Path(args.keep)
@@ -55,7 +61,6 @@ def run_demo(args: argparse.Namespace) -> int:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kdemo-"))) / "host"
         host = materialise(profile, root)
         prepare_node(host)
-        naming = Naming(PciIds.find())
         steps = Steps()
         ctx = KataContext(load_config(DATA / "demo" / "kata-manager.yaml"))
         print(f"katamgr demo: simulated node {profile.name!r} in {host.root}")

@@ -13,6 +13,7 @@ from pathlib import Path
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import inventory
 from katamgr.host import naming as resource_naming
+from katamgr.host import selection as device_selection
 from katamgr.host.metrics_server import MetricsServer, parse_address
 from katamgr.host.naming import Naming
 from katamgr.host.process import (
@@ -45,7 +46,10 @@ vm-passthrough: every GPU and NVSwitch bound to vfio-pci, one resource per model
   nvidia.com/pgpu); one device per IOMMU group; Allocate hands out the VFIO
   device nodes, PCI_RESOURCE_<RESOURCE> and, when a CDI spec on the host defines them,
   the CDI names (nvidia.com/pgpu=0, from the spec katamgr writes with CDI enabled).
-  Devices bound or unbound later are picked up without a restart.
+  Devices bound or unbound later are picked up without a restart. Which devices
+  are passthrough devices: --include-device VENDOR:DEVICE=RESOURCE adds devices
+  advertised as RESOURCE (e.g. 1234:11e8=example.com/edu), --exclude-device
+  BDF|VENDOR:DEVICE leaves one out; give the plugin the same as katamgr.
 container: nvidia.com/gpu from NVML, device IDs are GPU UUIDs; without NVML
   nothing is advertised and the plugin waits.
 auto (default): the node label nvidia.com/gpu.workload.config, read through the
@@ -108,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --mode auto, the workload of a node without the label: "
                              f"{', '.join(WORKLOADS)} (default: what the host shows)")
     resource_naming.add_arguments(parser)
+    # The same selection as katamgr's (the chart passes both the same devices value).
+    device_selection.add_arguments(parser)
     parser.add_argument("--device-list-strategy", action="append", default=[], metavar="S[,S]",
                         help="container mode: how Allocate names the GPUs, any of "
                              f"{', '.join(DEVICE_LIST_STRATEGIES)} (comma-separated or repeated; "
@@ -143,17 +149,22 @@ def read_workload_label(node_name: str) -> str | None:
     return (node.metadata.labels or {}).get(WORKLOAD_LABEL)
 
 
-def mode_from_host(host: HostRoot) -> tuple[Mode, str]:
-    inv = inventory.discover(host)
-    on_vfio = [d.bdf for d in inv.gpus if d.on_vfio]
+def mode_from_host(
+    host: HostRoot, selection: device_selection.Selection = device_selection.DEFAULT_SELECTION,
+) -> tuple[Mode, str]:
+    inv = inventory.discover(host, selection)
+    on_vfio = [d.bdf for d in inv.passthrough if d.on_vfio]
     if on_vfio:
-        return Mode.VM_PASSTHROUGH, f"GPU(s) {', '.join(on_vfio)} are bound to vfio-pci"
-    return Mode.CONTAINER, "no NVIDIA GPU is bound to vfio-pci"
+        return Mode.VM_PASSTHROUGH, f"passthrough device(s) {', '.join(on_vfio)} are bound to vfio-pci"
+    if selection.is_default:
+        return Mode.CONTAINER, "no NVIDIA GPU is bound to vfio-pci"
+    return Mode.CONTAINER, "no passthrough device (as --include-device/--exclude-device select) is bound to vfio-pci"
 
 
 def decide_mode(
     host: HostRoot, node_name: str | None, read_label=read_workload_label,
     default: Workload | str | None = None,
+    selection: device_selection.Selection = device_selection.DEFAULT_SELECTION,
 ) -> tuple[Mode | None, str]:
     """The mode for ``--mode auto`` and why; None means: nothing to serve here.
 
@@ -162,7 +173,7 @@ def decide_mode(
     and KatamgrError when the API was asked and did not answer.
     """
     def from_host() -> tuple[Workload, str]:
-        mode, why = mode_from_host(host)
+        mode, why = mode_from_host(host, selection)
         return Workload(mode.value), why
 
     resolved = resolve_workload(node_name, read_label, default=default, fallback=from_host)
@@ -182,7 +193,7 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     try:
-        return HostRoot.at(root), resource_naming.from_arguments(args)
+        return HostRoot.at(root), resource_naming.from_arguments(args, device_selection.from_arguments(args))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
@@ -203,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
         if args.mode == AUTO:
-            mode, why = decide_mode(host, args.node_name, default=args.default_workload)
+            mode, why = decide_mode(host, args.node_name, default=args.default_workload,
+                                    selection=naming.selection)
         else:
             mode, why = Mode(args.mode), "chosen with --mode"
     except KatamgrError as exc:  # bad usage or configuration 2, the API not answering 1

@@ -25,10 +25,12 @@ def show_device_plugin(host: HostRoot, naming: Naming, *, gpus: int = 2) -> bool
             registration = state.registrations_for(name)[-1]
             print(f"  registered {name} (endpoint {registration.endpoint}, {registration.version}): "
                   f"{len(state.healthy(name))} healthy of {len(state.devices[name])}")
-        gpu_names = {naming.resource(d) for d in discover(host).gpus}
-        gpu = next((n for n in names if n in gpu_names), None)
+        inv = discover(host, naming.selection)
+        # A GPU resource if there is one, else any passthrough resource (an included device's).
+        wanted = {naming.resource(d) for d in inv.gpus} or {naming.resource(d) for d in inv.passthrough}
+        gpu = next((n for n in names if n in wanted), None)
         if gpu is None:
-            print("  no GPU resource to allocate from")
+            print("  no passthrough resource to allocate from")
             return False
         count = min(gpus, len(state.healthy(gpu)))
         answers = kubelet.admit_pod("default", "cuda-vectoradd-kata", {"cuda": {gpu: count}})

@@ -1,11 +1,14 @@
-"""VFIO passthrough GPUs (and NVSwitches) as kubelet resources.
+"""VFIO passthrough GPUs (and NVSwitches, and devices an include rule selects) as
+kubelet resources.
 
-Discovery reads the host model (``katamgr.host``): every GPU or NVSwitch on
-vfio-pci, grouped by IOMMU group, because the group is what VFIO hands to a VM
+Discovery reads the host model (``katamgr.host``): every passthrough device on
+vfio-pci (the ``Naming``'s device selection: by default GPUs and NVSwitches),
+grouped by IOMMU group, because the group is what VFIO hands to a VM
 and so the schedulable unit (two GPUs in one group are one plugin device; two
 pods can never share a group). Each unit goes to the resource ``Naming``
 gives its first device: one resource per model (``nvidia.com/GA102GL_A10``), or
-one alias resource (``nvidia.com/pgpu``) when configured.
+one alias resource (``nvidia.com/pgpu``) when configured, or an include rule's
+resource (``example.com/edu``).
 
 A unit's ID is its first PCI address (lowercased), so it is stable across
 plugin restarts and reboots. It is Healthy while every endpoint of the group
@@ -17,7 +20,8 @@ or each device's ``/dev/vfio/devices/vfioN`` on iommufd hosts).
 it when something changes, and the manager starts servers for new names.
 
 Allocate names each device by CDI only when the host's specs define a name
-for exactly that device (``sandbox_plugin.cdinames``): with no spec (cdi
+for exactly that device (a GPU or NVSwitch by its ``nvidia.com/pgpu``-style
+name, a unit of included devices by ``<resource>=<id>``) (``sandbox_plugin.cdinames``): with no spec (cdi
 disabled) or a spec not yet rewritten after a device left, the answer carries
 the device nodes alone rather than a name the runtime cannot resolve or one
 that now means another GPU.
@@ -56,12 +60,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PassthroughUnit:
-    """One schedulable device: the GPUs/NVSwitches of one IOMMU group on vfio-pci."""
+    """One schedulable device: the passthrough devices of one IOMMU group on vfio-pci."""
 
     id: str  # first BDF of the group's passthrough devices
     resource_name: str
     group: int
-    members: tuple[PassthroughDevice, ...]  # bus order
+    devices: tuple[pci.Device, ...]  # the passthrough devices, bus order
+    members: tuple[PassthroughDevice, ...]  # those with index names (GPUs, NVSwitches)
     nodes: tuple[str, ...]  # host paths of the device nodes a VM needs (every function's)
     health: str
     reason: str  # why it is unhealthy; "" when healthy
@@ -72,7 +77,11 @@ class PassthroughUnit:
     # equality only compares the fields.
     @cached_property
     def bdfs(self) -> tuple[str, ...]:
-        return tuple(m.device.bdf for m in self.members)
+        return tuple(d.bdf for d in self.devices)
+
+    @property
+    def cdi_name(self) -> str:
+        return f"{self.resource_name}={self.id}"
 
     @property
     def numa_node(self) -> int | None:
@@ -100,7 +109,7 @@ def _health(host: HostRoot, inv: Inventory, group: int, nodes: tuple[str, ...]) 
 
 def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
     """Every passthrough unit of the host, in bus order (one PCI scan)."""
-    inv = discover(host)
+    inv = discover(host, naming.selection)
     units = []
     for unit in resource_units(host, inv, naming):
         reason = _health(host, inv, unit.group, unit.nodes)
@@ -109,6 +118,7 @@ def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
                 id=unit.id,
                 resource_name=unit.resource_name,
                 group=unit.group,
+                devices=unit.devices,
                 members=unit.members,
                 nodes=unit.nodes,
                 health=UNHEALTHY if reason else HEALTHY,
@@ -192,14 +202,20 @@ class PassthroughResource(Resource):
         return ContainerAllocation(
             devices=[DeviceNode(n, n) for n in dict.fromkeys(nodes)],
             envs={env_name(self.resource_name): ",".join(b for u in chosen for b in u.bdfs)},
-            cdi_devices=self.cdi_specs.passthrough_names(m for u in chosen for m in u.members),
+            cdi_devices=self._cdi_names(chosen),
         )
+
+    def _cdi_names(self, chosen: list[PassthroughUnit]) -> list[str]:
+        """GPUs and NVSwitches by their index-style names; a unit without them (included
+        devices) by ``<resource>=<id>``, the name its own spec gives it."""
+        names = self.cdi_specs.passthrough_names(m for u in chosen for m in u.members)
+        plain = [u.cdi_name for u in chosen if not u.members]
+        return names + (self.cdi_specs.defined(plain) if plain else [])
 
     def _recheck(self, unit: PassthroughUnit) -> None:
         """Read sysfs again: the snapshot may be a few milliseconds old."""
         name = self.resource_name
-        for member in unit.members:
-            expected = member.device
+        for expected in unit.devices:
             now = pci.read_binding(self.host, expected.bdf)  # all the checks below need
             if now.vendor is None:
                 problem = "is gone from the host"

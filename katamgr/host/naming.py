@@ -21,6 +21,10 @@ kept for ``katamgr plan``: ``PCI_`` in front of a name that does not start with
 a letter (``22a3`` -> ``PCI_22a3``), trailing ``_``/``-`` dropped, and a name
 over 63 characters cut to 56 plus ``_`` and six hex digits of the SHA-256 of
 the full name, so two long names never merge.
+
+A device an include rule selects (``--include-device 1234:11e8=example.com/edu``,
+``katamgr.host.selection``) is advertised under the rule's name as given; the
+rules above name NVIDIA GPUs and NVSwitches only.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from enum import StrEnum
 
 from katamgr.host.pci import Device
 from katamgr.host.pciids import PciIds
+from katamgr.host.selection import DEFAULT_SELECTION, Selection, select
 from katamgr.k8snames import QUALIFIED_NAME_MAX
 
 RESOURCE_VENDOR = "nvidia.com"
@@ -151,12 +156,19 @@ def validate_alias(alias: str) -> str:
 
 @dataclass(frozen=True)
 class Naming:
-    """How devices are named as extended resources (the agent and the plugin share one)."""
+    """Which devices are advertised and under what extended resource names (the agent
+    and the plugin share one: katamgr's CDI specs are named like the plugin's resources).
+
+    ``selection`` decides which devices are passthrough devices; it travels here
+    because every place that names devices also scans for them
+    (``inventory.discover(host, naming.selection)``).
+    """
 
     pci_ids: PciIds
     gpu_alias: str | None = None
     nvswitch_alias: str | None = None
     rule: ResourceNaming = ResourceNaming.NVIDIA
+    selection: Selection = DEFAULT_SELECTION
 
     def model(self, device: Device) -> str | None:
         if device.vendor is None or device.device is None:
@@ -164,6 +176,13 @@ class Naming:
         return self.pci_ids.device_name(device.vendor, device.device)
 
     def derive(self, device: Device) -> ResourceName | None:
+        """The name a passthrough device is advertised under; None for any other device."""
+        verdict = select(self.selection, device)
+        if not verdict.selected:
+            return None
+        if verdict.resource is not None:
+            # An include rule's name is the operator's, already checked: never rewritten.
+            return ResourceName(verdict.resource, verdict.resource)
         if device.is_gpu:
             alias = self.gpu_alias
         elif device.is_nvswitch:
@@ -193,8 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="advertise every NVSwitch as nvidia.com/NAME instead of per model")
 
 
-def from_arguments(args: argparse.Namespace) -> Naming:
-    """The Naming the options ask for; ValueError naming the bad option otherwise."""
+def from_arguments(args: argparse.Namespace, selection: Selection = DEFAULT_SELECTION) -> Naming:
+    """The Naming the options ask for, selecting by ``selection``; ValueError naming the
+    bad option otherwise."""
     aliases = {}
     for option, value in (("--alias", args.alias), ("--nvswitch-alias", args.nvswitch_alias)):
         if value:
@@ -207,4 +227,4 @@ def from_arguments(args: argparse.Namespace) -> Naming:
     except FileNotFoundError as exc:
         raise ValueError(str(exc)) from None
     return Naming(pci_ids, aliases.get("--alias"), aliases.get("--nvswitch-alias"),
-                  ResourceNaming(args.resource_naming))
+                  ResourceNaming(args.resource_naming), selection)

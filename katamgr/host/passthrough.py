@@ -2,9 +2,12 @@
 
 One list, shared by the CDI spec writer and the device plugin, so the name a
 pod puts in ``cdi.k8s.io/gpu: nvidia.com/pgpu=0`` and the device the plugin
-hands out can never disagree. Index names count devices of one class on
-vfio-pci in PCI bus order (unrelated to CUDA order); the same device is also
-named by its IOMMU group number and, on iommufd hosts, by its vfio cdev.
+hands out can never disagree. Which devices are passthrough devices is the
+inventory's selection (``katamgr.host.selection``). Index names are for NVIDIA
+GPUs and NVSwitches: they count selected devices of one class on vfio-pci in
+PCI bus order (unrelated to CUDA order); the same device is also named by its
+IOMMU group number and, on iommufd hosts, by its vfio cdev. A device an include
+rule selects has no index name: it is reached by its resource's name and ID.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class NamingNote:
 
 
 def passthrough_devices(host: HostRoot, inv: Inventory) -> tuple[list[PassthroughDevice], list[NamingNote]]:
-    """GPUs and NVSwitches on vfio-pci with an IOMMU group, with their CDI names.
+    """Selected GPUs and NVSwitches on vfio-pci with an IOMMU group, with their index names.
 
     A group number names the group's first device only: a second GPU in the
     same group is reached by its index, and the group's node is the same.
@@ -83,9 +86,15 @@ def passthrough_devices(host: HostRoot, inv: Inventory) -> tuple[list[Passthroug
     return out, notes
 
 
+def unit_head(devices: list[Device] | tuple[Device, ...]) -> Device:
+    """The device that names a group's unit (and places it): its first GPU, else its
+    first device. ``devices`` are passthrough devices of one group, in bus order."""
+    return next((d for d in devices if d.is_gpu), devices[0])
+
+
 @dataclass(frozen=True)
 class ResourceUnit:
-    """One schedulable device: the GPUs/NVSwitches of one IOMMU group on vfio-pci.
+    """One schedulable device: the passthrough devices of one IOMMU group on vfio-pci.
 
     The group is what VFIO hands to a VM, so two GPUs sharing one are one unit.
     ``id`` is the plugin's device ID and, under the kind ``resource_name``, the
@@ -96,14 +105,14 @@ class ResourceUnit:
     id: str  # first BDF of the group's passthrough devices, lower-case
     resource_name: str
     group: int
-    members: tuple[PassthroughDevice, ...]  # bus order
+    devices: tuple[Device, ...]  # the group's passthrough devices on vfio-pci, bus order
+    members: tuple[PassthroughDevice, ...]  # those with index names (GPUs, NVSwitches), bus order
     functions: tuple[str, ...]  # every endpoint of the group on vfio-pci: what QEMU gets
     nodes: tuple[str, ...]  # host paths of the device nodes a VM needs
 
     @property
     def head(self) -> Device:
-        gpus = [m.device for m in self.members if m.device.is_gpu]
-        return (gpus or [self.members[0].device])[0]
+        return unit_head(self.devices)
 
     @property
     def cdi_name(self) -> str:
@@ -114,16 +123,19 @@ def resource_units(
     host: HostRoot, inv: Inventory, naming: Naming, devices: list[PassthroughDevice] | None = None,
 ) -> list[ResourceUnit]:
     """Every passthrough unit of the host, by ID; ``devices`` saves a second naming pass."""
+    if naming.selection != inv.selection:
+        # One selection decides both what is scanned as ours and what gets a name.
+        raise ValueError("the inventory and the naming were made with different device selections")
     if devices is None:
         devices, _notes = passthrough_devices(host, inv)
-    by_group: dict[int, list[PassthroughDevice]] = {}
-    for item in devices:
-        by_group.setdefault(item.group, []).append(item)
+    indexed = {item.device.bdf: item for item in devices}
+    by_group: dict[int, list[Device]] = {}
+    for device in inv.passthrough:
+        if device.on_vfio and device.iommu_group is not None:
+            by_group.setdefault(device.iommu_group, []).append(device)
     units = []
     for group, members in by_group.items():
-        members.sort(key=lambda m: m.device.bdf)
-        gpus = [m for m in members if m.device.is_gpu]
-        name = naming.resource((gpus or members)[0].device)
+        name = naming.resource(unit_head(members))
         if name is None:
             continue
         functions = tuple(d.bdf for d in inv.members(group) if d.on_vfio and not d.is_bridge)
@@ -133,6 +145,7 @@ def resource_units(
             nodes = ("/dev/iommu", *(f"/dev/vfio/devices/{c}" for c in cdevs if c))
         else:
             nodes = ("/dev/vfio/vfio", f"/dev/vfio/{group}")
-        units.append(ResourceUnit(members[0].device.bdf.lower(), name, group, tuple(members),
+        named = tuple(indexed[d.bdf] for d in members if d.bdf in indexed)
+        units.append(ResourceUnit(members[0].bdf.lower(), name, group, tuple(members), named,
                                   functions, nodes))
     return sorted(units, key=lambda u: u.id)

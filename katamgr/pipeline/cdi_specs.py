@@ -4,7 +4,8 @@ Two kinds of spec, built from ``katamgr.host.passthrough`` (the very list the
 device plugin advertises):
 
 - one per advertised resource (``nvidia.com/GA102GL_A10``, an alias such as
-  ``nvidia.com/pgpu``, an NVSwitch model): its kind is the resource name and its
+  ``nvidia.com/pgpu``, an NVSwitch model, an included device's resource such as
+  ``example.com/edu``): its kind is the resource name and its
   device names are the plugin's device IDs. Kata's cold-plug (``cold_plug_vfio``
   with ``pod_resource_api_sock``) asks the kubelet's PodResources API which
   devices a pod holds and resolves ``<resource name>=<device id>`` here; a name
@@ -174,12 +175,14 @@ def _written(host: HostRoot) -> list[str]:
                            f"check it, or delete it if the specs it lists are gone") from exc
     if not isinstance(kinds, list) or not all(_ours(k) for k in kinds):
         raise KatamgrError(f"{host.host_path(path)} lists spec kinds {kinds!r} that are not "
-                           f"{RESOURCE_VENDOR}/<class>; check the file, or delete it if those specs are gone")
+                           "CDI kinds (vendor/class); check the file, or delete it if those specs are gone")
     return kinds
 
 
 def _ours(kind: object) -> bool:
-    if not isinstance(kind, str) or not kind.startswith(f"{RESOURCE_VENDOR}/"):
+    # Any CDI kind: an included device's resource (example.com/edu) names its spec too.
+    # What is removed is only what this record lists, which katamgr wrote.
+    if not isinstance(kind, str):
         return False
     try:
         cdi.parse_kind(kind)

@@ -46,7 +46,8 @@ class Steps:
 
 
 def _root_ports(plan: Plan) -> int:
-    return sum(1 for d in plan.devices if d.kind in ("gpu", "nvswitch") and d.action in ("bind", "keep"))
+    # One PCIe root port in the VM per passthrough device (a companion rides along).
+    return sum(1 for d in plan.devices if d.kind in ("gpu", "nvswitch", "included") and d.action in ("bind", "keep"))
 
 
 def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None,
@@ -145,7 +146,7 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
     report.warnings += plan.problems
     if steps.cdi:
         # The plan's scan still holds unless devices just moved driver.
-        report.merge(cdi_specs.write_specs(host, discover(host) if rescan else plan.inventory, naming))
+        report.merge(cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory, naming))
     if steps.kata and kata_ctx is not None:
         report.merge(kata_runtime.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
                                         checked=checked))
@@ -207,5 +208,5 @@ def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, lock_wait
                                for p in readiness.mark_workload(host, steps.workload)]
         if steps.cdi:
             # The specs follow the devices still on vfio-pci (the held ones, or none).
-            report.merge(cdi_specs.write_specs(host, discover(host), naming))
+            report.merge(cdi_specs.write_specs(host, discover(host, naming.selection), naming))
         return report

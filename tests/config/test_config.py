@@ -171,3 +171,38 @@ def test_example_config_is_what_the_helm_values_would_render():
     data = yaml.safe_load((EXAMPLES / "configs" / "kata-manager.yaml").read_text())
     assert set(data) == set(default_config().to_dict())
     assert set(data["containerd"]) == set(default_config().to_dict()["containerd"])
+
+
+# --- devices: which PCI devices are passthrough devices ---------------------------------
+
+
+def test_devices_default_is_the_default_selection():
+    from katamgr.host.selection import DEFAULT_SELECTION
+
+    assert default_config().devices.selection == DEFAULT_SELECTION
+    assert config_from_dict({"devices": None}).devices.selection == DEFAULT_SELECTION
+
+
+def test_devices_are_normalised_and_quoted_by_origin():
+    config = parse_config(textwrap.dedent("""\
+        devices:
+          include: [{ids: "1234:11E8", resource: example.com/edu}]
+          exclude: ["0000:00:0A.0", "10DE:1EB8"]
+    """))
+    assert config.to_dict()["devices"] == {
+        "include": [{"ids": "1234:11e8", "resource": "example.com/edu"}],
+        "exclude": ["0000:00:0a.0", "10de:1eb8"],
+    }
+    selection = config.devices.selection
+    assert [str(r) for r in selection.include] == ["1234:11e8=example.com/edu"]
+    assert [r.value for r in selection.exclude] == ["0000:00:0a.0", "10de:1eb8"]
+    assert {r.origin for r in selection.include} == {"config devices.include"}
+    assert {r.origin for r in selection.exclude} == {"config devices.exclude"}
+
+
+def test_one_device_under_two_resources_is_refused_naming_both():
+    assert problems_of({"devices": {"include": [
+        {"ids": "1234:11e8", "resource": "example.com/edu"},
+        {"ids": "1234:11E8", "resource": "example.com/other"},
+    ]}}) == ['devices.include includes "1234:11e8" twice, as "example.com/edu" and '
+             '"example.com/other"; a device is advertised under one resource']

@@ -63,7 +63,11 @@ def test_the_chart_differs_from_the_model_only_by_its_overlay():
     model = config_schema()["properties"]
     chart = chart_schema()["properties"]
     config = chart["kataManager"]["properties"]["config"]
-    assert set(config["properties"]) == set(model) - {"containerd"}
+    assert set(config["properties"]) == set(model) - {"containerd", "devices"}
+    # The device selection is the chart's top-level devices value (both containers get it).
+    assert CHART_OVERLAY["top_level_keys"] == ["devices"]
+    assert chart["devices"] == chart_parts()[("properties", "devices")]
+    assert chart["devices"]["properties"]["exclude"] == model["devices"]["properties"]["exclude"]
     for key, schema in config["properties"].items():
         assert schema == chart_parts()[("properties", "kataManager", "properties", "config")][
             "properties"][key]

@@ -98,6 +98,22 @@ advertised resource, named like the resource.
 {{- end -}}
 
 {{/*
+The device selection both commands get (devices.include, devices.exclude). They must agree:
+the plugin advertises exactly the devices katamgr binds and writes CDI specs for.
+*/}}
+{{- define "ksm.deviceArgs" -}}
+{{- $devices := .Values.devices | default dict -}}
+{{- range ($devices.include | default list) }}
+- --include-device
+- {{ printf "%s=%s" .ids .resource | quote }}
+{{- end }}
+{{- range ($devices.exclude | default list) }}
+- --exclude-device
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
 The sandbox-device-plugin container's env: sandboxDevicePlugin.env, then the entries of
 kataSandboxDevicePlugin.env it does not name, less P_GPU_ALIAS and NVSWITCH_ALIAS
 (arguments instead, see ksm.aliases). As a JSON list.

@@ -1,0 +1,73 @@
+"""The chart's devices value: which PCI devices are passed through, given to the agent and the
+sandbox device plugin alike as --include-device/--exclude-device, and checked at render time."""
+
+from __future__ import annotations
+
+import pytest
+from support.chartkit import FULL, NAMESPACE, RELEASE, container, merged, render
+
+from katamgr.cli import build_parser
+from sandbox_plugin.cli import parse_args
+
+DEVICES = {"devices": {
+    "include": [{"ids": "1234:11e8", "resource": "example.com/edu"},
+                {"ids": "1234:1111", "resource": "example.com/vga"}],
+    "exclude": ["0000:00:01.0", "10de:1eb8"],
+}}
+FLAGS = ["--include-device", "1234:11e8=example.com/edu", "--include-device", "1234:1111=example.com/vga",
+         "--exclude-device", "0000:00:01.0", "--exclude-device", "10de:1eb8"]
+
+
+def selection_flags(args: list[str]) -> list[str]:
+    out = []
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag in ("--include-device", "--exclude-device"):
+            out += [flag, value]
+    return out
+
+
+@pytest.mark.integration
+def test_both_containers_get_the_same_selection(chart):
+    rendered = render(chart, merged(FULL, DEVICES))
+    agent = container(rendered, "-sandbox-agent", "kata-manager")["args"]
+    plugin = container(rendered, "-sandbox-agent", "sandbox-device-plugin")["args"]
+    assert selection_flags(agent) == selection_flags(plugin) == FLAGS
+    # Both commands take what the chart renders.
+    katamgr = build_parser().parse_args(agent)
+    assert katamgr.include_device == ["1234:11e8=example.com/edu", "1234:1111=example.com/vga"]
+    assert parse_args(plugin).exclude_device == ["0000:00:01.0", "10de:1eb8"]
+    # The uninstall hook's revert undoes what was recorded: it gets no selection.
+    for _ds, c in rendered.containers():
+        if c["name"] not in ("kata-manager", "sandbox-device-plugin"):
+            assert not selection_flags(c.get("args") or []), c["name"]
+
+
+@pytest.mark.integration
+def test_the_default_selects_as_before(chart):
+    rendered = render(chart, FULL)
+    for name in ("kata-manager", "sandbox-device-plugin"):
+        assert not selection_flags(container(rendered, "-sandbox-agent", name)["args"])
+    assert chart.merge_values({})["devices"] == {"include": [], "exclude": []}
+
+
+@pytest.mark.parametrize(("values", "fragments"), [
+    ({"devices": {"include": [{"ids": "1234:11e8", "resource": "edu"}]}},
+     ["/devices/include/0/resource", "edu"]),
+    ({"devices": {"include": [{"ids": "1234:11e8"}]}}, ["/devices/include/0", "'resource'"]),
+    ({"devices": {"include": [{"ids": "123:11e8", "resource": "example.com/edu"}]}},
+     ["/devices/include/0/ids", "123:11e8"]),
+    ({"devices": {"exclude": ["01:00.0"]}}, ["/devices/exclude/0", "01:00.0"]),
+    ({"devices": {"exclude": "10de:1eb8"}}, ["/devices/exclude", "array"]),
+    ({"devices": {"exlude": []}}, ["/devices", "'exlude'"]),
+    # In kataManager.config only the agent would see it: the chart takes the top-level value.
+    ({"kataManager": {"config": {"devices": {"exclude": ["10de:1eb8"]}}}},
+     ["/kataManager/config", "'devices'"]),
+], ids=["resource-without-domain", "resource-missing", "short-ids", "short-bdf", "exclude-not-a-list",
+        "unknown-key", "in-kata-manager-config"])
+@pytest.mark.integration
+def test_bad_devices_values_are_refused(helm, chart, values, fragments):
+    with pytest.raises(helm.HelmValuesError) as caught:
+        chart.render(merged(FULL, values), name=RELEASE, namespace=NAMESPACE)
+    message = str(caught.value)
+    for fragment in fragments:
+        assert fragment in message, message
