@@ -97,8 +97,8 @@ def caller_process(socket: str, gpus: list[str], indexes: list[int], load: Load,
     """Run the callers ``indexes`` as threads; put (latencies, first start, last end) on ``out``."""
     import grpc
 
-    from sandbox_plugin.api import deviceplugin_pb2 as pb
-    from sandbox_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+    from kubeletapi import deviceplugin_pb2 as pb
+    from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 
     latencies: list[float] = []
     spans: list[tuple[float, float]] = []

@@ -12,14 +12,18 @@ timer. With ``--metrics-address`` it serves ``/metrics``, ``/healthz`` (the loop
 ticked recently) and ``/readyz`` (the last reconcile succeeded); with a cluster
 and a node name it records Events on the Node for every change and failure.
 
-With a cluster and a node name it also follows the node's workload label
-(``nvidia.com/gpu.workload.config``, read every check interval: the API stand-in
-has no watch, and one ``get node`` per interval is cheap). ``vm-passthrough`` →
-``container`` gives the GPUs no running VM holds back to their drivers, leaves the
-held ones on vfio-pci (reported, and given back once their VM is gone), and makes
-the CDI specs and readiness files follow; the Kata runtime entries in containerd
-stay. ``container`` → ``vm-passthrough`` reconciles (binds). Each switch is one log
-line, a ``katamgr_workload_switches_total`` sample and a ``WorkloadSwitched`` Event.
+With a cluster and a node name it also follows its Node's labels: the workload label
+(``nvidia.com/gpu.workload.config``) and the GPU Operator's opt-outs
+(``nvidia.com/gpu.deploy.<operand>=false``, ``katamgr.host.workload.Operand``), kept by
+a watch on the Node (``katamgr.host.kube.NodeLabelWatch``) that wakes the loop, so a
+relabel is acted on at once, not at the next check. ``vm-passthrough`` → ``container``
+(or opting out of ``vfio-manager``) gives the GPUs no pod or VM holds back to their
+drivers, leaves the held ones on vfio-pci (reported, and given back once they are
+free), and makes the CDI specs and readiness files follow; the Kata runtime entries in
+containerd stay. ``container`` → ``vm-passthrough`` (or lifting an opt-out) reconciles
+(binds). Each change is one log line, an Event (``WorkloadSwitched``,
+``OptOutsChanged``) and a metric sample (``katamgr_workload_switches_total``,
+``katamgr_opted_out``).
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from katamgr.host.metrics_server import MetricsServer
 from katamgr.host.naming import Naming
 from katamgr.host.process import stop_on_signals
 from katamgr.host.root import HostRoot
+from katamgr.host.vfio import Action, SkipReason
 from katamgr.host.watching import Watcher
-from katamgr.host.workload import Workload
+from katamgr.host.workload import Operand, Resolution, Workload, describe_opt_outs
 from katamgr.pipeline import cdi_specs, kata_runtime
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.plan import Plan
@@ -55,7 +60,7 @@ from katamgr.pipeline.reconcile import (
     reconcile,
     revert_all,
 )
-from katamgr.pipeline.report import Report
+from katamgr.pipeline.report import LeaveReport, Report
 from katamgr.render import log_report
 from katamgr.runtime import check_entries, configure_containerd
 
@@ -98,6 +103,9 @@ class AgentMetrics:
         self.workload_switches = Counter("katamgr_workload_switches",
                                          "Switches of the node's workload after a relabel, by from and to.",
                                          ["from", "to"], registry=r)
+        self.opted_out = Gauge("katamgr_opted_out",
+                               "1 for each GPU Operator operand the node opts out of "
+                               "(nvidia.com/gpu.deploy.<operand>=false).", ["operand"], registry=r)
 
     def observe_plan(self, plan: Plan) -> None:
         counts: dict[tuple[str, str, str], int] = {}
@@ -123,10 +131,14 @@ class Agent:
                  revert_on_exit: bool = False, check_interval: float = 10.0,
                  lock_wait: float = DEFAULT_LOCK_WAIT, retry_initial: float = RETRY_INITIAL,
                  retry_max: float = RETRY_MAX, events=None, metrics_address: str | None = None,
-                 read_workload: Callable[[], Workload | str] | None = None):
+                 read_workload: Callable[[], Resolution | Workload | str] | None = None,
+                 node_watch=None, opted_out: frozenset[Operand] = frozenset()):
         self.host = host
         self.naming = naming
-        self.steps = steps
+        # What the command line asks for; the node's opt-outs take parts away (steps).
+        self.base_steps = steps
+        self.opted_out = frozenset(opted_out)
+        self.steps = steps.without(self.opted_out)
         self.ctx = ctx
         self.force = force
         self.wait = wait
@@ -147,10 +159,17 @@ class Agent:
         self.last_result: Report | None = None
         self.last_tick = time.monotonic()
         self.busy_since: float | None = None  # a reconcile in progress
-        # The node's workload now (its label, resolved as at start); None: not followed.
+        # The node's workload and opt-outs now (its labels, resolved as at start); None: not
+        # followed. node_watch (a katamgr.host.kube.NodeLabelWatch) keeps the labels and
+        # wakes the loop when they change; without one they are read every check.
         self.read_workload = read_workload
+        self.node_watch = node_watch
         self._label_error: str | None = None  # the last failure to read it, logged once
-        self.held: set[str] = set()  # BDFs a switch left on vfio-pci because a VM holds them
+        self.held: set[str] = set()  # BDFs a switch left on vfio-pci because a pod or VM holds them
+        self._waiting: dict[str, list[str]] = {}  # the last LeaveReport.waiting, logged when it changes
+        self._in_use = False  # the last reconcile skipped a GPU a process held: bind it once free
+        for operand in Operand:
+            self.metrics.opted_out.labels(operand.value).set(int(operand in self.opted_out))
 
     # -- health ------------------------------------------------------------------
 
@@ -230,7 +249,10 @@ class Agent:
             m.retry_delay.set(self.retry_delay)
             log.warning("reconcile failed; retrying in %.0f s", self.retry_delay)
         try:
-            m.observe_plan(full_plan(self.host, self.naming, self.steps, None, force=self.force))
+            plan = full_plan(self.host, self.naming, self.steps, None, force=self.force)
+            m.observe_plan(plan)
+            self._in_use = self.steps.passthrough and self.steps.vfio and any(
+                d.skipped_because is SkipReason.IN_USE for d in plan.decisions)
         except Exception as exc:  # noqa: BLE001 - the metrics never fail the loop
             log.debug("could not scan the devices for the metrics: %s", exc)
         self._record_events(report, failed_before)
@@ -301,65 +323,98 @@ class Agent:
     # -- following the workload label -------------------------------------------
 
     def follow_workload(self) -> bool:
-        """Switch when the node's workload label changed; True when a switch was done."""
+        """Switch when the node's workload label or opt-outs changed; True when one was done."""
         if self.read_workload is None:
             return False
         try:
-            wanted = Workload(self.read_workload())
+            read = self.read_workload()
         except KatamgrError as exc:  # the API down, a bad label value: keep what we run
             if str(exc) != self._label_error:
                 log.warning("could not read the node's workload (%s); keeping %s", exc, self.steps.workload)
             self._label_error = str(exc)
             return False
         self._label_error = None
-        if wanted is self.steps.workload:
+        wanted, out = ((read.workload, read.opted_out) if isinstance(read, Resolution)
+                       else (Workload(read), self.opted_out))
+        if wanted is self.steps.workload and out == self.opted_out:
             return False
-        return self.switch_workload(wanted)
+        return self.switch(wanted, out)
 
     def switch_workload(self, new: Workload) -> bool:
         """Carry the node from its workload to ``new``; False when it must be tried again."""
-        old = self.steps.workload
-        steps = replace(self.steps, workload=new)
-        if new is Workload.VM_PASSTHROUGH:
-            self.steps = steps
-            self.held = set()
-            report = self.reconcile(f"node relabeled {old} -> {new}")
-            what = f"bound {', '.join(report.moved)} to vfio-pci" if report.moved else "no GPU to bind"
-            if not report.ok:
-                what += f" (the reconcile failed, retried with backoff: {'; '.join(report.failures)})"
-        elif old is Workload.VM_PASSTHROUGH:
+        return self.switch(new, self.opted_out)
+
+    def switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
+        """Carry the node to ``workload`` with the operands in ``out`` opted out; False when
+        it must be tried again (the node lock is busy, a record unreadable)."""
+        old, old_out = self.steps, self.opted_out
+        new = replace(self.base_steps, workload=workload).without(out)
+        release = old.passthrough and old.vfio and not (new.passthrough and new.vfio)
+        what: list[str] = []
+        readiness_off = old.readiness and not new.readiness and self.base_steps.vfio
+        if release or (old.passthrough and not new.passthrough) or readiness_off:
             try:
-                report = leave_passthrough(self.host, self.naming, steps, lock_wait=self.lock_wait)
+                report = leave_passthrough(self.host, self.naming, new, release=release,
+                                           readiness_owned=self.base_steps.vfio, lock_wait=self.lock_wait)
             except KatamgrError as exc:  # a busy node lock, an unreadable record: next tick
-                log.warning("could not switch the workload %s -> %s yet (%s); trying again", old, new, exc)
+                log.warning("could not switch %s yet (%s); trying again", _change(old, old_out, new, out), exc)
                 return False
-            self.steps = steps
-            self.held = set(report.held)
-            what = (f"gave {', '.join(report.restored)} back to their drivers" if report.restored
-                    else "no free GPU to give back")
-            if report.held:
-                what += "; kept on vfio-pci, held by running VMs: " + "; ".join(
-                    f"{bdf} ({', '.join(who)})" for bdf, who in sorted(report.held.items()))
-            if report.failures:
-                what += f"; failed: {'; '.join(report.failures)}"
-            # Not reverted: running VMs still use them, and a switch back needs no
-            # containerd restart; `katamgr revert` removes them.
-            what += ("; CDI specs and readiness files follow; the Kata runtime entries in containerd stay "
-                     "(running VMs use them and switching back needs no containerd restart; "
-                     "katamgr revert removes them)")
-        else:
-            self.steps = steps
-            what = "nothing bound to move"
-        summary = f"workload switch {old} -> {new}: {what}"
+            self._note_left(report)
+            if release:
+                what.append(_left(report))
+                # Not reverted: running VMs still use them, and a switch back needs no
+                # containerd restart; `katamgr revert` removes them.
+                what.append("CDI specs and readiness files follow; the Kata runtime entries in containerd stay "
+                            "(running VMs use them and switching back needs no containerd restart; "
+                            "katamgr revert removes them)")
+            elif readiness_off:
+                what.append("no readiness files in /run/nvidia/validations")
+        for operand in Operand:
+            self.metrics.opted_out.labels(operand.value).set(int(operand in out))
+        if new.passthrough and (not old.passthrough or new.vfio > old.vfio or new.kata > old.kata
+                                or new.readiness > old.readiness):
+            self.steps, self.held = new, set()  # what the reconcile carries out
+            report = self.reconcile(f"node relabeled: it runs {new.workload}, opting out of "
+                                    f"{describe_opt_outs(out)}")
+            bound = f"bound {', '.join(report.moved)} to vfio-pci" if report.moved else "no GPU to bind"
+            what.append(bound if new.vfio else "binding is opted out (vfio-manager)")
+            if not report.ok:
+                what.append(f"the reconcile failed, retried with backoff: {'; '.join(report.failures)}")
+        if new.passthrough and old.kata and not new.kata:
+            what.append("katamgr stands down on the Kata runtime: no artifact pulls or containerd edits; "
+                        "the runtime entries it wrote stay for running VMs until katamgr revert")
+        summary = f"{_change(old, old_out, new, out)}: {'; '.join(what) or 'nothing bound to move'}"
         log.info("%s", summary)
-        self.metrics.workload_switches.labels(old.value, new.value).inc()
+        if old.workload is not new.workload:
+            self.metrics.workload_switches.labels(old.workload.value, new.workload.value).inc()
         if self.events is not None:
-            self.events.record("WorkloadSwitched", summary)
+            self.events.record("WorkloadSwitched" if old.workload is not new.workload else "OptOutsChanged",
+                               summary)
+        # Last: whoever watches the agent sees the change once it is done and told.
+        self.steps, self.opted_out = new, out
         return True
 
+    def _note_left(self, report) -> None:
+        """Remember what a leave kept (given back once free) and log a new wait once."""
+        self.held = set(report.held) | set(report.waiting)
+        if report.waiting != self._waiting and report.waiting:
+            log.info("%s", next(w for w in report.warnings if w.startswith("no GPU given back yet")))
+        self._waiting = dict(report.waiting)
+
+    def bind_freed(self) -> None:
+        """On a vm-passthrough node: bind a GPU the last reconcile skipped because a process
+        held it (say the container plugin leaving after a relabel) once it is free, without
+        waiting for the hourly check. Looked at every check while one is skipped."""
+        if not self._in_use or not (self.steps.passthrough and self.steps.vfio):
+            return
+        plan = full_plan(self.host, self.naming, replace(self.steps, kata=False), None, force=self.force)
+        if any(d.action is Action.BIND for d in plan.decisions):
+            self.reconcile("a GPU that was in use is free now")
+
     def release_freed(self) -> None:
-        """After a switch away from vm-passthrough: give back a held GPU once its VM is gone."""
-        if not self.held or self.steps.passthrough:
+        """After a switch away from binding: give back a held GPU once its pod and VM are gone
+        (or, while a pod's VM is still starting, once it holds its GPU)."""
+        if not self.held or (self.steps.passthrough and self.steps.vfio):
             return
         records = vfio.bound_by_us(self.host)
         self.held &= set(records)
@@ -368,12 +423,14 @@ class Agent:
         if not freed:
             return
         try:
-            report = leave_passthrough(self.host, self.naming, self.steps, lock_wait=0)
+            report = leave_passthrough(self.host, self.naming, self.steps, release=self.base_steps.vfio,
+                                       readiness_owned=self.base_steps.vfio, lock_wait=0)
         except KatamgrError as exc:
             log.info("could not give back %s yet (%s); trying again", ", ".join(freed), exc)
             return
-        self.held = set(report.held)
-        log_report(report, log)
+        self._note_left(report)
+        if report.changes or report.failures:
+            log_report(report, log)
 
     def run(self, once: bool = False) -> int:
         server = self.serve_metrics(self.metrics_address) if self.metrics_address and not once else None
@@ -386,6 +443,8 @@ class Agent:
         finally:
             if server is not None:
                 server.stop()
+            if self.node_watch is not None:
+                self.node_watch.stop()
         return 0
 
     def _loop_and_revert(self) -> None:
@@ -399,6 +458,11 @@ class Agent:
 
     def loop(self) -> None:
         watcher = self._watcher = Watcher()
+        if self.node_watch is not None:
+            # A relabel wakes the loop; the labels are read from the watch, not the API.
+            # One look now covers a change that came before this hook was set.
+            self.node_watch.on_change = watcher.wake
+            watcher.wake()
         for directory in self._containerd_paths():
             try:
                 watcher.add_watch(directory, _WATCH)
@@ -425,6 +489,7 @@ class Agent:
                     if self.follow_workload():
                         continue
                     self.release_freed()
+                    self.bind_freed()
                     drift = self.containerd_drift()
                     if drift:
                         self.reconcile(drift)
@@ -437,3 +502,33 @@ class Agent:
                     next_pull = time.monotonic() + self.repull_interval
         finally:
             watcher.close()
+
+
+def _change(old: Steps, old_out: frozenset[Operand], new: Steps, out: frozenset[Operand]) -> str:
+    """What changed on the node, for the log line and the Event."""
+    parts = []
+    if old.workload is not new.workload:
+        parts.append(f"workload switch {old.workload} -> {new.workload}")
+    if old_out != out:
+        parts.append(f"opt-outs now {describe_opt_outs(out)} (were {describe_opt_outs(old_out)})")
+    return "; ".join(parts) or "no change"
+
+
+def _left(report: LeaveReport) -> str:
+    """What giving the GPUs back did, in one sentence."""
+    if report.waiting:
+        what = "no GPU given back yet: " + "; ".join(
+            f"{bdf} is given to {', '.join(who)}" for bdf, who in sorted(report.waiting.items())
+        ) + ", whose VM has not opened it yet (tried again until it does or the pod is gone)"
+    else:
+        what = (f"gave {', '.join(report.restored)} back to their drivers" if report.restored
+                else "no free GPU to give back")
+        if report.held:
+            what += "; kept on vfio-pci, held by running VMs or pods: " + "; ".join(
+                f"{bdf} ({', '.join(who)})" for bdf, who in sorted(report.held.items()))
+    if report.pods_unknown:
+        what += (f"; could not ask the kubelet which pods hold GPUs ({report.pods_unknown}): "
+                 "only the GPUs a running VM holds open were kept")
+    if report.failures:
+        what += f"; failed: {'; '.join(report.failures)}"
+    return what

@@ -21,7 +21,16 @@ from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
 from katamgr.host.process import TEXT, add_log_format_argument, report_error, setup_logging
 from katamgr.host.root import HostRoot
-from katamgr.host.workload import AUTO, DEFAULT_WORKLOAD, WORKLOADS, Workload, resolve_workload
+from katamgr.host.workload import (
+    AUTO,
+    DEFAULT_WORKLOAD,
+    WORKLOADS,
+    Operand,
+    Resolution,
+    Workload,
+    describe_opt_outs,
+    resolve_workload,
+)
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
@@ -236,12 +245,14 @@ def naming_from(args: argparse.Namespace, config: KataManagerConfig | None = Non
 @dataclass(frozen=True)
 class NodeSetup:
     """What a command acts with: the steps, the Kata context, the cluster (None: none
-    reachable) and why the node runs its workload."""
+    reachable) and why the node runs its workload; the GPU Operator operands the node
+    opts out of (``steps.without(opted_out)`` is what apply does; revert undoes all)."""
 
     steps: Steps
     ctx: KataContext | None
     api: object | None
     workload_why: str
+    opted_out: frozenset[Operand] = frozenset()
 
 
 def steps_and_context(args: argparse.Namespace, host: HostRoot,
@@ -259,22 +270,27 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
         from katamgr import cluster  # the Kubernetes client costs a second: only when it is used
     api = cluster.connect() if wants_cluster and not is_simulated(host) else None
     if args.workload == AUTO:
+        from katamgr.host.kube import read_node_labels
+
         resolved = resolve_workload(
             args.node_name,
-            (lambda node: cluster.node_workload_mode(api, node, default=None)) if api is not None else None,
+            (lambda node: read_node_labels(api, node)) if api is not None else None,
             default=args.default_workload,
             # Run by hand with no cluster to ask: the operator is here to set the node up.
             fallback=lambda: (Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"),
         )
-        log.info("node workload %s: %s", resolved.workload, resolved.why)
+        opted_out = resolved.opted_out
         workload, why = resolved.workload, resolved.why
+        if opted_out:
+            why += f"; it opts out of {describe_opt_outs(opted_out)}"
+        log.info("node workload %s: %s", workload, why)
     else:
-        workload, why = Workload(args.workload), "chosen with --workload"
+        workload, why, opted_out = Workload(args.workload), "chosen with --workload", frozenset()
     steps = Steps(vfio=not args.no_vfio, cdi=not args.no_cdi, kata=not args.no_kata, workload=workload)
     ctx = None
     if config is not None:
         ctx = KataContext(config, api, cluster.agent_namespace())
-    return NodeSetup(steps, ctx, api, why)
+    return NodeSetup(steps, ctx, api, why, opted_out)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -282,7 +298,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     naming = naming_from(args, config)
     with host_from(args) as host:
         setup = node_setup(args, host, config)
-        plan = full_plan(host, naming, setup.steps, setup.ctx, force=args.force,
+        plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why)
         if args.output == "json":
             print(json.dumps(plan.to_json(), indent=2))
@@ -295,8 +311,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     with host_from(args) as host:
-        steps, ctx = steps_and_context(args, host, config)
-        report = reconcile(host, naming, steps, ctx, force=args.force, wait=args.device_wait,
+        setup = node_setup(args, host, config)
+        report = reconcile(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
+                           wait=args.device_wait,
                            lock_wait=args.wait, command="katamgr apply")
         print_report(report, "nothing to change: the node is already as planned")
         _tell_how_to_undo(report, args)
@@ -345,30 +362,34 @@ def cmd_run(args: argparse.Namespace) -> int:
             # In the agent's namespace, where its Role may create Events; `kubectl describe
             # node` lists a Node's Events from every namespace.
             events = EventRecorder(setup.api, args.node_name, namespace=agent_namespace())
+        follower = None if args.once else _workload_follower(args, setup.api)
         agent = Agent(host, naming, setup.steps, setup.ctx, force=args.force, wait=args.device_wait,
                       lock_wait=args.wait,
                       repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
                       events=events, metrics_address=args.metrics_address,
-                      read_workload=_workload_follower(args, setup.api))
+                      read_workload=follower[0] if follower else None,
+                      node_watch=follower[1].start() if follower else None, opted_out=setup.opted_out)
         return agent.run(once=args.once)
 
 
 def _workload_follower(args: argparse.Namespace, api: object | None):
-    """What ``katamgr run`` asks every check interval for the node's workload: the label,
-    by the rule it started with; None (not followed) without ``--workload auto``, a node
-    name or a cluster."""
+    """What ``katamgr run`` follows: its Node's labels, kept by a watch (not started yet),
+    and the rule it started with that turns them into a workload and opt-outs, as
+    ``(resolve, watch)``; None (not followed) without ``--workload auto``, a node name or
+    a cluster."""
     if args.workload != AUTO or not args.node_name or api is None:
         return None
-    from katamgr import cluster
+    from katamgr.host.kube import NodeLabelWatch
 
-    def read() -> Workload:
+    watch = NodeLabelWatch(api, args.node_name)
+
+    def read() -> Resolution:
         return resolve_workload(
-            args.node_name, lambda node: cluster.node_workload_mode(api, node, default=None),
-            default=args.default_workload,
+            args.node_name, lambda node: watch.labels(), default=args.default_workload,
             fallback=lambda: (Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"),
-        ).workload
+        )
 
-    return read
+    return read, watch
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -25,15 +25,15 @@ from katamgr.host.process import (
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import (
     AUTO,
-    WORKLOAD_LABEL,
     WORKLOADS,
     NoCluster,
+    Resolution,
     Workload,
     resolve_workload,
 )
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
+from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
-from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.server import PluginServerError
 
 log = logging.getLogger("sandbox_plugin")
@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default-workload", choices=WORKLOADS, metavar="WORKLOAD",
                         help="with --mode auto, the workload of a node without the label: "
                              f"{', '.join(WORKLOADS)} (default: what the host shows)")
+    parser.add_argument("--auto-modes", type=_modes, default=ALL_MODES, metavar="MODE[,MODE]",
+                        help="with --mode auto, the modes this plugin may serve (default: "
+                             "vm-passthrough,container); on a node whose workload asks for another "
+                             "it advertises nothing (another plugin serves it)")
     resource_naming.add_arguments(parser)
     # The same selection as katamgr's (the chart passes both the same devices value).
     device_selection.add_arguments(parser)
@@ -125,28 +129,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _modes(text: str) -> frozenset[Mode]:
+    try:
+        return frozenset(Mode(m.strip()) for m in text.split(",") if m.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a comma-separated list of {', '.join(m.value for m in Mode)}") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def read_workload_label(node_name: str) -> str | None:
-    """The node's workload label through the Kubernetes API (None when unset).
-
-    Raises NoCluster without credentials (in-cluster or kubeconfig), and any
-    error of the client when the API does not answer (unreachable, 403).
-    """
+def cluster_client():
+    """A Kubernetes API client: in-cluster, else a kubeconfig; NoCluster without either."""
     from kubernetes import client, config
 
+    configuration = client.Configuration()
     try:
-        config.load_incluster_config()
+        config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
         try:
-            config.load_kube_config()
-        except config.ConfigException as exc:
+            config.load_kube_config(client_configuration=configuration)
+        except (config.ConfigException, OSError) as exc:
             raise NoCluster(str(exc)) from exc
-    with client.ApiClient() as api:
-        node = client.CoreV1Api(api).read_node(node_name, _request_timeout=10)
-    return (node.metadata.labels or {}).get(WORKLOAD_LABEL)
+    return client.ApiClient(configuration)
+
+
+def read_labels(node_name: str) -> dict[str, str]:
+    """The node's labels through the Kubernetes API, read as katamgr reads them
+    (``katamgr.host.kube``). Raises NoCluster without credentials and KatamgrError
+    when the API does not answer (unreachable, 403, no such node)."""
+    from katamgr.host.kube import read_node_labels
+
+    return read_node_labels(cluster_client(), node_name)
 
 
 def mode_from_host(
@@ -162,24 +178,28 @@ def mode_from_host(
 
 
 def decide_mode(
-    host: HostRoot, node_name: str | None, read_label=read_workload_label,
+    host: HostRoot, node_name: str | None, read_labels=read_labels,
     default: Workload | str | None = None,
     selection: device_selection.Selection = device_selection.DEFAULT_SELECTION,
+    modes: frozenset[Mode] = ALL_MODES,
 ) -> tuple[Mode | None, str]:
     """The mode for ``--mode auto`` and why; None means: nothing to serve here.
 
     The rule is ``katamgr.host.workload.resolve_workload``'s, with what the host
-    shows as the fallback. Raises ConfigError for a label that names no workload
-    and KatamgrError when the API was asked and did not answer.
+    shows as the fallback, then ``follow.mode_for``'s (opt-outs, ``--auto-modes``).
+    Raises ConfigError for a label that names no workload and KatamgrError when the
+    API was asked and did not answer.
     """
+    return mode_for(_resolve(host, node_name, read_labels, default, selection), modes)
+
+
+def _resolve(host: HostRoot, node_name: str | None, read_labels, default: Workload | str | None,
+             selection: device_selection.Selection) -> Resolution:
     def from_host() -> tuple[Workload, str]:
         mode, why = mode_from_host(host, selection)
         return Workload(mode.value), why
 
-    resolved = resolve_workload(node_name, read_label, default=default, fallback=from_host)
-    if resolved.workload is Workload.VM_VGPU:
-        return None, f"{resolved.why}, which the vGPU device manager serves, not this plugin"
-    return Mode(resolved.workload.value), resolved.why
+    return resolve_workload(node_name, read_labels, default=default, fallback=from_host)
 
 
 def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
@@ -209,39 +229,59 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
     stop = threading.Event()
+    watch = None
     try:
         host, naming = _build(args)
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
-        if args.mode == AUTO:
-            mode, why = decide_mode(host, args.node_name, default=args.default_workload,
-                                    selection=naming.selection)
-        else:
+        runner = PluginRunner(lambda m, metrics: PluginManager(
+            host, m, naming=naming, device_list_strategies=strategies, metrics=metrics))
+        follower = None
+        if args.mode != AUTO:
             mode, why = Mode(args.mode), "chosen with --mode"
+        else:
+            watch = _label_watch(args)
+            if watch is None:
+                mode, why = decide_mode(host, args.node_name, default=args.default_workload,
+                                        selection=naming.selection, modes=args.auto_modes)
+            else:
+                # Followed live: a relabel switches the plugins without a restart.
+                follower = LabelFollower(runner, lambda: _resolve(
+                    host, args.node_name, lambda node: watch.labels(), args.default_workload,
+                    naming.selection), args.auto_modes)
+                watch.on_change = follower.changed.set
+                mode, why = mode_for(follower.resolve(), args.auto_modes)
     except KatamgrError as exc:  # bad usage or configuration 2, the API not answering 1
+        if watch is not None:
+            watch.stop()
         report_error(f"sandbox-device-plugin: error: {exc}", args.log_format, log)
         return exc.exit_code
-    log.info("mode %s: %s", mode.value if mode else "none", why)
-    if mode is None:
-        def nothing() -> tuple[bool, str]:
-            return True, f"nothing to serve: {why}"
-
-        with _metrics(args, PluginMetrics().registry, nothing, nothing):
-            _wait(stop)
-        return 0
-
-    manager = PluginManager(host, mode, naming=naming, device_list_strategies=strategies)
     try:
-        with _metrics(args, manager.metrics.registry, manager.health, manager.readiness):
-            manager.start()
-            _wait(stop)
+        with _metrics(args, runner.metrics.registry, runner.health, runner.readiness):
+            runner.serve(mode, why)
+            _wait(stop, follower)
     except PluginServerError as exc:
         log.error("%s", exc)
         return 1
     finally:
-        manager.stop()
+        runner.stop()
+        if watch is not None:
+            watch.stop()
     log.info("stopped")
     return 0
+
+
+def _label_watch(args: argparse.Namespace):
+    """A started watch on this node's labels, or None without a node name or a cluster."""
+    if not args.node_name:
+        return None
+    try:
+        api = cluster_client()
+    except NoCluster:
+        return None
+    from katamgr.host.kube import NodeLabelWatch
+
+    return NodeLabelWatch(api, args.node_name).start()
 
 
 def _metrics(args: argparse.Namespace, registry, healthy, ready) -> contextlib.AbstractContextManager:
@@ -250,10 +290,18 @@ def _metrics(args: argparse.Namespace, registry, healthy, ready) -> contextlib.A
     return MetricsServer(args.metrics_address, registry, healthy=healthy, ready=ready)
 
 
-def _wait(stop: threading.Event) -> None:
-    # Short waits keep the main thread where signal handlers run responsive.
-    while not stop.wait(1.0):
-        pass
+def _wait(stop: threading.Event, follower: LabelFollower | None = None) -> None:
+    # Short waits keep the main thread where signal handlers run responsive; a follower
+    # is checked when its watch says the labels changed, and every 30 s regardless.
+    ticks = 0
+    while not stop.wait(0.2 if follower is not None else 1.0):
+        if follower is None:
+            continue
+        ticks += 1
+        if follower.changed.is_set() or ticks >= 150:
+            follower.changed.clear()
+            ticks = 0
+            follower.check()
 
 
 if __name__ == "__main__":

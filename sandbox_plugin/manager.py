@@ -57,6 +57,7 @@ class PluginManager:
         rescan_interval: float = 30.0,
         nvml_retry_interval: float = 300.0,
         device_list_strategies: Sequence[DeviceListStrategy | str] = DEFAULT_DEVICE_LIST_STRATEGIES,
+        metrics: PluginMetrics | None = None,
     ) -> None:
         self.host = host
         self.mode = Mode(mode)
@@ -65,7 +66,8 @@ class PluginManager:
         self._lock = threading.Lock()
         self._stopped = False
         self._started = False
-        self.metrics = PluginMetrics()
+        # Shared when given: --mode auto swaps managers on a relabel and keeps one /metrics.
+        self.metrics = metrics if metrics is not None else PluginMetrics()
         self._watcher: DeviceWatcher | None = None
         self.discovery: PassthroughDiscovery | None = None
         self.nvml_resource: NvmlResource | None = None

@@ -33,8 +33,8 @@ from inotify_simple import flags as inotify_flags
 
 from katamgr.host.root import HostRoot
 from katamgr.host.watching import Watcher
-from sandbox_plugin.api import deviceplugin_pb2 as pb
-from sandbox_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from kubeletapi import deviceplugin_pb2 as pb
+from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.resources import (
     KUBELET_SOCKET,

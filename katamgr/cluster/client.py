@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from kubernetes.client import ApiClient, Configuration
-from kubernetes.client.exceptions import ApiException
 from kubernetes.config import ConfigException
 from kubernetes.config.incluster_config import (
     SERVICE_HOST_ENV_NAME,
@@ -129,15 +127,3 @@ def agent_namespace(
     except OSError:
         namespace = ""
     return namespace or "default"
-
-
-def api_error_message(error: ApiException) -> str:
-    """The API server's own words for a failed call (its Status message), with the code."""
-    message = ""
-    try:
-        status = json.loads(error.body or "")
-        if isinstance(status, dict):
-            message = str(status.get("message") or "")
-    except ValueError:
-        message = (error.body or "").strip()[:200]
-    return f"HTTP {error.status} {error.reason}" + (f": {message}" if message else "")

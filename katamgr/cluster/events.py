@@ -24,7 +24,8 @@ from kubernetes.client import (
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from katamgr.cluster.client import FIELD_MANAGER, api_error_message
+from katamgr.cluster.client import FIELD_MANAGER
+from katamgr.host.kube import api_error_message
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,10 @@ We read every RuntimeClass once, compare the fields we want (and the fields our
 field manager still owns) with what is live, and apply only those that differ:
 an unchanged cluster gets no write at all. Classes we created that left the
 config are deleted; classes labeled by anyone else are never touched.
+
+Every class we create carries ``app.kubernetes.io/managed-by=kata-sandbox-manager``, so a
+revert finds what katamgr created by that label (a server-side label selector), not by
+the config it is given: a class an earlier config named is deleted too.
 """
 
 from __future__ import annotations
@@ -18,14 +22,10 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.utils.quantity import parse_quantity
 from urllib3.exceptions import HTTPError
 
-from katamgr.cluster.client import (
-    FIELD_MANAGER,
-    MANAGED_BY_LABEL,
-    MANAGED_BY_VALUE,
-    api_error_message,
-)
+from katamgr.cluster.client import FIELD_MANAGER, MANAGED_BY_LABEL, MANAGED_BY_VALUE
 from katamgr.config import KataManagerConfig
 from katamgr.errors import KatamgrError
+from katamgr.host.kube import api_error_message
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,9 @@ class RuntimeClassChanges:
     updated: tuple[str, ...] = ()
     unchanged: tuple[str, ...] = ()
     deleted: tuple[str, ...] = ()
+    # Ours by label, but this service account may not delete them (another release's,
+    # or made with another config by hand): left, and said so.
+    refused: tuple[str, ...] = ()
 
     @property
     def changed(self) -> bool:
@@ -111,8 +114,11 @@ def reconcile_runtime_classes(api: ApiClient, config: KataManagerConfig) -> Runt
     for name, obj in sorted(live.items()):
         if name in wanted or not _is_ours(obj):
             continue
-        if _delete(node_api, name, obj["metadata"].get("resourceVersion")):
-            deleted.append(name)
+        try:
+            if _delete(node_api, name, obj["metadata"].get("resourceVersion")):
+                deleted.append(name)
+        except _Forbidden as e:
+            raise _failure(f"delete RuntimeClass {name}", e.__cause__) from e
 
     if immutable:
         raise KatamgrError(
@@ -128,14 +134,35 @@ def reconcile_runtime_classes(api: ApiClient, config: KataManagerConfig) -> Runt
     )
 
 
-def delete_managed_runtime_classes(api: ApiClient, config: KataManagerConfig) -> RuntimeClassChanges:
-    """Remove every RuntimeClass we manage (the cluster half of a revert)."""
-    return reconcile_runtime_classes(api, config.model_copy(update={"runtime_classes": ()}))
+def delete_managed_runtime_classes(api: ApiClient, config: KataManagerConfig | None = None) -> RuntimeClassChanges:
+    """Remove every RuntimeClass katamgr created, found by its label whatever the config
+    names now (the cluster half of a revert). A class this service account may not delete
+    (RBAC names the classes it may: a chart release's own) is left and listed as refused."""
+    node_api = NodeV1Api(api)
+    deleted, refused = [], []
+    for obj in _list(api, node_api, label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY_VALUE}"):
+        name = obj["metadata"]["name"]
+        if not _is_ours(obj):  # the server picked it by the label; checked all the same
+            continue
+        try:
+            if _delete(node_api, name, obj["metadata"].get("resourceVersion")):
+                deleted.append(name)
+        except _Forbidden:
+            log.warning("RuntimeClass %s is labeled %s=%s but this service account may not delete it "
+                        "(another release's, or created by hand); left it", name, MANAGED_BY_LABEL,
+                        MANAGED_BY_VALUE)
+            refused.append(name)
+    return RuntimeClassChanges(deleted=tuple(sorted(deleted)), refused=tuple(sorted(refused)))
 
 
-def _list(api: ApiClient, node_api: NodeV1Api) -> list[dict[str, Any]]:
+class _Forbidden(Exception):
+    """A delete the API server refused with 403."""
+
+
+def _list(api: ApiClient, node_api: NodeV1Api, label_selector: str | None = None) -> list[dict[str, Any]]:
     try:
-        listing = node_api.list_runtime_class()
+        listing = (node_api.list_runtime_class(label_selector=label_selector) if label_selector
+                   else node_api.list_runtime_class())
     except (ApiException, HTTPError) as e:
         raise _failure("list RuntimeClasses", e) from e
     return [api.sanitize_for_serialization(item) for item in listing.items or []]
@@ -155,6 +182,8 @@ def _delete(node_api: NodeV1Api, name: str, resource_version: str | None) -> boo
             log.warning("RuntimeClass %s changed while reconciling; left it for the next pass (%s)",
                         name, api_error_message(e))
             return False
+        if e.status == 403:
+            raise _Forbidden(name) from e
         raise _failure(f"delete RuntimeClass {name}", e) from e
     except HTTPError as e:
         raise _failure(f"delete RuntimeClass {name}", e) from e

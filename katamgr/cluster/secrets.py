@@ -10,8 +10,8 @@ from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from katamgr.cluster.client import api_error_message
 from katamgr.errors import ConfigError, KatamgrError
+from katamgr.host.kube import api_error_message
 
 log = logging.getLogger(__name__)
 

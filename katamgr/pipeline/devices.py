@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from katamgr.host import readiness, vfio
+from katamgr.host import readiness as readiness_files
+from katamgr.host import vfio
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Workload
@@ -15,8 +16,9 @@ log = logging.getLogger(__name__)
 
 
 def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workload.VM_PASSTHROUGH,
-               wait: float = 5.0) -> Report:
-    """Bind what the plan says to bind, then write the readiness files."""
+               wait: float = 5.0, readiness: bool = True) -> Report:
+    """Bind what the plan says to bind, then write the readiness files (unless the node
+    opts out of them: ``nvidia.com/gpu.deploy.sandbox-validator=false``)."""
     report = Report()
     # One group at a time: a group moves whole or is rolled back, so a group
     # without a failure moved exactly the devices the plan said it would.
@@ -29,14 +31,14 @@ def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workloa
         for change in result.changes:
             log.info("%s", change)
     usable = any(d.action in (Action.BIND, Action.KEEP) for d in plan.decisions)
-    if report.ok and usable:
-        report.changes += [f"wrote {p}" for p in readiness.mark_ready(host, workload)]
+    if report.ok and usable and readiness:
+        report.changes += [f"wrote {p}" for p in readiness_files.mark_ready(host, workload)]
     return report
 
 
 def revert_host(host: HostRoot, *, force: bool = False) -> Report:
     report = Report()
-    report.changes += [f"removed {p}" for p in readiness.clear_ready(host)]
+    report.changes += [f"removed {p}" for p in readiness_files.clear_ready(host)]
     result = vfio.unbind_all(host, force=force)
     report.changes += result.changes
     report.failures += result.failures

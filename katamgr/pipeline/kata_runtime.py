@@ -358,6 +358,8 @@ def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = F
 
             gone = cluster.delete_managed_runtime_classes(ctx.api, config)
             report.changes += [f"deleted RuntimeClass {n}" for n in gone.deleted]
+            report.warnings += [f"RuntimeClass {n} is labeled as katamgr's but this service account may not "
+                                "delete it (another release's, or created by hand): left it" for n in gone.refused]
         except KatamgrError as exc:
             report.failures.append(str(exc))
     change = revert_containerd(host, config.containerd.config_path)

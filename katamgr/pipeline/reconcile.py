@@ -7,16 +7,18 @@ same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from katamgr.host import readiness, vfio
 from katamgr.host.inventory import discover
 from katamgr.host.lock import node_lock, tidy_state_dir
 from katamgr.host.naming import Naming
+from katamgr.host.podresources import PodDevices, assigned_functions, list_pod_devices
 from katamgr.host.root import HostRoot
 from katamgr.host.toolkit import isolation_problem, read_toolkit_config, toml_value
 from katamgr.host.vfio import Action
-from katamgr.host.workload import Workload
+from katamgr.host.workload import Operand, Workload
 from katamgr.pipeline import cdi_specs, kata_runtime
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.kata_runtime import KataContext
@@ -36,6 +38,7 @@ class Steps:
     cdi: bool = True
     kata: bool = True
     workload: Workload = PASSTHROUGH  # the node's nvidia.com/gpu.workload.config
+    readiness: bool = True  # the vfio step writes /run/nvidia/validations (sandbox-validator's files)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workload", Workload(self.workload))  # "container" -> Workload
@@ -43,6 +46,13 @@ class Steps:
     @property
     def passthrough(self) -> bool:
         return self.workload is PASSTHROUGH
+
+    def without(self, operands: frozenset[Operand]) -> Steps:
+        """These steps less those of the GPU Operator operands the node opts out of
+        (``nvidia.com/gpu.deploy.<operand>=false``; what each means: ``Operand``)."""
+        return replace(self, vfio=self.vfio and Operand.VFIO_MANAGER not in operands,
+                       kata=self.kata and Operand.KATA_MANAGER not in operands,
+                       readiness=self.readiness and Operand.SANDBOX_VALIDATOR not in operands)
 
 
 def _root_ports(plan: Plan) -> int:
@@ -139,7 +149,7 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
     plan = build_plan(host, naming, force=force)
     rescan = False
     if steps.vfio:
-        bound = apply_host(host, plan, workload=steps.workload, wait=wait)
+        bound = apply_host(host, plan, workload=steps.workload, wait=wait, readiness=steps.readiness)
         # A failed group was rolled back, but maybe not all the way: look again.
         rescan = bool(bound.moved) or not bound.ok
         report.merge(bound)
@@ -181,32 +191,75 @@ def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, f
     return report
 
 
-def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, lock_wait: float = DEFAULT_LOCK_WAIT,
-                      command: str = "katamgr run (workload switch)") -> LeaveReport:
-    """The node was relabeled away from vm-passthrough (``steps.workload`` is the new
-    workload): give the GPUs no VM holds back to their drivers, leave the held ones
-    on vfio-pci (never forced: a label change must not crash a running VM), make the
-    readiness files and the CDI specs follow. The Kata runtime entries stay (see the
-    agent). Holding the node lock (NodeBusyError after ``lock_wait``)."""
+def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: bool | None = None,
+                      readiness_owned: bool | None = None, lock_wait: float = DEFAULT_LOCK_WAIT,
+                      command: str = "katamgr run (workload switch)",
+                      pod_devices: Callable[[], PodDevices] | None = None) -> LeaveReport:
+    """The node was relabeled away from vm-passthrough, or opted out of katamgr's binding
+    (``steps`` are the steps it asks for now): with ``release`` (default ``steps.vfio``,
+    whether katamgr bound its GPUs) give the GPUs no pod or VM holds back to their drivers,
+    leave the held ones on vfio-pci (never forced: a label change must not crash a running
+    VM), make the readiness files (none with ``steps.readiness`` off; only where
+    ``readiness_owned``, default ``release``: katamgr's vfio step writes them) and the CDI
+    specs follow. The Kata runtime entries stay (see the agent). Holding the node lock
+    (NodeBusyError after ``lock_wait``).
+
+    Held means: a process (a Kata VM's QEMU) has the group's ``/dev/vfio`` node open, or
+    the kubelet gave the device to a pod (PodResources ``List``, through ``pod_devices``;
+    default: the node's kubelet socket). A GPU given to a pod whose VM has not opened it
+    yet (the VM is starting) can only be kept by giving nothing back this time: the
+    unbind takes every free group at once, so the step waits (``LeaveReport.waiting``)
+    and the caller tries again; once the VM holds its node the free GPUs go. A kubelet
+    that cannot be asked is reported and only the VMs' open nodes count."""
+    release = steps.vfio if release is None else release
+    readiness_owned = release if readiness_owned is None else readiness_owned
     with node_lock(host, command, lock_wait):
         report = LeaveReport()
-        if steps.vfio:
-            before = set(vfio.bound_by_us(host))
-            result = vfio.unbind_all(host, force=False)
-            report.changes += result.changes
-            report.held = {bdf: [str(h) for h in who] for bdf, who in result.held.items()}
-            report.restored = sorted(before - set(vfio.bound_by_us(host)))
-            for failure in result.failures:
-                bdf = failure.split(" ", 1)[0]
-                if bdf in result.held:  # expected: a running VM keeps its GPU
-                    report.warnings.append(
-                        f"{bdf} stays on vfio-pci while {'; '.join(report.held[bdf])} "
-                        "(a running VM); it goes back to its driver once that VM is gone")
-                else:
-                    report.failures.append(failure)
+        if release:
+            _release_devices(host, naming, report, pod_devices or (lambda: list_pod_devices(host)))
+        if readiness_owned and steps.readiness:
             report.changes += [f"wrote {p}" if p == readiness.WORKLOAD_TYPE else f"removed {p}"
                                for p in readiness.mark_workload(host, steps.workload)]
+        elif readiness_owned:
+            report.changes += [f"removed {p}" for p in readiness.clear_ready(host)]
         if steps.cdi:
             # The specs follow the devices still on vfio-pci (the held ones, or none).
             report.merge(cdi_specs.write_specs(host, discover(host, naming.selection), naming))
         return report
+
+
+def _release_devices(host: HostRoot, naming: Naming, report: LeaveReport,
+                     pod_devices: Callable[[], PodDevices]) -> None:
+    """The device half of ``leave_passthrough``: unbind what nobody holds, report the rest."""
+    recorded = vfio.bound_by_us(host)
+    asked = pod_devices()
+    report.pods_unknown = asked.unknown
+    if asked.unknown:
+        report.warnings.append(f"could not ask the kubelet which pods hold GPUs ({asked.unknown}); "
+                               "only GPUs a running VM holds open are kept")
+    given = assigned_functions(host, discover(host, naming.selection), naming, asked.assignments)
+    report.pods = {bdf: [str(a) for a in who] for bdf, who in given.items() if bdf in recorded}
+    report.waiting = {bdf: who for bdf, who in report.pods.items()
+                      if not vfio.vfio_holders(host, bdf, recorded[bdf].get("group"))}
+    if report.waiting:
+        # Everything stays this time, the free GPUs too: the caller tries again.
+        report.held = {bdf: report.pods.get(bdf, []) for bdf in recorded}
+        report.warnings.append(
+            "no GPU given back yet: " + "; ".join(f"{bdf} is given to {', '.join(who)}"
+                                                  for bdf, who in sorted(report.waiting.items()))
+            + ", whose VM has not opened it yet; tried again until that VM holds it or the pod is gone")
+        return
+    before = set(recorded)
+    result = vfio.unbind_all(host, force=False)
+    report.changes += result.changes
+    vms = {bdf: [str(h) for h in who] for bdf, who in result.held.items()}
+    report.held = {bdf: vms.get(bdf, []) + report.pods.get(bdf, []) for bdf in {*vms, *report.pods}}
+    report.restored = sorted(before - set(vfio.bound_by_us(host)))
+    for failure in result.failures:
+        bdf = failure.split(" ", 1)[0]
+        if bdf in vms:  # expected: a running VM keeps its GPU
+            report.warnings.append(
+                f"{bdf} stays on vfio-pci while {'; '.join(vms[bdf])} "
+                "(a running VM); it goes back to its driver once that VM is gone")
+        else:
+            report.failures.append(failure)

@@ -36,8 +36,8 @@ import grpc
 
 import cdi
 from katamgr.host.root import HostRoot
-from sandbox_plugin.api import podresources_pb2 as pr
-from sandbox_plugin.api import podresources_pb2_grpc as pr_grpc
+from kubeletapi import podresources_pb2 as pr
+from kubeletapi import podresources_pb2_grpc as pr_grpc
 
 NAME_ANNOTATIONS = ("io.kubernetes.cri.sandbox-name", "io.kubernetes.cri-o.KubeName")
 NAMESPACE_ANNOTATIONS = ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri-o.Namespace")

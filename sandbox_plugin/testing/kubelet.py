@@ -39,8 +39,8 @@ import grpc
 
 from katamgr.host.root import HostRoot
 from katamgr.k8snames import is_extended_resource_name
-from sandbox_plugin.api import deviceplugin_pb2 as pb
-from sandbox_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from kubeletapi import deviceplugin_pb2 as pb
+from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 from sandbox_plugin.resources import KUBELET_SOCKET, PluginDevice, PluginOptions
 from sandbox_plugin.server import API_VERSION, DEVICE_PLUGIN_DIR
 from sandbox_plugin.testing.podresources import (

@@ -3,7 +3,7 @@
 Kata's shim (cold-plug) and monitoring agents read this to learn which devices
 each pod's containers hold. The kubelet serves it on
 ``/var/lib/kubelet/pod-resources/kubelet.sock``; this stand-in serves the same
-gRPC service (``sandbox_plugin/api/podresources.proto``, wire-identical to
+gRPC service (``kubeletapi/podresources.proto``, wire-identical to
 ``k8s.io/kubelet/pkg/apis/podresources/v1``) from the simulator's records.
 
 Behaviour follows the kubelet's ``pkg/kubelet/apis/podresources/server_v1.go``:
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import grpc
 
-from sandbox_plugin.api import podresources_pb2 as pr
-from sandbox_plugin.api import podresources_pb2_grpc as pr_grpc
+from kubeletapi import podresources_pb2 as pr
+from kubeletapi import podresources_pb2_grpc as pr_grpc
 from sandbox_plugin.resources import PluginDevice
 
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"

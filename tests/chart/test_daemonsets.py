@@ -1,6 +1,7 @@
 """What holds for both DaemonSets (sandbox-daemonset.yaml, device-plugin-daemonset.yaml):
-scheduling by nvidia.com/gpu.workload.config, tolerations, the host's root, the update
-strategy, and the labels and annotations the pods get."""
+scheduling (the sandbox agent on every GPU node, the container plugin by
+nvidia.com/gpu.workload.config and the GPU Operator's opt-outs), tolerations, the host's
+root, the update strategy, and the labels and annotations the pods get."""
 
 from __future__ import annotations
 
@@ -41,32 +42,44 @@ def workload_match(ds: dict[str, Any], labels: dict[str, str]) -> bool:
     return any(all(matches(e) for e in term.get("matchExpressions", [])) for term in terms)
 
 
-# --- scheduling follows nvidia.com/gpu.workload.config ---------------------------------
+# --- scheduling: the agent everywhere, the container plugin by workload -----------------
 
+GPU = {"nvidia.com/gpu.present": "true"}
 NODES = {
-    "unlabeled-gpu": {"nvidia.com/gpu.present": "true"},
-    "container": {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.workload.config": "container"},
-    "vm-passthrough": {"nvidia.com/gpu.present": "true",
-                       "nvidia.com/gpu.workload.config": "vm-passthrough"},
-    "vm-vgpu": {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.workload.config": "vm-vgpu"},
+    "unlabeled-gpu": GPU,
+    "container": {**GPU, "nvidia.com/gpu.workload.config": "container"},
+    "vm-passthrough": {**GPU, "nvidia.com/gpu.workload.config": "vm-passthrough"},
+    "vm-vgpu": {**GPU, "nvidia.com/gpu.workload.config": "vm-vgpu"},
+    # The GPU Operator's opt-outs (NVIDIA/gpu-operator controllers/state_manager.go: its
+    # device plugin DaemonSet selects nvidia.com/gpu.deploy.device-plugin=true, and
+    # nvidia.com/gpu.deploy.operands=false removes every deploy label).
+    "container-no-device-plugin": {**GPU, "nvidia.com/gpu.workload.config": "container",
+                                   "nvidia.com/gpu.deploy.device-plugin": "false"},
+    "container-no-operands": {**GPU, "nvidia.com/gpu.workload.config": "container",
+                              "nvidia.com/gpu.deploy.operands": "false"},
     "cpu-only": {"kubernetes.io/os": "linux"},
 }
+# With sandbox workloads on, the sandbox agent runs on every GPU node: it follows the
+# node's label itself, so a relabel never removes the pod that has to carry it out (and an
+# opt-out is carried out by it too, not by removing it).
+EVERY_GPU_NODE = {name: ["sandbox-agent"] for name in NODES if name != "cpu-only"} | {"cpu-only": []}
+
+
+def with_plugin(nodes: list[str]) -> dict[str, list[str]]:
+    return {name: sorted([*placed, "device-plugin"]) if name in nodes else placed
+            for name, placed in EVERY_GPU_NODE.items()}
 
 
 @pytest.mark.parametrize(("values", "expected"), [
     ({}, {"unlabeled-gpu": ["device-plugin"], "container": ["device-plugin"],
-          "vm-passthrough": ["device-plugin"], "vm-vgpu": ["device-plugin"], "cpu-only": []}),
-    (FULL, {"unlabeled-gpu": ["device-plugin"], "container": ["device-plugin"],
-            "vm-passthrough": ["sandbox-agent"], "vm-vgpu": [], "cpu-only": []}),
-    (merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-passthrough"}}),
-     {"unlabeled-gpu": ["sandbox-agent"], "container": ["device-plugin"],
-      "vm-passthrough": ["sandbox-agent"], "vm-vgpu": [], "cpu-only": []}),
-    (merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-vgpu"}}),
-     {"unlabeled-gpu": [], "container": ["device-plugin"],
-      "vm-passthrough": ["sandbox-agent"], "vm-vgpu": [], "cpu-only": []}),
+          "vm-passthrough": ["device-plugin"], "vm-vgpu": ["device-plugin"],
+          "container-no-device-plugin": [], "container-no-operands": [], "cpu-only": []}),
+    (FULL, with_plugin(["unlabeled-gpu", "container"])),
+    (merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-passthrough"}}), with_plugin(["container"])),
+    (merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-vgpu"}}), with_plugin(["container"])),
 ], ids=["sandbox-off", "default-container", "default-vm-passthrough", "default-vm-vgpu"])
 @pytest.mark.integration
-def test_each_gpu_node_gets_the_agent_of_its_workload(chart, values, expected):
+def test_the_agent_runs_on_every_gpu_node_and_the_container_plugin_by_workload(chart, values, expected):
     rendered = render(chart, values)
     placed = {
         node: sorted(ds["metadata"]["labels"]["app.kubernetes.io/component"]
@@ -103,3 +116,21 @@ def test_daemonset_labels_and_annotations_reach_the_pods_not_the_selector(chart)
         assert template["annotations"] == {"team": "gpu"}
         assert "tier" not in ds["spec"]["selector"]["matchLabels"]
         assert set(ds["spec"]["selector"]["matchLabels"].items()) <= set(template["labels"].items())
+
+
+@pytest.mark.integration
+def test_gpu_nodes_are_whatever_gpu_node_selector_says(chart):
+    # Helm merges maps with the chart's defaults: null removes the default label.
+    values = merged(FULL, {"gpuNodeSelector": {"nvidia.com/gpu.present": None,
+                                               "example.com/accelerator": "nvidia"}})
+    rendered = render(chart, values)
+    ours = {"example.com/accelerator": "nvidia", "nvidia.com/gpu.workload.config": "vm-passthrough"}
+    for ds in rendered.daemonsets(hooks=True):
+        name = ds["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert not workload_match(ds, NODES["vm-passthrough"]), name  # gpu.present alone no longer counts
+        if name in ("sandbox-agent", "revert"):
+            assert workload_match(ds, ours), name
+    # No label left selects every node: no empty node selector term (which would match none).
+    rendered = render(chart, merged(FULL, {"gpuNodeSelector": {"nvidia.com/gpu.present": None}}))
+    agent = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
+    assert "affinity" not in agent and workload_match(rendered.get("DaemonSet", "-sandbox-agent"), NODES["cpu-only"])

@@ -16,9 +16,11 @@ from support.chartkit import FULL, NAMESPACE, RELEASE, render
 from support.paths import REPO
 
 # The code that talks to the Kubernetes API with the chart's service account: katamgr's
-# cluster layer and agent (katamgr run, katamgr revert) and the device plugin's label read.
+# cluster layer and agent (katamgr run, katamgr revert), and the Node reader both programs
+# share (katamgr.host.kube: the device plugin reads and watches its node through it).
 API_CALLERS = [*sorted((REPO / "katamgr" / "cluster").glob("*.py")),
-               REPO / "katamgr" / "agent.py", REPO / "sandbox_plugin" / "cli.py"]
+               REPO / "katamgr" / "agent.py", REPO / "katamgr" / "host" / "kube.py",
+               REPO / "sandbox_plugin" / "cli.py"]
 
 # The official client's method names: <action>_[namespaced_]<kind in snake case>.
 ACTIONS = {"read": "get", "list": "list", "create": "create", "patch": "patch",
@@ -47,13 +49,13 @@ def api_calls(paths: Iterable[Path]) -> dict[tuple[str, str], list[str]]:
             resource = KINDS[match.group(3)][1]
             where = f"{path.relative_to(REPO)}:{node.lineno} {node.func.attr}"
             verbs = [ACTIONS[match.group(1)]]
+            # list_x(watch=True) is a watch, which RBAC authorizes as the verb watch alone.
+            if any(k.arg == "watch" for k in node.keywords):
+                verbs = ["watch"]
             if any(isinstance(k.value, ast.Name) and k.value.id == "APPLY_CONTENT_TYPE"
                    or isinstance(k.value, ast.Constant) and k.value.value == APPLY
                    for k in node.keywords if k.arg == "_content_type"):
                 verbs.append("create")
-            for keyword in node.keywords:  # list_x(watch=True) is a watch
-                if keyword.arg == "watch":
-                    verbs.append("watch")
             for verb in verbs:
                 needed.setdefault((resource, verb), []).append(where)
     return needed
@@ -73,10 +75,11 @@ def granted(*roles: dict[str, Any]) -> dict[tuple[str, str], list[str] | None]:
 
 def test_the_call_scan_finds_the_calls_we_know_of():
     needed = api_calls(API_CALLERS)
-    assert set(needed) == {("nodes", "get"), ("events", "create"), ("secrets", "get"),
+    assert set(needed) == {("nodes", "get"), ("nodes", "watch"), ("events", "create"), ("secrets", "get"),
                            ("runtimeclasses", "list"), ("runtimeclasses", "patch"),
                            ("runtimeclasses", "create"), ("runtimeclasses", "delete")}
-    assert any("sandbox_plugin/cli.py" in w for w in needed[("nodes", "get")])
+    assert any("katamgr/host/kube.py" in w for w in needed[("nodes", "get")])
+    assert any("katamgr/host/kube.py" in w for w in needed[("nodes", "watch")])
 
 
 @pytest.mark.integration
@@ -103,6 +106,7 @@ def test_rbac_is_least_privilege_for_the_full_agent(chart):
     classes = ["kata-gpu", "kata-gpu-cc", "kata-gpu-test"]
     assert cluster == {
         ("nodes", "get"): None,  # nothing writes the Node
+        ("nodes", "watch"): None,  # its own, by field selector: RBAC cannot name a DaemonSet's node
         ("runtimeclasses", "list"): None,
         ("runtimeclasses", "create"): None,  # RBAC cannot limit create by name
         ("runtimeclasses", "patch"): classes,

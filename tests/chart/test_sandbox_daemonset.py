@@ -41,6 +41,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
         "/host/proc": ("/proc", True),
         "/host/dev/vfio": ("/dev/vfio", True),
         "/host/lib/modules": ("/lib/modules", True),
+        # Which GPUs the kubelet gave pods (PodResources): kept on a switch away from passthrough.
+        "/host/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", True),
         "/host/etc/containerd": ("/etc/containerd", False),
         "/host/run/containerd": ("/run/containerd", False),
         "/host/opt/nvidia-gpu-operator/artifacts/runtimeclasses":
@@ -53,7 +55,9 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     assert config_mount["mountPath"] == "/etc/kata-sandbox-manager"
 
     plugin = container(rendered, "-sandbox-agent", "sandbox-device-plugin")
-    assert plugin["args"] == ["--host-root", "/host", "--mode", "vm-passthrough",
+    # It follows the node's labels like katamgr and serves vm-passthrough nodes only.
+    assert plugin["args"] == ["--host-root", "/host", "--mode", "auto", "--auto-modes", "vm-passthrough",
+                              "--default-workload", "container",
                               "--node-name", "$(NODE_NAME)", "--log-format", "text",
                               "--metrics-address", "0.0.0.0:9411", "--resource-naming", "nvidia"]
     assert plugin["securityContext"]["privileged"] is False

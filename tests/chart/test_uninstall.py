@@ -51,6 +51,8 @@ def test_no_hook_without_agent_or_with_revert_off(chart, values):
 
 @pytest.mark.integration
 def test_hook_rbac_is_what_revert_and_the_wait_need(chart):
+    """katamgr revert lists the RuntimeClasses by their managed-by label and deletes them;
+    delete is granted only on this release's class names (resourceNames)."""
     rendered = render(chart, CUSTOM_CLASSES)
     cluster = rendered.get("ClusterRole", "-revert")["rules"]
     assert cluster == [

@@ -173,6 +173,38 @@ def test_revert_deletes_only_our_classes(server, api):
     assert server.names("runtimeclasses") == ["kata-qemu"]
 
 
+def test_revert_finds_the_classes_katamgr_created_by_label_not_by_the_config(server, api):
+    """The uninstall hook reverts with the config of the last upgrade; a class an earlier
+    config created is ours by its label and goes too."""
+    reconcile_runtime_classes(api, default_config())  # an earlier config: both classes
+    server.seed(runtime_class("kata-qemu"))  # kata-deploy's, unlabeled
+    server.clear_log()
+
+    changes = delete_managed_runtime_classes(api, replace(default_config(), runtime_classes=()))
+
+    assert changes.deleted == (GPU, SNP) and changes.refused == ()
+    assert server.names("runtimeclasses") == ["kata-qemu"]
+    [listing] = [r for r in server.requests if r.method == "GET"]
+    assert listing.query["labelSelector"] == [f"{MANAGED_BY_LABEL}=kata-sandbox-manager"]
+
+
+def test_a_labeled_class_this_account_may_not_delete_is_left_and_named(server, api):
+    """RBAC grants the hook delete only on its release's class names (resourceNames): a class
+    another release created carries the same label, and its 403 is not a failed revert."""
+    from support.apiserver import ApiError
+
+    reconcile_runtime_classes(api, default_config())
+
+    def forbid(method, path):
+        if method == "DELETE" and path.endswith(f"/{SNP}"):
+            raise ApiError(403, "Forbidden", f'runtimeclasses.node.k8s.io "{SNP}" is forbidden')
+
+    server.on_request = forbid
+    changes = delete_managed_runtime_classes(api)
+    assert changes.deleted == (GPU,) and changes.refused == (SNP,)
+    assert server.names("runtimeclasses") == [SNP]
+
+
 def test_class_deleted_by_someone_else_meanwhile_is_not_an_error(server, api):
     reconcile_runtime_classes(api, default_config())
 

@@ -16,7 +16,8 @@ def fallback():
 
 
 def reader(value):
-    return lambda node: value
+    """The node's labels, with the workload label ``value`` (None: not set)."""
+    return lambda node: {} if value is None else {WORKLOAD_LABEL: value}
 
 
 def test_the_label_wins_then_the_default_then_the_fallback():
@@ -81,3 +82,43 @@ def test_katamgr_reads_the_label_through_the_api(tmp_path, monkeypatch):
     monkeypatch.delenv("NODE_NAME", raising=False)
     # Run by hand with no node name: katamgr is there to set the node up for passthrough.
     assert workload() is Workload.VM_PASSTHROUGH
+
+
+def test_opt_outs_are_the_gpu_operators_deploy_labels_set_to_false():
+    """Label names and meaning from NVIDIA/gpu-operator controllers/state_manager.go:
+    gpuStateLabels lists nvidia.com/gpu.deploy.<operand> per workload (vfio-manager,
+    kata-manager, sandbox-validator, sandbox-device-plugin for vm-passthrough; the kata
+    sandbox mode swaps in kata-sandbox-device-plugin, getEffectiveStateLabels), each
+    operand's DaemonSet selects <label>: "true", addGPUStateLabels keeps a value someone
+    set, and hasOperandsDisabled turns every operand off for operands=false."""
+    from katamgr.host.workload import OPERANDS_LABEL, Operand, opted_out
+
+    assert opted_out({}) == frozenset()
+    assert opted_out({"nvidia.com/gpu.deploy.vfio-manager": "false",
+                      "nvidia.com/gpu.deploy.kata-manager": "true",
+                      "nvidia.com/gpu.deploy.sandbox-validator": ""}) == {Operand.VFIO_MANAGER}
+    assert opted_out({OPERANDS_LABEL: "false"}) == frozenset(Operand)
+    assert {op.label for op in Operand} >= {
+        "nvidia.com/gpu.deploy.vfio-manager", "nvidia.com/gpu.deploy.kata-manager",
+        "nvidia.com/gpu.deploy.sandbox-validator", "nvidia.com/gpu.deploy.sandbox-device-plugin",
+        "nvidia.com/gpu.deploy.kata-sandbox-device-plugin", "nvidia.com/gpu.deploy.device-plugin"}
+    resolved = resolve_workload("n1", lambda node: {WORKLOAD_LABEL: "vm-passthrough", OPERANDS_LABEL: "false"},
+                                default="container", fallback=fallback)
+    assert resolved.workload is Workload.VM_PASSTHROUGH and resolved.opted_out == frozenset(Operand)
+
+
+def test_katamgr_plan_and_apply_leave_out_what_the_node_opts_out_of(tmp_path, monkeypatch):
+    from katamgr.cli import node_setup
+    from katamgr.host.workload import Operand
+
+    host = HostRoot.at(tmp_path / "node")
+    host.root.mkdir()
+    with FakeApiServer() as server:
+        server.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "n1", "labels": {
+            WORKLOAD_LABEL: "vm-passthrough", "nvidia.com/gpu.deploy.vfio-manager": "false"}}})
+        monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig")))
+        setup = node_setup(build_parser().parse_args(["apply", "--node-name", "n1", "--no-kata"]), host)
+    assert setup.opted_out == {Operand.VFIO_MANAGER}
+    assert setup.workload_why.endswith("; it opts out of nvidia.com/gpu.deploy.vfio-manager=false")
+    # What apply and plan act with: no binding; revert uses setup.steps and undoes it all.
+    assert setup.steps.vfio and not setup.steps.without(setup.opted_out).vfio

@@ -1,12 +1,15 @@
 """``katamgr run`` follows its Node's ``nvidia.com/gpu.workload.config`` label without a
 restart: vm-passthrough -> container gives the free GPUs back and keeps (and reports)
-the ones a running VM holds; container -> vm-passthrough binds again."""
+the ones a running VM or pod holds; container -> vm-passthrough binds again. The Node is
+watched, so a relabel is acted on at once however long the check interval; the GPU
+Operator's opt-out labels (``nvidia.com/gpu.deploy.<operand>=false``) take parts away."""
 
 from __future__ import annotations
 
 import argparse
 import threading
 import time
+from pathlib import Path
 
 from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, driver_of, make_host
@@ -18,10 +21,17 @@ from katamgr.cluster import EventRecorder
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
+from katamgr.host.podresources import POD_RESOURCES_SOCKET, list_pod_devices
 from katamgr.host.readiness import VFIO_READY, WORKLOAD_TYPE
-from katamgr.host.workload import WORKLOAD_LABEL, Workload
+from katamgr.host.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Workload
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps
+from sandbox_plugin.testing.podresources import (
+    ContainerRecord,
+    PodRecord,
+    PodResourcesServer,
+    Snapshot,
+)
 
 NAMING = Naming(PciIds.find())
 CONFIG = """
@@ -33,6 +43,7 @@ containerd: {restartMode: none}
 """
 NODE = "gpu-node-1"
 HELD, FREE = "0000:01:00.0", "0000:02:00.0"  # IOMMU groups 4 and 5
+A10 = "nvidia.com/GA102GL_A10"  # the resource the plugin advertises them under
 
 
 def node(tmp_path):
@@ -55,8 +66,22 @@ def hold(host, group: int, pid: int = 7777):
     return fd_dir / "12"
 
 
-def relabel(api: FakeApiServer, workload: str) -> None:
-    api.update("nodes", NODE, lambda n: n["metadata"].setdefault("labels", {}).__setitem__(WORKLOAD_LABEL, workload))
+def relabel(api: FakeApiServer, workload: str | None, key: str = WORKLOAD_LABEL) -> None:
+    """Set (None: remove) one of the Node's labels, as `kubectl label node` does."""
+    def change(n):
+        labels = n["metadata"].setdefault("labels", {})
+        if workload is None:
+            labels.pop(key, None)
+        else:
+            labels[key] = workload
+    api.update("nodes", NODE, change)
+
+
+def follower(api: FakeApiServer):
+    """What `katamgr run --workload auto --node-name NODE` follows, its watch started."""
+    args = argparse.Namespace(workload="auto", node_name=NODE, default_workload="container")
+    read, watch = _workload_follower(args, api.client())
+    return read, watch.start()
 
 
 def wait_for(condition, timeout: float = 20.0) -> bool:
@@ -66,6 +91,20 @@ def wait_for(condition, timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.05)
     return condition()
+
+
+def events(api: FakeApiServer, reason: str) -> list[dict]:
+    """The Events recorded on the Node with this reason."""
+    found = [api.get("events", n, "default") for n in api.names("events")]
+    return [e for e in found if e and e["reason"] == reason]
+
+
+def driver_now(host, bdf: str) -> str | None:
+    """The device's driver, None while the (emulated) kernel is moving it."""
+    try:
+        return driver_of(host, bdf)
+    except OSError:
+        return None
 
 
 def cdi_text(host) -> str:
@@ -80,11 +119,10 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
         client = api.client()
-        args = argparse.Namespace(workload="auto", node_name=NODE, default_workload="container")
-        read = _workload_follower(args, client)
-        assert read is not None and read() is Workload.VM_PASSTHROUGH
+        read, watch = follower(api)
+        assert read().workload is Workload.VM_PASSTHROUGH
         agent = Agent(host, NAMING, Steps(), KataContext(parse_config(CONFIG)), check_interval=0.05,
-                      events=EventRecorder(client, NODE), read_workload=read)
+                      events=EventRecorder(client, NODE), read_workload=read, node_watch=watch)
         assert agent.reconcile("start").ok
         assert driver_of(host, HELD) == driver_of(host, FREE) == "vfio-pci"
         assert host.path(WORKLOAD_TYPE).read_text() == "vm-passthrough\n"
@@ -102,6 +140,7 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
             assert driver_of(host, FREE) == "nvidia"
             assert driver_of(host, HELD) == "vfio-pci"
             assert agent.held == {HELD}
+            assert not agent._waiting
             assert host.path(WORKLOAD_TYPE).read_text() == "container\n"
             assert not host.path(VFIO_READY).exists()
             specs = cdi_text(host)
@@ -113,10 +152,12 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
             line = switches[0]
             assert line.startswith("workload switch vm-passthrough -> container: ")
             assert f"gave {FREE} back" in line and f"{HELD} (PID 7777 (qemu-system-x86)" in line
+            # No kubelet on this node: said so, and only the VMs' open nodes counted.
+            assert any("could not ask the kubelet which pods hold GPUs" in r.getMessage()
+                       and "PodResources socket" in r.getMessage() for r in caplog.records)
             assert "Kata runtime entries in containerd stay" in line
-            events = [api.get("events", n, "default") for n in api.names("events")]
-            switched = [e for e in events if e["reason"] == "WorkloadSwitched"]
-            assert len(switched) == 1 and switched[0]["message"] == line
+            assert wait_for(lambda: len(events(api, "WorkloadSwitched")) == 1)
+            assert events(api, "WorkloadSwitched")[0]["message"] == line
             assert agent.metrics.registry.get_sample_value(
                 "katamgr_workload_switches_total", {"from": "vm-passthrough", "to": "container"}) == 1
 
@@ -141,6 +182,7 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
         finally:
             agent.request_stop()
             thread.join(timeout=15)
+            watch.stop()
         assert not thread.is_alive()
 
 
@@ -149,12 +191,13 @@ def test_a_bad_label_value_keeps_the_workload_and_is_logged_once(tmp_path, caplo
     with FakeApiServer() as api:
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-        args = argparse.Namespace(workload="auto", node_name=NODE, default_workload="container")
-        agent = Agent(host, NAMING, Steps(kata=False), None,
-                      read_workload=_workload_follower(args, api.client()))
+        read, watch = follower(api)
+        agent = Agent(host, NAMING, Steps(kata=False), None, read_workload=read, node_watch=watch)
         assert agent.reconcile("start").ok
         relabel(api, "vm-typo")
+        assert wait_for(lambda: watch.labels().get(WORKLOAD_LABEL) == "vm-typo")
         assert agent.follow_workload() is False and agent.follow_workload() is False
+        watch.stop()
         assert agent.steps.workload is Workload.VM_PASSTHROUGH and driver_of(host, FREE) == "vfio-pci"
         warnings = [r for r in caplog.records if "could not read the node's workload" in r.getMessage()]
         assert len(warnings) == 1 and "vm-typo" in warnings[0].getMessage()
@@ -164,3 +207,236 @@ def test_no_follower_without_auto_a_node_name_or_a_cluster():
     assert _workload_follower(argparse.Namespace(workload="container", node_name=NODE), object()) is None
     assert _workload_follower(argparse.Namespace(workload="auto", node_name=None), object()) is None
     assert _workload_follower(argparse.Namespace(workload="auto", node_name=NODE), None) is None
+
+
+def run_loop(agent: Agent) -> threading.Thread:
+    thread = threading.Thread(target=agent.loop, daemon=True)
+    thread.start()
+    return thread
+
+
+def stop_loop(agent: Agent, thread: threading.Thread, watch) -> None:
+    agent.request_stop()
+    thread.join(timeout=15)
+    watch.stop()
+    assert not thread.is_alive()
+
+
+def test_a_relabel_is_acted_on_within_seconds_with_a_long_check_interval(tmp_path):
+    host = make_host(tmp_path, [dev(FREE, GPU_A10, "nvidia", 5)])
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+        read, watch = follower(api)
+        # An hour between checks: only the watch can bring the relabel in time.
+        agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=3600, repull_interval=7200,
+                      read_workload=read, node_watch=watch)
+        assert agent.reconcile("start").ok and driver_of(host, FREE) == "vfio-pci"
+        thread = run_loop(agent)
+        try:
+            for workload, driver in (("container", "nvidia"), ("vm-passthrough", "vfio-pci")):
+                started = time.monotonic()
+                relabel(api, workload)
+                assert wait_for(lambda: driver_now(host, FREE) == driver, timeout=5)  # noqa: B023
+                assert time.monotonic() - started < 2.0, f"the switch to {workload} took too long"
+            # Followed by a watch on this one Node, not by reading it again and again.
+            assert api.watches("nodes")
+            reads = [r for r in api.requests if r.method == "GET" and r.path == f"/api/v1/nodes/{NODE}"]
+            assert len(reads) == 1
+        finally:
+            stop_loop(agent, thread, watch)
+
+
+def short_host(devices):
+    """A simulated node in a short temp dir: the kubelet's PodResources socket lives in it,
+    and a unix socket path must fit in 107 bytes."""
+    import tempfile
+
+    return make_host(Path(tempfile.mkdtemp(prefix="ws-")), devices)
+
+
+def pod_resources(host, pods):
+    """The kubelet's PodResources v1 service on the node's socket, answering ``pods()``
+    (sandbox_plugin.testing.podresources, as the kubelet simulator serves it)."""
+    server = PodResourcesServer(host.path(POD_RESOURCES_SOCKET), lambda: Snapshot(pods(), {}))
+    server.start()
+    return server
+
+
+def test_a_gpu_given_to_a_pod_whose_vm_is_starting_keeps_the_switch_waiting(caplog):
+    caplog.set_level("INFO", logger="katamgr.agent")
+    host = short_host([dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
+    pods = [PodRecord("default", "vm-a", [ContainerRecord("cuda", {A10: [HELD.lower()]})])]
+    server = pod_resources(host, lambda: list(pods))
+    try:
+        with FakeApiServer() as api:
+            api.seed({"apiVersion": "v1", "kind": "Node",
+                      "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+            read, watch = follower(api)
+            agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
+                          events=EventRecorder(api.client(), NODE), read_workload=read, node_watch=watch)
+            assert agent.reconcile("start").ok
+            thread = run_loop(agent)
+            try:
+                # The kubelet gave HELD to pod vm-a; its VM is still booting (no open node).
+                relabel(api, "container")
+                assert wait_for(lambda: agent.steps.workload is Workload.CONTAINER)
+                assert driver_of(host, HELD) == driver_of(host, FREE) == "vfio-pci"
+                [line] = [r.getMessage() for r in caplog.records if "workload switch" in r.getMessage()]
+                assert (f"no GPU given back yet: {HELD} is given to pod default/vm-a (container cuda, {A10}), "
+                        "whose VM has not opened it yet") in line
+                time.sleep(0.3)  # tried again every check, said once
+                assert sum("no GPU given back yet" in r.getMessage() for r in caplog.records) == 2
+                # The VM is up and holds its GPU: now the free one goes, the pod's stays.
+                vm = hold(host, 4)
+                assert wait_for(lambda: agent.held == {HELD})
+                assert driver_of(host, FREE) == "nvidia" and driver_of(host, HELD) == "vfio-pci"
+                assert f"/dev/vfio/{4}" in cdi_text(host) and "/dev/vfio/5" not in cdi_text(host)
+                # Pod and VM gone: the last GPU goes back too, with no relabel.
+                pods.clear()
+                vm.unlink()
+                assert wait_for(lambda: agent.held == set())
+                assert driver_of(host, HELD) == "nvidia"
+            finally:
+                stop_loop(agent, thread, watch)
+    finally:
+        server.stop()
+
+
+def test_a_kubelet_that_does_not_answer_is_a_bounded_wait_and_is_reported(tmp_path):
+    import socket as sockets
+
+    host = short_host([dev(FREE, GPU_A10, "nvidia", 5)])
+    path = host.path(POD_RESOURCES_SOCKET)
+    path.parent.mkdir(parents=True)
+    # A kubelet that accepts the connection and never answers.
+    hung = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    hung.bind(str(path))
+    hung.listen(1)
+    try:
+        started = time.monotonic()
+        asked = list_pod_devices(host, timeout=0.5)
+        assert time.monotonic() - started < 3
+        assert asked.assignments == () and "failed" in asked.unknown and POD_RESOURCES_SOCKET in asked.unknown
+    finally:
+        hung.close()
+    # A socket file nobody serves (a kubelet that went away): refused at once.
+    started = time.monotonic()
+    asked = list_pod_devices(host, timeout=5)
+    assert time.monotonic() - started < 3 and "UNAVAILABLE" in asked.unknown
+    path.unlink()
+    assert "does not exist" in list_pod_devices(host).unknown
+
+
+def set_label(api, key: str, value: str | None) -> None:
+    relabel(api, value, key=key)
+
+
+def test_opting_out_of_the_vfio_manager_gives_gpus_back_and_lifting_it_binds_again(tmp_path, caplog):
+    caplog.set_level("INFO", logger="katamgr.agent")
+    host = make_host(tmp_path, [dev(FREE, GPU_A10, "nvidia", 5)])
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+        read, watch = follower(api)
+        agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
+                      events=EventRecorder(api.client(), NODE), read_workload=read, node_watch=watch)
+        assert agent.reconcile("start").ok and host.path(VFIO_READY).exists()
+        thread = run_loop(agent)
+        try:
+            # As the GPU Operator's vfio-manager leaving the node unbinds (its preStop hook).
+            set_label(api, Operand.VFIO_MANAGER.label, "false")
+            assert wait_for(lambda: agent.opted_out == {Operand.VFIO_MANAGER})
+            assert driver_of(host, FREE) == "nvidia"
+            assert agent.steps.workload is Workload.VM_PASSTHROUGH and not agent.steps.vfio
+            assert not host.path(VFIO_READY).exists()
+            assert host.path(WORKLOAD_TYPE).read_text() == "vm-passthrough\n"
+            assert "/dev/vfio/5" not in cdi_text(host)
+            line = next(r.getMessage() for r in caplog.records if "opt-outs now" in r.getMessage())
+            assert line.startswith("opt-outs now nvidia.com/gpu.deploy.vfio-manager=false (were none): "
+                                   f"gave {FREE} back to their drivers")
+            assert agent.metrics.registry.get_sample_value("katamgr_opted_out", {"operand": "vfio-manager"}) == 1
+            assert wait_for(lambda: [e["message"] for e in events(api, "OptOutsChanged")] == [line])
+            # A periodic reconcile does not bind while opted out.
+            assert agent.reconcile("check").ok and driver_of(host, FREE) == "nvidia"
+
+            set_label(api, Operand.VFIO_MANAGER.label, None)
+            assert wait_for(lambda: host.path(VFIO_READY).exists())
+            assert driver_of(host, FREE) == "vfio-pci"
+            assert agent.metrics.registry.get_sample_value("katamgr_opted_out", {"operand": "vfio-manager"}) == 0
+        finally:
+            stop_loop(agent, thread, watch)
+
+
+def test_opting_out_of_the_sandbox_validator_removes_the_readiness_files_only(tmp_path):
+    host = make_host(tmp_path, [dev(FREE, GPU_A10, "nvidia", 5)])
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+        read, watch = follower(api)
+        agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
+                      read_workload=read, node_watch=watch)
+        assert agent.reconcile("start").ok
+        thread = run_loop(agent)
+        try:
+            set_label(api, Operand.SANDBOX_VALIDATOR.label, "false")
+            assert wait_for(lambda: agent.opted_out == {Operand.SANDBOX_VALIDATOR})
+            assert not host.path(WORKLOAD_TYPE).exists()
+            assert not host.path(VFIO_READY).exists()
+            assert driver_of(host, FREE) == "vfio-pci"  # the GPUs stay bound
+            assert agent.reconcile("check").ok and not host.path(VFIO_READY).exists()
+            set_label(api, Operand.SANDBOX_VALIDATOR.label, "true")  # the operator's own value
+            assert wait_for(lambda: host.path(VFIO_READY).exists())
+        finally:
+            stop_loop(agent, thread, watch)
+
+
+def test_all_operands_off_stands_every_step_down_and_kata_entries_stay(tmp_path):
+    host = node(tmp_path)
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+        read, watch = follower(api)
+        agent = Agent(host, NAMING, Steps(), KataContext(parse_config(CONFIG)), check_interval=0.05,
+                      read_workload=read, node_watch=watch)
+        assert agent.reconcile("start").ok
+        containerd = host.path("/etc/containerd/config.toml").read_text()
+        thread = run_loop(agent)
+        try:
+            set_label(api, OPERANDS_LABEL, "false")
+            assert wait_for(lambda: agent.opted_out == frozenset(Operand))
+            assert driver_of(host, FREE) == driver_of(host, HELD) == "nvidia"
+            assert not agent.steps.kata and not host.path(WORKLOAD_TYPE).exists()
+            # The Kata entries stay for running VMs; with kata-manager opted out nothing
+            # repairs them either: an edit someone makes is left alone.
+            assert host.path("/etc/containerd/config.toml").read_text() == containerd
+            assert agent.containerd_drift() is None
+        finally:
+            stop_loop(agent, thread, watch)
+
+
+def test_a_gpu_busy_at_the_switch_to_passthrough_is_bound_once_its_process_lets_go(tmp_path, caplog):
+    import shutil
+
+    caplog.set_level("INFO", logger="katamgr.agent")
+    host = make_host(tmp_path, [dev(HELD, GPU_A10, "nvidia", 4, minor=0), dev(FREE, GPU_A10, "nvidia", 5, minor=1)],
+                     processes=[{"pid": 4242, "comm": "nvidia-device-plugin", "holds": ["/dev/nvidia0"]}])
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "container"}}})
+        read, watch = follower(api)
+        agent = Agent(host, NAMING, Steps(kata=False, workload=Workload.CONTAINER), None, check_interval=0.05,
+                      repull_interval=3600, read_workload=read, node_watch=watch)
+        thread = run_loop(agent)
+        try:
+            relabel(api, "vm-passthrough")
+            assert wait_for(lambda: driver_now(host, FREE) == "vfio-pci")
+            # The container plugin leaving the node still holds HELD's /dev/nvidia0: skipped, named.
+            assert wait_for(lambda: any("workload switch container" in r.getMessage() for r in caplog.records))
+            assert driver_of(host, HELD) == "nvidia"
+            assert any("PID 4242 (nvidia-device-plugin)" in r.getMessage() for r in caplog.records)
+            shutil.rmtree(host.path("/proc/4242"))  # it is gone
+            assert wait_for(lambda: driver_now(host, HELD) == "vfio-pci", timeout=10)
+            assert any("a GPU that was in use is free now" in r.getMessage() for r in caplog.records)
+        finally:
+            stop_loop(agent, thread, watch)

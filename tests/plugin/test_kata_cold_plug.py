@@ -190,8 +190,8 @@ def test_pod_resources_answers_like_the_kubelet(node):
     """List, GetAllocatableResources and Get over the real socket (kubelet server_v1.go shapes)."""
     import grpc
 
-    from sandbox_plugin.api import podresources_pb2 as pr
-    from sandbox_plugin.api import podresources_pb2_grpc as pr_grpc
+    from kubeletapi import podresources_pb2 as pr
+    from kubeletapi import podresources_pb2_grpc as pr_grpc
 
     host, kubelet = node("a10-server")
     (resource, ids), = wait_for_units(host, kubelet).items()

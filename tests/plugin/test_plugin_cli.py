@@ -15,12 +15,12 @@ from support.paths import REPO
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.host.workload import NoCluster
+from katamgr.host.workload import WORKLOAD_LABEL, NoCluster
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from katamgr.simulator.materialise import materialise
 from katamgr.simulator.profiles import find_profile
-from sandbox_plugin.cli import WORKLOAD_LABEL, decide_mode, main, mode_from_host
+from sandbox_plugin.cli import decide_mode, main, mode_from_host
 from sandbox_plugin.manager import Mode
 
 A10 = "nvidia.com/GA102GL_A10"
@@ -88,7 +88,7 @@ def test_auto_mode_follows_the_label_then_the_host(short_root):
     host = materialise(find_profile("a10-server"), short_root.root)
 
     def label(value):
-        return lambda node: value
+        return lambda node: {} if value is None else {WORKLOAD_LABEL: value}
 
     def unreachable(node):
         raise ConnectionRefusedError("connection refused")

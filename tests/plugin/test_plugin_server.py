@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from katamgr.host.root import HostRoot
-from sandbox_plugin.api import deviceplugin_pb2 as pb
-from sandbox_plugin.api import deviceplugin_pb2_grpc as pb_grpc
+from kubeletapi import deviceplugin_pb2 as pb
+from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 from sandbox_plugin.resources import (
     HEALTHY,
     UNHEALTHY,

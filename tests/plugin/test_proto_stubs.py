@@ -16,7 +16,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from support.paths import TEST_DATA
 
-from sandbox_plugin.api import generate
+from kubeletapi import generate
 
 REFERENCE_DIR = TEST_DATA / "reference"
 
@@ -45,18 +45,18 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path):
     for path in fresh:
         committed = generate.API_DIR / path.name
         assert committed.exists(), (
-            f"{committed} is missing: run python -m sandbox_plugin.api.generate"
+            f"{committed} is missing: run python -m kubeletapi.generate"
         )
         assert committed.read_text() == path.read_text(), (
-            f"{committed.name} is stale: run python -m sandbox_plugin.api.generate and commit it"
+            f"{committed.name} is stale: run python -m kubeletapi.generate and commit it"
         )
 
 
 @pytest.mark.parametrize("name", sorted(APIS))
 def test_stubs_import_as_a_package(name):
     _, _, package = APIS[name]
-    messages = importlib.import_module(f"sandbox_plugin.api.{name}_pb2")
-    grpc_module = importlib.import_module(f"sandbox_plugin.api.{name}_pb2_grpc")
+    messages = importlib.import_module(f"kubeletapi.{name}_pb2")
+    grpc_module = importlib.import_module(f"kubeletapi.{name}_pb2_grpc")
     assert getattr(grpc_module, f"{name}__pb2") is messages
     assert messages.DESCRIPTOR.package == package
 
@@ -64,7 +64,7 @@ def test_stubs_import_as_a_package(name):
 def test_podresources_stubs_offer_the_lister_and_share_id_presence():
     import grpc
 
-    from sandbox_plugin.api import podresources_pb2, podresources_pb2_grpc
+    from kubeletapi import podresources_pb2, podresources_pb2_grpc
 
     # Creating a channel does not connect; the stub only binds its methods.
     with grpc.insecure_channel("unix:///nonexistent/kubelet.sock") as channel:

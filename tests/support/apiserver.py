@@ -16,7 +16,14 @@ this one instead. It follows the real server where our code can notice:
   fields the applier owned and stopped sending; lists are atomic;
 - merge patch and strategic merge patch (maps merged, lists replaced, null
   deletes), optimistic concurrency on PUT/PATCH and delete preconditions;
-- RuntimeClass ``handler`` validation and immutability.
+- RuntimeClass ``handler`` validation and immutability;
+- watch (``?watch=true`` on a collection, as ``kubectl get -w`` and client-go's
+  reflectors use it): a chunked stream of JSON lines ``{"type": ADDED|MODIFIED|DELETED,
+  "object": ...}`` for the objects the label and field selectors pick, starting after
+  ``resourceVersion`` (absent or "0": the current objects as ADDED first), ended by the
+  server after ``timeoutSeconds``; a ``resourceVersion`` older than the history kept
+  (``compact()`` drops it, as etcd compaction does) answers one ERROR event with a 410
+  ``Expired`` Status, as the watch cache does (k8s.io/apiserver ``pkg/storage/cacher``).
 
 Every request is recorded (``requests`` / ``writes()``) so tests can assert what
 was written, and how often.
@@ -29,6 +36,7 @@ import copy
 import json
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,6 +131,15 @@ class FakeApiServer:
         self.on_request: Callable[[str, str], None] | None = None
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        # Watch support: every change as (revision, type, resource, object), oldest first,
+        # and a condition on the lock that wakes the streams.
+        self._history: list[tuple[int, str, Resource, dict]] = []
+        self._compacted = 0  # revisions up to this one are no longer in the history
+        self._changed = threading.Condition(self._lock)
+        self._stopping = False
+        # Set by a test: watch requests are refused with this HTTP status (403: RBAC lacks
+        # the watch verb), as a server that cannot watch would.
+        self.refuse_watch: int | None = None
 
     # --- lifecycle -------------------------------------------------------
 
@@ -140,6 +157,9 @@ class FakeApiServer:
         return self
 
     def stop(self) -> None:
+        with self._changed:
+            self._stopping = True
+            self._changed.notify_all()
         if self._httpd:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -200,23 +220,45 @@ class FakeApiServer:
             key = next(k for k in self._objects if k[1:] == (plural, namespace, name))
             change(self._objects[key])
             self._objects[key]["metadata"]["resourceVersion"] = self._next_revision()
+            self._record_change("MODIFIED", self._resource_of(key), self._objects[key])
             return copy.deepcopy(self._objects[key])
 
     def remove(self, plural: str, name: str, namespace: str = "") -> None:
         with self._lock:
             key = next(k for k in self._objects if k[1:] == (plural, namespace, name))
-            del self._objects[key]
+            gone = self._objects.pop(key)
             self._next_revision()
+            self._record_change("DELETED", self._resource_of(key), gone)
 
     def names(self, plural: str) -> list[str]:
         with self._lock:
             return sorted(n for (_, p, _, n) in self._objects if p == plural)
+
+    def compact(self) -> None:
+        """Forget the change history, as etcd compaction does: a watch that resumes from
+        an earlier resourceVersion is answered 410 Expired."""
+        with self._lock:
+            self._history.clear()
+            self._compacted = self._revision
+
+    def watches(self, plural: str) -> list[RecordedRequest]:
+        """The watch requests made on a collection."""
+        return [r for r in self.requests if r.method == "GET" and r.path.endswith("/" + plural)
+                and _is_watch(r.query)]
 
     def writes(self) -> list[RecordedRequest]:
         return [r for r in self.requests if r.method not in ("GET", "HEAD")]
 
     def clear_log(self) -> None:
         self.requests.clear()
+
+    def _resource_of(self, key: tuple) -> Resource:
+        return next(r for r in RESOURCES.values() if (r.group, r.plural) == key[:2])
+
+    def _record_change(self, kind: str, resource: Resource, obj: dict) -> None:
+        """Called with the lock held after every real change."""
+        self._history.append((self._revision, kind, resource, copy.deepcopy(obj)))
+        self._changed.notify_all()
 
     def _resource_for(self, obj: dict) -> Resource:
         group, _, version = obj["apiVersion"].rpartition("/")
@@ -346,6 +388,7 @@ class FakeApiServer:
         meta["managedFields"] = [_managed_entry(manager, operation, leaves, resource)]
         meta["resourceVersion"] = self._next_revision()
         self._objects[key] = obj
+        self._record_change("ADDED", resource, obj)
         return obj
 
     def _update(self, resource: Resource, key: tuple, obj: dict, manager: str) -> dict:
@@ -368,6 +411,7 @@ class FakeApiServer:
             return live  # a no-op write: the real server keeps the resourceVersion
         obj["metadata"]["resourceVersion"] = self._next_revision()
         self._objects[key] = obj
+        self._record_change("MODIFIED", resource, obj)
         return obj
 
     def _patch(self, resource, key, query, content_type, body, manager):
@@ -453,6 +497,7 @@ class FakeApiServer:
                                 "kind": resource.plural})
         del self._objects[key]
         self._next_revision()
+        self._record_change("DELETED", resource, live)
         return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                 "details": {"name": key[3], "group": resource.group, "kind": resource.plural,
                             "uid": live["metadata"]["uid"]}}
@@ -469,6 +514,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self) -> None:
         split = urlsplit(self.path)
         query = parse_qs(split.query)
+        if self.command == "GET" and _is_watch(query):
+            self._watch(split.path, query)
+            return
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
         content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
@@ -502,6 +550,95 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
+
+    def _watch(self, path: str, query: dict) -> None:
+        """Stream the changes of a collection as the API server's watch does (module doc)."""
+        api = self.api
+        try:
+            if api.token and self.headers.get("Authorization") != f"Bearer {api.token}":
+                raise ApiError(401, "Unauthorized", "Unauthorized")
+            with api._lock:
+                if api.on_request:
+                    api.on_request("GET", path)
+                resource, ns, name = api._route(path)
+            if name:
+                raise ApiError(405, "MethodNotAllowed", "watch a collection, with a field selector for one object")
+            if api.refuse_watch:
+                raise ApiError(api.refuse_watch, "Forbidden",
+                               f'{resource.plural} is forbidden: User "system:serviceaccount:test:agent" '
+                               f'cannot watch resource "{resource.plural}" in API group "{resource.group}" '
+                               "at the cluster scope")
+            labels = _parse_selector((query.get("labelSelector") or [""])[0])
+            fields = _parse_selector((query.get("fieldSelector") or [""])[0])
+        except ApiError as e:
+            with api._lock:
+                api.requests.append(RecordedRequest("GET", path, query, "", None, e.code))
+            data = json.dumps(e.status()).encode()
+            self.send_response(e.code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        with api._lock:
+            api.requests.append(RecordedRequest("GET", path, query, "", None, 200))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def picks(obj: dict, obj_ns: str) -> bool:
+            meta = obj.get("metadata") or {}
+            return ((not ns or obj_ns == ns)
+                    and _selects(labels, meta.get("labels") or {})
+                    and _selects(fields, {"metadata.name": meta.get("name", ""), "metadata.namespace": obj_ns}))
+
+        timeout = float((query.get("timeoutSeconds") or ["1800"])[0])
+        deadline = time.monotonic() + timeout
+        since = (query.get("resourceVersion") or [""])[0]
+        events: list[dict] = []
+        with api._lock:
+            if since in ("", "0"):
+                last = api._revision
+                events = [{"type": "ADDED", "object": api._public(resource, obj)}
+                          for (group, plural, obj_ns, _), obj in sorted(api._objects.items())
+                          if (group, plural) == (resource.group, resource.plural) and picks(obj, obj_ns)]
+            elif int(since) < api._compacted:
+                events = [{"type": "ERROR", "object": ApiError(
+                    410, "Expired", f"too old resource version: {since} ({api._compacted})").status()}]
+                last = None
+            else:
+                last = int(since)
+        try:
+            while True:
+                for event in events:
+                    self._chunk(json.dumps(event).encode() + b"\n")
+                if last is None:
+                    break
+                with api._changed:
+                    while True:
+                        fresh = [(rev, kind, obj) for rev, kind, r, obj in api._history
+                                 if rev > last and r == resource
+                                 and picks(obj, (obj.get("metadata") or {}).get("namespace", ""))]
+                        left = deadline - time.monotonic()
+                        if fresh or left <= 0 or api._stopping:
+                            break
+                        api._changed.wait(min(left, 0.5))
+                if not fresh:
+                    break
+                last = fresh[-1][0]
+                events = [{"type": kind, "object": api._public(resource, obj)} for _, kind, obj in fresh]
+            self._chunk(b"")
+        except OSError:
+            pass  # the client went away
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+
+def _is_watch(query: dict) -> bool:
+    return (query.get("watch") or [""])[0] in ("true", "1")
 
 
 # --- object rules --------------------------------------------------------

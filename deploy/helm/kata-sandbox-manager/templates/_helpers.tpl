@@ -242,35 +242,46 @@ Which parts of the node agent run; the templates and the RBAC agree by asking he
 {{- end -}}
 
 {{/*
-Node affinity for GPU nodes running one workload type. A node without the
-nvidia.com/gpu.workload.config label runs sandboxWorkloads.defaultWorkload, so the
-default workload matches with NotIn (which also matches an absent label) and any other
-workload with In. With sandbox workloads off every GPU node is a container node.
-Call with (list $ "vm-passthrough").
+The pod affinity of a DaemonSet: GPU nodes (gpuNodeSelector, the GPU Operator's
+nvidia.com/gpu.present=true by default), then optionally one workload and one GPU Operator
+operand the node may opt out of. A node without the nvidia.com/gpu.workload.config label
+runs sandboxWorkloads.defaultWorkload, so the default workload matches with NotIn (which
+also matches an absent label) and any other workload with In; with sandbox workloads off
+every GPU node is a container node. OPERAND (e.g. "device-plugin") keeps the pod off a
+node labeled nvidia.com/gpu.deploy.<operand>=false or nvidia.com/gpu.deploy.operands=false,
+as the GPU Operator's own DaemonSets stay off it. Renders the whole `affinity:` block,
+or nothing when there is nothing to select on (an empty term would match no node).
+Call with (list $ WORKLOAD OPERAND); "" for either: any.
 */}}
 {{- define "ksm.nodeAffinity" -}}
 {{- $root := index . 0 -}}
 {{- $workload := index . 1 -}}
+{{- $operand := index . 2 -}}
 {{- $sandbox := $root.Values.sandboxWorkloads -}}
-nodeAffinity:
-  requiredDuringSchedulingIgnoredDuringExecution:
-    nodeSelectorTerms:
-      - matchExpressions:
-          - key: nvidia.com/gpu.present
-            operator: In
-            values: ["true"]
-          {{- if $sandbox.enabled }}
-          {{- if eq $sandbox.defaultWorkload $workload }}
-          {{- $others := without (list "container" "vm-passthrough" "vm-vgpu") $workload }}
-          - key: nvidia.com/gpu.workload.config
-            operator: NotIn
-            values: {{ $others | toJson }}
-          {{- else }}
-          - key: nvidia.com/gpu.workload.config
-            operator: In
-            values: [{{ $workload | quote }}]
-          {{- end }}
-          {{- end }}
+{{- $exprs := list -}}
+{{- range $key, $value := ($root.Values.gpuNodeSelector | default dict) -}}
+{{- $exprs = append $exprs (dict "key" $key "operator" "In" "values" (list (toString $value))) -}}
+{{- end -}}
+{{- if and $sandbox.enabled $workload -}}
+{{- if eq $sandbox.defaultWorkload $workload -}}
+{{- $exprs = append $exprs (dict "key" "nvidia.com/gpu.workload.config" "operator" "NotIn" "values" (without (list "container" "vm-passthrough" "vm-vgpu") $workload)) -}}
+{{- else -}}
+{{- $exprs = append $exprs (dict "key" "nvidia.com/gpu.workload.config" "operator" "In" "values" (list $workload)) -}}
+{{- end -}}
+{{- end -}}
+{{- if $operand -}}
+{{- range $key := list (printf "nvidia.com/gpu.deploy.%s" $operand) "nvidia.com/gpu.deploy.operands" -}}
+{{- $exprs = append $exprs (dict "key" $key "operator" "NotIn" "values" (list "false")) -}}
+{{- end -}}
+{{- end -}}
+{{- if $exprs -}}
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+        - matchExpressions:
+            {{- toYaml $exprs | nindent 12 }}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -375,10 +386,19 @@ pod-resources (read-only: connecting to a unix socket works on a read-only mount
 {{- end -}}
 
 {{- define "ksm.kubeletVolumes" -}}
+{{ include "ksm.devicePluginsVolume" . }}
+{{ include "ksm.podResourcesVolume" . }}
+{{- end -}}
+
+{{- define "ksm.devicePluginsVolume" -}}
 - name: device-plugins
   hostPath:
     path: {{ include "ksm.hostPath" (list . "/var/lib/kubelet/device-plugins") }}
     type: Directory
+{{- end -}}
+
+{{/* The kubelet's PodResources socket dir: the plugins, and katamgr (which GPUs pods hold). */}}
+{{- define "ksm.podResourcesVolume" -}}
 - name: pod-resources
   hostPath:
     path: {{ include "ksm.hostPath" (list . "/var/lib/kubelet/pod-resources") }}
@@ -601,6 +621,10 @@ layoutDirs).
 - name: lib-modules
   mountPath: {{ include "ksm.inHost" "/lib/modules" }}
   readOnly: true
+# A workload switch keeps the GPUs the kubelet gave pods (its PodResources API).
+- name: pod-resources
+  mountPath: {{ include "ksm.inHost" "/var/lib/kubelet/pod-resources" }}
+  readOnly: true
 {{- end }}
 {{- if $kata }}
 - name: containerd-config
@@ -658,6 +682,7 @@ layoutDirs).
   hostPath:
     path: {{ include "ksm.hostPath" (list $root "/lib/modules") }}
     type: Directory
+{{ include "ksm.podResourcesVolume" $root }}
 {{- end }}
 {{- if $h.kata }}
 - name: containerd-config

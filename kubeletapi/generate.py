@@ -4,13 +4,13 @@ The files are ``deviceplugin.proto`` (kubelet device plugin API v1beta1) and
 ``podresources.proto`` (kubelet PodResources API v1). Each ``NAME.proto`` gives
 ``NAME_pb2.py``, ``NAME_pb2.pyi`` and ``NAME_pb2_grpc.py``.
 
-Run ``python -m sandbox_plugin.api.generate`` after editing a .proto and commit
+Run ``python -m kubeletapi.generate`` after editing a .proto and commit
 the result. tests/plugin/test_proto_stubs.py calls :func:`generate` into a temp dir and
 fails when the committed stubs differ, so the two never drift apart.
 
 protoc writes ``import NAME_pb2`` into the gRPC module, which only works when
 this directory is on ``sys.path``. We rewrite it to a package-relative import so
-``from sandbox_plugin.api import deviceplugin_pb2_grpc`` works.
+``from kubeletapi import deviceplugin_pb2_grpc`` works.
 The type stubs get a ``# ruff: noqa`` line: they are protoc's style, not ours, and
 the lint config only excludes the generated ``.py`` files.
 """

@@ -1,0 +1,100 @@
+"""Which devices the kubelet has given to the pods on this node: PodResources v1 ``List``.
+
+A workload switch must not take a GPU from a pod that was given it. A running Kata VM
+shows by holding its ``/dev/vfio`` node open (``vfio.vfio_holders``), but between
+admission and QEMU opening the node (image pull, VM boot) only the kubelet knows: its
+PodResources service on ``/var/lib/kubelet/pod-resources/kubelet.sock`` (the API in
+``kubeletapi/podresources.proto``, Kubernetes ``pkg/kubelet/apis/podresources/server_v1.go``:
+``List`` answers every pod the kubelet admitted, each container with the resource name
+and device IDs its device plugins handed out).
+
+Asking is always bounded: a missing socket is answered at once, a socket nobody serves
+fails on connect (gRPC does not wait for a channel that is not ready), and a kubelet
+that does not answer within ``timeout`` is given up on. Each of those comes back as
+``PodDevices.unknown``, a sentence saying why, for the caller to report; it never raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from katamgr.host.inventory import Inventory
+from katamgr.host.naming import Naming
+from katamgr.host.passthrough import resource_units
+from katamgr.host.root import HostRoot
+
+POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+DEFAULT_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One device the kubelet gave one container."""
+
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_id: str
+
+    def __str__(self) -> str:
+        return f"pod {self.namespace}/{self.pod} (container {self.container}, {self.resource})"
+
+
+@dataclass(frozen=True)
+class PodDevices:
+    """The kubelet's answer; ``unknown`` says why there is none (no socket, no answer)."""
+
+    assignments: tuple[Assignment, ...] = ()
+    unknown: str | None = None
+
+
+def list_pod_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
+                     socket: str = POD_RESOURCES_SOCKET) -> PodDevices:
+    """Every device of every pod, by the kubelet's PodResources ``List``, within ``timeout``."""
+    path = host.path(socket)
+    if not path.exists():
+        return PodDevices(unknown=f"the kubelet's PodResources socket {socket} does not exist")
+    # Imported here: the gRPC runtime costs a tenth of a second that `katamgr plan` and
+    # every other command not switching a workload should not pay.
+    import grpc
+
+    from kubeletapi import podresources_pb2 as pr
+    from kubeletapi import podresources_pb2_grpc as pr_grpc
+
+    try:
+        with grpc.insecure_channel(f"unix://{path}") as channel:
+            answer = pr_grpc.PodResourcesListerStub(channel).List(
+                pr.ListPodResourcesRequest(), timeout=timeout)
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        detail = exc.details() if hasattr(exc, "details") else str(exc)
+        why = (f"no answer within {timeout:g} s" if code is grpc.StatusCode.DEADLINE_EXCEEDED
+               else f"{code.name if code else 'error'}: {detail}")
+        return PodDevices(unknown=f"the kubelet's PodResources List on {socket} failed ({why})")
+    return PodDevices(tuple(
+        Assignment(pod.namespace, pod.name, container.name, devices.resource_name, device_id)
+        for pod in answer.pod_resources
+        for container in pod.containers
+        for devices in container.devices
+        for device_id in devices.device_ids
+    ))
+
+
+def assigned_functions(host: HostRoot, inv: Inventory, naming: Naming,
+                       assignments: Iterable[Assignment]) -> dict[str, list[Assignment]]:
+    """BDF -> the pods given it: every PCI function of a passthrough unit whose device ID
+    the kubelet handed out. Matched by ID alone: the plugin's ID is the unit's first BDF,
+    and a BDF names one PCI function of this node whatever resource it was advertised
+    under (an alias, another naming rule)."""
+    by_id: dict[str, list[Assignment]] = {}
+    for a in assignments:
+        by_id.setdefault(a.device_id.lower(), []).append(a)
+    out: dict[str, list[Assignment]] = {}
+    for unit in resource_units(host, inv, naming):
+        given = [a for key in (unit.id, *unit.functions) for a in by_id.get(key.lower(), [])]
+        if given:
+            for bdf in unit.functions:
+                out[bdf] = list(dict.fromkeys(given))
+    return out

@@ -1,0 +1,138 @@
+"""``--mode auto`` with a cluster: serve what the node's labels ask for now, and switch
+when they change, without a restart.
+
+The node's labels say which workload it runs (``nvidia.com/gpu.workload.config``) and
+which GPU Operator operands it opts out of (``nvidia.com/gpu.deploy.<operand>=false``);
+``katamgr.host.workload`` turns them into a ``Resolution`` by the same rule as
+``katamgr run``, which follows the same labels to bind and unbind the GPUs. From that
+``mode_for`` picks what this process serves:
+
+- ``vm-passthrough``: the passthrough resources, unless the node opts out of the
+  operator's sandbox device plugin (``sandbox-device-plugin`` or
+  ``kata-sandbox-device-plugin``);
+- ``container``: ``nvidia.com/gpu``, unless the node opts out of ``device-plugin``;
+- ``vm-vgpu``: nothing (NVIDIA's vGPU device manager serves it);
+
+and nothing for a mode left out of ``--auto-modes``. The chart's sandbox agent pod runs
+with ``--auto-modes vm-passthrough``: on a container node ``nvidia.com/gpu`` is the
+container plugin DaemonSet's (this chart's or the GPU Operator's), so this one stands
+down and no GPU is ever advertised by two plugins. Standing down stops the plugin
+servers, which removes their sockets: the kubelet marks their devices unhealthy at
+once and keeps what running pods were given.
+
+``PluginRunner`` holds the running ``PluginManager`` (or none) and swaps it; one
+``PluginMetrics`` registry outlives the swaps, so ``/metrics`` keeps its counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from katamgr.errors import KatamgrError
+from katamgr.host.workload import (
+    PASSTHROUGH_PLUGIN,
+    Operand,
+    Resolution,
+    Workload,
+    describe_opt_outs,
+)
+from sandbox_plugin.manager import Mode, PluginManager
+from sandbox_plugin.metrics import PluginMetrics
+
+log = logging.getLogger(__name__)
+# The mode line is the command's own announcement: under its logger, as before the follower.
+announce = logging.getLogger("sandbox_plugin")
+
+ALL_MODES = frozenset(Mode)
+
+
+def mode_for(resolved: Resolution, modes: frozenset[Mode] = ALL_MODES) -> tuple[Mode | None, str]:
+    """What to serve for the node's workload and opt-outs; None: stand down. And why."""
+    why = resolved.why
+    if resolved.workload is Workload.VM_VGPU:
+        return None, f"{why}, which the vGPU device manager serves, not this plugin"
+    mode = Mode(resolved.workload.value)
+    if mode not in modes:
+        return None, (f"{why}; this plugin serves only {', '.join(sorted(modes))} (--auto-modes): "
+                      f"another plugin serves {mode} nodes")
+    opted = resolved.opted_out & (PASSTHROUGH_PLUGIN if mode is Mode.VM_PASSTHROUGH
+                                  else frozenset({Operand.DEVICE_PLUGIN}))
+    if opted:
+        return None, f"{why}; the node opts out of {describe_opt_outs(opted)}"
+    return mode, why
+
+
+class PluginRunner:
+    """The plugins of one mode at a time (or none), swapped by ``serve()``."""
+
+    def __init__(self, make: Callable[[Mode, PluginMetrics], PluginManager]) -> None:
+        self._make = make
+        self.metrics = PluginMetrics()
+        self.manager: PluginManager | None = None
+        self.mode: Mode | None = None
+        self.why = "not started"
+        self._lock = threading.Lock()
+
+    def serve(self, mode: Mode | None, why: str) -> bool:
+        """Run the plugins of ``mode`` (None: none); True when that changed anything."""
+        with self._lock:
+            self.why = why
+            if mode is self.mode and (mode is None or self.manager is not None):
+                return False
+            old, self.manager, self.mode = self.manager, None, mode
+        if old is not None:
+            old.stop()
+        announce.info("mode %s: %s", mode.value if mode else "none (advertising nothing)", why)
+        if mode is not None:
+            manager = self._make(mode, self.metrics)
+            with self._lock:
+                self.manager = manager
+            manager.start()
+        return True
+
+    def stop(self) -> None:
+        with self._lock:
+            manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.stop()
+
+    def health(self) -> tuple[bool, str]:
+        manager = self.manager
+        return manager.health() if manager is not None else (True, f"nothing to serve: {self.why}")
+
+    def readiness(self) -> tuple[bool, str]:
+        manager = self.manager
+        return manager.readiness() if manager is not None else (True, f"nothing to serve: {self.why}")
+
+
+class LabelFollower:
+    """Keeps a ``PluginRunner`` on what the node's labels ask for.
+
+    ``resolve()`` turns the labels a ``katamgr.host.kube.NodeLabelWatch`` keeps into a
+    ``Resolution``; ``check()`` (called when the watch reports a change, and as a safety
+    net every few seconds) serves its mode. A label that cannot be read or names no
+    workload keeps what runs, logged once.
+    """
+
+    def __init__(self, runner: PluginRunner, resolve: Callable[[], Resolution],
+                 modes: frozenset[Mode] = ALL_MODES) -> None:
+        self.runner = runner
+        self.resolve = resolve
+        self.modes = modes
+        self.changed = threading.Event()  # set by the watch's on_change
+        self._error: str | None = None
+
+    def check(self) -> bool:
+        """Serve what the labels ask for now; True when the mode changed."""
+        try:
+            mode, why = mode_for(self.resolve(), self.modes)
+        except KatamgrError as exc:
+            if str(exc) != self._error:
+                log.warning("could not read the node's workload (%s); keeping mode %s", exc,
+                            self.runner.mode.value if self.runner.mode else "none")
+            self._error = str(exc)
+            return False
+        self._error = None
+        return self.runner.serve(mode, why)

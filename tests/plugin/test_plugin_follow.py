@@ -1,0 +1,107 @@
+"""``sandbox-device-plugin --mode auto`` follows its Node's labels without a restart, as
+``katamgr run`` does: vm-passthrough serves the passthrough resources; a node the
+plugin does not serve (``--auto-modes``), a vGPU node, or one that opts out of the GPU
+Operator's sandbox device plugin (``nvidia.com/gpu.deploy.sandbox-device-plugin=false``,
+or ``kata-sandbox-device-plugin`` in the operator's kata mode) gets nothing from it,
+so two plugins never advertise one GPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from support.apiserver import FakeApiServer
+from support.paths import REPO
+
+from katamgr.host.naming import Naming
+from katamgr.host.pciids import PciIds
+from katamgr.host.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Resolution, Workload
+from katamgr.pipeline.devices import apply_host
+from katamgr.pipeline.plan import build_plan
+from sandbox_plugin.follow import mode_for
+from sandbox_plugin.manager import Mode
+
+A10 = "nvidia.com/GA102GL_A10"
+NODE = "worker-1"
+
+
+def test_what_each_workload_and_opt_out_serves():
+    def mode(workload, *out, modes=frozenset(Mode)):
+        return mode_for(Resolution(Workload(workload), "why", frozenset(out)), modes)[0]
+
+    assert mode("vm-passthrough") is Mode.VM_PASSTHROUGH
+    assert mode("container") is Mode.CONTAINER
+    assert mode("vm-vgpu") is None
+    # The chart's sandbox agent pod: its container plugin DaemonSet serves container nodes.
+    assert mode("container", modes=frozenset({Mode.VM_PASSTHROUGH})) is None
+    for operand in (Operand.SANDBOX_DEVICE_PLUGIN, Operand.KATA_SANDBOX_DEVICE_PLUGIN):
+        assert mode("vm-passthrough", operand) is None
+        assert mode("container", operand) is Mode.CONTAINER  # not the container plugin's label
+    assert mode("container", Operand.DEVICE_PLUGIN) is None
+    assert mode("vm-passthrough", Operand.DEVICE_PLUGIN, Operand.VFIO_MANAGER) is Mode.VM_PASSTHROUGH
+    why = mode_for(Resolution(Workload.VM_PASSTHROUGH, "labeled", frozenset({Operand.SANDBOX_DEVICE_PLUGIN})))[1]
+    assert why == "labeled; the node opts out of nvidia.com/gpu.deploy.sandbox-device-plugin=false"
+
+
+@pytest.fixture
+def bound_a10(sim_host):
+    host, kubelet = sim_host("a10-server")
+    assert apply_host(host, build_plan(host, Naming(PciIds.find()))).ok
+    return host, kubelet
+
+
+def label(api: FakeApiServer, key: str, value: str | None) -> None:
+    def change(node):
+        labels = node["metadata"].setdefault("labels", {})
+        if value is None:
+            labels.pop(key, None)
+        else:
+            labels[key] = value
+    api.update("nodes", NODE, change)
+
+
+def test_the_plugin_follows_relabels_and_opt_outs_without_a_restart(bound_a10, tmp_path):
+    host, kubelet = bound_a10
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+        env = {**os.environ, "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        # As the chart's sandbox agent pod runs it.
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
+             "--auto-modes", "vm-passthrough", "--node-name", NODE],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        socket = kubelet.socket_dir / "nvidia.com-GA102GL_A10.sock"
+        try:
+            kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
+            for change, serving in (
+                ((WORKLOAD_LABEL, "container"), False),          # the container plugin's node now
+                ((WORKLOAD_LABEL, "vm-passthrough"), True),
+                ((Operand.SANDBOX_DEVICE_PLUGIN.label, "false"), False),
+                ((Operand.SANDBOX_DEVICE_PLUGIN.label, None), True),
+                ((OPERANDS_LABEL, "false"), False),
+                ((OPERANDS_LABEL, None), True),
+            ):
+                started = time.monotonic()
+                label(api, *change)
+                if serving:
+                    kubelet.wait_for(lambda s: A10 in s.connected and len(s.healthy(A10)) == 4, timeout=10)
+                else:
+                    # The servers stop and remove their sockets: the kubelet loses the endpoint.
+                    kubelet.wait_for(lambda s: A10 not in s.connected, timeout=10)
+                    assert not socket.exists()
+                assert time.monotonic() - started < 5, change
+        finally:
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=15)
+    assert process.returncode == 0, output
+    assert "mode none (advertising nothing): node worker-1 is labeled nvidia.com/gpu.workload.config=container; " \
+           "this plugin serves only vm-passthrough (--auto-modes)" in output
+    assert "the node opts out of nvidia.com/gpu.deploy.sandbox-device-plugin=false" in output
+    # One watch, no restarts: every switch came from the same process.
+    assert output.count("mode vm-passthrough:") == 4
