@@ -1,0 +1,530 @@
+"""The real-kernel suite's guest side: run by the guest's init, inside the host's tree.
+
+``python tests/kernel/guest_checks.py OUT_DIR`` runs every step of the suite against
+the guest's real kernel and real sysfs, with katamgr's and the device plugin's real
+commands, and writes what it saw to ``OUT_DIR/results.json`` after each step (so a
+run cut short still tells how far it got). It asserts nothing: the host-side tests
+(tests/kernel/test_*.py) read the results and each checks one behaviour.
+
+The stand-ins (tests/support/kernelvm.py ``Topology``) are found by their PCI ids,
+never by address: QEMU's ``edu`` (1234:11e8, no Linux driver) alone in its IOMMU
+group, the ``VGA`` (1234:1111, Linux's ``bochs-drm``) alone in its group, and an
+``edu`` that shares its group with an ``e1000`` NIC behind a PCIe-to-PCI bridge.
+
+Each step is bounded; a step that outlives its bound is killed and recorded as
+timed out, and the steps after it still run.
+"""
+
+from __future__ import annotations
+
+import calendar
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp")
+RESULTS = OUT / "results.json"
+BIN = Path(sys.executable).parent  # the .venv's console scripts beside its python
+KATAMGR = str(BIN / "katamgr")
+PLUGIN = str(BIN / "sandbox-device-plugin")
+QEMU = "qemu-system-x86_64"
+
+EDU = "1234:11e8"
+VGA = "1234:1111"
+NIC = "8086:100e"
+EDU_RESOURCE = "example.com/edu"
+VGA_RESOURCE = "example.com/vga"
+SELECTION = ["--include-device", f"{EDU}={EDU_RESOURCE}", "--include-device", f"{VGA}={VGA_RESOURCE}"]
+PCI = Path("/sys/bus/pci")
+
+results: dict = {"steps": {}, "order": [], "started": time.time(), "finished": False}
+
+
+def save() -> None:
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1, default=str))
+    tmp.rename(RESULTS)
+
+
+def record(name: str, **data) -> dict:
+    results["steps"][name] = data
+    results["order"].append(name)
+    save()
+    print(f"guest_checks: {name}: {_summary(data)}", flush=True)
+    return data
+
+
+def _summary(data: dict) -> str:
+    keys = ("rc", "seconds", "timed_out", "error")
+    return ", ".join(f"{k}={data[k]!r}" for k in keys if k in data) or "recorded"
+
+
+# ---- reading the kernel ----------------------------------------------------------
+
+
+def read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def driver_of(bdf: str) -> str | None:
+    link = PCI / "devices" / bdf / "driver"
+    return os.path.basename(os.readlink(link)) if link.is_symlink() else None
+
+
+def ids_of(bdf: str) -> str:
+    base = PCI / "devices" / bdf
+    return f"{int(read(base / 'vendor'), 16):04x}:{int(read(base / 'device'), 16):04x}"
+
+
+def group_of(bdf: str) -> int | None:
+    link = PCI / "devices" / bdf / "iommu_group"
+    return int(os.path.basename(os.readlink(link))) if link.is_symlink() else None
+
+
+def groups() -> dict[str, list[dict]]:
+    """Every IOMMU group the kernel made, with what is in it (kernel
+    Documentation/ABI/testing/sysfs-kernel-iommu_groups: /sys/kernel/iommu_groups/N/devices)."""
+    found: dict[str, list[dict]] = {}
+    root = Path("/sys/kernel/iommu_groups")
+    for entry in sorted(root.iterdir(), key=lambda p: int(p.name)) if root.is_dir() else []:
+        found[entry.name] = [
+            {"bdf": bdf, "ids": ids_of(bdf), "class": read(PCI / "devices" / bdf / "class"),
+             "driver": driver_of(bdf)}
+            for bdf in sorted(os.listdir(entry / "devices"))
+        ]
+    return found
+
+
+def vfio_nodes() -> dict[str, str]:
+    """/dev/vfio's entries with their modes (octal)."""
+    nodes = {}
+    for base in (Path("/dev/vfio"), Path("/dev/vfio/devices")):
+        if base.is_dir():
+            for entry in sorted(base.iterdir()):
+                if not entry.is_dir():
+                    nodes[str(entry)] = oct(entry.stat().st_mode & 0o7777)
+    return nodes
+
+
+def snapshot() -> dict:
+    return {
+        "drivers": {bdf: driver_of(bdf) for bdf in sorted(os.listdir(PCI / "devices"))},
+        "vfio_nodes": vfio_nodes(),
+        "driver_override": {bdf: read(PCI / "devices" / bdf / "driver_override")
+                            for bdf in STAND_INS.values() if bdf},
+    }
+
+
+def find_stand_ins() -> dict[str, str | None]:
+    """The stand-ins' BDFs, told apart by their ids and whether their group is shared."""
+    found: dict[str, str | None] = {"edu": None, "vga": None, "shared_edu": None, "nic": None}
+    for bdf in sorted(os.listdir(PCI / "devices")):
+        ids, group = ids_of(bdf), group_of(bdf)
+        endpoints = [b for b in os.listdir(f"/sys/kernel/iommu_groups/{group}/devices")
+                     if not (read(PCI / "devices" / b / "class") or "").startswith("0x0604")]
+        if ids == EDU:
+            found["shared_edu" if len(endpoints) > 1 else "edu"] = bdf
+        elif ids == VGA:
+            found["vga"] = bdf
+        elif ids == NIC:
+            found["nic"] = bdf
+    return found
+
+
+def dmesg_tail(lines: int = 40) -> list[str]:
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return out.splitlines()[-lines:]
+
+
+STAND_INS: dict[str, str | None] = {}
+
+
+# ---- running commands ------------------------------------------------------------
+
+
+def run(argv: list[str], timeout: float) -> dict:
+    """Run a command to its end or ``timeout``; what it did, as data."""
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # blocked in the kernel, unkillable
+            stdout, stderr = "", "(did not die after SIGKILL)"
+        timed_out = True
+    return {"argv": argv, "rc": proc.returncode, "stdout": stdout, "stderr": stderr,
+            "seconds": round(time.monotonic() - started, 2), "timed_out": timed_out}
+
+
+def sysfs_write(path: Path, value: str) -> dict:
+    """One write to a sysfs control file, as a person at a shell would do it."""
+    started = time.monotonic()
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, value.encode())
+        finally:
+            os.close(fd)
+        error = None
+    except OSError as exc:
+        error = f"{exc.strerror} (errno {exc.errno})"
+    return {"path": str(path), "value": value, "error": error, "seconds": round(time.monotonic() - started, 3)}
+
+
+class NestedQemu:
+    """A QEMU in the guest given one PCI function with ``-device vfio-pci,host=BDF``,
+    as Kata's QEMU is given a GPU (QEMU's vfio-pci device, hw/vfio/pci.c; its
+    properties: ``-device vfio-pci,help``). ``-S``: the VM never runs; QEMU still
+    opens the group and the device and maps the VM's memory while it sets the device
+    up, which is what is checked. TCG (there is no KVM in the guest), with a small
+    translation buffer (``tb-size``, MiB) to fit the guest's memory."""
+
+    def __init__(self, bdf: str) -> None:
+        self.bdf = bdf
+        self.argv = [QEMU, "-nodefaults", "-display", "none", "-S", "-machine", "pc",
+                     "-accel", "tcg,tb-size=16", "-m", "64", "-monitor", "none", "-serial", "none",
+                     "-device", f"vfio-pci,host={bdf}"]
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+
+    def holds(self, node: str) -> bool:
+        fds = Path(f"/proc/{self.proc.pid}/fd")
+        with contextlib.suppress(OSError):
+            for fd in fds.iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) == node:
+                        return True
+        return False
+
+    def wait_open(self, node: str, timeout: float) -> dict:
+        """Until QEMU holds ``node`` open (and, since it opens the device fd right
+        after, a moment more), exits, or ``timeout``."""
+        deadline = self.started + timeout
+        held_at = None
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if self.holds(node):
+                held_at = time.monotonic() - self.started
+                break
+            time.sleep(0.1)
+        # The device fd follows the group fd; vfio-pci's realize maps guest RAM too.
+        # Give it a little longer to fail, if it is going to.
+        if held_at is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=3)
+        running = self.proc.poll() is None
+        return {"argv": self.argv, "node": node, "held": held_at is not None and running,
+                "seconds_to_open": None if held_at is None else round(held_at, 2),
+                "exited": None if running else self.proc.returncode,
+                "stderr": None if running else self.proc.stderr.read()}
+
+    def wait_exit(self, timeout: float) -> dict:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"argv": self.argv, "exited": None, "seconds": None, "stderr": None}
+        return {"argv": self.argv, "exited": self.proc.returncode,
+                "seconds": round(time.monotonic() - self.started, 2), "stderr": self.proc.stderr.read()}
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=20)
+        return self.proc.poll()
+
+
+# ---- the steps ---------------------------------------------------------------------
+
+
+def step_facts() -> None:
+    record("facts", release=os.uname().release, cmdline=read(Path("/proc/cmdline")),
+           groups=groups(), stand_ins=STAND_INS,
+           iommufd={"dev_iommu": os.path.exists("/dev/iommu"),
+                    "dev_vfio_devices": os.path.exists("/dev/vfio/devices")},
+           vfio_pci_loaded=(PCI / "drivers" / "vfio-pci").is_dir())
+
+
+def step_original_drivers() -> None:
+    # No udev in the guest, so nothing loads drivers for the devices found at boot
+    # (module autoloading is udev acting on uevents' MODALIAS): load the originals.
+    loads = {module: run(["modprobe", module], 60) for module in ("e1000", "bochs")}
+    record("original_drivers", loads=loads, groups=groups(), **snapshot())
+
+
+# Every katamgr command logs verbosely as JSON lines: the first record's time tells
+# the interpreter's start-up (imports, slow under TCG) from the command's own work.
+LOGGING = ["-v", "--log-format", "json"]
+
+
+def katamgr(name: str, args: list[str], timeout: float = 180) -> dict:
+    started_at = time.time()
+    result = run([KATAMGR, *args, *LOGGING], timeout)
+    result.update(timing(started_at, result["stderr"]), after=snapshot())
+    if args[:1] == ["plan"] and "--output" in args and result["rc"] == 0:
+        with contextlib.suppress(ValueError):
+            result["json"] = json.loads(result["stdout"])
+    return record(name, **result)
+
+
+def timing(started_at: float, stderr: str) -> dict:
+    """``startup_s``: from exec to the command's first log record; ``work_s``: from
+    there to its exit (None without a log record)."""
+    ended_at = time.time()
+    first = None
+    for line in stderr.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError, KeyError):
+                stamp = json.loads(line)["time"]  # 2026-11-22T18:14:44.733Z
+                first = calendar.timegm(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")) + float("0" + stamp[19:-1])
+                break
+    if first is None:
+        return {"startup_s": None, "work_s": None}
+    return {"startup_s": round(first - started_at, 2), "work_s": round(ended_at - first, 2)}
+
+
+class Plugin:
+    """``sandbox-device-plugin`` started early: its start-up (seconds of imports under
+    TCG) overlaps the second apply, which it does not disturb (it only reads). Like
+    the real one it waits for kubelet.sock to appear and then registers."""
+
+    def __init__(self) -> None:
+        self.log_path = OUT / "plugin.log"
+        self.started = time.monotonic()
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([PLUGIN, "--mode", "vm-passthrough", *SELECTION, "-v"],
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self, data: dict) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                data["stopped_rc"] = self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                data["stopped_rc"] = "killed after 20 s"
+        else:
+            data["exited_early"] = self.proc.returncode
+        data["log"] = self.log_path.read_text(errors="replace")[-20000:]
+
+
+def import_kubelet_simulator():
+    """The kubelet simulator's module (grpc and the protos: seconds under TCG)."""
+    from sandbox_plugin.testing import kubelet
+
+    return kubelet
+
+
+def step_plugin(plugin: Plugin | None) -> None:
+    """The device plugin on the real kernel, with the kubelet simulator in this process."""
+    from katamgr.host.root import HostRoot
+
+    data: dict = {}
+    if plugin is None:
+        record("plugin", error="the plugin was not started (see the errors)")
+        return
+    kubelet = import_kubelet_simulator().KubeletSimulator(HostRoot.at("/"))
+    kubelet.start()
+    try:
+        _plugin_checks(kubelet, data, plugin.started)
+    except Exception:  # noqa: BLE001 - recorded for the host-side tests to show
+        data["error"] = traceback.format_exc()
+    finally:
+        plugin.stop(data)
+        kubelet.stop()
+    record("plugin", **data)
+
+
+def _devices(state, resource: str) -> list[dict]:
+    return [{"id": d.id, "health": d.health} for d in state.devices.get(resource, [])]
+
+
+def _plugin_checks(kubelet, data: dict, started: float) -> None:
+    resources = (EDU_RESOURCE, VGA_RESOURCE)
+    state = kubelet.wait_for(lambda s: all(s.devices.get(r) for r in resources), timeout=90)
+    data["registered_s"] = round(time.monotonic() - started, 2)
+    data["registrations"] = sorted(r.resource_name for r in state.registrations)
+    data["devices"] = {r: _devices(state, r) for r in resources}
+    data["allocate"] = {}
+    for resource in resources:
+        ids = [d.id for d in state.devices[resource]]
+        answer = kubelet.allocate(resource, ids[:1])
+        data["allocate"][resource] = {
+            "ids": ids[:1],
+            "devices": [{"container_path": d.container_path, "host_path": d.host_path,
+                         "permissions": d.permissions} for d in answer.devices],
+            "envs": dict(answer.envs),
+            "cdi_devices": [d.name for d in answer.cdi_devices],
+        }
+    save()
+    # Unbind the VGA stand-in from vfio-pci behind the plugin's back, as an
+    # operator at a shell would; its group then has no device on vfio-pci.
+    vga = STAND_INS["vga"]
+    vga_id = next((d.id for d in state.devices[VGA_RESOURCE]), None)
+    write_started = time.monotonic()
+    data["unbind"] = sysfs_write(PCI / "drivers" / "vfio-pci" / "unbind", vga)
+
+    def listed_healthy(state) -> bool:
+        return any(d.id == vga_id and d.healthy for d in state.devices.get(VGA_RESOURCE, []))
+
+    def listed_unhealthy(state) -> bool:
+        return any(d.id == vga_id and not d.healthy for d in state.devices.get(VGA_RESOURCE, []))
+
+    # The first change the kubelet sees (Unhealthy, or the device withdrawn), then
+    # whether it is (or becomes) listed as Unhealthy.
+    for key, predicate in (("not_healthy_after_s", lambda s: not listed_healthy(s)),
+                           ("unhealthy_after_s", listed_unhealthy)):
+        try:
+            kubelet.wait_for(predicate, timeout=10)
+            data[key] = round(time.monotonic() - write_started, 3)
+        except TimeoutError:
+            data[key] = None
+    data["devices_after_unbind"] = {r: _devices(kubelet.state, r) for r in resources}
+    # And back: driver_override still names vfio-pci, so a probe binds it there.
+    probe_started = time.monotonic()
+    data["reprobe"] = sysfs_write(PCI / "drivers_probe", vga)
+    try:
+        kubelet.wait_for(lambda s: any(d.id == vga_id and d.healthy for d in s.devices.get(VGA_RESOURCE, [])),
+                         timeout=10)
+        data["healthy_again_after_s"] = round(time.monotonic() - probe_started, 3)
+    except TimeoutError:
+        data["healthy_again_after_s"] = None
+    data["vga_driver_after_reprobe"] = driver_of(vga)
+
+
+def step_nested_qemu() -> NestedQemu | None:
+    """QEMU opens each group katamgr bound; the edu's QEMU is kept running as the
+    holder for the revert step."""
+    opened = {}
+    holder = None
+    machines = {}
+    for name in ("edu", "vga"):
+        bdf = STAND_INS[name]
+        if bdf and driver_of(bdf) == "vfio-pci":
+            machines[name] = NestedQemu(bdf)
+    for name, machine in machines.items():
+        node = f"/dev/vfio/{group_of(machine.bdf)}"
+        opened[name] = machine.wait_open(node, timeout=60)
+        opened[name]["bdf"] = machine.bdf
+        if name == "edu" and opened[name]["held"]:
+            holder = machine
+        else:
+            machine.stop()
+    record("nested_qemu", opened=opened, skipped=[n for n in ("edu", "vga") if n not in machines])
+    return holder
+
+
+def step_not_viable() -> None:
+    """The shared group with the NIC still on e1000: vfio-pci binds the edu in it, but
+    the group is not viable, so QEMU refuses it (kernel Documentation/driver-api/
+    vfio.rst: a group is viable only when every device in it is bound to a VFIO bus
+    driver or to no driver). katamgr never binds it; this step binds it by hand."""
+    bdf = STAND_INS["shared_edu"]
+    data: dict = {"bdf": bdf, "nic_driver": driver_of(STAND_INS["nic"])}
+    base = PCI / "devices" / bdf
+    data["override"] = sysfs_write(base / "driver_override", "vfio-pci\n")
+    data["probe"] = sysfs_write(PCI / "drivers_probe", bdf)
+    data["driver_after_probe"] = driver_of(bdf)
+    group = group_of(bdf)
+    data["group"] = group
+    data["group_node"] = os.path.exists(f"/dev/vfio/{group}")
+    machine = NestedQemu(bdf)
+    data["qemu"] = machine.wait_exit(timeout=60)
+    if data["qemu"]["exited"] is None:
+        data["qemu"]["still_running"] = True
+        machine.stop()
+    # Back as it was: no driver, no override.
+    data["undo_unbind"] = sysfs_write(PCI / "drivers" / "vfio-pci" / "unbind", bdf)
+    data["undo_override"] = sysfs_write(base / "driver_override", "\n")
+    data["driver_after_undo"] = driver_of(bdf)
+    record("not_viable", **data)
+
+
+def step_revert_while_held(holder: NestedQemu | None) -> None:
+    """``katamgr revert`` while a QEMU holds the edu's group: it must refuse within
+    seconds. A revert still running after 180 s is recorded as hung; the holder is then
+    stopped (which is what lets a blocked unbind return) and the revert's end recorded."""
+    if holder is None:
+        record("revert_held", error="no nested QEMU holds a group (see nested_qemu)")
+        return
+    node = f"/dev/vfio/{group_of(holder.bdf)}"
+    data = {"holder_pid": holder.proc.pid, "holder_node": node, "holder_bdf": holder.bdf,
+            "held_before": holder.holds(node)}
+    started, started_at = time.monotonic(), time.time()
+    proc = subprocess.Popen([KATAMGR, "revert", *LOGGING], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        # Generous: under TCG the interpreter's start-up alone takes tens of seconds;
+        # work_s (below) is what tells a refusal from a hang.
+        stdout, stderr = proc.communicate(timeout=180)
+        data.update(rc=proc.returncode, timed_out=False)
+    except subprocess.TimeoutExpired:
+        data.update(timed_out=True, dmesg_while_hung=dmesg_tail())
+        holder.stop()
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        data.update(rc=proc.returncode)
+    data.update(timing(started_at, stderr), seconds=round(time.monotonic() - started, 2), stdout=stdout,
+                stderr=stderr, held_after=holder.holds(node), after=snapshot())
+    data["holder_rc"] = holder.stop()
+    record("revert_held", **data)
+
+
+def main() -> int:
+    save()
+    # Imported while the first commands run, on the guest's other CPU.
+    threading.Thread(target=_guarded, args=(import_kubelet_simulator,), daemon=True).start()
+    STAND_INS.update(find_stand_ins())
+    for step in (step_facts, step_original_drivers,
+                 lambda: katamgr("plan", ["plan", "--output", "json", *SELECTION]),
+                 lambda: katamgr("apply", ["apply", *SELECTION])):
+        _guarded(step)
+    plugin = _guarded(Plugin)
+    _guarded(lambda: katamgr("apply_again", ["apply", *SELECTION]))
+    _guarded(lambda: step_plugin(plugin))
+    holder = _guarded(step_nested_qemu)
+    _guarded(step_not_viable)
+    _guarded(lambda: step_revert_while_held(holder))
+    _guarded(lambda: katamgr("revert", ["revert"]))
+    results["dmesg"] = dmesg_tail(200)
+    results["finished"] = True
+    results["seconds"] = round(time.time() - results["started"], 1)
+    save()
+    return 0
+
+
+def _guarded(step):
+    try:
+        return step()
+    except Exception:  # noqa: BLE001 - one broken step must not hide the others
+        name = getattr(step, "__name__", "step")
+        results.setdefault("errors", []).append(f"{name}: {traceback.format_exc()}")
+        save()
+        print(traceback.format_exc(), flush=True)
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,507 @@
+"""A real Linux kernel to test against: Debian's stock kernel booted under QEMU.
+
+What the real-kernel suite (tests/kernel) needs, and nothing about katamgr itself:
+
+- ``fetch_kernel``: the kernel package the apt cache offers for ``linux-image-amd64``
+  (Debian 12: ``linux-image-6.1.0-N-amd64``), fetched with ``apt-get download`` into a
+  cache outside the repository, unpacked with ``dpkg-deb -x`` (never installed on the
+  host) and indexed with ``depmod -b``, so ``modprobe`` in the guest finds its modules;
+- ``build_initramfs``: a busybox-static initramfs, made at test time with ``cpio``,
+  whose ``/init`` loads the 9p, virtio and overlay modules, mounts the host's ``/``
+  (shared read-only over virtio-9p) under a tmpfs overlay and chroots into it, so the
+  guest runs the host's Python and the repository's ``.venv`` unchanged;
+- ``choose_accel``: KVM when ``/dev/kvm`` can run a stock kernel, TCG otherwise;
+- ``boot``: QEMU with the stand-in devices (``Topology``), every wait bounded, the
+  guest's serial console kept in a file for the failure message.
+
+Facts used here and where they come from:
+
+- ``-device intel-iommu`` with ``intremap=on`` and ``caching-mode=on`` gives the guest a
+  VT-d IOMMU whose mappings a nested VFIO user (the guest's own QEMU) can use, the
+  caching mode being what lets the emulator see every mapping; under KVM interrupt
+  remapping needs ``kernel-irqchip=split`` (QEMU wiki "Features/VT-d"; the properties:
+  ``qemu-system-x86_64 -device intel-iommu,help``);
+- each ``pcie-root-port`` is its own IOMMU group behind the emulated VT-d, while the
+  functions behind a ``pcie-pci-bridge`` share one with it, since conventional PCI
+  requests carry the bridge's requester ID (QEMU docs/pcie.txt and
+  docs/pcie_pci_bridge.txt; kernel Documentation/driver-api/vfio.rst, "Groups,
+  Devices, and IOMMUs");
+- ``-fsdev local,...,multidevs=remap`` keeps inode numbers unique when the shared tree
+  spans several host filesystems, ``security_model=none`` passes the host's owners and
+  modes through (QEMU manual, "Invocation", the ``-fsdev`` option); the guest mounts it
+  with ``trans=virtio,version=9p2000.L`` (kernel Documentation/filesystems/9p.rst),
+  ``cache=loose`` for the read-only root;
+- the guest gets its initramfs as a newc cpio archive and starts ``rdinit=`` from it
+  (kernel Documentation/filesystems/ramfs-rootfs-initramfs.rst);
+- devtmpfs creates device nodes without udev (kernel ``CONFIG_DEVTMPFS``, drivers/base/
+  Kconfig), so ``/dev/vfio/N`` appears in the guest although no udev runs there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Where kernels are cached between runs: outside the repository, so a fresh clone
+# (what CI tests) reuses it, and never committed. Override with this variable.
+CACHE_ENV = "KATAMGR_KERNEL_CACHE"
+# Force an accelerator ("kvm" or "tcg") instead of detecting one.
+ACCEL_ENV = "KATAMGR_KERNEL_ACCEL"
+META_PACKAGE = "linux-image-amd64"
+# The modules the initramfs loads before it can reach the host's tree (the rest is
+# loaded later from that tree with modprobe): 9p over virtio-pci, and overlayfs.
+EARLY_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "overlay")
+BUSYBOX = Path("/bin/busybox")
+QEMU = "qemu-system-x86_64"
+
+
+class KernelVmError(Exception):
+    """The real-kernel test bed could not be set up (a missing tool, a failed fetch)."""
+
+
+def which(tool: str) -> str | None:
+    """A tool's path; depmod and modprobe live in sbin, which a user's PATH may lack."""
+    found = shutil.which(tool)
+    if found:
+        return found
+    for directory in ("/usr/sbin", "/sbin", "/usr/bin"):
+        candidate = Path(directory) / tool
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+def _run(argv: Sequence[str], *, timeout: float, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    argv = [which(argv[0]) or argv[0], *argv[1:]]
+    try:
+        result = subprocess.run(  # noqa: S603 - argv lists we build, no shell
+            list(argv), cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False,
+        )
+    except FileNotFoundError as exc:
+        raise KernelVmError(f"{argv[0]} is not installed (run: bash .ci/setup)") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise KernelVmError(f"{' '.join(argv)} took longer than {timeout:g} s") from exc
+    if result.returncode != 0:
+        raise KernelVmError(
+            f"{' '.join(argv)} failed (exit {result.returncode}): {(result.stderr or result.stdout).strip()[-2000:]}"
+        )
+    return result
+
+
+# ---- the kernel ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelTree:
+    """An unpacked kernel package: ``boot/vmlinuz-<release>`` and ``lib/modules/<release>``."""
+
+    package: str  # linux-image-6.1.0-56-amd64
+    release: str  # 6.1.0-56-amd64, what `uname -r` says in the guest
+    root: Path
+
+    @property
+    def vmlinuz(self) -> Path:
+        return self.root / "boot" / f"vmlinuz-{self.release}"
+
+    @property
+    def modules(self) -> Path:
+        return self.root / "lib" / "modules" / self.release
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get(CACHE_ENV)
+    if configured:
+        return Path(configured)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kata-sandbox-manager" / "kernel"
+
+
+def stock_kernel_package() -> str:
+    """The versioned image package ``linux-image-amd64`` points at in the apt cache
+    (``apt-cache depends`` reads the local package lists; nothing is downloaded)."""
+    result = _run(["apt-cache", "depends", META_PACKAGE], timeout=60)
+    for line in result.stdout.splitlines():
+        match = re.match(r"^\s*Depends:\s*(linux-image-\S+)$", line)
+        if match and not match.group(1).endswith(("-dbg", "-unsigned")):
+            return match.group(1)
+    raise KernelVmError(
+        f"apt-cache depends {META_PACKAGE} names no kernel image package; run apt-get update "
+        f"(it said: {result.stdout.strip()[:500]})"
+    )
+
+
+def fetch_kernel(cache: Path | None = None) -> KernelTree:
+    """The stock kernel, downloaded and unpacked once into ``cache`` (default
+    ``cache_dir()``), shared between concurrent runs through a lock file."""
+    cache = cache or cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with _locked(cache / ".lock"):
+        try:
+            package = stock_kernel_package()
+        except KernelVmError:
+            # No apt lists (an offline machine): any kernel unpacked earlier will do.
+            cached = sorted(p for p in cache.glob("linux-image-*") if (p / ".complete").exists())
+            if not cached:
+                raise
+            package = cached[-1].name
+        tree_dir = cache / package
+        if not (tree_dir / ".complete").exists():
+            _unpack(cache, package, tree_dir)
+        releases = sorted(p.name for p in (tree_dir / "lib" / "modules").iterdir())
+        if len(releases) != 1:
+            raise KernelVmError(f"{tree_dir} holds {len(releases)} module trees, expected one")
+        return KernelTree(package, releases[0], tree_dir)
+
+
+def _unpack(cache: Path, package: str, tree_dir: Path) -> None:
+    downloads = cache / "debs"
+    downloads.mkdir(exist_ok=True)
+    debs = sorted(downloads.glob(f"{package}_*.deb"))
+    if not debs:
+        _run(["apt-get", "download", "-q", package], cwd=downloads, timeout=600)
+        debs = sorted(downloads.glob(f"{package}_*.deb"))
+        if not debs:
+            raise KernelVmError(f"apt-get download {package} left no .deb in {downloads}")
+    # Unpacked beside the final place and renamed into it: a killed run leaves no
+    # half tree behind the ".complete" marker.
+    staging = Path(tempfile.mkdtemp(prefix=f".{package}.", dir=cache))
+    try:
+        _run(["dpkg-deb", "-x", str(debs[-1]), str(staging)], timeout=300)
+        releases = [p.name for p in (staging / "lib" / "modules").iterdir()]
+        for release in releases:
+            # modules.dep and friends are made by the package's postinst, which
+            # unpacking does not run.
+            _run(["depmod", "-b", str(staging), release], timeout=300)
+        (staging / ".complete").write_text(debs[-1].name + "\n")
+        if tree_dir.exists():
+            shutil.rmtree(tree_dir)
+        staging.rename(tree_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def module_chain(tree: KernelTree, names: Sequence[str]) -> list[Path]:
+    """The .ko files to insmod, dependencies first, for ``names`` (modprobe's own order)."""
+    chain: list[Path] = []
+    for name in names:
+        result = _run(["modprobe", "-d", str(tree.root), "-S", tree.release, "--show-depends", name], timeout=30)
+        for line in result.stdout.splitlines():
+            parts = line.split()
+            if parts[:1] == ["insmod"]:
+                path = Path(parts[1])
+                if path not in chain:
+                    chain.append(path)
+            # "builtin NAME" lines need nothing loaded.
+    return chain
+
+
+# ---- the initramfs -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GuestCommand:
+    """What the guest's init runs once it has chrooted into the host's tree."""
+
+    argv: tuple[str, ...]
+    cwd: str
+    env: dict[str, str]
+    # Host dirs the guest writes into, each its own writable 9p share mounted at the
+    # same path in the guest (its tag is share<N> in this order).
+    writable: tuple[str, ...] = ()
+    # Dirs that start empty in the guest, so nothing the host left there (node state,
+    # sockets, CDI specs) is seen by the commands under test: a tmpfs on /run, as on
+    # any booted system; the others deleted in the overlay (the host keeps them), so
+    # the commands may create and remove them as on a node.
+    tmpfs: tuple[str, ...] = ("/run",)
+    removed: tuple[str, ...] = ("/var/lib/kata-sandbox-manager", "/var/lib/kubelet", "/etc/cdi")
+
+
+INIT_STARTED = "kernelvm: init started"
+INIT_CHROOT = "kernelvm: running the guest command"
+INIT_DONE = "kernelvm: guest command exited"
+
+
+def init_script(tree: KernelTree, modules: Sequence[str], command: GuestCommand) -> str:
+    """The initramfs's /init (busybox sh). Every value is quoted by ``_q``."""
+    lines = [
+        "#!/bin/busybox sh",
+        "/bin/busybox --install -s /bin",
+        "export PATH=/bin",
+        "mount -t proc proc /proc",
+        "mount -t sysfs sysfs /sys",
+        "mount -t devtmpfs devtmpfs /dev",
+        f"echo {_q(INIT_STARTED)} > /dev/ttyS0",
+    ]
+    lines += [f"insmod /modules/{_q(name)} || echo 'kernelvm: insmod {name} failed'" for name in modules]
+    lines += [
+        "mkdir -p /lower /rw /newroot",
+        # The host's / read-only, page cache on (cache=loose): the tree does not
+        # change under the guest while it runs.
+        "mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=262144 hostroot /lower",
+        "mount -t tmpfs -o mode=0755 rw /rw",
+        "mkdir -p /rw/upper /rw/work",
+        "mount -t overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/work overlay /newroot",
+        "mount -t proc proc /newroot/proc",
+        "mount -t sysfs sysfs /newroot/sys",
+        "mount -t devtmpfs devtmpfs /newroot/dev",
+        "mkdir -p /newroot/dev/pts /newroot/dev/shm",
+        "mount -t devpts devpts /newroot/dev/pts",
+        "mount -t tmpfs tmpfs /newroot/dev/shm",
+    ]
+    for path in command.tmpfs:
+        lines += [f"mkdir -p /newroot{_q(path)}", f"mount -t tmpfs -o mode=0755 fresh /newroot{_q(path)}"]
+    for path in command.removed:
+        lines.append(f"rm -rf /newroot{_q(path)}")
+    for index, path in enumerate(command.writable):
+        lines += [
+            f"mkdir -p /newroot{_q(path)}",
+            f"mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 share{index} /newroot{_q(path)}",
+        ]
+    # The unpacked kernel's modules where modprobe (and katamgr) look for them:
+    # /lib/modules/$(uname -r) of the guest's root.
+    lines += [
+        "mkdir -p /newroot/lib/modules",
+        f"ln -sfn {_q(str(tree.modules))} /newroot/lib/modules/{_q(tree.release)}",
+        "ip link set lo up",
+        f"echo {_q(INIT_CHROOT)} > /dev/ttyS0",
+    ]
+    env = " ".join(_q(f"{k}={v}") for k, v in sorted(command.env.items()))
+    argv = " ".join(_q(a) for a in command.argv)
+    lines += [
+        f"chroot /newroot /usr/bin/env -i -C {_q(command.cwd)} {env} {argv} < /dev/null > /dev/ttyS0 2>&1",
+        f'echo "{INIT_DONE} $?" > /dev/ttyS0',
+        "sync",
+        # Power off rather than return: init exiting panics the kernel.
+        "poweroff -f",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _q(value: str) -> str:
+    """Single-quote for busybox sh."""
+    return "'" + value.replace("'", "'\"'\"'") + "'"
+
+
+def build_initramfs(tree: KernelTree, command: GuestCommand, into: Path) -> Path:
+    """A newc cpio archive (the kernel's initramfs format, Documentation/filesystems/
+    ramfs-rootfs-initramfs.rst) with busybox, the early modules and /init."""
+    if not BUSYBOX.exists():
+        raise KernelVmError(f"{BUSYBOX} is missing: install busybox-static (run: bash .ci/setup)")
+    staging = into / "initramfs"
+    for sub in ("bin", "dev", "proc", "sys", "modules"):
+        (staging / sub).mkdir(parents=True, exist_ok=True)
+    shutil.copy2(BUSYBOX, staging / "bin" / "busybox")
+    names = []
+    for ko in module_chain(tree, EARLY_MODULES):
+        shutil.copy2(ko, staging / "modules" / ko.name)
+        names.append(ko.name)
+    init = staging / "init"
+    init.write_text(init_script(tree, names, command))
+    init.chmod(0o755)
+    members = sorted(str(p.relative_to(staging)) for p in staging.rglob("*"))
+    archive = into / "initramfs.cpio"
+    with open(archive, "wb") as out:
+        try:
+            result = subprocess.run(  # noqa: S603
+                ["cpio", "--quiet", "-o", "-H", "newc"], cwd=staging, input="\n".join(members).encode(),
+                stdout=out, stderr=subprocess.PIPE, timeout=60, check=False,
+            )
+        except FileNotFoundError as exc:
+            raise KernelVmError("cpio is not installed (run: bash .ci/setup)") from exc
+    if result.returncode != 0:
+        raise KernelVmError(f"cpio failed: {result.stderr.decode(errors='replace')}")
+    return archive
+
+
+# ---- QEMU ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Accel:
+    name: str  # "kvm" or "tcg"
+    why: str
+
+    @property
+    def argv(self) -> list[str]:
+        if self.name == "kvm":
+            # Interrupt remapping under KVM needs the split irqchip (QEMU's intel-iommu).
+            return ["-accel", "kvm", "-cpu", "host", "-machine", "q35,kernel-irqchip=split"]
+        return ["-accel", "tcg,thread=multi", "-machine", "q35"]
+
+
+def choose_accel() -> Accel:
+    """KVM when it can run a stock kernel here, else TCG.
+
+    A ``/dev/kvm`` we cannot open, or one served only by ``kvm_pvm`` (the
+    Pagetable-based Virtual Machine, which runs only PVM-aware guest kernels and
+    not Debian's), means TCG. Otherwise KVM is tried; ``boot`` falls back to TCG
+    when the kernel prints nothing under it."""
+    forced = os.environ.get(ACCEL_ENV)
+    if forced in ("kvm", "tcg"):
+        return Accel(forced, f"{ACCEL_ENV}={forced}")
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        return Accel("tcg", f"/dev/kvm cannot be opened ({exc.strerror})")
+    os.close(fd)
+    modules = Path("/sys/module")
+    if (modules / "kvm_pvm").exists() and not any((modules / m).exists() for m in ("kvm_intel", "kvm_amd")):
+        return Accel("tcg", "/dev/kvm is kvm_pvm, which cannot run a stock kernel")
+    return Accel("kvm", "/dev/kvm is usable")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The stand-in PCI devices: QEMU's ``edu`` (1234:11e8, no Linux driver) and
+    ``VGA`` (1234:1111, Linux's ``bochs``) each behind its own ``pcie-root-port``
+    (own IOMMU group), and an ``edu`` with an ``e1000`` NIC (8086:100e, Linux's
+    ``e1000``) behind a ``pcie-pci-bridge`` (one group shared with the NIC)."""
+
+    def argv(self) -> list[str]:
+        return [
+            "-device", "pcie-root-port,id=rp1,chassis=1,slot=1",
+            "-device", "edu,bus=rp1",
+            "-device", "pcie-root-port,id=rp2,chassis=2,slot=2",
+            "-device", "VGA,bus=rp2",
+            "-device", "pcie-root-port,id=rp3,chassis=3,slot=3",
+            "-device", "pcie-pci-bridge,id=br3,bus=rp3",
+            "-device", "edu,bus=br3,addr=1",
+            # No option ROM: the guest boots with -kernel, and the ipxe ROMs are a
+            # recommends-only package.
+            "-device", "e1000,bus=br3,addr=2,romfile=",
+        ]
+
+
+@dataclass
+class GuestRun:
+    accel: Accel
+    returncode: int | None
+    timed_out: str | None  # why the run was cut short, None when the guest powered off
+    console: Path
+    boot_s: float | None  # until the initramfs's init ran
+    total_s: float
+    attempts: list[str] = field(default_factory=list)
+
+    def console_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.console.read_text(errors="replace")
+        except OSError:
+            return "(no console output)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def qemu_argv(tree: KernelTree, initramfs: Path, command: GuestCommand, accel: Accel, console: Path,
+              topology: Topology, *, memory_mb: int = 1536, cpus: int = 2) -> list[str]:
+    argv = [
+        QEMU, *accel.argv,
+        "-m", str(memory_mb), "-smp", str(cpus),
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-chardev", f"file,id=console,path={console}", "-serial", "chardev:console",
+        "-device", "intel-iommu,intremap=on,caching-mode=on",
+        "-kernel", str(tree.vmlinuz), "-initrd", str(initramfs),
+        "-append", " ".join([
+            "console=ttyS0", "intel_iommu=on", "iommu=pt",
+            # A panic ends the run at once (with -no-reboot QEMU exits).
+            "panic=-1", "rdinit=/init",
+            "8250.nr_uarts=1",
+        ]),
+        "-fsdev", "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
+        "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
+    ]
+    for index, path in enumerate(command.writable):
+        argv += [
+            "-fsdev", f"local,id=share{index},path={path},security_model=none,multidevs=remap",
+            "-device", f"virtio-9p-pci,fsdev=share{index},mount_tag=share{index}",
+        ]
+    return argv + topology.argv()
+
+
+def boot(tree: KernelTree, command: GuestCommand, workdir: Path, *, topology: Topology | None = None,
+         boot_timeout: float = 90.0, total_timeout: float = 300.0, accel: Accel | None = None) -> GuestRun:
+    """Boot the guest, run ``command`` in it, wait for it to power off.
+
+    Bounded twice: the initramfs's init must start within ``boot_timeout`` and the
+    whole run end within ``total_timeout``; past either QEMU is killed and the run
+    says which. Under KVM a kernel that prints nothing within 15 s is taken for a
+    KVM that cannot run it, and the run starts again under TCG."""
+    if which(QEMU) is None:
+        raise KernelVmError(f"{QEMU} is not installed: install qemu-system-x86 (run: bash .ci/setup)")
+    topology = topology or Topology()
+    initramfs = build_initramfs(tree, command, workdir)
+    accel = accel or choose_accel()
+    attempts: list[str] = []
+    started = time.monotonic()
+    while True:
+        console = workdir / f"console-{accel.name}.log"
+        run = _boot_once(tree, initramfs, command, accel, console, topology, boot_timeout,
+                         total_timeout - (time.monotonic() - started), kernel_deadline=15.0 if accel.name == "kvm" else None)
+        attempts.append(f"{accel.name} ({accel.why}): {run.timed_out or 'ran'}")
+        if accel.name == "kvm" and run.timed_out and run.timed_out.startswith("no kernel output"):
+            accel = Accel("tcg", "the kernel printed nothing under KVM")
+            continue
+        run.attempts = attempts
+        run.total_s = time.monotonic() - started
+        return run
+
+
+def _boot_once(tree, initramfs, command, accel, console, topology, boot_timeout, total_timeout,
+               kernel_deadline) -> GuestRun:
+    console.write_bytes(b"")
+    argv = qemu_argv(tree, initramfs, command, accel, console, topology)
+    log = console.with_suffix(".qemu.log")
+    started = time.monotonic()
+    with open(log, "wb") as qemu_log:
+        proc = subprocess.Popen(  # noqa: S603
+            argv, stdin=subprocess.DEVNULL, stdout=qemu_log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    boot_s = None
+    timed_out = None
+    try:
+        while proc.poll() is None:
+            elapsed = time.monotonic() - started
+            text = console.read_bytes()
+            if boot_s is None and INIT_STARTED.encode() in text:
+                boot_s = elapsed
+            if kernel_deadline is not None and not text.strip() and elapsed > kernel_deadline:
+                timed_out = f"no kernel output within {kernel_deadline:g} s"
+                break
+            if boot_s is None and elapsed > boot_timeout:
+                timed_out = f"the initramfs did not start within {boot_timeout:g} s"
+                break
+            if elapsed > total_timeout:
+                timed_out = f"the guest did not power off within {total_timeout:g} s"
+                break
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            # The whole process group: QEMU starts no children, but be sure.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    if proc.returncode not in (0, None) and timed_out is None:
+        qemu_said = log.read_text(errors="replace").strip()
+        timed_out = None
+        if qemu_said:
+            with open(console, "a") as handle:
+                handle.write(f"\n[qemu exited {proc.returncode}] {qemu_said}\n")
+    return GuestRun(accel, proc.returncode, timed_out, console, boot_s, time.monotonic() - started)
