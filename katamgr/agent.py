@@ -398,7 +398,7 @@ class Agent:
         """Remember what a leave kept (given back once free) and log a new wait once."""
         self.held = set(report.held) | set(report.waiting)
         if report.waiting != self._waiting and report.waiting:
-            log.info("%s", next(w for w in report.warnings if w.startswith("no GPU given back yet")))
+            log.info("%s", next(w for w in report.warnings if w.startswith("kept on vfio-pci:")))
         self._waiting = dict(report.waiting)
 
     def bind_freed(self) -> None:
@@ -516,16 +516,14 @@ def _change(old: Steps, old_out: frozenset[Operand], new: Steps, out: frozenset[
 
 def _left(report: LeaveReport) -> str:
     """What giving the GPUs back did, in one sentence."""
+    what = (f"gave {', '.join(report.restored)} back to their drivers" if report.restored
+            else "no free GPU to give back")
+    if report.held:
+        what += "; kept on vfio-pci, held by running VMs or pods: " + "; ".join(
+            f"{bdf} ({', '.join(who)})" for bdf, who in sorted(report.held.items()))
     if report.waiting:
-        what = "no GPU given back yet: " + "; ".join(
-            f"{bdf} is given to {', '.join(who)}" for bdf, who in sorted(report.waiting.items())
-        ) + ", whose VM has not opened it yet (tried again until it does or the pod is gone)"
-    else:
-        what = (f"gave {', '.join(report.restored)} back to their drivers" if report.restored
-                else "no free GPU to give back")
-        if report.held:
-            what += "; kept on vfio-pci, held by running VMs or pods: " + "; ".join(
-                f"{bdf} ({', '.join(who)})" for bdf, who in sorted(report.held.items()))
+        what += (f"; {', '.join(sorted(report.waiting))} not opened by its VM yet, "
+                 "given back once its pod is gone")
     if report.pods_unknown:
         what += (f"; could not ask the kubelet which pods hold GPUs ({report.pods_unknown}): "
                  "only the GPUs a running VM holds open were kept")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -354,15 +355,21 @@ def vfio_holders(host: HostRoot, bdf: str, group: int | None) -> list[holders.Ho
     return holders.holders(host, paths)
 
 
-def unbind_all(host: HostRoot, *, force: bool = False) -> BindReport:
+def unbind_all(host: HostRoot, *, force: bool = False, keep: Collection[str] = ()) -> BindReport:
     """Put every device katamgr moved back on the driver it had.
 
     A device whose VFIO node a process (a VM) holds open is left alone unless
     forced: Linux would block the unbind and ask the VM to give the GPU up.
+    ``keep`` names devices to leave on vfio-pci whatever holds them (a GPU the
+    kubelet gave a pod whose VM has not opened it yet); the rest of each one's
+    IOMMU group stays with it, since a group moves whole.
     """
     report = BindReport()
     state = _state(host)
+    kept_groups = {state["devices"][bdf].get("group") for bdf in keep if bdf in state["devices"]}
     for bdf, record in sorted(state["devices"].items()):
+        if bdf in keep or (record.get("group") is not None and record.get("group") in kept_groups):
+            continue
         if not host.path(f"{sysfs.PCI_DEVICES}/{bdf}").exists():
             report.changes.append(f"forgot {bdf}: the device is gone from the host")
             state["devices"].pop(bdf)

@@ -15,6 +15,7 @@ from katamgr.host.inventory import Inventory, Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import unit_head
 from katamgr.host.pci import Device
+from katamgr.host.pciids import DEFAULT_PCI_IDS
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action, GroupDecision, VfioModule
 
@@ -150,6 +151,13 @@ def _naming_notes(inv: Inventory, naming: Naming, decisions: list[GroupDecision]
             notes[derived.name] = (f"{device.id_string()} is advertised as {derived.name}, not "
                                    f"{derived.rule_result} as the {naming.rule.value} naming rule gives: "
                                    + "; ".join(derived.adjustments))
+    if naming.pci_ids.path is None and inv.passthrough:
+        # Seen on a real H100 VM: no hwdata, and nothing said the names would
+        # change (for every pod spec) once it is installed.
+        example = naming.resource(inv.passthrough[0])
+        notes["pci.ids"] = (f"no pci.ids database was found ({', '.join(DEFAULT_PCI_IDS)}), so resource names "
+                            f"are made of PCI ids ({example}) instead of model names; install hwdata, or pass "
+                            f"--pci-ids FILE, on every node so that names agree across nodes")
     return list(notes.values())
 
 

@@ -207,9 +207,8 @@ def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: 
     Held means: a process (a Kata VM's QEMU) has the group's ``/dev/vfio`` node open, or
     the kubelet gave the device to a pod (PodResources ``List``, through ``pod_devices``;
     default: the node's kubelet socket). A GPU given to a pod whose VM has not opened it
-    yet (the VM is starting) can only be kept by giving nothing back this time: the
-    unbind takes every free group at once, so the step waits (``LeaveReport.waiting``)
-    and the caller tries again; once the VM holds its node the free GPUs go. A kubelet
+    yet (the VM is starting) is kept too (``LeaveReport.waiting``) and the free GPUs go
+    at once; the caller tries again, so the kept one goes once its pod is gone. A kubelet
     that cannot be asked is reported and only the VMs' open nodes count."""
     release = steps.vfio if release is None else release
     readiness_owned = release if readiness_owned is None else readiness_owned
@@ -242,15 +241,13 @@ def _release_devices(host: HostRoot, naming: Naming, report: LeaveReport,
     report.waiting = {bdf: who for bdf, who in report.pods.items()
                       if not vfio.vfio_holders(host, bdf, recorded[bdf].get("group"))}
     if report.waiting:
-        # Everything stays this time, the free GPUs too: the caller tries again.
-        report.held = {bdf: report.pods.get(bdf, []) for bdf in recorded}
         report.warnings.append(
-            "no GPU given back yet: " + "; ".join(f"{bdf} is given to {', '.join(who)}"
-                                                  for bdf, who in sorted(report.waiting.items()))
-            + ", whose VM has not opened it yet; tried again until that VM holds it or the pod is gone")
-        return
+            "kept on vfio-pci: " + "; ".join(f"{bdf} is given to {', '.join(who)}"
+                                              for bdf, who in sorted(report.waiting.items()))
+            + ", whose VM has not opened it yet; it goes back once the pod is gone")
     before = set(recorded)
-    result = vfio.unbind_all(host, force=False)
+    # The pods' GPUs stay whether or not their VM holds them yet; the free ones go now.
+    result = vfio.unbind_all(host, force=False, keep=set(report.pods))
     report.changes += result.changes
     vms = {bdf: [str(h) for h in who] for bdf, who in result.held.items()}
     report.held = {bdf: vms.get(bdf, []) + report.pods.get(bdf, []) for bdf in {*vms, *report.pods}}

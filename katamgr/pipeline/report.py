@@ -38,6 +38,6 @@ class LeaveReport(Report):
     restored: list[str] = field(default_factory=list)  # BDFs given back to their drivers
     held: dict[str, list[str]] = field(default_factory=dict)  # BDFs left on vfio-pci: who holds them
     pods: dict[str, list[str]] = field(default_factory=dict)  # BDFs the kubelet gave pods: which pods
-    # BDFs given to a pod whose VM has not opened them yet: nothing was given back this time
+    # BDFs given to a pod whose VM has not opened them yet: kept (with their group) for the pod
     waiting: dict[str, list[str]] = field(default_factory=dict)
     pods_unknown: str | None = None  # why the kubelet could not say which pods hold GPUs

@@ -255,3 +255,15 @@ def test_device_on_pci_stub_in_group_does_not_block(tmp_path):
     plan = build_plan(host, naming())
     assert plan.resources == {"nvidia.com/GA102GL_A10": 1}
     assert plan.warnings == []
+
+
+def test_plan_says_when_names_fall_back_to_pci_ids_for_want_of_a_database(tmp_path):
+    """Seen on a real H100 VM (Firecracker, no hwdata): without pci.ids every name
+    silently became the hex id; the plan must say so, since installing hwdata
+    later renames the resource under every pod spec."""
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)])
+    plan = build_plan(host, Naming(PciIds(None)))
+    assert plan.resources == {"nvidia.com/PCI_2236": 1}
+    [note] = [n for n in plan.naming_notes if "pci.ids" in n]
+    assert "nvidia.com/PCI_2236" in note and "--pci-ids" in note and "hwdata" in note
+    assert not any("pci.ids" in n for n in build_plan(host, naming()).naming_notes)

@@ -263,7 +263,7 @@ def pod_resources(host, pods):
     return server
 
 
-def test_a_gpu_given_to_a_pod_whose_vm_is_starting_keeps_the_switch_waiting(caplog):
+def test_a_gpu_given_to_a_pod_whose_vm_is_starting_stays_and_the_free_one_goes(caplog):
     caplog.set_level("INFO", logger="katamgr.agent")
     host = short_host([dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
     pods = [PodRecord("default", "vm-a", [ContainerRecord("cuda", {A10: [HELD.lower()]})])]
@@ -279,19 +279,22 @@ def test_a_gpu_given_to_a_pod_whose_vm_is_starting_keeps_the_switch_waiting(capl
             thread = run_loop(agent)
             try:
                 # The kubelet gave HELD to pod vm-a; its VM is still booting (no open node).
+                # HELD stays for it; FREE, which nobody has, goes back at once.
                 relabel(api, "container")
                 assert wait_for(lambda: agent.steps.workload is Workload.CONTAINER)
-                assert driver_of(host, HELD) == driver_of(host, FREE) == "vfio-pci"
+                assert driver_of(host, HELD) == "vfio-pci" and driver_of(host, FREE) == "nvidia"
+                assert agent.held == {HELD}
                 [line] = [r.getMessage() for r in caplog.records if "workload switch" in r.getMessage()]
-                assert (f"no GPU given back yet: {HELD} is given to pod default/vm-a (container cuda, {A10}), "
-                        "whose VM has not opened it yet") in line
+                assert f"gave {FREE} back to their drivers" in line
+                assert f"{HELD} (pod default/vm-a (container cuda, {A10}))" in line
+                assert f"{HELD} not opened by its VM yet" in line
                 time.sleep(0.3)  # tried again every check, said once
-                assert sum("no GPU given back yet" in r.getMessage() for r in caplog.records) == 2
-                # The VM is up and holds its GPU: now the free one goes, the pod's stays.
+                assert sum(r.getMessage().startswith("kept on vfio-pci:") for r in caplog.records) == 1
+                assert "/dev/vfio/4" in cdi_text(host) and "/dev/vfio/5" not in cdi_text(host)
+                # The VM is up and holds its GPU: it stays.
                 vm = hold(host, 4)
-                assert wait_for(lambda: agent.held == {HELD})
-                assert driver_of(host, FREE) == "nvidia" and driver_of(host, HELD) == "vfio-pci"
-                assert f"/dev/vfio/{4}" in cdi_text(host) and "/dev/vfio/5" not in cdi_text(host)
+                time.sleep(0.2)
+                assert agent.held == {HELD} and driver_of(host, HELD) == "vfio-pci"
                 # Pod and VM gone: the last GPU goes back too, with no relabel.
                 pods.clear()
                 vm.unlink()
