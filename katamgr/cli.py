@@ -31,7 +31,6 @@ from katamgr.host.workload import (
     describe_opt_outs,
     resolve_workload,
 )
-from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import plan_text, print_report
@@ -40,6 +39,7 @@ from katamgr.simulator.profiles import find_profile, shipped_names
 
 if TYPE_CHECKING:
     from katamgr.config import KataManagerConfig
+    from katamgr.pipeline.kata_runtime import KataContext
 
 log = logging.getLogger("katamgr")
 
@@ -270,11 +270,14 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
         from katamgr import cluster  # the Kubernetes client costs a second: only when it is used
     api = cluster.connect() if wants_cluster and not is_simulated(host) else None
     if args.workload == AUTO:
-        from katamgr.host.kube import read_node_labels
+        def read_labels(node: str):
+            from katamgr.host.kube import read_node_labels  # the Kubernetes client: only to ask
+
+            return read_node_labels(api, node)
 
         resolved = resolve_workload(
             args.node_name,
-            (lambda node: read_node_labels(api, node)) if api is not None else None,
+            read_labels if api is not None else None,
             default=args.default_workload,
             # Run by hand with no cluster to ask: the operator is here to set the node up.
             fallback=lambda: (Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"),
@@ -289,6 +292,8 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
     steps = Steps(vfio=not args.no_vfio, cdi=not args.no_cdi, kata=not args.no_kata, workload=workload)
     ctx = None
     if config is not None:
+        from katamgr.pipeline.kata_runtime import KataContext
+
         ctx = KataContext(config, api, cluster.agent_namespace())
     return NodeSetup(steps, ctx, api, why, opted_out)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from katamgr.host import readiness, vfio
 from katamgr.host.inventory import discover
@@ -19,11 +20,13 @@ from katamgr.host.root import HostRoot
 from katamgr.host.toolkit import isolation_problem, read_toolkit_config, toml_value
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Operand, Workload
-from katamgr.pipeline import cdi_specs, kata_runtime
+from katamgr.pipeline import cdi_specs
 from katamgr.pipeline.devices import apply_host, revert_host
-from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import LeaveReport, Report
+
+if TYPE_CHECKING:
+    from katamgr.pipeline.kata_runtime import KataContext
 
 PASSTHROUGH = Workload.VM_PASSTHROUGH
 # How long a second katamgr waits for the one holding the node lock (--wait).
@@ -60,6 +63,15 @@ def _root_ports(plan: Plan) -> int:
     return sum(1 for d in plan.devices if d.kind in ("gpu", "nvswitch", "included") and d.action in ("bind", "keep"))
 
 
+def _kata_runtime():
+    # The Kata step brings pydantic's config models, the artifact installer and
+    # containerd's settings (a quarter of plan's start-up): loaded only by a
+    # command that has a Kata context, or a revert that looks for its records.
+    from katamgr.pipeline import kata_runtime
+
+    return kata_runtime
+
+
 def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None,
               *, force: bool = False, workload_why: str = "") -> Plan:
     plan = build_plan(host, naming, force=force)
@@ -72,7 +84,7 @@ def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
                                                    naming))
     if steps.kata and kata_ctx is not None:
         ctx = _with_root_ports(kata_ctx, plan)
-        plan.sections += kata_runtime.plan_sections(host, ctx, enable_cdi=steps.cdi)
+        plan.sections += _kata_runtime().plan_sections(host, ctx, enable_cdi=steps.cdi)
     return plan
 
 
@@ -145,7 +157,7 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         return report
     checked = None
     if steps.kata and kata_ctx is not None:
-        checked = kata_runtime.preflight(host, kata_ctx, enable_cdi=steps.cdi)
+        checked = _kata_runtime().preflight(host, kata_ctx, enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
     rescan = False
     if steps.vfio:
@@ -158,7 +170,7 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         # The plan's scan still holds unless devices just moved driver.
         report.merge(cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory, naming))
     if steps.kata and kata_ctx is not None:
-        report.merge(kata_runtime.apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
+        report.merge(_kata_runtime().apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
                                         checked=checked))
     return report
 
@@ -179,8 +191,8 @@ def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, f
                 delete_runtime_classes: bool) -> Report:
     report = Report()
     if steps.kata and kata_ctx is not None:
-        report.merge(kata_runtime.revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
-    elif steps.kata and kata_runtime.changes_recorded(host):
+        report.merge(_kata_runtime().revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
+    elif steps.kata and _kata_runtime().changes_recorded(host):
         report.failures.append(
             "katamgr has Kata changes recorded on this node (containerd config, artifacts); "
             "pass the same --config FILE that applied them to revert them too")
