@@ -141,12 +141,29 @@ def find_stand_ins() -> dict[str, str | None]:
     return found
 
 
-def dmesg_tail(lines: int = 40) -> list[str]:
+def dmesg() -> list[str]:
     try:
         out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return out.splitlines()[-lines:]
+    return out.splitlines()
+
+
+def dmesg_tail(lines: int = 40) -> list[str]:
+    return dmesg()[-lines:]
+
+
+# What vfio-pci logs the moment an unbind starts waiting for a device a user holds:
+# it asks the user to release it ("Relaying device request to user (#0)", or without
+# a request channel "No device request channel registered, blocked until released by
+# user"), then the writer waits (Linux 6.1 drivers/vfio/pci/vfio_pci_core.c,
+# vfio_pci_core_request; drivers/vfio/vfio_main.c, vfio_unregister_group_dev).
+UNBIND_WAITS = ("Relaying device request to user", "blocked until released by user",
+                "blocked until device is released")
+
+
+def unbind_waits(lines: list[str], bdf: str) -> list[str]:
+    return [line for line in lines if bdf in line and any(w in line for w in UNBIND_WAITS)]
 
 
 STAND_INS: dict[str, str | None] = {}
@@ -421,16 +438,50 @@ def step_nested_qemu() -> NestedQemu | None:
         bdf = STAND_INS[name]
         if bdf and driver_of(bdf) == "vfio-pci":
             machines[name] = NestedQemu(bdf)
+    blocked = None
     for name, machine in machines.items():
         node = f"/dev/vfio/{group_of(machine.bdf)}"
         opened[name] = machine.wait_open(node, timeout=60)
         opened[name]["bdf"] = machine.bdf
         if name == "edu" and opened[name]["held"]:
             holder = machine
+        elif name == "vga" and opened[name]["held"]:
+            blocked = _blocked_unbind(machine)
         else:
             machine.stop()
-    record("nested_qemu", opened=opened, skipped=[n for n in ("edu", "vga") if n not in machines])
+    record("nested_qemu", opened=opened, skipped=[n for n in ("edu", "vga") if n not in machines],
+           blocked_unbind=blocked)
     return holder
+
+
+def _blocked_unbind(machine: NestedQemu) -> dict:
+    """The kernel fact behind "never unbind a held device": an ``unbind`` written for a
+    device whose group QEMU holds does not return until QEMU lets go. Written here by
+    ``tee`` (one write(2)); the QEMU is then stopped, the write returns, and the
+    device is probed back onto vfio-pci (its driver_override still names it)."""
+    bdf = machine.bdf
+    lines_before = len(dmesg())
+    data: dict = {"bdf": bdf}
+    writer = subprocess.Popen(["tee", str(PCI / "drivers" / "vfio-pci" / "unbind")], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    writer.stdin.write(bdf)
+    writer.stdin.close()
+    time.sleep(3)
+    data["writer_blocked_after_3s"] = writer.poll() is None
+    data["dmesg"] = dmesg()[lines_before:]
+    released = time.monotonic()
+    machine.stop()
+    try:
+        writer.wait(timeout=30)
+        data["writer_rc"] = writer.returncode
+        data["returned_after_release_s"] = round(time.monotonic() - released, 2)
+    except subprocess.TimeoutExpired:
+        data["writer_rc"] = None
+        writer.kill()
+    data["driver_after_release"] = driver_of(bdf)
+    data["reprobe"] = sysfs_write(PCI / "drivers_probe", bdf)
+    data["driver_after_reprobe"] = driver_of(bdf)
+    return data
 
 
 def step_not_viable() -> None:
@@ -467,6 +518,7 @@ def step_revert_while_held(holder: NestedQemu | None) -> None:
         record("revert_held", error="no nested QEMU holds a group (see nested_qemu)")
         return
     node = f"/dev/vfio/{group_of(holder.bdf)}"
+    lines_before = len(dmesg())
     data = {"holder_pid": holder.proc.pid, "holder_node": node, "holder_bdf": holder.bdf,
             "held_before": holder.holds(node)}
     started, started_at = time.monotonic(), time.time()
@@ -488,6 +540,8 @@ def step_revert_while_held(holder: NestedQemu | None) -> None:
         data.update(rc=proc.returncode)
     data.update(timing(started_at, stderr), seconds=round(time.monotonic() - started, 2), stdout=stdout,
                 stderr=stderr, held_after=holder.holds(node), after=snapshot())
+    # Whether katamgr wrote unbind for the held device all the same (the kernel says so).
+    data["unbind_waits"] = unbind_waits(dmesg()[lines_before:], holder.bdf)
     data["holder_rc"] = holder.stop()
     record("revert_held", **data)
 
