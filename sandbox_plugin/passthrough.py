@@ -13,7 +13,9 @@ resource (``example.com/edu``).
 A unit's ID is its first PCI address (lowercased), so it is stable across
 plugin restarts and reboots. It is Healthy while every endpoint of the group
 is on vfio-pci (or driverless) and its device nodes exist (``/dev/vfio/<group>``,
-or each device's ``/dev/vfio/devices/vfioN`` on iommufd hosts).
+or each device's ``/dev/vfio/devices/vfioN`` on iommufd hosts). A unit whose
+device leaves vfio-pci behind our back stays listed, Unhealthy, until the
+device is back or unplugged.
 
 ``PassthroughDiscovery.refresh()`` rescans and pushes the result into one
 ``PassthroughResource`` per name; the watcher (``sandbox_plugin.watch``) calls
@@ -29,6 +31,7 @@ that now means another GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -152,7 +155,12 @@ class PassthroughResource(Resource):
         """Replace the units; notify ListAndWatch and log what changed. True if anything did."""
         new = {u.id: u for u in units}
         with self._lock:
-            old, self._units = self._units, new
+            old = self._units
+            for unit_id in old.keys() - new.keys():
+                kept = self._departed(old[unit_id])
+                if kept is not None:
+                    new[unit_id] = kept
+            self._units = new
         if old == new:
             return False
         name = self.resource_name
@@ -168,13 +176,25 @@ class PassthroughResource(Resource):
             log.info("%s: device %s (IOMMU group %d, %s) appeared, %s%s", name, unit_id,
                      unit.group, ", ".join(unit.bdfs), unit.health, _because(unit))
         for unit_id in sorted(old.keys() - new.keys()):
-            log.info("%s: device %s left (no longer on vfio-pci or unplugged)", name, unit_id)
+            log.info("%s: device %s left (unplugged)", name, unit_id)
         for unit_id in sorted(old.keys() & new.keys()):
             before, after = old[unit_id], new[unit_id]
             if before.health != after.health:
                 log.info("%s: device %s is now %s%s", name, unit_id, after.health, _because(after))
         self.changes.notify()
         return True
+
+    def _departed(self, unit: PassthroughUnit) -> PassthroughUnit | None:
+        """A unit the scan no longer finds: still listed, Unhealthy, while its device is on
+        the host (someone unbound it behind our back, a pod may hold it: the kubelet must
+        see it fail, not vanish); dropped once the device is unplugged."""
+        now = pci.read_binding(self.host, unit.id)
+        if now.vendor is None:
+            return None
+        reason = f"{unit.id} left vfio-pci (driver: {now.driver or 'none'})"
+        if unit.health == UNHEALTHY and unit.reason == reason:
+            return unit
+        return dataclasses.replace(unit, health=UNHEALTHY, reason=reason)
 
     # -- Resource -------------------------------------------------------------
 

@@ -72,3 +72,10 @@ def test_driver_override_is_written_directly(tmp_path):
     override.write_text("")
     host.kernel.write(host, "/sys/bus/pci/devices/0000:01:00.0/driver_override", "vfio-pci\n")
     assert override.read_text() == "vfio-pci\n"
+
+
+def test_a_missing_control_file_is_never_created(tmp_path):
+    host = _root(tmp_path, LinuxKernel())
+    with pytest.raises(HostError, match="cannot open /sys/bus/pci/drivers/vfio-pci/unbind for writing"):
+        host.kernel.write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:01:00.0")
+    assert not host.path("/sys/bus/pci/drivers/vfio-pci/unbind").exists()

@@ -207,8 +207,11 @@ def test_allocate_refuses_unknown_and_unbound_devices(sim_host, serve):
     with pytest.raises(grpc.RpcError) as gone:
         kubelet.allocate(A10, ["0000:17:00.0", "0000:31:00.0"])
     assert "0000:31:00.0" in gone.value.details()
-    # ... and the kubelet learns that the device left.
-    kubelet.wait_for(lambda s: sorted(health(s, A10)) == [A10_IDS[0], *A10_IDS[2:]], timeout=2)
+    # ... and the kubelet learns that the device failed: still listed (a pod may hold it;
+    # the kubelet counts it in capacity, not in allocatable), Unhealthy.
+    state = kubelet.wait_for(lambda s: health(s, A10).get("0000:31:00.0") == "Unhealthy", timeout=2)
+    assert sorted(health(state, A10)) == sorted(A10_IDS)
+    assert [i for i, h in health(state, A10).items() if h == "Healthy"] != []
 
 
 def test_allocate_rechecks_sysfs_even_before_the_watcher_noticed(sim_host):
@@ -372,3 +375,42 @@ def test_env_name_follows_kubevirt():
     assert env_name("nvidia.com/GA102GL_A10") == "PCI_RESOURCE_NVIDIA_COM_GA102GL_A10"
     assert env_name("nvidia.com/pgpu") == "PCI_RESOURCE_NVIDIA_COM_PGPU"
     assert env_name("example-x.io/a-b") == "PCI_RESOURCE_EXAMPLE_X_IO_A_B"
+
+
+def test_a_device_unbound_behind_our_back_stays_listed_unhealthy_until_back_or_unplugged(sim_host):
+    """The kubelet's contract (device plugin v1beta1 ListAndWatch): a failed device is
+    reported Unhealthy so the kubelet stops placing pods on it while a pod that has it
+    keeps it; a device that vanishes from the list is taken as removed."""
+    host, _kubelet = sim_host("a10-server")
+    bind(host)
+    discovery = PassthroughDiscovery(host, NAMING)
+    discovery.refresh()
+    resource = discovery.resources[A10]
+    handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:31:00.0")
+    discovery.refresh()
+    states = {d.id: d.health for d in resource.devices()}
+    assert states["0000:31:00.0"] == UNHEALTHY and len(states) == 4
+    unit = next(u for u in resource.units() if u.id == "0000:31:00.0")
+    assert unit.reason == "0000:31:00.0 left vfio-pci (driver: none)"
+    with pytest.raises(AllocationError, match="no longer on vfio-pci"):
+        resource.allocate(["0000:31:00.0"])
+    assert not discovery.refresh() and not resource.update(
+        [u for u in resource.units() if u.id != "0000:31:00.0"])  # a rescan changes nothing more
+
+    # Back on vfio-pci: Healthy again.
+    handle_write(host, "/sys/bus/pci/devices/0000:31:00.0/driver_override", "vfio-pci")
+    handle_write(host, "/sys/bus/pci/drivers_probe", "0000:31:00.0")
+    discovery.refresh()
+    assert {d.id: d.health for d in resource.devices()}["0000:31:00.0"] == HEALTHY
+
+    # Unbound again, then unplugged: gone from the list.
+    handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:31:00.0")
+    discovery.refresh()
+    link = host.path("/sys/bus/pci/devices/0000:31:00.0")
+    target = link.resolve()
+    link.unlink()
+    import shutil
+
+    shutil.rmtree(target)
+    discovery.refresh()
+    assert "0000:31:00.0" not in {d.id for d in resource.devices()}
