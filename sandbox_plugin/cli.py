@@ -52,15 +52,30 @@ vm-passthrough: every GPU and NVSwitch bound to vfio-pci, one resource per model
   BDF|VENDOR:DEVICE leaves one out; give the plugin the same as katamgr.
 container: nvidia.com/gpu from NVML, device IDs are GPU UUIDs; without NVML
   nothing is advertised and the plugin waits.
-auto (default): the node label nvidia.com/gpu.workload.config, read through the
-  Kubernetes API (in-cluster, else kubeconfig) when --node-name or NODE_NAME is
-  set; a node without the label runs --default-workload. Without that option, or
-  with no node name or no cluster credentials, what the host shows decides (an
-  NVIDIA GPU on vfio-pci -> vm-passthrough, otherwise container). A label value
-  that is not a workload mode exits 2 and a failed read exits 1: neither is
-  guessed around. katamgr --workload auto follows the same rule (its fallback:
-  vm-passthrough). A vm-vgpu node is served by NVIDIA's vGPU device manager:
-  this plugin serves nothing there.
+auto (default): serve what the Node's label nvidia.com/gpu.workload.config asks
+  for, and follow it live. With --node-name or NODE_NAME and a cluster to ask
+  (in-cluster, else kubeconfig) the plugin reads the Node, then watches it
+  (field selector metadata.name=<node>; read every 10 s while a watch fails) and
+  switches plugins within a second or two of a relabel, without a restart. A
+  node without the label runs --default-workload (not given: what the host
+  shows). Without a node name or cluster credentials, what the host shows
+  decides, once: any selected passthrough device (an NVIDIA GPU or NVSwitch, or
+  a device --include-device adds, less --exclude-device) on vfio-pci ->
+  vm-passthrough, otherwise container. At start, a Node that cannot be read
+  exits 1 and a label value that is not a workload mode exits 2: neither is
+  guessed around. Later, while following, either is logged and the current
+  mode kept until the label reads well again.
+  The GPU Operator's opt-out labels are followed the same way (only "false"
+  counts): nvidia.com/gpu.deploy.sandbox-device-plugin=false or
+  nvidia.com/gpu.deploy.kata-sandbox-device-plugin=false: no passthrough
+  resources; nvidia.com/gpu.deploy.device-plugin=false: no nvidia.com/gpu;
+  nvidia.com/gpu.deploy.operands=false: neither.
+  --auto-modes limits the modes this plugin serves: on a node whose workload
+  asks for another it advertises nothing (the chart passes --auto-modes
+  vm-passthrough; its container plugin DaemonSet serves container nodes).
+  katamgr --workload auto follows the same rule (its fallback: vm-passthrough).
+  A vm-vgpu node is served by NVIDIA's vGPU device manager: this plugin serves
+  nothing there.
 
 Device-list strategies (container mode, --device-list-strategy; comma-separated
 or repeated; default envvar,cdi-cri): how Allocate names the GPUs to the NVIDIA
@@ -105,9 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host-root", default="/", metavar="DIR",
                         help="where the host's / is mounted (default: /; /host in a DaemonSet)")
     parser.add_argument("--mode", default=AUTO, choices=[AUTO, *(m.value for m in Mode)],
-                        help="which plugins to run (default: auto)")
+                        help="which plugins to run (default: auto, following the node's labels: "
+                             "see above)")
     parser.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="N",
-                        help="this node's name, to read its workload label (default: $NODE_NAME)")
+                        help="this node's name, to read and watch its labels with --mode auto "
+                             "(default: $NODE_NAME)")
     parser.add_argument("--default-workload", choices=WORKLOADS, metavar="WORKLOAD",
                         help="with --mode auto, the workload of a node without the label: "
                              f"{', '.join(WORKLOADS)} (default: what the host shows)")

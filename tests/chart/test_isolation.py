@@ -11,7 +11,7 @@ import base64
 import pytest
 from cryptography import x509
 from support import podkit
-from support.chartkit import NAMESPACE, RELEASE, render
+from support.chartkit import NAMESPACE, RELEASE, merged, render
 
 from katamgr.admission.rules import Policy, validate
 
@@ -180,6 +180,80 @@ def test_the_policy_cel_agrees_with_the_webhook(chart, case):
     if not ok:
         # The same sentence as the webhook, less the pod name the policy's status already gives.
         assert message == denial.split(": ", 1)[1]
+
+
+# --- devices.include resources are passthrough resources, whatever their domain ----------
+
+INCLUDED = {"devices": {"include": [{"ids": "1234:11e8", "resource": "example.com/edu"},
+                                    {"ids": "1234:1111", "resource": "example.com/vga"},
+                                    {"ids": "1234:11e9", "resource": "example.com/edu"}]}}
+EDU = "example.com/edu"
+
+
+def webhook_policy(rendered) -> Policy:
+    """The Policy katamgr webhook builds from the rendered Deployment's arguments (cmd_webhook)."""
+    from katamgr.admission.rules import DEFAULT_PASSTHROUGH, DEFAULT_RUNTIME_CLASSES
+    from katamgr.cli import build_parser
+
+    (c,) = rendered.get("Deployment", "-webhook")["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args([*c["command"][1:], *c["args"]])
+    return Policy(runtime_classes=tuple(args.runtime_class or DEFAULT_RUNTIME_CLASSES),
+                  passthrough=tuple(args.passthrough_resource or DEFAULT_PASSTHROUGH),
+                  inject_runtime_class=args.inject_runtime_class)
+
+
+def included_cases() -> dict[str, dict]:
+    c = podkit.container
+    return {**podkit.cases(),
+            "included-none": podkit.pod(c(limits={EDU: "1"})),
+            "included-runc": podkit.pod(c(limits={"example.com/vga": "1"}), runtime_class="runc"),
+            "included-init": podkit.pod(c(), init=[c("loader", limits={EDU: "1"})]),
+            "included-0": podkit.pod(c(limits={EDU: "0"})),
+            "included-kata": podkit.pod(c(limits={EDU: "1"}), runtime_class=podkit.KATA),
+            "other-domain": podkit.pod(c(limits={"example.com/nic": "1"}))}
+
+
+def test_included_resources_become_the_webhooks_passthrough_resources(chart):
+    policy = webhook_policy(render(chart, merged(WEBHOOK, INCLUDED)))
+    # isolation.passthroughResources first, then each included resource once.
+    assert policy.passthrough == ("nvidia.com/*", EDU, "example.com/vga")
+    assert validate(included_cases()["included-none"], policy) is not None
+    assert validate(included_cases()["included-kata"], policy) is None
+    # Listed by hand as well, it is passed once.
+    both = render(chart, merged(WEBHOOK, INCLUDED, {"isolation": {"passthroughResources": [
+        "nvidia.com/*", EDU]}}))
+    assert webhook_policy(both).passthrough == ("nvidia.com/*", EDU, "example.com/vga")
+    # Without devices.include, the chart's defaults as before.
+    assert webhook_policy(render(chart, WEBHOOK)).passthrough == ("nvidia.com/*",)
+
+
+@pytest.mark.parametrize("case", sorted(included_cases()))
+def test_the_policy_cel_denies_an_included_resource_outside_kata(chart, case):
+    rendered = render(chart, merged(WEBHOOK, POLICY, INCLUDED))
+    policy = rendered.get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
+    obj = included_cases()[case]
+    ok, message = evaluate_policy(policy, obj)
+    denial = validate(obj, webhook_policy(rendered))
+    assert ok == (denial is None), (case, message, denial)
+    if case in ("included-none", "included-runc", "included-init"):
+        assert not ok
+        assert message == denial.split(": ", 1)[1]
+        assert "requests the passthrough resource example.com/" in message
+    if case in ("included-0", "included-kata", "other-domain"):
+        assert ok
+
+
+def test_without_includes_the_policy_cel_is_as_before(chart):
+    policy = render(chart, POLICY).get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
+    assert "example.com" not in str(policy)
+    assert evaluate_policy(policy, included_cases()["included-none"]) == (True, None)
+
+
+def test_the_policy_with_includes_is_valid_for_kubernetes(chart, kube_validate):
+    policy = render(chart, merged(POLICY, INCLUDED)).get("ValidatingAdmissionPolicy",
+                                                         "-passthrough-needs-kata")
+    kube_validate.validate(policy, "1.33.0", strict=True)
+    assert policy["spec"]["variables"][2]["expression"].count('["example.com/edu","example.com/vga"]') == 2
 
 
 def test_the_policy_binding(chart):

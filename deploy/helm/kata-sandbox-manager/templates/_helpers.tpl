@@ -432,6 +432,20 @@ release namespace and isolation.excludedNamespaces (default kube-system) exclude
 {{- toYaml $selector -}}
 {{- end -}}
 
+{{/*
+The resources devices.include advertises, as a JSON list. Each is a passthrough resource
+whatever its domain: the isolation webhook (--passthrough-resource) and the admission
+policy guard them without the operator listing them in isolation.passthroughResources.
+(A resource name holds no glob character, so as a webhook pattern it matches itself only.)
+*/}}
+{{- define "ksm.includedResources" -}}
+{{- $out := list -}}
+{{- range ((.Values.devices | default dict).include | default list) }}
+{{- $out = append $out .resource -}}
+{{- end -}}
+{{- $out | uniq | toJson -}}
+{{- end -}}
+
 {{/* One webhook entry of the isolation webhook configurations (dict: root name ns caBundle path). */}}
 {{- define "ksm.webhookCommon" -}}
 {{- $root := .root -}}
