@@ -51,6 +51,10 @@ _QUANTITY_RE = re.compile(QUANTITY_PATTERN)
 # namespace, not starting with the quota prefix, and the quota name "requests.<name>" a
 # qualified name (so the domain is a DNS-1123 subdomain, the name part at most 63).
 NATIVE_RESOURCE_PREFIX = "kubernetes.io/"
+# What NVIDIA's container device plugin advertises (whole GPUs, time-sliced
+# shares, MIG slices): the resources a container, not a VM, is given. Here, in
+# the base layer, because the webhook and the device selection both need it.
+NVIDIA_CONTAINER_RESOURCES = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*")
 QUOTA_REQUESTS_PREFIX = "requests."
 
 

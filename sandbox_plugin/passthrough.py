@@ -15,7 +15,7 @@ plugin restarts and reboots. It is Healthy while every endpoint of the group
 is on vfio-pci (or driverless) and its device nodes exist (``/dev/vfio/<group>``,
 or each device's ``/dev/vfio/devices/vfioN`` on iommufd hosts). A unit whose
 device leaves vfio-pci behind our back stays listed, Unhealthy, until the
-device is back or unplugged.
+device is back, unplugged or given back to its driver on purpose.
 
 ``PassthroughDiscovery.refresh()`` rescans and pushes the result into one
 ``PassthroughResource`` per name; the watcher (``sandbox_plugin.watch``) calls
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from katamgr.host import pci
+from katamgr.host import pci, sysfs, vfio
 from katamgr.host.inventory import Inventory, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import PassthroughDevice, resource_units
@@ -102,7 +102,7 @@ def env_name(resource_name: str) -> str:
 def _health(host: HostRoot, inv: Inventory, group: int, nodes: tuple[str, ...]) -> str:
     """Why the group cannot be used by a VM right now, or "" when it can."""
     for other in inv.members(group):
-        if not other.is_bridge and other.driver not in (None, pci.VFIO_DRIVER):
+        if vfio.blocks_group(other):
             return f"IOMMU group {group} is not viable: {other.bdf} is on {other.driver}"
     for node in nodes:
         if not host.path(node).exists():
@@ -185,11 +185,16 @@ class PassthroughResource(Resource):
         return True
 
     def _departed(self, unit: PassthroughUnit) -> PassthroughUnit | None:
-        """A unit the scan no longer finds: still listed, Unhealthy, while its device is on
-        the host (someone unbound it behind our back, a pod may hold it: the kubelet must
-        see it fail, not vanish); dropped once the device is unplugged."""
+        """A unit the scan no longer finds: still listed, Unhealthy, while its device is
+        meant for vfio-pci (its ``driver_override`` still says so: someone unbound it
+        behind our back, and a pod may hold it, so the kubelet must see it fail, not
+        vanish); dropped once it is unplugged or given back on purpose (katamgr's
+        revert or a workload switch restores the override with the driver)."""
         now = pci.read_binding(self.host, unit.id)
         if now.vendor is None:
+            return None
+        override = sysfs.read_text(self.host.path(f"{sysfs.PCI_DEVICES}/{unit.id}/driver_override"))
+        if (override or "").strip() != pci.VFIO_DRIVER:
             return None
         reason = f"{unit.id} left vfio-pci (driver: {now.driver or 'none'})"
         if unit.health == UNHEALTHY and unit.reason == reason:

@@ -28,9 +28,11 @@ from decimal import Decimal, InvalidOperation
 from fnmatch import fnmatchcase
 from typing import Any
 
+from katamgr.k8snames import NVIDIA_CONTAINER_RESOURCES
+
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 VOID = "void"
-CONTAINER_GPU_RESOURCES = ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*")
+CONTAINER_GPU_RESOURCES = NVIDIA_CONTAINER_RESOURCES
 DEFAULT_PASSTHROUGH = ("nvidia.com/*",)
 DEFAULT_RUNTIME_CLASSES = ("kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp")
 CONTAINER_LISTS = ("initContainers", "containers")

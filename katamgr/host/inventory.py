@@ -129,16 +129,20 @@ def discover(host: HostRoot, selection: Selection = DEFAULT_SELECTION) -> Invent
 
 
 def _companions(devices: tuple[Device, ...], selection: Selection) -> dict[str, str]:
-    """Other functions of a passthrough device's slot in its IOMMU group; never a device an
-    exclude rule names (that one makes the group unmovable instead)."""
+    """The other functions a selected GPU or NVSwitch carries in its slot and IOMMU group
+    (a graphics card's audio, USB and UCSI functions), of its own vendor; never a device
+    an exclude rule names (that one makes the group unmovable instead). A device an
+    include rule selects has no companions: its slot mates (say the disk controller
+    beside a chipset's SMBus function) are foreign unless included themselves."""
     verdicts = {d.bdf: select(selection, d) for d in devices}
-    heads = {(d.slot, d.iommu_group): d.bdf for d in devices if verdicts[d.bdf].selected}
+    heads = {(d.slot, d.iommu_group): d for d in devices
+             if verdicts[d.bdf].selected and (d.is_gpu or d.is_nvswitch)}
     found = {}
     for d in devices:
         verdict = verdicts[d.bdf]
         if verdict.selected or verdict.excluded or d.is_bridge:
             continue
         head = heads.get((d.slot, d.iommu_group))
-        if head is not None:
-            found[d.bdf] = head
+        if head is not None and head.vendor == d.vendor:
+            found[d.bdf] = head.bdf
     return found

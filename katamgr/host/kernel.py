@@ -104,8 +104,8 @@ _MAY_BLOCK = ("/unbind", "/bind", "/drivers_probe", "/remove", "/reset")
 # input shorter than its block size it makes exactly one write() call.
 _WRITER = ("dd", "status=none", "conv=notrunc,nocreat")
 
-# Writers still held by the kernel; reaped when they finish.
-_pending: list[subprocess.Popen] = []
+# Writers still held by the kernel, by the file they write; reaped when they finish.
+_pending: dict[str, subprocess.Popen] = {}
 _pending_lock = threading.Lock()
 
 
@@ -116,9 +116,11 @@ class BlockedWrite(HostError):
     def __init__(self, host_path: str, value: str, seconds: float, pid: int):
         self.host_path = host_path
         self.pid = pid
+        first = (f"the kernel did not finish {value.strip()!r} written to {host_path} within {seconds:g}s"
+                 if seconds else f"an earlier write to {host_path} is still pending in the kernel, so "
+                                 f"{value.strip()!r} was not written")
         super().__init__(
-            f"the kernel did not finish {value.strip()!r} written to {host_path} within {seconds:g}s "
-            f"(the device is probably held open by a process, a VM); the write stays pending in "
+            f"{first} (the device is probably held open by a process, a VM); the write stays pending in "
             f"process {pid} and takes effect when the device is released: look for 'blocked until "
             f"device is released' in dmesg"
         )
@@ -139,6 +141,12 @@ def _write_now(path: os.PathLike[str], host_path: str, value: str) -> None:
 
 def _write_bounded(path: str, host_path: str, value: str, timeout: float) -> None:
     _reap()
+    with _pending_lock:
+        earlier = _pending.get(path)
+    if earlier is not None:
+        # Another write would only queue behind the first in the kernel, one more
+        # process stuck for good; the first completes when the device is free.
+        raise BlockedWrite(host_path, value, 0, earlier.pid)
     try:
         proc = subprocess.Popen([*_WRITER, f"of={path}"], stdin=subprocess.PIPE,  # noqa: S603
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -149,7 +157,7 @@ def _write_bounded(path: str, host_path: str, value: str, timeout: float) -> Non
         _out, err = proc.communicate(value, timeout=timeout)
     except subprocess.TimeoutExpired:
         with _pending_lock:
-            _pending.append(proc)
+            _pending[path] = proc
         raise BlockedWrite(host_path, value, timeout, proc.pid) from None
     if proc.returncode == 0:
         return
@@ -165,9 +173,10 @@ def pending_writes() -> list[int]:
     """PIDs of writers the kernel still holds (reaping those that finished)."""
     _reap()
     with _pending_lock:
-        return [p.pid for p in _pending]
+        return [p.pid for p in _pending.values()]
 
 
 def _reap() -> None:
     with _pending_lock:
-        _pending[:] = [p for p in _pending if p.poll() is None]
+        for path in [k for k, p in _pending.items() if p.poll() is not None]:
+            del _pending[path]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 import cdi
 from katamgr import k8snames
@@ -182,6 +183,16 @@ def exclude_problem(text: str) -> str | None:
     return "is neither a full PCI address (0000:01:00.0) nor a vendor:device pair (10de:1eb8)"
 
 
+# Names an include rule may not take: a container's GPUs would then be VFIO
+# devices (and the webhook lets a container have those), or the CDI kinds
+# katamgr's own specs and nvidia-ctk's define would clash.
+RESERVED_RESOURCES = {
+    **{p: "NVIDIA's container device plugin advertises it" for p in k8snames.NVIDIA_CONTAINER_RESOURCES},
+    "nvidia.com/pgpu": "the CDI kind of katamgr's GPU index names",
+    "nvidia.com/nvswitch": "the CDI kind of katamgr's NVSwitch index names",
+}
+
+
 def resource_problem(resource: str) -> str | None:
     """Why ``resource`` cannot be an included device's resource name, or None."""
     if not k8snames.is_extended_resource_name(resource):
@@ -192,6 +203,10 @@ def resource_problem(resource: str) -> str | None:
     except cdi.InvalidNameError as exc:
         # Kata resolves the resource name as a CDI kind (katamgr writes one spec per resource).
         return f"is not usable as a CDI kind, which Kata resolves a resource name as: {exc}"
+    taken = next((p for p in RESERVED_RESOURCES if fnmatchcase(resource.lower(), p)), None)
+    if taken is not None:
+        return (f"is taken ({taken}: {RESERVED_RESOURCES[taken]}); name the device's own resource, "
+                "e.g. example.com/edu")
     return None
 
 

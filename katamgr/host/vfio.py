@@ -25,6 +25,7 @@ from katamgr.host.errors import HostError
 from katamgr.host.faults import write_point
 from katamgr.host.files import read_json, remove_file, write_json
 from katamgr.host.inventory import Inventory, Kind
+from katamgr.host.kernel import BlockedWrite
 from katamgr.host.pci import VFIO_DRIVER, Device
 from katamgr.host.root import HostRoot
 
@@ -159,9 +160,15 @@ def _viability(inv: Inventory, group: int) -> tuple[list[Device], list[Device]]:
             blocking.append(device)
         elif device.driver is None:
             driverless.append(device)
-        elif device.driver not in _DMA_NEUTRAL:
+        elif blocks_group(device):
             blocking.append(device)
     return blocking, driverless
+
+
+def blocks_group(device: Device) -> bool:
+    """Whether ``device``, bound as it is now, keeps a VM from taking its IOMMU group:
+    the one rule katamgr plans by and the device plugin judges health by."""
+    return not device.is_bridge and device.driver is not None and device.driver not in _DMA_NEUTRAL
 
 
 def in_use(host: HostRoot, devices: tuple[Device, ...] | list[Device]) -> list[holders.Holder]:
@@ -260,6 +267,16 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
                 f"/dev/vfio/{decision.group} did not appear within {wait:g}s after binding IOMMU group "
                 f"{decision.group}; check udev and dmesg"
             )
+    except BlockedWrite as exc:
+        # The device whose write the kernel holds is mid-move, and will finish the
+        # move by itself when released: its record stays, so a revert can return it.
+        stuck = moved[-1]
+        undo_errors = _roll_back(host, moved[:-1], state["devices"])
+        extra = f" (roll-back problems: {'; '.join(undo_errors)})" if undo_errors else ""
+        raise HostError(
+            f"binding IOMMU group {decision.group} stopped: {exc}; {stuck.bdf} stays recorded as moved by "
+            f"katamgr, and 'katamgr revert' returns it to {stuck.driver or 'no driver'} once that write "
+            f"has completed{extra}") from exc
     except HostError as exc:
         undo_errors = _roll_back(host, moved, state["devices"])
         extra = f" (roll-back problems: {'; '.join(undo_errors)})" if undo_errors else ""

@@ -112,6 +112,9 @@ def projected(inv: Inventory, decisions: list[GroupDecision]) -> Inventory:
     return dataclasses.replace(inv, devices=devices)
 
 
+REFUSE = "refuse (not katamgr's)"
+
+
 def spec_path(kind: str) -> str:
     return f"{SPEC_DIR}/{cdi.spec_file_name(kind)}"
 
@@ -120,12 +123,20 @@ def changes(host: HostRoot, inv: Inventory, naming: Naming) -> tuple[list[SpecCh
     """What writing the specs for ``inv`` would do to /var/run/cdi (read-only)."""
     found = collect(host, inv, naming)
     wanted = {spec.kind: spec for spec in build_specs(found)}
+    written = set(_written(host))
     out = []
     for kind, spec in wanted.items():
         path = spec_path(kind)
         local = host.path(path)
         current = local.read_text() if local.exists() else None
-        action = "keep" if current == cdi.dump_spec(spec) else "write"
+        if current == cdi.dump_spec(spec):
+            action = "keep"
+        elif current is not None and kind not in written:
+            # Another vendor's or tool's spec of that kind (an include rule may name
+            # any domain): never ours to overwrite, nor later to remove.
+            action = REFUSE
+        else:
+            action = "write"
         out.append(SpecChange(kind, path, action, spec))
     for kind in _written(host):
         if kind not in wanted and host.path(spec_path(kind)).exists():
@@ -199,6 +210,12 @@ def write_specs(host: HostRoot, inv: Inventory, naming: Naming) -> Report:
     written = set(_written(host))
     spec_dir = host.path(SPEC_DIR)
     for change in found:
+        if change.action == REFUSE:
+            report.failures.append(
+                f"{change.path} exists and katamgr did not write it, so it was left alone and "
+                f"{change.kind} has no spec of ours: move that file away, or give the devices another "
+                "resource name (--include-device VENDOR:DEVICE=RESOURCE)")
+            continue
         remove_stale_temps(host.path(change.path))  # a killed earlier write's
         if change.action == "write":
             # Recorded before the write: a crash in between leaves a spec we know is ours.

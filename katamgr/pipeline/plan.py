@@ -98,11 +98,12 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
     resources: Counter[str] = Counter()
     problems: list[str] = list(inv.notes)
 
+    bound = vfio.bound_by_us(host) if inv.excluded else {}
     for decision in decisions:
         for device in decision.devices:
             devices.append(_device_plan(inv, naming, device, decision.action_for(device).value, decision.reason))
         for device in inv.foreign(decision.group) if decision.group is not None else []:
-            devices.append(_device_plan(inv, naming, device, Action.SKIP.value, _left_alone(inv, device)))
+            devices.append(_device_plan(inv, naming, device, Action.SKIP.value, _left_alone(inv, device, bound)))
         if decision.action in (Action.BIND, Action.KEEP):
             selected = [d for d in decision.devices if inv.selected(d)]
             if selected:
@@ -114,7 +115,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
 
     # An excluded device in no group of ours is listed too: the plan says why each is out.
     listed = {d.bdf for d in devices}
-    devices += [_device_plan(inv, naming, d, Action.SKIP.value, _left_alone(inv, d))
+    devices += [_device_plan(inv, naming, d, Action.SKIP.value, _left_alone(inv, d, bound))
                 for d in inv.excluded if d.bdf not in listed]
 
     if not inv.iommu_enabled and inv.passthrough:
@@ -137,7 +138,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
         problems=problems,
         decisions=decisions,
         inventory=inv,
-        warnings=[w for decision in decisions for w in decision.warnings],
+        warnings=[w for decision in decisions for w in decision.warnings] + _selection_warnings(inv, decisions),
     )
 
 
@@ -161,10 +162,29 @@ def _naming_notes(inv: Inventory, naming: Naming, decisions: list[GroupDecision]
     return list(notes.values())
 
 
-def _left_alone(inv: Inventory, device: Device) -> str:
+def _left_alone(inv: Inventory, device: Device, bound: dict[str, dict] | None = None) -> str:
     if inv.verdict(device).excluded:
+        if bound and device.bdf in bound:
+            before = bound[device.bdf].get("driver") or "no driver"
+            return (f"excluded from passthrough, but katamgr bound it to vfio-pci earlier (it was on "
+                    f"{before}): katamgr revert gives it back")
         return "excluded from passthrough: stays on its driver"
     return "not a passthrough device; left alone"
+
+
+def _selection_warnings(inv: Inventory, decisions: list[GroupDecision]) -> list[str]:
+    """Rules that match no device (a mistyped BDF would let the display GPU be bound),
+    and moves whose device's users katamgr cannot see."""
+    out = [f"{rule.origin} {rule.value} matches no device on this host"
+           for rule in inv.selection.exclude if not any(rule.matches(d) for d in inv.devices)]
+    out += [f"{rule.origin} {rule} matches no device on this host"
+            for rule in inv.selection.include if not any(rule.ids.matches(d) for d in inv.devices)]
+    for decision in decisions:
+        for device in decision.to_move:
+            if device.driver not in (None, "nvidia") and not decision.forced:
+                out.append(f"{device.bdf} is on {device.driver}: katamgr can only see who uses an NVIDIA "
+                           f"GPU (/dev/nvidiaN) or a VFIO group, so check that nothing uses it before apply")
+    return out
 
 
 def _nothing_selected(inv: Inventory) -> str:

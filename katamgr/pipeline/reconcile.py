@@ -165,7 +165,7 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         # A failed group was rolled back, but maybe not all the way: look again.
         rescan = bool(bound.moved) or not bound.ok
         report.merge(bound)
-    report.warnings += plan.problems
+    report.warnings += plan.warnings + plan.problems
     if steps.cdi:
         # The plan's scan still holds unless devices just moved driver.
         report.merge(cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory, naming))

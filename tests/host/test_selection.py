@@ -166,3 +166,22 @@ def test_an_excluded_gpu_gets_no_index_name(tmp_path):
     assert not vfio.bind(host, vfio.decide(host, discover(host))).failures  # every GPU on vfio-pci
     named, _ = passthrough_devices(host, discover(host, rules(exclude=["0000:01:00.0"])))
     assert [(d.device.bdf, d.index) for d in named] == [("0000:02:00.0", 0)]
+
+
+def test_an_included_device_takes_no_slot_mates_along(tmp_path):
+    """A chipset's SMBus function shares its slot and IOMMU group with the LPC bridge
+    and the SATA controller (the host's disk): including it must not move them."""
+    host = materialise(find_profile("qemu-standins"), tmp_path / "host")
+    inv = discover(host, rules(include=["8086:2930=example.com/smbus"]))
+    assert inv.companions == {}
+    assert [d.bdf for d in inv.ours] == ["0000:00:1f.3"]
+    [decision] = [d for d in vfio.decide(host, inv) if d.group == inv.by_bdf["0000:00:1f.3"].iommu_group]
+    assert decision.action is vfio.Action.SKIP
+    assert "0000:00:1f.2 (8086:2922, driver ahci)" in decision.reason
+
+
+@pytest.mark.parametrize("taken", ["nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-1g.10gb",
+                                   "nvidia.com/pgpu", "nvidia.com/nvswitch"])
+def test_an_include_rule_may_not_take_a_reserved_resource(taken):
+    with pytest.raises(ValueError, match=f"'{taken}' is taken"):
+        parse_include(f"1234:11e8={taken}")

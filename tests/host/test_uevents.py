@@ -57,12 +57,16 @@ def test_a_uevent_of_a_watched_subsystem_wakes_the_watcher_at_once(tmp_path):
 def test_uevents_of_other_subsystems_do_not_cause_a_rescan(tmp_path):
     host = HostRoot.at(tmp_path)
     watcher, changed = _counting(host)  # pci, vfio, vfio-dev
+    witness = open_kernel_events(frozenset({"mem"}))  # proves the event was sent
     try:
         _synthetic_change()
         assert not changed.wait(1.0)
         assert watcher.rescans == 0
+        assert witness is not None and [e.subsystem for e in witness.drain()][:1] == ["mem"]
     finally:
         watcher.stop()
+        if witness is not None:
+            witness.close()
 
 
 @pytest.mark.integration

@@ -159,3 +159,37 @@ def test_an_included_gpu_is_advertised_under_the_given_name(tmp_path):
     assert plan.resources == {"example.com/a10": 1, "nvidia.com/GA102GL_RTX_A6000": 1}
     a10 = rows(plan)["0000:02:00.0"]
     assert (a10["kind"], a10["resource"]) == ("gpu", "example.com/a10")
+
+
+def test_rules_that_match_nothing_and_unseen_users_are_warned_about_in_plan_and_apply(tmp_path):
+    host = materialise(find_profile("qemu-standins"), tmp_path / "host")
+    chosen = naming(include=[*STANDINS, "1af4:9999=example.com/nope"], exclude=["0000:09:00.0"])
+    plan = full_plan(host, chosen, Steps(), None)
+    assert "--exclude-device 0000:09:00.0 matches no device on this host" in plan.warnings
+    assert "--include-device 1af4:9999=example.com/nope matches no device on this host" in plan.warnings
+    vga = next(w for w in plan.warnings if w.startswith("0000:02:00.0 is on bochs-drm"))
+    assert "check that nothing uses it" in vga
+    report = reconcile(host, chosen, Steps(), None)
+    assert "--exclude-device 0000:09:00.0 matches no device on this host" in report.warnings
+
+
+def test_excluding_a_device_katamgr_bound_says_how_to_give_it_back(tmp_path):
+    host = materialise(find_profile("qemu-standins"), tmp_path / "host")
+    assert reconcile(host, naming(include=STANDINS), Steps(), None).ok
+    plan = full_plan(host, naming(include=STANDINS, exclude=["1234:11e8"]), Steps(), None)
+    reason = rows(plan)["0000:01:00.0"]["reason"]
+    assert "katamgr bound it to vfio-pci earlier" in reason and "katamgr revert" in reason
+
+
+def test_a_spec_file_of_that_kind_katamgr_did_not_write_is_never_overwritten_or_removed(tmp_path):
+    host = materialise(find_profile("qemu-standins"), tmp_path / "host")
+    theirs = host.path("/var/run/cdi/example.com-edu.yaml")
+    theirs.parent.mkdir(parents=True, exist_ok=True)
+    theirs.write_text("cdiVersion: 0.5.0\nkind: example.com/edu\ndevices: []\n")
+    report = reconcile(host, naming(include=STANDINS), Steps(), None)
+    [failure] = [f for f in report.failures if "example.com-edu.yaml" in f]
+    assert "katamgr did not write it" in failure
+    assert theirs.read_text() == "cdiVersion: 0.5.0\nkind: example.com/edu\ndevices: []\n"
+    assert host.path("/var/run/cdi/example.com-vga.yaml").exists()  # its own spec is written
+    revert_all(host, Steps(), None)
+    assert theirs.exists() and not host.path("/var/run/cdi/example.com-vga.yaml").exists()

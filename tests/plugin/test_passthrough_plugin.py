@@ -403,8 +403,17 @@ def test_a_device_unbound_behind_our_back_stays_listed_unhealthy_until_back_or_u
     discovery.refresh()
     assert {d.id: d.health for d in resource.devices()}["0000:31:00.0"] == HEALTHY
 
-    # Unbound again, then unplugged: gone from the list.
+    # Given back on purpose (katamgr revert restores the override and the driver): dropped.
+    assert not vfio.unbind_all(host).failures
+    discovery.refresh()
+    assert resource.devices() == []
+    bind(host)
+    discovery.refresh()
+
+    # Unbound behind our back again, then unplugged: gone from the list.
     handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:31:00.0")
+    discovery.refresh()
+    assert {d.id: d.health for d in resource.devices()}["0000:31:00.0"] == UNHEALTHY
     discovery.refresh()
     link = host.path("/sys/bus/pci/devices/0000:31:00.0")
     target = link.resolve()
@@ -414,3 +423,20 @@ def test_a_device_unbound_behind_our_back_stays_listed_unhealthy_until_back_or_u
     shutil.rmtree(target)
     discovery.refresh()
     assert "0000:31:00.0" not in {d.id for d in resource.devices()}
+
+
+def test_plugin_health_follows_the_same_viability_rule_as_the_plan(tmp_path):
+    """A member on pci-stub leaves DMA to the group's owner (the kernel's rule that
+    katamgr.host.vfio plans by): the plugin must not call such a group unhealthy,
+    nor one whose member is on a driver that owns DMA healthy."""
+    from support.hostkit import NIC_I210, make_host
+
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "vfio-pci", 4),
+                                dev("0000:02:00.0", NIC_I210, "pci-stub", 4),
+                                dev("0000:03:00.0", GPU_A10, "vfio-pci", 5),
+                                dev("0000:04:00.0", NIC_I210, "igb", 5)])
+    assert build_plan(host, NAMING).resources == {A10: 1}
+    discovery = PassthroughDiscovery(host, NAMING)
+    discovery.refresh()
+    states = {d.id: d.health for d in discovery.resources[A10].devices()}
+    assert states == {"0000:01:00.0": HEALTHY, "0000:03:00.0": UNHEALTHY}
