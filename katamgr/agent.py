@@ -24,6 +24,14 @@ containerd stay. ``container`` → ``vm-passthrough`` (or lifting an opt-out) re
 (binds). Each change is one log line, an Event (``WorkloadSwitched``,
 ``OptOutsChanged``) and a metric sample (``katamgr_workload_switches_total``,
 ``katamgr_opted_out``).
+
+A relabel while no agent ran is found when one starts (and by ``katamgr run --once``):
+on a node that does not run VMs, or opts out of ``vfio-manager``, every reconcile of
+the agent gives back the GPUs katamgr's records still list as bound by it, the same
+leave as a live switch (plain ``katamgr apply`` there only says so). A held GPU is then
+looked at every check, cheaply: the leave runs again only once a VM let go of one, or
+the kubelet no longer lists the pod that was given one. A switch, a reconcile and a
+give-back mark the agent busy, so ``/healthz`` does not fail while one runs long.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,6 +53,7 @@ from katamgr.host.inventory import discover
 from katamgr.host.lock import NodeBusyError, node_lock
 from katamgr.host.metrics_server import MetricsServer
 from katamgr.host.naming import Naming
+from katamgr.host.podresources import Assignment, PodDevices, assigned_functions, list_pod_devices
 from katamgr.host.process import stop_on_signals
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action, SkipReason
@@ -158,7 +168,8 @@ class Agent:
         self.metrics_address = metrics_address
         self.last_result: Report | None = None
         self.last_tick = time.monotonic()
-        self.busy_since: float | None = None  # a reconcile in progress
+        self.busy_since: float | None = None  # a reconcile, switch or give-back in progress
+        self.busy_with = ""  # what it is, for /healthz
         # The node's workload and opt-outs now (its labels, resolved as at start); None: not
         # followed. node_watch (a katamgr.host.kube.NodeLabelWatch) keeps the labels and
         # wakes the loop when they change; without one they are read every check.
@@ -167,6 +178,12 @@ class Agent:
         self._label_error: str | None = None  # the last failure to read it, logged once
         self.held: set[str] = set()  # BDFs a switch left on vfio-pci because a pod or VM holds them
         self._waiting: dict[str, list[str]] = {}  # the last LeaveReport.waiting, logged when it changes
+        # Per held BDF, what the kubelet had given pods of it at the last leave: while those
+        # are all still listed, a GPU no VM holds open is still theirs (release_freed).
+        self._given: dict[str, frozenset[Assignment]] = {}
+        self._asked: PodDevices | None = None  # the kubelet's answer the last leave went by
+        self._followed = False  # a reconcile or a switch of this agent's has set the node's GPUs
+        self._told = False  # this reconcile's change was told in a line of its own
         self._in_use = False  # the last reconcile skipped a GPU a process held: bind it once free
         for operand in Operand:
             self.metrics.opted_out.labels(operand.value).set(int(operand in self.opted_out))
@@ -176,9 +193,10 @@ class Agent:
     def health(self) -> tuple[bool, str]:
         """/healthz: the loop ticked recently (or a reconcile is running, for a bounded time)."""
         now = time.monotonic()
-        if self.busy_since is not None:
-            busy = now - self.busy_since
-            return busy < BUSY_LIMIT, f"reconciling for {busy:.0f} s"
+        since = self.busy_since
+        if since is not None:
+            busy = now - since
+            return busy < BUSY_LIMIT, f"{self.busy_with or 'busy'} for {busy:.0f} s"
         idle = now - self.last_tick
         limit = max(STALE_AFTER, 3 * self.check_interval)
         return idle < limit, f"loop last ticked {idle:.0f} s ago (limit {limit:.0f} s)"
@@ -196,6 +214,20 @@ class Agent:
     def serve_metrics(self, address: str) -> MetricsServer:
         return MetricsServer(address, self.metrics.registry, healthy=self.health, ready=self.readiness).start()
 
+    @contextmanager
+    def _busy(self, what: str) -> Iterator[None]:
+        """Mark the agent busy (``/healthz`` stays good up to BUSY_LIMIT) while ``what`` runs;
+        a nested mark (a switch's reconcile) keeps the outer one."""
+        outer = self.busy_since is not None
+        if not outer:
+            self.busy_with, self.busy_since = what, time.monotonic()
+        try:
+            yield
+        finally:
+            if not outer:
+                self.busy_since = None
+            self.last_tick = time.monotonic()
+
     def request_stop(self) -> None:
         self.stop.set()
         watcher = self._watcher
@@ -207,26 +239,87 @@ class Agent:
         change (a busy lock, a bad input) is logged and tried again later."""
         log.info("reconciling: %s", why)
         started = time.monotonic()
-        self.busy_since = started
-        try:
-            report = reconcile(self.host, self.naming, self.steps, self.ctx, force=self.force,
-                               wait=self.wait, lock_wait=self.lock_wait, command="katamgr run")
-        except KatamgrError as exc:
-            if raise_errors:
-                raise
-            report = Report(failures=[str(exc)])
-        except Exception as exc:  # a bug must not end the loop: retried like any failure
-            if raise_errors:
-                raise
-            log.exception("unexpected error while reconciling")
-            report = Report(failures=[f"unexpected {type(exc).__name__}: {exc}"])
-        finally:
-            self.busy_since = None
-            self.last_tick = time.monotonic()
+        self._told = False
+        with self._busy("reconciling"):
+            try:
+                report = self._reconcile_node()
+            except KatamgrError as exc:
+                if raise_errors:
+                    raise
+                report = Report(failures=[str(exc)])
+            except Exception as exc:  # a bug must not end the loop: retried like any failure
+                if raise_errors:
+                    raise
+                log.exception("unexpected error while reconciling")
+                report = Report(failures=[f"unexpected {type(exc).__name__}: {exc}"])
         self.reconciles += 1
-        log_report(report, log, "nothing to change")
+        log_report(report, log, "" if self._told else "nothing to change")
         self._after_reconcile(report, time.monotonic() - started)
         return report
+
+    def _reconcile_node(self) -> Report:
+        """The agent's reconcile: the pipeline's, except on a node that wants none of
+        katamgr's binding (another workload, or opted out of ``vfio-manager``). There the
+        GPUs katamgr's records still list (the node was relabeled while no agent ran) are
+        given back as on a live switch, where a one-shot ``katamgr apply`` only says so."""
+        report = Report()
+        gives_back = self._gives_back()
+        if gives_back:
+            report.merge(self._leave_recorded())
+        if self.steps.passthrough or not gives_back:
+            report.merge(reconcile(self.host, self.naming, self.steps, self.ctx, force=self.force,
+                                   wait=self.wait, lock_wait=self.lock_wait, command="katamgr run"))
+        else:
+            # The pipeline's own words here would advise `katamgr revert` for GPUs the
+            # agent gives back by itself once they are free.
+            report.warnings.append(
+                f"node workload is {self.steps.workload.value!r}: nothing to do for VM passthrough here")
+        self._followed = True
+        return report
+
+    def _gives_back(self) -> bool:
+        """Whether katamgr binds GPUs here at all (no --no-vfio) but the node wants none bound."""
+        return self.base_steps.vfio and not (self.steps.passthrough and self.steps.vfio)
+
+    def _leave_recorded(self) -> Report:
+        """Give back the GPUs katamgr bound that the agent does not already know are held:
+        the leave of a live switch, for a relabel while no agent ran (found by the first
+        reconcile, said as that switch) or a device a leave could not give back (its
+        failures come back for the retry); a busy node lock is a KatamgrError."""
+        recorded = vfio.bound_by_us(self.host)
+        found = sorted(set(recorded) - self.held)
+        if not found:
+            return Report()
+        report = self._leave(self.steps, release=True, lock_wait=self.lock_wait,
+                             command="katamgr run (giving back GPUs)")
+        self._note_left(report)
+        if self._followed:  # not the first look: said by the reconcile's own lines
+            return Report(changes=list(report.changes), warnings=list(report.warnings),
+                          failures=list(report.failures))
+        if self.steps.passthrough:
+            change = f"opt-outs now {describe_opt_outs(self.opted_out)}"
+        else:
+            change = f"workload switch {PASSTHROUGH_NAME} -> {self.steps.workload}"
+            self.metrics.workload_switches.labels(PASSTHROUGH_NAME, self.steps.workload.value).inc()
+        summary = (f"{change}, found at start (katamgr had bound {', '.join(found)} to vfio-pci "
+                   f"before this agent started): {_left(report)}; {FOLLOW}")
+        log.info("%s", summary)
+        self._told = True
+        if self.events is not None:
+            self.events.record("OptOutsChanged" if self.steps.passthrough else "WorkloadSwitched", summary)
+        return Report(failures=list(report.failures))
+
+    def _leave(self, steps: Steps, *, release: bool, lock_wait: float,
+               command: str = "katamgr run (workload switch)") -> LeaveReport:
+        """``leave_passthrough``, remembering the kubelet's answer it went by."""
+        self._asked = None
+        return leave_passthrough(self.host, self.naming, steps, release=release,
+                                 readiness_owned=self.base_steps.vfio, lock_wait=lock_wait,
+                                 command=command, pod_devices=self._ask_pods)
+
+    def _ask_pods(self) -> PodDevices:
+        self._asked = list_pod_devices(self.host)
+        return self._asked
 
     def _after_reconcile(self, report: Report, seconds: float) -> None:
         """Metrics, Events and the retry schedule after one reconcile."""
@@ -347,6 +440,10 @@ class Agent:
     def switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
         """Carry the node to ``workload`` with the operands in ``out`` opted out; False when
         it must be tried again (the node lock is busy, a record unreadable)."""
+        with self._busy("switching the workload"):
+            return self._switch(workload, out)
+
+    def _switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
         old, old_out = self.steps, self.opted_out
         new = replace(self.base_steps, workload=workload).without(out)
         release = old.passthrough and old.vfio and not (new.passthrough and new.vfio)
@@ -354,26 +451,23 @@ class Agent:
         readiness_off = old.readiness and not new.readiness and self.base_steps.vfio
         if release or (old.passthrough and not new.passthrough) or readiness_off:
             try:
-                report = leave_passthrough(self.host, self.naming, new, release=release,
-                                           readiness_owned=self.base_steps.vfio, lock_wait=self.lock_wait)
+                report = self._leave(new, release=release, lock_wait=self.lock_wait)
             except KatamgrError as exc:  # a busy node lock, an unreadable record: next tick
                 log.warning("could not switch %s yet (%s); trying again", _change(old, old_out, new, out), exc)
                 return False
-            self._note_left(report)
             if release:
+                self._note_left(report)  # (a leave that gives nothing back keeps what is held)
                 what.append(_left(report))
                 # Not reverted: running VMs still use them, and a switch back needs no
                 # containerd restart; `katamgr revert` removes them.
-                what.append("CDI specs and readiness files follow; the Kata runtime entries in containerd stay "
-                            "(running VMs use them and switching back needs no containerd restart; "
-                            "katamgr revert removes them)")
+                what.append(FOLLOW)
             elif readiness_off:
                 what.append("no readiness files in /run/nvidia/validations")
         for operand in Operand:
             self.metrics.opted_out.labels(operand.value).set(int(operand in out))
         if new.passthrough and (not old.passthrough or new.vfio > old.vfio or new.kata > old.kata
                                 or new.readiness > old.readiness):
-            self.steps, self.held = new, set()  # what the reconcile carries out
+            self.steps, self.held, self._given = new, set(), {}  # what the reconcile carries out
             report = self.reconcile(f"node relabeled: it runs {new.workload}, opting out of "
                                     f"{describe_opt_outs(out)}")
             bound = f"bound {', '.join(report.moved)} to vfio-pci" if report.moved else "no GPU to bind"
@@ -391,12 +485,25 @@ class Agent:
             self.events.record("WorkloadSwitched" if old.workload is not new.workload else "OptOutsChanged",
                                summary)
         # Last: whoever watches the agent sees the change once it is done and told.
-        self.steps, self.opted_out = new, out
+        self.steps, self.opted_out, self._followed = new, out, True
         return True
 
-    def _note_left(self, report) -> None:
-        """Remember what a leave kept (given back once free) and log a new wait once."""
-        self.held = set(report.held) | set(report.waiting)
+    def _note_left(self, report: LeaveReport) -> None:
+        """Remember what a leave kept (given back once free: with the rest of each one's
+        IOMMU group, which stays with it) and what the kubelet had given pods of it, and log
+        a new wait once."""
+        kept = set(report.held) | set(report.waiting)
+        records = vfio.bound_by_us(self.host) if kept else {}
+        groups = {records[bdf].get("group") for bdf in kept if bdf in records} - {None}
+        self.held = kept | {bdf for bdf, record in records.items() if record.get("group") in groups}
+        self._given = {}
+        asked = self._asked
+        if self.held and asked is not None and asked.assignments:
+            # The leave's own scan is gone: the held GPUs are still on vfio-pci, and a
+            # rescan names the same units (the plugin's IDs) for them.
+            given = assigned_functions(self.host, discover(self.host, self.naming.selection), self.naming,
+                                       asked.assignments)
+            self._given = {bdf: frozenset(given[bdf]) for bdf in self.held if given.get(bdf)}
         if report.waiting != self._waiting and report.waiting:
             log.info("%s", next(w for w in report.warnings if w.startswith("kept on vfio-pci:")))
         self._waiting = dict(report.waiting)
@@ -412,25 +519,54 @@ class Agent:
             self.reconcile("a GPU that was in use is free now")
 
     def release_freed(self) -> None:
-        """After a switch away from binding: give back a held GPU once its pod and VM are gone
-        (or, while a pod's VM is still starting, once it holds its GPU)."""
+        """After a switch away from binding: give back a held GPU once its pod and VM are gone.
+
+        Looked at every check while one is held, cheaply: which held GPUs a VM holds open
+        (their ``/dev/vfio`` nodes in ``/proc``) and, for one nobody holds open that a pod
+        was given (its VM still starting), whether the kubelet still lists that pod's
+        device. The leave (node lock, PCI scan, CDI specs) runs again only when one of
+        those let go. A kubelet that cannot be asked is asked again at the next check
+        (the pod's GPU stays meanwhile).
+        """
         if not self.held or (self.steps.passthrough and self.steps.vfio):
             return
-        records = vfio.bound_by_us(self.host)
-        self.held &= set(records)
-        freed = [bdf for bdf in sorted(self.held)
-                 if not vfio.vfio_holders(self.host, bdf, records[bdf].get("group"))]
-        if not freed:
-            return
-        try:
-            report = leave_passthrough(self.host, self.naming, self.steps, release=self.base_steps.vfio,
-                                       readiness_owned=self.base_steps.vfio, lock_wait=0)
-        except KatamgrError as exc:
-            log.info("could not give back %s yet (%s); trying again", ", ".join(freed), exc)
-            return
-        self._note_left(report)
-        if report.changes or report.failures:
-            log_report(report, log)
+        with self._busy("giving back GPUs"):
+            records = vfio.bound_by_us(self.host)
+            self.held &= set(records)
+            freed = self._let_go(records)
+            if not freed:
+                return
+            try:
+                report = self._leave(self.steps, release=self.base_steps.vfio, lock_wait=0)
+            except KatamgrError as exc:
+                log.info("could not give back %s yet (%s); trying again", ", ".join(freed), exc)
+                return
+            self._note_left(report)
+            if report.changes or report.failures:
+                log_report(report, log)
+
+    def _let_go(self, records: dict[str, dict]) -> list[str]:
+        """The held devices nothing keeps any more, by IOMMU group (a group moves whole):
+        no VM holds a device of it open, and no pod the kubelet still lists was given one."""
+        groups: dict[object, list[str]] = {}
+        for bdf in sorted(self.held):
+            group = records[bdf].get("group")
+            groups.setdefault(bdf if group is None else group, []).append(bdf)
+        loose = [bdfs for bdfs in groups.values()
+                 if not any(vfio.vfio_holders(self.host, bdf, records[bdf].get("group")) for bdf in bdfs)]
+        freed = [bdf for bdfs in loose if not any(self._given.get(b) for b in bdfs) for bdf in bdfs]
+        waiting = [bdfs for bdfs in loose if any(self._given.get(b) for b in bdfs)]
+        if waiting:
+            asked = list_pod_devices(self.host)
+            if asked.unknown is None:
+                listed = set(asked.assignments)
+                freed += [bdf for bdfs in waiting
+                          if not any(self._given.get(b) and self._given[b] <= listed for b in bdfs)
+                          for bdf in bdfs]
+            else:
+                log.debug("cannot ask the kubelet about %s (%s); asking again at the next check",
+                          ", ".join(b for bdfs in waiting for b in bdfs), asked.unknown)
+        return sorted(freed)
 
     def run(self, once: bool = False) -> int:
         server = self.serve_metrics(self.metrics_address) if self.metrics_address and not once else None
@@ -502,6 +638,12 @@ class Agent:
                     next_pull = time.monotonic() + self.repull_interval
         finally:
             watcher.close()
+
+
+PASSTHROUGH_NAME = Workload.VM_PASSTHROUGH.value
+# What else a leave does, in the switch's log line and Event.
+FOLLOW = ("CDI specs and readiness files follow; the Kata runtime entries in containerd stay "
+          "(running VMs use them and switching back needs no containerd restart; katamgr revert removes them)")
 
 
 def _change(old: Steps, old_out: frozenset[Operand], new: Steps, out: frozenset[Operand]) -> str:

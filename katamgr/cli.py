@@ -144,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="the node agent: reconcile, then keep the node that way",
                        description="Reconcile, then watch: re-apply when the containerd config loses our runtimes "
                                    "(someone else's edit or restart), re-pull artifacts every --repull-interval. "
+                                   "With --workload auto, a node name and a cluster it follows the Node's workload "
+                                   "label and the GPU Operator's opt-out labels (nvidia.com/gpu.deploy.<operand>=false) "
+                                   "live, by a watch on the Node: leaving vm-passthrough (or opting out of "
+                                   "vfio-manager) gives the free GPUs back to their drivers and keeps those held by "
+                                   "VMs (open /dev/vfio nodes) or given to pods (the kubelet's PodResources) until "
+                                   "they are free; on a node that no longer runs VMs at start, it gives back what "
+                                   "katamgr bound earlier the same way. A failed step is retried with capped "
+                                   "exponential backoff (2 s up to 5 min). "
                                    "SIGTERM stops it; the node keeps its state unless --revert-on-exit is given.")
     _common(p)
     device_selection.add_arguments(p)

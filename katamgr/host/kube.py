@@ -14,7 +14,10 @@ should the server not end it) and resumed from the last ``resourceVersion`` seen
 change between two requests is lost. A 410 Gone (that version is older than the server
 keeps) starts over from a fresh read of the Node. Any other failure (no ``watch`` right,
 an API server that went away, a broken stream) falls back to polling: the Node is read
-every ``poll_interval`` and the watch is tried again after each read.
+every ``poll_interval`` and the watch is tried again after each read. Two watch requests
+start at least ``min_watch_interval`` (1 s) apart, so a server or proxy that ends every
+stream at once is asked about once a second, not as fast as the loop can reconnect; a
+change in between is not lost (the next request resumes from the last version seen).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -38,6 +42,7 @@ log = logging.getLogger(__name__)
 READ_TIMEOUT = 10.0  # seconds for one read of the Node (connect, then the answer)
 WATCH_TIMEOUT = 300  # seconds the server keeps one watch request open (timeoutSeconds)
 POLL_INTERVAL = 10.0  # seconds between reads while the watch fails
+MIN_WATCH_INTERVAL = 1.0  # seconds at least between the starts of two watch requests
 GONE = 410
 
 
@@ -96,13 +101,15 @@ class NodeLabelWatch:
 
     def __init__(self, api: ApiClient, node_name: str, *, on_change: Callable[[], None] | None = None,
                  poll_interval: float = POLL_INTERVAL, watch_timeout: int = WATCH_TIMEOUT,
-                 read_timeout: float = READ_TIMEOUT) -> None:
+                 read_timeout: float = READ_TIMEOUT, min_watch_interval: float = MIN_WATCH_INTERVAL) -> None:
         self.api = api
         self.node_name = node_name
         self.on_change = on_change
         self.poll_interval = poll_interval
         self.watch_timeout = watch_timeout
         self.read_timeout = read_timeout
+        self.min_watch_interval = min_watch_interval
+        self._last_watch: float | None = None  # monotonic start of the last watch request
         self._lock = threading.Lock()
         self._labels: dict[str, str] | None = None
         self._error: str | None = None
@@ -151,6 +158,13 @@ class NodeLabelWatch:
             if self._version is None and not self._poll():
                 self._stop.wait(self.poll_interval)
                 continue
+            if self._last_watch is not None:
+                # However the last request ended (the server's timeoutSeconds, a proxy
+                # closing the stream at once, a 410): no faster than min_watch_interval.
+                spacing = self._last_watch + self.min_watch_interval - time.monotonic()
+                if spacing > 0 and self._stop.wait(spacing):
+                    break
+            self._last_watch = time.monotonic()
             try:
                 self._watch_once()
             except _Gone:

@@ -107,3 +107,31 @@ def test_help_explains():
     assert result.returncode == 0
     for word in ("plan", "apply", "revert", "demo", "simulate", "exit codes"):
         assert word in result.stdout
+
+
+def test_run_once_on_a_container_node_gives_back_what_apply_bound(tmp_path):
+    """`katamgr run` (here --once) on a node that no longer runs VMs gives back the GPUs an
+    earlier apply bound, keeping one a VM holds; a plain `apply` there only says so."""
+    root = tmp_path / "node"
+    assert run("simulate", "workstation-a6000", "--into", str(root)).returncode == 0
+    assert run("apply", "--host-root", str(root)).returncode == 0  # no cluster: vm-passthrough
+    driver = root / "sys/bus/pci/devices/0000:01:00.0/driver"
+    assert driver.resolve().name == "vfio-pci"
+    fd = root / "proc/4321/fd"
+    fd.mkdir(parents=True)
+    (root / "proc/4321/comm").write_text("qemu-system-x86\n")
+    (fd / "9").symlink_to("/dev/vfio/15")  # a Kata VM holds the GPU's IOMMU group
+    applied = run("apply", "--workload", "container", "--host-root", str(root))
+    assert applied.returncode == 0 and "run katamgr revert to give them back" in applied.stdout
+    held = run("run", "--once", "--workload", "container", "--host-root", str(root))
+    assert held.returncode == 0, held.stderr
+    assert "workload switch vm-passthrough -> container, found at start" in held.stderr
+    assert "0000:01:00.0 (PID 4321 (qemu-system-x86) holding /dev/vfio/15)" in held.stderr
+    assert driver.resolve().name == "vfio-pci"
+    assert (root / "run/nvidia/validations/workload-type").read_text() == "container\n"
+    (fd / "9").unlink()  # the VM is gone
+    freed = run("run", "--once", "--workload", "container", "--host-root", str(root))
+    assert freed.returncode == 0, freed.stderr
+    assert "gave 0000:01:00.0, 0000:01:00.1 back to their drivers" in freed.stderr
+    assert driver.resolve().name == "nvidia"
+    assert not list((root / "var/run/cdi").glob("*"))

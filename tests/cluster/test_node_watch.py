@@ -76,7 +76,7 @@ def test_a_relabel_reaches_the_watch_at_once_and_only_this_node_is_watched(serve
 def test_the_watch_resumes_after_the_server_ends_it_and_rereads_after_410(server, api, caplog):
     caplog.set_level(logging.INFO, logger="katamgr.host.kube")
     seed(server, {"a": "1"})
-    watch = NodeLabelWatch(api, NODE, poll_interval=30, watch_timeout=1).start()
+    watch = NodeLabelWatch(api, NODE, poll_interval=30, watch_timeout=1, min_watch_interval=0.2).start()
     try:
         time.sleep(1.5)  # the server ended the first request after timeoutSeconds
         label(server, "a", "2")
@@ -146,3 +146,37 @@ def test_a_deleted_node_or_a_gone_server_is_an_error_not_stale_labels(server, ap
         started = time.monotonic()
         watch.stop()
         assert time.monotonic() - started < 2  # stop does not wait out the watch request
+
+
+def test_a_server_that_ends_every_watch_at_once_is_not_hammered(server, api):
+    """A proxy (or server) that closes each watch stream as soon as it opens: the watch
+    reconnects no faster than min_watch_interval, and still sees every change."""
+    seed(server, {"a": "1"})
+    # timeoutSeconds=0: the stand-in ends each request the moment it has started.
+    spaced = NodeLabelWatch(api, NODE, poll_interval=30, watch_timeout=0, min_watch_interval=0.25).start()
+    try:
+        time.sleep(1.5)
+        requests = len(server.watches("nodes"))
+        assert 3 <= requests <= 8, requests  # about one per 0.25 s, not hundreds
+        label(server, "a", "2")
+        assert seen(spaced, "a", "2") < 1.0  # resumed from the last version: nothing lost
+    finally:
+        spaced.stop()
+    # The same server with no spacing: what the interval holds back.
+    server.clear_log()
+    eager = NodeLabelWatch(api, NODE, poll_interval=30, watch_timeout=0, min_watch_interval=0).start()
+    try:
+        time.sleep(0.5)
+    finally:
+        eager.stop()
+    assert len(server.watches("nodes")) > 20
+
+
+def test_the_default_spacing_is_a_second(server, api):
+    seed(server, {"a": "1"})
+    watch = NodeLabelWatch(api, NODE, poll_interval=30, watch_timeout=0).start()
+    try:
+        time.sleep(2.5)
+    finally:
+        watch.stop()
+    assert 2 <= len(server.watches("nodes")) <= 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from support.apiserver import FakeApiServer
@@ -25,7 +26,7 @@ from katamgr.host.podresources import POD_RESOURCES_SOCKET, list_pod_devices
 from katamgr.host.readiness import VFIO_READY, WORKLOAD_TYPE
 from katamgr.host.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Workload
 from katamgr.pipeline.kata_runtime import KataContext
-from katamgr.pipeline.reconcile import Steps
+from katamgr.pipeline.reconcile import Steps, reconcile
 from sandbox_plugin.testing.podresources import (
     ContainerRecord,
     PodRecord,
@@ -263,9 +264,19 @@ def pod_resources(host, pods):
     return server
 
 
-def test_a_gpu_given_to_a_pod_whose_vm_is_starting_stays_and_the_free_one_goes(caplog):
+def test_a_gpu_given_to_a_pod_whose_vm_is_starting_stays_and_the_free_one_goes(caplog, monkeypatch):
+    import katamgr.agent as agent_module
+
     caplog.set_level("INFO", logger="katamgr.agent")
     host = short_host([dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
+    leaves = []
+    real_leave = agent_module.leave_passthrough
+
+    def counted_leave(*args, **kwargs):
+        leaves.append(kwargs.get("command"))
+        return real_leave(*args, **kwargs)
+
+    monkeypatch.setattr(agent_module, "leave_passthrough", counted_leave)
     pods = [PodRecord("default", "vm-a", [ContainerRecord("cuda", {A10: [HELD.lower()]})])]
     server = pod_resources(host, lambda: list(pods))
     try:
@@ -288,18 +299,28 @@ def test_a_gpu_given_to_a_pod_whose_vm_is_starting_stays_and_the_free_one_goes(c
                 assert f"gave {FREE} back to their drivers" in line
                 assert f"{HELD} (pod default/vm-a (container cuda, {A10}))" in line
                 assert f"{HELD} not opened by its VM yet" in line
-                time.sleep(0.3)  # tried again every check, said once
+                assert len(leaves) == 1  # the switch's
+                time.sleep(0.3)  # looked at every check (the kubelet asked), said once
                 assert sum(r.getMessage().startswith("kept on vfio-pci:") for r in caplog.records) == 1
                 assert "/dev/vfio/4" in cdi_text(host) and "/dev/vfio/5" not in cdi_text(host)
                 # The VM is up and holds its GPU: it stays.
                 vm = hold(host, 4)
                 time.sleep(0.2)
                 assert agent.held == {HELD} and driver_of(host, HELD) == "vfio-pci"
+                # The VM restarts (lets go for a moment) while its pod is still there: still the pod's.
+                vm.unlink()
+                time.sleep(0.2)
+                vm = hold(host, 4, pid=7778)
+                assert agent.held == {HELD} and driver_of(host, HELD) == "vfio-pci"
+                # Nothing let go all this while: no leave after the switch's (no node lock,
+                # PCI scan or CDI check every check).
+                assert len(leaves) == 1
                 # Pod and VM gone: the last GPU goes back too, with no relabel.
                 pods.clear()
                 vm.unlink()
                 assert wait_for(lambda: agent.held == set())
                 assert driver_of(host, HELD) == "nvidia"
+                assert len(leaves) == 2
             finally:
                 stop_loop(agent, thread, watch)
     finally:
@@ -441,5 +462,176 @@ def test_a_gpu_busy_at_the_switch_to_passthrough_is_bound_once_its_process_lets_
             shutil.rmtree(host.path("/proc/4242"))  # it is gone
             assert wait_for(lambda: driver_now(host, HELD) == "vfio-pci", timeout=10)
             assert any("a GPU that was in use is free now" in r.getMessage() for r in caplog.records)
+        finally:
+            stop_loop(agent, thread, watch)
+
+
+def agent_at_start(api, host, steps: Steps, ctx=None, **kw) -> tuple[Agent, object]:
+    """A new `katamgr run --workload auto --node-name NODE` on a node katamgr set up earlier:
+    the workload and opt-outs resolved from the labels at start, as cmd_run does."""
+    read, watch = follower(api)
+    now = read()
+    agent = Agent(host, NAMING, replace(steps, workload=now.workload), ctx, check_interval=0.05,
+                  events=EventRecorder(api.client(), NODE), read_workload=read, node_watch=watch,
+                  opted_out=now.opted_out, **kw)
+    return agent, watch
+
+
+def test_a_relabel_while_no_agent_ran_is_carried_out_by_the_first_reconcile(tmp_path, caplog):
+    caplog.set_level("INFO", logger="katamgr.agent")
+    host = node(tmp_path)
+    ctx = KataContext(parse_config(CONFIG))
+    # `katamgr apply` (or an earlier agent) on vm-passthrough...
+    assert reconcile(host, NAMING, Steps(), ctx).ok
+    assert driver_of(host, HELD) == driver_of(host, FREE) == "vfio-pci"
+    containerd = host.path("/etc/containerd/config.toml").read_text()
+    vm = hold(host, 4)  # ...a Kata VM runs on HELD...
+    with FakeApiServer() as api:
+        # ...and the node is relabeled while no agent runs (its pod deleted, say).
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "container"}}})
+        agent, watch = agent_at_start(api, host, Steps(), ctx)
+        assert agent.steps.workload is Workload.CONTAINER
+        try:
+            assert agent.reconcile("start").ok
+            # The first reconcile did what the switch would have: the free GPU is back...
+            assert driver_of(host, FREE) == "nvidia"
+            # ...the VM's stays, reported, and is followed.
+            assert driver_of(host, HELD) == "vfio-pci" and agent.held == {HELD}
+            assert host.path(WORKLOAD_TYPE).read_text() == "container\n"
+            assert not host.path(VFIO_READY).exists()
+            specs = cdi_text(host)
+            assert "/dev/vfio/4" in specs and "/dev/vfio/5" not in specs
+            assert host.path("/etc/containerd/config.toml").read_text() == containerd  # Kata entries stay
+            [line] = [r.getMessage() for r in caplog.records if "workload switch" in r.getMessage()]
+            assert line.startswith("workload switch vm-passthrough -> container, found at start")
+            assert f"gave {FREE} back" in line and f"{HELD} (PID 7777 (qemu-system-x86)" in line
+            assert not any("katamgr revert" in r.getMessage() and r.levelname == "WARNING"
+                           for r in caplog.records)
+            assert wait_for(lambda: [e["message"] for e in events(api, "WorkloadSwitched")] == [line])
+            assert agent.metrics.registry.get_sample_value(
+                "katamgr_workload_switches_total", {"from": "vm-passthrough", "to": "container"}) == 1
+            # Another reconcile (the hourly check) has nothing new to give back or say.
+            assert agent.reconcile("periodic artifact check").ok
+            assert sum("workload switch" in r.getMessage() for r in caplog.records) == 1
+
+            thread = run_loop(agent)
+            try:
+                vm.unlink()  # the VM is gone: its GPU goes back, with no relabel
+                assert wait_for(lambda: driver_now(host, HELD) == "nvidia")
+                assert wait_for(lambda: agent.held == set())
+                assert "/dev/vfio/4" not in cdi_text(host)
+                assert agent.steps.workload is Workload.CONTAINER
+            finally:
+                agent.request_stop()
+                thread.join(timeout=15)
+                assert not thread.is_alive()
+        finally:
+            watch.stop()
+
+
+def test_a_vfio_manager_opt_out_while_no_agent_ran_is_carried_out_at_start(tmp_path, caplog):
+    caplog.set_level("INFO", logger="katamgr.agent")
+    host = make_host(tmp_path, [dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
+    assert reconcile(host, NAMING, Steps(kata=False), None).ok
+    vm = hold(host, 4)
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough",
+                                                        Operand.VFIO_MANAGER.label: "false"}}})
+        agent, watch = agent_at_start(api, host, Steps(kata=False))
+        assert agent.steps.passthrough and not agent.steps.vfio
+        thread = None
+        try:
+            assert agent.reconcile("start").ok
+            assert driver_of(host, FREE) == "nvidia" and driver_of(host, HELD) == "vfio-pci"
+            assert agent.held == {HELD}
+            assert not host.path(VFIO_READY).exists()
+            assert host.path(WORKLOAD_TYPE).read_text() == "vm-passthrough\n"
+            specs = cdi_text(host)
+            assert "/dev/vfio/4" in specs and "/dev/vfio/5" not in specs
+            line = next(r.getMessage() for r in caplog.records if "opt-outs now" in r.getMessage())
+            assert line.startswith("opt-outs now nvidia.com/gpu.deploy.vfio-manager=false, found at start")
+            assert wait_for(lambda: [e["message"] for e in events(api, "OptOutsChanged")] == [line])
+            thread = run_loop(agent)
+            vm.unlink()
+            assert wait_for(lambda: driver_now(host, HELD) == "nvidia")
+            assert wait_for(lambda: agent.held == set())
+            assert "/dev/vfio/4" not in cdi_text(host)
+        finally:
+            if thread is not None:
+                agent.request_stop()
+                thread.join(timeout=15)
+                assert not thread.is_alive()
+            watch.stop()
+
+
+def test_a_node_without_katamgr_records_is_left_as_it_was_at_start(tmp_path):
+    host = make_host(tmp_path, [dev(FREE, GPU_A10, "nvidia", 5)])
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "container"}}})
+        agent, watch = agent_at_start(api, host, Steps(kata=False))
+        try:
+            report = agent.reconcile("start")
+            assert report.ok and report.changes == []
+            assert not host.path(WORKLOAD_TYPE).exists() and driver_of(host, FREE) == "nvidia"
+            assert not events(api, "WorkloadSwitched")
+        finally:
+            watch.stop()
+
+
+def test_a_switch_and_a_give_back_keep_the_agent_healthy_however_long(tmp_path, monkeypatch):
+    import katamgr.agent as agent_module
+
+    host = make_host(tmp_path, [dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
+    agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05)
+    assert agent.reconcile("start").ok
+    seen: list[tuple[bool, str]] = []
+    real = agent_module.leave_passthrough
+
+    def slow_leave(*args, **kwargs):
+        # The loop last ticked long ago (a slow unbind, a kubelet that takes its time):
+        # only the busy mark keeps /healthz good.
+        agent.last_tick = time.monotonic() - 10 * agent_module.STALE_AFTER
+        seen.append(agent.health())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(agent_module, "leave_passthrough", slow_leave)
+    vm = hold(host, 4)
+    assert agent.switch(Workload.CONTAINER, frozenset())
+    assert seen and seen[-1][0] is True and seen[-1][1].startswith("switching the workload for ")
+    assert agent.health()[0] is True  # and the loop counts as ticked once it is done
+    assert agent.held == {HELD}
+    vm.unlink()
+    agent.release_freed()
+    assert len(seen) == 2 and seen[-1][0] is True and seen[-1][1].startswith("giving back GPUs for ")
+    assert agent.held == set() and driver_of(host, HELD) == "nvidia"
+    # Without the mark the same pause fails /healthz (what the probe would restart).
+    agent.last_tick = time.monotonic() - 10 * agent_module.STALE_AFTER
+    assert agent.health()[0] is False
+
+
+def test_an_opt_out_change_on_a_container_node_keeps_following_a_held_gpu(tmp_path):
+    host = make_host(tmp_path, [dev(HELD, GPU_A10, "nvidia", 4)])
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+        read, watch = follower(api)
+        agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
+                      read_workload=read, node_watch=watch)
+        assert agent.reconcile("start").ok
+        vm = hold(host, 4)
+        thread = run_loop(agent)
+        try:
+            relabel(api, "container")
+            assert wait_for(lambda: agent.steps.workload is Workload.CONTAINER)
+            assert agent.held == {HELD}
+            # A change that gives nothing back (the readiness files' opt-out) forgets nothing.
+            set_label(api, Operand.SANDBOX_VALIDATOR.label, "false")
+            assert wait_for(lambda: agent.opted_out == {Operand.SANDBOX_VALIDATOR})
+            assert agent.held == {HELD}
+            vm.unlink()
+            assert wait_for(lambda: driver_now(host, HELD) == "nvidia")
         finally:
             stop_loop(agent, thread, watch)
