@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import calendar
 import contextlib
+import ctypes
+import dataclasses
 import json
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -362,7 +366,7 @@ def step_plugin(plugin: Plugin | None) -> None:
     kubelet = import_kubelet_simulator().KubeletSimulator(HostRoot.at("/"))
     kubelet.start()
     try:
-        _plugin_checks(kubelet, data, plugin.started)
+        _plugin_checks(kubelet, data, plugin.started, plugin.proc.pid)
     except Exception:  # noqa: BLE001 - recorded for the host-side tests to show
         data["error"] = traceback.format_exc()
     finally:
@@ -375,10 +379,16 @@ def _devices(state, resource: str) -> list[dict]:
     return [{"id": d.id, "health": d.health} for d in state.devices.get(resource, [])]
 
 
-def _plugin_checks(kubelet, data: dict, started: float) -> None:
+def _plugin_checks(kubelet, data: dict, started: float, plugin_pid: int) -> None:
     resources = (EDU_RESOURCE, VGA_RESOURCE)
     state = kubelet.wait_for(lambda s: all(s.devices.get(r) for r in resources), timeout=90)
     data["registered_s"] = round(time.monotonic() - started, 2)
+    data["plugin_pid"] = plugin_pid
+    # The watcher starts right after the first scan; give it a moment (bounded).
+    deadline = time.monotonic() + 5
+    while not (sockets := uevent_sockets(plugin_pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    data["uevent_sockets"] = sockets
     data["registrations"] = sorted(r.resource_name for r in state.registrations)
     data["devices"] = {r: _devices(state, r) for r in resources}
     data["allocate"] = {}
@@ -542,8 +552,316 @@ def step_revert_while_held(holder: NestedQemu | None) -> None:
                 stderr=stderr, held_after=holder.holds(node), after=snapshot())
     # Whether katamgr wrote unbind for the held device all the same (the kernel says so).
     data["unbind_waits"] = unbind_waits(dmesg()[lines_before:], holder.bdf)
-    data["holder_rc"] = holder.stop()
+    # The holder keeps the group for the forced revert (step_revert_forced).
     record("revert_held", **data)
+
+
+# ---- kernel uevents ----------------------------------------------------------------
+
+# include/uapi/linux/netlink.h
+NETLINK_KOBJECT_UEVENT = 15
+
+
+def uevent_sockets(pid: int) -> list[dict]:
+    """``pid``'s kobject-uevent netlink sockets, from /proc/net/netlink (columns sk, Eth
+    (the protocol), Pid, Groups (hex bitmask), ..., Inode) matched to its fds."""
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                match = re.fullmatch(r"socket:\[(\d+)\]", os.readlink(fd))
+                if match:
+                    inodes.add(match.group(1))
+    found = []
+    for line in (read(Path("/proc/net/netlink")) or "").splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 10 and fields[9] in inodes and int(fields[1]) == NETLINK_KOBJECT_UEVENT:
+            found.append({"protocol": int(fields[1]), "groups": int(fields[3], 16), "inode": fields[9]})
+    return found
+
+
+def _collect(sources: list, want, timeout: float) -> tuple[list[list[dict]], float | None]:
+    """Events from each of ``sources`` (objects with ``fileno()`` and ``drain()``) until
+    ``want(events of the first)`` holds or ``timeout``; when it held (seconds) or None."""
+    got: list[list[dict]] = [[] for _ in sources]
+    started = time.monotonic()
+    deadline = started + timeout
+    while True:
+        for index, source in enumerate(sources):
+            got[index] += [dataclasses.asdict(e) if dataclasses.is_dataclass(e) else e for e in source.drain()]
+        if want(got[0]):
+            return got, round(time.monotonic() - started, 3)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return got, None
+        select.select([s.fileno() for s in sources], [], [], min(left, 0.5))
+
+
+class _AllEvents:
+    """Every kernel uevent, whatever its subsystem (pyudev's netlink monitor, as
+    katamgr.host.uevents opens it, without the subsystem filter): what the kernel sent
+    besides what the watcher keeps."""
+
+    def __init__(self) -> None:
+        import pyudev
+
+        self.monitor = pyudev.Monitor.from_netlink(pyudev.Context(), source="kernel")
+        self.monitor.start()
+
+    def fileno(self) -> int:
+        return self.monitor.fileno()
+
+    def drain(self) -> list[dict]:
+        found = []
+        while (device := self.monitor.poll(timeout=0)) is not None:
+            found.append({"action": device.action, "subsystem": device.subsystem,
+                          "devpath": device.device_path, "driver": device.driver})
+        return found
+
+
+def _is(event: dict, action: str, subsystem: str, devpath_end: str) -> bool:
+    return (event["action"] == action and event["subsystem"] == subsystem
+            and event["devpath"].endswith(devpath_end))
+
+
+def step_uevents() -> None:
+    """What the kernel announces on its uevent socket when a device binds to vfio-pci
+    and unbinds, heard through katamgr.host.uevents (the device plugin's first source).
+
+    The shared group's edu, free at this point, is bound and unbound with the writes
+    katamgr makes (driver_override, drivers_probe, vfio-pci/unbind, driver_override
+    cleared) and left as it was: no driver, no override, as step_not_viable expects.
+    A DeviceWatcher on the real root is started too, to record whether it listens."""
+    from katamgr.host.root import HostRoot
+    from katamgr.host.uevents import open_kernel_events
+    from sandbox_plugin.watch import DeviceWatcher
+
+    bdf = STAND_INS["shared_edu"]
+    data: dict = {"bdf": bdf, "group": group_of(bdf)}
+    watcher = DeviceWatcher(HostRoot.at("/"), lambda: None)
+    watcher.start()
+    data["watcher_hears_uevents"] = watcher.hears_uevents
+    watcher.stop()
+    events = open_kernel_events()
+    data["opened"] = events is not None
+    if events is None:
+        record("uevents", **data)
+        return
+    everything = _AllEvents()
+    base = PCI / "devices" / bdf
+    try:
+        data["override"] = sysfs_write(base / "driver_override", "vfio-pci\n")
+        data["probe"] = sysfs_write(PCI / "drivers_probe", bdf)
+        data["driver_after_bind"] = driver_of(bdf)
+        (data["bind_events"], data["all_bind_events"]), data["bind_heard_after_s"] = _collect(
+            [events, everything], lambda got: any(_is(e, "bind", "pci", "/" + bdf) for e in got), 5)
+        data["unbind"] = sysfs_write(PCI / "drivers" / "vfio-pci" / "unbind", bdf)
+        data["undo_override"] = sysfs_write(base / "driver_override", "\n")
+        data["driver_after_unbind"] = driver_of(bdf)
+        data["override_after"] = read(base / "driver_override")
+        (data["unbind_events"], data["all_unbind_events"]), data["unbind_heard_after_s"] = _collect(
+            [events, everything], lambda got: any(_is(e, "unbind", "pci", "/" + bdf) for e in got), 5)
+    finally:
+        events.close()
+    record("uevents", **data)
+
+
+# ---- the bounded write -------------------------------------------------------------
+
+PR_SET_CHILD_SUBREAPER = 36  # include/uapi/linux/prctl.h
+
+
+def become_subreaper() -> bool:
+    """Orphans below this process (katamgr's pending dd once katamgr has exited) are
+    re-parented here rather than to init, so their exit status can be read (prctl(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def process_info(pid: int) -> dict:
+    """What /proc says of a process: its argv, state (stat field 3), where it sleeps
+    in the kernel (wchan; the stack where readable, root only)."""
+    base = Path(f"/proc/{pid}")
+    stat = read(base / "stat")
+    return {"pid": pid, "exists": base.exists(),
+            "cmdline": (read(base / "cmdline") or "").split("\0") if base.exists() else None,
+            "state": stat.rsplit(")", 1)[1].split()[0] if stat else None,
+            "wchan": read(base / "wchan"), "stack": read(base / "stack")}
+
+
+def wait_reaped(pid: int, timeout: float) -> dict:
+    """Until ``pid`` (our child or orphan) exits: its exit status and when."""
+    started = time.monotonic()
+    deadline = started + timeout
+    while True:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not ours to reap: watch /proc instead
+            done, status = (pid, None) if not Path(f"/proc/{pid}").exists() else (0, None)
+        if done:
+            code = os.waitstatus_to_exitcode(status) if status is not None else None
+            return {"exited": True, "exit_code": code, "after_s": round(time.monotonic() - started, 2)}
+        if time.monotonic() > deadline:
+            return {"exited": False, "exit_code": None, "after_s": None}
+        time.sleep(0.1)
+
+
+def _unbind_traces(bdf: str, node: str) -> dict:
+    """Where vfio-pci's hold on ``bdf`` shows: the ``driver`` link, vfio-pci's own link
+    to it, the vfio-dev device under it, the group node. Not ``driver_override``:
+    reading it waits for a pending unbind (see step_revert_forced)."""
+    vfio_dev = PCI / "devices" / bdf / "vfio-dev"
+    return {"driver": driver_of(bdf),
+            "vfio_pci_link": (PCI / "drivers" / "vfio-pci" / bdf).is_symlink(),
+            "vfio_dev": sorted(os.listdir(vfio_dev)) if vfio_dev.is_dir() else [],
+            "group_node": os.path.exists(node)}
+
+
+class Reader:
+    """A command started while the unbind is pending, watched from outside: where it
+    sleeps in the kernel, and when it ends relative to the holder's release."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.started, self.started_at = time.monotonic(), time.time()
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.seen: dict | None = None
+        self.samples: list[dict] = []
+        self._last_wchan: str | None = None
+
+    def blocked_in_sysfs(self) -> bool:
+        """Whether it sits in a sysfs attribute's handler (``dev_attr_show`` or
+        ``dev_attr_store`` on its kernel stack) at two samples running, in the same
+        function: a handler that does not wait returns in microseconds."""
+        info = process_info(self.proc.pid)
+        wchan, stack = info["wchan"] or "", info["stack"] or ""
+        if not self.samples or self.samples[-1]["wchan"] != wchan:
+            self.samples.append({"after_s": round(time.monotonic() - self.started, 2), "state": info["state"],
+                                 "wchan": wchan})
+            del self.samples[:-20]
+        in_sysfs = "dev_attr_show" in stack or "dev_attr_store" in stack
+        if in_sysfs and wchan and wchan == self._last_wchan:
+            self.seen = info | {"after_s": round(time.monotonic() - self.started, 2)}
+            return True
+        self._last_wchan = wchan if in_sysfs else None
+        return False
+
+    def finish(self, released: float) -> dict:
+        try:
+            stdout, stderr = self.proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Still blocked (unkillable while it waits for the device lock); leave it.
+            return {"argv": self.argv, "rc": None, "seen_blocked": self.seen, "samples": self.samples,
+                    "ended_after_release_s": None}
+        ended = time.monotonic()
+        return {"argv": self.argv, "rc": self.proc.returncode, "stdout": stdout[-4000:], "stderr": stderr[-4000:],
+                "seconds": round(ended - self.started, 2), "seen_blocked": self.seen, "samples": self.samples,
+                "ended_after_release_s": round(ended - released, 2) if ended >= released else None,
+                "ended_before_release": ended < released, **timing(self.started_at, stderr)}
+
+
+UNBIND_FILE = str(PCI / "drivers" / "vfio-pci" / "unbind")
+
+
+def pending_unbind_writer() -> int | None:
+    """A process waiting in the kernel on a write to vfio-pci's unbind (katamgr's dd)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            cmdline = (read(entry / "cmdline") or "").split("\0")
+            if f"of={UNBIND_FILE}" in cmdline and read(entry / "wchan") == "vfio_unregister_group_dev":
+                return int(entry.name)
+    return None
+
+
+def start_readers(bdf: str) -> dict[str, Reader]:
+    """While an unbind of ``bdf`` is pending: ``cat`` of its ``driver_override`` (the
+    bare kernel fact), and ``katamgr plan`` (what any katamgr command, the agent's
+    reconcile or the plugin's rescan does first: read every device, its ``uevent``
+    and ``driver_override`` included)."""
+    return {"cat": Reader(["cat", str(PCI / "devices" / bdf / "driver_override")]),
+            "plan": Reader([KATAMGR, "plan", "--output", "json", *SELECTION, *LOGGING])}
+
+
+def watch_readers(readers: dict[str, Reader], writer: int, timeout: float) -> None:
+    """Until each reader waits in a sysfs attribute or ends, the writer ends, or
+    ``timeout``. The readers are left running: the holder's release frees them."""
+    deadline = time.monotonic() + timeout
+    pending = dict(readers)
+    while pending and time.monotonic() < deadline and Path(f"/proc/{writer}").exists():
+        for name, reader in list(pending.items()):
+            if reader.proc.poll() is not None or reader.blocked_in_sysfs():
+                del pending[name]
+        time.sleep(0.2)
+
+
+def step_revert_forced(holder: NestedQemu | None) -> None:
+    """``katamgr revert --force`` while the nested QEMU still holds the edu's group:
+    the unbind is written all the same, through katamgr's bounded writer (a dd child),
+    and the kernel holds it. The revert must return within the bound (10 s) naming the
+    pending writer; then the QEMU is stopped and the pending unbind must complete.
+    While it is pending, two readers (``start_readers``) show what else waits for it."""
+    if holder is None or holder.proc.poll() is not None:
+        record("revert_forced", error="no nested QEMU holds a group (see nested_qemu)")
+        return
+    bdf = holder.bdf
+    node = f"/dev/vfio/{group_of(bdf)}"
+    data: dict = {"holder_pid": holder.proc.pid, "holder_node": node, "holder_bdf": bdf,
+                  "held_before": holder.holds(node), "subreaper": become_subreaper()}
+    lines_before = len(dmesg())
+    started, started_at = time.monotonic(), time.time()
+    argv = [KATAMGR, "revert", "--force", *LOGGING]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    # katamgr's start-up under TCG is seconds; this bound is far past start-up, the
+    # 10 s write bound and its margin, and is only there so a hang ends.
+    deadline = started + 120
+    readers: dict[str, Reader] = {}
+    timed_out = False
+    while True:
+        try:
+            stdout, stderr = proc.communicate(timeout=0.25)  # retrying loses no output
+            break
+        except subprocess.TimeoutExpired:
+            if not readers and pending_unbind_writer():
+                # The write is pending: the readers' start-up overlaps the rest of the bound.
+                readers = start_readers(bdf)
+                data["readers_started_after_s"] = round(time.monotonic() - started, 2)
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate(timeout=10)
+                timed_out = True
+                break
+    data.update(argv=argv, rc=proc.returncode, stdout=stdout, stderr=stderr, timed_out=timed_out,
+                seconds=round(time.monotonic() - started, 2), **timing(started_at, stderr))
+    exited_at = time.monotonic()
+    data["at_exit"] = _unbind_traces(bdf, node)
+    data["held_at_exit"] = holder.holds(node)
+    match = re.search(r"pending in process (\d+)", data["stdout"] + data["stderr"])
+    pid = int(match.group(1)) if match else None
+    data["pending_pid"] = pid
+    data["pending_at_exit"] = process_info(pid) if pid else None
+    data["dmesg_while_pending"] = dmesg()[lines_before:]
+    if pid:
+        readers = readers or start_readers(bdf)
+        watch_readers(readers, pid, timeout=45)
+    data["holder_stopped_after_exit_s"] = round(time.monotonic() - exited_at, 2)
+    data["holder_rc"] = holder.stop()
+    released = time.monotonic()
+    if pid:
+        # after_s: from the holder's end to the writer's.
+        data["pending_end"] = wait_reaped(pid, timeout=30)
+    data["readers"] = {name: reader.finish(released) for name, reader in readers.items()}
+    # What is left of vfio-pci's hold once the unbind has completed (bounded: the
+    # group node goes last, when vfio_unregister_group_dev returns).
+    deadline = time.monotonic() + 30
+    while os.path.exists(node) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    data["after_release"] = _unbind_traces(bdf, node)
+    data["after_release"]["driver_override"] = read(PCI / "devices" / bdf / "driver_override")
+    data["dmesg"] = dmesg()[lines_before:]
+    data["after"] = snapshot()
+    record("revert_forced", **data)
 
 
 def main() -> int:
@@ -558,9 +876,13 @@ def main() -> int:
     plugin = _guarded(Plugin)
     _guarded(lambda: katamgr("apply_again", ["apply", *SELECTION]))
     _guarded(lambda: step_plugin(plugin))
+    _guarded(step_uevents)
     holder = _guarded(step_nested_qemu)
     _guarded(step_not_viable)
     _guarded(lambda: step_revert_while_held(holder))
+    _guarded(lambda: step_revert_forced(holder))
+    if holder is not None:
+        holder.stop()
     _guarded(lambda: katamgr("revert", ["revert"]))
     results["dmesg"] = dmesg_tail(200)
     results["finished"] = True
