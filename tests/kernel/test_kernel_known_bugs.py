@@ -14,16 +14,19 @@ import pytest
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "product bug: katamgr's device scan (katamgr.host.pci.scan -> read_device) reads each device's "
-    "uevent and driver_override, and both wait in the kernel, uninterruptibly, while an unbind of "
-    "that device is pending; vfio._restore's driver_override write (kernel._MAY_BLOCK: 'never "
-    "blocks') would too"))
+    "product bug: katamgr's device scan (katamgr.host.pci.scan -> read_device) reads a device's "
+    "uevent (other vendors) or driver_override (NVIDIA), and both wait in the kernel, "
+    "uninterruptibly, while an unbind of that device is pending; vfio._restore's driver_override "
+    "write (kernel._MAY_BLOCK: 'never blocks') would too"))
 def test_katamgr_plan_does_not_wait_for_a_pending_unbind(guest):
     """While the unbind ``katamgr revert --force`` left pending waits for the VM (see
     test_kernel_bounded_write.py), another katamgr command (here ``plan``, started as
     soon as the write was pending; ``revert``, the agent's reconcile and the device
     plugin's rescan read devices the same way) must not wait for it too. On Debian's
-    6.1 it does: it sleeps in ``uevent_show`` (state D, unkillable) until QEMU exits."""
+    6.1 it does: it sleeps in ``uevent_show`` (state D, unkillable) until QEMU exits.
+    The stand-in is not NVIDIA's, so the scan reads its ``uevent``; for an NVIDIA GPU
+    it reads ``driver_override``, which waits on every kernel since 4.13 (see
+    test_reading_driver_override_waits_for_the_pending_unbind)."""
     step = guest.step("revert_forced")
     plan = (step.get("readers") or {}).get("plan")
     if plan is None:
