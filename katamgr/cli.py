@@ -269,6 +269,11 @@ def steps_and_context(args: argparse.Namespace, host: HostRoot,
     return setup.steps, setup.ctx
 
 
+def _by_hand() -> tuple[Workload, str]:
+    # Run by hand with no cluster to ask: the operator is here to set the node up.
+    return Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"
+
+
 def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None = None) -> NodeSetup:
     """``config``: the --config file already loaded (else it is loaded here)."""
     if config is None:
@@ -287,8 +292,7 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
             args.node_name,
             read_labels if api is not None else None,
             default=args.default_workload,
-            # Run by hand with no cluster to ask: the operator is here to set the node up.
-            fallback=lambda: (Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"),
+            fallback=_by_hand,
         )
         opted_out = resolved.opted_out
         workload, why = resolved.workload, resolved.why
@@ -399,7 +403,7 @@ def _workload_follower(args: argparse.Namespace, api: object | None):
     def read() -> Resolution:
         return resolve_workload(
             args.node_name, lambda node: watch.labels(), default=args.default_workload,
-            fallback=lambda: (Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"),
+            fallback=_by_hand,
         )
 
     return read, watch

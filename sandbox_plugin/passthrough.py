@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from katamgr.host import pci, sysfs, vfio
+from katamgr.host import pci, vfio
 from katamgr.host.inventory import Inventory, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import PassthroughDevice, resource_units
@@ -185,16 +185,14 @@ class PassthroughResource(Resource):
         return True
 
     def _departed(self, unit: PassthroughUnit) -> PassthroughUnit | None:
-        """A unit the scan no longer finds: still listed, Unhealthy, while its device is
-        meant for vfio-pci (its ``driver_override`` still says so: someone unbound it
-        behind our back, and a pod may hold it, so the kubelet must see it fail, not
-        vanish); dropped once it is unplugged or given back on purpose (katamgr's
-        revert or a workload switch restores the override with the driver)."""
+        """A unit the scan no longer finds: still listed, Unhealthy, while its device has
+        no driver (someone unbound it behind our back, or an unbind waits for the VM
+        using it; a pod may hold it, so the kubelet must see it fail, not vanish);
+        dropped once it is unplugged or on another driver (given back on purpose by
+        katamgr's revert or a workload switch). Only lock-free attributes are read:
+        ``driver_override`` would wait out a pending unbind."""
         now = pci.read_binding(self.host, unit.id)
-        if now.vendor is None:
-            return None
-        override = sysfs.read_text(self.host.path(f"{sysfs.PCI_DEVICES}/{unit.id}/driver_override"))
-        if (override or "").strip() != pci.VFIO_DRIVER:
+        if now.vendor is None or now.driver is not None:
             return None
         reason = f"{unit.id} left vfio-pci (driver: {now.driver or 'none'})"
         if unit.health == UNHEALTHY and unit.reason == reason:

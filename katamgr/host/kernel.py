@@ -93,8 +93,9 @@ LINUX = LinuxKernel()
 # VM to let go, and once the writer gets a signal that wait can no longer be
 # interrupted (Linux 6.1 drivers/vfio/vfio_main.c; the kernel logs "Device is
 # currently in use, task ... blocked until device is released"). Probing can
-# sit in a device reset for as long. ``driver_override`` never blocks.
-_MAY_BLOCK = ("/unbind", "/bind", "/drivers_probe", "/remove", "/reset")
+# sit in a device reset for as long. ``driver_override`` takes the device lock,
+# which such a pending unbind holds (seen on Debian's 6.1 by tests/kernel).
+_MAY_BLOCK = ("/unbind", "/bind", "/drivers_probe", "/remove", "/reset", "/driver_override")
 
 # The write runs in a child process so that a write the kernel holds strands
 # only that child, never the agent: a thread stuck in the kernel would keep
@@ -121,8 +122,8 @@ class BlockedWrite(HostError):
                                  f"{value.strip()!r} was not written")
         super().__init__(
             f"{first} (the device is probably held open by a process, a VM); the write stays pending in "
-            f"process {pid} and takes effect when the device is released: look for 'blocked until "
-            f"device is released' in dmesg"
+            f"process {pid} and takes effect when the device is released: dmesg shows vfio-pci "
+            f"'Relaying device request to user' every 10 s while a VM keeps it"
         )
 
 
@@ -180,3 +181,24 @@ def _reap() -> None:
     with _pending_lock:
         for path in [k for k, p in _pending.items() if p.poll() is not None]:
             del _pending[path]
+
+
+def read_bounded(path: os.PathLike[str] | str, host_path: str, timeout: float = 10.0) -> str | None:
+    """A sysfs attribute that waits for the device lock (``driver_override``), read by a
+    ``dd`` child within ``timeout``: None when it does not exist, BlockedWrite (naming
+    the read) when the kernel holds it, never a hang."""
+    if not os.path.exists(path):
+        return None
+    try:
+        proc = subprocess.Popen(["dd", "status=none", f"if={path}"], stdin=subprocess.DEVNULL,  # noqa: S603
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                start_new_session=True)
+    except OSError as exc:
+        raise HostError(f"cannot start dd to read {host_path}: {exc}") from exc
+    try:
+        out, _err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with _pending_lock:
+            _pending[f"read:{path}"] = proc
+        raise BlockedWrite(host_path, "(a read)", timeout, proc.pid) from None
+    return out if proc.returncode == 0 else None

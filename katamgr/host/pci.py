@@ -37,8 +37,6 @@ class Device:
     subsystem_device: int | None = None
     # Upstream chain, nearest first, ending at the root port.
     parents: tuple[str, ...] = ()
-    # Read for NVIDIA devices (the ones katamgr may move); None for others.
-    driver_override: str | None = None
     # Oddities seen while reading this device, as sentences for the plan.
     notes: tuple[str, ...] = field(default=(), compare=False)
 
@@ -145,22 +143,11 @@ def _read_device(dir_fd: int, base: str, bdf: str, full: bool) -> Device:
             return None
         return os.path.basename(target) or None
 
+    # Only attributes and links the kernel serves without the device lock: a
+    # device's ``uevent`` and ``driver_override`` wait for that lock, which an
+    # unbind the kernel holds (a VM still using the device) keeps for as long as
+    # the VM runs; seen on Debian's 6.1 by tests/kernel.
     vendor = number("vendor", 16, required=True)
-    if full and vendor is not None and vendor != NVIDIA_VENDOR:
-        # Most of a big node is other vendors' devices: their uevent carries ids,
-        # class and driver in one read, which halves the scan's syscalls.
-        known = _from_uevent(text("uevent"))
-        if known is not None:
-            device, class_code, sub_vendor, sub_device, driver = known
-            group_name = link("iommu_group")
-            numa = number("numa_node", 10)
-            return Device(
-                bdf, vendor, device, class_code, driver,
-                int(group_name) if group_name and group_name.isdigit() else None,
-                numa if numa is not None and numa >= 0 else None,
-                subsystem_vendor=sub_vendor, subsystem_device=sub_device,
-                parents=_parents(base, bdf), notes=tuple(notes),
-            )
     device = number("device", 16, required=True)
     class_code = number("class", 16, required=True) if full else None
     driver = link("driver")
@@ -169,9 +156,6 @@ def _read_device(dir_fd: int, base: str, bdf: str, full: bool) -> Device:
     if not full:
         return Device(bdf, vendor, device, class_code, driver, group, None, notes=tuple(notes))
     numa = number("numa_node", 10)
-    override = text("driver_override")
-    if override in ("", "(null)"):
-        override = None
     return Device(
         bdf=bdf,
         vendor=vendor,
@@ -183,25 +167,8 @@ def _read_device(dir_fd: int, base: str, bdf: str, full: bool) -> Device:
         subsystem_vendor=number("subsystem_vendor", 16),
         subsystem_device=number("subsystem_device", 16),
         parents=_parents(base, bdf),
-        driver_override=override,
         notes=tuple(notes),
     )
-
-
-def _from_uevent(text: str | None) -> tuple[int, int, int | None, int | None, str | None] | None:
-    """(device, class, subsystem vendor, subsystem device, driver) from a PCI uevent,
-    or None when it lacks what the kernel always puts there."""
-    if not text:
-        return None
-    fields = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
-    try:
-        _vendor, device = (int(x, 16) for x in fields["PCI_ID"].split(":"))
-        class_code = int(fields["PCI_CLASS"], 16)
-        sub = [int(x, 16) for x in fields.get("PCI_SUBSYS_ID", "").split(":") if x]
-    except (KeyError, ValueError):
-        return None
-    sub_vendor, sub_device = (sub[0], sub[1]) if len(sub) == 2 else (None, None)
-    return device, class_code, sub_vendor, sub_device, fields.get("DRIVER") or None
 
 
 def _parents(base: str, bdf: str) -> tuple[str, ...]:

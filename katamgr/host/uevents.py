@@ -3,8 +3,8 @@
 sysfs raises no inotify event when the kernel adds or removes a ``driver``
 link, but the kernel announces every such change on the uevent socket:
 binding a device to vfio-pci sends ``bind`` for the PCI device (with
-``DRIVER=vfio-pci``) and ``add`` for ``/devices/virtual/vfio/<group>`` (and
-``vfio-dev/vfioN`` on iommufd kernels); unbinding sends their mirror
+``DRIVER=vfio-pci``) and ``add`` for ``/devices/virtual/vfio/<group>`` and the device's
+``vfio-dev/vfioN``; unbinding sends their mirror
 (Documentation/ABI/testing/sysfs-uevent; seen on Debian's 6.1 kernel by
 tests/kernel). The "kernel" source needs no udev daemon, which a node may not
 run and a pod never does. Kernel uevents reach every network namespace owned

@@ -25,7 +25,7 @@ from katamgr.host.errors import HostError
 from katamgr.host.faults import write_point
 from katamgr.host.files import read_json, remove_file, write_json
 from katamgr.host.inventory import Inventory, Kind
-from katamgr.host.kernel import BlockedWrite
+from katamgr.host.kernel import BlockedWrite, read_bounded
 from katamgr.host.pci import VFIO_DRIVER, Device
 from katamgr.host.root import HostRoot
 
@@ -249,7 +249,9 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
     for device in decision.to_move:
         # Recorded before the first write: a crash mid-way stays revertible.
         # The override is read afresh: the scan reads it only for NVIDIA devices.
-        override = sysfs.read_text(host.path(f"{sysfs.PCI_DEVICES}/{device.bdf}/driver_override"))
+        path = f"{sysfs.PCI_DEVICES}/{device.bdf}/driver_override"
+        override = read_bounded(host.path(path), path)
+        override = override.strip() if override is not None else None
         state["devices"].setdefault(device.bdf, {
             "driver": device.driver,
             "override": _original_override(override),
@@ -335,11 +337,14 @@ def _refuse_if_held(bdf: str, who: list[holders.Holder]) -> None:
 def _restore(host: HostRoot, bdf: str, driver: str | None, override: str | None, *,
              group: int | None = None, forced: bool = False) -> None:
     base = f"{sysfs.PCI_DEVICES}/{bdf}"
-    if _current_driver(host, bdf) == VFIO_DRIVER:
-        if not forced:
-            # Never write unbind for a group a VM holds: vfio-pci would ask the VM
-            # to give the device up and the write would wait until it does.
-            _refuse_if_held(bdf, vfio_holders(host, bdf, group))
+    current = _current_driver(host, bdf)
+    if not forced and current in (VFIO_DRIVER, None):
+        # Never write unbind for a group a VM holds: vfio-pci would ask the VM to
+        # give the device up and the write would wait until it does. Driverless
+        # counts too: during an unbind the kernel holds, the driver link is
+        # already gone while the VM still has the group (seen on Debian's 6.1).
+        _refuse_if_held(bdf, vfio_holders(host, bdf, group))
+    if current == VFIO_DRIVER:
         _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}/unbind", bdf)
     _kernel_write(host, f"{base}/driver_override", (override or "") + "\n")
     if driver is not None and _current_driver(host, bdf) is None:

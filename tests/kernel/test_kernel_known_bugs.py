@@ -1,6 +1,6 @@
-"""Product bugs the real kernel shows, kept as strict expected failures: each test
-states the behaviour katamgr should have and fails today; when a fix lands it passes,
-strict xfail turns that into a failure, and the marker is to be removed.
+"""Product bugs the real kernel shows, kept as expected failures: each test states the
+behaviour katamgr should have and fails today; when a fix lands it passes (XPASS in
+the summary), and the marker is to be removed.
 
 Not marked ``integration``: tests/conftest.py reports a skipped integration test as
 a failure under REQUIRE_INTEGRATION=1, and pytest counts an xfail as skipped. The
@@ -13,11 +13,12 @@ from __future__ import annotations
 import pytest
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "product bug: katamgr's device scan (katamgr.host.pci.scan -> read_device) reads a device's "
-    "uevent (other vendors) or driver_override (NVIDIA), and both wait in the kernel, "
-    "uninterruptibly, while an unbind of that device is pending; vfio._restore's driver_override "
-    "write (kernel._MAY_BLOCK: 'never blocks') would too"))
+@pytest.mark.xfail(strict=False, raises=AssertionError, reason=(
+    "product bug, partly fixed: the scan no longer reads uevent or driver_override (which wait for "
+    "the device lock a pending unbind holds; tests/host/test_host_model.py keeps it so), and the "
+    "plan is no longer seen waiting in a sysfs attribute; but in the last run it still ended only "
+    "when the VM let go (work 7 s against 1 s unhindered), cause not yet found. Not strict: a plan "
+    "that merely runs slowly under emulation may end in time"))
 def test_katamgr_plan_does_not_wait_for_a_pending_unbind(guest):
     """While the unbind ``katamgr revert --force`` left pending waits for the VM (see
     test_kernel_bounded_write.py), another katamgr command (here ``plan``, started as
