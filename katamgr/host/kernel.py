@@ -111,17 +111,19 @@ _pending_lock = threading.Lock()
 
 
 class BlockedWrite(HostError):
-    """The kernel has not returned from a write within the bound; it goes on
-    in the background (in ``pid``) and completes once the device is released."""
+    """The kernel has not returned from a write (or a read) within the bound; it goes
+    on in the background (in ``pid``) and completes once the device is released."""
 
-    def __init__(self, host_path: str, value: str, seconds: float, pid: int):
+    def __init__(self, host_path: str, value: str | None, seconds: float, pid: int):
         self.host_path = host_path
         self.pid = pid
-        first = (f"the kernel did not finish {value.strip()!r} written to {host_path} within {seconds:g}s"
-                 if seconds else f"an earlier write to {host_path} is still pending in the kernel, so "
-                                 f"{value.strip()!r} was not written")
+        what = f"{value.strip()!r} written to {host_path}" if value is not None else f"reading {host_path}"
+        if seconds:
+            first = f"the kernel did not finish {what} within {seconds:g}s"
+        else:
+            first = f"an earlier write to {host_path} is still pending in the kernel, so {what} was not tried"
         super().__init__(
-            f"{first} (the device is probably held open by a process, a VM); the write stays pending in "
+            f"{first} (the device is probably held open by a process, a VM); it stays pending in "
             f"process {pid} and takes effect when the device is released: dmesg shows vfio-pci "
             f"'Relaying device request to user' every 10 s while a VM keeps it"
         )
@@ -140,31 +142,39 @@ def _write_now(path: os.PathLike[str], host_path: str, value: str) -> None:
         os.close(fd)
 
 
-def _write_bounded(path: str, host_path: str, value: str, timeout: float) -> None:
+def _dd(operand: str, path: str, host_path: str, value: str | None, timeout: float) -> tuple[int, str, str]:
+    """Run ``dd`` on ``path`` (``of=`` with ``value`` on stdin, or ``if=``) within
+    ``timeout``: (exit code, stdout, stderr), or BlockedWrite when the kernel holds it.
+    Nothing is tried on a file whose earlier write is still pending: it would only
+    queue behind the first in the kernel, one more process stuck for good."""
     _reap()
     with _pending_lock:
         earlier = _pending.get(path)
     if earlier is not None:
-        # Another write would only queue behind the first in the kernel, one more
-        # process stuck for good; the first completes when the device is free.
         raise BlockedWrite(host_path, value, 0, earlier.pid)
+    argv = [*_WRITER, f"of={path}"] if operand == "of" else ["dd", "status=none", f"if={path}"]
     try:
-        proc = subprocess.Popen([*_WRITER, f"of={path}"], stdin=subprocess.PIPE,  # noqa: S603
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if value is not None else subprocess.DEVNULL,  # noqa: S603
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
     except OSError as exc:
-        raise HostError(f"cannot start dd to write {host_path}: {exc}") from exc
+        raise HostError(f"cannot start dd for {host_path}: {exc}") from exc
     try:
-        _out, err = proc.communicate(value, timeout=timeout)
+        out, err = proc.communicate(value, timeout=timeout)
     except subprocess.TimeoutExpired:
         with _pending_lock:
             _pending[path] = proc
         raise BlockedWrite(host_path, value, timeout, proc.pid) from None
-    if proc.returncode == 0:
+    return proc.returncode, out, err
+
+
+def _write_bounded(path: str, host_path: str, value: str, timeout: float) -> None:
+    code, _out, err = _dd("of", path, host_path, value, timeout)
+    if code == 0:
         return
     # dd says "dd: failed to open 'F': <strerror>" or "dd: error writing 'F': <strerror>".
     message = (err or "").strip().splitlines()[-1] if (err or "").strip() else ""
-    reason = message.rsplit(": ", 1)[-1] if ": " in message else f"dd exit code {proc.returncode}"
+    reason = message.rsplit(": ", 1)[-1] if ": " in message else f"dd exit code {code}"
     if "failed to open" in message:
         raise HostError(f"cannot open {host_path} for writing: {reason}")
     raise HostError(f"the kernel refused {value.strip()!r} written to {host_path}: {reason}")
@@ -184,21 +194,10 @@ def _reap() -> None:
 
 
 def read_bounded(path: os.PathLike[str] | str, host_path: str, timeout: float = 10.0) -> str | None:
-    """A sysfs attribute that waits for the device lock (``driver_override``), read by a
-    ``dd`` child within ``timeout``: None when it does not exist, BlockedWrite (naming
-    the read) when the kernel holds it, never a hang."""
+    """A sysfs attribute that waits for the device lock (``driver_override``), read the
+    way writes that may block are written: None when it cannot be read, BlockedWrite
+    when the kernel holds it, never a hang."""
     if not os.path.exists(path):
         return None
-    try:
-        proc = subprocess.Popen(["dd", "status=none", f"if={path}"], stdin=subprocess.DEVNULL,  # noqa: S603
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                start_new_session=True)
-    except OSError as exc:
-        raise HostError(f"cannot start dd to read {host_path}: {exc}") from exc
-    try:
-        out, _err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with _pending_lock:
-            _pending[f"read:{path}"] = proc
-        raise BlockedWrite(host_path, "(a read)", timeout, proc.pid) from None
-    return out if proc.returncode == 0 else None
+    code, out, _err = _dd("if", str(path), host_path, None, timeout)
+    return out if code == 0 else None

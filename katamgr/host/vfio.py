@@ -171,10 +171,20 @@ def blocks_group(device: Device) -> bool:
     return not device.is_bridge and device.driver is not None and device.driver not in _DMA_NEUTRAL
 
 
+# The one driver whose users katamgr can find (its /dev/nvidiaN nodes); a device
+# on any other driver is unbound with nobody asked (plan warns about it).
+NVIDIA_DRIVER = "nvidia"
+
+
+def users_visible(device: Device) -> bool:
+    """Whether ``in_use`` can tell who uses ``device`` on its present driver."""
+    return device.driver in (None, NVIDIA_DRIVER, VFIO_DRIVER)
+
+
 def in_use(host: HostRoot, devices: tuple[Device, ...] | list[Device]) -> list[holders.Holder]:
     paths = set()
     for device in devices:
-        if device.driver == "nvidia":
+        if device.driver == NVIDIA_DRIVER:
             minor = holders.gpu_minor(host, device.bdf)
             if minor is not None:
                 paths.add(f"/dev/nvidia{minor}")

@@ -181,7 +181,7 @@ def _selection_warnings(inv: Inventory, decisions: list[GroupDecision]) -> list[
             for rule in inv.selection.include if not any(rule.ids.matches(d) for d in inv.devices)]
     for decision in decisions:
         for device in decision.to_move:
-            if device.driver not in (None, "nvidia") and not decision.forced:
+            if not vfio.users_visible(device) and not decision.forced:
                 out.append(f"{device.bdf} is on {device.driver}: katamgr can only see who uses an NVIDIA "
                            f"GPU (/dev/nvidiaN) or a VFIO group, so check that nothing uses it before apply")
     return out
