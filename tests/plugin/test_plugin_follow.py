@@ -94,6 +94,10 @@ def test_the_plugin_follows_relabels_and_opt_outs_without_a_restart(bound_a10, t
                 else:
                     # The servers stop and remove their sockets: the kubelet loses the endpoint.
                     kubelet.wait_for(lambda s: A10 not in s.connected, timeout=10)
+                    # The stream ends as the server stops; the socket file goes just after.
+                    deadline = time.monotonic() + 5
+                    while socket.exists() and time.monotonic() < deadline:
+                        time.sleep(0.02)
                     assert not socket.exists()
                 assert time.monotonic() - started < 5, change
         finally:
