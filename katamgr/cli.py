@@ -281,7 +281,9 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
     wants_cluster = (config is not None and not args.no_kata) or (args.workload == AUTO and args.node_name)
     if wants_cluster or config is not None:
         from katamgr import cluster  # the Kubernetes client costs a second: only when it is used
-    api = cluster.connect() if wants_cluster and not is_simulated(host) else None
+    # A simulated node talks to a cluster only when one is named (KUBECONFIG or the
+    # pod's service account, as the chart's DaemonSets on a simulated node do).
+    api = cluster.connect(home_kubeconfig=not is_simulated(host)) if wants_cluster else None
     if args.workload == AUTO:
         def read_labels(node: str):
             from katamgr.host.kube import read_node_labels  # the Kubernetes client: only to ask
@@ -374,11 +376,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         setup = node_setup(args, host, config)
         events = None
         if setup.api is not None and args.node_name:
-            from katamgr.cluster import EventRecorder, agent_namespace
+            from katamgr.cluster import EventRecorder
 
-            # In the agent's namespace, where its Role may create Events; `kubectl describe
-            # node` lists a Node's Events from every namespace.
-            events = EventRecorder(setup.api, args.node_name, namespace=agent_namespace())
+            # In "default", the one namespace the API server accepts a Node's Events in
+            # (the chart's <release>-node-events Role there lets the agent create them).
+            events = EventRecorder(setup.api, args.node_name)
         follower = None if args.once else _workload_follower(args, setup.api)
         agent = Agent(host, naming, setup.steps, setup.ctx, force=args.force, wait=args.device_wait,
                       lock_wait=args.wait,

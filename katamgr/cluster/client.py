@@ -31,8 +31,12 @@ DEFAULT_KUBECONFIG = "~/.kube/config"
 def connect(
     environ: Mapping[str, str] | None = None,
     service_account_dir: Path = SERVICE_ACCOUNT_DIR,
+    *,
+    home_kubeconfig: bool = True,
 ) -> ApiClient | None:
-    """An API client for the cluster: KUBECONFIG, else in-cluster, else ~/.kube/config.
+    """An API client for the cluster: KUBECONFIG, else in-cluster, else ~/.kube/config
+    (unless ``home_kubeconfig`` is False: a simulated node uses a cluster only when it
+    is named, so a demo in an admin's shell never writes to the admin's cluster).
 
     None when there is no cluster to talk to (a node-only run).
 
@@ -50,6 +54,10 @@ def connect(
     if _in_cluster(env, service_account_dir):
         return _from_service_account(env, service_account_dir)
     fallback = [] if env.get("KUBECONFIG") else _kubeconfig_paths(env)
+    if fallback and not home_kubeconfig:
+        log.info("a simulated node: not using %s (set KUBECONFIG to use that cluster)",
+                 fallback[0])
+        return None
     if fallback:
         return _from_kubeconfig(fallback)
     log.info("no cluster reachable: skipping RuntimeClasses")

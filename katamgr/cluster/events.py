@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 
 EVENT_TYPES = ("Normal", "Warning")
 MAX_MESSAGE = 1024  # the API server rejects longer event messages
+# The API server accepts a core/v1 Event about a cluster-scoped object (a Node) only in
+# "default" ("involvedObject.namespace: does not match event.namespace" otherwise: the
+# Event validation in kubernetes pkg/apis/core/validation/events.go), which is where
+# the kubelet and client-go's recorder put Node events.
+NODE_EVENTS_NAMESPACE = "default"
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class EventRecorder:
     ``window`` seconds is recorded once, and at most ``burst`` events are written
     per ``window`` in all (the rest are logged and dropped)."""
 
-    def __init__(self, api: ApiClient, node_name: str, *, namespace: str = "default",
+    def __init__(self, api: ApiClient, node_name: str, *, namespace: str = NODE_EVENTS_NAMESPACE,
                  window: float = 600.0, burst: int = 20, clock=time.monotonic) -> None:
         # kubelet's convention for Node events (kubectl describe node finds them by it).
         self.node = ObjectRef("Node", node_name, uid=node_name)

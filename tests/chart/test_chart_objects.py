@@ -53,6 +53,9 @@ def test_every_rendered_object_is_valid_for_kubernetes(chart, kube_validate, val
     for obj in rendered.objects:
         if obj["kind"] in ("ClusterRole", "ClusterRoleBinding"):
             assert "namespace" not in obj["metadata"]
+        elif obj["metadata"]["name"] == RELEASE + "-node-events":
+            # The one namespace the API server takes a Node's Events in.
+            assert obj["metadata"]["namespace"] == "default"
         else:
             assert obj["metadata"]["namespace"] == NAMESPACE
 
@@ -113,7 +116,7 @@ def test_sandbox_off_has_no_privilege_and_no_vfio(chart):
         assert "--mode" in c["args"] and c["args"][c["args"].index("--mode") + 1] == "container"
         assert not any("vfio" in m["mountPath"] for m in c.get("volumeMounts", []))
     assert rendered.find("ConfigMap", "-config") is None
-    assert rendered.find("Role") is None
+    assert rendered.find("Role") is None and rendered.find("Role", "-node-events") is None
     assert set(rules(rendered.get("ClusterRole"))) == {"nodes"}
 
 
@@ -131,7 +134,7 @@ def test_disabled_components_render_nothing(chart):
     nothing = render(chart, VALUE_SETS["sandbox-nothing-enabled"])
     assert nothing.find("DaemonSet", "-sandbox-agent") is None
     assert nothing.find("ConfigMap", "-config") is None
-    assert nothing.find("Role") is None
+    assert nothing.find("Role") is None and nothing.find("Role", "-node-events") is None
 
     plugin_only = render(chart, merged(SANDBOX, {"vfioManager": {"enabled": False},
                                                  "cdi": {"enabled": False}}))

@@ -86,7 +86,7 @@ def test_the_call_scan_finds_the_calls_we_know_of():
 def test_rbac_grants_exactly_what_the_code_calls(chart):
     rendered = render(chart, CUSTOM_CLASSES)
     cluster = granted(rendered.get("ClusterRole"))
-    namespaced = granted(rendered.get("Role"))
+    namespaced = granted(rendered.get("Role"), rendered.get("Role", "-node-events"))
     have = set(cluster) | set(namespaced)
     needed = api_calls(API_CALLERS)
     missing = {k: v for k, v in needed.items() if k not in have}
@@ -120,14 +120,19 @@ def test_rbac_is_least_privilege_for_the_full_agent(chart):
     assert role["metadata"]["namespace"] == NAMESPACE
     # Only the pull secrets the runtime classes name.
     namespaced = granted(role)
-    assert set(namespaced) == {("events", "create"), ("secrets", "get")}
-    assert namespaced[("events", "create")] is None
+    assert set(namespaced) == {("secrets", "get")}
     assert sorted(namespaced[("secrets", "get")]) == ["lab", "mirror"]
+    # Node Events: only in "default", the namespace the API server takes them in.
+    events = rendered.get("Role", "-node-events")
+    assert events["metadata"]["namespace"] == "default"
+    assert granted(events) == {("events", "create"): None}
 
-    for binding_kind, role_kind in (("ClusterRoleBinding", "ClusterRole"), ("RoleBinding", "Role")):
-        binding = rendered.get(binding_kind)
+    for binding_kind, role_kind, suffix in (("ClusterRoleBinding", "ClusterRole", ""),
+                                            ("RoleBinding", "Role", ""),
+                                            ("RoleBinding", "Role", "-node-events")):
+        binding = rendered.get(binding_kind, suffix)
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
-                                      "kind": role_kind, "name": RELEASE}
+                                      "kind": role_kind, "name": RELEASE + suffix}
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE,
                                         "namespace": NAMESPACE}]
 
@@ -135,7 +140,8 @@ def test_rbac_is_least_privilege_for_the_full_agent(chart):
 @pytest.mark.integration
 def test_no_pull_secret_no_secret_access(chart):
     rendered = render(chart, FULL)  # default runtime classes have pullSecret ""
-    assert set(granted(rendered.get("Role"))) == {("events", "create")}
+    assert rendered.find("Role") is None and rendered.find("RoleBinding") is None
+    assert set(granted(rendered.get("Role", "-node-events"))) == {("events", "create")}
 
 
 @pytest.mark.integration

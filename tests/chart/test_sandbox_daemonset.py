@@ -100,7 +100,8 @@ def test_kata_manager_off_drops_runtime_class_rights_and_containerd_mounts(chart
     assert not {"/host/etc/containerd", "/host/run/containerd"} & set(mounts)
     assert not any("artifacts" in path for path in mounts)
     assert set(rules(rendered.get("ClusterRole"))) == {"nodes"}
-    assert set(rules(rendered.get("Role"))) == {"events"}
+    assert set(rules(rendered.get("Role", "-node-events"))) == {"events"}
+    assert rendered.find("Role") is None  # no pull secrets to read
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
     assert not pod.get("hostPID") and not pod.get("hostNetwork")
     # Binding still checks for processes holding the GPUs.

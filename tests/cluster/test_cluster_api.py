@@ -245,6 +245,21 @@ def test_default_kubeconfig_in_home_is_used(tmp_path):
         assert api is not None and api.configuration.host == server.url
 
 
+def test_a_simulated_node_uses_only_a_cluster_it_is_given(tmp_path, caplog):
+    """katamgr on a simulated node (--host, a demo in an admin's shell) never falls back
+    to ~/.kube/config; KUBECONFIG (or a pod's service account) names the cluster to use."""
+    with FakeApiServer() as server:
+        (tmp_path / ".kube").mkdir()
+        server.write_kubeconfig(tmp_path / ".kube" / "config")
+        with caplog.at_level(logging.INFO, logger="katamgr.cluster.client"):
+            assert connect(environ={"HOME": str(tmp_path)}, service_account_dir=tmp_path / "none",
+                           home_kubeconfig=False) is None
+        assert "a simulated node: not using" in caplog.text and "set KUBECONFIG" in caplog.text
+        named = connect(environ={"HOME": str(tmp_path), "KUBECONFIG": str(tmp_path / ".kube" / "config")},
+                        service_account_dir=tmp_path / "none", home_kubeconfig=False)
+        assert named is not None and named.configuration.host == server.url
+
+
 def test_broken_kubeconfig_is_a_config_error(tmp_path):
     bad = tmp_path / "kubeconfig"
     bad.write_text("apiVersion: v1\nkind: Config\ncurrent-context: missing\n")

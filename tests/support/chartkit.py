@@ -107,6 +107,16 @@ def render(chart, values: dict[str, Any]) -> Rendered:
     return Rendered(objects)
 
 
+def render_release(values: dict[str, Any], release: str) -> list[dict[str, Any]]:
+    """The chart rendered as ``release`` into the namespace of the same name, every object
+    (hooks included) in template order, for applying to a real API server."""
+    helm = load_helm()
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values, name=release, namespace=release, is_install=True)
+    return [obj for path, text in sorted(manifests.items()) if path.endswith((".yaml", ".yml"))
+            for obj in yaml.safe_load_all(text) if obj]
+
+
 def container(rendered: Rendered, ds_suffix: str, name: str) -> dict[str, Any]:
     ds = rendered.get("DaemonSet", ds_suffix)
     for c in ds["spec"]["template"]["spec"]["containers"]:

@@ -1,0 +1,248 @@
+"""Isolation through the real API server: Pods created with the API, admitted (or refused)
+by our webhook (``katamgr webhook`` as a local process the API server calls over TLS, with
+the chart's own webhook configurations pointed at it by URL) and by the chart's
+ValidatingAdmissionPolicy evaluated by the API server's cel-go.
+
+What only the API server shows: that it calls /mutate and /validate with the reviews it
+really sends and applies our JSON patch; that a webhook's runtimeClassName makes it re-run
+its built-in RuntimeClass admission (overhead and scheduling from the RuntimeClass,
+checked again at validation); that the policy's message reaches the user; that the
+namespace selectors leave the excluded namespaces alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from support.chartkit import render_release
+from support.kubecluster import wait_for
+from support.tlskit import make_ca, write_server_pair
+
+pytestmark = pytest.mark.integration
+
+RELEASE = "ksm-adm"
+TENANT = "tenant"
+A10 = "nvidia.com/GA102GL_A10"
+KATA = "kata-qemu-nvidia-gpu"
+VALUES = {"sandboxWorkloads": {"enabled": True},
+          "isolation": {"webhook": {"enabled": True}, "admissionPolicy": {"enabled": True}}}
+DENIAL = (f'requests the passthrough resource {A10}, but it sets no runtimeClassName; a '
+          f"passthrough GPU is only given to a Kata VM: set spec.runtimeClassName to one of "
+          f"{KATA}, kata-qemu-nvidia-gpu-snp, or request nvidia.com/gpu for a container GPU")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pod(name: str, *, resources: dict[str, Any] | None = None,
+        runtime_class: str | None = None, init: bool = False) -> dict[str, Any]:
+    container = {"name": "main", "image": "example.invalid/app:1"}
+    if resources:
+        container["resources"] = {"limits": resources}
+    spec: dict[str, Any] = {"containers": [container, {"name": "side", "image": "example.invalid/side:1"}]}
+    if init:
+        spec["initContainers"] = [{"name": "setup", "image": "example.invalid/setup:1"}]
+    if runtime_class:
+        spec["runtimeClassName"] = runtime_class
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def create(kube, obj: dict[str, Any], namespace: str) -> subprocess.CompletedProcess:
+    return kube.kubectl("create", "-n", namespace, "-f", "-", "-o", "json",
+                        input=yaml.safe_dump(obj), check=False)
+
+
+def envs(stored_pod: dict[str, Any]) -> dict[str, dict[str, str]]:
+    spec = stored_pod["spec"]
+    return {c["name"]: {e["name"]: e.get("value") for e in c.get("env", [])}
+            for c in spec.get("initContainers", []) + spec["containers"]}
+
+
+class Webhook:
+    """``katamgr webhook`` on a loopback port with a CA of the test's own."""
+
+    def __init__(self, tmp: Path, inject: bool = False) -> None:
+        self.ca = make_ca()
+        cert, key = tmp / "tls.crt", tmp / "tls.key"
+        write_server_pair(self.ca, cert, key)
+        self.port = free_port()
+        argv = [str(Path(sys.executable).parent / "katamgr"), "webhook", "-v",
+                "--listen", f"127.0.0.1:{self.port}",
+                "--tls-cert-file", str(cert), "--tls-private-key-file", str(key)]
+        if inject:
+            argv.append("--inject-runtime-class")
+        self.log = tmp / "webhook.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        wait_for(self._answers, "katamgr webhook serving")
+
+    def _answers(self) -> bool:
+        with socket.socket() as s:
+            s.settimeout(1)
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def point(self, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chart's webhook configurations, each webhook's Service swapped for this
+        process's URL (same path) and CA; rules, selectors and policies as rendered."""
+        bundle = base64.b64encode(self.ca.pem).decode()
+        configs = copy.deepcopy(configs)
+        for config in configs:
+            for hook in config["webhooks"]:
+                path = hook["clientConfig"]["service"]["path"]
+                hook["clientConfig"] = {"url": f"https://127.0.0.1:{self.port}{path}",
+                                        "caBundle": bundle}
+        return configs
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        return self.log.read_text()
+
+
+@pytest.fixture(scope="module")
+def objects():
+    return render_release(VALUES, RELEASE)
+
+
+def of_kind(objects, *kinds):
+    return [o for o in objects if o["kind"] in kinds]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runtime_classes(kube):
+    """The Kata RuntimeClasses (as the agent makes them): the API server refuses a pod
+    naming a RuntimeClass that does not exist."""
+    classes = [{
+        "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+        "metadata": {"name": name}, "handler": name,
+        "overhead": {"podFixed": {"cpu": "250m", "memory": "160Mi"}},
+        "scheduling": {"nodeSelector": {"nvidia.com/gpu.workload.config": "vm-passthrough"}},
+    } for name in (KATA, "kata-qemu-nvidia-gpu-snp")]
+    kube.apply(classes, manager="test")
+    yield
+    kube.delete(classes)
+
+
+@pytest.fixture
+def layer(kube, objects, tmp_path):
+    """Put one isolation layer in force (the webhook, or the policy alone) and take it
+    away afterwards, so each test sees exactly the layers it names."""
+    kube.namespace(TENANT)
+    started: list[Webhook] = []
+    applied: list[dict[str, Any]] = []
+
+    def use(which: str, inject: bool = False):
+        if which == "webhook":
+            hook = Webhook(tmp_path, inject=inject)
+            started.append(hook)
+            configs = hook.point(of_kind(objects, "MutatingWebhookConfiguration",
+                                         "ValidatingWebhookConfiguration"))
+        else:
+            hook = None
+            configs = of_kind(objects, "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")
+        kube.apply(configs)
+        applied.extend(configs)
+        return hook
+
+    yield use
+    if applied:
+        kube.delete(applied)
+    for hook in started:
+        hook.stop()
+    kube.kubectl("delete", "pods", "--all", "-n", TENANT, "--wait=false", check=False)
+
+
+def refused_until_in_force(kube, name: str, body: dict[str, Any]) -> str:
+    """The API server loads new webhook configurations and policies asynchronously (an
+    informer): retry the create until the layer answers, then return its refusal."""
+    def attempt():
+        result = create(kube, body, TENANT)
+        if result.returncode == 0:
+            kube.kubectl("delete", "pod", name, "-n", TENANT, "--wait=false", check=False)
+            return None
+        return result.stderr
+
+    return wait_for(attempt, f"pod {name} refused", timeout=30, every=0.5)
+
+
+def test_the_webhook_alone_voids_gpu_less_pods_and_refuses_passthrough_without_kata(kube, layer):
+    hook = layer("webhook")
+    refusal = refused_until_in_force(kube, "bad", pod("bad", resources={A10: 1}))
+    assert 'admission webhook "' in refusal and DENIAL in refusal, refusal
+    assert 'pod "bad"' in refusal
+
+    plain = create(kube, pod("plain", init=True), TENANT)
+    assert plain.returncode == 0, plain.stderr
+    stored = json.loads(plain.stdout)
+    assert all(env.get("NVIDIA_VISIBLE_DEVICES") == "void" for env in envs(stored).values()), envs(stored)
+
+    # A pod with a GPU keeps its env; a Kata pod with the passthrough GPU is admitted as is.
+    kata = create(kube, pod("kata", resources={A10: 1}, runtime_class=KATA), TENANT)
+    assert kata.returncode == 0, kata.stderr
+    assert "NVIDIA_VISIBLE_DEVICES" not in envs(json.loads(kata.stdout))["main"]
+    log = hook.stop()
+    assert "/mutate" in log and "/validate" in log, log
+
+
+def test_the_policy_alone_refuses_passthrough_without_kata_with_our_message(kube, layer):
+    layer("policy")
+    refusal = refused_until_in_force(kube, "bad", pod("bad", resources={A10: 1}))
+    assert "ValidatingAdmissionPolicy" in refusal, refusal
+    assert f'container "main" {DENIAL}' in refusal, refusal
+    # The policy validates only: a GPU-less pod is stored unchanged.
+    plain = create(kube, pod("plain"), TENANT)
+    assert plain.returncode == 0, plain.stderr
+    assert envs(json.loads(plain.stdout))["main"] == {}
+
+
+def test_an_injected_runtime_class_brings_its_overhead_and_scheduling(kube, layer):
+    layer("webhook", inject=True)
+
+    def admitted():
+        result = create(kube, pod("injected", resources={A10: 1}), TENANT)
+        return result.stdout if result.returncode == 0 else None
+
+    stored = json.loads(wait_for(admitted, "the passthrough pod admitted with a class"))
+    spec = stored["spec"]
+    assert spec["runtimeClassName"] == KATA
+    # Set by the API server's RuntimeClass admission plugin, re-run after our patch
+    # (the pod had no class when it first ran).
+    assert spec["overhead"] == {"cpu": "250m", "memory": "160Mi"}
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.workload.config": "vm-passthrough"}
+
+
+def test_excluded_namespaces_are_left_alone(kube, layer):
+    layer("webhook")
+    layer("policy")
+    # kube-system is in isolation.excludedNamespaces, the release namespace always is.
+
+    def stored_unchanged():
+        result = create(kube, pod("system-plain"), "kube-system")
+        if result.returncode:
+            return None
+        kube.kubectl("delete", "pod", "system-plain", "-n", "kube-system", "--wait=false", check=False)
+        return json.loads(result.stdout)
+
+    # First make sure the webhook is in force for other namespaces.
+    refused_until_in_force(kube, "bad", pod("bad", resources={A10: 1}))
+    stored = wait_for(stored_unchanged, "a pod in kube-system admitted")
+    assert envs(stored)["main"] == {}
+    passthrough = create(kube, pod("system-gpu", resources={A10: 1}), "kube-system")
+    assert passthrough.returncode == 0, passthrough.stderr
+    kube.kubectl("delete", "pod", "system-gpu", "-n", "kube-system", "--wait=false", check=False)
