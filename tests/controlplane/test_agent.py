@@ -281,6 +281,13 @@ def test_the_uninstall_hook_reverts_the_node_and_deletes_our_classes(kube, relea
     args[args.index("--config") + 1] = str(config)
     account = hook["spec"]["template"]["spec"]["serviceAccountName"]
     hook_env = agent_env(kube, tmp_path, account)
+    # The hook's Job waits on the DaemonSet with the same account: that read is allowed,
+    # and nothing else of the namespace is.
+    hook_kubeconfig = Path(hook_env["KUBECONFIG"])
+    assert kube.can_i("get", "daemonsets", kubeconfig=hook_kubeconfig, namespace=RELEASE,
+                      name=hook["metadata"]["name"])
+    assert not kube.can_i("list", "secrets", kubeconfig=hook_kubeconfig, namespace=RELEASE)
+    assert not kube.can_i("get", "nodes", kubeconfig=hook_kubeconfig, name=NODE)
     result = subprocess.run([KATAMGR, *args], env=hook_env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert set(gpu_drivers(root).values()) == {"nvidia"}

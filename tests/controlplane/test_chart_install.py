@@ -102,6 +102,11 @@ def test_every_optional_part_is_admitted_and_the_policy_type_checks(kube, instal
     assert stored_binding["spec"]["policyName"] == name
     assert stored_binding["spec"]["validationActions"] == ["Deny"]
 
+    # The webhook makes no API call: its pods get no token at all, so it needs no RBAC.
+    webhook = next(o for o in objects if o["kind"] == "Deployment")
+    stored_webhook = kube.get("deployment", webhook["metadata"]["name"], "-n", "ksm-full")
+    assert stored_webhook["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
     # The webhook configurations point at the release's Service with the CA the chart
     # generated, which the API server stored as given.
     mutating = next(o for o in objects if o["kind"] == "MutatingWebhookConfiguration")
