@@ -26,6 +26,7 @@ import pytest
 import yaml
 from support.chartkit import render_release
 from support.kubecluster import wait_for
+from support.registry_server import free_port
 from support.tlskit import make_ca, write_server_pair
 
 pytestmark = pytest.mark.integration
@@ -40,11 +41,6 @@ DENIAL = (f'requests the passthrough resource {A10}, but it sets no runtimeClass
           f"passthrough GPU is only given to a Kata VM: set spec.runtimeClassName to one of "
           f"{KATA}, kata-qemu-nvidia-gpu-snp, or request nvidia.com/gpu for a container GPU")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pod(name: str, *, resources: dict[str, Any] | None = None,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 from support.chartkit import render_release
 from support.kubecluster import wait_for
 from support.paths import REPO
+from support.registry_server import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -181,11 +181,6 @@ def test_the_agent_token_is_refused_what_the_agent_never_does(kube, release, tmp
     patch = kube.kubectl("label", "node", NODE, "x=y", kubeconfig=kubeconfig, check=False)
     assert patch.returncode != 0 and "forbidden" in patch.stderr.lower(), patch.stderr
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ready(port: int) -> bool:
