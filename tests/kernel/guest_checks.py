@@ -307,10 +307,10 @@ def katamgr(name: str, args: list[str], timeout: float = 180) -> dict:
     return record(name, **result)
 
 
-def timing(started_at: float, stderr: str) -> dict:
+def timing(started_at: float, stderr: str, ended_at: float | None = None) -> dict:
     """``startup_s``: from exec to the command's first log record; ``work_s``: from
-    there to its exit (None without a log record)."""
-    ended_at = time.time()
+    there to its exit (``ended_at``, or now; None without a log record)."""
+    ended_at = time.time() if ended_at is None else ended_at
     first = None
     for line in stderr.splitlines():
         if line.startswith("{"):
@@ -719,21 +719,64 @@ def _unbind_traces(bdf: str, node: str) -> dict:
 
 class Reader:
     """A command started while the unbind is pending, watched from outside: where it
-    sleeps in the kernel, and when it ends relative to the holder's release."""
+    sleeps in the kernel, and when it ends relative to the holder's release.
 
-    def __init__(self, argv: list[str]) -> None:
+    A thread of its own reads its output and reaps it, so the moment it ends is when
+    it really ends (not when this script next looks), and a command that writes more
+    than a pipe holds never waits for this script to read."""
+
+    def __init__(self, argv: list[str], trace: Path | None = None) -> None:
         self.argv = argv
+        self.trace = trace
+        if trace is not None:
+            # SIGUSR1 makes it write every thread's Python stack to ``trace``
+            # (faulthandler): sent if it is still running when the holder lets go.
+            argv = [sys.executable, "-c", _TRACED, str(trace), *argv]
         self.started, self.started_at = time.monotonic(), time.time()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      start_new_session=True)
         self.seen: dict | None = None
         self.samples: list[dict] = []
+        self.threads: list[dict] = []
         self._last_wchan: str | None = None
+        self._last_threads = 0.0
+        self.ended: float | None = None
+        self.ended_at: float | None = None
+        self.output: tuple[str, str] = ("", "")
+        self.done = threading.Event()
+        threading.Thread(target=self._reap, daemon=True).start()
+
+    def _reap(self) -> None:
+        try:
+            self.output = self.proc.communicate()
+        finally:
+            self.ended, self.ended_at = time.monotonic(), time.time()
+            self.done.set()
+
+    def sample_threads(self) -> None:
+        """Every thread's state, wchan, CPU ticks (utime+stime) and kernel stack, about
+        once a second, with the load: where it spends its time, running or asleep."""
+        now = time.monotonic()
+        if self.done.is_set() or now - self._last_threads < 1.0:
+            return
+        self._last_threads = now
+        tasks = {}
+        with contextlib.suppress(OSError):
+            for task in sorted(Path(f"/proc/{self.proc.pid}/task").iterdir()):
+                stat = read(task / "stat") or ""
+                fields = stat.rsplit(")", 1)[1].split() if ")" in stat else []
+                tasks[task.name] = {"state": fields[0] if fields else None,
+                                    "ticks": int(fields[11]) + int(fields[12]) if len(fields) > 12 else None,
+                                    "wchan": read(task / "wchan"), "stack": read(task / "stack")}
+        self.threads.append({"after_s": round(now - self.started, 2), "loadavg": read(Path("/proc/loadavg")),
+                             "tasks": tasks})
+        del self.threads[:-60]
 
     def blocked_in_sysfs(self) -> bool:
         """Whether it sits in a sysfs attribute's handler (``dev_attr_show`` or
         ``dev_attr_store`` on its kernel stack) at two samples running, in the same
         function: a handler that does not wait returns in microseconds."""
+        self.sample_threads()
         info = process_info(self.proc.pid)
         wchan, stack = info["wchan"] or "", info["stack"] or ""
         if not self.samples or self.samples[-1]["wchan"] != wchan:
@@ -747,18 +790,42 @@ class Reader:
         self._last_wchan = wchan if in_sysfs else None
         return False
 
+    def dump_if_running(self) -> None:
+        """Ask a traced command still running for its Python stacks."""
+        if self.trace is not None and not self.done.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGUSR1)
+
     def finish(self, released: float) -> dict:
-        try:
-            stdout, stderr = self.proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
+        common = {"argv": self.argv, "seen_blocked": self.seen, "samples": self.samples, "threads": self.threads,
+                  "released_after_s": round(released - self.started, 2)}
+        if not self.done.wait(timeout=60):
             # Still blocked (unkillable while it waits for the device lock); leave it.
-            return {"argv": self.argv, "rc": None, "seen_blocked": self.seen, "samples": self.samples,
-                    "ended_after_release_s": None}
-        ended = time.monotonic()
-        return {"argv": self.argv, "rc": self.proc.returncode, "stdout": stdout[-4000:], "stderr": stderr[-4000:],
-                "seconds": round(ended - self.started, 2), "seen_blocked": self.seen, "samples": self.samples,
-                "ended_after_release_s": round(ended - released, 2) if ended >= released else None,
-                "ended_before_release": ended < released, **timing(self.started_at, stderr)}
+            return common | {"rc": None, "ended_after_release_s": None, "ended_before_release": False,
+                             "traceback": self._traceback()}
+        stdout, stderr = self.output
+        with contextlib.suppress(ValueError):
+            common["json"] = json.loads(stdout)
+        return common | {
+            "rc": self.proc.returncode, "stdout": stdout[-4000:], "stderr": stderr[-8000:],
+            "seconds": round(self.ended - self.started, 2),
+            "ended_after_release_s": round(self.ended - released, 2) if self.ended >= released else None,
+            "ended_before_release": self.ended < released,
+            "ended_before_release_s": round(released - self.ended, 2) if self.ended < released else None,
+            "traceback": self._traceback(), **timing(self.started_at, stderr, self.ended_at)}
+
+    def _traceback(self) -> str | None:
+        return (read(self.trace) or None) if self.trace is not None else None
+
+
+# A console script run with faulthandler answering SIGUSR1 into argv[1]:
+# python -c _TRACED FILE SCRIPT ARGS...
+_TRACED = """
+import faulthandler, runpy, signal, sys
+faulthandler.register(signal.SIGUSR1, file=open(sys.argv[1], "w"), all_threads=True)
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
 UNBIND_FILE = str(PCI / "drivers" / "vfio-pci" / "unbind")
@@ -776,21 +843,23 @@ def pending_unbind_writer() -> int | None:
 
 def start_readers(bdf: str) -> dict[str, Reader]:
     """While an unbind of ``bdf`` is pending: ``cat`` of its ``driver_override`` (the
-    bare kernel fact), and ``katamgr plan`` (what any katamgr command, the agent's
-    reconcile or the plugin's rescan does first: read every device, its ``uevent``
-    and ``driver_override`` included)."""
+    bare kernel fact: it waits for the device lock), and ``katamgr plan`` (what any
+    katamgr command, the agent's reconcile or the plugin's rescan does first: read
+    every device, the one being unbound included), which must not wait."""
     return {"cat": Reader(["cat", str(PCI / "devices" / bdf / "driver_override")]),
-            "plan": Reader([KATAMGR, "plan", "--output", "json", *SELECTION, *LOGGING])}
+            "plan": Reader([KATAMGR, "plan", "--output", "json", *SELECTION, *LOGGING], trace=OUT / "plan-trace.txt")}
 
 
 def watch_readers(readers: dict[str, Reader], writer: int, timeout: float) -> None:
     """Until each reader waits in a sysfs attribute or ends, the writer ends, or
-    ``timeout``. The readers are left running: the holder's release frees them."""
+    ``timeout``. The readers are left running: the holder's release frees them (a
+    reader that waits for the unbind in some other way ends only after the release,
+    which is what ``finish`` tells)."""
     deadline = time.monotonic() + timeout
     pending = dict(readers)
     while pending and time.monotonic() < deadline and Path(f"/proc/{writer}").exists():
         for name, reader in list(pending.items()):
-            if reader.proc.poll() is not None or reader.blocked_in_sysfs():
+            if reader.done.is_set() or reader.blocked_in_sysfs():
                 del pending[name]
         time.sleep(0.2)
 
@@ -823,6 +892,8 @@ def step_revert_forced(holder: NestedQemu | None) -> None:
             stdout, stderr = proc.communicate(timeout=0.25)  # retrying loses no output
             break
         except subprocess.TimeoutExpired:
+            for reader in readers.values():
+                reader.sample_threads()
             if not readers and pending_unbind_writer():
                 # The write is pending: the readers' start-up overlaps the rest of the bound.
                 readers = start_readers(bdf)
@@ -845,9 +916,14 @@ def step_revert_forced(holder: NestedQemu | None) -> None:
     if pid:
         readers = readers or start_readers(bdf)
         watch_readers(readers, pid, timeout=45)
+    for reader in readers.values():
+        reader.dump_if_running()
     data["holder_stopped_after_exit_s"] = round(time.monotonic() - exited_at, 2)
-    data["holder_rc"] = holder.stop()
+    # The release: the moment the holder is killed. Its exit frees the group, and
+    # with it the pending unbind and whatever waits for the device lock, before
+    # stop() returns; the readers' ends are timed against this moment.
     released = time.monotonic()
+    data["holder_rc"] = holder.stop()
     if pid:
         # after_s: from the holder's end to the writer's.
         data["pending_end"] = wait_reaped(pid, timeout=30)
