@@ -133,22 +133,25 @@ def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:
 
 def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
               force: bool = False, wait: float = 5.0, lock_wait: float = DEFAULT_LOCK_WAIT,
-              command: str = "katamgr apply") -> Report:
+              command: str = "katamgr apply", gives_back: bool = False) -> Report:
     """Bring the node to the plan, holding the node lock (NodeBusyError after ``lock_wait``).
 
     Every input is checked before the first write (``kata_runtime.preflight``): a
-    ConfigError or KatamgrError out of here means nothing was changed.
+    ConfigError or KatamgrError out of here means nothing was changed. ``gives_back``:
+    the caller gives the GPUs an earlier vm-passthrough left on vfio-pci back itself once
+    nothing holds them (``katamgr run``, by ``leave_passthrough``), so a node that does
+    not run VMs does not send the operator to ``katamgr revert`` for them.
     """
     with node_lock(host, command, lock_wait):
-        return _reconcile(host, naming, steps, kata_ctx, force=force, wait=wait)
+        return _reconcile(host, naming, steps, kata_ctx, force=force, wait=wait, gives_back=gives_back)
 
 
 def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
-               force: bool, wait: float) -> Report:
+               force: bool, wait: float, gives_back: bool) -> Report:
     report = Report()
     if not steps.passthrough:
         report.warnings.append(f"node workload is {steps.workload.value!r}: nothing to do for VM passthrough here")
-        earlier = sorted(vfio.bound_by_us(host))
+        earlier = [] if gives_back else sorted(vfio.bound_by_us(host))
         if earlier:
             # Never unbound on a label change alone: a VM may still hold them.
             report.warnings.append(

@@ -19,7 +19,7 @@ from support.paths import REPO
 # cluster layer and agent (katamgr run, katamgr revert), and the Node reader both programs
 # share (katamgr.host.kube: the device plugin reads and watches its node through it).
 API_CALLERS = [*sorted((REPO / "katamgr" / "cluster").glob("*.py")),
-               REPO / "katamgr" / "agent.py", REPO / "katamgr" / "host" / "kube.py",
+               *sorted((REPO / "katamgr" / "agent").glob("*.py")), REPO / "katamgr" / "host" / "kube.py",
                REPO / "sandbox_plugin" / "cli.py"]
 
 # The official client's method names: <action>_[namespaced_]<kind in snake case>.

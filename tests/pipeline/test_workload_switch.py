@@ -141,7 +141,7 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
             assert driver_of(host, FREE) == "nvidia"
             assert driver_of(host, HELD) == "vfio-pci"
             assert agent.held == {HELD}
-            assert not agent._waiting
+            assert not agent.give_backs.waiting
             assert host.path(WORKLOAD_TYPE).read_text() == "container\n"
             assert not host.path(VFIO_READY).exists()
             specs = cdi_text(host)
@@ -265,18 +265,18 @@ def pod_resources(host, pods):
 
 
 def test_a_gpu_given_to_a_pod_whose_vm_is_starting_stays_and_the_free_one_goes(caplog, monkeypatch):
-    import katamgr.agent as agent_module
+    from katamgr.agent import giveback
 
     caplog.set_level("INFO", logger="katamgr.agent")
     host = short_host([dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
     leaves = []
-    real_leave = agent_module.leave_passthrough
+    real_leave = giveback.leave_passthrough
 
     def counted_leave(*args, **kwargs):
         leaves.append(kwargs.get("command"))
         return real_leave(*args, **kwargs)
 
-    monkeypatch.setattr(agent_module, "leave_passthrough", counted_leave)
+    monkeypatch.setattr(giveback, "leave_passthrough", counted_leave)
     pods = [PodRecord("default", "vm-a", [ContainerRecord("cuda", {A10: [HELD.lower()]})])]
     server = pod_resources(host, lambda: list(pods))
     try:
@@ -582,22 +582,22 @@ def test_a_node_without_katamgr_records_is_left_as_it_was_at_start(tmp_path):
 
 
 def test_a_switch_and_a_give_back_keep_the_agent_healthy_however_long(tmp_path, monkeypatch):
-    import katamgr.agent as agent_module
+    from katamgr.agent import giveback, health
 
     host = make_host(tmp_path, [dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
     agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05)
     assert agent.reconcile("start").ok
     seen: list[tuple[bool, str]] = []
-    real = agent_module.leave_passthrough
+    real = giveback.leave_passthrough
 
     def slow_leave(*args, **kwargs):
         # The loop last ticked long ago (a slow unbind, a kubelet that takes its time):
         # only the busy mark keeps /healthz good.
-        agent.last_tick = time.monotonic() - 10 * agent_module.STALE_AFTER
+        agent.last_tick = time.monotonic() - 10 * health.STALE_AFTER
         seen.append(agent.health())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(agent_module, "leave_passthrough", slow_leave)
+    monkeypatch.setattr(giveback, "leave_passthrough", slow_leave)
     vm = hold(host, 4)
     assert agent.switch(Workload.CONTAINER, frozenset())
     assert seen and seen[-1][0] is True and seen[-1][1].startswith("switching the workload for ")
@@ -608,7 +608,7 @@ def test_a_switch_and_a_give_back_keep_the_agent_healthy_however_long(tmp_path, 
     assert len(seen) == 2 and seen[-1][0] is True and seen[-1][1].startswith("giving back GPUs for ")
     assert agent.held == set() and driver_of(host, HELD) == "nvidia"
     # Without the mark the same pause fails /healthz (what the probe would restart).
-    agent.last_tick = time.monotonic() - 10 * agent_module.STALE_AFTER
+    agent.last_tick = time.monotonic() - 10 * health.STALE_AFTER
     assert agent.health()[0] is False
 
 

@@ -1,0 +1,25 @@
+"""``katamgr run``: the node agent.
+
+Reconcile once, then keep the node that way: containerd's config (inotify) and the CDI
+specs against the devices on vfio-pci between reconciles, the artifacts on a timer, a
+failed reconcile retried with backoff. With ``--metrics-address`` it serves ``/metrics``,
+``/healthz`` (the loop ticked recently, or is busy for a bounded time) and ``/readyz``
+(the last reconcile succeeded); with a cluster and a node name it records Events on the
+Node and follows the Node's labels (the workload and the GPU Operator's opt-outs).
+
+One room per concern, each readable on its own:
+
+- ``running``: the ``Agent``, the rooms wired together; run once or kept running, stopped;
+- ``loop``: what runs when, and nothing else;
+- ``reconciler``: one reconcile (the pipeline's) and its outcome: metrics, Events, backoff;
+- ``switch``: the workload switch on a relabel, and a relabel found at start;
+- ``giveback``: the GPUs a switch kept on vfio-pci for a VM or pod, given back once free;
+- ``drift``: containerd's config and the CDI specs, changed by someone else;
+- ``health``, ``metrics``, ``events``: ``/healthz`` and ``/readyz``, ``/metrics``, Node Events;
+- ``target``: what the node is kept at, the state the rooms share.
+"""
+
+from katamgr.agent.metrics import AgentMetrics
+from katamgr.agent.running import Agent
+
+__all__ = ["Agent", "AgentMetrics"]

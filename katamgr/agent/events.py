@@ -1,0 +1,35 @@
+"""The Events the agent records on its Node: every reason it uses is here."""
+
+from __future__ import annotations
+
+from katamgr.pipeline.report import Report
+
+
+class NodeEvents:
+    """Events through a ``katamgr.cluster.EventRecorder`` (which de-duplicates and
+    rate-limits them), or none without a cluster and a node name."""
+
+    def __init__(self, recorder=None) -> None:
+        self.recorder = recorder
+
+    def _record(self, reason: str, message: str, type_: str = "Normal") -> None:
+        if self.recorder is not None:
+            self.recorder.record(reason, message, type_)
+
+    def reconciled(self, report: Report, failed_before: bool) -> None:
+        if report.failures:
+            self._record("ReconcileFailed", "; ".join(report.failures), "Warning")
+        if report.changes:
+            self._record("Reconciled", "; ".join(report.changes))
+        elif report.ok and failed_before:
+            self._record("Reconciled", "the node is as planned again after a failed reconcile")
+
+    def cdi_specs_synced(self, report: Report) -> None:
+        if report.failures:
+            self._record("CdiSpecsFailed", "; ".join(report.failures), "Warning")
+        if report.changes:
+            self._record("CdiSpecsUpdated", "; ".join(report.changes))
+
+    def switched(self, workload_changed: bool, summary: str) -> None:
+        """A workload switch, or (the workload unchanged) a change of the opt-outs."""
+        self._record("WorkloadSwitched" if workload_changed else "OptOutsChanged", summary)

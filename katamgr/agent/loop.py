@@ -1,0 +1,78 @@
+"""The loop: what runs when, and nothing else (each piece of work is another room's).
+
+It sleeps until an inotify event in containerd's config dir, a relabel (the Node watch
+wakes it), a stop request or, at the latest, every check interval: the checks are cheap
+and cover a lost event (sysfs sends none for a kernel's driver change). A failed
+reconcile is retried when its backoff is up; the artifacts are re-checked on a timer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from inotify_simple import flags as inflags
+
+from katamgr.agent.drift import containerd_dirs
+from katamgr.errors import KatamgrError
+from katamgr.host.watching import Watcher
+
+if TYPE_CHECKING:
+    from katamgr.agent.running import Agent
+
+log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
+
+# The ways an editor, a package upgrade or another tool replaces or edits containerd's config.
+_WATCH = inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE | inflags.DELETE | inflags.MOVED_FROM
+
+
+def keep(agent: Agent, watcher: Watcher) -> None:
+    """Keep the node as reconciled until the agent is asked to stop."""
+    if agent.node_watch is not None:
+        # The labels are read from the watch, not the API. One look now covers a change
+        # that came before this hook was set.
+        agent.node_watch.on_change = watcher.wake
+        watcher.wake()
+    for directory in containerd_dirs(agent.target):
+        try:
+            watcher.add_watch(directory, _WATCH)
+            log.info("watching %s for changes to containerd's config", agent.target.host.host_path(directory))
+        except OSError as exc:
+            log.warning("cannot watch %s (%s); checking every 10 s instead", directory, exc.strerror)
+    next_pull = time.monotonic() + agent.repull_interval
+    while not agent.stop.is_set():
+        agent.probes.tick()
+        retry_at = agent.retry_at
+        due = min(next_pull, retry_at if retry_at is not None else next_pull)
+        watcher.wait(max(0.0, min(due - time.monotonic(), agent.check_interval)))
+        # (what woke it does not matter: the checks look at the files themselves)
+        if agent.stop.is_set():
+            break
+        agent.probes.tick()
+        if agent.retry_at is not None and time.monotonic() >= agent.retry_at:
+            agent.reconcile(f"retry after a failure (backoff {agent.retry_delay:g} s)")
+            continue
+        try:
+            if _check(agent):
+                continue
+        except KatamgrError as exc:  # an unreadable config, a failed scan: next time
+            log.warning("could not check the node: %s", exc)
+        if time.monotonic() >= next_pull:
+            agent.reconcile("periodic artifact check")
+            next_pull = time.monotonic() + agent.repull_interval
+
+
+def _check(agent: Agent) -> bool:
+    """One check; True when it switched the workload, which is a whole tick's work."""
+    if agent.follow_workload():
+        return True
+    # Held GPUs before drift: a GPU given back or bound changes what the CDI specs should say.
+    agent.release_freed()
+    agent.bind_freed()
+    drift = agent.containerd_drift()
+    if drift:
+        agent.reconcile(drift)  # which rewrites the CDI specs too
+    else:
+        agent.sync_cdi()
+    return False

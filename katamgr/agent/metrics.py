@@ -1,0 +1,61 @@
+"""The agent's Prometheus metrics (``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from katamgr.host.workload import Operand
+from katamgr.pipeline.plan import Plan
+
+
+class AgentMetrics:
+    """The agent's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.reconcile_seconds = Histogram(
+            "katamgr_reconcile_duration_seconds", "How long a reconcile took.", ["result"], registry=r,
+            buckets=(0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800))
+        self.reconciles = Counter("katamgr_reconciles", "Reconciles run, by result.", ["result"], registry=r)
+        self.reconcile_errors = Counter("katamgr_reconcile_errors", "Failures reported by reconciles.", registry=r)
+        self.last_success = Gauge("katamgr_last_successful_reconcile_timestamp_seconds",
+                                  "Unix time of the last reconcile that succeeded.", registry=r)
+        self.retry_delay = Gauge("katamgr_reconcile_retry_delay_seconds",
+                                 "Backoff before the next retry of a failed reconcile (0: none pending).",
+                                 registry=r)
+        self.devices = Gauge("katamgr_devices", "NVIDIA devices on the node by kind, driver and planned action.",
+                             ["kind", "driver", "action"], registry=r)
+        self.groups_skipped = Gauge("katamgr_iommu_groups_skipped", "IOMMU groups left alone, by reason.",
+                                    ["reason"], registry=r)
+        self.artifact_bytes = Counter("katamgr_artifact_pulled_bytes", "Kata artifact blob bytes pulled.",
+                                      registry=r)
+        self.cdi_syncs = Counter("katamgr_cdi_spec_syncs", "CDI spec rewrites after the devices changed.",
+                                 registry=r)
+        self.workload_switches = Counter("katamgr_workload_switches",
+                                         "Switches of the node's workload after a relabel, by from and to.",
+                                         ["from", "to"], registry=r)
+        self.opted_out = Gauge("katamgr_opted_out",
+                               "1 for each GPU Operator operand the node opts out of "
+                               "(nvidia.com/gpu.deploy.<operand>=false).", ["operand"], registry=r)
+
+    def observe_plan(self, plan: Plan) -> None:
+        counts: dict[tuple[str, str, str], int] = {}
+        for d in plan.devices:
+            key = (d.kind, d.driver or "none", d.action)
+            counts[key] = counts.get(key, 0) + 1
+        self.devices.clear()
+        for key, n in counts.items():
+            self.devices.labels(*key).set(n)
+        skipped: dict[str, int] = {}
+        for decision in plan.decisions:
+            if decision.action.value == "skip":
+                code = str(decision.skipped_because or "other")
+                skipped[code] = skipped.get(code, 0) + 1
+        self.groups_skipped.clear()
+        for code, n in skipped.items():
+            self.groups_skipped.labels(code).set(n)
+
+    def observe_opt_outs(self, out: frozenset[Operand]) -> None:
+        # Every operand gets a sample, so a lifted opt-out reads 0 rather than vanishing.
+        for operand in Operand:
+            self.opted_out.labels(operand.value).set(int(operand in out))

@@ -1,0 +1,128 @@
+"""One reconcile of the agent's, and what follows it: metrics, Events, the retry backoff.
+
+A failed reconcile is retried with capped exponential backoff (2 s doubling to 5 min,
+reset by a success), not on the artifact timer. The agent's reconcile is the pipeline's;
+on a node that wants none of katamgr's binding (another workload, or opted out of
+``vfio-manager``) the GPUs katamgr's records still list are first given back as on a live
+switch (``Switch.catch_up``), where a one-shot ``katamgr apply`` only says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from katamgr.agent.events import NodeEvents
+from katamgr.agent.health import Health
+from katamgr.agent.metrics import AgentMetrics
+from katamgr.agent.target import Target
+from katamgr.errors import KatamgrError
+from katamgr.host.vfio import Action, SkipReason
+from katamgr.pipeline.reconcile import reconcile
+from katamgr.pipeline.report import Report
+from katamgr.render import log_report
+
+log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
+
+# A failed reconcile is tried again after 2 s, 4 s, ... at most 5 min apart.
+RETRY_INITIAL = 2.0
+RETRY_MAX = 300.0
+
+
+class Reconciler:
+    """Runs reconciles under the node lock and keeps their outcome: the last result, the
+    count, the retry schedule, and whether a GPU was skipped because a process held it."""
+
+    def __init__(self, target: Target, health: Health, metrics: AgentMetrics, events: NodeEvents,
+                 catch_up: Callable[[], tuple[Report, bool]], *, retry_initial: float = RETRY_INITIAL,
+                 retry_max: float = RETRY_MAX) -> None:
+        self.target = target
+        self.health = health
+        self.metrics = metrics
+        self.events = events
+        self.catch_up = catch_up
+        self.retry_initial = retry_initial
+        self.retry_max = retry_max
+        self.reconciles = 0
+        self.last_result: Report | None = None
+        self.retry_delay: float | None = None  # the backoff now pending after failures
+        self.retry_at: float | None = None  # monotonic time of the next retry
+        self.in_use = False  # the last reconcile skipped a GPU a process held: bind it once free
+
+    def run(self, why: str, *, raise_errors: bool = False) -> Report:
+        """One reconcile under the node lock; an error that stopped it before any
+        change (a busy lock, a bad input) is logged and tried again later."""
+        log.info("reconciling: %s", why)
+        started = time.monotonic()
+        told = False
+        with self.health.busy("reconciling"):
+            try:
+                report, told = self._reconcile_node()
+            except KatamgrError as exc:
+                if raise_errors:
+                    raise
+                report = Report(failures=[str(exc)])
+            except Exception as exc:  # a bug must not end the loop: retried like any failure
+                if raise_errors:
+                    raise
+                log.exception("unexpected error while reconciling")
+                report = Report(failures=[f"unexpected {type(exc).__name__}: {exc}"])
+        self.reconciles += 1
+        log_report(report, log, "" if told else "nothing to change")
+        self._after(report, time.monotonic() - started)
+        return report
+
+    def _reconcile_node(self) -> tuple[Report, bool]:
+        """The pipeline's reconcile, after giving back what the node no longer wants bound;
+        and whether that give-back was told in a line of its own."""
+        t = self.target
+        report, told = Report(), False
+        gives_back = t.gives_back
+        if gives_back:
+            caught_up, told = self.catch_up()
+            report.merge(caught_up)
+        report.merge(reconcile(t.host, t.naming, t.steps, t.ctx, force=t.force, wait=t.wait,
+                               lock_wait=t.lock_wait, command="katamgr run", gives_back=gives_back))
+        t.settled = True
+        return report, told
+
+    def _after(self, report: Report, seconds: float) -> None:
+        """Metrics, Events and the retry schedule after one reconcile."""
+        m = self.metrics
+        result = "success" if report.ok else "failure"
+        m.reconcile_seconds.labels(result).observe(seconds)
+        m.reconciles.labels(result).inc()
+        m.artifact_bytes.inc(report.bytes_pulled)
+        failed_before = self.last_result is not None and not self.last_result.ok
+        self.last_result = report
+        if report.ok:
+            m.last_success.set_to_current_time()
+            self.retry_delay = self.retry_at = None
+            m.retry_delay.set(0)
+        else:
+            m.reconcile_errors.inc(len(report.failures))
+            self.retry_delay = (self.retry_initial if self.retry_delay is None
+                                else min(self.retry_delay * 2, self.retry_max))
+            self.retry_at = time.monotonic() + self.retry_delay
+            m.retry_delay.set(self.retry_delay)
+            log.warning("reconcile failed; retrying in %.0f s", self.retry_delay)
+        try:
+            plan = self.target.plan()
+            m.observe_plan(plan)
+            self.in_use = self.target.binds and any(
+                d.skipped_because is SkipReason.IN_USE for d in plan.decisions)
+        except Exception as exc:  # noqa: BLE001 - the metrics never fail the loop
+            log.debug("could not scan the devices for the metrics: %s", exc)
+        self.events.reconciled(report, failed_before)
+
+    def bind_freed(self) -> None:
+        """On a vm-passthrough node: bind a GPU the last reconcile skipped because a process
+        held it (say the container plugin leaving after a relabel) once it is free, without
+        waiting for the hourly check."""
+        t = self.target
+        if not self.in_use or not t.binds:
+            return
+        if any(d.action is Action.BIND for d in t.plan(replace(t.steps, kata=False)).decisions):
+            self.run("a GPU that was in use is free now")
