@@ -15,12 +15,22 @@ import os
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 from katamgr.host.errors import HostError
 
-if TYPE_CHECKING:
-    from katamgr.host.root import HostRoot
+
+class HostRoot(Protocol):
+    """What a kernel needs of the root it serves: ``katamgr.host.root.HostRoot``, which
+    carries its kernel and so is imported by this module, never the other way round."""
+
+    root: Path
+
+    @property
+    def is_real_root(self) -> bool: ...
+
+    def path(self, host_path: str | PurePosixPath) -> Path: ...
 
 
 class Kernel(Protocol):
