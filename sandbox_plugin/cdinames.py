@@ -8,17 +8,23 @@ reads the specs actually on the host and hands out a name only when the spec
 entry behind it injects exactly the allocated device.
 
 ``HostCdiSpecs`` keeps the loaded specs and reloads them only when a spec file
-appears, disappears or changes (name, size, mtime, inode), which costs one
-directory listing and one stat per spec file per Allocate.
+appears, disappears or changes (name, size, mtime, inode). Whether to look at
+the files at all is told by inotify on the spec directories, which costs one
+syscall per Allocate when nothing happened there (a directory listing and a
+stat per spec file when inotify cannot be had).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from inotify_simple import INotify
+from inotify_simple import flags as inotify_flags
 
 import cdi
 from katamgr.host.passthrough import PassthroughDevice
@@ -42,18 +48,96 @@ class _Loaded:
     files: dict[str, tuple[str, ...]]
 
 
+_SPEC_DIR_EVENTS = (
+    inotify_flags.CREATE | inotify_flags.DELETE | inotify_flags.MOVED_FROM | inotify_flags.MOVED_TO
+    | inotify_flags.CLOSE_WRITE | inotify_flags.MODIFY | inotify_flags.ATTRIB
+    | inotify_flags.DELETE_SELF | inotify_flags.MOVE_SELF
+)
+
+
+class _DirChanges:
+    """Whether anything happened in some directories since the last ask, in one syscall.
+
+    A directory that does not exist yet is stood in for by its nearest existing
+    ancestor (below ``top``) until it appears. inotify events come in the
+    syscall that makes the change, so a spec written before an Allocate is seen
+    by that Allocate.
+    """
+
+    def __init__(self, dirs: tuple[str, ...], top: str) -> None:
+        self._dirs = dirs
+        self._top = top
+        self._inotify = INotify(nonblocking=True)
+        # poll(0) asks in one syscall with no Python objects made: the Allocate path.
+        self._poll = select.poll()
+        self._poll.register(self._inotify.fileno(), select.POLLIN)
+        self._watched: dict[int, str] = {}
+        try:
+            self._watch()
+        except OSError:
+            self._inotify.close()
+            raise
+
+    def _watch(self) -> None:
+        present = set(self._watched.values())
+        for directory in self._dirs:
+            path = directory
+            while not os.path.isdir(path) and len(path) > len(self._top):
+                path = os.path.dirname(path)
+            if path not in present:
+                self._watched[self._inotify.add_watch(path, _SPEC_DIR_EVENTS)] = path
+                present.add(path)
+
+    def changed(self) -> bool:
+        if not self._poll.poll(0):
+            return False
+        events = self._inotify.read(timeout=0)
+        if not events:
+            return False
+        for event in events:
+            if event.mask & inotify_flags.IGNORED:  # the directory went away
+                self._watched.pop(event.wd, None)
+        self._watch()  # a spec directory may have just been created
+        return True
+
+    def close(self) -> None:
+        self._inotify.close()
+
+
+class _AlwaysChanged:
+    """Without inotify: look at the files every time."""
+
+    def changed(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
 class HostCdiSpecs:
     """The CDI specs in the host's spec directories, reloaded when one changes."""
 
-    def __init__(self, host: HostRoot, dirs: Iterable[str] = cdi.DEFAULT_SPEC_DIRS) -> None:
+    def __init__(self, host: HostRoot, dirs: Iterable[str] | None = None) -> None:
         self.host = host
-        self.dirs = tuple(dirs)
-        self._local_dirs = tuple(str(host.path(d)) for d in self.dirs)
+        # Resolved on first use: naming cdi.DEFAULT_SPEC_DIRS loads the spec model and
+        # PyYAML, which the plugin needs at its first Allocate, not before it registers.
+        self._dirs = None if dirs is None else tuple(dirs)
         self._lock = threading.Lock()
         self._fingerprint: tuple[_FileKey, ...] | None = None
         self._loaded: _Loaded | None = None
+        self._changes: _DirChanges | _AlwaysChanged | None = None  # opened on first use
         # What was already warned about since the specs last changed.
         self._warned: set[str] = set()
+
+    @property
+    def dirs(self) -> tuple[str, ...]:
+        if self._dirs is None:
+            self._dirs = tuple(cdi.DEFAULT_SPEC_DIRS)
+        return self._dirs
+
+    @property
+    def _local_dirs(self) -> tuple[str, ...]:
+        return tuple(str(self.host.path(d)) for d in self.dirs)
 
     # -- loading --------------------------------------------------------------
 
@@ -74,14 +158,33 @@ class HostCdiSpecs:
                 keys.append((entry.path, st.st_size, st.st_mtime_ns, st.st_ino))
         return tuple(sorted(keys))
 
-    def _current(self) -> _Loaded:
-        fingerprint = self._scan()
+    def current(self) -> _Loaded:
+        """The specs as they are now (the same object while no spec file changed)."""
         with self._lock:
+            if self._changes is None:
+                # Watching starts before the first look, so no change falls between.
+                self._changes = self._watch_dirs()
+            elif self._loaded is not None and not self._changes.changed():
+                return self._loaded
+            fingerprint = self._scan()
             if self._loaded is None or fingerprint != self._fingerprint:
                 self._loaded = self._load()
                 self._fingerprint = fingerprint
                 self._warned.clear()
             return self._loaded
+
+    def _watch_dirs(self) -> _DirChanges | _AlwaysChanged:
+        try:
+            return _DirChanges(self._local_dirs, str(self.host.root))
+        except OSError as exc:  # out of inotify instances or watches
+            log.info("cannot watch the CDI spec directories (%s); reading them on every Allocate", exc)
+            return _AlwaysChanged()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._changes is not None:
+                self._changes.close()
+            self._changes = _AlwaysChanged()
 
     def _load(self) -> _Loaded:
         registry = cdi.load_specs(self._local_dirs)
@@ -117,7 +220,7 @@ class HostCdiSpecs:
 
     # -- lookups --------------------------------------------------------------
 
-    def passthrough_names(self, members: Iterable[PassthroughDevice]) -> list[str]:
+    def passthrough_names(self, members: Iterable[PassthroughDevice], specs: _Loaded | None = None) -> list[str]:
         """For each member, the qualified name whose spec entry injects exactly its own node(s).
 
         The canonical index name is preferred; any other name for the same
@@ -125,7 +228,7 @@ class HostCdiSpecs:
         entry matches gets no name (and one warning). Repeats are dropped: two
         GPUs of one group can share a name when the spec is stale.
         """
-        loaded = self._current()  # one check of the spec files per Allocate
+        loaded = specs or self.current()
         names = (self._passthrough_name(loaded, m) for m in members)
         return list(dict.fromkeys(n for n in names if n is not None))
 
@@ -150,9 +253,9 @@ class HostCdiSpecs:
         )
         return None
 
-    def defined(self, qualified_names: Iterable[str]) -> list[str]:
+    def defined(self, qualified_names: Iterable[str], specs: _Loaded | None = None) -> list[str]:
         """The names the host's specs define, in order; one warning per missing name."""
-        registry = self._current().registry
+        registry = (specs or self.current()).registry
         out = []
         for name in qualified_names:
             if name in registry:

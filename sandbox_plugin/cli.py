@@ -14,7 +14,6 @@ from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import inventory
 from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
-from katamgr.host.metrics_server import MetricsServer, parse_address
 from katamgr.host.naming import Naming
 from katamgr.host.process import (
     add_log_format_argument,
@@ -225,6 +224,8 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
         raise UsageError(f"--host-root {args.host_root!r} is not a directory; pass where the "
                          "host's / is mounted")
     if args.metrics_address:
+        from katamgr.host.metrics_server import parse_address
+
         try:
             parse_address(args.metrics_address)
         except ValueError as exc:
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         report_error(f"sandbox-device-plugin: error: {exc}", args.log_format, log)
         return exc.exit_code
     try:
-        with _metrics(args, runner.metrics.registry, runner.health, runner.readiness):
+        with _metrics(args, runner.metrics, runner.health, runner.readiness):
             runner.serve(mode, why)
             _wait(stop, follower)
     except PluginServerError as exc:
@@ -301,10 +302,13 @@ def _label_watch(args: argparse.Namespace):
     return NodeLabelWatch(api, args.node_name).start()
 
 
-def _metrics(args: argparse.Namespace, registry, healthy, ready) -> contextlib.AbstractContextManager:
+def _metrics(args: argparse.Namespace, metrics, healthy, ready) -> contextlib.AbstractContextManager:
     if not args.metrics_address:
         return contextlib.nullcontext()
-    return MetricsServer(args.metrics_address, registry, healthy=healthy, ready=ready)
+    # Loaded only here: the HTTP server and prometheus_client cost start-up time.
+    from katamgr.host.metrics_server import MetricsServer
+
+    return MetricsServer(args.metrics_address, metrics.registry, healthy=healthy, ready=ready)
 
 
 def _wait(stop: threading.Event, follower: LabelFollower | None = None) -> None:

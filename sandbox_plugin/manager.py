@@ -75,7 +75,8 @@ class PluginManager:
             if naming is None:
                 raise ValueError("vm-passthrough mode needs a Naming (pci.ids and aliases)")
             self.discovery = PassthroughDiscovery(host, naming)
-            self._watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval)
+            self._watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval,
+                                          on_node_gone=self.discovery.node_gone)
         else:
             self.nvml_resource = NvmlResource(host, nvml, retry_interval=nvml_retry_interval,
                                               device_list_strategies=device_list_strategies)
@@ -159,6 +160,8 @@ class PluginManager:
             self.nvml_resource.stop()
         for server in servers:
             server.stop()
+        if self.discovery is not None:
+            self.discovery.close()
 
     def __enter__(self) -> PluginManager:
         self.start()

@@ -1,25 +1,131 @@
 """The device plugin's Prometheus metrics, in a registry of its own (one per
 ``PluginManager``), served by ``katamgr.host.metrics_server`` with
-``--metrics-address``."""
+``--metrics-address``.
+
+The plugin counts in plain Python objects, and ``prometheus_client`` is loaded
+only when the registry is first asked for (that is, when the metrics are
+served): loading it takes tens of milliseconds and several MiB that a plugin
+run without ``--metrics-address`` has no use for, and the kubelet waits for
+the plugin's start-up. Counting this way also keeps Allocate's share small
+(one lock and a bucket search, no label lookup per call).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import bisect
+import threading
+
+ALLOCATE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class _CounterChild:
+    __slots__ = ("_lock", "value")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self.value += amount
+
+
+class _HistogramChild:
+    __slots__ = ("_lock", "buckets", "counts", "sum")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self._lock = threading.Lock()
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(self.buckets, value)
+        with self._lock:
+            self.counts[index] += 1
+            self.sum += value
+
+
+class _Family:
+    """A labelled metric: ``labels(*values)`` gives the child to count in."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], make) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self._make = make
+        self._lock = threading.Lock()
+        self.children: dict[tuple[str, ...], object] = {}
+
+    def labels(self, *values: str):
+        child = self.children.get(values)
+        if child is None:
+            with self._lock:
+                child = self.children.setdefault(values, self._make())
+        return child
+
+    def snapshot(self) -> list[tuple[tuple[str, ...], object]]:
+        with self._lock:
+            return list(self.children.items())
 
 
 class PluginMetrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.allocate_seconds = Histogram(
+        self.allocate_seconds = _Family(
             "sandbox_device_plugin_allocate_duration_seconds", "How long an Allocate call took.",
-            ["resource"], registry=r,
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
-        self.allocate_errors = Counter(
+            ("resource",), lambda: _HistogramChild(ALLOCATE_BUCKETS))
+        self.allocate_errors = _Family(
             "sandbox_device_plugin_allocate_errors", "Allocate calls refused, by gRPC status code.",
-            ["resource", "code"], registry=r)
-        self.registrations = Counter(
+            ("resource", "code"), _CounterChild)
+        self.registrations = _Family(
             "sandbox_device_plugin_kubelet_registrations", "Successful registrations with the kubelet.",
-            ["resource"], registry=r)
-        self.registration_failures = Counter(
+            ("resource",), _CounterChild)
+        self.registration_failures = _Family(
             "sandbox_device_plugin_kubelet_registration_failures", "Failed registration attempts.",
-            ["resource"], registry=r)
+            ("resource",), _CounterChild)
+        self._registry = None
+        self._lock = threading.Lock()
+
+    @property
+    def registry(self):
+        """A ``prometheus_client.CollectorRegistry`` reading these counts (made on first use)."""
+        with self._lock:
+            if self._registry is None:
+                from prometheus_client import CollectorRegistry
+
+                self._registry = CollectorRegistry()
+                self._registry.register(_Collector(self))
+            return self._registry
+
+
+class _Collector:
+    def __init__(self, metrics: PluginMetrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list:
+        return []  # unchecked collector: the names are ours alone in this registry
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+        m = self.metrics
+        histogram = HistogramMetricFamily(m.allocate_seconds.name, m.allocate_seconds.documentation,
+                                          labels=m.allocate_seconds.labelnames)
+        for labels, child in m.allocate_seconds.snapshot():
+            with child._lock:
+                counts, total = list(child.counts), child.sum
+            cumulative, buckets = 0, []
+            for bound, count in zip((*child.buckets, float("inf")), counts, strict=True):
+                cumulative += count
+                buckets.append((_bound(bound), cumulative))
+            histogram.add_metric(list(labels), buckets, total)
+        yield histogram
+        for family in (m.allocate_errors, m.registrations, m.registration_failures):
+            counter = CounterMetricFamily(family.name, family.documentation, labels=family.labelnames)
+            for labels, child in family.snapshot():
+                counter.add_metric(list(labels), child.value)
+            yield counter
+
+
+def _bound(value: float) -> str:
+    return "+Inf" if value == float("inf") else repr(float(value))

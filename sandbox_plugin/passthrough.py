@@ -21,6 +21,13 @@ device is back, unplugged or given back to its driver on purpose.
 ``PassthroughResource`` per name; the watcher (``sandbox_plugin.watch``) calls
 it when something changes, and the manager starts servers for new names.
 
+Allocate re-checks sysfs and the device nodes on every call (the snapshot may be
+a few milliseconds older than an unbind), with the fewest syscalls that tell
+(one stat and two readlinks per function, one stat per node), and reads sysfs
+in full only to name what is wrong. What it hands out is built once per set of
+devices and handed out again, the same object, until the units or the CDI specs
+change, so the server can reuse its encoded answer.
+
 Allocate names each device by CDI only when the host's specs define a name
 for exactly that device (a GPU or NVSwitch by its ``nvidia.com/pgpu``-style
 name, a unit of included devices by ``<resource>=<id>``) (``sandbox_plugin.cdinames``): with no spec (cdi
@@ -36,10 +43,10 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
-from katamgr.host import pci, vfio
+from katamgr.host import pci, sysfs, vfio
 from katamgr.host.inventory import Inventory, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import PassthroughDevice, resource_units
@@ -74,6 +81,9 @@ class PassthroughUnit:
     health: str
     reason: str  # why it is unhealthy; "" when healthy
     placement: Placement
+    # The inode of each device's sysfs directory when scanned: a device unplugged and
+    # replaced at the same address gets a new one (-1: unknown, always read in full).
+    sysfs_inodes: tuple[int, ...] = field(default=(), compare=False)
 
     # The derived tuples are cached: Allocate uses them on every call. A frozen
     # dataclass still takes cached_property (it writes the instance dict), and
@@ -110,9 +120,17 @@ def _health(host: HostRoot, inv: Inventory, group: int, nodes: tuple[str, ...]) 
     return ""
 
 
+def _inode(directory: str) -> int:
+    try:
+        return os.stat(directory).st_ino
+    except OSError:
+        return -1
+
+
 def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
     """Every passthrough unit of the host, in bus order (one PCI scan)."""
     inv = discover(host, naming.selection)
+    devices_dir = str(host.path(sysfs.PCI_DEVICES))
     units = []
     for unit in resource_units(host, inv, naming):
         reason = _health(host, inv, unit.group, unit.nodes)
@@ -127,6 +145,7 @@ def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
                 health=UNHEALTHY if reason else HEALTHY,
                 reason=reason,
                 placement=topology.placement_of(unit.id, unit.head),
+                sysfs_inodes=tuple(_inode(f"{devices_dir}/{d.bdf}") for d in unit.devices),
             )
         )
     return units
@@ -144,6 +163,9 @@ class PassthroughResource(Resource):
         self._announced = False
         # host path -> local path of device nodes, for the per-Allocate check
         self._local_paths: dict[str, str] = {}
+        self._devices_dir = str(host.path(sysfs.PCI_DEVICES))
+        # device IDs -> (the units and CDI specs it was built from, the allocation)
+        self._answers: dict[tuple[str, ...], tuple[object, object, ContainerAllocation]] = {}
 
     # -- state ----------------------------------------------------------------
 
@@ -184,6 +206,23 @@ class PassthroughResource(Resource):
         self.changes.notify()
         return True
 
+    def node_gone(self, node: str) -> bool:
+        """The device node ``node`` (a host path) was removed: the units that need it are
+        Unhealthy now, ahead of the rescan that will say the same. True if any was."""
+        reason = f"{node} is missing"
+        with self._lock:
+            hit = [u for u in self._units.values() if u.health == HEALTHY and node in u.nodes]
+            if not hit:
+                return False
+            new = dict(self._units)
+            for unit in hit:
+                new[unit.id] = dataclasses.replace(unit, health=UNHEALTHY, reason=reason)
+            self._units = new
+        self.changes.notify()
+        for unit in hit:
+            log.info("%s: device %s is now %s (%s)", self.resource_name, unit.id, UNHEALTHY, reason)
+        return True
+
     def _departed(self, unit: PassthroughUnit) -> PassthroughUnit | None:
         """A unit the scan no longer finds: still listed, Unhealthy, while its device has
         no driver (someone unbound it behind our back, or an unbind waits for the VM
@@ -209,6 +248,8 @@ class PassthroughResource(Resource):
         return topology.preferred(placements, available, must_include, size)
 
     def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
+        """The allocation for ``device_ids``; the same object again while nothing changed
+        (callers must not modify it)."""
         with self._lock:
             units = self._units  # update() replaces the dict, never changes it
         chosen: list[PassthroughUnit] = []
@@ -221,22 +262,55 @@ class PassthroughResource(Resource):
                 )
             self._recheck(unit)
             chosen.append(unit)
+        specs = self.cdi_specs.current()  # one check of the spec files per Allocate
+        key = tuple(device_ids)
+        cached = self._answers.get(key)
+        if cached is not None and cached[0] is units and cached[1] is specs:
+            return cached[2]
         nodes = [n for u in chosen for n in u.nodes]
-        return ContainerAllocation(
+        allocation = ContainerAllocation(
             devices=[DeviceNode(n, n) for n in dict.fromkeys(nodes)],
             envs={env_name(self.resource_name): ",".join(b for u in chosen for b in u.bdfs)},
-            cdi_devices=self._cdi_names(chosen),
+            cdi_devices=self._cdi_names(chosen, specs),
         )
+        if len(self._answers) >= 512:  # only odd requests get here: a node has few devices
+            self._answers.clear()
+        self._answers[key] = (units, specs, allocation)
+        return allocation
 
-    def _cdi_names(self, chosen: list[PassthroughUnit]) -> list[str]:
+    def _cdi_names(self, chosen: list[PassthroughUnit], specs) -> list[str]:
         """GPUs and NVSwitches by their index-style names; a unit without them (included
         devices) by ``<resource>=<id>``, the name its own spec gives it."""
-        names = self.cdi_specs.passthrough_names(m for u in chosen for m in u.members)
+        names = self.cdi_specs.passthrough_names((m for u in chosen for m in u.members), specs)
         plain = [u.cdi_name for u in chosen if not u.members]
-        return names + (self.cdi_specs.defined(plain) if plain else [])
+        return names + (self.cdi_specs.defined(plain, specs) if plain else [])
 
     def _recheck(self, unit: PassthroughUnit) -> None:
-        """Read sysfs again: the snapshot may be a few milliseconds old."""
+        """Look at sysfs and /dev again: the snapshot may be a few milliseconds old.
+
+        Each function must still be the one scanned (its sysfs directory's inode),
+        on vfio-pci and in the group; each node must exist. Anything else, or
+        anything that cannot be read, sends the unit through ``_recheck_in_full``,
+        which names the problem (or finds none: a device replaced by the same model).
+        """
+        base = self._devices_dir
+        group = str(unit.group)
+        try:
+            for device, inode in zip(unit.devices, unit.sysfs_inodes, strict=True):
+                path = f"{base}/{device.bdf}"
+                if (os.stat(path).st_ino != inode
+                        or os.readlink(path + "/driver").rpartition("/")[2] != pci.VFIO_DRIVER
+                        or os.readlink(path + "/iommu_group").rpartition("/")[2] != group):
+                    break
+            else:
+                for node in unit.nodes:
+                    os.stat(self._local_path(node))
+                return
+        except (OSError, ValueError):
+            pass
+        self._recheck_in_full(unit)
+
+    def _recheck_in_full(self, unit: PassthroughUnit) -> None:
         name = self.resource_name
         for expected in unit.devices:
             now = pci.read_binding(self.host, expected.bdf)  # all the checks below need
@@ -283,6 +357,17 @@ class PassthroughDiscovery:
         self.cdi_specs = HostCdiSpecs(host)  # one cache for every resource
         self._lock = threading.Lock()
         self.resources: dict[str, PassthroughResource] = {}
+
+    def node_gone(self, node: str) -> None:
+        """A VFIO device node was removed (``sandbox_plugin.watch``): see ``PassthroughResource.node_gone``."""
+        with self._lock:
+            resources = list(self.resources.values())
+        for resource in resources:
+            resource.node_gone(node)
+
+    def close(self) -> None:
+        """Let go of the CDI specs' inotify watch (the resources keep answering, reading the specs each time)."""
+        self.cdi_specs.close()
 
     def refresh(self) -> list[PassthroughResource]:
         """Rescan and update every resource; return the resources created by this call.

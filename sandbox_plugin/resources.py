@@ -8,19 +8,23 @@ protobuf, so resources stay testable on their own.
 
 Change announcements: a resource calls ``self.changes.notify()`` whenever its
 device set or a device's health changes (the passthrough resource does so from
-its inotify thread). The default ``watch`` turns those notifications into fresh
-``devices()`` snapshots for every ListAndWatch stream.
+its inotify thread). Every ListAndWatch stream subscribes to those
+notifications and sends a fresh ``devices()`` snapshot from the notifying
+thread; ``watch`` offers the same as an iterator.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from katamgr.k8snames import QUALIFIED_NAME_MAX, is_extended_resource_name
+
+log = logging.getLogger(__name__)
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -97,15 +101,19 @@ class UnknownDeviceError(AllocationError):
 
 
 class ChangeNotifier:
-    """A change counter that threads can wait on.
+    """A change counter that threads can wait on, and subscribe to.
 
     Notifications coalesce: a waiter learns "something changed since generation
     N", then reads the current state once, however many changes happened.
+    A subscriber is called in the notifying thread, after the change: the
+    server's ListAndWatch streams send from there, so a change reaches the
+    kubelet without waiting for another thread to be scheduled.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._generation = 0
+        self._subscribers: tuple[Callable[[], None], ...] = ()
 
     @property
     def generation(self) -> int:
@@ -116,6 +124,25 @@ class ChangeNotifier:
         with self._cond:
             self._generation += 1
             self._cond.notify_all()
+            subscribers = self._subscribers
+        # Outside the lock: a subscriber takes locks of its own (a stream's,
+        # a connection's) that other threads hold while they subscribe.
+        for subscriber in subscribers:
+            try:
+                subscriber()
+            except Exception:  # one broken stream must not keep the change from the others
+                log.exception("a change subscriber failed")
+
+    def subscribe(self, subscriber: Callable[[], None]) -> Callable[[], None]:
+        """Call ``subscriber()`` after every change; returns the call that ends that."""
+        with self._cond:
+            self._subscribers += (subscriber,)
+
+        def unsubscribe() -> None:
+            with self._cond:
+                self._subscribers = tuple(s for s in self._subscribers if s is not subscriber)
+
+        return unsubscribe
 
     def wake(self) -> None:
         """Wake waiters without a change, so they look at their stop events."""
@@ -191,7 +218,9 @@ class Resource(ABC):
         """Yield the device list now, then again after every change, until ``stop``.
 
         The timeout only bounds how long a forgotten stop can go unnoticed;
-        the server also calls ``changes.wake()`` when it sets ``stop``.
+        whoever sets ``stop`` can call ``changes.wake()`` to end the wait at once.
+        (The server's ListAndWatch uses ``changes.subscribe`` instead, to send
+        from the notifying thread.)
         """
         seen = self.changes.generation
         yield self.devices()

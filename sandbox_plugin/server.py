@@ -13,7 +13,13 @@ are retried with capped exponential backoff, and cut short as soon as a new
 ``kubelet.sock`` appears.
 
 Several resources run in one process as several PluginServer objects; each has
-its own gRPC server (threads) and supervisor thread.
+its own gRPC server (one thread, ``sandbox_plugin.wire``) and supervisor thread.
+
+The calls are answered from what the resource already holds: Allocate's answer
+for a set of device IDs is encoded once and reused while the resource hands out
+the very same allocation (it does so until its devices or the CDI specs change),
+and ListAndWatch sends from the thread that announced the change, the moment it
+is announced, rather than from a thread that has to be woken first.
 """
 
 from __future__ import annotations
@@ -24,17 +30,15 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
+from google.protobuf.message import DecodeError
 from inotify_simple import flags as inotify_flags
 
 from katamgr.host.root import HostRoot
 from katamgr.host.watching import Watcher
 from kubeletapi import deviceplugin_pb2 as pb
-from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.resources import (
     KUBELET_SOCKET,
@@ -45,10 +49,18 @@ from sandbox_plugin.resources import (
     Resource,
     UnknownDeviceError,
 )
+from sandbox_plugin.wire.client import unary_call
+from sandbox_plugin.wire.frames import RpcError, StatusCode
+from sandbox_plugin.wire.server import GrpcServer, ServerStream
 
 log = logging.getLogger(__name__)
 
 API_VERSION = "v1beta1"
+_SERVICE = "/v1beta1.DevicePlugin/"
+_REGISTER = "/v1beta1.Registration/Register"
+# Allocate answers kept per set of device IDs; a node has at most a few dozen
+# devices per resource, so this only bounds what odd requests can leave behind.
+_ANSWER_CACHE_SIZE = 512
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -135,54 +147,100 @@ def to_proto_allocation(allocation: ContainerAllocation) -> pb.ContainerAllocate
     )
 
 
-class _DevicePluginServicer(pb_grpc.DevicePluginServicer):
+def _length_delimited(field: int, payload: bytes) -> bytes:
+    """One protobuf length-delimited field: how AllocateResponse holds each container's answer."""
+    size = len(payload)
+    out = bytearray([(field << 3) | 2])
+    while size >= 0x80:
+        out.append((size & 0x7F) | 0x80)
+        size >>= 7
+    out.append(size)
+    return bytes(out) + payload
+
+
+class _ListAndWatch:
+    """One ListAndWatch call: the device list now, then again whenever it changes."""
+
+    def __init__(self, servicer: _DevicePluginServicer, stream: ServerStream) -> None:
+        self.servicer = servicer
+        self.stream = stream
+        # Holds the read of the devices and the send together, so two changes
+        # announced at once by two threads reach the kubelet in order.
+        self._lock = threading.Lock()
+        self._last: bytes | None = None
+
+    def start(self) -> None:
+        unsubscribe = self.servicer.resource.changes.subscribe(self.push)
+        self.stream.on_close(unsubscribe)
+        self.push()
+
+    def push(self) -> None:
+        resource = self.servicer.resource
+        with self._lock:
+            if self.stream.closed:
+                return
+            answer = self.servicer.device_list(tuple(resource.devices()))
+            if answer == self._last:
+                return
+            self._last = answer
+            self.stream.send(answer)
+
+
+class _DevicePluginServicer:
+    """The DevicePlugin calls, bytes in and bytes out (``sandbox_plugin.wire``)."""
+
     def __init__(self, resource: Resource, metrics: PluginMetrics | None = None) -> None:
         self.resource = resource
         self.metrics = metrics
-        self._warned: set[str] = set()
-        self._streams: set[threading.Event] = set()
-        self._lock = threading.Lock()
-
-    def end_streams(self) -> None:
-        with self._lock:
-            for stop in self._streams:
-                stop.set()
-        self.resource.changes.wake()
-
-    def GetDevicePluginOptions(self, request, context):
-        options = self.resource.options
-        return pb.DevicePluginOptions(
+        self.warned: set[str] = set()
+        # device IDs -> (the allocation the resource gave, its encoded answer)
+        self._answers: dict[tuple[str, ...], tuple[ContainerAllocation, bytes]] = {}
+        # request -> its containers' device IDs, checked (the kubelet asks the same again)
+        self._requests: dict[bytes, list[tuple[str, ...]]] = {}
+        # device list -> encoded ListAndWatchResponse, shared by the streams (a kubelet
+        # restart leaves two open for a moment) and by a list that comes back
+        self._lists: dict[tuple[PluginDevice, ...], bytes] = {}
+        self._lists_lock = threading.Lock()
+        options = resource.options
+        self._options = pb.DevicePluginOptions(
             pre_start_required=options.pre_start_required,
             get_preferred_allocation_available=options.get_preferred_allocation_available,
-        )
+        ).SerializeToString()
+        if metrics is not None:
+            name = resource.resource_name
+            self._allocate_seconds = metrics.allocate_seconds.labels(name)
 
-    def ListAndWatch(self, request, context):
-        stop = threading.Event()
-        with self._lock:
-            self._streams.add(stop)
+    def unary(self) -> dict:
+        return {
+            _SERVICE + "GetDevicePluginOptions": lambda request: self._options,
+            _SERVICE + "GetPreferredAllocation": self.get_preferred_allocation,
+            _SERVICE + "Allocate": self.allocate,
+            _SERVICE + "PreStartContainer": lambda request: b"",
+        }
 
-        def on_end() -> None:
-            stop.set()
-            self.resource.changes.wake()
+    def streaming(self) -> dict:
+        return {_SERVICE + "ListAndWatch": self.list_and_watch}
 
-        context.add_callback(on_end)
-        name = self.resource.resource_name
-        last = None
-        try:
-            for devices in self.resource.watch(stop):
-                advertised = to_proto_devices(devices, name, self._warned)
-                if advertised == last:
-                    continue
-                last = advertised
+    def list_and_watch(self, request: bytes, stream: ServerStream) -> None:
+        _ListAndWatch(self, stream).start()
+
+    def device_list(self, devices: tuple[PluginDevice, ...]) -> bytes:
+        """The encoded ListAndWatch answer for ``devices``."""
+        with self._lists_lock:
+            answer = self._lists.get(devices)
+            if answer is None:
+                name = self.resource.resource_name
+                advertised = to_proto_devices(list(devices), name, self.warned)
                 log.debug("%s: ListAndWatch sends %d devices", name, len(advertised))
-                yield pb.ListAndWatchResponse(devices=advertised)
-        finally:
-            with self._lock:
-                self._streams.discard(stop)
+                answer = pb.ListAndWatchResponse(devices=advertised).SerializeToString()
+                if len(self._lists) >= 64:
+                    self._lists.clear()
+                self._lists[devices] = answer
+            return answer
 
-    def GetPreferredAllocation(self, request, context):
+    def get_preferred_allocation(self, request: bytes) -> bytes:
         response = pb.PreferredAllocationResponse()
-        for req in request.container_requests:
+        for req in _parse(pb.PreferredAllocationRequest, request).container_requests:
             try:
                 ids = self.resource.preferred(
                     list(req.available_deviceIDs),
@@ -190,49 +248,66 @@ class _DevicePluginServicer(pb_grpc.DevicePluginServicer):
                     req.allocation_size,
                 )
             except AllocationError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                raise RpcError(StatusCode.INVALID_ARGUMENT, exc.message) from None
             response.container_responses.add(deviceIDs=ids)
-        return response
+        return response.SerializeToString()
 
-    def Allocate(self, request, context):
+    def allocate(self, request: bytes) -> bytes:
         if self.metrics is None:
-            return self._allocate(request, context)
-        name = self.resource.resource_name
+            return self._allocate(request)
         started = time.perf_counter()
         try:
-            return self._allocate(request, context)
+            return self._allocate(request)
+        except RpcError as exc:
+            self.metrics.allocate_errors.labels(self.resource.resource_name, exc.code.name).inc()
+            raise
         except Exception:
-            code = context.code() if hasattr(context, "code") else None
-            self.metrics.allocate_errors.labels(name, getattr(code, "name", None) or "UNKNOWN").inc()
+            self.metrics.allocate_errors.labels(self.resource.resource_name, "UNKNOWN").inc()
             raise
         finally:
-            self.metrics.allocate_seconds.labels(name).observe(time.perf_counter() - started)
+            self._allocate_seconds.observe(time.perf_counter() - started)
 
-    def _allocate(self, request, context):
-        response = pb.AllocateResponse()
-        name = self.resource.resource_name
-        problem = request_problem([list(r.devices_ids) for r in request.container_requests])
-        if problem:
-            log.warning("%s: refused Allocate: %s", name, problem)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{name}: {problem}")
-        for req in request.container_requests:
-            ids = list(req.devices_ids)
-            try:
-                allocation = self.resource.allocate(ids)
-            except UnknownDeviceError as exc:
-                log.warning("%s: refused Allocate of %s: %s", name, ids, exc.message)
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
-            except AllocationError as exc:
-                log.warning("%s: refused Allocate of %s: %s", name, ids, exc.message)
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, exc.message)
-            response.container_responses.append(to_proto_allocation(allocation))
-        return response
+    def _allocate(self, request: bytes) -> bytes:
+        containers = self._requests.get(request)
+        if containers is None:
+            name = self.resource.resource_name
+            containers = [tuple(r.devices_ids) for r in _parse(pb.AllocateRequest, request).container_requests]
+            problem = request_problem(containers)
+            if problem:
+                log.warning("%s: refused Allocate: %s", name, problem)
+                raise RpcError(StatusCode.INVALID_ARGUMENT, f"{name}: {problem}")
+            if len(self._requests) >= _ANSWER_CACHE_SIZE:
+                self._requests.clear()
+            self._requests[request] = containers
+        return b"".join([self._container_answer(ids) for ids in containers])
 
-    def PreStartContainer(self, request, context):
-        return pb.PreStartContainerResponse()
+    def _container_answer(self, ids: tuple[str, ...]) -> bytes:
+        try:
+            allocation = self.resource.allocate(ids)
+        except UnknownDeviceError as exc:
+            log.warning("%s: refused Allocate of %s: %s", self.resource.resource_name, list(ids), exc.message)
+            raise RpcError(StatusCode.INVALID_ARGUMENT, exc.message) from None
+        except AllocationError as exc:
+            log.warning("%s: refused Allocate of %s: %s", self.resource.resource_name, list(ids), exc.message)
+            raise RpcError(StatusCode.FAILED_PRECONDITION, exc.message) from None
+        cached = self._answers.get(ids)
+        if cached is not None and cached[0] is allocation:
+            return cached[1]
+        answer = _length_delimited(1, to_proto_allocation(allocation).SerializeToString())
+        if len(self._answers) >= _ANSWER_CACHE_SIZE:
+            self._answers.clear()
+        self._answers[ids] = (allocation, answer)
+        return answer
 
 
-def request_problem(containers: list[list[str]]) -> str:
+def _parse(message_type, request: bytes):
+    try:
+        return message_type.FromString(request)
+    except DecodeError as exc:
+        raise RpcError(StatusCode.INVALID_ARGUMENT, f"the request does not parse: {exc}") from None
+
+
+def request_problem(containers: list[tuple[str, ...]] | list[list[str]]) -> str:
     """Why an Allocate request is malformed ("" when it is not).
 
     The kubelet asks for at least one device per container and never names a
@@ -309,7 +384,6 @@ class PluginServer:
         host_root: HostRoot | None = None,
         *,
         backoff: Backoff | None = None,
-        max_workers: int = 6,
         register_timeout: float = 5.0,
         recheck_interval: float = 5.0,
         metrics: PluginMetrics | None = None,
@@ -318,12 +392,6 @@ class PluginServer:
         self.metrics = metrics
         self.host_root = host_root or HostRoot()
         self.backoff = backoff or Backoff()
-        # Every worker beyond what the GIL can run at once only adds switching:
-        # with 100 concurrent Allocate callers, 4 workers gave about half the
-        # p99 of 16 (bench/bench_plugin.py). Each open ListAndWatch stream holds one
-        # worker (one per kubelet, two while a re-registration replaces it), so
-        # 6 leaves 4 for unary calls.
-        self.max_workers = max_workers
         self.register_timeout = register_timeout
         self.recheck_interval = recheck_interval
         self.socket_dir = self.host_root.path(DEVICE_PLUGIN_DIR)
@@ -336,7 +404,7 @@ class PluginServer:
             )
         self.registrations = 0  # successful Register calls so far
         self._servicer = _DevicePluginServicer(resource, metrics)
-        self._grpc: grpc.Server | None = None
+        self._grpc: GrpcServer | None = None
         self._socket_id: _FileId | None = None
         self._stopping = threading.Event()
         self._registered = threading.Event()
@@ -402,7 +470,7 @@ class PluginServer:
                 if not self._socket_intact():
                     self._start_grpc()
                 kubelet_id = self._register()
-            except (grpc.RpcError, OSError, RuntimeError, PluginServerError) as exc:
+            except (RpcError, OSError, RuntimeError, PluginServerError) as exc:
                 if self.metrics is not None:
                     self.metrics.registration_failures.labels(name).inc()
                 delay = next(delays)
@@ -451,13 +519,10 @@ class PluginServer:
     def _start_grpc(self) -> None:
         self._stop_grpc()
         _remove_socket(self.socket_path)  # a stale one from an earlier run
-        server = grpc.server(
-            futures.ThreadPoolExecutor(
-                max_workers=self.max_workers, thread_name_prefix=f"dp-{self.resource.socket_name}"
-            )
+        server = GrpcServer(
+            str(self.socket_path), self._servicer.unary(), self._servicer.streaming(),
+            name=f"dp-{self.resource.socket_name}",
         )
-        pb_grpc.add_DevicePluginServicer_to_server(self._servicer, server)
-        server.add_insecure_port(f"unix://{self.socket_path}")
         server.start()
         self._grpc = server
         self._socket_id = _FileId.of(self.socket_path)
@@ -467,8 +532,7 @@ class PluginServer:
         server, self._grpc = self._grpc, None
         if server is None:
             return
-        self._servicer.end_streams()
-        server.stop(grace=0.2).wait(2.0)
+        server.stop()
         # Only remove the socket we created, never a newer file at the same path.
         if self._socket_id is not None and _FileId.of(self.socket_path) == self._socket_id:
             _remove_socket(self.socket_path)
@@ -489,14 +553,13 @@ class PluginServer:
         kubelet_id = _FileId.of(self.kubelet_socket)
         if kubelet_id is None:
             raise FileNotFoundError("kubelet.sock does not exist (is the kubelet running?)")
-        with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
-            pb_grpc.RegistrationStub(channel).Register(request, timeout=self.register_timeout)
+        unary_call(str(self.kubelet_socket), _REGISTER, request.SerializeToString(), self.register_timeout)
         return kubelet_id
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, RpcError):
+        return f"{exc.code.name}: {exc.details}"
     return str(exc)
 
 

@@ -19,11 +19,17 @@ events do no harm. On a real kernel sysfs raises no inotify events for its own
 changes, but devtmpfs does (``/dev/vfio/<group>`` follows every bind and the
 last unbind of a group). A slow safety rescan covers what both may miss: every
 30 s without uevents, every 5 minutes with them.
+
+One change does not wait for the burst to settle: a VFIO device node that is
+gone (a group's node deleted, a cdev removed) is reported to ``on_node_gone`` at
+once, from the first event, so the units using it turn Unhealthy at the
+kubelet within a millisecond; the rescan after the burst then confirms it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +65,9 @@ _SETTLE = 0.005
 _MAX_SETTLE = 0.05
 # With uevents the rescan is only a safety net against dropped events.
 UEVENT_RESCAN_INTERVAL = 300.0
+# The directories holding the device nodes a VM opens.
+NODE_DIRS = ("/dev/vfio", "/dev/vfio/devices")
+_GONE = inotify_flags.DELETE | inotify_flags.MOVED_FROM
 
 
 class DeviceWatcher:
@@ -67,11 +76,15 @@ class DeviceWatcher:
     def __init__(
         self, host: HostRoot, on_change: Callable[[], None], *, rescan_interval: float = 30.0,
         uevents: bool | None = None, uevent_subsystems: frozenset[str] = DEVICE_SUBSYSTEMS,
+        on_node_gone: Callable[[str], None] | None = None,
     ) -> None:
         """``uevents``: listen to the kernel's device events (default: when the
-        host root is the real kernel's, not a simulated one)."""
+        host root is the real kernel's, not a simulated one). ``on_node_gone``: called
+        with the host path of a VFIO device node as soon as it is seen gone."""
         self.host = host
         self.on_change = on_change
+        self.on_node_gone = on_node_gone
+        self._node_dirs = {host.path(d): d for d in NODE_DIRS}
         self.rescan_interval = rescan_interval
         self._want_uevents = isinstance(host.kernel, LinuxKernel) if uevents is None else uevents
         self._uevent_subsystems = uevent_subsystems
@@ -131,6 +144,7 @@ class DeviceWatcher:
             if events == [] and time.monotonic() < deadline:
                 continue  # only uevents of other subsystems
             if events:
+                self._nodes_gone(events)
                 self._forget_gone(events + self._watcher.settle(_SETTLE, _MAX_SETTLE))
             deadline = time.monotonic() + self.rescan_interval
             self._add_watches()  # a watched dir may have just been created
@@ -139,6 +153,23 @@ class DeviceWatcher:
                 self.on_change()
             except Exception:  # a bad rescan must not end watching for good
                 log.exception("rescanning passthrough devices failed; will retry on the next change")
+
+    def _nodes_gone(self, events: list) -> None:
+        if self.on_node_gone is None:
+            return
+        for event in events:
+            if not getattr(event, "mask", 0) & _GONE:
+                continue
+            directory = self._node_dirs.get(self._watches.get(event.wd))  # type: ignore[arg-type]
+            if directory is None:
+                continue
+            local = self._watches[event.wd] / event.name
+            if os.path.lexists(local):
+                continue  # back already (replaced, or re-created within the burst)
+            try:
+                self.on_node_gone(f"{directory}/{event.name}")
+            except Exception:  # the rescan that follows still corrects the state
+                log.exception("marking the users of %s/%s unhealthy failed", directory, event.name)
 
     def _forget_gone(self, events: list) -> None:
         for event in events:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import grpc
 import pytest
@@ -440,3 +442,86 @@ def test_plugin_health_follows_the_same_viability_rule_as_the_plan(tmp_path):
     discovery.refresh()
     states = {d.id: d.health for d in discovery.resources[A10].devices()}
     assert states == {"0000:01:00.0": HEALTHY, "0000:03:00.0": UNHEALTHY}
+
+
+def test_allocate_hands_out_the_same_answer_until_devices_or_specs_change(sim_host):
+    """The server reuses its encoded answer while the resource returns the very same
+    allocation; every call still re-checks sysfs and the spec files."""
+    host, _kubelet = sim_host("a10-server")
+    bind(host)
+    discovery = PassthroughDiscovery(host, NAMING)
+    discovery.refresh()
+    resource = discovery.resources[A10]
+    first = resource.allocate(["0000:17:00.0"])
+    assert resource.allocate(["0000:17:00.0"]) is first
+    assert first.cdi_devices == []
+    write_spec(host)  # seen at the next call, no watcher needed
+    named = resource.allocate(["0000:17:00.0"])
+    assert named is not first and named.cdi_devices == ["nvidia.com/pgpu=0"]
+    assert resource.allocate(["0000:17:00.0"]) is named
+    handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:31:00.0")
+    discovery.refresh()
+    assert resource.allocate(["0000:17:00.0"]) is not named  # the units changed
+    with pytest.raises(AllocationError, match="no longer on vfio-pci"):
+        resource.allocate(["0000:31:00.0"])
+    discovery.close()
+
+
+def test_without_inotify_the_specs_are_read_on_every_allocate(sim_host, monkeypatch):
+    from sandbox_plugin import cdinames
+
+    def no_inotify(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(cdinames, "INotify", no_inotify)
+    host, _kubelet = sim_host("a10-server")
+    bind(host)
+    discovery = PassthroughDiscovery(host, NAMING)
+    discovery.refresh()
+    resource = discovery.resources[A10]
+    assert resource.allocate(["0000:17:00.0"]).cdi_devices == []
+    write_spec(host)
+    assert resource.allocate(["0000:17:00.0"]).cdi_devices == ["nvidia.com/pgpu=0"]
+
+
+def test_a_removed_group_node_is_unhealthy_before_the_rescan(sim_host):
+    """The watcher reports a VFIO node gone from its first event; the rescan after the
+    burst settles finds the same and changes nothing more."""
+    from sandbox_plugin.watch import DeviceWatcher
+
+    host, _kubelet = sim_host("a10-server")
+    bind(host)
+    discovery = PassthroughDiscovery(host, NAMING)
+    discovery.refresh()
+    resource = discovery.resources[A10]
+    seen: list[str] = []
+    gone_first = threading.Event()
+
+    def on_node_gone(node: str) -> None:
+        seen.append(node)
+        discovery.node_gone(node)
+        gone_first.set()
+
+    def on_change() -> None:
+        seen.append("rescan")
+        discovery.refresh()
+
+    watcher = DeviceWatcher(host, on_change, on_node_gone=on_node_gone, rescan_interval=60)
+    watcher.start()
+    try:
+        generation = resource.changes.generation
+        host.path("/dev/vfio/21").unlink()
+        assert gone_first.wait(5)
+        assert health_of(resource)["0000:31:00.0"] == UNHEALTHY
+        deadline = time.monotonic() + 5
+        while "rescan" not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == ["/dev/vfio/21", "rescan"]
+        assert resource.changes.generation == generation + 1  # the rescan found nothing new
+        assert next(u for u in resource.units() if u.id == "0000:31:00.0").reason == "/dev/vfio/21 is missing"
+    finally:
+        watcher.stop()
+
+
+def health_of(resource) -> dict[str, str]:
+    return {d.id: d.health for d in resource.devices()}

@@ -1,0 +1,286 @@
+"""The plugin's own gRPC transport (sandbox_plugin.wire) against grpcio, the reference.
+
+HPACK against the worked examples of RFC 7541 Appendix C; the server against
+grpcio's client and the client against grpcio's server, over real unix sockets,
+including what a long-lived kubelet connection meets: answers larger than the
+flow-control window, streams the client cancels, a server that stops.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from support.paths import REPO
+
+from sandbox_plugin.wire import hpack
+from sandbox_plugin.wire.client import Channel, unary_call
+from sandbox_plugin.wire.frames import RpcError, StatusCode
+from sandbox_plugin.wire.server import GrpcServer
+
+ECHO = "/test.Echo/Echo"
+WATCH = "/test.Echo/Watch"
+
+
+# -- HPACK ----------------------------------------------------------------------------
+
+
+def test_integers_as_in_rfc_7541_c1():
+    assert hpack.encode_integer(10, 5) == b"\x0a"
+    assert hpack.encode_integer(1337, 5) == b"\x1f\x9a\x0a"
+    assert hpack.encode_integer(42, 8) == b"\x2a"
+    assert hpack.decode_integer(b"\x1f\x9a\x0a", 0, 5) == (1337, 3)
+
+
+def test_requests_as_in_rfc_7541_c3_and_c4():
+    """Three requests on one connection, without Huffman (C.3) and with it (C.4)."""
+    for blocks in (
+        ["828684410f7777772e6578616d706c652e636f6d",
+         "828684be58086e6f2d6361636865",
+         "828785bf400a637573746f6d2d6b65790c637573746f6d2d76616c7565"],
+        ["828684418cf1e3c2e5f23a6ba0ab90f4ff",
+         "828684be5886a8eb10649cbf",
+         "828785bf408825a849e95ba97d7f8925a849e95bb8e8b4bf"],
+    ):
+        decoder = hpack.Decoder()
+        first, second, third = (decoder.decode(bytes.fromhex(b)) for b in blocks)
+        assert first == [(b":method", b"GET"), (b":scheme", b"http"), (b":path", b"/"),
+                         (b":authority", b"www.example.com")]
+        assert second == first + [(b"cache-control", b"no-cache")]
+        assert third == [(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/index.html"),
+                         (b":authority", b"www.example.com"), (b"custom-key", b"custom-value")]
+
+
+def test_huffman_round_trip_and_bad_padding():
+    rng = random.Random(7)
+    for _ in range(500):
+        data = bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
+        assert hpack.huffman_decode(hpack.huffman_encode(data)) == data
+    assert hpack.huffman_encode(b"www.example.com").hex() == "f1e3c2e5f23a6ba0ab90f4ff"
+    with pytest.raises(hpack.HpackError, match="padding"):
+        hpack.huffman_decode(b"\xf1\xe3\x00")  # padding of zeros
+    with pytest.raises(hpack.HpackError, match="padding"):
+        hpack.huffman_decode(b"\xff")  # eight bits of padding
+    with pytest.raises(hpack.HpackError, match="EOS"):
+        hpack.huffman_decode(b"\xff\xff\xff\xff")  # a whole EOS
+
+
+def test_a_repeated_block_decodes_afresh_when_the_table_it_reads_changed():
+    decoder = hpack.Decoder()
+    decoder.decode(hpack.encode_integer(1, 6, 0x40) + b"\x01a")  # (:authority, a) as entry 62
+    read = hpack.encode_integer(62, 7, 0x80)
+    assert decoder.decode(read) == [(b":authority", b"a")]
+    decoder.decode(hpack.encode_integer(1, 6, 0x40) + b"\x01b")  # now 62 is (:authority, b)
+    assert decoder.decode(read) == [(b":authority", b"b")]
+    with pytest.raises(hpack.HpackError, match="not in the table"):
+        decoder.decode(hpack.encode_integer(70, 7, 0x80))
+
+
+# -- the server, called by grpcio ------------------------------------------------------
+
+
+@pytest.fixture
+def sock_path():
+    directory = tempfile.mkdtemp(prefix="kw-")
+    yield os.path.join(directory, "s.sock")
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)
+
+
+class Watchers:
+    """A streaming handler that keeps its streams for the test to send on."""
+
+    def __init__(self) -> None:
+        self.streams = []
+        self.closed = threading.Event()
+        self.opened = threading.Event()
+
+    def __call__(self, request: bytes, stream) -> None:
+        stream.on_close(self.closed.set)
+        self.streams.append(stream)
+        stream.send(b"hello " + request)
+        self.opened.set()
+
+
+def echo(request: bytes) -> bytes:
+    if request.startswith(b"fail:"):
+        raise RpcError(StatusCode.FAILED_PRECONDITION, request[5:].decode())
+    if request.startswith(b"big:"):
+        return b"x" * int(request[4:])
+    if request == b"crash":
+        raise KeyError("a bug")
+    return request
+
+
+@pytest.fixture
+def served(sock_path):
+    watchers = Watchers()
+    server = GrpcServer(sock_path, {ECHO: echo}, {WATCH: watchers}, name="test")
+    server.start()
+    channel = grpc.insecure_channel(f"unix://{sock_path}")
+    yield server, channel, watchers
+    channel.close()
+    server.stop()
+
+
+def test_unary_calls_and_their_statuses(served):
+    _server, channel, _ = served
+    call = channel.unary_unary(ECHO)
+    assert call(b"ping", timeout=5) == b"ping"
+    assert call(b"", timeout=5) == b""
+    with pytest.raises(grpc.RpcError) as refused:
+        call("fail:device 0000:13:00.0 is gone, 100% (ünïcode)".encode(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details() == "device 0000:13:00.0 is gone, 100% (ünïcode)"
+    with pytest.raises(grpc.RpcError) as crashed:
+        call(b"crash", timeout=5)
+    assert crashed.value.code() == grpc.StatusCode.UNKNOWN and "a bug" in crashed.value.details()
+    with pytest.raises(grpc.RpcError) as unknown:
+        channel.unary_unary("/test.Echo/Nope")(b"", timeout=5)
+    assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert call(b"still serving", timeout=5) == b"still serving"
+
+
+def test_answers_larger_than_the_flow_control_window(served):
+    _server, channel, _ = served
+    call = channel.unary_unary(ECHO)
+    for size in (65535, 200_000, 1_000_000):
+        assert len(call(b"big:%d" % size, timeout=10)) == size
+    request = os.urandom(300_000)
+    assert call(request, timeout=10) == request
+
+
+def test_many_callers_at_once(served):
+    _server, channel, _ = served
+    call = channel.unary_unary(ECHO)
+    with futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda i: call(b"%d" % i, timeout=10), range(400)))
+    assert answers == [b"%d" % i for i in range(400)]
+
+
+def test_a_stream_sends_from_any_thread_and_ends_when_the_client_cancels(served):
+    _server, channel, watchers = served
+    stream = channel.unary_stream(WATCH)(b"kubelet")
+    messages = iter(stream)
+    assert next(messages) == b"hello kubelet"
+    (server_side,) = watchers.streams
+    big = b"y" * 300_000  # several times the client's window: sent as the window opens
+    sender = threading.Thread(target=lambda: [server_side.send(b"%d" % i + big) for i in range(3)])
+    sender.start()
+    for i in range(3):
+        assert next(messages) == b"%d" % i + big
+    sender.join()
+    stream.cancel()
+    assert watchers.closed.wait(5)
+    assert server_side.closed and not server_side.send(b"too late")
+
+
+def test_stopping_the_server_ends_streams_with_ok_and_drops_connections(sock_path):
+    watchers = Watchers()
+    server = GrpcServer(sock_path, {ECHO: echo}, {WATCH: watchers})
+    server.start()
+    with grpc.insecure_channel(f"unix://{sock_path}") as channel:
+        stream = channel.unary_stream(WATCH)(b"")
+        messages = iter(stream)
+        assert next(messages) == b"hello "
+        server.stop()
+        assert list(messages) == []  # ended, with OK
+        assert stream.code() == grpc.StatusCode.OK
+        assert watchers.closed.is_set()
+    assert Path(sock_path).is_socket()  # left for the caller, who knows whether it is still its own
+
+
+def test_a_client_that_breaks_http2_is_dropped_and_others_are_served(served, sock_path):
+    _server, channel, _ = served
+    with socket.socket(socket.AF_UNIX) as rogue:
+        rogue.connect(sock_path)
+        rogue.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        rogue.settimeout(5)
+        received = b""
+        while chunk := rogue.recv(4096):
+            received += chunk
+    assert received  # the server's preface and a GOAWAY, then the end
+    assert channel.unary_unary(ECHO)(b"fine", timeout=5) == b"fine"
+
+
+# -- the client, against grpcio's server -----------------------------------------------
+
+
+@pytest.fixture
+def grpcio_server(sock_path):
+    def watch(request, context):
+        yield b"one"
+        yield b"z" * 200_000
+        yield b"three"
+
+    def register(request, context):
+        if request == b"bad":
+            context.abort(grpc.StatusCode.UNKNOWN, "refused: 100% ünïcode")
+        return b""
+
+    handler = grpc.method_handlers_generic_handler("test.Echo", {
+        "Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
+        "Register": grpc.unary_unary_rpc_method_handler(register),
+        "Watch": grpc.unary_stream_rpc_method_handler(watch),
+    })
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"unix://{sock_path}")
+    server.start()
+    yield sock_path
+    server.stop(0)
+
+
+def test_channel_calls_and_streams(grpcio_server):
+    with Channel(grpcio_server) as channel:
+        for size in (0, 10, 100_000):
+            request = os.urandom(size)
+            assert channel.call(ECHO, request) == request
+        assert list(channel.stream(WATCH, b"")) == [b"one", b"z" * 200_000, b"three"]
+
+
+def test_unary_call_statuses(grpcio_server, tmp_path):
+    assert unary_call(grpcio_server, "/test.Echo/Register", b"ok", 5) == b""
+    with pytest.raises(RpcError) as refused:
+        unary_call(grpcio_server, "/test.Echo/Register", b"bad", 5)
+    assert refused.value.code is StatusCode.UNKNOWN and refused.value.details == "refused: 100% ünïcode"
+    with pytest.raises(RpcError) as unknown:
+        unary_call(grpcio_server, "/test.Echo/Nope", b"", 5)
+    assert unknown.value.code is StatusCode.UNIMPLEMENTED
+    with pytest.raises(OSError):
+        unary_call(str(tmp_path / "nobody.sock"), "/test.Echo/Echo", b"", 5)
+
+
+def test_unary_call_gives_up_at_its_deadline(sock_path):
+    with socket.socket(socket.AF_UNIX) as silent:  # accepts, never answers
+        silent.bind(sock_path)
+        silent.listen(1)
+        started = time.monotonic()
+        with pytest.raises(RpcError) as late:
+            unary_call(sock_path, "/test.Echo/Echo", b"", 0.3)
+    assert late.value.code is StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 3
+
+
+# -- what the plugin loads before it registers ------------------------------------------
+
+
+def test_the_plugin_starts_without_grpcio_prometheus_or_yaml():
+    """They cost the plugin's start-up (the kubelet waits on it) and memory; each is
+    loaded only where it is used (metrics served, CDI specs read)."""
+    probe = ("import sys, sandbox_plugin.cli, sandbox_plugin.manager, sandbox_plugin.passthrough; "
+             "print(sorted(m for m in ('grpc', 'prometheus_client', 'yaml', 'http.server') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
