@@ -5,11 +5,11 @@ oras-py, then runs N rounds; each round times, in an order that rotates between 
 - raw GET + fsync (THE BASELINE): http.client GETs every blob in turn, writes it to a file
   and fsyncs the file. That is the necessary work of any correct download: a file that is
   not durable before it is put in use is not downloaded yet. The target is
-  install_artifact at >= 0.9 of this throughput.
+  install_artifact at >= 0.95 of this throughput.
 - raw GET (no fsync): the same without the fsync; printed for reference only, since it
   leaves the data in the page cache.
 - raw GET + fsync, overlapped: the baseline with install_artifact's scheduling tricks (all
-  blobs at once, writeback started every 8 MiB); for reference, to show how much of the
+  blobs at once, writeback started every WRITEBACK_BYTES); for reference, to show how much of the
   install's speed comes from overlap and how much verification still costs.
 - install_artifact: the same blobs, verified (sha256 + size) while streaming, fsynced,
   swapped into place atomically. Hashing is extra work only the install does; it may
@@ -120,6 +120,7 @@ def manifest_digests(host: str, repo: str, tag: str) -> list[str]:
 
 
 BASELINE = "raw GET + fsync"
+TARGET = 0.95
 CASES = ("raw GET (no fsync)", BASELINE, "raw GET + fsync, overlapped", "install_artifact")
 
 
@@ -171,7 +172,7 @@ def main() -> int:
     mib = size / 2**20
     install = times["install_artifact"]
     print(f"artifact: {mib:.1f} MiB in {len(files)} blobs, {args.rounds} rounds (order rotates); "
-          f"target: install_artifact >= 0.90 of the '{BASELINE}' throughput")
+          f"target: install_artifact >= {TARGET:.2f} of the '{BASELINE}' throughput")
     print(f"{'':30}{'median':>8} {'best':>8}  {'MiB/s med':>9}  ratio: median of rounds / best vs best")
     for case in CASES:
         series = times[case]
@@ -181,8 +182,8 @@ def main() -> int:
             paired = [base / own for base, own in zip(series, install, strict=True)]
             line += f"  {statistics.median(paired):5.2f} / {min(series) / min(install):4.2f}"
             if case == BASELINE:
-                line += "  <- target >= 0.90: " + (
-                    "OK" if statistics.median(paired) >= 0.9 else "BELOW")
+                line += f"  <- target >= {TARGET:.2f}: " + (
+                    "OK" if statistics.median(paired) >= TARGET else "BELOW")
         print(line)
     print("install_artifact = sha256 + size verified while streaming, fsynced, atomic swap; "
           "'overlapped' = the baseline with the install's overlap, for reference")

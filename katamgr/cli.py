@@ -19,7 +19,6 @@ from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
-from katamgr.host.process import TEXT, add_log_format_argument, report_error, setup_logging
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import (
     AUTO,
@@ -31,6 +30,7 @@ from katamgr.host.workload import (
     describe_opt_outs,
     resolve_workload,
 )
+from katamgr.node.process import TEXT, add_log_format_argument, report_error, setup_logging
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import plan_text, print_report
@@ -286,7 +286,7 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
     api = cluster.connect(home_kubeconfig=not is_simulated(host)) if wants_cluster else None
     if args.workload == AUTO:
         def read_labels(node: str):
-            from katamgr.host.kube import read_node_labels  # the Kubernetes client: only to ask
+            from katamgr.node.kube import read_node_labels  # the Kubernetes client: only to ask
 
             return read_node_labels(api, node)
 
@@ -366,7 +366,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     if args.metrics_address:
-        from katamgr.host.metrics_server import parse_address
+        from katamgr.node.metrics_server import parse_address
 
         try:
             parse_address(args.metrics_address)
@@ -398,7 +398,7 @@ def _workload_follower(args: argparse.Namespace, api: object | None):
     a cluster."""
     if args.workload != AUTO or not args.node_name or api is None:
         return None
-    from katamgr.host.kube import NodeLabelWatch
+    from katamgr.node.kube import NodeLabelWatch
 
     watch = NodeLabelWatch(api, args.node_name)
 

@@ -15,12 +15,6 @@ from katamgr.host import inventory
 from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
-from katamgr.host.process import (
-    add_log_format_argument,
-    report_error,
-    setup_logging,
-    stop_on_signals,
-)
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import (
     AUTO,
@@ -29,6 +23,12 @@ from katamgr.host.workload import (
     Resolution,
     Workload,
     resolve_workload,
+)
+from katamgr.node.process import (
+    add_log_format_argument,
+    report_error,
+    setup_logging,
+    stop_on_signals,
 )
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
 from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, mode_for
@@ -174,9 +174,9 @@ def cluster_client():
 
 def read_labels(node_name: str) -> dict[str, str]:
     """The node's labels through the Kubernetes API, read as katamgr reads them
-    (``katamgr.host.kube``). Raises NoCluster without credentials and KatamgrError
+    (``katamgr.node.kube``). Raises NoCluster without credentials and KatamgrError
     when the API does not answer (unreachable, 403, no such node)."""
-    from katamgr.host.kube import read_node_labels
+    from katamgr.node.kube import read_node_labels
 
     return read_node_labels(cluster_client(), node_name)
 
@@ -224,7 +224,7 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
         raise UsageError(f"--host-root {args.host_root!r} is not a directory; pass where the "
                          "host's / is mounted")
     if args.metrics_address:
-        from katamgr.host.metrics_server import parse_address
+        from katamgr.node.metrics_server import parse_address
 
         try:
             parse_address(args.metrics_address)
@@ -297,7 +297,7 @@ def _label_watch(args: argparse.Namespace):
         api = cluster_client()
     except NoCluster:
         return None
-    from katamgr.host.kube import NodeLabelWatch
+    from katamgr.node.kube import NodeLabelWatch
 
     return NodeLabelWatch(api, args.node_name).start()
 
@@ -306,7 +306,7 @@ def _metrics(args: argparse.Namespace, metrics, healthy, ready) -> contextlib.Ab
     if not args.metrics_address:
         return contextlib.nullcontext()
     # Loaded only here: the HTTP server and prometheus_client cost start-up time.
-    from katamgr.host.metrics_server import MetricsServer
+    from katamgr.node.metrics_server import MetricsServer
 
     return MetricsServer(args.metrics_address, metrics.registry, healthy=healthy, ready=ready)
 

@@ -110,7 +110,7 @@ class PluginRunner:
 class LabelFollower:
     """Keeps a ``PluginRunner`` on what the node's labels ask for.
 
-    ``resolve()`` turns the labels a ``katamgr.host.kube.NodeLabelWatch`` keeps into a
+    ``resolve()`` turns the labels a ``katamgr.node.kube.NodeLabelWatch`` keeps into a
     ``Resolution``; ``check()`` (called when the watch reports a change, and as a safety
     net every few seconds) serves its mode. A label that cannot be read or names no
     workload keeps what runs, logged once.

@@ -1,5 +1,5 @@
 """The device plugin's Prometheus metrics, in a registry of its own (one per
-``PluginManager``), served by ``katamgr.host.metrics_server`` with
+``PluginManager``), served by ``katamgr.node.metrics_server`` with
 ``--metrics-address``.
 
 The plugin counts in plain Python objects, and ``prometheus_client`` is loaded

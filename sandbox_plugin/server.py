@@ -37,7 +37,7 @@ from google.protobuf.message import DecodeError
 from inotify_simple import flags as inotify_flags
 
 from katamgr.host.root import HostRoot
-from katamgr.host.watching import Watcher
+from katamgr.node.watching import Watcher
 from kubeletapi import deviceplugin_pb2 as pb
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.resources import (

@@ -40,7 +40,7 @@ from inotify_simple import flags as inotify_flags
 from katamgr.host.kernel import LinuxKernel
 from katamgr.host.root import HostRoot
 from katamgr.host.uevents import DEVICE_SUBSYSTEMS, KernelEvents, open_kernel_events
-from katamgr.host.watching import Watcher
+from katamgr.node.watching import Watcher
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.target import Target
-from katamgr.host.lock import NodeBusyError, node_lock
+from katamgr.node.lock import NodeBusyError, node_lock
 from katamgr.pipeline import cdi_specs, kata_runtime
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report

@@ -16,7 +16,7 @@ from katamgr.agent.health import Health
 from katamgr.agent.target import Target
 from katamgr.errors import KatamgrError
 from katamgr.host import vfio
-from katamgr.host.podresources import Assignment, PodDevices, assigned_functions, list_pod_devices
+from katamgr.node.podresources import Assignment, PodDevices, assigned_functions, list_pod_devices
 from katamgr.pipeline.reconcile import Steps, leave_passthrough
 from katamgr.pipeline.report import LeaveReport
 from katamgr.render import log_report

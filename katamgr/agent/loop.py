@@ -16,7 +16,7 @@ from inotify_simple import flags as inflags
 
 from katamgr.agent.drift import containerd_dirs
 from katamgr.errors import KatamgrError
-from katamgr.host.watching import Watcher
+from katamgr.node.watching import Watcher
 
 if TYPE_CHECKING:
     from katamgr.agent.running import Agent

@@ -15,12 +15,12 @@ from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.reconciler import RETRY_INITIAL, RETRY_MAX, Reconciler
 from katamgr.agent.switch import Switch
 from katamgr.agent.target import Target
-from katamgr.host.metrics_server import MetricsServer
 from katamgr.host.naming import Naming
-from katamgr.host.process import stop_on_signals
 from katamgr.host.root import HostRoot
-from katamgr.host.watching import Watcher
 from katamgr.host.workload import Operand, Resolution, Workload
+from katamgr.node.metrics_server import MetricsServer
+from katamgr.node.process import stop_on_signals
+from katamgr.node.watching import Watcher
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, revert_all
 from katamgr.pipeline.report import Report
@@ -32,7 +32,7 @@ log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 class Agent:
     """``katamgr run``. ``events``: a ``katamgr.cluster.EventRecorder`` (None without a
     cluster); ``read_workload``: the node's workload and opt-outs now (None: not followed);
-    ``node_watch``: a ``katamgr.host.kube.NodeLabelWatch`` that keeps the labels and wakes
+    ``node_watch``: a ``katamgr.node.kube.NodeLabelWatch`` that keeps the labels and wakes
     the loop when they change (without one they are read every check)."""
 
     def __init__(self, host: HostRoot, naming: Naming, steps: Steps, ctx: KataContext | None, *,

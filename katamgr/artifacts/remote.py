@@ -6,8 +6,10 @@ replaces ``do_request`` (and only that):
 - oras retries any failure up to 5 times, sleeping 2+3**n seconds (minutes on a refused
   connection) and sends no timeout, so a silent registry hangs forever; we bound both,
   and bound each whole transfer too: a registry that sends one byte every few seconds
-  never trips a per-read timeout, so a watchdog cuts the connection at the deadline
-  (``Deadlines``: connect 10 s, each read 60 s, a manifest 60 s, a blob 30 min);
+  never trips a per-read timeout, so a watchdog cuts every connection the request uses
+  (its token request's too), whatever their keep-alive, at the deadline (``Deadlines``:
+  connect 10 s, each read 60 s, a manifest 60 s, a blob 30 min, each covering the
+  whole exchange from the TCP connect to the last body byte);
 - its token backend cannot answer a ``Basic`` challenge (htpasswd registries such as
   distribution's own), which we answer with the pull secret's user and password;
 - ``get_manifest`` returns parsed JSON, but the digest must be taken over the exact
@@ -30,6 +32,8 @@ import oras.container
 import oras.provider
 import requests
 import requests.adapters
+import urllib3.connection
+import urllib3.connectionpool
 import urllib3.exceptions
 
 from .credentials import Credentials
@@ -70,55 +74,146 @@ def use_plain_http(registry: str, insecure_registries: Iterable[str] = ()) -> bo
         return False
 
 
+class _Watchdog:
+    """Cuts the connections of one request when its whole-transfer deadline passes.
+
+    A blocked read cannot be interrupted from its own thread; shutting the socket
+    down from a timer thread makes it return, and ``expired`` tells the reader the
+    transfer was cut on purpose. The sockets are taken as urllib3 opens or reuses
+    them (``_WatchedConnection``), not from the response: when a response will close
+    (HTTP/1.0, ``Connection: close``) http.client hands its socket to the response
+    and the connection's ``sock`` is None, and before the response exists (a token
+    request, trickled headers, a TLS handshake) there is none to ask. Each socket is
+    held as a duplicate descriptor, so the one to cut stays reachable whatever
+    http.client or ssl do with their socket objects, and no closed descriptor number
+    (perhaps reused by then) is ever shut down.
+    """
+
+    def __init__(self, seconds: float, url: str) -> None:
+        self.seconds = seconds
+        self.url = url  # the URL being read: the request's, or its token endpoint's
+        self.expired = threading.Event()
+        self._lock = threading.Lock()
+        self._held: dict[object, socket.socket] = {}  # connection -> duplicate of its socket
+        self._done = False
+        self._outer: _Watchdog | None = None
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Watchdog:
+        self._outer = getattr(_watching, "dog", None)
+        _watching.dog = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        _watching.dog = self._outer
+        self._timer.cancel()
+        with self._lock:
+            self._done = True
+            held, self._held = self._held, {}
+        for dup in held.values():
+            dup.close()
+
+    def hold(self, connection: object, sock: socket.socket | None, url: str | None) -> None:
+        """Watch ``connection`` (whose socket is ``sock``) for this request."""
+        with self._lock:
+            if self._done:
+                return
+            if url is not None:
+                self.url = url
+            # A pooled connection serves one request at a time: the latest holder owns it,
+            # and an earlier request's watchdog firing late must not cut it.
+            connection._katamgr_dog = self  # type: ignore[attr-defined]
+            if sock is None or connection in self._held:
+                return
+            try:
+                dup = socket.fromfd(sock.fileno(), sock.family, sock.type)
+            except OSError:
+                return  # closed already: nothing left to cut
+            self._held[connection] = dup
+            expired = self.expired.is_set()
+        if expired:
+            _shut(dup)
+
+    def _cut(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self.expired.set()
+            for connection, dup in self._held.items():
+                if getattr(connection, "_katamgr_dog", None) is self:
+                    _shut(dup)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed: the reader has finished or failed
+
+
+_watching = threading.local()  # .dog: the watchdog of the request this thread is making
+
+
+class _WatchedConnection:
+    """Hands every socket urllib3 opens or reuses to the current request's watchdog."""
+
+    def _new_conn(self) -> socket.socket:
+        # right after the TCP connect, before any TLS handshake or HTTP byte
+        sock = super()._new_conn()  # type: ignore[misc]
+        dog = getattr(_watching, "dog", None)
+        if dog is not None:
+            dog.hold(self, sock, None)
+        return sock
+
+    def request(self, method, url, *args, **kwargs):  # noqa: ANN001 - urllib3's signature
+        dog = getattr(_watching, "dog", None)
+        if dog is not None:
+            dog.hold(self, self.sock, _full_url(self, url))  # type: ignore[attr-defined]
+        return super().request(method, url, *args, **kwargs)  # type: ignore[misc]
+
+
+def _full_url(connection, target: str) -> str:  # noqa: ANN001 - a urllib3 connection
+    if "://" in target:
+        return target
+    scheme = "https" if isinstance(connection, urllib3.connection.HTTPSConnection) else "http"
+    return f"{scheme}://{connection.host}:{connection.port}{target}"
+
+
+class _WatchedHTTPConnection(_WatchedConnection, urllib3.connection.HTTPConnection):
+    pass
+
+
+class _WatchedHTTPSConnection(_WatchedConnection, urllib3.connection.HTTPSConnection):
+    pass
+
+
+class _WatchedHTTPPool(urllib3.connectionpool.HTTPConnectionPool):
+    ConnectionCls = _WatchedHTTPConnection
+
+
+class _WatchedHTTPSPool(urllib3.connectionpool.HTTPSConnectionPool):
+    ConnectionCls = _WatchedHTTPSConnection
+
+
 class _TimeoutAdapter(requests.adapters.HTTPAdapter):
-    """Every request on the session (token endpoint included) gets a timeout."""
+    """Every request on the session (token endpoint included) gets a timeout, and its
+    connections are watched by the deadline of the request it belongs to."""
 
     def __init__(self, deadlines: Deadlines, **kwargs) -> None:
         super().__init__(**kwargs)
         self.timeout = (deadlines.connect, deadlines.read)
 
+    def init_poolmanager(self, *args, **kwargs) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {"http": _WatchedHTTPPool,
+                                                   "https": _WatchedHTTPSPool}
+
     def send(self, request, **kwargs):  # noqa: ANN001 - requests' signature
         if kwargs.get("timeout") is None:
             kwargs["timeout"] = self.timeout
         return super().send(request, **kwargs)
-
-
-class _Watchdog:
-    """Cuts a response's connection when its whole-transfer deadline passes.
-
-    A blocked read cannot be interrupted from its own thread; shutting the
-    socket down from a timer thread makes it return, and ``expired`` tells the
-    reader the transfer was cut on purpose.
-    """
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.expired = threading.Event()
-        self._response: requests.Response | None = None
-        self._timer = threading.Timer(seconds, self._cut)
-        self._timer.daemon = True
-
-    def __enter__(self) -> _Watchdog:
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._timer.cancel()
-
-    def watch(self, response: requests.Response) -> None:
-        self._response = response
-        if self.expired.is_set():
-            self._cut()
-
-    def _cut(self) -> None:
-        self.expired.set()
-        connection = getattr(getattr(self._response, "raw", None), "connection", None)
-        sock = getattr(connection, "sock", None)
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed: the reader has finished or failed
 
 
 class _OrasClient(oras.provider.Registry):
@@ -237,7 +332,8 @@ class RegistrySource:
     def _too_slow(self, what: str, dog: _Watchdog) -> TransientError:
         return TransientError(
             f"{self.description}: {what} took longer than its {dog.seconds:g} s deadline "
-            f"(registry {self.ref.registry} too slow)",
+            f"({dog.url} was still sending when it was cut; registry {self.ref.registry} "
+            "too slow)",
             "check the network and the registry, or raise the deadline",
             unreachable=False,
         )
@@ -245,15 +341,20 @@ class RegistrySource:
     @contextmanager
     def _request(self, url: str, what: str, headers: dict,
                  seconds: float) -> Iterator[tuple[requests.Response, _Watchdog]]:
-        with _Watchdog(seconds) as dog:
+        # The deadline covers the whole exchange: connect, a token request, headers, body.
+        with _Watchdog(seconds, url) as dog:
             try:
                 response = self.client.do_request(url, "GET", headers=headers, stream=True)
-            except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            except Exception as exc:
+                # a cut token request fails in many ways (a broken stream, JSON cut short)
                 if dog.expired.is_set():
                     raise self._too_slow(what, dog) from exc
-                raise self._unreachable(what, exc) from exc
-            dog.watch(response)
+                if isinstance(exc, (requests.exceptions.ConnectionError,
+                                    requests.exceptions.Timeout)):
+                    raise self._unreachable(what, exc) from exc
+                raise
             try:
+                self._check_deadline(what, dog)
                 self._check_status(response, what)
                 yield response, dog
             finally:

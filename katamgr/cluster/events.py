@@ -25,7 +25,7 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from katamgr.cluster.client import FIELD_MANAGER
-from katamgr.host.kube import api_error_message
+from katamgr.node.kube import api_error_message
 
 log = logging.getLogger(__name__)
 

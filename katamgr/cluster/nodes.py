@@ -1,12 +1,12 @@
 """Our node's workload label, read through the API (the rule that uses it: ``katamgr.host.workload``;
-the reader, shared with the device plugin, ``katamgr.host.kube``)."""
+the reader, shared with the device plugin, ``katamgr.node.kube``)."""
 
 from __future__ import annotations
 
 from kubernetes.client import ApiClient
 
-from katamgr.host.kube import read_node_labels
 from katamgr.host.workload import DEFAULT_WORKLOAD, WORKLOAD_LABEL, Workload, workload_from_label
+from katamgr.node.kube import read_node_labels
 
 
 def node_workload_mode(api: ApiClient, node_name: str,

@@ -25,7 +25,7 @@ from urllib3.exceptions import HTTPError
 from katamgr.cluster.client import FIELD_MANAGER, MANAGED_BY_LABEL, MANAGED_BY_VALUE
 from katamgr.config import KataManagerConfig
 from katamgr.errors import KatamgrError
-from katamgr.host.kube import api_error_message
+from katamgr.node.kube import api_error_message
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
 from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host.kube import api_error_message
+from katamgr.node.kube import api_error_message
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 from katamgr.host import readiness, vfio
 from katamgr.host.inventory import discover
-from katamgr.host.lock import node_lock, tidy_state_dir
 from katamgr.host.naming import Naming
-from katamgr.host.podresources import PodDevices, assigned_functions, list_pod_devices
 from katamgr.host.root import HostRoot
-from katamgr.host.toolkit import isolation_problem, read_toolkit_config, toml_value
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Operand, Workload
+from katamgr.node.lock import node_lock, tidy_state_dir
+from katamgr.node.podresources import PodDevices, assigned_functions, list_pod_devices
+from katamgr.node.toolkit import isolation_problem, read_toolkit_config, toml_value
 from katamgr.pipeline import cdi_specs
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan

@@ -17,9 +17,12 @@ import logging
 import os
 import re
 import signal
+import socket
+import struct
 import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.root import HostRoot
@@ -58,8 +61,9 @@ class ReloadResult:
 def socket_inodes(host: HostRoot, socket_path: str) -> set[int]:
     """Inodes of unix sockets bound to ``socket_path`` (host path), from /proc/net/unix.
 
-    /proc/net/unix lists the reader's own network namespace; in a pod sharing
-    the host's PID namespace, PID 1's view is the host's, so it is read first.
+    /proc/net/unix lists the reader's own network namespace; PID 1's table is the
+    host's (in a pod sharing the host's PID namespace, or through the host's /proc
+    under the host root), so it is read first and the pod needs no host network.
     """
     inodes: set[int] = set()
     lines: list[str] = []
@@ -77,14 +81,24 @@ def socket_inodes(host: HostRoot, socket_path: str) -> set[int]:
 
 
 def socket_owner(host: HostRoot, socket_path: str) -> int | None:
-    """PID of the process holding the socket bound at ``socket_path``, if any."""
+    """PID of the process serving the socket bound at ``socket_path``, if any.
+
+    The socket says it itself: a connection's SO_PEERCRED is the PID that listens, as
+    this process's PID namespace numbers it (the host's, with hostPID). That needs
+    neither the host network nor a look at other processes' descriptors. Where it
+    gives nothing (no socket to connect to, or PID 0: the listener is outside this
+    PID namespace), the host's unix socket table and /proc/<pid>/fd are searched.
+    """
+    pid = peer_pid(host.path(socket_path))
+    if pid is not None:
+        return pid
     inodes = socket_inodes(host, socket_path)
     if not inodes:
         return None
     proc = host.path("/proc")
     for entry in sorted(proc.iterdir(), key=lambda p: p.name):
-        if not entry.name.isdigit():
-            continue
+        if not entry.name.isdigit() or entry.name == "1":
+            continue  # init holds it only to hand it over (socket activation)
         try:
             fds = list((entry / "fd").iterdir())
         except OSError:
@@ -97,6 +111,26 @@ def socket_owner(host: HostRoot, socket_path: str) -> int | None:
             if match and int(match.group(1)) in inodes:
                 return int(entry.name)
     return None
+
+
+def peer_pid(path: Path) -> int | None:
+    """The PID behind the unix socket at ``path``, from SO_PEERCRED; None when it cannot
+    be had or is not one to signal."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(_CONNECT_SECONDS)  # a full backlog would block connect
+            sock.connect(str(path))
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    except OSError:
+        return None
+    pid, _uid, _gid = _UCRED.unpack(creds)
+    # 0: the listener is outside this PID namespace. 1: init listened and handed the socket
+    # over (socket activation); SIGHUP would make init reload, not restart containerd.
+    return pid if pid > 1 else None
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_CONNECT_SECONDS = 2.0
 
 
 def systemctl_argv(host: HostRoot, unit: str = DEFAULT_UNIT) -> list[str]:

@@ -1,8 +1,9 @@
 """The isolation objects of the chart (templates/isolation-webhook.yaml and
-isolation-policy.yaml), rendered by the real Helm engine: off by default; the webhook's
-Deployment, Service, PDB, TLS and webhook configurations when enabled; the
-ValidatingAdmissionPolicy, whose CEL is evaluated with cel-python against the same pods as
-the webhook's rules (tests/support/podkit.py)."""
+isolation-policy.yaml), rendered by the real Helm engine: on by default (the policy where
+the cluster serves ValidatingAdmissionPolicy v1, else a NOTES.txt warning), each with a
+value to turn it off; the webhook's Deployment, Service, PDB, TLS and webhook
+configurations; the ValidatingAdmissionPolicy, whose CEL is evaluated with cel-python
+against the same pods as the webhook's rules (tests/support/podkit.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import base64
 import pytest
 from cryptography import x509
 from support import podkit
-from support.chartkit import NAMESPACE, RELEASE, merged, render
+from support.chartkit import (
+    BEFORE_1_30,
+    CURRENT,
+    NAMESPACE,
+    RELEASE,
+    Cluster,
+    merged,
+    notes,
+    render,
+)
 
 from katamgr.admission.rules import Policy, validate
 
@@ -40,9 +50,55 @@ def excluded_namespaces(selector: dict) -> list[str]:
     return expr["values"]
 
 
-def test_defaults_render_no_isolation_object(chart):
-    kinds = kinds_of(render(chart, {}))
-    assert not kinds & ISOLATION_KINDS
+WEBHOOK_OFF = {"isolation": {"webhook": {"enabled": False}}}
+POLICY_OFF = {"isolation": {"admissionPolicy": {"enabled": False}}}
+WEBHOOK_KINDS = {"Deployment", "Service", "Secret", "PodDisruptionBudget",
+                 "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"}
+POLICY_KINDS = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+POLICY_LEFT_OUT = "does not serve\nValidatingAdmissionPolicy v1"
+
+
+def test_defaults_turn_the_webhook_and_the_policy_on(chart):
+    # Installed on a current cluster (it serves ValidatingAdmissionPolicy v1).
+    rendered = render(chart, {}, CURRENT)
+    assert kinds_of(rendered) & ISOLATION_KINDS == WEBHOOK_KINDS | POLICY_KINDS
+    # The webhook as it is when turned on by hand: 2 replicas behind a PDB, Helm's own CA.
+    deploy = rendered.get("Deployment", "-webhook")
+    assert deploy["spec"]["replicas"] == 2
+    assert rendered.get("PodDisruptionBudget", "-webhook")["spec"]["minAvailable"] == 1
+    secret = rendered.get("Secret", "-webhook-tls")
+    assert set(secret["data"]) == {"ca.crt", "tls.crt", "tls.key"}
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        (hook,) = rendered.get(kind, "-webhook")["webhooks"]
+        assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
+        assert hook["failurePolicy"] == "Fail"
+    binding = rendered.get("ValidatingAdmissionPolicyBinding", "-passthrough-needs-kata")
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert "WARNING" not in notes(chart, {}, CURRENT)
+
+
+def test_a_cluster_without_the_policy_api_gets_the_webhook_and_a_warning(chart):
+    rendered = render(chart, {}, BEFORE_1_30)
+    assert kinds_of(rendered) & ISOLATION_KINDS == WEBHOOK_KINDS
+    text = notes(chart, {}, BEFORE_1_30)
+    assert POLICY_LEFT_OUT in text and "admissionregistration.k8s.io/v1" in text
+    assert "The isolation webhook still denies a passthrough GPU" in text
+    # Without the webhook either, the warning says nothing guards passthrough GPUs.
+    text = notes(chart, WEBHOOK_OFF, BEFORE_1_30)
+    assert POLICY_LEFT_OUT in text and "Nothing denies a passthrough GPU" in text
+    assert not kinds_of(render(chart, WEBHOOK_OFF, BEFORE_1_30)) & ISOLATION_KINDS
+    # helm template without --api-versions knows no more than an old cluster.
+    assert not kinds_of(render(chart, {}, Cluster())) & POLICY_KINDS
+
+
+def test_each_layer_turns_off_by_its_value(chart):
+    assert kinds_of(render(chart, WEBHOOK_OFF)) & ISOLATION_KINDS == POLICY_KINDS
+    assert kinds_of(render(chart, POLICY_OFF)) & ISOLATION_KINDS == WEBHOOK_KINDS
+    # Policy off on purpose: no warning that it was left out.
+    assert "WARNING" not in notes(chart, POLICY_OFF, BEFORE_1_30)
+    both = merged(WEBHOOK_OFF, POLICY_OFF)
+    assert not kinds_of(render(chart, both)) & ISOLATION_KINDS
+    assert "WARNING: isolation is off" in notes(chart, both)
 
 
 @pytest.mark.parametrize("values", [WEBHOOK, POLICY, CERT_MANAGER,

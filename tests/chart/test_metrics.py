@@ -7,7 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from support.chartkit import CHART, FULL, NAMESPACE, RELEASE, SANDBOX, Rendered, merged, render
+from support.chartkit import (
+    CHART,
+    FULL,
+    NAMESPACE,
+    RELEASE,
+    SANDBOX,
+    Rendered,
+    cluster_at,
+    merged,
+    render,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +46,7 @@ def pod_labels(rendered: Rendered, suffix: str) -> dict[str, str]:
 # --- on by default -----------------------------------------------------------------------
 
 @pytest.mark.parametrize("values", [FULL, merged(FULL, {"containerd": {"restartMode": "none"}})],
-                         ids=["host-network", "pod-network"])
+                         ids=["signal-mode", "no-restart"])
 def test_defaults_give_each_container_its_address_port_and_probes(chart, values):
     rendered = render(chart, values)
     by_name = containers(rendered)
@@ -54,16 +64,15 @@ def test_defaults_give_each_container_its_address_port_and_probes(chart, values)
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
     agent = by_name["kata-manager"]["startupProbe"]
     assert agent["periodSeconds"] * agent["failureThreshold"] == 120
-    # The device plugin pods never join the host network for metrics.
-    assert not rendered.get("DaemonSet", "-device-plugin")["spec"]["template"]["spec"].get("hostNetwork")
+    # No pod joins the host network: probes and scrapes reach the pod IP.
+    for ds in rendered.daemonsets():
+        assert not ds["spec"]["template"]["spec"].get("hostNetwork")
 
 
-def test_the_sandbox_agent_is_on_the_host_network_only_for_signal_mode(chart):
-    pod = render(chart, merged(FULL, {"containerd": {"restartMode": "none"}})).get(
-        "DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
-    assert not pod.get("hostNetwork")
-    pod = render(chart, SANDBOX).get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
-    assert not pod.get("hostNetwork")  # no kata, nothing to signal
+def test_the_sandbox_agent_is_never_on_the_host_network(chart):
+    for values in (FULL, merged(FULL, {"containerd": {"restartMode": "none"}}), SANDBOX):
+        pod = render(chart, values).get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
+        assert not pod.get("hostNetwork")
 
 
 def test_custom_ports_reach_args_ports_and_services(chart):
@@ -96,7 +105,8 @@ def test_each_daemonset_has_a_headless_service_for_its_metrics_ports(chart, valu
         assert ports
         assert {p["name"]: p["port"] for p in spec["ports"]} == ports
         assert all(p["targetPort"] == p["name"] for p in spec["ports"])
-    services = [o for o in rendered.objects if o["kind"] == "Service"]
+    services = [o for o in rendered.objects
+                if o["kind"] == "Service" and o["metadata"]["name"].endswith("-metrics")]
     assert len(services) == len(rendered.daemonsets())
 
 
@@ -121,7 +131,8 @@ def test_metrics_off_renders_none_of_it(chart, values):
         assert "--metrics-address" not in c["args"]
         assert not {"ports", "startupProbe", "livenessProbe", "readinessProbe"} & set(c)
         assert option(c["args"], "--log-format") == "text"
-    assert not [o for o in rendered.objects if o["kind"] in ("Service", "ServiceMonitor")]
+    assert not [o for o in rendered.objects if o["kind"] == "ServiceMonitor"
+                or o["metadata"]["name"].endswith("-metrics")]
 
 
 # --- the ServiceMonitor ----------------------------------------------------------------------
@@ -196,10 +207,9 @@ VALID_SETS = {
 
 @pytest.mark.parametrize("values", VALID_SETS.values(), ids=VALID_SETS.keys())
 def test_every_core_object_is_valid_for_kubernetes(chart, kube_validate, values):
-    rendered = render(chart, values)
     problems = []
     for version in KUBE_VERSIONS:
-        for obj in rendered.objects:
+        for obj in render(chart, values, cluster_at(version)).objects:
             if obj["apiVersion"].startswith(("monitoring.coreos.com/", "cert-manager.io/")):
                 continue  # CRDs kubernetes-validate does not know; checked by hand above
             try:

@@ -17,9 +17,9 @@ from support.paths import REPO
 
 # The code that talks to the Kubernetes API with the chart's service account: katamgr's
 # cluster layer and agent (katamgr run, katamgr revert), and the Node reader both programs
-# share (katamgr.host.kube: the device plugin reads and watches its node through it).
+# share (katamgr.node.kube: the device plugin reads and watches its node through it).
 API_CALLERS = [*sorted((REPO / "katamgr" / "cluster").glob("*.py")),
-               *sorted((REPO / "katamgr" / "agent").glob("*.py")), REPO / "katamgr" / "host" / "kube.py",
+               *sorted((REPO / "katamgr" / "agent").glob("*.py")), REPO / "katamgr" / "node" / "kube.py",
                REPO / "sandbox_plugin" / "cli.py"]
 
 # The official client's method names: <action>_[namespaced_]<kind in snake case>.
@@ -78,8 +78,8 @@ def test_the_call_scan_finds_the_calls_we_know_of():
     assert set(needed) == {("nodes", "get"), ("nodes", "watch"), ("events", "create"), ("secrets", "get"),
                            ("runtimeclasses", "list"), ("runtimeclasses", "patch"),
                            ("runtimeclasses", "create"), ("runtimeclasses", "delete")}
-    assert any("katamgr/host/kube.py" in w for w in needed[("nodes", "get")])
-    assert any("katamgr/host/kube.py" in w for w in needed[("nodes", "watch")])
+    assert any("katamgr/node/kube.py" in w for w in needed[("nodes", "get")])
+    assert any("katamgr/node/kube.py" in w for w in needed[("nodes", "watch")])
 
 
 @pytest.mark.integration
@@ -146,9 +146,10 @@ def test_no_pull_secret_no_secret_access(chart):
 
 @pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(VALUE_SETS))
-def test_host_network_only_for_the_containerd_signal(chart, name):
-    """hostNetwork (and hostPID) only where katamgr signals containerd: the sandbox agent
-    (and the revert that undoes its work) with kataManager on and containerd.restartMode=signal."""
+def test_host_pid_only_for_the_containerd_signal_and_never_the_host_network(chart, name):
+    """hostPID only where katamgr signals containerd: the sandbox agent (and the revert that
+    undoes its work) with kataManager on and containerd.restartMode=signal. No pod joins the
+    host network: containerd's PID comes from its socket (SO_PEERCRED)."""
     values = VALUE_SETS[name]
     rendered = render(chart, values)
     signal = (rendered.find("ConfigMap", "-config") is not None
@@ -159,5 +160,5 @@ def test_host_network_only_for_the_containerd_signal(chart, name):
         pod = obj["spec"]["template"]["spec"]
         expected = bool(signal) and obj["metadata"]["name"] in (
             RELEASE + "-sandbox-agent", RELEASE + "-revert")
-        assert bool(pod.get("hostNetwork")) == expected, obj["metadata"]["name"]
+        assert not pod.get("hostNetwork"), obj["metadata"]["name"]
         assert bool(pod.get("hostPID")) == expected, obj["metadata"]["name"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from support.paths import REPO
 
-from katamgr.host.process import LOG_FORMAT, JsonFormatter
+from katamgr.node.process import LOG_FORMAT, JsonFormatter
 
 BIN = Path(sys.executable).parent
 KATAMGR = str(BIN / "katamgr")

@@ -1,4 +1,4 @@
-"""``katamgr.host.kube``: our Node's labels, read once and followed by a watch.
+"""``katamgr.node.kube``: our Node's labels, read once and followed by a watch.
 
 The watch is the API server's (k8s.io/apiserver ``pkg/endpoints/handlers/watch.go``, the
 watch cache in ``pkg/storage/cacher``), met here by the stand-in's: a list watch with the
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from katamgr.errors import KatamgrError
-from katamgr.host.kube import NodeLabelWatch, read_node_labels
+from katamgr.node.kube import NodeLabelWatch, read_node_labels
 
 NODE = "gpu-1"
 
@@ -74,7 +74,7 @@ def test_a_relabel_reaches_the_watch_at_once_and_only_this_node_is_watched(serve
 
 
 def test_the_watch_resumes_after_the_server_ends_it_and_rereads_after_410(server, api, caplog):
-    caplog.set_level(logging.INFO, logger="katamgr.host.kube")
+    caplog.set_level(logging.INFO, logger="katamgr.node.kube")
     seed(server, {"a": "1"})
     watch = NodeLabelWatch(api, NODE, poll_interval=30, watch_timeout=1, min_watch_interval=0.2).start()
     try:

@@ -237,7 +237,7 @@ def test_a_watch_from_a_version_the_api_server_no_longer_has_is_410_gone(kube, r
     longer serves (its watch cache starts afresh on a restart, etcd is compacted every
     5 min): the real server answers 410 Gone, which the watch must take as "read the
     Node again", never as a failure or a stale answer."""
-    from katamgr.host.kube import NodeLabelWatch, _Gone, read_node
+    from katamgr.node.kube import NodeLabelWatch, _Gone, read_node
 
     kubeconfig = kube.service_account_kubeconfig(RELEASE, agent_account(release), tmp_path / "kc")
     api = kube.client(kubeconfig)

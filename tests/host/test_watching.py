@@ -7,7 +7,7 @@ import time
 
 from inotify_simple import flags
 
-from katamgr.host.watching import Watcher
+from katamgr.node.watching import Watcher
 
 
 def test_events_wake_up_and_timeout(tmp_path):

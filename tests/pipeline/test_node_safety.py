@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from support.hostkit import GPU_A10, dev, driver_of, make_host
 
-from katamgr.host.lock import node_lock
+from katamgr.node.lock import node_lock
 from katamgr.simulator.kernel import MARKER
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,9 +22,9 @@ from katamgr.cluster import EventRecorder
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
-from katamgr.host.podresources import POD_RESOURCES_SOCKET, list_pod_devices
 from katamgr.host.readiness import VFIO_READY, WORKLOAD_TYPE
 from katamgr.host.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Workload
+from katamgr.node.podresources import POD_RESOURCES_SOCKET, list_pod_devices
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, reconcile
 from sandbox_plugin.testing.podresources import (

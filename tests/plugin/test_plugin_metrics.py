@@ -12,9 +12,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from katamgr.host import vfio
 from katamgr.host.inventory import discover
-from katamgr.host.metrics_server import MetricsServer, parse_address
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
+from katamgr.node.metrics_server import MetricsServer, parse_address
 from katamgr.pipeline.cdi_specs import write_specs
 from katamgr.pipeline.plan import build_plan
 from sandbox_plugin.manager import Mode, PluginManager

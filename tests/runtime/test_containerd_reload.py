@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,6 +65,26 @@ def test_signal_mode_finds_the_socket_owner_and_sends_sighup(daemon) -> None:
     while not marker.exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert marker.read_text() == "hup"
+
+
+def test_the_socket_names_its_owner_without_any_proc_table() -> None:
+    # A listener in this very process, under a host root that has no /proc at all: only
+    # the socket's peer credentials (SO_PEERCRED) can name the PID, as in a pod without
+    # the host network namespace, whose /proc/net/unix does not list containerd's socket.
+    with tempfile.TemporaryDirectory(dir="/tmp") as root:  # short: a unix path is <= 107 bytes
+        host = HostRoot.at(root)
+        path = host.path("/run/containerd/containerd.sock")
+        path.parent.mkdir(parents=True)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(str(path))
+            listener.listen()
+            assert not host.path("/proc").exists()
+            assert socket_owner(host, "/run/containerd/containerd.sock") == os.getpid()
+            sent: list[tuple[int, int]] = []
+            result = reload_containerd(host, "signal", send_signal=lambda pid, sig: sent.append((pid, sig)))
+        assert result.done and sent == [(os.getpid(), signal.SIGHUP)]
+        # Nobody listening any more: no PID, and nothing is signalled.
+        assert socket_owner(host, "/run/containerd/containerd.sock") is None
 
 
 def test_signal_mode_without_an_owner_warns_and_does_nothing(tmp_path: Path) -> None:

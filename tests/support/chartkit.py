@@ -6,6 +6,7 @@ The pytest fixtures ``helm``, ``chart`` and ``kube_validate`` are in tests/chart
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -97,23 +98,84 @@ def is_hook(obj: dict[str, Any]) -> bool:
     return "helm.sh/hook" in ((obj.get("metadata") or {}).get("annotations") or {})
 
 
-def render(chart, values: dict[str, Any]) -> Rendered:
-    manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+@dataclass(frozen=True)
+class Cluster:
+    """What Helm learns from the API server at install time (``.Capabilities``): its version
+    and the API versions and kinds it serves (``helm template --kube-version
+    --api-versions``), beyond Helm's built-in defaults."""
+
+    kube_version: str | None = None  # None: the Helm engine's default
+    api_versions: tuple[str, ...] = ()
+
+
+VALIDATING_ADMISSION_POLICY = "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy"
+# A current cluster (Kubernetes 1.30+) serves ValidatingAdmissionPolicy v1, the capability
+# the chart renders its admission policy by; one from before 1.30 does not.
+CURRENT = Cluster(None, (VALIDATING_ADMISSION_POLICY, VALIDATING_ADMISSION_POLICY + "Binding"))
+BEFORE_1_30 = Cluster("v1.29.0")
+
+
+def cluster_at(version: str) -> Cluster:
+    """The capabilities of a cluster of Kubernetes ``version`` ("1.25.0")."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    served = CURRENT.api_versions if (major, minor) >= (1, 30) else ()
+    return Cluster(f"v{version}", served)
+
+
+def manifests(chart, values: dict[str, Any], cluster: Cluster = CURRENT, *,
+              release: str = RELEASE, namespace: str = NAMESPACE) -> dict[str, str]:
+    """Template path -> rendered text (NOTES.txt included), as installed on ``cluster``."""
+    options: dict[str, Any] = {"name": release, "namespace": namespace, "is_install": True}
+    if cluster.kube_version:
+        options["kube_version"] = cluster.kube_version
+    if cluster.api_versions:
+        options["api_versions"] = list(cluster.api_versions)
+    # helm-python-sdk's Chart.render passes the engine only name, namespace, revision and
+    # install/upgrade; the engine's render options also take kube_version and api_versions
+    # (what helm template's --kube-version and --api-versions set), so they are passed to it
+    # the way Chart.render passes its own.
+    from helm_python import _native
+
+    text = _native.call_string("helm_render", chart._raw(), json.dumps(values),
+                               json.dumps(options))
+    return json.loads(text)
+
+
+def render(chart, values: dict[str, Any], cluster: Cluster = CURRENT) -> Rendered:
     objects = [
         obj
-        for path, text in sorted(manifests.items()) if path.endswith((".yaml", ".yml"))
+        for path, text in sorted(manifests(chart, values, cluster).items())
+        if path.endswith((".yaml", ".yml"))
         for obj in yaml.safe_load_all(text) if obj
     ]
     return Rendered(objects)
 
 
+def notes(chart, values: dict[str, Any], cluster: Cluster = CURRENT) -> str:
+    return next(text for path, text in manifests(chart, values, cluster).items()
+                if path.endswith("NOTES.txt"))
+
+
+def workloads(rendered: Rendered) -> list[dict[str, Any]]:
+    """Every object that runs pods (hooks included), by its pod template."""
+    return [o for o in rendered.objects
+            if (o.get("spec") or {}).get("template", {}).get("spec", {}).get("containers")]
+
+
+def pod_containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """A workload's containers and init containers."""
+    pod = workload["spec"]["template"]["spec"]
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
 def render_release(values: dict[str, Any], release: str) -> list[dict[str, Any]]:
     """The chart rendered as ``release`` into the namespace of the same name, every object
-    (hooks included) in template order, for applying to a real API server."""
+    (hooks included) in template order, for applying to a real API server (a current one:
+    it serves ValidatingAdmissionPolicy v1, as Helm would find at install time)."""
     helm = load_helm()
     with helm.Chart.load(CHART) as chart:
-        manifests = chart.render(values, name=release, namespace=release, is_install=True)
-    return [obj for path, text in sorted(manifests.items()) if path.endswith((".yaml", ".yml"))
+        rendered = manifests(chart, values, CURRENT, release=release, namespace=release)
+    return [obj for path, text in sorted(rendered.items()) if path.endswith((".yaml", ".yml"))
             for obj in yaml.safe_load_all(text) if obj]
 
 

@@ -203,7 +203,7 @@ block overrides for the same container counts when it differs from the value use
 {{- fail "metrics.serviceMonitor.enabled=true needs metrics.enabled=true: with metrics off there is nothing to scrape" -}}
 {{- end -}}
 {{- if and (include "ksm.metricsOn" .) (eq (int $m.agentPort) (int $m.pluginPort)) -}}
-{{- fail (printf "metrics.agentPort and metrics.pluginPort are both %d: the sandbox agent pod runs both containers (on the host network with containerd.restartMode=signal), so they need two ports" (int $m.agentPort)) -}}
+{{- fail (printf "metrics.agentPort and metrics.pluginPort are both %d: the sandbox agent pod runs both containers, so they need two ports" (int $m.agentPort)) -}}
 {{- end -}}
 {{- end -}}
 
@@ -446,6 +446,17 @@ policy guard them without the operator listing them in isolation.passthroughReso
 {{- $out | uniq | toJson -}}
 {{- end -}}
 
+{{/*
+"true" when the cluster serves admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy
+(Kubernetes 1.30+), as Helm learns from the API server at install and upgrade. helm template
+knows only what --api-versions tells it.
+*/}}
+{{- define "ksm.admissionPolicyServed" -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* One webhook entry of the isolation webhook configurations (dict: root name ns caBundle path). */}}
 {{- define "ksm.webhookCommon" -}}
 {{- $root := .root -}}
@@ -506,8 +517,6 @@ process coming up to the point where it serves (import, flags, the cluster clien
 then on /healthz answers ok during a long reconcile too (katamgr: up to an hour, e.g.
 pulling artifacts), so liveness never kills a pod that is still pulling; readiness is
 the probe that waits, and keeps a rolling update from moving on until the node is done.
-With hostNetwork (the sandbox agent with containerd.restartMode=signal) the pod IP the
-kubelet probes is the node's.
 */}}
 {{- define "ksm.metricsContainer" -}}
 {{- if include "ksm.metricsOn" .root -}}

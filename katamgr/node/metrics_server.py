@@ -3,7 +3,7 @@
 ``/readyz`` (the work is done: the last reconcile succeeded, every resource is
 registered with the kubelet).
 
-It sits in ``katamgr.host`` because that is the layer the device plugin imports.
+It sits in ``katamgr.node`` (the services both programs share) because the device plugin imports it too.
 Each check is a callable returning ``(ok, why)``: 200 with ``ok`` and the reason,
 503 otherwise, so a failed probe's body says what is wrong.
 """

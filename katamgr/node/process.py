@@ -3,7 +3,7 @@ processes on the node: one log format on stderr (``--log-format text``, the defa
 ``json``: one object per line for log collectors), and a clean stop on SIGTERM/SIGINT
 (the kubelet's way of ending a DaemonSet pod, and Ctrl-C's).
 
-It sits in ``katamgr.host`` because that is the layer the device plugin imports.
+It sits in ``katamgr.node`` (the services both programs share) because the device plugin imports it too.
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""What the chart guarantees whatever is switched on (issue 21): isolation on by default, no
+pod in the host's network namespace, and resource requests on every container and init
+container of every workload, the uninstall hook's included."""
+
+from __future__ import annotations
+
+import pytest
+from chartvalues import VALUE_SETS
+from support.chartkit import (
+    FULL,
+    RELEASE,
+    is_hook,
+    merged,
+    pod_containers,
+    render,
+    workloads,
+)
+
+pytestmark = pytest.mark.integration
+
+# Every optional part of the chart on at once.
+ALL_ON = merged(FULL, {
+    "metrics": {"serviceMonitor": {"enabled": True}},
+    "isolation": {"webhook": {"enabled": True, "injectRuntimeClass": True},
+                  "admissionPolicy": {"enabled": True}},
+    "uninstall": {"revertNodes": True, "deleteRuntimeClasses": True},
+    "devices": {"include": [{"ids": "1234:11e8", "resource": "example.com/edu"}]},
+    "kataManager": {"ociLayoutDirs": ["/srv/kata-layouts"]},
+})
+SETS = {**VALUE_SETS, "all-on": ALL_ON}
+
+
+def where(workload: dict, container: dict) -> str:
+    return f"{workload['kind']} {workload['metadata']['name']}, container {container['name']}"
+
+
+def test_the_defaults_turn_isolation_on_keep_off_the_host_network_and_request_everywhere(chart):
+    rendered = render(chart, {})
+    # Isolation: the admission policy and the webhook (test_isolation.py has the rest).
+    assert rendered.find("ValidatingAdmissionPolicy", "-passthrough-needs-kata") is not None
+    assert rendered.find("ValidatingAdmissionPolicyBinding", "-passthrough-needs-kata") is not None
+    assert rendered.get("Deployment", "-webhook")["spec"]["replicas"] == 2
+    assert rendered.find("ValidatingWebhookConfiguration", "-webhook") is not None
+    assert rendered.find("MutatingWebhookConfiguration", "-webhook") is not None
+    running = workloads(rendered)
+    assert {(w["kind"], w["metadata"]["name"]) for w in running} == {
+        ("DaemonSet", f"{RELEASE}-device-plugin"), ("Deployment", f"{RELEASE}-webhook")}
+    for workload in running:
+        assert not workload["spec"]["template"]["spec"].get("hostNetwork")
+        for container in pod_containers(workload):
+            assert container["resources"]["requests"], where(workload, container)
+
+
+def test_all_on_renders_every_workload_and_container(chart):
+    rendered = render(chart, ALL_ON)
+    names = {(w["kind"], w["metadata"]["name"], c["name"])
+             for w in workloads(rendered) for c in pod_containers(w)}
+    assert names == {
+        ("DaemonSet", f"{RELEASE}-sandbox-agent", "kata-manager"),
+        ("DaemonSet", f"{RELEASE}-sandbox-agent", "sandbox-device-plugin"),
+        ("DaemonSet", f"{RELEASE}-device-plugin", "device-plugin"),
+        ("Deployment", f"{RELEASE}-webhook", "webhook"),
+        ("DaemonSet", f"{RELEASE}-revert", "revert"),  # the init container
+        ("DaemonSet", f"{RELEASE}-revert", "done"),
+        ("Job", f"{RELEASE}-revert-wait", "wait"),
+    }
+    assert {w["metadata"]["name"] for w in workloads(rendered) if is_hook(w)} == {
+        f"{RELEASE}-revert", f"{RELEASE}-revert-wait"}
+
+
+@pytest.mark.parametrize("values", SETS.values(), ids=SETS.keys())
+def test_every_container_of_every_workload_has_requests(chart, values):
+    running = workloads(render(chart, values))
+    assert running
+    for workload in running:
+        for container in pod_containers(workload):
+            requests = (container.get("resources") or {}).get("requests") or {}
+            assert {"cpu", "memory"} <= set(requests), where(workload, container)
+
+
+@pytest.mark.parametrize("values", SETS.values(), ids=SETS.keys())
+def test_no_workload_joins_the_host_network(chart, values):
+    for workload in workloads(render(chart, values)):
+        pod = workload["spec"]["template"]["spec"]
+        assert not pod.get("hostNetwork"), workload["metadata"]["name"]
+        assert pod.get("dnsPolicy") != "ClusterFirstWithHostNet", workload["metadata"]["name"]
+
+
+def test_the_uninstall_helpers_requests_are_a_value(chart):
+    own = {"requests": {"cpu": "20m", "memory": "96Mi"}}
+    rendered = render(chart, merged(FULL, {"defaultResources": {"uninstall": own}}))
+    containers = {c["name"]: c for w in workloads(rendered) for c in pod_containers(w)}
+    assert containers["done"]["resources"] == own and containers["wait"]["resources"] == own
+    # The revert is katamgr, as in the agent: the kata-manager container's requests.
+    assert containers["revert"]["resources"] == containers["kata-manager"]["resources"]
