@@ -312,16 +312,17 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
             f"removed {', '.join(change.runtimes_removed)}" if change.runtimes_removed else "",
         ])) or "settings"
         report.changes.append(f"edited {change.path} ({what})")
-        report.merge(_reload(host, config))
+        report.merge(_reload(host, config, "load the Kata runtimes"))
     # RuntimeClasses are cluster-wide: one node whose pull failed must not
     # delete a class the other nodes serve, so the whole config is applied.
     report.merge(_cluster(ctx, config))
     return report
 
 
-def _reload(host: HostRoot, config: KataManagerConfig) -> Report:
+def _reload(host: HostRoot, config: KataManagerConfig, purpose: str) -> Report:
     report = Report()
-    result = reload_containerd(host, config.containerd.restart_mode, socket_path=config.containerd.socket)
+    result = reload_containerd(host, config.containerd.restart_mode, socket_path=config.containerd.socket,
+                               purpose=purpose)
     (report.changes if result.done else report.warnings).append(result.message)
     return report
 
@@ -368,7 +369,7 @@ def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = F
     remove_stale_temps(host.path(change.path))
     if change.changed:
         report.changes.append(f"restored {change.path}")
-        report.merge(_reload(host, config))
+        report.merge(_reload(host, config, "drop the Kata runtimes"))
     for rc in config.runtime_classes:
         # Only dirs holding our install record: never a dir someone else filled.
         if remove_install(host.path(class_dir(config, rc.name))):

@@ -146,7 +146,10 @@ def reload_containerd(
     unit: str = DEFAULT_UNIT,
     runner: CommandRunner = run_command,
     send_signal: SignalSender = os.kill,
+    purpose: str = "load the Kata runtimes",
 ) -> ReloadResult:
+    """Make containerd read its config again, as ``mode`` says; ``purpose`` ends the
+    message that asks the operator to restart it ("drop the Kata runtimes" on revert)."""
     try:
         mode = RestartMode(mode)
     except ValueError:
@@ -155,7 +158,7 @@ def reload_containerd(
             f"or {list(RestartMode)[-1]}"
         ) from None
     if mode is RestartMode.NONE:
-        message = "containerd config changed; restart containerd to load the Kata runtimes"
+        message = f"containerd config changed; restart containerd to {purpose}"
         log.warning(message)
         return ReloadResult(mode, False, message)
     if mode is RestartMode.SIGNAL:

@@ -120,6 +120,17 @@ def test_apply_twice_is_one_write_and_one_reload_and_revert_restores_bytes(tmp_p
     assert not host.path("/opt/nvidia-gpu-operator/artifacts/runtimeclasses/kata-qemu-nvidia-gpu").exists()
 
 
+def test_without_a_restart_mode_apply_and_revert_each_say_what_a_restart_would_do(tmp_path):
+    host = node(tmp_path)
+    ctx = KataContext(parse_config(CONFIG.replace("restartMode: signal", "restartMode: none")))
+    applied = reconcile(host, NAMING, Steps(), ctx)
+    assert "containerd config changed; restart containerd to load the Kata runtimes" in applied.warnings
+    undone = revert_all(host, Steps(), ctx)
+    assert undone.ok
+    assert "containerd config changed; restart containerd to drop the Kata runtimes" in undone.warnings
+    assert not any("to load the Kata runtimes" in w for w in undone.warnings)
+
+
 @pytest.mark.integration
 def test_real_containerd_reads_what_apply_wrote(tmp_path):
     binary = require_binary("containerd")
