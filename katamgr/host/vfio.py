@@ -130,6 +130,10 @@ def _group_decision(host: HostRoot, inv: Inventory, group: int, devices: tuple[D
     )
     if all(d.on_vfio for d in devices):
         return GroupDecision(group, devices, Action.KEEP, "already on vfio-pci", warnings=warnings)
+    pending = _unbind_pending(host, inv, group)
+    if pending is not None:
+        # Not even --force: a bind written now would wait behind the pending unbind.
+        return GroupDecision(group, devices, Action.SKIP, pending, SkipReason.IN_USE, warnings=warnings)
     if not force:
         busy = in_use(host, devices)
         if busy:
@@ -140,6 +144,22 @@ def _group_decision(host: HostRoot, inv: Inventory, group: int, devices: tuple[D
     froms = sorted({d.driver or "no driver" for d in moving})
     return GroupDecision(group, devices, Action.BIND, f"move from {', '.join(froms)} to vfio-pci",
                          warnings=warnings, forced=force)
+
+
+def _unbind_pending(host: HostRoot, inv: Inventory, group: int) -> str | None:
+    """Why ``group`` cannot be bound yet when an unbind from vfio-pci is still pending, or
+    None. The kernel drops a device's ``driver`` link as soon as the unbind is written,
+    but keeps ``/dev/vfio/<group>`` until every process holding it lets go (the writer
+    waits in vfio_unregister_group_dev; seen on Debian's 6.1 by tests/kernel): a group
+    node with no member on vfio-pci is that state."""
+    node = f"/dev/vfio/{group}"
+    if any(d.on_vfio for d in inv.members(group)) or not host.path(node).exists():
+        return None
+    held = holders.holders(host, {node})
+    who = f" by {'; '.join(str(h) for h in held)}" if held else ""
+    return (f"an unbind from vfio-pci is still pending for IOMMU group {group}: {node} is still "
+            f"held{who}; the kernel finishes the unbind when that process lets go, and the next "
+            f"run binds the group then")
 
 
 # Drivers that leave a group's DMA to its owner, so a VM may take the group

@@ -238,3 +238,31 @@ def report_held(host):
     from katamgr.host import vfio
 
     return vfio.unbind_all(host).held["0000:01:00.0"]
+
+
+def test_a_group_whose_unbind_is_still_pending_is_skipped_naming_its_holder(tmp_path):
+    """The state a real kernel shows while an unbind from vfio-pci waits for a VM
+    (tests/kernel, revert --force under a QEMU): the device has no driver link any more,
+    but /dev/vfio/<group> is still there, held. A bind now would only wait behind that
+    unbind, so the plan skips the group, even forced, and says who holds it."""
+    host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, None, 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
+    host.path("/dev/vfio").mkdir(parents=True, exist_ok=True)
+    host.path("/dev/vfio/4").write_text("")
+    fd_dir = host.path("/proc/7777/fd")
+    fd_dir.mkdir(parents=True)
+    (fd_dir.parent / "comm").write_text("qemu-system-x86\n")
+    (fd_dir / "12").symlink_to("/dev/vfio/4")
+    for force in (False, True):
+        decisions = {d.group: d for d in build_plan(host, NAMING, force=force).decisions}
+        pending = decisions[4]
+        assert pending.action.value == "skip", pending
+        assert pending.reason.startswith("an unbind from vfio-pci is still pending for IOMMU group 4: "
+                                         "/dev/vfio/4 is still held by PID 7777 (qemu-system-x86)")
+        assert decisions[5].action.value == "bind"
+    plan_and_apply(host)  # binds group 5, leaves group 4 as it is
+    assert driver_of(host, "0000:01:00.0") is None and driver_of(host, "0000:02:00.0") == "vfio-pci"
+    # Once the VM lets go the kernel removes the node, and the next run binds the group.
+    host.path("/dev/vfio/4").unlink()
+    (fd_dir / "12").unlink()
+    assert plan_and_apply(host).ok
+    assert driver_of(host, "0000:01:00.0") == "vfio-pci"
