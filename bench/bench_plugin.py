@@ -63,6 +63,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+from support.registry_server import free_port  # noqa: E402
 
 from katamgr.host.naming import resource_name  # noqa: E402
 from katamgr.host.pciids import PciIds  # noqa: E402
@@ -452,8 +455,10 @@ def one_round(ctx, host: HostRoot, kubelet: Kubelet, source: Path, args, log: Pa
         with open(log, "ab") as output:
             launched = time.monotonic()
             plugin = subprocess.Popen(
+                # As the chart runs it: metrics on (prometheus_client and the HTTP server are
+                # part of its start-up and memory).
                 [sys.executable, "-m", "sandbox_plugin.cli", "--mode", "vm-passthrough",
-                 "--host-root", str(host.root)],
+                 "--host-root", str(host.root), "--metrics-address", f"127.0.0.1:{free_port()}"],
                 cwd=source, env=env, stdout=output, stderr=subprocess.STDOUT,
             )
         try:

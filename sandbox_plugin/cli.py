@@ -275,8 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         report_error(f"sandbox-device-plugin: error: {exc}", args.log_format, log)
         return exc.exit_code
     try:
+        runner.serve(mode, why)
+        # After the plugins registered: the kubelet waits for them, while the probes
+        # (startupProbe: a minute) wait well for the HTTP server and prometheus_client.
         with _metrics(args, runner.metrics, runner.health, runner.readiness):
-            runner.serve(mode, why)
             _wait(stop, follower)
     except PluginServerError as exc:
         log.error("%s", exc)

@@ -14,17 +14,14 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
 Check = Callable[[], tuple[bool, str]]
-
-
-class _Server6(ThreadingHTTPServer):
-    address_family = socket.AF_INET6
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -40,6 +37,12 @@ class MetricsServer:
     """Serves the endpoints from a daemon thread; ``stop()`` closes the socket."""
 
     def __init__(self, address: str, registry: CollectorRegistry, *, healthy: Check, ready: Check) -> None:
+        # Loaded here, not with the module: checking an address at start-up (before the
+        # device plugin registers with the kubelet, which waits for it) must not pay for them.
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
         host, port = parse_address(address)
         checks = {"/healthz": healthy, "/readyz": ready}
 
@@ -68,8 +71,11 @@ class MetricsServer:
             def log_message(self, format: str, *args: object) -> None:  # noqa: A002
                 log.debug("metrics: " + format, *args)
 
-        server_class = _Server6 if ":" in host else ThreadingHTTPServer
-        self._server: ThreadingHTTPServer = server_class((host, port), Handler)
+        class Server6(ThreadingHTTPServer):
+            address_family = socket.AF_INET6
+
+        server_class = Server6 if ":" in host else ThreadingHTTPServer
+        self._server = server_class((host, port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-server", daemon=True)
 

@@ -279,7 +279,9 @@ def test_unary_call_gives_up_at_its_deadline(sock_path):
 def test_the_plugin_starts_without_grpcio_prometheus_or_yaml():
     """They cost the plugin's start-up (the kubelet waits on it) and memory; each is
     loaded only where it is used (metrics served, CDI specs read)."""
-    probe = ("import sys, sandbox_plugin.cli, sandbox_plugin.manager, sandbox_plugin.passthrough; "
+    # _build is what runs before the plugins register, --metrics-address's check included.
+    probe = ("import sys, sandbox_plugin.cli as cli, sandbox_plugin.manager, sandbox_plugin.passthrough; "
+             "cli._build(cli.parse_args(['--host-root', '/', '--metrics-address', '127.0.0.1:9411'])); "
              "print(sorted(m for m in ('grpc', 'prometheus_client', 'yaml', 'http.server') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
                          check=True, timeout=60)
