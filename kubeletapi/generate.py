@@ -1,8 +1,9 @@
 """Generate the Python stubs for the .proto files in this directory.
 
-The files are ``deviceplugin.proto`` (kubelet device plugin API v1beta1) and
-``podresources.proto`` (kubelet PodResources API v1). Each ``NAME.proto`` gives
-``NAME_pb2.py``, ``NAME_pb2.pyi`` and ``NAME_pb2_grpc.py``.
+The files are ``deviceplugin.proto`` (kubelet device plugin API v1beta1),
+``podresources.proto`` (kubelet PodResources API v1), ``dra.proto`` (the kubelet's
+DRA plugin service v1) and ``pluginregistration.proto`` (kubelet plugin registration
+v1). Each ``NAME.proto`` gives ``NAME_pb2.py``, ``NAME_pb2.pyi`` and ``NAME_pb2_grpc.py``.
 
 Run ``python -m kubeletapi.generate`` after editing a .proto and commit
 the result. tests/plugin/test_proto_stubs.py calls :func:`generate` into a temp dir and
@@ -25,7 +26,9 @@ from pathlib import Path
 API_DIR = Path(__file__).resolve().parent
 DEVICEPLUGIN_PROTO = API_DIR / "deviceplugin.proto"
 PODRESOURCES_PROTO = API_DIR / "podresources.proto"
-PROTOS = (DEVICEPLUGIN_PROTO, PODRESOURCES_PROTO)
+DRA_PROTO = API_DIR / "dra.proto"
+PLUGINREGISTRATION_PROTO = API_DIR / "pluginregistration.proto"
+PROTOS = (DEVICEPLUGIN_PROTO, PODRESOURCES_PROTO, DRA_PROTO, PLUGINREGISTRATION_PROTO)
 
 _BARE_IMPORT = re.compile(r"^import (\w+_pb2) as (\w+)$", re.MULTILINE)
 

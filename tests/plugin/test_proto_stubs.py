@@ -3,7 +3,8 @@
 The stubs must be what generate.py makes from the .proto files today, and each
 .proto must put the same bytes on the wire as the kubelet's own definition, kept
 as a reference copy in tests/data/reference: the device plugin API v1beta1
-(deviceplugin.proto) and the PodResources API v1 (podresources.proto).
+(deviceplugin.proto), the PodResources API v1 (podresources.proto), the DRA plugin
+service v1 (dra.proto) and the plugin registration API v1 (pluginregistration.proto).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ REFERENCE_DIR = TEST_DATA / "reference"
 APIS = {
     "deviceplugin": (generate.DEVICEPLUGIN_PROTO, REFERENCE_DIR / "deviceplugin-v1beta1.proto", "v1beta1"),
     "podresources": (generate.PODRESOURCES_PROTO, REFERENCE_DIR / "podresources-v1.proto", "v1"),
+    "dra": (generate.DRA_PROTO, REFERENCE_DIR / "dra-v1.proto", "k8s.io.kubelet.pkg.apis.dra.v1"),
+    "pluginregistration": (generate.PLUGINREGISTRATION_PROTO,
+                           REFERENCE_DIR / "pluginregistration-v1.proto", "pluginregistration"),
 }
 
 
@@ -186,6 +190,22 @@ def test_services_are_the_ones_we_call(descriptors):
         "PodResourcesLister.GetAllocatableResources",
         "PodResourcesLister.Get",
     }
+
+
+def test_dra_services_are_the_paths_the_kubelet_calls(descriptors):
+    # kubelet 1.35 calls /k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin/<Method> on the endpoint
+    # (k8s.io/kubelet pkg/apis/dra/v1/api_grpc.pb.go) and the plugin watcher calls
+    # /pluginregistration.Registration/<Method> on the registration socket.
+    dra, _ = descriptors["dra"]
+    assert {f"/{dra.package}.{name}" for name in service_shapes(dra)} == {
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin.NodePrepareResources",
+        "/k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin.NodeUnprepareResources",
+    }
+    registration, _ = descriptors["pluginregistration"]
+    assert set(service_shapes(registration)) == {
+        "Registration.GetInfo", "Registration.NotifyRegistrationStatus"}
+    shape = message_shapes(dra)["k8s.io.kubelet.pkg.apis.dra.v1.Device"][5]
+    assert (shape[0], shape[4]) == ("share_id", True)
 
 
 def test_share_id_is_proto3_optional_on_both_sides(descriptors):
