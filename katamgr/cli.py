@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -76,6 +77,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
                        help="where the node's filesystem is mounted (default /; /host in the DaemonSet)")
     where.add_argument("--host", metavar="PROFILE",
                        help="simulate PROFILE (a file or a shipped profile name) in a temp dir and work on that")
+    parser.add_argument("--runtime-root", default="/", metavar="DIR", type=runtime_root,
+                        help="where the node's / is as containerd sees it, for the device "
+                             "nodes CDI specs name (default /; the chart passes "
+                             "hostPaths.rootFS)")
     resource_naming.add_arguments(parser)
     parser.add_argument("--config", metavar="FILE",
                         help="kataManager config (YAML, the GPU Operator's kataManager.config shape); "
@@ -170,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "use it with --host-root DIR. Binding writes there are answered by an emulated kernel.")
     p.add_argument("profile", metavar="PROFILE", help=f"a profile file or one of: {', '.join(shipped_names())}")
     p.add_argument("--into", required=True, metavar="DIR", help="a new or empty directory")
+    p.add_argument("--real-device-nodes", action="store_true",
+                   help="make /dev/vfio nodes character devices with /dev/null's numbers, named "
+                        "in CDI specs and device plugin answers by their path on this machine, "
+                        "so a real container runtime here can inject them (root only; the "
+                        "local node of hack/local-cluster)")
     p.add_argument("-v", "--verbose", action="store_true")
     add_log_format_argument(p)
     p.set_defaults(func=cmd_simulate, host=None, host_root=None)
@@ -229,7 +239,14 @@ def host_from(args: argparse.Namespace) -> Iterator[HostRoot]:
     if not root.is_dir():
         raise ConfigError(f"--host-root {root} is not a directory; pass the path where the node's / is mounted")
     # A dir `katamgr simulate` made gets its emulated kernel back; any other root the real one.
-    yield open_root(root)
+    yield dataclasses.replace(open_root(root), runtime_root=getattr(args, "runtime_root", "/"))
+
+
+def runtime_root(value: str) -> str:
+    """An absolute path (argparse type): it prefixes the host paths CDI specs name."""
+    if not value.startswith("/"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not an absolute path")
+    return value
 
 
 def config_from(args: argparse.Namespace) -> KataManagerConfig | None:
@@ -413,7 +430,7 @@ def _workload_follower(args: argparse.Namespace, api: object | None):
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     profile = find_profile(args.profile)
-    host = materialise(profile, args.into)
+    host = materialise(profile, args.into, real_device_nodes=args.real_device_nodes)
     print(f"simulated {profile.name} ({len(profile.devices)} PCI devices) in {host.root}")
     print(f"try: katamgr plan --host-root {host.root}")
     return 0

@@ -195,15 +195,20 @@ class HostCdiSpecs:
         for name, resolved in registry.devices.items():
             spec = resolved.spec
             # Nodes the spec adds to every device of its kind would go with this one too.
-            if set(_host_nodes(spec.container_edits)) - SHARED_NODES:
+            if set(self._host_nodes(spec.container_edits)) - SHARED_NODES:
                 continue
-            own = frozenset(_host_nodes(resolved.device.container_edits)) - SHARED_NODES
+            own = frozenset(self._host_nodes(resolved.device.container_edits)) - SHARED_NODES
             if own:
                 by_nodes.setdefault((spec.kind, own), []).append(name)
         log.debug("loaded %d CDI device name(s) from %s", len(registry.devices),
                   ", ".join(self.dirs))
         return _Loaded(registry, {k: tuple(v) for k, v in by_nodes.items()},
                        {k: tuple(v) for k, v in files.items()})
+
+    def _host_nodes(self, edits: cdi.ContainerEdits) -> list[str]:
+        """The host device nodes ``edits`` inject (``hostPath`` when set, else ``path``),
+        as this root's host names them (``HostRoot.host_node``)."""
+        return [self.host.host_node(n.host_path or n.path) for n in edits.device_nodes]
 
     def _host_path(self, local: os.PathLike[str] | str) -> str:
         try:
@@ -268,6 +273,4 @@ class HostCdiSpecs:
         return out
 
 
-def _host_nodes(edits: cdi.ContainerEdits) -> list[str]:
-    """The host device nodes ``edits`` inject (``hostPath`` when set, else ``path``)."""
-    return [n.host_path or n.path for n in edits.device_nodes]
+

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host-root", default="/", metavar="DIR",
                         help="where the host's / is mounted (default: /; /host in a DaemonSet)")
+    parser.add_argument("--runtime-root", default="/", metavar="DIR",
+                        help="where the host's / is as containerd sees it, for the device nodes "
+                             "Allocate hands out (default: /; the chart passes hostPaths.rootFS)")
     parser.add_argument("--mode", default=AUTO, choices=[AUTO, *(m.value for m in Mode)],
                         help="which plugins to run (default: auto, following the node's labels: "
                              "see above)")
@@ -231,7 +234,10 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
     try:
-        return HostRoot.at(root), resource_naming.from_arguments(args, device_selection.from_arguments(args))
+        if not args.runtime_root.startswith("/"):
+            raise ValueError(f"--runtime-root {args.runtime_root!r} is not an absolute path")
+        return (HostRoot.at(root, runtime_root=args.runtime_root),
+                resource_naming.from_arguments(args, device_selection.from_arguments(args)))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

@@ -77,6 +77,10 @@ class PluginMetrics:
         self.allocate_errors = _Family(
             "sandbox_device_plugin_allocate_errors", "Allocate calls refused, by gRPC status code.",
             ("resource", "code"), _CounterChild)
+        self.preferred_allocations = _Family(
+            "sandbox_device_plugin_preferred_allocations",
+            "GetPreferredAllocation calls answered (the kubelet asks before Allocate when a "
+            "request leaves it a choice).", ("resource",), _CounterChild)
         self.registrations = _Family(
             "sandbox_device_plugin_kubelet_registrations", "Successful registrations with the kubelet.",
             ("resource",), _CounterChild)

@@ -269,7 +269,7 @@ class PassthroughResource(Resource):
             return cached[2]
         nodes = [n for u in chosen for n in u.nodes]
         allocation = ContainerAllocation(
-            devices=[DeviceNode(n, n) for n in dict.fromkeys(nodes)],
+            devices=[DeviceNode(n, self.host.runtime_node(n)) for n in dict.fromkeys(nodes)],
             envs={env_name(self.resource_name): ",".join(b for u in chosen for b in u.bdfs)},
             cdi_devices=self._cdi_names(chosen, specs),
         )
@@ -277,6 +277,20 @@ class PassthroughResource(Resource):
             self._answers.clear()
         self._answers[key] = (units, specs, allocation)
         return allocation
+
+    def check(self, unit_id: str) -> PassthroughUnit:
+        """The unit, if a VM can be given it now: known, Healthy, and still what was
+        scanned (Allocate's re-check); AllocationError naming what is wrong. For a
+        caller that, unlike the kubelet's device manager, does not pick among healthy
+        devices itself (a DRA claim names its device)."""
+        with self._lock:
+            unit = self._units.get(unit_id)
+        if unit is None:
+            raise UnknownDeviceError(f"device {unit_id!r} is not a {self.resource_name} device on this node")
+        if unit.health != HEALTHY:
+            raise AllocationError(f"device {unit.id} of {self.resource_name} is {unit.health}: {unit.reason}")
+        self._recheck(unit)
+        return unit
 
     def _cdi_names(self, chosen: list[PassthroughUnit], specs) -> list[str]:
         """GPUs and NVSwitches by their index-style names; a unit without them (included

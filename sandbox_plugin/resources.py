@@ -60,7 +60,7 @@ class DeviceNode:
     """A device node the runtime makes available in the container."""
 
     container_path: str
-    host_path: str  # as the host sees it, never prefixed by a HostRoot
+    host_path: str  # where the runtime opens it (HostRoot.runtime_node), never prefixed by a HostRoot
     permissions: str = "rw"  # cgroup access: any of r, w, m
 
 

@@ -86,7 +86,7 @@ class Backoff:
 
 
 @dataclass(frozen=True)
-class _FileId:
+class FileId:
     """Identity of a file, to tell 'the same socket' from 'a new one at the same path'."""
 
     dev: int
@@ -94,7 +94,7 @@ class _FileId:
     ctime_ns: int
 
     @classmethod
-    def of(cls, path: Path) -> _FileId | None:
+    def of(cls, path: Path) -> FileId | None:
         try:
             st = path.stat()
         except FileNotFoundError:
@@ -239,6 +239,8 @@ class _DevicePluginServicer:
             return answer
 
     def get_preferred_allocation(self, request: bytes) -> bytes:
+        if self.metrics is not None:
+            self.metrics.preferred_allocations.labels(self.resource.resource_name).inc()
         response = pb.PreferredAllocationResponse()
         for req in _parse(pb.PreferredAllocationRequest, request).container_requests:
             try:
@@ -405,7 +407,7 @@ class PluginServer:
         self.registrations = 0  # successful Register calls so far
         self._servicer = _DevicePluginServicer(resource, metrics)
         self._grpc: GrpcServer | None = None
-        self._socket_id: _FileId | None = None
+        self._socket_id: FileId | None = None
         self._stopping = threading.Event()
         self._registered = threading.Event()
         self._thread: threading.Thread | None = None
@@ -504,7 +506,7 @@ class PluginServer:
                 if not self._socket_intact():
                     log.info("%s: our socket was removed (kubelet restart?); serving again", name)
                     break
-                if _FileId.of(self.kubelet_socket) != kubelet_id:
+                if FileId.of(self.kubelet_socket) != kubelet_id:
                     log.info(
                         "%s: kubelet.sock was replaced (kubelet restart); registering again", name
                     )
@@ -513,19 +515,19 @@ class PluginServer:
         self._registered.clear()
 
     def _socket_intact(self) -> bool:
-        current = _FileId.of(self.socket_path)
+        current = FileId.of(self.socket_path)
         return self._grpc is not None and current is not None and current == self._socket_id
 
     def _start_grpc(self) -> None:
         self._stop_grpc()
-        _remove_socket(self.socket_path)  # a stale one from an earlier run
+        remove_socket(self.socket_path)  # a stale one from an earlier run
         server = GrpcServer(
             str(self.socket_path), self._servicer.unary(), self._servicer.streaming(),
             name=f"dp-{self.resource.socket_name}",
         )
         server.start()
         self._grpc = server
-        self._socket_id = _FileId.of(self.socket_path)
+        self._socket_id = FileId.of(self.socket_path)
         log.debug("%s: serving DevicePlugin on %s", self.resource.resource_name, self.socket_path)
 
     def _stop_grpc(self) -> None:
@@ -534,11 +536,11 @@ class PluginServer:
             return
         server.stop()
         # Only remove the socket we created, never a newer file at the same path.
-        if self._socket_id is not None and _FileId.of(self.socket_path) == self._socket_id:
-            _remove_socket(self.socket_path)
+        if self._socket_id is not None and FileId.of(self.socket_path) == self._socket_id:
+            remove_socket(self.socket_path)
         self._socket_id = None
 
-    def _register(self) -> _FileId:
+    def _register(self) -> FileId:
         """Register with the kubelet; return the identity of the kubelet.sock used."""
         options = self.resource.options
         request = pb.RegisterRequest(
@@ -550,7 +552,7 @@ class PluginServer:
                 get_preferred_allocation_available=options.get_preferred_allocation_available,
             ),
         )
-        kubelet_id = _FileId.of(self.kubelet_socket)
+        kubelet_id = FileId.of(self.kubelet_socket)
         if kubelet_id is None:
             raise FileNotFoundError("kubelet.sock does not exist (is the kubelet running?)")
         unary_call(str(self.kubelet_socket), _REGISTER, request.SerializeToString(), self.register_timeout)
@@ -563,7 +565,7 @@ def _describe(exc: BaseException) -> str:
     return str(exc)
 
 
-def _remove_socket(path: Path) -> None:
+def remove_socket(path: Path) -> None:
     try:
         if stat.S_ISSOCK(path.lstat().st_mode):
             path.unlink()

@@ -23,7 +23,7 @@ ties broken by the group's key, and finally devices are taken in ID order
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from katamgr.host.pci import Device
@@ -130,3 +130,17 @@ def preferred(
     candidates = [known.get(i, Placement(i)) for i in dict.fromkeys(available) if i not in taken]
     anchors = [known.get(i, Placement(i)) for i in chosen]
     return chosen + [p.id for p in _fill(candidates, size - len(chosen), anchors, 0)]
+
+
+def nvswitch_fabric(nvswitch_ids: Iterable[str]) -> str | None:
+    """The NVLink fabric of a node's NVSwitches, named by the first one's PCI address;
+    None on a node without NVSwitches.
+
+    PCI shows which NVSwitches a node has, not which GPUs their NVLinks reach (that
+    is the switches' own topology, which NVIDIA's Fabric Manager reads). On the
+    single-baseboard HGX systems (DGX H100: 8 GPUs, 4 NVSwitches) every GPU links to
+    every NVSwitch, so the node's GPUs and NVSwitches make one fabric; this names it
+    by something of the node that outlives restarts and unit health.
+    """
+    ids = sorted(nvswitch_ids)
+    return f"nvswitch-{ids[0]}" if ids else None

@@ -17,6 +17,8 @@ NVIDIA_VENDOR = 0x10DE
 VFIO_DRIVER = "vfio-pci"
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
+# The root complex a device hangs off, as sysfs names its directory under sys/devices.
+PCIE_ROOT_RE = re.compile(r"^pci[0-9a-f]{4}:[0-9a-f]{2}$")
 
 CLASS_VGA = 0x0300
 CLASS_3D = 0x0302
@@ -39,6 +41,9 @@ class Device:
     parents: tuple[str, ...] = ()
     # Oddities seen while reading this device, as sentences for the plan.
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # The PCIe root complex, ``pci<domain>:<bus>`` (the first directory under
+    # sys/devices on the way to the device); None when sysfs does not say.
+    pcie_root: str | None = None
 
     @property
     def base_class(self) -> int | None:
@@ -166,22 +171,27 @@ def _read_device(dir_fd: int, base: str, bdf: str, full: bool) -> Device:
         numa_node=numa if numa is not None and numa >= 0 else None,
         subsystem_vendor=number("subsystem_vendor", 16),
         subsystem_device=number("subsystem_device", 16),
-        parents=_parents(base, bdf),
         notes=tuple(notes),
+        **_upstream(base, bdf),
     )
 
 
-def _parents(base: str, bdf: str) -> tuple[str, ...]:
+def _upstream(base: str, bdf: str) -> dict:
     # The device link resolves to sys/devices/pci0000:00/<root port>/.../<bdf>;
-    # every BDF-shaped component before ours is an upstream bridge or port.
+    # every BDF-shaped component before ours is an upstream bridge or port, and the
+    # pci<domain>:<bus> component is the root complex (what Kubernetes' standard
+    # resource.kubernetes.io/pcieRoot attribute names: k8s.io/dynamic-resource-allocation
+    # deviceattribute, resolvePCIeRoot).
     try:
         target = os.readlink(base)
     except OSError:
-        return ()
-    parts = [p for p in target.split("/") if BDF_RE.match(p)]
+        return {"parents": ()}
+    components = target.split("/")
+    parts = [p for p in components if BDF_RE.match(p)]
     if parts and parts[-1] == bdf:
         parts = parts[:-1]
-    return tuple(reversed(parts))
+    root = next((p for p in components if PCIE_ROOT_RE.match(p)), None)
+    return {"parents": tuple(reversed(parts)), "pcie_root": root}
 
 
 def scan(host: HostRoot) -> list[Device]:

@@ -25,10 +25,14 @@ STATE_DIR = "/var/lib/kata-sandbox-manager"
 class HostRoot:
     root: Path = Path("/")
     kernel: Kernel = LINUX
+    # Where the node's / is as the container runtime sees it: "/" on a real node; the
+    # chart's hostPaths.rootFS when the node's files live below another dir (the local
+    # node of hack/local-cluster runs on a simulated root).
+    runtime_root: str = "/"
 
     @classmethod
-    def at(cls, root: str | Path, kernel: Kernel = LINUX) -> HostRoot:
-        return cls(Path(root).resolve(), kernel)
+    def at(cls, root: str | Path, kernel: Kernel = LINUX, runtime_root: str = "/") -> HostRoot:
+        return cls(Path(root).resolve(), kernel, runtime_root)
 
     def path(self, host_path: str | PurePosixPath) -> Path:
         """Map a host path ("/sys/bus/pci") to where we can reach it."""
@@ -43,6 +47,19 @@ class HostRoot:
     @property
     def is_real_root(self) -> bool:
         return self.root == Path("/")
+
+    def runtime_node(self, host_path: str) -> str:
+        """The path the container runtime opens for the device node ``host_path``
+        (what CDI's ``hostPath`` and the kubelet's DeviceSpec name)."""
+        at = self.runtime_root.rstrip("/")
+        return at + host_path if at else host_path
+
+    def host_node(self, runtime_path: str) -> str:
+        """``runtime_node`` undone: the device node as this root's host sees it."""
+        at = self.runtime_root.rstrip("/")
+        if at and runtime_path.startswith(at + "/"):
+            return runtime_path[len(at):]
+        return runtime_path
 
     def state_path(self, name: str) -> Path:
         return self.path(f"{STATE_DIR}/{name}")

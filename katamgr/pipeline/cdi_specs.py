@@ -74,8 +74,10 @@ def collect(host: HostRoot, inv: Inventory, naming: Naming) -> Passthrough:
     return Passthrough(devices, units, [n.text for n in notes])
 
 
-def build_specs(found: Passthrough) -> list[cdi.Spec]:
-    """Every spec, by kind: user-facing names first, then each resource's device IDs."""
+def build_specs(found: Passthrough, host: HostRoot | None = None) -> list[cdi.Spec]:
+    """Every spec, by kind: user-facing names first, then each resource's device IDs.
+    A node the runtime finds elsewhere than at its path (``HostRoot.runtime_node``: a
+    simulated node made for a real runtime) gets that ``hostPath``."""
     entries: dict[str, dict[str, tuple[str, ...]]] = {}  # kind -> name -> nodes
     for device in found.devices:
         names = entries.setdefault(device.kind, {})
@@ -83,23 +85,29 @@ def build_specs(found: Passthrough) -> list[cdi.Spec]:
             names.setdefault(name, device.nodes)
     for unit in found.units:
         entries.setdefault(unit.resource_name, {}).setdefault(unit.id, unit.nodes)
-    return [_spec(kind, names) for kind, names in entries.items()]
+    runtime = host.runtime_node if host is not None else str
+    return [_spec(kind, names, runtime) for kind, names in entries.items()]
 
 
-def _spec(kind: str, names: dict[str, tuple[str, ...]]) -> cdi.Spec:
+def _node(path: str, runtime) -> cdi.DeviceNode:
+    at = runtime(path)
+    return cdi.DeviceNode(path=path, host_path=at if at != path else None)
+
+
+def _spec(kind: str, names: dict[str, tuple[str, ...]], runtime=str) -> cdi.Spec:
     common = set(_SHARED_NODES)
     for nodes in names.values():
         common &= set(nodes)
     shared = [n for n in _SHARED_NODES if n in common]
     devices = [
         cdi.Device(name=name, container_edits=cdi.ContainerEdits(
-            device_nodes=[cdi.DeviceNode(path=n) for n in nodes if n not in common]))
+            device_nodes=[_node(n, runtime) for n in nodes if n not in common]))
         for name, nodes in names.items()
     ]
     spec = cdi.Spec(
         cdi_version=cdi.EARLIEST_VERSION,
         kind=kind,
-        container_edits=cdi.ContainerEdits(device_nodes=[cdi.DeviceNode(path=n) for n in shared]),
+        container_edits=cdi.ContainerEdits(device_nodes=[_node(n, runtime) for n in shared]),
         devices=devices,
     )
     return dataclasses.replace(spec, cdi_version=cdi.minimum_version(spec))
@@ -122,7 +130,7 @@ def spec_path(kind: str) -> str:
 def changes(host: HostRoot, inv: Inventory, naming: Naming) -> tuple[list[SpecChange], Passthrough]:
     """What writing the specs for ``inv`` would do to /var/run/cdi (read-only)."""
     found = collect(host, inv, naming)
-    wanted = {spec.kind: spec for spec in build_specs(found)}
+    wanted = {spec.kind: spec for spec in build_specs(found, host)}
     written = set(_written(host))
     out = []
     for kind, spec in wanted.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,21 @@ def marker(host: HostRoot) -> dict:
 def save_marker(host: HostRoot, data: dict) -> None:
     (host.root / MARKER).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
+
+# /dev/null's numbers: a node a real runtime can inject and a container can open
+# without reaching any device (``katamgr simulate --real-device-nodes``).
+NULL_DEVICE = (1, 3)
+
+
+def make_node(host: HostRoot, path: Path) -> None:
+    """A device node of the simulated kernel: an empty file, or a harmless character
+    device when the root's nodes are made for a real container runtime."""
+    if path.exists():
+        return
+    if marker(host).get("real_device_nodes"):
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(*NULL_DEVICE))
+    else:
+        path.touch()
 
 def create_driver_dir(host: HostRoot, name: str) -> None:
     directory = host.path(f"/sys/bus/pci/drivers/{name}")
@@ -116,13 +132,13 @@ def on_vfio_bound(host: HostRoot, bdf: str) -> None:
     group = _group(host, bdf)
     vfio_dir = host.path("/dev/vfio")
     vfio_dir.mkdir(parents=True, exist_ok=True)
-    (vfio_dir / "vfio").touch()
+    make_node(host, vfio_dir / "vfio")
     delay = marker(host).get("udev_delay_ms", 0) / 1000.0
     node = vfio_dir / str(group)
     if delay:
-        threading.Timer(delay, node.touch).start()
+        threading.Timer(delay, make_node, (host, node)).start()
     else:
-        node.touch()
+        make_node(host, node)
     if marker(host).get("iommufd"):
         number = _next_cdev(host)
         (_device_dir(host, bdf) / "vfio-dev" / f"vfio{number}").mkdir(parents=True)
@@ -234,7 +250,7 @@ class EmulatedKernel:
         create_driver_dir(host, VFIO)
         vfio_dir = host.path("/dev/vfio")
         vfio_dir.mkdir(parents=True, exist_ok=True)
-        (vfio_dir / "vfio").touch()
+        make_node(host, vfio_dir / "vfio")
         data["vfio_pci"] = "loaded"
         save_marker(host, data)
         return None

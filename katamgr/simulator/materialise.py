@@ -16,13 +16,20 @@ import json
 import os
 from pathlib import Path
 
+from katamgr.errors import ConfigError
 from katamgr.host.root import HostRoot
 from katamgr.simulator import kernel
 from katamgr.simulator.profile import HostProfile, ProfileDevice
 
 
-def materialise(profile: HostProfile, into: str | Path) -> HostRoot:
+def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bool = False) -> HostRoot:
+    """Write ``profile`` into ``into``. With ``real_device_nodes`` (root only) its
+    ``/dev/vfio`` nodes are character devices with /dev/null's numbers, so a real
+    container runtime here can inject them (the local node of hack/local-cluster, whose
+    programs run with ``--runtime-root`` set to this root)."""
     root = Path(into).resolve()
+    if real_device_nodes and os.geteuid() != 0:
+        raise ConfigError("--real-device-nodes makes character devices: run it as root")
     if root.exists() and any(root.iterdir()):
         raise FileExistsError(f"{root} is not empty; simulate into a new or empty directory")
     root.mkdir(parents=True, exist_ok=True)
@@ -44,9 +51,6 @@ def materialise(profile: HostProfile, into: str | Path) -> HostRoot:
     host.path("/dev").mkdir(parents=True, exist_ok=True)
     if profile.iommufd:
         host.path("/dev/iommu").write_text("")
-    if profile.vfio_pci == "loaded":
-        host.path("/dev/vfio").mkdir()
-        host.path("/dev/vfio/vfio").write_text("")
 
     for dev in profile.devices:
         _create_device(host, profile, dev, by_bdf)
@@ -61,7 +65,12 @@ def materialise(profile: HostProfile, into: str | Path) -> HostRoot:
         "fail_probe": [],
         "udev_delay_ms": 0,
     }
+    if real_device_nodes:
+        marker["real_device_nodes"] = True
     (root / kernel.MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    if profile.vfio_pci == "loaded":
+        host.path("/dev/vfio").mkdir()
+        kernel.make_node(host, host.path("/dev/vfio/vfio"))
 
     for dev in profile.devices:
         if dev.driver == kernel.VFIO:

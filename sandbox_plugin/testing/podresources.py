@@ -14,7 +14,14 @@ Behaviour follows the kubelet's ``pkg/kubelet/apis/podresources/server_v1.go``:
   (the device manager's ``allDevices``);
 - ``Get(pod_name, pod_namespace)``: one pod; an unknown pod is an error whose
   message is ``pod <name> in namespace <namespace> not found`` (a plain Go error,
-  so gRPC status UNKNOWN).
+  so gRPC status UNKNOWN);
+- ``dynamic_resources`` of a container (``KubeletPodResourcesDynamicResources``, on
+  by default since 1.34): one ``DynamicResource`` per claim the container uses
+  (claim name and namespace), with one ``ClaimResource`` per prepared device
+  (driver, pool, device, share ID) carrying CDI devices as the kubelet builds them
+  in pkg/kubelet/cm/container_manager_linux.go ``GetDynamicResources``: its list of
+  CDI devices is made once per driver and grown device by device, so a driver's
+  n-th device lists the CDI IDs of its first n devices.
 """
 
 from __future__ import annotations
@@ -33,11 +40,33 @@ from sandbox_plugin.resources import PluginDevice
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
+@dataclass(frozen=True)
+class ClaimDevice:
+    """One device a DRA driver prepared for a claim (its NodePrepareResources answer)."""
+
+    driver: str
+    pool: str
+    device: str
+    cdi_ids: tuple[str, ...]
+    share_id: str | None = None
+
+
+@dataclass
+class ClaimRecord:
+    """A ResourceClaim a container uses, with the devices prepared for it."""
+
+    namespace: str
+    name: str
+    devices: list[ClaimDevice] = field(default_factory=list)
+
+
 @dataclass
 class ContainerRecord:
     name: str
     # resource name -> device IDs, in the order the kubelet handed them out
     devices: dict[str, list[str]] = field(default_factory=dict)
+    # the DRA claims the container uses, in the pod spec's order
+    claims: list[ClaimRecord] = field(default_factory=list)
 
 
 @dataclass
@@ -64,13 +93,29 @@ def _entries(resource: str, device_id: str, device: PluginDevice | None) -> list
                                 topology=pr.TopologyInfo(nodes=[pr.NUMANode(ID=device.numa_node)]))]
 
 
+def _dynamic(claim: ClaimRecord) -> pr.DynamicResource:
+    """GetDynamicResources for one claim: the CDI list grows per driver (module doc)."""
+    resources = []
+    for driver in dict.fromkeys(d.driver for d in claim.devices):
+        cdi_devices: list[pr.CDIDevice] = []
+        for device in (d for d in claim.devices if d.driver == driver):
+            cdi_devices += [pr.CDIDevice(name=i) for i in device.cdi_ids]
+            resource = pr.ClaimResource(cdi_devices=list(cdi_devices), driver_name=driver,
+                                        pool_name=device.pool, device_name=device.device)
+            if device.share_id is not None:
+                resource.share_id = device.share_id
+            resources.append(resource)
+    return pr.DynamicResource(claim_name=claim.name, claim_namespace=claim.namespace,
+                              claim_resources=resources)
+
+
 def _pod_message(pod: PodRecord, devices: dict[str, list[PluginDevice]]) -> pr.PodResources:
     known = {(name, d.id): d for name, listed in devices.items() for d in listed}
     containers = [
         pr.ContainerResources(name=c.name, devices=[
             entry for resource, ids in c.devices.items() for i in ids
             for entry in _entries(resource, i, known.get((resource, i)))
-        ])
+        ], dynamic_resources=[_dynamic(claim) for claim in c.claims])
         for c in pod.containers
     ]
     return pr.PodResources(name=pod.name, namespace=pod.namespace, containers=containers)

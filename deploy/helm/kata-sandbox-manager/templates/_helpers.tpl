@@ -213,6 +213,16 @@ block overrides for the same container counts when it differs from the value use
 {{- printf "%s%s" $root (index . 1) -}}
 {{- end -}}
 
+{{/* The device nodes that CDI specs and Allocate answers name are opened by containerd,
+       which sees the node's / at hostPaths.rootFS. */}}
+{{- define "ksm.runtimeRootArgs" -}}
+{{- $root := .Values.hostPaths.rootFS | trimSuffix "/" -}}
+{{- if $root }}
+- --runtime-root
+- {{ $root }}
+{{- end }}
+{{- end -}}
+
 {{/* Where a host path is reachable inside our containers (--host-root /host). */}}
 {{- define "ksm.inHost" -}}
 {{- printf "/host%s" . -}}

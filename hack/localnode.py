@@ -1,0 +1,312 @@
+"""The node half of hack/local-cluster (`up DIR --node`): containerd 2.x, a kubelet and
+kube-proxy on this machine, registered with the local control plane as one node.
+
+Imported by hack/local-cluster (standard library only, like it). What it sets up, and why:
+
+- containerd (built from hack/containerd/go.mod; Debian 12's 1.6 has no CDI) with its own
+  root, state and socket under DIR/containerd, runc from Debian, CDI on and reading the
+  node's spec dirs, and a runtime handler named after the Kata runtime class whose shim is
+  runc's: no Kata guest can run here, so a "Kata" pod starts as a runc container while
+  every Kubernetes-side step (RuntimeClass, scheduling, device plugin, CDI) is the real one.
+- CNI: the bridge plugin (Debian's containernetworking-plugins) on a bridge of its own with
+  a /24 for pods; the bridge plugin turns on IPv4 forwarding as any bridge CNI does.
+- the kubelet (cgroupfs driver, cgroup v1 allowed: these machines mount v1 and PID 1 is
+  not systemd), its root dir inside the simulated host root when there is one, so that the
+  chart's hostPaths (all below `hostPaths.rootFS`) reach its device-plugin, plugin registry
+  and PodResources sockets.
+- kube-proxy (iptables), so that pods reach the API server through the `kubernetes` Service
+  and the API server reaches the webhook's Service, as on any node.
+
+`down` kills every container of this containerd, stops the processes, removes kube-proxy's
+rules (`kube-proxy --cleanup`), the bridge and every mount left under DIR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+NODE_NAME = "local-node"
+POD_CIDR = "10.244.0.0/24"
+BRIDGE = "ksm-cni0"
+KATA_HANDLERS = ("kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp", "kata-qemu-nvidia-gpu-tdx")
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10.1"  # containerd 2.2's default sandbox image
+NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy")
+CNI_BIN = Path("/usr/lib/cni")
+RUNC = "/usr/sbin/runc"
+
+
+def node_ip() -> str:
+    """The address of the default route's interface: what the kubelet reports and the
+    pods reach the API server at (no packet is sent by a UDP connect)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("198.51.100.1", 9))  # TEST-NET-2: routed by default, never sent
+        except OSError as e:
+            raise RuntimeError(f"no IPv4 route to pick a node address from ({e})") from None
+        return s.getsockname()[0]
+
+
+def prerequisites() -> list[str]:
+    """What the node needs from Debian, named as packages; empty when all is there."""
+    missing = []
+    if not Path(RUNC).exists():
+        missing.append("runc")
+    if not (CNI_BIN / "bridge").exists():
+        missing.append("containernetworking-plugins")
+    for tool, package in (("iptables", "iptables"), ("conntrack", "conntrack")):
+        if not any((Path(p) / tool).exists() for p in ("/usr/sbin", "/sbin", "/usr/bin")):
+            missing.append(package)
+    if os.geteuid() != 0:
+        missing.append("root (the kubelet and containerd manage cgroups, mounts and networks)")
+    return missing
+
+
+def kubelet_root(d: Path, host_root: Path | None) -> Path:
+    return (host_root / "var/lib/kubelet") if host_root else d / "kubelet"
+
+
+def cdi_dirs(host_root: Path | None) -> list[str]:
+    base = host_root if host_root else Path("/")
+    return [str(base / "etc/cdi"), str(base / "var/run/cdi")]
+
+
+def write_configs(d: Path, host_root: Path | None, ports: dict[str, int], ip: str) -> None:
+    (d / "containerd").mkdir(parents=True, exist_ok=True)
+    (d / "cni/net.d").mkdir(parents=True, exist_ok=True)
+    (d / "containerd/config.toml").write_text(containerd_config(d, host_root))
+    (d / "cni/net.d/10-local.conflist").write_text(json.dumps(cni_config(d), indent=2) + "\n")
+    (d / "kubelet-config.json").write_text(
+        json.dumps(kubelet_config(d, ports, ip), indent=2) + "\n")
+
+
+def containerd_config(d: Path, host_root: Path | None) -> str:
+    c = d / "containerd"
+    runtimes = []
+    for name in ("runc", *KATA_HANDLERS):
+        table = f'plugins."io.containerd.cri.v1.runtime".containerd.runtimes.{json.dumps(name)}'
+        runtimes.append(f"""
+[{table}]
+  runtime_type = "io.containerd.runc.v2"
+[{table}.options]
+  BinaryName = "{RUNC}"
+  SystemdCgroup = false
+""")
+    cdi = ", ".join(json.dumps(p) for p in cdi_dirs(host_root))
+    return f"""# Written by hack/local-cluster up --node; containerd 2.x (config version 3).
+version = 3
+root = "{c / 'root'}"
+state = "{c / 'state'}"
+
+[grpc]
+  address = "{c / 'containerd.sock'}"
+
+[ttrpc]
+  address = "{c / 'containerd.sock.ttrpc'}"
+
+[debug]
+  level = "info"
+
+[plugins."io.containerd.cri.v1.runtime"]
+  enable_cdi = true
+  cdi_spec_dirs = [{cdi}]
+  # Network namespaces under our state dir, so that `down` finds every mount under DIR.
+  netns_mounts_under_state_dir = true
+
+[plugins."io.containerd.cri.v1.runtime".containerd]
+  default_runtime_name = "runc"
+
+[plugins."io.containerd.cri.v1.runtime".cni]
+  bin_dirs = ["{CNI_BIN}"]
+  conf_dir = "{d / 'cni/net.d'}"
+  max_conf_num = 1
+{''.join(runtimes)}
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+
+[plugins."io.containerd.cri.v1.images".pinned_images]
+  sandbox = "{PAUSE_IMAGE}"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  disable_tcp_service = true
+"""
+
+
+def cni_config(d: Path) -> dict:
+    return {
+        "cniVersion": "1.0.0",
+        "name": "local-cluster",
+        "plugins": [
+            {"type": "bridge", "bridge": BRIDGE, "isGateway": True, "ipMasq": False,
+             "hairpinMode": True,
+             "ipam": {"type": "host-local", "dataDir": str(d / "cni/ipam"),
+                      "ranges": [[{"subnet": POD_CIDR}]],
+                      "routes": [{"dst": "0.0.0.0/0"}]}},
+            {"type": "portmap", "capabilities": {"portMappings": True}},
+        ],
+    }
+
+
+def kubelet_config(d: Path, ports: dict[str, int], ip: str) -> dict:
+    pki = d / "pki"
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "address": ip,
+        "port": ports["kubelet"],
+        "readOnlyPort": 0,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": ports["kubelet-healthz"],
+        "authentication": {
+            "anonymous": {"enabled": False},
+            "webhook": {"enabled": True},
+            "x509": {"clientCAFile": str(pki / "ca.crt")},
+        },
+        "authorization": {"mode": "Webhook"},
+        "containerRuntimeEndpoint": f"unix://{d / 'containerd/containerd.sock'}",
+        # These machines: cgroup v1, PID 1 not systemd. 1.35 refuses v1 unless told.
+        "cgroupDriver": "cgroupfs",
+        "failCgroupV1": False,
+        "failSwapOn": False,
+        "clusterDomain": "cluster.local",
+        "resolvConf": "/etc/resolv.conf",
+        "podCIDR": POD_CIDR,
+        # A shared CI disk: never evict the test's pods for a full-ish disk.
+        "evictionHard": {"memory.available": "50Mi", "nodefs.available": "1%",
+                         "imagefs.available": "1%", "nodefs.inodesFree": "1%"},
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        "serializeImagePulls": False,
+        "shutdownGracePeriod": "0s",
+        "containerLogMaxSize": "10Mi",
+        "nodeStatusReportFrequency": "10s",
+    }
+
+
+def node_processes(d: Path, bin_dir: Path, ports: dict[str, int], ip: str,
+                   host_root: Path | None, process_type) -> dict:
+    pki, logs = d / "pki", d / "logs"
+    root = kubelet_root(d, host_root)
+    return {
+        "containerd": process_type("containerd", [
+            str(bin_dir / "containerd"), "--config", str(d / "containerd/config.toml"),
+        ], str(logs / "containerd.log")),
+        "kubelet": process_type("kubelet", [
+            str(bin_dir / "kubelet"),
+            "--config", str(d / "kubelet-config.json"),
+            "--kubeconfig", str(pki / "kubelet.kubeconfig"),
+            "--root-dir", str(root),
+            "--cert-dir", str(d / "kubelet-pki"),
+            "--hostname-override", NODE_NAME,
+            "--node-ip", ip,
+            "--v", "2",
+        ], str(logs / "kubelet.log"), port=ports["kubelet-healthz"]),
+        "kube-proxy": process_type("kube-proxy", [
+            str(bin_dir / "kube-proxy"),
+            "--kubeconfig", str(pki / "kube-proxy.kubeconfig"),
+            "--hostname-override", NODE_NAME,
+            "--proxy-mode", "iptables",
+            "--cluster-cidr", POD_CIDR,
+            # Leave the host's conntrack table size alone.
+            "--conntrack-max-per-core", "0",
+            "--metrics-bind-address", f"127.0.0.1:{ports['kube-proxy-metrics']}",
+            "--healthz-bind-address", f"127.0.0.1:{ports['kube-proxy']}",
+        ], str(logs / "kube-proxy.log"), port=ports["kube-proxy"]),
+    }
+
+
+def containerd_env(bin_dir: Path) -> dict[str, str]:
+    """containerd finds its shim (ours, 2.x) on PATH before Debian's."""
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin')}"}
+
+
+def ctr(bin_dir: Path, d: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(bin_dir / "ctr"), "--address", str(d / "containerd/containerd.sock"),
+         "--namespace", "k8s.io", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def containerd_ready(bin_dir: Path, d: Path) -> tuple[bool, str]:
+    if not (d / "containerd/containerd.sock").exists():
+        return False, "no socket yet"
+    result = ctr(bin_dir, d, "version", timeout=10)
+    return result.returncode == 0, (result.stderr or result.stdout).strip()[:200]
+
+
+def import_images(bin_dir: Path, d: Path, images: list[Path]) -> list[str]:
+    """`ctr images import` each OCI archive; returns the names containerd now holds."""
+    for archive in images:
+        result = ctr(bin_dir, d, "images", "import", "--no-unpack", str(archive), timeout=300)
+        if result.returncode:
+            raise RuntimeError(f"ctr images import {archive} failed: {result.stderr.strip()}")
+    listed = ctr(bin_dir, d, "images", "ls", "-q")
+    return listed.stdout.split()
+
+
+def clean_up(d: Path, bin_dir: Path) -> list[str]:
+    """After the processes stopped: what they leave on the host. Returns what was done."""
+    done = []
+    proxy = bin_dir / "kube-proxy"
+    if proxy.exists():
+        r = subprocess.run([str(proxy), "--cleanup"], capture_output=True, text=True, timeout=60)
+        if r.returncode == 0:
+            done.append("kube-proxy's iptables rules removed")
+    if Path(f"/sys/class/net/{BRIDGE}").exists():
+        subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, timeout=30)
+        done.append(f"bridge {BRIDGE} removed")
+    mounts = mounts_under(d)
+    for target in mounts:
+        subprocess.run(["umount", "--lazy", target], capture_output=True, timeout=30)
+    if mounts:
+        done.append(f"{len(mounts)} mounts under {d} unmounted")
+    removed = remove_pod_cgroups()
+    if removed:
+        done.append(f"{removed} kubepods cgroups removed")
+    return done
+
+
+def mounts_under(d: Path) -> list[str]:
+    """Mount points below ``d``, deepest first."""
+    prefix = str(d).rstrip("/") + "/"
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        target = line.split()[4].replace("\\040", " ")
+        if target.startswith(prefix):
+            found.append(target)
+    return sorted(set(found), key=lambda t: t.count("/"), reverse=True)
+
+
+def remove_pod_cgroups() -> int:
+    """The kubelet's kubepods cgroups (empty once every container is gone), deepest first."""
+    removed = 0
+    for controller in Path("/sys/fs/cgroup").glob("*/kubepods"):
+        dirs = sorted((p for p in controller.rglob("*") if p.is_dir()),
+                      key=lambda p: len(p.parts), reverse=True)
+        for path in [*dirs, controller]:
+            try:
+                path.rmdir()
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def kill_containers(bin_dir: Path, d: Path) -> int:
+    """Every task of our containerd, killed and deleted (pods would outlive the kubelet)."""
+    listed = ctr(bin_dir, d, "tasks", "ls", "-q", timeout=30)
+    if listed.returncode:
+        return 0
+    tasks = listed.stdout.split()
+    for task in tasks:
+        ctr(bin_dir, d, "tasks", "kill", "--signal", "SIGKILL", task, timeout=30)
+    deadline = time.monotonic() + 20
+    for task in tasks:
+        while time.monotonic() < deadline:
+            if ctr(bin_dir, d, "tasks", "delete", task, timeout=30).returncode == 0:
+                break
+            time.sleep(0.2)
+    return len(tasks)
