@@ -24,6 +24,21 @@ names a socket (package ``containerdshim`` in ``src/runtime/pkg/containerd-shim-
    simulated nodes are plain files, so the stand-in finds the device whose
    ``vfio-dev/vfioN`` exists); ``/dev/vfio/vfio`` and ``/dev/iommu`` plug nothing;
 6. QEMU gets ``-device vfio-pci,host=<bdf>`` per function (on its own root port).
+
+Devices from DRA claims: upstream Kata does not cold-plug them. Both shims read
+only ``ContainerResources.devices`` of the PodResources answer, never its
+``dynamic_resources`` (kata-containers commit 7c6ba40c54ea29b459b4997cff948caaba4e658b,
+2026-08-22: the Go shim's ``src/runtime/pkg/containerd-shim-v2/device_cold_plug.go``
+``getDeviceSpec``, last changed in 92da7974f51d9b1ff8b0aa1720446a5cf399b166; runtime-rs'
+``src/libs/pod-resources-rs/src/pod_resources/mod.rs``, last changed in
+1441b2b84a00c2283ac4368047c13eb451a5856f). Kata issue #13322 reports it; the open pull
+requests #13323 (Go shim: collect the CDI IDs of
+``dynamic_resources[].claim_resources[].cdi_devices[]`` too, merged with the
+device-plugin names, repeats dropped) and #13420 (runtime-rs, opt-in by
+``pod_resource_device_sources = ["device-plugin", "dra"]``) would add it. So the
+stand-in reads what upstream reads (``UPSTREAM_SOURCES``) unless told to read the
+claims too (``sources=(DEVICE_PLUGIN, DRA)``: what those pull requests propose), and a
+test can show both.
 """
 
 from __future__ import annotations
@@ -42,6 +57,9 @@ from kubeletapi import podresources_pb2_grpc as pr_grpc
 NAME_ANNOTATIONS = ("io.kubernetes.cri.sandbox-name", "io.kubernetes.cri-o.KubeName")
 NAMESPACE_ANNOTATIONS = ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri-o.Namespace")
 _BRIDGE_CLASSES = (0x0600, 0x0604)
+DEVICE_PLUGIN = "device-plugin"  # ContainerResources.devices
+DRA = "dra"  # ContainerResources.dynamic_resources (proposed upstream, not merged)
+UPSTREAM_SOURCES = (DEVICE_PLUGIN,)
 _PLUG_NOTHING = ("/dev/vfio/vfio", "/dev/iommu")
 
 
@@ -68,8 +86,10 @@ def pod_identity(annotations: Mapping[str, str]) -> tuple[str, str]:
     return name, namespace
 
 
-def pod_cdi_names(socket: os.PathLike[str] | str, annotations: Mapping[str, str]) -> list[str]:
-    """Steps 1-3: the CDI names the shim forms for the pod from the kubelet's answer."""
+def pod_cdi_names(socket: os.PathLike[str] | str, annotations: Mapping[str, str],
+                  sources: tuple[str, ...] = UPSTREAM_SOURCES) -> list[str]:
+    """Steps 1-3: the CDI names the shim forms for the pod from the kubelet's answer
+    (from the claims too when ``sources`` has ``DRA``: see the module doc)."""
     name, namespace = pod_identity(annotations)
     with grpc.insecure_channel(f"unix://{socket}") as channel:
         stub = pr_grpc.PodResourcesListerStub(channel)
@@ -82,8 +102,12 @@ def pod_cdi_names(socket: os.PathLike[str] | str, annotations: Mapping[str, str]
         raise ColdPlugError("cold plug: PodResources is nil")
     names: list[str] = []
     for container in answer.pod_resources.containers:
-        for devices in container.devices:
-            names += [f"{devices.resource_name}={i}" for i in devices.device_ids]
+        if DEVICE_PLUGIN in sources:
+            for devices in container.devices:
+                names += [f"{devices.resource_name}={i}" for i in devices.device_ids]
+        if DRA in sources:
+            names += [cdi.name for claim in container.dynamic_resources
+                      for resource in claim.claim_resources for cdi in resource.cdi_devices]
     return list(dict.fromkeys(names))
 
 
@@ -133,9 +157,10 @@ def functions_of(host: HostRoot, node: str) -> list[str]:
     return []
 
 
-def cold_plug(host: HostRoot, socket: os.PathLike[str] | str, annotations: Mapping[str, str]) -> ColdPlug:
+def cold_plug(host: HostRoot, socket: os.PathLike[str] | str, annotations: Mapping[str, str],
+              sources: tuple[str, ...] = UPSTREAM_SOURCES) -> ColdPlug:
     """Everything the shim does for one pod sandbox, or ColdPlugError where it would fail."""
-    names = pod_cdi_names(socket, annotations)
+    names = pod_cdi_names(socket, annotations, sources)
     nodes = resolve(host, names)
     functions: list[str] = []
     for node in nodes:

@@ -18,7 +18,11 @@ a host root:
   the plugin's preferred allocation, one Allocate per container) and records
   it; the PodResources v1 service on
   ``<root>/var/lib/kubelet/pod-resources/kubelet.sock`` answers from those
-  records (``sandbox_plugin.testing.podresources``).
+  records (``sandbox_plugin.testing.podresources``);
+- ``record_pod`` records a pod admitted by the simulator's DRA side
+  (``sandbox_plugin.testing.drakubelet``: the plugin watcher, DRA driver
+  registration and NodePrepareResources), whose claims' devices PodResources then
+  reports as ``dynamic_resources``.
 
 Tests wait for observable state with ``wait_for(lambda state: ..., timeout)``.
 """
@@ -345,6 +349,12 @@ class KubeletSimulator:
             self._state.pods.append(pod)
             self._cond.notify_all()
         return answers
+
+    def record_pod(self, pod: PodRecord) -> None:
+        """Record a pod admitted elsewhere (the DRA side: ``drakubelet.DraKubelet``)."""
+        with self._cond:
+            self._state.pods.append(pod)
+            self._cond.notify_all()
 
     def remove_pod(self, namespace: str, name: str) -> None:
         with self._cond:

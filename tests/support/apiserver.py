@@ -5,7 +5,8 @@ this one instead. It follows the real server where our code can notice:
 
 - URL layout (``/api/v1/...``, ``/apis/<group>/<version>/...``, namespaced or
   cluster scoped) for RuntimeClasses (node.k8s.io/v1), Secrets, Nodes and
-  Events (core v1);
+  Events (core v1), and ResourceSlices, ResourceClaims and DeviceClasses
+  (resource.k8s.io/v1, with the ResourceSlice rules of ``support.resourceapi``);
 - a global resourceVersion bumped on every real write (a no-op write keeps it),
   uid and creationTimestamp set by the server;
 - errors as ``Status`` objects with reason and code: 404 NotFound,
@@ -49,6 +50,8 @@ from urllib.parse import parse_qs, urlsplit
 import yaml
 from kubernetes.client import ApiClient, Configuration
 
+from support import resourceapi
+
 APPLY = "application/apply-patch+yaml"
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
@@ -78,8 +81,15 @@ RESOURCES = {
         Resource("", "v1", "secrets", "Secret", True),
         Resource("", "v1", "nodes", "Node", False),
         Resource("", "v1", "events", "Event", True),
+        Resource("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", False),
+        Resource("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", True),
+        Resource("resource.k8s.io", "v1", "deviceclasses", "DeviceClass", False),
     )
 }
+
+# Field selectors a kind offers besides metadata.name and metadata.namespace; any other
+# field label is refused, as the real server refuses it.
+SELECTABLE_FIELDS = {"ResourceSlice": resourceapi.slice_fields}
 
 
 @dataclass(frozen=True)
@@ -327,7 +337,7 @@ class FakeApiServer:
             if (group, plural) != (resource.group, resource.plural) or (ns and obj_ns != ns):
                 continue
             labels = obj.get("metadata", {}).get("labels") or {}
-            field_values = {"metadata.name": name, "metadata.namespace": obj_ns}
+            field_values = _field_values(resource, obj, name, obj_ns, fields)
             if _selects(selector, labels) and _selects(fields, field_values):
                 # Like the real server, list items carry no kind/apiVersion.
                 items.append(copy.deepcopy(obj))
@@ -591,7 +601,7 @@ class _Handler(BaseHTTPRequestHandler):
             meta = obj.get("metadata") or {}
             return ((not ns or obj_ns == ns)
                     and _selects(labels, meta.get("labels") or {})
-                    and _selects(fields, {"metadata.name": meta.get("name", ""), "metadata.namespace": obj_ns}))
+                    and _selects(fields, _field_values(resource, obj, meta.get("name", ""), obj_ns, fields)))
 
         timeout = float((query.get("timeoutSeconds") or ["1800"])[0])
         deadline = time.monotonic() + timeout
@@ -637,6 +647,17 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+def _field_values(resource: Resource, obj: dict, name: str, ns: str, fields) -> dict[str, str]:
+    values = {"metadata.name": name, "metadata.namespace": ns}
+    extra = SELECTABLE_FIELDS.get(resource.kind)
+    if extra is not None:
+        values.update(extra(obj))
+    for _, key, _ in fields:
+        if key not in values:
+            raise ApiError(400, "BadRequest", f'field label not supported: {key}')
+    return values
+
+
 def _is_watch(query: dict) -> bool:
     return (query.get("watch") or [""])[0] in ("true", "1")
 
@@ -680,6 +701,8 @@ def _validate(resource: Resource, obj: dict, old: dict | None) -> None:
         elif involved and involved != namespace:
             problems.append(f'involvedObject.namespace: Invalid value: "{involved}": '
                             "does not match event.namespace")
+    if resource.kind == "ResourceSlice":
+        problems += resourceapi.slice_problems(obj, old)
     if resource.kind == "Secret" and obj.get("type") == "kubernetes.io/dockerconfigjson":
         if ".dockerconfigjson" not in (obj.get("data") or {}):
             problems.append("data[.dockerconfigjson]: Required value")

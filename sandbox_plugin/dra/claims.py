@@ -1,0 +1,86 @@
+"""A ResourceClaim as the kubelet names it, read from the API server, and the devices
+it was allocated from this driver's pool on this node.
+
+The kubelet sends only a claim's namespace, name and UID (DRA ``Claim``); what it
+was allocated is in the claim's ``status.allocation.devices.results``
+(resource.k8s.io/v1), one entry per device with the request it serves, the
+driver, the pool and the device name. A node-local driver's pool is its node
+(``spec.pool.name`` of its ResourceSlice), so the results this driver prepares
+are those with ``driver`` ours and ``pool`` this node's.
+
+The UID given must be the UID read: a claim deleted and created again under the
+same name is another claim, whose allocation was made for another pod
+(kubelet 1.35's DRA manager checks the same against its own cache,
+pkg/kubelet/cm/dra/manager.go ``prepareResources``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from kubernetes.client import ApiClient, ResourceV1Api
+from kubernetes.client.exceptions import ApiException
+from urllib3.exceptions import HTTPError
+
+from katamgr.node.kube import api_error_message
+
+READ_TIMEOUT = 10.0  # seconds for one read of a claim
+
+
+class ClaimError(Exception):
+    """This claim cannot be prepared; the message is the claim's error for the kubelet."""
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    namespace: str
+    name: str
+    uid: str
+
+    def __str__(self) -> str:
+        return f"ResourceClaim {self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True)
+class AllocatedDevice:
+    request: str
+    pool: str
+    device: str
+
+
+def read_claim(api: ApiClient, ref: ClaimRef, *, timeout: float = READ_TIMEOUT) -> dict:
+    """The claim object; ClaimError when it cannot be read or its UID is not ``ref.uid``."""
+    try:
+        response = ResourceV1Api(api).read_namespaced_resource_claim(
+            ref.name, ref.namespace, _preload_content=False, _request_timeout=timeout)
+    except ApiException as e:
+        if e.status == 404:
+            raise ClaimError(f"{ref} does not exist (deleted before its pod started?)") from e
+        hint = ("; grant the driver's service account get on resourceclaims"
+                if e.status in (401, 403) else "")
+        raise ClaimError(f"cannot read {ref}: {api_error_message(e)}{hint}") from e
+    except HTTPError as e:
+        raise ClaimError(f"cannot read {ref}: API server unreachable ({e})") from e
+    claim = json.loads(response.data)
+    uid = (claim.get("metadata") or {}).get("uid")
+    if uid != ref.uid:
+        raise ClaimError(
+            f"{ref} has UID {uid}, not {ref.uid} as the kubelet asked: the claim was deleted and "
+            "created again, so the kubelet's is stale")
+    return claim
+
+
+def our_devices(claim: dict, ref: ClaimRef, driver: str, pool: str) -> list[AllocatedDevice]:
+    """The allocation's results of ``driver`` in ``pool``; ClaimError when there are none."""
+    allocation = (claim.get("status") or {}).get("allocation")
+    if not allocation:
+        raise ClaimError(f"{ref} is not allocated (status.allocation is empty)")
+    results = (allocation.get("devices") or {}).get("results") or []
+    ours = [AllocatedDevice(r.get("request", ""), r.get("pool", ""), r.get("device", ""))
+            for r in results if r.get("driver") == driver and r.get("pool") == pool]
+    if not ours:
+        seen = ", ".join(sorted({f"{r.get('driver')} pool {r.get('pool')}" for r in results})) or "none"
+        raise ClaimError(
+            f"{ref} was allocated no device of driver {driver} in pool {pool} (its devices: {seen})")
+    return ours

@@ -1,0 +1,155 @@
+"""``sandbox-dra-driver``: the node's passthrough units through Dynamic Resource Allocation."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+from katamgr.errors import KatamgrError
+from katamgr.host import naming as resource_naming
+from katamgr.host import selection as device_selection
+from katamgr.host.root import HostRoot
+from katamgr.host.workload import WORKLOADS, NoCluster, Workload, resolve_workload
+from katamgr.k8snames import is_dns1123_subdomain
+from katamgr.node.process import (
+    add_log_format_argument,
+    report_error,
+    setup_logging,
+    stop_on_signals,
+)
+from sandbox_plugin.cli import UsageError, cluster_client, mode_from_host
+from sandbox_plugin.dra.registration import KUBELET_DIR
+from sandbox_plugin.follow import mode_for
+from sandbox_plugin.manager import Mode
+
+log = logging.getLogger("sandbox_plugin.dra")
+
+DEFAULT_DRIVER = "passthrough.kata-sandbox-manager.io"
+DRIVER_NAME_MAX = 63  # a DRA driver name is validated as a CSI driver name
+
+DESCRIPTION = f"""\
+Publish a node's passthrough GPUs, NVSwitches and included devices (each IOMMU
+group bound to vfio-pci: one device) as a ResourceSlice of DRA driver
+--driver-name (default {DEFAULT_DRIVER}), and prepare the claims the kubelet hands
+it with the CDI names of katamgr's specs (<resource name>=<PCI address>).
+
+The kubelet finds it by <kubelet-dir>/plugins_registry/<driver>-reg.sock and calls
+<kubelet-dir>/plugins/<driver>/dra.sock; prepared claims are kept in
+checkpoint.json beside it. Devices are found as sandbox-device-plugin finds them
+(the same --include-device/--exclude-device and naming options; give both
+programs, and katamgr, the same), and a change (bind, unbind, health) is published
+within a second. The slice is offered while the node's label
+nvidia.com/gpu.workload.config asks for vm-passthrough (or, unlabeled,
+--default-workload does, else what the host shows) and the node does not opt
+out of the sandbox device plugin (nvidia.com/gpu.deploy.sandbox-device-plugin=false);
+otherwise it is deleted, and put back when the label asks again.
+
+Needs the Kubernetes API (in-cluster, else a kubeconfig): get on resourceclaims,
+list/create/update/delete on resourceslices, get/watch on its node.
+Stops cleanly (sockets removed, exit 0) on SIGTERM or SIGINT.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sandbox-dra-driver", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host-root", default="/", metavar="DIR",
+                        help="where the host's / is mounted (default: /; /host in a DaemonSet)")
+    parser.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="N",
+                        help="this node's name: the pool and spec.nodeName of its slice (default: $NODE_NAME)")
+    parser.add_argument("--driver-name", default=DEFAULT_DRIVER, metavar="NAME",
+                        help=f"the DRA driver name, a DNS subdomain of at most {DRIVER_NAME_MAX} "
+                             f"characters (default: {DEFAULT_DRIVER})")
+    parser.add_argument("--kubelet-dir", default=KUBELET_DIR, metavar="DIR",
+                        help=f"the kubelet's root directory on the host (default: {KUBELET_DIR})")
+    parser.add_argument("--default-workload", choices=WORKLOADS, metavar="WORKLOAD",
+                        help="the workload of a node without the label: "
+                             f"{', '.join(WORKLOADS)} (default: what the host shows)")
+    resource_naming.add_arguments(parser)
+    device_selection.add_arguments(parser)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    add_log_format_argument(parser)
+    return parser
+
+
+def check_driver_name(name: str) -> str:
+    if len(name) > DRIVER_NAME_MAX or not is_dns1123_subdomain(name.lower()) or name != name.lower():
+        raise UsageError(
+            f"--driver-name {name!r} is not a DRA driver name: use a lower-case DNS subdomain of at "
+            f"most {DRIVER_NAME_MAX} characters, such as {DEFAULT_DRIVER!r}")
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
+    stop = threading.Event()
+    driver = watch = None
+    try:
+        if not Path(args.host_root).is_dir():
+            raise UsageError(f"--host-root {args.host_root!r} is not a directory; pass where the "
+                             "host's / is mounted")
+        if not args.node_name:
+            raise UsageError("no node name: pass --node-name or set NODE_NAME (the pool and the "
+                             "slice's spec.nodeName are the node's)")
+        check_driver_name(args.driver_name)
+        if not args.kubelet_dir.startswith("/"):
+            raise UsageError(f"--kubelet-dir {args.kubelet_dir!r} is not an absolute host path")
+        try:
+            host = HostRoot.at(Path(args.host_root))
+            naming = resource_naming.from_arguments(args, device_selection.from_arguments(args))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        try:
+            api = cluster_client()
+        except NoCluster as exc:
+            raise KatamgrError(f"no Kubernetes API to read claims from and publish to ({exc}); run "
+                               "in a pod with a service account, or set KUBECONFIG") from None
+        from katamgr.node.kube import NodeLabelWatch
+        from sandbox_plugin.dra.driver import DraDriver
+
+        watch = NodeLabelWatch(api, args.node_name).start()
+
+        def decide() -> None:
+            def from_host() -> tuple[Workload, str]:
+                mode, why = mode_from_host(host, naming.selection)
+                return Workload(mode.value), why
+
+            resolved = resolve_workload(args.node_name, lambda node: watch.labels(),
+                                        default=args.default_workload, fallback=from_host)
+            mode, why = mode_for(resolved, frozenset({Mode.VM_PASSTHROUGH}))
+            driver.publishing(mode is not None, why)
+
+        driver = DraDriver(host, naming, api, driver=args.driver_name, node=args.node_name,
+                           kubelet_dir=args.kubelet_dir)
+        decide()  # at start a bad label or an unreadable Node is an error, as for the plugin
+        stop_on_signals(stop.set, log)
+        changed = threading.Event()
+        watch.on_change = changed.set
+        driver.start()
+    except KatamgrError as exc:  # bad usage 2, the API or the checkpoint failing 1
+        if watch is not None:
+            watch.stop()
+        report_error(f"sandbox-dra-driver: error: {exc}", args.log_format, log)
+        return exc.exit_code
+    try:
+        while not stop.wait(0.2):
+            if changed.is_set():
+                changed.clear()
+                try:
+                    decide()
+                except KatamgrError as exc:  # keep what runs; the watch tells us when it reads again
+                    log.warning("could not read the node's workload (%s); keeping the slice as it is", exc)
+    finally:
+        driver.stop()
+        watch.stop()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

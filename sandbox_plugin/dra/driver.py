@@ -1,0 +1,203 @@
+"""The DRA driver of one node: the passthrough units published, claims prepared.
+
+``DraDriver`` wires the rooms of ``sandbox_plugin.dra`` around the device plugin's
+own discovery (``sandbox_plugin.passthrough.PassthroughDiscovery``, rescanned by
+``sandbox_plugin.watch.DeviceWatcher`` on every bind, unbind, hotplug and removed
+VFIO node), so the driver and the device plugin can never see a different node:
+
+- every change of the units (a device bound, unbound, Unhealthy, back) recomputes
+  the DRA devices (``devices.describe``) and wakes the driver's thread, which
+  brings the node's ResourceSlice in line (``slices.SlicePublisher``); it does so
+  on a timer too (``resync_interval``), which puts back a slice someone removed,
+  and retries a failed write with backoff;
+- ``publishing(False, why)`` (the node's labels no longer ask for vm-passthrough,
+  or opt out) takes the slice down, and ``True`` puts it up again; claims already
+  prepared keep being answered either way;
+- the same thread keeps the two sockets the kubelet dials in place
+  (``registration``: plugins_registry; ``service``: the DRA endpoint), serving
+  again when one was removed;
+- ``cdi_ids`` is what a claim's device becomes for the kubelet (``preparing``).
+
+On stop the sockets go; the slice stays for the next run to take over (the
+kubelet removes a driver's slices once its registration socket has been gone a
+while).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kubernetes.client import ApiClient
+
+from katamgr.errors import KatamgrError
+from katamgr.host.naming import Naming
+from katamgr.host.root import HostRoot
+from sandbox_plugin.dra import devices as dra_devices
+from sandbox_plugin.dra.checkpoint import Checkpoint
+from sandbox_plugin.dra.devices import DraDevice
+from sandbox_plugin.dra.preparing import ClaimPreparer, DeviceError
+from sandbox_plugin.dra.registration import KUBELET_DIR, Layout, Registration
+from sandbox_plugin.dra.service import dra_socket
+from sandbox_plugin.dra.slices import SlicePublisher
+from sandbox_plugin.passthrough import PassthroughDiscovery
+from sandbox_plugin.resources import AllocationError
+from sandbox_plugin.watch import DeviceWatcher
+
+log = logging.getLogger(__name__)
+
+RESYNC_INTERVAL = 30.0  # seconds between checks of the slice against the API
+MAX_BACKOFF = 30.0
+
+
+class DraDriver:
+    def __init__(self, host: HostRoot, naming: Naming, api: ApiClient, *, driver: str, node: str,
+                 kubelet_dir: str = KUBELET_DIR, rescan_interval: float = 30.0,
+                 resync_interval: float = RESYNC_INTERVAL, recheck_interval: float = 1.0) -> None:
+        self.host = host
+        self.naming = naming
+        self.driver = driver
+        self.node = node
+        self.layout = Layout(kubelet_dir.rstrip("/") or "/", driver)
+        self.resync_interval = resync_interval
+        self.recheck_interval = recheck_interval
+        self.discovery = PassthroughDiscovery(host, naming)
+        self.watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval,
+                                     on_node_gone=self.discovery.node_gone)
+        self.publisher = SlicePublisher(api, driver, node)
+        self.checkpoint = Checkpoint(host.path(self.layout.checkpoint))
+        self.preparer = ClaimPreparer(api, driver, node, self.checkpoint, self.cdi_ids)
+        self.registration = Registration(host, self.layout)
+        self.service = dra_socket(host.path(self.layout.endpoint), self.preparer, driver)
+        self._lock = threading.Lock()
+        self._devices: dict[str, DraDevice] = {}
+        self._publishing = True
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.synced = threading.Condition()
+        self.syncs = 0  # slice syncs done (tests and the bench wait on it)
+        self.last_sync = ""  # what the last one did, or why it failed
+
+    # -- what the kubelet's calls use -------------------------------------------------
+
+    def devices(self) -> dict[str, DraDevice]:
+        with self._lock:
+            return dict(self._devices)
+
+    def cdi_ids(self, name: str) -> tuple[str, ...]:
+        device = self.devices().get(name)
+        if device is None:
+            known = ", ".join(sorted(self.devices())) or "none"
+            raise DeviceError(f"is not a device of node {self.node} (gone from vfio-pci, or never "
+                              f"here; this node has: {known})")
+        resource = self.discovery.resources.get(device.resource_name)
+        if resource is None:
+            raise DeviceError(f"its resource {device.resource_name} is not served on this node")
+        try:
+            unit = resource.check(device.unit_id)
+        except AllocationError as exc:
+            raise DeviceError(exc.message) from exc
+        names = resource.cdi_specs.defined([unit.cdi_name])
+        if not names:
+            raise DeviceError(
+                f"no CDI spec in {' or '.join(resource.cdi_specs.dirs)} defines {unit.cdi_name}, so "
+                "the runtime could not hand it to the VM (katamgr writes it with cdi enabled)")
+        return tuple(names)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.refresh()
+        self.watcher.start()
+        self._serve_sockets()
+        self._thread = threading.Thread(target=self._run, name=f"dra-{self.driver}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        self.watcher.stop()
+        self.registration.socket.stop()
+        self.service.stop()
+        self.discovery.close()
+
+    def publishing(self, on: bool, why: str) -> None:
+        """Offer the node's devices (True) or take the slice down (False)."""
+        with self._lock:
+            changed = on != self._publishing
+            self._publishing = on
+        if changed:
+            log.info("%s the node's ResourceSlice: %s", "publishing" if on else "removing", why)
+            self._wake.set()
+
+    def refresh(self) -> None:
+        """Rescan (the device watcher's callback); each new resource is followed too."""
+        for resource in self.discovery.refresh():
+            resource.changes.subscribe(self._changed)
+        self._changed()
+
+    def _changed(self) -> None:
+        units = [u for r in self.discovery.resources.values() for u in r.units()]
+        described = {d.name: d for d in dra_devices.describe(sorted(units, key=lambda u: u.id),
+                                                              self.naming)}
+        with self._lock:
+            same = described == self._devices
+            self._devices = described
+        if not same:
+            self._wake.set()
+
+    # -- the driver's thread -----------------------------------------------------------
+
+    def _serve_sockets(self) -> None:
+        # The endpoint first: the kubelet dials it as soon as GetInfo names it.
+        self.service.serve()
+        if self.registration.socket.serve():
+            log.info("DRA driver %s: registration socket %s, endpoint %s", self.driver,
+                     self.layout.registration_socket, self.layout.endpoint)
+
+    def _run(self) -> None:
+        due = 0.0  # the next sync's time: at once
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                self._serve_sockets()
+            except OSError as exc:
+                log.warning("cannot serve the kubelet's sockets (%s); retrying", exc)
+            if self._wake.is_set():
+                self._wake.clear()
+                due = 0.0
+            if time.monotonic() >= due:
+                if self._sync():
+                    backoff = 1.0
+                    due = time.monotonic() + self.resync_interval
+                else:
+                    due = time.monotonic() + backoff
+                    backoff = min(backoff * 2, MAX_BACKOFF)
+            self._wake.wait(max(0.0, min(self.recheck_interval, due - time.monotonic())))
+
+    def _sync(self) -> bool:
+        with self._lock:
+            offered = list(self._devices.values()) if self._publishing else []
+        try:
+            result = self.publisher.sync(offered)
+            ok = True
+        except KatamgrError as exc:
+            result, ok = str(exc), False
+            if result != self.last_sync:
+                log.warning("%s; retrying", exc)
+        with self.synced:
+            self.syncs += 1
+            self.last_sync = result
+            self.synced.notify_all()
+        return ok
+
+    def wait_synced(self, after: int, timeout: float = 10.0) -> str:
+        """Wait for a sync later than the ``after``-th; what it did."""
+        with self.synced:
+            if not self.synced.wait_for(lambda: self.syncs > after, timeout):
+                raise TimeoutError(f"no ResourceSlice sync within {timeout} s (last: {self.last_sync})")
+            return self.last_sync

@@ -1,0 +1,85 @@
+"""Preparing a claim: which of this node's devices it was given, and the CDI names
+by which the runtime, and Kata, reach them.
+
+Nothing on the host changes when a claim is prepared: katamgr has already bound
+each unit to vfio-pci and described it in a CDI spec, exactly as for the device
+plugin. Preparing is checking and naming: the claim is read from the API server
+(``claims``), each device it was allocated must be one of this node's units, healthy
+now (the sysfs and /dev re-check the device plugin's Allocate makes), held by no
+other prepared claim, and named by a CDI spec on the host; the answer lists, per
+device, the name ``<resource name>=<unit id>`` that katamgr's spec for the
+resource defines (``sandbox_plugin.cdinames.HostCdiSpecs``) — the name Kata's
+cold-plug forms for the device plugin's devices too. The claim is checkpointed
+before the answer goes out. Unpreparing forgets it.
+
+Every problem is the claim's own error (the kubelet retries the claim, shows the
+message in the pod's events) and names the claim and the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from kubernetes.client import ApiClient
+
+from sandbox_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
+from sandbox_plugin.dra.claims import ClaimError, ClaimRef, our_devices, read_claim
+
+log = logging.getLogger(__name__)
+
+
+class DeviceError(Exception):
+    """A device of this node cannot be handed out now; the message says why."""
+
+
+# device name -> its CDI names; DeviceError when it is gone, unhealthy or unnamed
+Resolve = Callable[[str], tuple[str, ...]]
+
+
+class ClaimPreparer:
+    def __init__(self, api: ApiClient, driver: str, node: str, checkpoint: Checkpoint,
+                 resolve: Resolve) -> None:
+        self.api = api
+        self.driver = driver
+        self.node = node
+        self.checkpoint = checkpoint
+        self.resolve = resolve
+
+    def prepare(self, ref: ClaimRef) -> PreparedClaim:
+        """The claim's devices with their CDI names; ClaimError saying why not."""
+        held = self.checkpoint.get(ref.uid)
+        if held is not None:
+            # Asked again (a kubelet or driver restart): the same answer, if its devices
+            # can still be used.
+            for device in held.devices:
+                self._resolve(ref, device.device)
+            return held
+        claim = read_claim(self.api, ref)
+        devices: dict[str, PreparedDevice] = {}
+        for allocated in our_devices(claim, ref, self.driver, self.node):
+            other = self.checkpoint.holder(allocated.device, allocated.pool)
+            if other is not None and other.uid != ref.uid:
+                raise ClaimError(
+                    f"{ref}: device {allocated.device} is still prepared for ResourceClaim "
+                    f"{other.ref} (UID {other.uid}), which the kubelet has not unprepared")
+            earlier = devices.get(allocated.device)
+            requests = (earlier.request_names if earlier else ()) + (allocated.request,)
+            devices[allocated.device] = PreparedDevice(
+                requests, allocated.pool, allocated.device,
+                earlier.cdi_ids if earlier else self._resolve(ref, allocated.device))
+        prepared = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(devices.values()))
+        self.checkpoint.add(prepared)
+        log.info("prepared %s (UID %s): %s", ref, ref.uid, ", ".join(
+            f"{d.device} as {' '.join(d.cdi_ids)}" for d in prepared.devices))
+        return prepared
+
+    def unprepare(self, ref: ClaimRef) -> None:
+        if self.checkpoint.remove(ref.uid):
+            log.info("unprepared %s (UID %s)", ref, ref.uid)
+
+    def _resolve(self, ref: ClaimRef, device: str) -> tuple[str, ...]:
+        try:
+            return self.resolve(device)
+        except DeviceError as exc:
+            raise ClaimError(f"{ref}: device {device}: {exc}") from exc
