@@ -137,7 +137,9 @@ class SlicePublisher:
     def _delete(self, item: dict) -> None:
         name = item["metadata"]["name"]
         try:
-            self._resources.delete_resource_slice(name, _request_timeout=self.timeout)
+            # Unparsed: the answer (the object or a Status) is not needed.
+            self._resources.delete_resource_slice(name, _preload_content=False,
+                                                  _request_timeout=self.timeout)
         except ApiException as e:
             if e.status != 404:
                 raise
