@@ -202,6 +202,12 @@ block overrides for the same container counts when it differs from the value use
 {{- if and (dig "serviceMonitor" "enabled" false $m) (not (include "ksm.metricsOn" .)) -}}
 {{- fail "metrics.serviceMonitor.enabled=true needs metrics.enabled=true: with metrics off there is nothing to scrape" -}}
 {{- end -}}
+{{- if and (include "ksm.dra" .) (semverCompare "<1.34-0" .Capabilities.KubeVersion.Version) -}}
+{{- fail (printf "dra.enabled=true needs Kubernetes 1.34 or later (ResourceSlices, ResourceClaims and DeviceClasses of resource.k8s.io/v1); this cluster is %s" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+{{- if has (dig "driverName" "" (.Values.dra | default dict)) (list "gpu.nvidia.com" "compute-domain.nvidia.com") -}}
+{{- fail (printf "dra.driverName=%s is a driver name of NVIDIA's DRA driver for GPUs; give this chart's passthrough driver its own (default passthrough.kata-sandbox-manager.io)" .Values.dra.driverName) -}}
+{{- end -}}
 {{- if and (include "ksm.metricsOn" .) (eq (int $m.agentPort) (int $m.pluginPort)) -}}
 {{- fail (printf "metrics.agentPort and metrics.pluginPort are both %d: the sandbox agent pod runs both containers, so they need two ports" (int $m.agentPort)) -}}
 {{- end -}}
@@ -245,10 +251,18 @@ Which parts of the node agent run; the templates and the RBAC agree by asking he
 {{- if and $v.sandboxWorkloads.enabled (or $v.kataManager.enabled $v.vfioManager.enabled $v.cdi.enabled) }}true{{ end -}}
 {{- end -}}
 
-{{/* Off when either sandboxDevicePlugin.enabled or the GPU Operator's kataSandboxDevicePlugin.enabled is false. */}}
+{{/* Off when either sandboxDevicePlugin.enabled or the GPU Operator's kataSandboxDevicePlugin.enabled
+       is false, and when the DRA driver serves the passthrough devices instead (dra.enabled). */}}
 {{- define "ksm.sandboxPlugin" -}}
 {{- $k := include "ksm.block" (list . "kataSandboxDevicePlugin") | fromJson -}}
-{{- if and .Values.sandboxWorkloads.enabled .Values.sandboxDevicePlugin.enabled (dig "enabled" true $k) }}true{{ end -}}
+{{- if and .Values.sandboxWorkloads.enabled .Values.sandboxDevicePlugin.enabled (dig "enabled" true $k) (not (include "ksm.dra" .)) }}true{{ end -}}
+{{- end -}}
+
+{{/* The DRA driver (sandbox-dra-driver) in the sandbox agent pod, in place of the sandbox
+       device plugin: one or the other publishes a node's passthrough devices, never both.
+       (| default: a release upgraded with --reuse-values from before dra existed) */}}
+{{- define "ksm.dra" -}}
+{{- if and .Values.sandboxWorkloads.enabled (dig "enabled" false (.Values.dra | default dict)) }}true{{ end -}}
 {{- end -}}
 
 {{/*

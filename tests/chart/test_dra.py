@@ -1,0 +1,144 @@
+"""Dynamic Resource Allocation in the chart (dra.*): the DRA driver in the sandbox agent
+pod in place of the sandbox device plugin, its host mounts and RBAC, the DeviceClasses and
+what their CEL selects among the devices the driver publishes, and the values refused."""
+
+from __future__ import annotations
+
+import pytest
+from support.chartkit import (
+    FULL,
+    SANDBOX,
+    cluster_at,
+    container,
+    container_names,
+    host_mounts,
+    merged,
+    render,
+    rules,
+)
+
+DRIVER = "passthrough.kata-sandbox-manager.io"
+DRA = merged(FULL, {"dra": {"enabled": True}})
+
+pytestmark = pytest.mark.integration
+
+
+def test_off_by_default(chart):
+    for values in ({}, SANDBOX, FULL):
+        rendered = render(chart, values)
+        assert not [o for o in rendered.objects if o["kind"] == "DeviceClass"]
+        assert all(c["name"] != "dra-driver" for _, c in rendered.containers())
+        for role in (o for o in rendered.objects if o["kind"] == "ClusterRole"):
+            assert all("resource.k8s.io" not in r["apiGroups"] for r in role["rules"])
+    # Without sandbox workloads nothing of the sandbox runs, DRA included.
+    rendered = render(chart, {"dra": {"enabled": True}})
+    assert not [o for o in rendered.objects if o["kind"] == "DeviceClass"]
+
+
+def test_the_driver_replaces_the_sandbox_device_plugin(chart):
+    rendered = render(chart, DRA)
+    # One or the other per node: with dra on, no pod advertises nvidia.com/<model>.
+    assert container_names(rendered, "-sandbox-agent") == ["kata-manager", "dra-driver"]
+    driver = container(rendered, "-sandbox-agent", "dra-driver")
+    assert driver["command"] == ["sandbox-dra-driver"]
+    assert driver["args"] == ["--host-root", "/host", "--node-name", "$(NODE_NAME)",
+                              "--driver-name", DRIVER, "--default-workload", "container",
+                              "--log-format", "text", "--resource-naming", "nvidia"]
+    assert driver["securityContext"]["privileged"] is False
+    assert driver["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert driver["securityContext"]["readOnlyRootFilesystem"] is True
+    assert host_mounts(rendered, "-sandbox-agent", "dra-driver") == {
+        "/host/var/lib/kubelet/plugins_registry": ("/var/lib/kubelet/plugins_registry", False),
+        f"/host/var/lib/kubelet/plugins/{DRIVER}": (f"/var/lib/kubelet/plugins/{DRIVER}", False),
+        "/host/sys": ("/sys", True),
+        "/host/dev/vfio": ("/dev/vfio", True),
+        "/host/var/run/cdi": ("/var/run/cdi", True),
+    }
+    assert driver["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}}
+    pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
+    mounted = {m["name"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
+    assert mounted == {v["name"] for v in pod["volumes"]}
+    # No device-plugin socket dir: nothing here registers a device plugin.
+    assert "device-plugins" not in mounted
+
+
+def test_the_driver_gets_the_same_devices_and_naming_as_katamgr(chart):
+    values = merged(DRA, {"devices": {"include": [{"ids": "1234:11e8", "resource": "example.com/edu"}],
+                                      "exclude": ["0000:01:00.0"]},
+                          "sandboxDevicePlugin": {"alias": "pgpu"},
+                          "dra": {"driverName": "vfio.example.com", "resources": {"requests": {"cpu": "10m"}}}})
+    rendered = render(chart, values)
+    agent = container(rendered, "-sandbox-agent", "kata-manager")
+    driver = container(rendered, "-sandbox-agent", "dra-driver")
+    shared = [a for a in agent["args"] if a.startswith("--") and a not in (
+        "--config", "--host-root", "--log-format", "--metrics-address", "--default-workload")]
+    for flag in shared:
+        assert flag in driver["args"], flag
+    assert driver["args"][driver["args"].index("--driver-name") + 1] == "vfio.example.com"
+    assert "/host/var/lib/kubelet/plugins/vfio.example.com" in host_mounts(rendered, "-sandbox-agent", "dra-driver")
+    assert driver["resources"] == {"requests": {"cpu": "10m"}}
+    classes = sorted(o["metadata"]["name"] for o in rendered.objects if o["kind"] == "DeviceClass")
+    assert classes == ["gpu.vfio.example.com", "nvswitch.vfio.example.com"]
+
+
+def test_rbac_is_what_the_driver_calls(chart):
+    role = rules(render(chart, DRA).get("ClusterRole"))
+    assert role["resourceslices"] == {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"],
+                                      "verbs": ["list", "create", "update", "delete"]}
+    assert role["resourceclaims"] == {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"],
+                                      "verbs": ["get"]}
+    assert role["nodes"]["verbs"] == ["get", "watch"]  # its node's workload label
+
+
+def test_device_classes_select_this_drivers_devices_by_type(chart, tmp_path):
+    celpy = pytest.importorskip("celpy")
+    from katamgr.host.naming import Naming
+    from katamgr.host.pciids import PciIds
+    from katamgr.pipeline.devices import apply_host
+    from katamgr.pipeline.plan import build_plan
+    from katamgr.simulator.materialise import materialise
+    from katamgr.simulator.profiles import find_profile
+    from sandbox_plugin.dra.devices import describe
+    from sandbox_plugin.passthrough import scan_units
+
+    naming = Naming(PciIds.find())
+    host = materialise(find_profile("dgx-h100"), tmp_path)
+    apply_host(host, build_plan(host, naming))
+    devices = describe(scan_units(host, naming), naming)
+    classes = {o["metadata"]["name"]: o for o in render(chart, DRA).objects if o["kind"] == "DeviceClass"}
+    assert sorted(classes) == [f"gpu.{DRIVER}", f"nvswitch.{DRIVER}"]
+    env = celpy.Environment()
+    selected = {}
+    for name, device_class in classes.items():
+        (selector,) = device_class["spec"]["selectors"]
+        program = env.program(env.compile(selector["cel"]["expression"]))
+        for driver in (DRIVER, "gpu.nvidia.com"):
+            selected[(name, driver)] = sorted(
+                d.name for d in devices if program.evaluate({"device": celpy.json_to_cel({
+                    "driver": driver, "attributes": {driver: dict(d.attributes)}})}))
+    assert len(selected[(f"gpu.{DRIVER}", DRIVER)]) == 8
+    assert all(n.startswith("gpu-") for n in selected[(f"gpu.{DRIVER}", DRIVER)])
+    assert len(selected[(f"nvswitch.{DRIVER}", DRIVER)]) == 4
+    # Another driver's devices of the same type are never selected.
+    assert selected[(f"gpu.{DRIVER}", "gpu.nvidia.com")] == []
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"dra": {"enabled": True, "driverName": "gpu.nvidia.com"}},
+     "dra.driverName=gpu.nvidia.com is a driver name of NVIDIA's DRA driver for GPUs"),
+])
+def test_a_clashing_driver_name_is_refused(chart, values, message):
+    with pytest.raises(Exception, match=message):
+        render(chart, merged(FULL, values))
+
+
+@pytest.mark.parametrize("name", ["Passthrough.Example.com", "a" * 64, "-bad.example.com", ""])
+def test_the_schema_refuses_a_driver_name_that_is_no_dns_subdomain(chart, name):
+    with pytest.raises(Exception, match="driverName"):
+        render(chart, merged(FULL, {"dra": {"enabled": True, "driverName": name}}))
+
+
+def test_an_old_cluster_is_told_dra_needs_1_34(chart):
+    with pytest.raises(Exception, match="dra.enabled=true needs Kubernetes 1.34 or later"):
+        render(chart, DRA, cluster_at("1.33.0"))
+    assert render(chart, FULL, cluster_at("1.33.0")).objects  # without dra: fine
