@@ -7,9 +7,10 @@ VFIO node), so the driver and the device plugin can never see a different node:
 
 - every change of the units (a device bound, unbound, Unhealthy, back) recomputes
   the DRA devices (``devices.describe``) and wakes the driver's thread, which
-  brings the node's ResourceSlice in line (``slices.SlicePublisher``); it does so
-  on a timer too (``resync_interval``), which puts back a slice someone removed,
-  and retries a failed write with backoff;
+  brings the node's ResourceSlice in line (``slices.SlicePublisher``: one write over
+  the slice it wrote last); it does so on a timer too (``resync_interval``), listing
+  the node's slices first, which puts back a slice someone removed, and retries a
+  failed write with backoff;
 - ``publishing(False, why)`` (the node's labels no longer ask for vm-passthrough,
   or opt out) takes the slice down, and ``True`` puts it up again; claims already
   prepared keep being answered either way;
@@ -162,6 +163,7 @@ class DraDriver:
     def _run(self) -> None:
         due = 0.0  # the next sync's time: at once
         backoff = 1.0
+        verify = True  # list the slices first (at start, on the timer, after a failure)
         while not self._stop.is_set():
             try:
                 self._serve_sockets()
@@ -170,20 +172,24 @@ class DraDriver:
             if self._wake.is_set():
                 self._wake.clear()
                 due = 0.0
+            elif time.monotonic() >= due:
+                verify = True
             if time.monotonic() >= due:
-                if self._sync():
+                ok, verify = self._sync(verify), False
+                if ok:
                     backoff = 1.0
                     due = time.monotonic() + self.resync_interval
                 else:
+                    verify = True
                     due = time.monotonic() + backoff
                     backoff = min(backoff * 2, MAX_BACKOFF)
             self._wake.wait(max(0.0, min(self.recheck_interval, due - time.monotonic())))
 
-    def _sync(self) -> bool:
+    def _sync(self, verify: bool) -> bool:
         with self._lock:
             offered = list(self._devices.values()) if self._publishing else []
         try:
-            result = self.publisher.sync(offered)
+            result = self.publisher.sync(offered, verify=verify)
             ok = True
         except KatamgrError as exc:
             result, ok = str(exc), False

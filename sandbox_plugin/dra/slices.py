@@ -12,8 +12,10 @@ overwritten. A pool with no device to offer is no slice at all: the slice is
 deleted (after a revert, on a relabel away from vm-passthrough).
 
 ``sync`` makes the API match what it is given and returns what it did; the driver
-calls it after every device change and on a timer, which also puts back a slice
-someone else removed (the kubelet deletes its node's slices when it starts and
+calls it after every device change, writing over the slice it wrote last (one call;
+a 404 or 409 means someone else changed it: it then lists and tries again), and on a
+timer with ``verify``, which lists first and so also puts back a slice someone else
+removed (the kubelet deletes its node's slices when it starts and
 when a driver's registration socket goes away: pkg/kubelet/cm/dra/plugin
 ``wipeResourceSlices``). It lists with the field selectors the API server offers
 for ResourceSlices, ``spec.nodeName`` and ``spec.driver``
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 TIMEOUT = 10.0  # seconds for one API call
 CONFLICT = 409
+NOT_FOUND = 404
 
 
 class SliceError(KatamgrError):
@@ -63,32 +66,38 @@ class SlicePublisher:
         self.timeout = timeout
         self.generation = 0  # the pool generation last written (0: none yet)
         self._owner: list[dict] | None = None
+        self._known: dict | None = None  # the slice as we last wrote it (the server's answer)
         self._lock = threading.Lock()  # one sync at a time
 
     @property
     def _resources(self) -> ResourceV1Api:
         return ResourceV1Api(self.api)
 
-    def sync(self, devices: Sequence[DraDevice]) -> str:
+    def sync(self, devices: Sequence[DraDevice], *, verify: bool = False) -> str:
         """Make the node's slice offer ``devices`` (the healthy ones); none: no slice.
+        ``verify``: list the node's slices first rather than trust the one last written.
         Returns what was done: created, updated, deleted, unchanged or none."""
         offered = [d.to_api() for d in devices if d.healthy]
         with self._lock:
             try:
-                return self._sync(offered)
+                return self._sync(offered, verify or self._known is None)
             except ApiException as e:
-                if e.status != CONFLICT:
+                if e.status not in (CONFLICT, NOT_FOUND):
+                    self._known = None
                     raise _fail(f"write the ResourceSlice of node {self.node}", e) from e
                 log.info("the ResourceSlice of node %s changed under us; reading it again", self.node)
                 try:
-                    return self._sync(offered)
+                    return self._sync(offered, True)
                 except (ApiException, HTTPError) as again:
+                    self._known = None
                     raise _fail(f"write the ResourceSlice of node {self.node}", again) from again
             except HTTPError as e:
+                self._known = None
                 raise _fail(f"write the ResourceSlice of node {self.node}", e) from e
 
-    def _sync(self, offered: list[dict]) -> str:
-        existing = self._ours()
+    def _sync(self, offered: list[dict], verify: bool) -> str:
+        existing = self._ours() if verify else [self._known] if self._known else []
+        self._known = None  # set again below once the API holds what we wrote
         if not offered:
             for item in existing:
                 self._delete(item)
@@ -105,6 +114,7 @@ class SlicePublisher:
             if owner:
                 body["metadata"]["ownerReferences"] = owner
             created = self._call(self._resources.create_resource_slice, body)
+            self._known = created
             log.info("published ResourceSlice %s: %d device(s), pool %s generation %d",
                      created["metadata"]["name"], len(offered), self.node, self.generation)
             return "created"
@@ -112,11 +122,12 @@ class SlicePublisher:
         live = int((spec.get("pool") or {}).get("generation") or 0)
         self.generation = max(self.generation, live)
         if _devices(spec) == _devices({"devices": offered}) and spec.get("nodeName") == self.node:
+            self._known = keep
             return "unchanged"
         self.generation += 1
         body = {**keep, "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
                 "spec": self._spec(offered)}
-        self._call(self._resources.replace_resource_slice, keep["metadata"]["name"], body)
+        self._known = self._call(self._resources.replace_resource_slice, keep["metadata"]["name"], body)
         log.info("updated ResourceSlice %s: %d device(s), pool %s generation %d",
                  keep["metadata"]["name"], len(offered), self.node, self.generation)
         return "updated"

@@ -17,7 +17,11 @@ implementation that is not the driver's own):
   DRA handler (pkg/kubelet/cm/dra/plugin ``DRAPluginManager``) takes the first of
   ``supported_versions`` it speaks (``v1.DRAPlugin``, ``v1beta1.DRAPlugin``: this
   stand-in speaks v1 only and says so) and refuses a second registration of the
-  same endpoint for a driver; then ``NotifyRegistrationStatus(true, "")``;
+  same endpoint for a driver; then ``NotifyRegistrationStatus(true, "")``. A socket
+  whose GetInfo failed, or whose type or versions were refused, is tried again a
+  second later (the plugin manager's reconciler, ``reconciler/reconciler.go``, retries
+  every ``loopSleepDuration``: such a plugin never reached the actual state of the
+  world); one refused for its endpoint is not (it did);
 - preparing a pod (pkg/kubelet/cm/dra/manager.go ``prepareResources``): each of the
   pod's claims is read from the API server; it must list the pod in
   ``status.reservedFor``; its drivers are those of its allocation's results; the
@@ -66,6 +70,7 @@ SPOKEN = ("v1.DRAPlugin",)
 CALL_TIMEOUT = 45.0  # defaultClientCallTimeout
 GET_INFO_TIMEOUT = 1.0
 NOTIFY_TIMEOUT = 5.0
+RETRY = 1.0  # the plugin manager reconciler's loopSleepDuration
 
 
 class PrepareError(Exception):
@@ -124,6 +129,7 @@ class DraKubelet:
         self._cond = threading.Condition()
         self._state = DraState()
         self._sockets: dict[str, tuple[int, int]] = {}  # registry socket -> (inode, ctime)
+        self._retry_at: dict[str, float] = {}  # registry socket -> when to try it again
         self._plugins: dict[str, tuple[DraRegistration, grpc.Channel]] = {}  # by socket
         self._prepared: dict[tuple[str, str], _Prepared] = {}  # (namespace, name) -> claim
         self._pods: dict[str, tuple[str, str, list[tuple[str, str]]]] = {}  # uid -> ns, name, claims
@@ -200,11 +206,16 @@ class DraKubelet:
         for path in [p for p in self._sockets if p not in found or found[p] != self._sockets[p]]:
             self._deregister(path)
         for path, identity in found.items():
-            if self._sockets.get(path) != identity:
+            if self._sockets.get(path) != identity and time.monotonic() >= self._retry_at.get(path, 0.0):
                 self._sockets[path] = identity
-                self._register(path)
+                if not self._register(path):
+                    del self._sockets[path]  # not in the actual state: tried again
+                    self._retry_at[path] = time.monotonic() + RETRY
+                else:
+                    self._retry_at.pop(path, None)
 
-    def _register(self, path: str) -> None:
+    def _register(self, path: str) -> bool:
+        """One registration; False when it is to be tried again."""
         host_socket = self.host_root.host_path(path)
         with grpc.insecure_channel(f"unix://{path}") as channel:
             client = reg_grpc.RegistrationStub(channel)
@@ -212,7 +223,7 @@ class DraKubelet:
                 info = client.GetInfo(reg.InfoRequest(), timeout=GET_INFO_TIMEOUT)
             except grpc.RpcError as exc:
                 log.info("kubelet-sim: GetInfo at %s failed: %s", path, exc.details())
-                return
+                return False
             problem = self._validate(info, host_socket)
             if problem is None:
                 endpoint = info.endpoint or host_socket
@@ -233,6 +244,7 @@ class DraKubelet:
             with self._cond:
                 self._state.refusals.append((host_socket, problem))
                 self._cond.notify_all()
+        return problem is None or "already registered" in problem
 
     def _validate(self, info: reg.PluginInfo, host_socket: str) -> str | None:
         if info.type != DRA_PLUGIN_TYPE:

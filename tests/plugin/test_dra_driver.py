@@ -30,7 +30,7 @@ H100 = "nvidia.com/GH100H100_SXM5_80GB"
 def node():
     made, cleanup = make_node()
     made.dra.wait_for(lambda s: s.current(DRIVER) is not None, timeout=10)
-    assert made.driver.registration.registered.wait(5)  # NotifyRegistrationStatus came
+    assert made.driver.registration.registered.wait(10)  # NotifyRegistrationStatus came
     made.driver.wait_synced(0)
     yield made
     cleanup()
