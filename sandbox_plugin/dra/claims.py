@@ -12,6 +12,12 @@ The UID given must be the UID read: a claim deleted and created again under the
 same name is another claim, whose allocation was made for another pod
 (kubelet 1.35's DRA manager checks the same against its own cache,
 pkg/kubelet/cm/dra/manager.go ``prepareResources``).
+
+The pods a claim is for are its ``status.reservedFor`` entries of resource ``pods``
+(the scheduler reserves the claim for the pod before binding it; the kubelet refuses
+to prepare a claim not reserved for the pod). ``check_runtime_classes`` reads each
+and refuses a pod outside the Kata runtime classes: the claim's CDI names would put
+the raw VFIO device into a runc container.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from kubernetes.client import ApiClient, ResourceV1Api
+from kubernetes.client import ApiClient, CoreV1Api, ResourceV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
@@ -84,3 +90,31 @@ def our_devices(claim: dict, ref: ClaimRef, driver: str, pool: str) -> list[Allo
         raise ClaimError(
             f"{ref} was allocated no device of driver {driver} in pool {pool} (its devices: {seen})")
     return ours
+
+
+def check_runtime_classes(api: ApiClient, claim: dict, ref: ClaimRef, allowed: frozenset[str], *,
+                          timeout: float = READ_TIMEOUT) -> None:
+    """ClaimError unless every pod the claim is reserved for runs in one of ``allowed``."""
+    reserved = (claim.get("status") or {}).get("reservedFor") or []
+    pods = [r for r in reserved if r.get("resource") == "pods" and not r.get("apiGroup")]
+    if not pods:
+        raise ClaimError(f"{ref} is reserved for no pod (status.reservedFor), so no pod may use it yet")
+    for consumer in pods:
+        name = consumer.get("name", "")
+        try:
+            pod = CoreV1Api(api).read_namespaced_pod(name, ref.namespace, _preload_content=False,
+                                                     _request_timeout=timeout)
+        except ApiException as e:
+            hint = "; grant the driver's service account get on pods" if e.status in (401, 403) else ""
+            raise ClaimError(f"{ref}: cannot read its pod {ref.namespace}/{name}: "
+                             f"{api_error_message(e)}{hint}") from e
+        except HTTPError as e:
+            raise ClaimError(f"{ref}: cannot read its pod {ref.namespace}/{name}: API server "
+                             f"unreachable ({e})") from e
+        spec = json.loads(pod.data).get("spec") or {}
+        runtime_class = spec.get("runtimeClassName")
+        if runtime_class not in allowed:
+            raise ClaimError(
+                f"{ref}: pod {ref.namespace}/{name} runs in runtime class {runtime_class or '(none: runc)'}, "
+                f"not a Kata one ({', '.join(sorted(allowed))}): its containers would get the GPU's raw "
+                "VFIO device; set runtimeClassName to a Kata runtime class")

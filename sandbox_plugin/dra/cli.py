@@ -29,6 +29,8 @@ from sandbox_plugin.manager import Mode
 log = logging.getLogger("sandbox_plugin.dra")
 
 DEFAULT_DRIVER = "passthrough.kata-sandbox-manager.io"
+# The chart's Kata runtime classes (isolation.runtimeClasses' default).
+DEFAULT_RUNTIME_CLASSES = ("kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp")
 DRIVER_NAME_MAX = 63  # a DRA driver name is validated as a CSI driver name
 
 DESCRIPTION = f"""\
@@ -48,8 +50,12 @@ nvidia.com/gpu.workload.config asks for vm-passthrough (or, unlabeled,
 out of the sandbox device plugin (nvidia.com/gpu.deploy.sandbox-device-plugin=false);
 otherwise it is deleted, and put back when the label asks again.
 
-Needs the Kubernetes API (in-cluster, else a kubeconfig): get on resourceclaims,
-list/create/update/delete on resourceslices, get/watch on its node.
+A claim is prepared only for pods in a Kata runtime class (--kata-runtime-class,
+default {", ".join(DEFAULT_RUNTIME_CLASSES)}): a runc container given the CDI
+names would get the raw VFIO device. --any-runtime-class turns the check off.
+
+Needs the Kubernetes API (in-cluster, else a kubeconfig): get on resourceclaims and
+pods, list/create/update/delete on resourceslices, get/watch on its node.
 Stops cleanly (sockets removed, exit 0) on SIGTERM or SIGINT.
 """
 
@@ -69,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--default-workload", choices=WORKLOADS, metavar="WORKLOAD",
                         help="the workload of a node without the label: "
                              f"{', '.join(WORKLOADS)} (default: what the host shows)")
+    parser.add_argument("--kata-runtime-class", action="append", default=[], metavar="NAME",
+                        help="a runtime class whose pods may be prepared claims of this driver "
+                             f"(repeatable; default: {', '.join(DEFAULT_RUNTIME_CLASSES)})")
+    parser.add_argument("--any-runtime-class", action="store_true",
+                        help="prepare claims for pods of any runtime class (a runc pod then gets "
+                             "the raw VFIO device)")
     resource_naming.add_arguments(parser)
     device_selection.add_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
@@ -84,6 +96,18 @@ def check_driver_name(name: str) -> str:
     return name
 
 
+def runtime_classes_from(args: argparse.Namespace) -> frozenset[str] | None:
+    if args.any_runtime_class:
+        if args.kata_runtime_class:
+            raise UsageError("--any-runtime-class and --kata-runtime-class contradict each other; give one")
+        return None
+    names = frozenset(args.kata_runtime_class or DEFAULT_RUNTIME_CLASSES)
+    for name in sorted(names):
+        if not is_dns1123_subdomain(name):
+            raise UsageError(f"--kata-runtime-class {name!r} is not a RuntimeClass name (a DNS subdomain)")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(logging.DEBUG if args.verbose else logging.INFO, args.log_format)
@@ -97,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("no node name: pass --node-name or set NODE_NAME (the pool and the "
                              "slice's spec.nodeName are the node's)")
         check_driver_name(args.driver_name)
+        runtime_classes = runtime_classes_from(args)
         if not args.kubelet_dir.startswith("/"):
             raise UsageError(f"--kubelet-dir {args.kubelet_dir!r} is not an absolute host path")
         try:
@@ -125,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             driver.publishing(mode is not None, why)
 
         driver = DraDriver(host, naming, api, driver=args.driver_name, node=args.node_name,
-                           kubelet_dir=args.kubelet_dir)
+                           kubelet_dir=args.kubelet_dir, runtime_classes=runtime_classes)
         decide()  # at start a bad label or an unreadable Node is an error, as for the plugin
         stop_on_signals(stop.set, log)
         changed = threading.Event()

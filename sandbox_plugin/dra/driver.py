@@ -55,7 +55,8 @@ MAX_BACKOFF = 30.0
 class DraDriver:
     def __init__(self, host: HostRoot, naming: Naming, api: ApiClient, *, driver: str, node: str,
                  kubelet_dir: str = KUBELET_DIR, rescan_interval: float = 30.0,
-                 resync_interval: float = RESYNC_INTERVAL, recheck_interval: float = 1.0) -> None:
+                 resync_interval: float = RESYNC_INTERVAL, recheck_interval: float = 1.0,
+                 runtime_classes: frozenset[str] | None = None) -> None:
         self.host = host
         self.naming = naming
         self.driver = driver
@@ -68,7 +69,7 @@ class DraDriver:
                                      on_node_gone=self.discovery.node_gone)
         self.publisher = SlicePublisher(api, driver, node)
         self.checkpoint = Checkpoint(host.path(self.layout.checkpoint))
-        self.preparer = ClaimPreparer(api, driver, node, self.checkpoint, self.cdi_ids)
+        self.preparer = ClaimPreparer(api, driver, node, self.checkpoint, self.cdi_ids, runtime_classes)
         self.registration = Registration(host, self.layout)
         self.service = dra_socket(host.path(self.layout.endpoint), self.preparer, driver)
         self._lock = threading.Lock()

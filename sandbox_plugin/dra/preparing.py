@@ -4,7 +4,9 @@ by which the runtime, and Kata, reach them.
 Nothing on the host changes when a claim is prepared: katamgr has already bound
 each unit to vfio-pci and described it in a CDI spec, exactly as for the device
 plugin. Preparing is checking and naming: the claim is read from the API server
-(``claims``), each device it was allocated must be one of this node's units, healthy
+(``claims``), the pods it is reserved for must run in a Kata runtime class (when
+the driver is given them: a runc container would get the raw VFIO device), each
+device it was allocated must be one of this node's units, healthy
 now (the sysfs and /dev re-check the device plugin's Allocate makes), held by no
 other prepared claim, and named by a CDI spec on the host; the answer lists, per
 device, the name ``<resource name>=<unit id>`` that katamgr's spec for the
@@ -24,7 +26,13 @@ from collections.abc import Callable
 from kubernetes.client import ApiClient
 
 from sandbox_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
-from sandbox_plugin.dra.claims import ClaimError, ClaimRef, our_devices, read_claim
+from sandbox_plugin.dra.claims import (
+    ClaimError,
+    ClaimRef,
+    check_runtime_classes,
+    our_devices,
+    read_claim,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +47,9 @@ Resolve = Callable[[str], tuple[str, ...]]
 
 class ClaimPreparer:
     def __init__(self, api: ApiClient, driver: str, node: str, checkpoint: Checkpoint,
-                 resolve: Resolve) -> None:
+                 resolve: Resolve, runtime_classes: frozenset[str] | None = None) -> None:
         self.api = api
+        self.runtime_classes = runtime_classes  # None: any pod may have the devices
         self.driver = driver
         self.node = node
         self.checkpoint = checkpoint
@@ -56,6 +65,8 @@ class ClaimPreparer:
                 self._resolve(ref, device.device)
             return held
         claim = read_claim(self.api, ref)
+        if self.runtime_classes is not None:
+            check_runtime_classes(self.api, claim, ref, self.runtime_classes)
         devices: dict[str, PreparedDevice] = {}
         for allocated in our_devices(claim, ref, self.driver, self.node):
             other = self.checkpoint.holder(allocated.device, allocated.pool)

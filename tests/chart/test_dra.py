@@ -43,6 +43,8 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
     assert driver["command"] == ["sandbox-dra-driver"]
     assert driver["args"] == ["--host-root", "/host", "--node-name", "$(NODE_NAME)",
                               "--driver-name", DRIVER, "--default-workload", "container",
+                              "--kata-runtime-class", "kata-qemu-nvidia-gpu",
+                              "--kata-runtime-class", "kata-qemu-nvidia-gpu-snp",
                               "--log-format", "text", "--resource-naming", "nvidia"]
     assert driver["securityContext"]["privileged"] is False
     assert driver["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -77,6 +79,9 @@ def test_the_driver_gets_the_same_devices_and_naming_as_katamgr(chart):
     assert driver["args"][driver["args"].index("--driver-name") + 1] == "vfio.example.com"
     assert "/host/var/lib/kubelet/plugins/vfio.example.com" in host_mounts(rendered, "-sandbox-agent", "dra-driver")
     assert driver["resources"] == {"requests": {"cpu": "10m"}}
+    custom = render(chart, merged(values, {"isolation": {"runtimeClasses": ["kata-fc"]}}))
+    args = container(custom, "-sandbox-agent", "dra-driver")["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--kata-runtime-class"] == ["kata-fc"]
     classes = sorted(o["metadata"]["name"] for o in rendered.objects if o["kind"] == "DeviceClass")
     assert classes == ["gpu.vfio.example.com", "nvswitch.vfio.example.com"]
 
@@ -87,6 +92,9 @@ def test_rbac_is_what_the_driver_calls(chart):
                                       "verbs": ["list", "create", "update", "delete"]}
     assert role["resourceclaims"] == {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"],
                                       "verbs": ["get"]}
+    # The runtime class of the pods a claim is reserved for, read one by one.
+    assert role["pods"] == {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}
+    assert "pods" not in rules(render(chart, FULL).get("ClusterRole"))
     assert role["nodes"]["verbs"] == ["get", "watch"]  # its node's workload label
 
 

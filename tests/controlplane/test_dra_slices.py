@@ -43,6 +43,7 @@ NODE = "sim-dgx-h100-1"
 DRIVER = "passthrough.kata-sandbox-manager.io"
 NAMESPACE = "dra-test"
 WORKLOAD = "nvidia.com/gpu.workload.config"
+RUNTIME_CLASS = "kata-dra-test"
 
 
 def test_slices_claims_and_the_scheduler_on_a_real_control_plane(kube, tmp_path):
@@ -56,6 +57,11 @@ def test_slices_claims_and_the_scheduler_on_a_real_control_plane(kube, tmp_path)
     kube.namespace(NAMESPACE)
     kube.apply(accounts, namespace=RELEASE)
     kube.apply(classes)  # admitted: the real server type-checks their CEL
+    # The pod's Kata runtime class (the driver prepares claims for Kata pods only), a name
+    # of this test's own, clear of the classes other tests' agents manage.
+    runtime_class = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                     "metadata": {"name": RUNTIME_CLASS}, "handler": "kata-qemu-nvidia-gpu"}
+    kube.apply([runtime_class], manager="test")
     kube.apply([{"apiVersion": "v1", "kind": "Node",
                  "metadata": {"name": NODE, "labels": {WORKLOAD: "vm-passthrough"}}}], manager="test")
     # Room for a pod: what a kubelet would report.
@@ -76,7 +82,7 @@ def test_slices_claims_and_the_scheduler_on_a_real_control_plane(kube, tmp_path)
     env.pop("KUBERNETES_SERVICE_HOST", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "sandbox_plugin.dra.cli", "--host-root", str(host.root),
-         "--node-name", NODE, "--driver-name", DRIVER],
+         "--node-name", NODE, "--driver-name", DRIVER, "--kata-runtime-class", RUNTIME_CLASS],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
     started = time.monotonic()
     template, pod = example_objects()
@@ -128,6 +134,7 @@ def test_slices_claims_and_the_scheduler_on_a_real_control_plane(kube, tmp_path)
         kube.kubectl("delete", "resourceslices", "--field-selector", f"spec.nodeName={NODE}", check=False)
         kube.kubectl("delete", "node", NODE, "--wait=false", check=False)
         kube.delete(classes)
+        kube.delete([runtime_class])
         kube.delete(accounts, namespace=RELEASE)
     assert process.returncode == 0, output
     assert "forbidden" not in output.lower() and "HTTP 4" not in output, output
@@ -140,9 +147,9 @@ def example_objects() -> tuple[dict, dict]:
     template = next(d for d in docs if d["kind"] == "ResourceClaimTemplate")
     pod = next(d for d in docs if d["kind"] == "Pod")
     pod = json.loads(json.dumps(pod))
-    # No kubelet, no RuntimeClass here: the pod is scheduled, never run. Any taint of a
-    # kubelet-less node (not-ready, unreachable) is tolerated.
-    pod["spec"].pop("runtimeClassName", None)
+    # No kubelet here: the pod is scheduled, never run. Any taint of a kubelet-less node
+    # (not-ready, unreachable) is tolerated.
+    pod["spec"]["runtimeClassName"] = RUNTIME_CLASS
     pod["spec"]["tolerations"] = [{"operator": "Exists"}]
     return template, pod
 

@@ -68,7 +68,8 @@ class DraNode:
         return [d["name"] for d in self.slice()["spec"]["devices"] if d["name"].startswith(prefix)]
 
     def claim(self, name: str, devices: list[str], *, pod_uid: str = "pod-1", driver: str = DRIVER,
-              pool: str = NODE, namespace: str = "default", request: str = "gpus") -> dict:
+              pool: str = NODE, namespace: str = "default", request: str = "gpus",
+              pod_name: str = "pod") -> dict:
         """A ResourceClaim allocated ``devices`` of ``driver``'s ``pool``, reserved for the pod."""
         return self.server.seed({
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
@@ -77,8 +78,15 @@ class DraNode:
                 "deviceClassName": f"gpu.{DRIVER}", "count": len(devices)}}]}},
             "status": {"allocation": {"devices": {"results": [
                 {"request": request, "driver": driver, "pool": pool, "device": d} for d in devices]}},
-                "reservedFor": [{"resource": "pods", "name": "pod", "uid": pod_uid}]},
+                "reservedFor": [{"resource": "pods", "name": pod_name, "uid": pod_uid}]},
         })
+
+    def pod(self, name: str, runtime_class: str | None, namespace: str = "default") -> dict:
+        spec: dict = {"containers": [{"name": "c", "image": "busybox"}]}
+        if runtime_class:
+            spec["runtimeClassName"] = runtime_class
+        return self.server.seed({"apiVersion": "v1", "kind": "Pod",
+                                 "metadata": {"name": name, "namespace": namespace}, "spec": spec})
 
     def ref(self, claim: dict, uid: str | None = None) -> dra.Claim:
         meta = claim["metadata"]

@@ -30,6 +30,10 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
      "--kubelet-dir 'var/lib/kubelet' is not an absolute host path"),
     (["--node-name", "n", "--host-root", "/nonexistent-root"], "--host-root '/nonexistent-root' is not a directory"),
     (["--node-name", "n", "--include-device", "1234:11e8"], "'1234:11e8' is not VENDOR:DEVICE=RESOURCE"),
+    (["--node-name", "n", "--kata-runtime-class", "Kata_QEMU"],
+     "--kata-runtime-class 'Kata_QEMU' is not a RuntimeClass name"),
+    (["--node-name", "n", "--any-runtime-class", "--kata-runtime-class", "kata"],
+     "--any-runtime-class and --kata-runtime-class contradict each other"),
 ])
 def test_bad_input_exits_2_naming_the_value(args, message):
     result = run(*args, env={k: v for k, v in os.environ.items() if k != "NODE_NAME"})

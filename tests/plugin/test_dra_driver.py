@@ -243,3 +243,25 @@ def test_a_corrupt_checkpoint_stops_the_driver_naming_the_file(tmp_path):
     path.write_text("{not json")
     with pytest.raises(CheckpointError, match=f"the DRA checkpoint {path} cannot be read .*move it aside"):
         Checkpoint(path)
+
+
+def test_claims_go_only_to_pods_in_a_kata_runtime_class(node):
+    node.stop_driver()
+    node.start_driver(runtime_classes=frozenset({"kata-qemu-nvidia-gpu"}))
+    node.dra.wait_for(lambda s: s.current(DRIVER) is not None and len(s.registrations) == 2, timeout=10)
+    kata = node.pod("vm", "kata-qemu-nvidia-gpu")
+    runc = node.pod("plain", None)
+    other = node.pod("other", "gvisor")
+    claims = [node.claim("for-vm", ["gpu-0000-83-00-0"], pod_name="vm", pod_uid=kata["metadata"]["uid"]),
+              node.claim("for-runc", ["gpu-0000-84-00-0"], pod_name="plain", pod_uid=runc["metadata"]["uid"]),
+              node.claim("for-gvisor", ["gpu-0000-93-00-0"], pod_name="other", pod_uid=other["metadata"]["uid"]),
+              node.claim("for-nobody", ["gpu-0000-94-00-0"], pod_name="ghost")]
+    answer = node.dra.call_prepare(DRIVER, [node.ref(c) for c in claims])
+    errors = [answer.claims[c["metadata"]["uid"]].error for c in claims]
+    assert errors[0] == ""
+    assert errors[1] == (
+        "ResourceClaim default/for-runc: pod default/plain runs in runtime class (none: runc), not a "
+        "Kata one (kata-qemu-nvidia-gpu): its containers would get the GPU's raw VFIO device; set "
+        "runtimeClassName to a Kata runtime class")
+    assert "pod default/other runs in runtime class gvisor, not a Kata one" in errors[2]
+    assert errors[3].startswith("ResourceClaim default/for-nobody: cannot read its pod default/ghost: HTTP 404")

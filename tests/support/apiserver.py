@@ -4,8 +4,8 @@ No kube-apiserver runs on our machines, so the official client talks HTTP to
 this one instead. It follows the real server where our code can notice:
 
 - URL layout (``/api/v1/...``, ``/apis/<group>/<version>/...``, namespaced or
-  cluster scoped) for RuntimeClasses (node.k8s.io/v1), Secrets, Nodes and
-  Events (core v1), and ResourceSlices, ResourceClaims and DeviceClasses
+  cluster scoped) for RuntimeClasses (node.k8s.io/v1), Secrets, Nodes, Events
+  and Pods (core v1, stored as given), and ResourceSlices, ResourceClaims and DeviceClasses
   (resource.k8s.io/v1, with the ResourceSlice rules of ``support.resourceapi``);
 - a global resourceVersion bumped on every real write (a no-op write keeps it),
   uid and creationTimestamp set by the server;
@@ -81,6 +81,7 @@ RESOURCES = {
         Resource("", "v1", "secrets", "Secret", True),
         Resource("", "v1", "nodes", "Node", False),
         Resource("", "v1", "events", "Event", True),
+        Resource("", "v1", "pods", "Pod", True),
         Resource("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", False),
         Resource("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", True),
         Resource("resource.k8s.io", "v1", "deviceclasses", "DeviceClass", False),
