@@ -8,6 +8,8 @@ Imported by hack/local-cluster (standard library only, like it). What it sets up
   node's spec dirs, and a runtime handler named after the Kata runtime class whose shim is
   runc's: no Kata guest can run here, so a "Kata" pod starts as a runc container while
   every Kubernetes-side step (RuntimeClass, scheduling, device plugin, CDI) is the real one.
+- containerd keeps every pod's oom_score_adj at or above its own
+  (`restrict_oom_score_adj`): these machines cannot lower one (no CAP_SYS_RESOURCE).
 - CNI: the bridge plugin (Debian's containernetworking-plugins) on a bridge of its own with
   a /24 for pods; the bridge plugin turns on IPv4 forwarding as any bridge CNI does.
 - the kubelet (cgroupfs driver, cgroup v1 allowed: these machines mount v1 and PID 1 is
@@ -63,7 +65,39 @@ def prerequisites() -> list[str]:
             missing.append(package)
     if os.geteuid() != 0:
         missing.append("root (the kubelet and containerd manage cgroups, mounts and networks)")
+    busy = device_plugins_in_use()
+    if busy:
+        missing.append(f"no other kubelet: {busy}")
     return missing
+
+
+# The kubelet's device-plugin socket dir is a constant, whatever --root-dir says
+# (k8s.io/kubelet pkg/apis/deviceplugin/v1beta1/constants.go KubeletSocket, used as is by
+# pkg/kubelet/cm/devicemanager/manager.go).
+DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
+
+
+def link_device_plugins(host_root: Path) -> None:
+    """The simulated host's device-plugins dir is the kubelet's real one, so the chart's
+    hostPath (below hostPaths.rootFS) reaches the sockets the kubelet uses."""
+    DEVICE_PLUGINS.mkdir(parents=True, exist_ok=True)
+    link = host_root / "var/lib/kubelet/device-plugins"
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.is_symlink():
+        link.symlink_to(DEVICE_PLUGINS)
+
+
+def device_plugins_in_use() -> str | None:
+    """Another kubelet's socket in the shared device-plugins dir, if one answers."""
+    sock = DEVICE_PLUGINS / "kubelet.sock"
+    if not sock.exists():
+        return None
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(sock))
+        except OSError:
+            return None
+    return f"a kubelet already serves {sock} (one node per machine: its device-plugin dir is fixed)"
 
 
 def kubelet_root(d: Path, host_root: Path | None) -> Path:
@@ -94,6 +128,7 @@ def containerd_config(d: Path, host_root: Path | None) -> str:
   runtime_type = "io.containerd.runc.v2"
 [{table}.options]
   BinaryName = "{RUNC}"
+  Root = "{c / 'runc'}"
   SystemdCgroup = false
 """)
     cdi = ", ".join(json.dumps(p) for p in cdi_dirs(host_root))
@@ -116,6 +151,11 @@ state = "{c / 'state'}"
   cdi_spec_dirs = [{cdi}]
   # Network namespaces under our state dir, so that `down` finds every mount under DIR.
   netns_mounts_under_state_dir = true
+  # These machines' capability bounding set lacks CAP_SYS_RESOURCE, so no process may
+  # lower an oom_score_adj: runc fails every pod sandbox the kubelet asks for at -998
+  # ("failed to update /proc/self/oom_score_adj: Permission denied"). containerd then
+  # raises each score to its own instead.
+  restrict_oom_score_adj = true
 
 [plugins."io.containerd.cri.v1.runtime".containerd]
   default_runtime_name = "runc"
@@ -183,6 +223,8 @@ def kubelet_config(d: Path, ports: dict[str, int], ip: str) -> dict:
         "serializeImagePulls": False,
         "shutdownGracePeriod": "0s",
         "containerLogMaxSize": "10Mi",
+        # Not the machine's /var/log/pods.
+        "podLogsDirectory": str(d / "pod-logs"),
         "nodeStatusReportFrequency": "10s",
     }
 

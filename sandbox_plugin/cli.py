@@ -34,6 +34,7 @@ from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_s
 from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.server import PluginServerError
+from sandbox_plugin.testing.nvml import FakeNvml
 
 log = logging.getLogger("sandbox_plugin")
 
@@ -258,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         host, naming = _build(args)
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
+        # A simulated node has no NVML: its stand-in answers from the node's sysfs.
+        nvml = FakeNvml.for_simulated_host(host) if host.is_simulated else None
         runner = PluginRunner(lambda m, metrics: PluginManager(
-            host, m, naming=naming, device_list_strategies=strategies, metrics=metrics))
+            host, m, naming=naming, device_list_strategies=strategies, metrics=metrics,
+            nvml=nvml))
         follower = None
         if args.mode != AUTO:
             mode, why = Mode(args.mode), "chosen with --mode"

@@ -19,6 +19,10 @@ from katamgr.host.kernel import LINUX, Kernel
 
 # Where katamgr keeps what it needs to undo its own changes.
 STATE_DIR = "/var/lib/kata-sandbox-manager"
+# The file that marks a root `katamgr simulate` made (katamgr.simulator owns what is in it).
+# In /sys: the one host dir every container of the chart mounts (so a simulated node is
+# one inside the pods too), and one where a real node can hold no such file.
+SIMULATED_MARKER = "sys/katamgr-simulated-host"
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,11 @@ class HostRoot:
     @property
     def is_real_root(self) -> bool:
         return self.root == Path("/")
+
+    @property
+    def is_simulated(self) -> bool:
+        """A root `katamgr simulate` made (whatever kernel this object was given)."""
+        return not self.is_real_root and (self.root / SIMULATED_MARKER).is_file()
 
     def runtime_node(self, host_path: str) -> str:
         """The path the container runtime opens for the device node ``host_path``

@@ -17,18 +17,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from katamgr.host.errors import HostError
 from katamgr.host.pci import VFIO_DRIVER as VFIO
-from katamgr.host.root import HostRoot
+from katamgr.host.root import SIMULATED_MARKER, HostRoot
 
 # The emulated kernel's settings and state, at the top of a simulated root; its
 # presence is how the simulator recognises a root it made (materialise.open_root).
-MARKER = "katamgr-simulated-host"
+MARKER = SIMULATED_MARKER
 
 
 def relative_link(target: Path, link: Path) -> None:
@@ -46,20 +45,18 @@ def save_marker(host: HostRoot, data: dict) -> None:
     (host.root / MARKER).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-# /dev/null's numbers: a node a real runtime can inject and a container can open
-# without reaching any device (``katamgr simulate --real-device-nodes``).
-NULL_DEVICE = (1, 3)
-
-
 def make_node(host: HostRoot, path: Path) -> None:
-    """A device node of the simulated kernel: an empty file, or a harmless character
-    device when the root's nodes are made for a real container runtime."""
-    if path.exists():
-        return
-    if marker(host).get("real_device_nodes"):
-        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(*NULL_DEVICE))
-    else:
+    """A device node of the simulated kernel (an empty file), unless the host's udev
+    stand-in makes them (``katamgr.simulator.udev``)."""
+    if not host_udev(host) and not path.exists():
         path.touch()
+
+
+def host_udev(host: HostRoot) -> bool:
+    """Whether /dev/vfio is kept by ``katamgr.simulator.udev`` on the machine (a root made
+    for a real runtime, ``katamgr simulate --real-device-nodes``), as udev keeps it on a
+    node: the kernel's callers, in pods with /dev/vfio mounted read-only, never write it."""
+    return bool(marker(host).get("real_device_nodes"))
 
 def create_driver_dir(host: HostRoot, name: str) -> None:
     directory = host.path(f"/sys/bus/pci/drivers/{name}")
@@ -130,6 +127,8 @@ def _group_members(host: HostRoot, group: int) -> list[str]:
 def on_vfio_bound(host: HostRoot, bdf: str) -> None:
     """What vfio-pci's probe and udev leave behind: the group node, the cdev."""
     group = _group(host, bdf)
+    if host_udev(host):
+        return
     vfio_dir = host.path("/dev/vfio")
     vfio_dir.mkdir(parents=True, exist_ok=True)
     make_node(host, vfio_dir / "vfio")
@@ -159,6 +158,8 @@ def _next_cdev(host: HostRoot) -> int:
 
 
 def _on_vfio_unbound(host: HostRoot, bdf: str) -> None:
+    if host_udev(host):
+        return
     cdev_dir = _device_dir(host, bdf) / "vfio-dev"
     if cdev_dir.is_dir():
         for name in os.listdir(cdev_dir):
@@ -248,9 +249,10 @@ class EmulatedKernel:
         if data.get("vfio_pci") == "missing":
             raise HostError("modprobe: FATAL: Module vfio-pci not found in directory /lib/modules")
         create_driver_dir(host, VFIO)
-        vfio_dir = host.path("/dev/vfio")
-        vfio_dir.mkdir(parents=True, exist_ok=True)
-        make_node(host, vfio_dir / "vfio")
+        if not host_udev(host):
+            vfio_dir = host.path("/dev/vfio")
+            vfio_dir.mkdir(parents=True, exist_ok=True)
+            make_node(host, vfio_dir / "vfio")
         data["vfio_pci"] = "loaded"
         save_marker(host, data)
         return None

@@ -4,10 +4,10 @@ and open such a root again by its path.
 The result is read by exactly the same code as a real node: devices live under
 ``sys/devices/pci<domain>:<bus>/...`` with ``sys/bus/pci/devices/<bdf>``
 symlinks, ``driver`` and ``iommu_group`` links, group member links, and
-``dev/vfio`` nodes as plain files. The root carries the emulated kernel
-(``katamgr.simulator.kernel``), which answers binding writes and module loads;
-its settings file (``kernel.MARKER``) at the top of the root is how
-``open_root`` tells a simulated root from a real one.
+``dev/vfio`` nodes as plain files (character devices with ``real_device_nodes``). The
+root carries the emulated kernel (``katamgr.simulator.kernel``), which answers binding
+writes and module loads; its settings file (``kernel.MARKER``, ``sys/katamgr-simulated-host``)
+is how ``open_root`` tells a simulated root from a real one.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ from pathlib import Path
 
 from katamgr.errors import ConfigError
 from katamgr.host.root import HostRoot
-from katamgr.simulator import kernel
+from katamgr.simulator import kernel, udev
 from katamgr.simulator.profile import HostProfile, ProfileDevice
 
 
 def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bool = False) -> HostRoot:
     """Write ``profile`` into ``into``. With ``real_device_nodes`` (root only) its
     ``/dev/vfio`` nodes are character devices with /dev/null's numbers, so a real
-    container runtime here can inject them (the local node of hack/local-cluster, whose
-    programs run with ``--runtime-root`` set to this root)."""
+    container runtime here can inject them, and they are kept by a udev stand-in on this
+    machine (``python -m katamgr.simulator.udev ROOT``) rather than by the emulated kernel:
+    the local node of hack/local-cluster, whose pods run with ``--runtime-root`` set to
+    this root."""
     root = Path(into).resolve()
     if real_device_nodes and os.geteuid() != 0:
         raise ConfigError("--real-device-nodes makes character devices: run it as root")
@@ -71,11 +73,15 @@ def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bo
     if profile.vfio_pci == "loaded":
         host.path("/dev/vfio").mkdir()
         kernel.make_node(host, host.path("/dev/vfio/vfio"))
+    if real_device_nodes:
+        host.path("/dev/vfio").mkdir(exist_ok=True)  # the chart mounts it
 
     for dev in profile.devices:
         if dev.driver == kernel.VFIO:
             kernel.on_vfio_bound(host, dev.bdf)
     _create_proc(host, profile)
+    if real_device_nodes:
+        udev.sync(host)
     return host
 
 

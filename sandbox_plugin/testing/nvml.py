@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -125,6 +126,14 @@ class FakeNvml:
         self._cond = threading.Condition()
         self._sets: dict[int, _EventSet] = {}
         self._numbers = itertools.count(1)
+
+    @classmethod
+    def for_simulated_host(cls, host) -> FakeNvml:
+        """NVML on a simulated node: each ``nvmlInit`` lists the NVIDIA GPUs then bound to
+        the ``nvidia`` driver in its sysfs (so the container plugin on the local node of
+        hack/local-cluster follows the agent's give-back), with UUIDs made from their
+        addresses."""
+        return _SimulatedNvml(host)
 
     @classmethod
     def missing(cls) -> FakeNvml:
@@ -238,3 +247,22 @@ class FakeNvml:
             if not ready or not event_set.queue:
                 raise NVMLError(NVML_ERROR_TIMEOUT)
             return event_set.queue.popleft()
+
+
+class _SimulatedNvml(FakeNvml):
+    def __init__(self, host) -> None:
+        super().__init__()
+        self.host = host
+
+    def nvmlInit(self) -> None:  # noqa: N802
+        from katamgr.host import pci
+
+        with self._cond:
+            if self._refs == 0:
+                self.gpus = [
+                    FakeGpu(uuid=f"GPU-{uuid.uuid5(uuid.NAMESPACE_OID, d.bdf)}",
+                            bus_id=f"0000{d.bdf}".upper(), name="NVIDIA (simulated)")
+                    for d in pci.scan(self.host)
+                    if d.is_nvidia and d.base_class == 0x03 and d.driver == "nvidia"
+                ]
+        super().nvmlInit()

@@ -99,10 +99,16 @@ class LocalCluster:
 
     # --- lifecycle ----------------------------------------------------------------------
 
+    @property
+    def host_root(self) -> Path:
+        """The node's simulated host root (clusters started with a node)."""
+        return Path(self.state["host_root"])
+
     @classmethod
-    def up(cls, directory: Path) -> LocalCluster:
+    def up(cls, directory: Path, node: bool = False) -> LocalCluster:
         started = time.monotonic()
-        result = subprocess.run([str(LOCAL_CLUSTER), "up", str(directory)],
+        result = subprocess.run([str(LOCAL_CLUSTER), "up", str(directory),
+                                 *(["--node"] if node else [])],
                                 capture_output=True, text=True, timeout=UP_TIMEOUT)
         if result.returncode:
             raise RuntimeError(f"hack/local-cluster up failed ({result.returncode}):\n"
@@ -113,7 +119,7 @@ class LocalCluster:
 
     def down(self) -> str:
         result = subprocess.run([str(LOCAL_CLUSTER), "down", str(self.dir)],
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, timeout=120)
         return result.stdout + result.stderr
 
     def component(self, command: str, component: str) -> str:

@@ -1,0 +1,83 @@
+"""The udev of a simulated node whose /dev/vfio a real container runtime reads.
+
+On a node, vfio-pci's probe makes the kernel announce ``/dev/vfio/<group>`` and udev
+creates it on the host; the agent in its pod only waits for it (its /dev/vfio mount is
+read-only). A simulated node made with ``katamgr simulate --real-device-nodes`` works the
+same way: its emulated kernel leaves /dev/vfio alone and this stand-in, running on the
+machine as root, keeps it in step with the node's sysfs: ``/dev/vfio/vfio`` while vfio-pci
+is loaded, ``/dev/vfio/<group>`` while a member of the group is bound to vfio-pci. The
+nodes are character devices with /dev/null's numbers, so a container given one reaches no
+device.
+
+    python -m katamgr.simulator.udev ROOT     keep ROOT/dev/vfio in step until SIGTERM
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import sys
+import threading
+from pathlib import Path
+
+from katamgr.host.pci import VFIO_DRIVER
+from katamgr.host.root import HostRoot
+
+NULL_DEVICE = (1, 3)
+# How often sysfs is compared with /dev/vfio: udev answers in milliseconds, and the agent
+# waits up to --device-wait (5 s) for a node.
+INTERVAL = 0.05
+
+
+def wanted(host: HostRoot) -> set[str]:
+    """The node names /dev/vfio should hold now."""
+    driver = host.path(f"/sys/bus/pci/drivers/{VFIO_DRIVER}")
+    if not driver.is_dir():
+        return set()
+    names = {"vfio"}
+    for entry in os.listdir(driver):
+        group = host.path(f"/sys/bus/pci/devices/{entry}/iommu_group")
+        if group.is_symlink():
+            names.add(Path(os.readlink(group)).name)
+    return names
+
+
+def sync(host: HostRoot) -> tuple[list[str], list[str]]:
+    """Make /dev/vfio hold exactly ``wanted``; returns (made, removed)."""
+    directory = host.path("/dev/vfio")
+    want = wanted(host)
+    if not directory.is_dir():
+        if not want:
+            return [], []
+        directory.mkdir(parents=True)
+    have = {e.name for e in os.scandir(directory) if not e.is_dir()}
+    made, removed = sorted(want - have), sorted(have - want)
+    for name in made:
+        os.mknod(directory / name, 0o666 | stat.S_IFCHR, os.makedev(*NULL_DEVICE))
+        os.chmod(directory / name, 0o666)
+    for name in removed:
+        (directory / name).unlink(missing_ok=True)
+    return made, removed
+
+
+def run(root: str) -> int:
+    host = HostRoot.at(root)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"keeping {host.path('/dev/vfio')} in step with its sysfs", flush=True)
+    while not stop.is_set():
+        made, removed = sync(host)
+        for name in made:
+            print(f"made /dev/vfio/{name}", flush=True)
+        for name in removed:
+            print(f"removed /dev/vfio/{name}", flush=True)
+        stop.wait(INTERVAL)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m katamgr.simulator.udev ROOT")
+    sys.exit(run(sys.argv[1]))
