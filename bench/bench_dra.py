@@ -6,7 +6,7 @@
   the same claim again (answered from the checkpoint) and NodeUnprepareResources;
 - republish: a GPU's /dev/vfio/<group> node removed (the device turns Unhealthy at the
   first inotify event) or put back (seen by the rescan once the events settle), until the
-  stand-in holds the slice of the next pool generation.
+  stand-in has answered the driver's write of the next pool generation.
 
 Prints figures; asserts nothing. Run: .venv/bin/python bench/bench_dra.py [--rounds N]
 """
@@ -104,11 +104,11 @@ def main() -> None:
                     node.rename(aside)
                 else:
                     aside.rename(node)
-                while True:
-                    (name,) = server.names("resourceslices")
-                    if server.get("resourceslices", name)["spec"]["pool"]["generation"] > generation:
-                        break
-                    time.sleep(0.0002)
+                # Until the API server answered the write of the next generation (the
+                # driver's sync returned), without polling the server.
+                with driver.synced:
+                    driver.synced.wait_for(lambda g=generation: driver.publisher.generation > g
+                                           and driver.last_sync == "updated", timeout=10)
                 republish["removed" if i % 2 == 0 else "back"].append((time.perf_counter() - start) * 1000)
             for what, samples in republish.items():
                 print(f"/dev/vfio/6 {what:7} to the next slice generation in the API ({len(samples)}x): "
