@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from katamgr.host.naming import Naming
@@ -145,7 +145,3 @@ def describe(units: Iterable[PassthroughUnit], naming: Naming) -> list[DraDevice
                   tuple(sorted(attributes(u, naming, fabric).items())))
         for u in units
     ]
-
-
-def by_name(devices: Iterable[DraDevice]) -> Mapping[str, DraDevice]:
-    return {d.name: d for d in devices}

@@ -48,7 +48,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 from kubernetes.client import ApiClient, ResourceV1Api
@@ -402,10 +401,3 @@ class DraKubelet:
 def _drivers(claim: dict) -> list[str]:
     results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
     return list(dict.fromkeys(r["driver"] for r in results))
-
-
-def socket_exists(path: Path) -> bool:
-    try:
-        return stat.S_ISSOCK(path.lstat().st_mode)
-    except FileNotFoundError:
-        return False
