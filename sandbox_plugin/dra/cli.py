@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host-root", default="/", metavar="DIR",
                         help="where the host's / is mounted (default: /; /host in a DaemonSet)")
+    parser.add_argument("--runtime-root", default="/", metavar="DIR",
+                        help="where the host's / is as the kubelet and containerd see it, for the "
+                             "endpoint the kubelet dials (default: /; the chart passes hostPaths.rootFS)")
     parser.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="N",
                         help="this node's name: the pool and spec.nodeName of its slice (default: $NODE_NAME)")
     parser.add_argument("--driver-name", default=DEFAULT_DRIVER, metavar="NAME",
@@ -124,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         runtime_classes = runtime_classes_from(args)
         if not args.kubelet_dir.startswith("/"):
             raise UsageError(f"--kubelet-dir {args.kubelet_dir!r} is not an absolute host path")
+        if not args.runtime_root.startswith("/"):
+            raise UsageError(f"--runtime-root {args.runtime_root!r} is not an absolute path")
         try:
-            host = HostRoot.at(Path(args.host_root))
+            host = HostRoot.at(Path(args.host_root), runtime_root=args.runtime_root)
             naming = resource_naming.from_arguments(args, device_selection.from_arguments(args))
         except ValueError as exc:
             raise UsageError(str(exc)) from None

@@ -66,6 +66,10 @@ class Registration:
 
     def __init__(self, host: HostRoot, layout: Layout) -> None:
         self.layout = layout
+        # The endpoint as the kubelet dials it: the kubelet sees the node's / where the
+        # container runtime does (``HostRoot.runtime_root``: / on a node; hack/local-cluster's
+        # node runs its kubelet with --root-dir below a simulated root).
+        self.endpoint = host.runtime_node(layout.endpoint)
         self.registered = threading.Event()
         self.error = ""  # the kubelet's last refusal
         self.notifications = 0
@@ -76,9 +80,8 @@ class Registration:
 
     def _get_info(self, request: bytes) -> bytes:
         reg.InfoRequest.FromString(request)
-        # The endpoint as the kubelet sees it: it dials this path itself.
         return reg.PluginInfo(type=DRA_PLUGIN_TYPE, name=self.layout.driver,
-                              endpoint=self.layout.endpoint,
+                              endpoint=self.endpoint,
                               supported_versions=[DRA_SERVICE]).SerializeToString()
 
     def _notify(self, request: bytes) -> bytes:

@@ -228,7 +228,9 @@ class DraKubelet:
                 endpoint = info.endpoint or host_socket
                 service = next(s for s in info.supported_versions if s in KUBELET_SERVICES)
                 registration = DraRegistration(info.name, endpoint, service, host_socket)
-                target = self.host_root.path(endpoint)
+                # The kubelet dials the endpoint as named; here that is a path of the
+                # simulated node (below its runtime root, when it has one).
+                target = self.host_root.path(self.host_root.host_node(endpoint))
                 with self._cond:
                     self._plugins[path] = (registration, grpc.insecure_channel(f"unix://{target}"))
                     self._state.registrations.append(registration)

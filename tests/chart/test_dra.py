@@ -79,6 +79,11 @@ def test_the_driver_gets_the_same_devices_and_naming_as_katamgr(chart):
     assert driver["args"][driver["args"].index("--driver-name") + 1] == "vfio.example.com"
     assert "/host/var/lib/kubelet/plugins/vfio.example.com" in host_mounts(rendered, "-sandbox-agent", "dra-driver")
     assert driver["resources"] == {"requests": {"cpu": "10m"}}
+    on_root = render(chart, merged(values, {"hostPaths": {"rootFS": "/srv/node"}}))
+    args = container(on_root, "-sandbox-agent", "dra-driver")["args"]
+    assert args[args.index("--runtime-root") + 1] == "/srv/node"  # where the kubelet dials dra.sock
+    assert host_mounts(on_root, "-sandbox-agent", "dra-driver")["/host/var/lib/kubelet/plugins_registry"] == (
+        "/srv/node/var/lib/kubelet/plugins_registry", False)
     custom = render(chart, merged(values, {"isolation": {"runtimeClasses": ["kata-fc"]}}))
     args = container(custom, "-sandbox-agent", "dra-driver")["args"]
     assert [args[i + 1] for i, a in enumerate(args) if a == "--kata-runtime-class"] == ["kata-fc"]

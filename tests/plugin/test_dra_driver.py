@@ -62,6 +62,24 @@ def test_the_kubelet_registers_the_driver_as_kubelet_1_35_expects(node):
     assert node.dra.state.refusals == []
 
 
+def test_the_endpoint_is_named_as_the_kubelet_sees_the_node():
+    import dataclasses
+    import tempfile
+    from pathlib import Path
+
+    # hack/local-cluster's node: containerd and the kubelet see the simulated node's / at
+    # its directory (--runtime-root), the kubelet's --root-dir below it.
+    from katamgr.host.root import HostRoot
+    from sandbox_plugin.dra.registration import Layout, Registration
+
+    root = Path(tempfile.mkdtemp(prefix="kd-"))  # short: unix socket paths are limited
+    host = dataclasses.replace(HostRoot.at(root), runtime_root=str(root))
+    registration = Registration(host, Layout("/var/lib/kubelet", DRIVER))
+    assert registration.endpoint == f"{root}{ENDPOINT}"
+    assert registration.socket.path == root / REGISTRATION.lstrip("/")
+    root.rmdir()
+
+
 def test_a_removed_registration_socket_is_served_and_registered_again(node):
     node.host.path(REGISTRATION).unlink()
     # The plugin watcher deregisters the driver; the driver serves the socket again
