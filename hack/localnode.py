@@ -144,7 +144,8 @@ state = "{c / 'state'}"
   address = "{c / 'containerd.sock.ttrpc'}"
 
 [debug]
-  level = "info"
+  # debug: containerd logs the CDI names the kubelet hands it (tests/node reads them).
+  level = "debug"
 
 [plugins."io.containerd.cri.v1.runtime"]
   enable_cdi = true

@@ -124,7 +124,8 @@ class _Collector:
                 buckets.append((_bound(bound), cumulative))
             histogram.add_metric(list(labels), buckets, total)
         yield histogram
-        for family in (m.allocate_errors, m.registrations, m.registration_failures):
+        for family in (m.allocate_errors, m.preferred_allocations, m.registrations,
+                       m.registration_failures):
             counter = CounterMetricFamily(family.name, family.documentation, labels=family.labelnames)
             for labels, child in family.snapshot():
                 counter.add_metric(list(labels), child.value)

@@ -124,7 +124,8 @@ def resolve(host: HostRoot, names: Iterable[str],
             unresolved.append(name)
             continue
         for edits in (found.spec.container_edits, found.device.container_edits):
-            nodes += [n.host_path or n.path for n in edits.device_nodes]
+            # As the node names them (a hostPath below --runtime-root maps back).
+            nodes += [host.host_node(n.host_path or n.path) for n in edits.device_nodes]
     if unresolved:
         raise ColdPlugError(f"unresolvable CDI devices {', '.join(unresolved)}")
     return list(dict.fromkeys(nodes))

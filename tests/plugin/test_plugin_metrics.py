@@ -60,6 +60,7 @@ def test_allocate_and_registration_metrics_and_readiness(sim_host):
             assert get(server.port, "/healthz")[0] == 200
             status, body = get(server.port, "/readyz")
             assert status == 200 and A10 in body
+            kubelet.preferred(A10, ["0000:17:00.0", "0000:31:00.0"], size=1)
             kubelet.allocate(A10, ["0000:17:00.0"])
             kubelet.allocate(A10, ["0000:31:00.0", "0000:ca:00.0"])
             with pytest.raises(grpc.RpcError):
@@ -69,6 +70,7 @@ def test_allocate_and_registration_metrics_and_readiness(sim_host):
             assert value(found, "sandbox_device_plugin_allocate_errors_total", resource=A10,
                          code="INVALID_ARGUMENT") == 1
             assert value(found, "sandbox_device_plugin_kubelet_registrations_total", resource=A10) == 1
+            assert value(found, "sandbox_device_plugin_preferred_allocations_total", resource=A10) == 1
             # A kubelet restart: registered again, counted again.
             kubelet.restart()
             kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4)

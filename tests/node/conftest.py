@@ -1,0 +1,86 @@
+"""The node suite: the chart on a real kubelet.
+
+One cluster for this directory (package scope): ``hack/local-cluster up DIR --node`` (the
+control plane of tests/controlplane plus containerd 2.x, a kubelet and kube-proxy on this
+machine, node ``local-node`` on a simulated DGX H100 in DIR/host, the chart's image and a
+pause image imported from hack/image/build), the node labelled vm-passthrough, then
+``hack/local-chart up DIR --node`` (the chart rendered by the real Helm engine with
+examples/values/local-node.yaml, applied server-side). Every pod here is started by the
+real kubelet from our image: the agent, both device plugins, the webhook. What is still a
+stand-in: the Kata guest (the Kata runtime handler runs runc's shim), the GPUs (the
+simulated node's sysfs, /dev/vfio nodes with /dev/null's numbers) and NVML.
+
+Needs root, runc, the CNI plugins, iptables and mmdebstrap (bash .ci/setup installs them);
+under REQUIRE_INTEGRATION=1 a missing part fails the suite. Its time is printed in the
+terminal summary ("node suite: ...").
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from support.kubecluster import LocalCluster, missing_part
+from support.nodekit import WORKLOAD, Node
+from support.paths import REQUIRE_INTEGRATION
+
+_timing: dict[str, float] = {"tests": 0.0}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "node" in item.nodeid.split("/")[:2]:
+            item.add_marker(pytest.mark.integration)
+
+
+def missing_node_part() -> str | None:
+    why = missing_part()
+    if why:
+        return why
+    if os.geteuid() != 0:
+        return "the node suite runs a kubelet and containerd: it needs root"
+    for tool, package in (("runc", "runc"), ("iptables", "iptables"),
+                          ("mmdebstrap", "mmdebstrap"), ("conntrack", "conntrack")):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            return f"{tool} is not installed (run: bash .ci/setup, or apt-get install {package})"
+    if not Path("/usr/lib/cni/bridge").exists():
+        return "the CNI plugins are not installed (apt-get install containernetworking-plugins)"
+    return None
+
+
+@pytest.fixture(scope="package")
+def node():
+    why = missing_node_part()
+    if why:
+        if REQUIRE_INTEGRATION:
+            pytest.fail(why)
+        pytest.skip(why)
+    # Short: the kubelet's plugin sockets live below DIR/host and a unix socket path
+    # holds 107 bytes.
+    directory = Path(tempfile.mkdtemp(prefix="ksm-node-", dir="/tmp"))
+    cluster = LocalCluster.up(directory / "c", node=True)
+    _timing["start"] = cluster.start_seconds
+    the_node = Node(cluster)
+    try:
+        the_node.label(WORKLOAD, "vm-passthrough")
+        the_node.cluster_chart("up")
+        the_node.wait_chart_ready()
+        yield the_node
+    finally:
+        print(cluster.down())
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def pytest_runtest_logreport(report) -> None:
+    if "/node/" in "/" + report.nodeid:
+        _timing["tests"] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if "start" in _timing:
+        terminalreporter.write_line(
+            f"node suite: {_timing['tests']:.0f} s "
+            f"(hack/local-cluster up --node {_timing['start']:.1f} s)")

@@ -1,0 +1,166 @@
+"""The local node of tests/node (``hack/local-cluster up --node``): its labels, the chart's
+pods on it, their logs and metrics, and pods of the tests' own, all through the real API
+server and kubelet.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from support.kubecluster import LocalCluster, wait_for
+from support.paths import REPO
+
+NODE = "local-node"
+NAMESPACE = "gpu-sandbox"  # hack/local-chart's release namespace
+RELEASE = "kata-sandbox-manager"
+WORKLOAD = "nvidia.com/gpu.workload.config"
+GPU_RESOURCE = "nvidia.com/GH100H100_SXM5_80GB"
+NVSWITCH_RESOURCE = "nvidia.com/PCI_22a3"  # the dgx-h100 profile's NVSwitch, by PCI id
+KATA_CLASS = "kata-qemu-nvidia-gpu"
+IMAGE = "ghcr.io/kata-sandbox-manager/kata-sandbox-manager:0.1.0"  # the chart's, from hack/image/build
+# A pod's start on this 2-core machine: the kubelet's sync, the sandbox, the container.
+POD_TIMEOUT = 120
+
+
+@dataclass
+class Node:
+    cluster: LocalCluster
+
+    # --- the Node object ----------------------------------------------------------------
+
+    def get(self) -> dict[str, Any]:
+        return json.loads(self.cluster.kubectl("get", "node", NODE, "-o", "json").stdout)
+
+    def label(self, key: str, value: str | None) -> None:
+        self.cluster.kubectl("label", "node", NODE, f"{key}-" if value is None else f"{key}={value}",
+                             "--overwrite")
+
+    def resources(self, field: str = "allocatable") -> dict[str, str]:
+        return self.get()["status"].get(field, {})
+
+    def wait_resource(self, name: str, count: int, timeout: float = 60) -> dict[str, str]:
+        def seen():
+            status = self.get()["status"]
+            have = (status.get("capacity", {}).get(name), status.get("allocatable", {}).get(name))
+            return status if have == (str(count), str(count)) else None
+        return wait_for(seen, f"node {NODE}: capacity and allocatable {name}={count}", timeout, every=0.5)
+
+    # --- pods ---------------------------------------------------------------------------
+
+    def pods(self, selector: str, namespace: str = NAMESPACE) -> list[dict[str, Any]]:
+        out = self.cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout
+        return json.loads(out)["items"]
+
+    def pod(self, name: str, namespace: str) -> dict[str, Any]:
+        return json.loads(self.cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json").stdout)
+
+    def component_pod(self, component: str) -> dict[str, Any]:
+        pods = [p for p in self.pods(f"app.kubernetes.io/component={component}")
+                if not p["metadata"].get("deletionTimestamp")]
+        assert len(pods) == 1, f"{component}: {len(pods)} pods"
+        return pods[0]
+
+    def wait_ready(self, selector: str, namespace: str = NAMESPACE, count: int = 1,
+                   timeout: float = POD_TIMEOUT) -> list[dict[str, Any]]:
+        def ready():
+            pods = [p for p in self.pods(selector, namespace) if not p["metadata"].get("deletionTimestamp")]
+            good = [p for p in pods if is_ready(p)]
+            return good if len(good) == count and len(pods) == count else None
+        try:
+            return wait_for(ready, f"{count} Ready pod(s) {selector} in {namespace}", timeout, every=1)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.describe(selector, namespace)}") from None
+
+    def wait_chart_ready(self) -> None:
+        self.wait_ready("app.kubernetes.io/component=sandbox-agent")
+        self.wait_ready("app.kubernetes.io/component=webhook", count=2)
+
+    def describe(self, selector: str, namespace: str = NAMESPACE) -> str:
+        result = self.cluster.kubectl("describe", "pods", "-n", namespace, "-l", selector, check=False)
+        events = self.cluster.kubectl("get", "events", "-n", namespace, check=False)
+        return (result.stdout + result.stderr)[-6000:] + "\n" + events.stdout[-3000:]
+
+    def logs(self, pod: str, namespace: str, container: str | None = None,
+             previous: bool = False) -> str:
+        args = ["logs", pod, "-n", namespace] + (["-c", container] if container else [])
+        return self.cluster.kubectl(*args, *(["--previous"] if previous else []), check=False).stdout
+
+    def run(self, manifest: dict[str, Any] | str, *, check: bool = True):
+        """Create a pod (or anything) as a user would: ``kubectl apply -f``."""
+        text = manifest if isinstance(manifest, str) else yaml.safe_dump(manifest, sort_keys=False)
+        return self.cluster.kubectl("apply", "-f", "-", input=text, check=check)
+
+    def wait_phase(self, name: str, namespace: str, phases: tuple[str, ...] = ("Running",),
+                   timeout: float = POD_TIMEOUT) -> dict[str, Any]:
+        def reached():
+            pod = self.pod(name, namespace)
+            return pod if pod["status"].get("phase") in phases else None
+        try:
+            return wait_for(reached, f"pod {namespace}/{name} in {'/'.join(phases)}", timeout, every=0.5)
+        except AssertionError as e:
+            described = self.cluster.kubectl("describe", "pod", name, "-n", namespace, check=False)
+            raise AssertionError(f"{e}\n{described.stdout[-5000:]}") from None
+
+    def wait_log(self, name: str, namespace: str, text: str, timeout: float = 60) -> str:
+        return wait_for(lambda: (log := self.logs(name, namespace)) and text in log and log,
+                        f"{text!r} in the log of {namespace}/{name}", timeout, every=0.5)
+
+    def delete_pod(self, name: str, namespace: str) -> None:
+        self.cluster.kubectl("delete", "pod", name, "-n", namespace, "--grace-period", "1",
+                             "--ignore-not-found", "--wait=true", timeout=120)
+
+    def cluster_chart(self, command: str) -> str:
+        """``hack/local-chart COMMAND DIR --node``-style: up or down on this cluster."""
+        args = [str(REPO / "hack" / "local-chart"), command, str(self.cluster.dir)]
+        if command == "up":
+            args.append("--node")
+        result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout + result.stderr
+
+    # --- metrics --------------------------------------------------------------------------
+
+    def scrape(self, pod: dict[str, Any], port: int) -> str:
+        """/metrics through the pod's own address, as Prometheus scrapes it."""
+        url = f"http://{pod['status']['podIP']}:{port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:  # noqa: S310 - a pod on this node
+            return response.read().decode()
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    conditions = {c["type"]: c["status"] for c in pod["status"].get("conditions", [])}
+    return conditions.get("Ready") == "True"
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """One sample's value from Prometheus text, or None."""
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric_name, _, label_text = head.partition("{")
+        if metric_name != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            return float(value)
+    return None
+
+
+def restart_count(pod: dict[str, Any]) -> int:
+    return sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses", []))
+
+
+def wait_gone(check, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not check():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{what}: still there after {timeout:g} s")
