@@ -1,6 +1,6 @@
 """The DRA example users copy from the README (examples/dra/two-gpus-kata.yaml): valid
 Kubernetes 1.35 objects, asking the chart's DeviceClass for two GPUs in a Kata VM.
-tests/controlplane/test_dra_slices.py has the real scheduler allocate it."""
+tests/controlplane/test_controlplane_dra.py has the real scheduler allocate it."""
 
 from __future__ import annotations
 

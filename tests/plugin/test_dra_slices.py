@@ -1,7 +1,7 @@
 """What the DRA driver publishes: the node's ResourceSlice, and how it follows the node.
 
 Against the in-process API server stand-in, which checks a ResourceSlice by the
-real server's rules (``support.resourceapi``); tests/controlplane/test_dra_slices.py
+real server's rules (``support.resourceapi``); tests/controlplane/test_controlplane_dra.py
 has the real kube-apiserver admit the same slice.
 """
 
