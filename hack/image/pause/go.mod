@@ -1,0 +1,3 @@
+module github.com/kata-sandbox-manager/kata-sandbox-manager/hack/image/pause
+
+go 1.22
