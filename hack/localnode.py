@@ -87,6 +87,35 @@ def link_device_plugins(host_root: Path) -> None:
         link.symlink_to(DEVICE_PLUGINS)
 
 
+# One local node per machine (the device-plugin dir and the kubelet's pod cgroups are
+# machine-wide: a second kubelet would remove the first one's pods). The dir of the
+# cluster holding the machine is written here from `up` until `down`.
+CLAIM = Path("/run/kata-sandbox-manager-local-node")
+
+
+def claim(d: Path, still_running) -> None:
+    """Take the machine for the node of ``d``; refuse while another cluster's node runs
+    (``still_running(dir)`` says whether that cluster has a live process)."""
+    try:
+        other = Path(CLAIM.read_text().strip())
+    except FileNotFoundError:
+        other = None
+    if other is not None and other != d and still_running(other):
+        raise RuntimeError(f"the local node of {other} runs on this machine (one node per "
+                           f"machine); stop it first: hack/local-cluster down {other}")
+    tmp = CLAIM.with_suffix(".tmp")
+    tmp.write_text(f"{d}\n")
+    os.replace(tmp, CLAIM)
+
+
+def release(d: Path) -> None:
+    try:
+        if Path(CLAIM.read_text().strip()) == d:
+            CLAIM.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def device_plugins_in_use() -> str | None:
     """Another kubelet's socket in the shared device-plugins dir, if one answers."""
     sock = DEVICE_PLUGINS / "kubelet.sock"

@@ -108,7 +108,14 @@ def tidy_state_dir(host: HostRoot) -> None:
             directory.rmdir()
     if {p.name for p in state.iterdir()} == {LOCK_FILE}:
         (state / LOCK_FILE).unlink()  # a waiter holding the old inode retries (see node_lock)
-        state.rmdir()
+        try:
+            state.rmdir()
+        except OSError as exc:
+            # In a pod (the chart's uninstall hook) the dir is the mount of a hostPath
+            # volume: only the kubelet can remove it, and leaving it empty keeps nothing.
+            if exc.errno != errno.EBUSY:
+                raise
+            log.info("left %s empty: it is a mount point here", host.host_path(state))
 
 
 def _still_named(fd: int, path: Path) -> bool:

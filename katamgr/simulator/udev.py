@@ -61,19 +61,24 @@ def sync(host: HostRoot) -> tuple[list[str], list[str]]:
     return made, removed
 
 
+def keep(host: HostRoot, stop: threading.Event, say=lambda line: None) -> None:
+    """``sync`` every INTERVAL until ``stop`` is set."""
+    while not stop.is_set():
+        made, removed = sync(host)
+        for name in made:
+            say(f"made /dev/vfio/{name}")
+        for name in removed:
+            say(f"removed /dev/vfio/{name}")
+        stop.wait(INTERVAL)
+
+
 def run(root: str) -> int:
     host = HostRoot.at(root)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"keeping {host.path('/dev/vfio')} in step with its sysfs", flush=True)
-    while not stop.is_set():
-        made, removed = sync(host)
-        for name in made:
-            print(f"made /dev/vfio/{name}", flush=True)
-        for name in removed:
-            print(f"removed /dev/vfio/{name}", flush=True)
-        stop.wait(INTERVAL)
+    keep(host, stop, lambda line: print(line, flush=True))
     return 0
 
 

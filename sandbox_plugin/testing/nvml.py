@@ -132,7 +132,7 @@ class FakeNvml:
         """NVML on a simulated node: each ``nvmlInit`` lists the NVIDIA GPUs then bound to
         the ``nvidia`` driver in its sysfs (so the container plugin on the local node of
         hack/local-cluster follows the agent's give-back), with UUIDs made from their
-        addresses."""
+        addresses; none bound is a driver that is not loaded."""
         return _SimulatedNvml(host)
 
     @classmethod
@@ -265,4 +265,6 @@ class _SimulatedNvml(FakeNvml):
                     for d in pci.scan(self.host)
                     if d.is_nvidia and d.base_class == 0x03 and d.driver == "nvidia"
                 ]
+                # No GPU on the driver: as on a node whose nvidia module is not loaded.
+                self.init_error = None if self.gpus else NVML_ERROR_DRIVER_NOT_LOADED
         super().nvmlInit()

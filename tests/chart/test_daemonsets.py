@@ -104,6 +104,7 @@ def test_custom_tolerations_root_fs_and_update_strategy(chart):
     assert host_mounts(rendered, "-device-plugin", "device-plugin") == {
         "/host/var/lib/kubelet/device-plugins": ("/node/var/lib/kubelet/device-plugins", False),
         "/host/var/lib/kubelet/pod-resources": ("/node/var/lib/kubelet/pod-resources", True),
+        "/host/sys": ("/node/sys", True),
     }
 
 

@@ -32,6 +32,9 @@ def test_defaults_run_only_the_container_gpu_plugin_unprivileged(chart):
     assert host_mounts(rendered, "-device-plugin", "device-plugin") == {
         "/host/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", False),
         "/host/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", True),
+        # NUMA nodes for the kubelet's topology hints (the real kubelet's node showed the
+        # plugin reading sysfs through no mount at all).
+        "/host/sys": ("/sys", True),
     }
     pod = rendered.get("DaemonSet", "-device-plugin")["spec"]["template"]["spec"]
     assert not pod.get("hostPID")

@@ -275,3 +275,16 @@ def test_katamgr_understands_the_agent_arguments(chart, values):
     assert parsed.default_workload == default
     assert parsed.workload == "auto"
     assert parsed.no_kata == (not chart.merge_values(values)["kataManager"]["enabled"])
+
+
+@pytest.mark.integration
+def test_runtime_root_follows_the_host_root_fs(chart):
+    """CDI specs and Allocate answers name device nodes as containerd opens them: below
+    hostPaths.rootFS when the node's / is elsewhere (the local node of tests/node)."""
+    for name in ("kata-manager", "sandbox-device-plugin"):
+        moved = container(render(chart, merged(FULL, {"hostPaths": {"rootFS": "/node/"}})),
+                          "-sandbox-agent", name)
+        at = moved["args"].index("--runtime-root")
+        assert moved["args"][at + 1] == "/node"
+        default = container(render(chart, FULL), "-sandbox-agent", name)
+        assert "--runtime-root" not in default["args"]

@@ -29,9 +29,10 @@ def test_a_simulated_root_keeps_its_emulated_kernel_when_opened_again(tmp_path):
 
 def test_the_real_kernel_ignores_the_simulator_marker(tmp_path):
     # Only the simulator reads its marker: a root opened as a real one writes files.
+    (tmp_path / MARKER).parent.mkdir(parents=True)
     (tmp_path / MARKER).write_text("{}")
     control = tmp_path / "sys/bus/pci/drivers_probe"
-    control.parent.mkdir(parents=True)
+    control.parent.mkdir(parents=True, exist_ok=True)
     control.write_text("")
     host = HostRoot.at(tmp_path)
     host.kernel.write(host, "/sys/bus/pci/drivers_probe", "0000:01:00.0")

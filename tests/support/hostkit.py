@@ -36,13 +36,16 @@ def tune(host: HostRoot, **settings) -> None:
 
 
 def snapshot(host: HostRoot) -> dict[str, str]:
-    """Every file's content and every link's target under sys/ and dev/."""
+    """Every file's content and every link's target under sys/ and dev/ (but the
+    simulator's own settings file, which only the emulated kernel writes)."""
     state = {}
     for top in ("sys", "dev"):
         for dirpath, dirnames, filenames in os.walk(host.root / top):
             for name in dirnames + filenames:
                 path = Path(dirpath) / name
                 rel = str(path.relative_to(host.root))
+                if rel == MARKER:
+                    continue
                 if path.is_symlink():
                     state[rel] = "-> " + os.readlink(path)
                 elif path.is_file():
