@@ -259,11 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         host, naming = _build(args)
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
-        # A simulated node has no NVML: its stand-in answers from the node's sysfs.
-        nvml = FakeNvml.for_simulated_host(host) if host.is_simulated else None
+        # A simulated node has no NVML: its stand-in answers from the node's sysfs, and is
+        # asked again soon (the agent may still be giving the GPUs back to nvidia).
+        simulated = host.is_simulated
+        nvml = FakeNvml.for_simulated_host(host) if simulated else None
         runner = PluginRunner(lambda m, metrics: PluginManager(
             host, m, naming=naming, device_list_strategies=strategies, metrics=metrics,
-            nvml=nvml))
+            nvml=nvml, **({"nvml_retry_interval": 2.0} if simulated else {})))
         follower = None
         if args.mode != AUTO:
             mode, why = Mode(args.mode), "chosen with --mode"

@@ -263,7 +263,7 @@ class _SimulatedNvml(FakeNvml):
                     FakeGpu(uuid=f"GPU-{uuid.uuid5(uuid.NAMESPACE_OID, d.bdf)}",
                             bus_id=f"0000{d.bdf}".upper(), name="NVIDIA (simulated)")
                     for d in pci.scan(self.host)
-                    if d.is_nvidia and d.base_class == 0x03 and d.driver == "nvidia"
+                    if d.is_nvidia and d.is_gpu and d.driver == "nvidia"
                 ]
                 # No GPU on the driver: as on a node whose nvidia module is not loaded.
                 self.init_error = None if self.gpus else NVML_ERROR_DRIVER_NOT_LOADED
