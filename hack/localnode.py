@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import time
@@ -77,10 +78,18 @@ def prerequisites() -> list[str]:
 DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
 
 
+def make_device_plugins() -> str:
+    """The kubelet's device-plugins dir on the machine; returns the top dir made for it
+    ("" when it was there), for `down` to remove."""
+    made = next((str(p) for p in (*reversed(DEVICE_PLUGINS.parents), DEVICE_PLUGINS)
+                 if not p.exists()), "")
+    DEVICE_PLUGINS.mkdir(parents=True, exist_ok=True)
+    return made
+
+
 def link_device_plugins(host_root: Path) -> None:
     """The simulated host's device-plugins dir is the kubelet's real one, so the chart's
     hostPath (below hostPaths.rootFS) reaches the sockets the kubelet uses."""
-    DEVICE_PLUGINS.mkdir(parents=True, exist_ok=True)
     link = host_root / "var/lib/kubelet/device-plugins"
     link.parent.mkdir(parents=True, exist_ok=True)
     if not link.is_symlink():
@@ -319,9 +328,13 @@ def import_images(bin_dir: Path, d: Path, images: list[Path]) -> list[str]:
     return listed.stdout.split()
 
 
-def clean_up(d: Path, bin_dir: Path) -> list[str]:
-    """After the processes stopped: what they leave on the host. Returns what was done."""
+def clean_up(d: Path, bin_dir: Path, made: str = "") -> list[str]:
+    """After the processes stopped: what they leave on the host (``made``: the dir `up`
+    made for the kubelet's device plugins). Returns what was done."""
     done = []
+    if made and Path(made).is_dir() and Path(made) in (DEVICE_PLUGINS, *DEVICE_PLUGINS.parents):
+        shutil.rmtree(made, ignore_errors=True)
+        done.append(f"{made} removed")
     proxy = bin_dir / "kube-proxy"
     if proxy.exists():
         r = subprocess.run([str(proxy), "--cleanup"], capture_output=True, text=True, timeout=60)

@@ -34,7 +34,6 @@ from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_s
 from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.server import PluginServerError
-from sandbox_plugin.testing.nvml import FakeNvml
 
 log = logging.getLogger("sandbox_plugin")
 
@@ -262,7 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         # A simulated node has no NVML: its stand-in answers from the node's sysfs, and is
         # asked again soon (the agent may still be giving the GPUs back to nvidia).
         simulated = host.is_simulated
-        nvml = FakeNvml.for_simulated_host(host) if simulated else None
+        nvml = None
+        if simulated:
+            from sandbox_plugin.testing.nvml import FakeNvml
+
+            nvml = FakeNvml.for_simulated_host(host)
         runner = PluginRunner(lambda m, metrics: PluginManager(
             host, m, naming=naming, device_list_strategies=strategies, metrics=metrics,
             nvml=nvml, **({"nvml_retry_interval": 2.0} if simulated else {})))

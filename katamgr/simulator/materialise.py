@@ -90,9 +90,7 @@ def open_root(root: str | Path) -> HostRoot:
     made it (its ``MARKER`` is there), else with the real one. ``/`` is always
     the real node."""
     host = HostRoot.at(root)
-    if not host.is_real_root and (host.root / kernel.MARKER).is_file():
-        return HostRoot(host.root, kernel.EMULATED)
-    return host
+    return HostRoot(host.root, kernel.EMULATED) if host.is_simulated else host
 
 
 def is_simulated(host: HostRoot) -> bool:

@@ -85,5 +85,5 @@ def test_runtime_root_prefixes_the_paths_a_runtime_opens(tmp_path):
     assert {(d.container_path, d.host_path) for d in answer.devices} >= {
         ("/dev/vfio/12", "/srv/node/dev/vfio/12"), ("/dev/vfio/vfio", "/srv/node/dev/vfio/vfio")}
     # The spec's names still match the device (its hostPath mapped back to the node's path).
-    assert answer.cdi_devices
+    assert answer.cdi_devices == ["nvidia.com/pgpu=0"]
     discovery.close()

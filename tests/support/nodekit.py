@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -156,11 +155,3 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 def restart_count(pod: dict[str, Any]) -> int:
     return sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses", []))
 
-
-def wait_gone(check, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not check():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"{what}: still there after {timeout:g} s")
