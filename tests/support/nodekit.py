@@ -23,6 +23,7 @@ WORKLOAD = "nvidia.com/gpu.workload.config"
 GPU_RESOURCE = "nvidia.com/GH100H100_SXM5_80GB"
 NVSWITCH_RESOURCE = "nvidia.com/PCI_22a3"  # the dgx-h100 profile's NVSwitch, by PCI id
 KATA_CLASS = "kata-qemu-nvidia-gpu"
+AGENT = "app.kubernetes.io/component=sandbox-agent"
 IMAGE = "ghcr.io/kata-sandbox-manager/kata-sandbox-manager:0.1.0"  # the chart's, from hack/image/build
 # A pod's start on this 2-core machine: the kubelet's sync, the sandbox, the container.
 POD_TIMEOUT = 120
@@ -115,9 +116,9 @@ class Node:
         self.cluster.kubectl("delete", "pod", name, "-n", namespace, "--grace-period", "1",
                              "--ignore-not-found", "--wait=true", timeout=120)
 
-    def cluster_chart(self, command: str) -> str:
-        """``hack/local-chart COMMAND DIR --node``-style: up or down on this cluster."""
-        args = [str(REPO / "hack" / "local-chart"), command, str(self.cluster.dir)]
+    def cluster_chart(self, command: str, *extra: str) -> str:
+        """``hack/local-chart up DIR --node [EXTRA]`` or ``down DIR`` on this cluster."""
+        args = [str(REPO / "hack" / "local-chart"), command, str(self.cluster.dir), *extra]
         if command == "up":
             args.append("--node")
         result = subprocess.run(args, capture_output=True, text=True, timeout=600)
