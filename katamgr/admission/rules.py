@@ -29,12 +29,13 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from katamgr.k8snames import NVIDIA_CONTAINER_RESOURCES
+from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 VOID = "void"
 CONTAINER_GPU_RESOURCES = NVIDIA_CONTAINER_RESOURCES
 DEFAULT_PASSTHROUGH = ("nvidia.com/*",)
-DEFAULT_RUNTIME_CLASSES = ("kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp")
+
 CONTAINER_LISTS = ("initContainers", "containers")
 _QUANTITY = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
 

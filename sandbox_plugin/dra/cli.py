@@ -15,6 +15,7 @@ from katamgr.host import selection as device_selection
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import WORKLOADS, NoCluster, Workload, resolve_workload
 from katamgr.k8snames import is_dns1123_subdomain
+from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES
 from katamgr.node.process import (
     add_log_format_argument,
     report_error,
@@ -29,8 +30,7 @@ from sandbox_plugin.manager import Mode
 log = logging.getLogger("sandbox_plugin.dra")
 
 DEFAULT_DRIVER = "passthrough.kata-sandbox-manager.io"
-# The chart's Kata runtime classes (isolation.runtimeClasses' default).
-DEFAULT_RUNTIME_CLASSES = ("kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp")
+
 DRIVER_NAME_MAX = 63  # a DRA driver name is validated as a CSI driver name
 
 DESCRIPTION = f"""\

@@ -1,0 +1,236 @@
+"""The kataManager config as pydantic models (the GPU Operator's ``kataManager.config`` shape).
+
+``extra="forbid"`` (a typo like ``runtimeClases`` is an error, not the defaults), frozen,
+camelCase aliases for the YAML keys and snake_case attributes for Python. A ``null`` stands
+for the field's default (for ``runtimeClasses`` and ``containerd.podAnnotations``: none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
+
+from katamgr import k8snames, kataclasses
+from katamgr.artifacts.refs import ArtifactRef, parse_ref
+from katamgr.config.fields import (
+    NULL_IS_DEFAULT,
+    NULL_IS_EMPTY,
+    NULL_IS_MISSING,
+    AbsolutePath,
+    AnnotationGlob,
+    ArtifactUrl,
+    ContainerdVersion,
+    ExcludedDevice,
+    NodeSelector,
+    PciIds,
+    PodFixed,
+    RegistryHost,
+    ResourceName,
+    RestartModeField,
+    RuntimeClassName,
+    SecretName,
+)
+from katamgr.config.messages import Says, quote
+from katamgr.host import selection as device_selection
+from katamgr.host.workload import WORKLOAD_LABEL, Workload
+from katamgr.runtime.settings import (
+    DEFAULT_CONFIG_PATH,
+    DEFAULT_POD_ANNOTATIONS,
+    DEFAULT_RESTART_MODE,
+    DEFAULT_SOCKET,
+)
+
+DEFAULT_ARTIFACTS_DIR = "/opt/nvidia-gpu-operator/artifacts/runtimeclasses"
+# A RuntimeClass with an empty nodeSelector in the config still must only
+# schedule onto nodes prepared for passthrough, like the GPU Operator does.
+DEFAULT_NODE_SELECTOR: Mapping[str, str] = MappingProxyType(
+    {WORKLOAD_LABEL: Workload.VM_PASSTHROUGH.value}
+)
+
+DEFAULT_GPU_ARTIFACTS = "nvcr.io/nvidia/cloud-native/kata-gpu-artifacts:ubuntu22.04-535.54.03"
+DEFAULT_SNP_ARTIFACTS = "nvcr.io/nvidia/cloud-native/kata-gpu-artifacts:ubuntu22.04-535.86.10-snp"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        alias_generator=to_camel,  # pull_secret <-> pullSecret
+        validate_by_name=True,  # Python callers use the attribute names
+        validate_by_alias=True,
+    )
+
+
+class Artifacts(_Model):
+    url: Annotated[
+        ArtifactUrl, Says(missing=f"give the artifacts image, e.g. {DEFAULT_GPU_ARTIFACTS}")
+    ] = Field(description="The artifacts image (host/repo:tag or @sha256:...), or "
+                          "oci-layout:///PATH[:TAG] for an OCI layout on the node.")
+    # a kubernetes.io/dockerconfigjson Secret in the agent's namespace
+    pull_secret: Annotated[SecretName, NULL_IS_DEFAULT] = ""
+
+    @property
+    def source(self) -> ArtifactRef:
+        """The parsed reference: a RegistryRef, or a LayoutRef for oci-layout://."""
+        return parse_ref(self.url)
+
+
+class RuntimeClassConfig(_Model):
+    name: Annotated[RuntimeClassName, Says(missing="every runtime class needs a name")]
+    node_selector: Annotated[NodeSelector, NULL_IS_DEFAULT] = Field(default_factory=dict)
+    artifacts: Annotated[
+        Artifacts, NULL_IS_MISSING,
+        Says(missing="every runtime class needs artifacts.url"),
+    ]
+
+    @property
+    def handler(self) -> str:
+        return self.name
+
+    @property
+    def scheduling_node_selector(self) -> dict[str, str]:
+        """The RuntimeClass's scheduling.nodeSelector: the configured one or the default."""
+        return dict(self.node_selector or DEFAULT_NODE_SELECTOR)
+
+
+class ContainerdConfig(_Model):
+    config_path: Annotated[AbsolutePath, NULL_IS_DEFAULT] = DEFAULT_CONFIG_PATH
+    socket: Annotated[AbsolutePath, NULL_IS_DEFAULT] = DEFAULT_SOCKET
+    version: ContainerdVersion = None  # None: detect from the existing config
+    restart_mode: Annotated[RestartModeField, NULL_IS_DEFAULT] = DEFAULT_RESTART_MODE
+    pod_annotations: Annotated[tuple[AnnotationGlob, ...], NULL_IS_EMPTY] = DEFAULT_POD_ANNOTATIONS
+
+
+class RuntimeClassOverhead(_Model):
+    # e.g. {"memory": "160Mi", "cpu": "250m"}; empty = none
+    pod_fixed: Annotated[PodFixed, NULL_IS_DEFAULT] = Field(default_factory=dict)
+
+
+class IncludedDevice(_Model):
+    ids: Annotated[PciIds, Says(missing="give the PCI ids as vendor:device, e.g. 1234:11e8")] = Field(
+        description="PCI vendor:device ids (4 hex digits each) of the devices to pass through.")
+    resource: Annotated[ResourceName, Says(missing="give the resource to advertise, e.g. example.com/edu")] = Field(
+        description="The extended resource (domain/name) they are advertised as; also the CDI "
+                    "kind of their spec.")
+
+
+class DevicesConfig(_Model):
+    """Which PCI devices are passthrough devices (``katamgr.host.selection``). By default
+    NVIDIA GPUs and NVSwitches; the command line's --include-device and --exclude-device
+    add to these lists."""
+
+    include: Annotated[
+        tuple[IncludedDevice, ...], NULL_IS_EMPTY,
+        Says(expect="it must be a list of {ids, resource}"),
+    ] = Field(default=(), description="Devices to pass through besides NVIDIA GPUs and NVSwitches.")
+    exclude: Annotated[
+        tuple[ExcludedDevice, ...], NULL_IS_EMPTY,
+        Says(expect="it must be a list of PCI addresses (0000:01:00.0) or vendor:device ids"),
+    ] = Field(default=(), description="Devices never to pass through, by full PCI address "
+                                      "(0000:01:00.0) or vendor:device ids (10de:1eb8); they "
+                                      "stay on their drivers. Wins over include.")
+
+    @field_validator("include", mode="after")
+    @classmethod
+    def _one_resource_per_ids(cls, value: tuple[IncludedDevice, ...]) -> tuple[IncludedDevice, ...]:
+        first: dict[str, IncludedDevice] = {}
+        for entry in value:
+            seen = first.setdefault(entry.ids, entry)
+            if seen.resource != entry.resource:
+                raise ValueError(f"includes {quote(entry.ids)} twice, as {quote(seen.resource)} and "
+                                 f"{quote(entry.resource)}; a device is advertised under one resource")
+        return value
+
+    @property
+    def selection(self) -> device_selection.Selection:
+        return device_selection.Selection(
+            tuple(device_selection.include_rule(e.ids, e.resource, device_selection.INCLUDE_CONFIG)
+                  for e in self.include),
+            tuple(device_selection.parse_exclude(e, device_selection.EXCLUDE_CONFIG) for e in self.exclude),
+        )
+
+
+def default_runtime_classes() -> tuple[RuntimeClassConfig, ...]:
+    return (
+        RuntimeClassConfig(
+            name=kataclasses.GPU, artifacts=Artifacts(url=DEFAULT_GPU_ARTIFACTS)
+        ),
+        RuntimeClassConfig(
+            name=kataclasses.GPU_SNP,
+            artifacts=Artifacts(url=DEFAULT_SNP_ARTIFACTS),
+            node_selector={"nvidia.com/cc.capable": "true"},
+        ),
+    )
+
+
+class KataManagerConfig(_Model):
+    artifacts_dir: Annotated[AbsolutePath, NULL_IS_DEFAULT] = DEFAULT_ARTIFACTS_DIR
+    # Absent: the GPU Operator's two classes; null or []: none.
+    runtime_classes: Annotated[tuple[RuntimeClassConfig, ...], NULL_IS_EMPTY] = Field(
+        default_factory=default_runtime_classes)
+    containerd: Annotated[ContainerdConfig, NULL_IS_DEFAULT] = Field(
+        default_factory=ContainerdConfig)
+    runtime_class_overhead: Annotated[RuntimeClassOverhead, NULL_IS_DEFAULT] = Field(
+        default_factory=RuntimeClassOverhead,
+        description="Added to every RuntimeClass as overhead (what each Kata VM costs "
+                    "beyond its containers).")
+    insecure_registries: Annotated[
+        tuple[RegistryHost, ...], NULL_IS_DEFAULT,
+        Says(expect="it must be a list of host[:port]"),
+    ] = Field(default=(), description="Registries (host[:port]) that may be reached over "
+                                      "plain HTTP.")
+    devices: Annotated[DevicesConfig, NULL_IS_DEFAULT] = Field(
+        default_factory=DevicesConfig,
+        description="Which PCI devices are passed through (default: NVIDIA GPUs and NVSwitches).")
+
+    @field_validator("runtime_classes", mode="wrap")
+    @classmethod
+    def _names_are_unique(cls, value: Any, handler: Callable[[Any], Any]) -> Any:
+        """A repeated name is reported next to the entries' own problems."""
+        failure: ValidationError | None = None
+        try:
+            result = handler(value)
+        except ValidationError as e:
+            failure, result = e, None
+        duplicates = []
+        first: dict[str, int] = {}
+        for i, entry in enumerate(value if isinstance(value, list | tuple) else ()):
+            name = entry.name if isinstance(entry, RuntimeClassConfig) else (
+                entry.get("name") if isinstance(entry, dict) else None)
+            if not isinstance(name, str) or not k8snames.is_dns1123_label(name):
+                continue  # no name, or a bad one: reported as such
+            if name not in first:
+                first[name] = i
+                continue
+            message = (f"{quote(name)} duplicates runtimeClasses[{first[name]}].name; "
+                       "runtime class names must be unique")
+            duplicates.append({"type": PydanticCustomError("duplicate", "{message}",
+                                                           {"message": message}),
+                               "loc": (i, "name"), "input": name})
+        if not duplicates:
+            if failure is not None:
+                raise failure
+            return result
+        errors = [*(failure.errors(include_url=False) if failure else ()), *duplicates]
+        raise ValidationError.from_exception_data(cls.__name__, errors)
+
+    @property
+    def overhead_pod_fixed(self) -> Mapping[str, str]:
+        """RuntimeClass overhead.podFixed, e.g. {"memory": "160Mi", "cpu": "250m"}; empty = none."""
+        return self.runtime_class_overhead.pod_fixed
+
+    def runtime_class(self, name: str) -> RuntimeClassConfig | None:
+        return next((rc for rc in self.runtime_classes if rc.name == name), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML shape (camelCase keys) this config was loaded from."""
+        return self.model_dump(mode="json", by_alias=True)
+
+
+def default_config() -> KataManagerConfig:
+    return KataManagerConfig()

@@ -1,0 +1,16 @@
+"""The Kata runtime classes of the GPU Operator's sandbox stack, by name.
+
+Three parts of the product need the same answer to "which runtime classes are Kata's":
+the agent creates these classes by default (``katamgr.config``), the admission layers let a
+pod that asks for a passthrough GPU use only them (``katamgr.admission``), and the DRA driver
+prepares a claim only for their pods (``sandbox_plugin.dra``). One list here, at the base of
+both programs, so that the three cannot drift apart.
+"""
+
+from __future__ import annotations
+
+GPU = "kata-qemu-nvidia-gpu"
+GPU_SNP = "kata-qemu-nvidia-gpu-snp"
+
+# In the order the GPU Operator lists them; the first is the one the webhook injects.
+DEFAULT_RUNTIME_CLASSES: tuple[str, ...] = (GPU, GPU_SNP)
