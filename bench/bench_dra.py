@@ -33,10 +33,10 @@ from support.apiserver import FakeApiServer  # noqa: E402
 from katamgr.host.naming import Naming  # noqa: E402
 from katamgr.host.pciids import PciIds  # noqa: E402
 from katamgr.pipeline.reconcile import Steps, reconcile  # noqa: E402
-from katamgr.simulator.materialise import materialise  # noqa: E402
-from katamgr.simulator.profiles import find_profile  # noqa: E402
 from kubeletapi import dra_pb2 as dra  # noqa: E402
 from kubeletapi import dra_pb2_grpc as dra_grpc  # noqa: E402
+from nodesim.materialise import materialise  # noqa: E402
+from nodesim.profiles import find_profile  # noqa: E402
 from sandbox_plugin.dra.driver import DraDriver  # noqa: E402
 
 DRIVER = "passthrough.kata-sandbox-manager.io"

@@ -111,8 +111,8 @@ def simulated_dgx(root: str) -> HostRoot:
     from katamgr.pipeline.cdi_specs import write_specs
     from katamgr.pipeline.devices import apply_host
     from katamgr.pipeline.plan import build_plan
-    from katamgr.simulator.materialise import materialise
-    from katamgr.simulator.profiles import find_profile
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
 
     host = materialise(find_profile(PROFILE), root)
     report = apply_host(host, build_plan(host, naming()))
@@ -319,7 +319,7 @@ class Kubelet:
     """Serves Registration on kubelet.sock and records when each Register came."""
 
     def __init__(self, host: HostRoot) -> None:
-        from sandbox_plugin.server import DEVICE_PLUGIN_DIR
+        from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
         from sandbox_plugin.wire.server import GrpcServer
 
         directory = host.path(DEVICE_PLUGIN_DIR)
@@ -442,8 +442,8 @@ def compile_plugin(source: Path, pycache: Path) -> None:
 
 def one_round(ctx, host: HostRoot, kubelet: Kubelet, source: Path, args, log: Path,
               pycache: Path) -> dict[str, float]:
+    from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
     from sandbox_plugin.resources import socket_name_for
-    from sandbox_plugin.server import DEVICE_PLUGIN_DIR
     from sandbox_plugin.wire.client import Channel
 
     name = h100_name()

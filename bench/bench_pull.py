@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from support.registry_server import run_registry  # noqa: E402
 
 from katamgr.artifacts import install_artifact  # noqa: E402
-from katamgr.artifacts.install import WRITEBACK_BYTES, _start_writeback  # noqa: E402
+from katamgr.artifacts.verified import WRITEBACK_BYTES, start_writeback  # noqa: E402
 
 CHUNK = 1024 * 1024
 
@@ -89,7 +89,7 @@ def raw_get(
                     out.write(view[:count])
                     written += count
                     if early and written - flushed >= WRITEBACK_BYTES:
-                        _start_writeback(out.fileno(), flushed, written - flushed)
+                        start_writeback(out.fileno(), flushed, written - flushed)
                         flushed = written
                 total += written
                 if durable:

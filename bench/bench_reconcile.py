@@ -19,8 +19,8 @@ from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, reconcile
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
 
 
 def stamps(root: Path) -> dict[str, tuple[int, int]]:

@@ -16,8 +16,8 @@ from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.plan import build_plan
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import parse_profile
+from nodesim.materialise import materialise
+from nodesim.profile import parse_profile
 
 
 def generated_profile(total: int = 2000, gpus: int = 16) -> dict:

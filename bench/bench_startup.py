@@ -25,8 +25,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from katamgr.simulator.materialise import materialise  # noqa: E402
-from katamgr.simulator.profiles import find_profile  # noqa: E402
+from nodesim.materialise import materialise  # noqa: E402
+from nodesim.profiles import find_profile  # noqa: E402
 
 EAGER = "import kubernetes.client, kubernetes.config, sys; from katamgr.cli import main; sys.exit(main())"
 LAZY = "import sys; from katamgr.cli import main; sys.exit(main())"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -35,8 +34,9 @@ from katamgr.node.process import TEXT, add_log_format_argument, report_error, se
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import plan_text, print_report
-from katamgr.simulator.materialise import is_simulated, materialise, open_root
-from katamgr.simulator.profiles import find_profile, shipped_names
+from nodesim.materialise import materialise
+from nodesim.node import open_node, open_root
+from nodesim.profiles import find_profile, shipped_names
 
 if TYPE_CHECKING:
     from katamgr.config import KataManagerConfig
@@ -239,7 +239,7 @@ def host_from(args: argparse.Namespace) -> Iterator[HostRoot]:
     if not root.is_dir():
         raise ConfigError(f"--host-root {root} is not a directory; pass the path where the node's / is mounted")
     # A dir `katamgr simulate` made gets its emulated kernel back; any other root the real one.
-    yield dataclasses.replace(open_root(root), runtime_root=getattr(args, "runtime_root", "/"))
+    yield open_root(root, getattr(args, "runtime_root", "/"))
 
 
 def runtime_root(value: str) -> str:
@@ -298,9 +298,10 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
     wants_cluster = (config is not None and not args.no_kata) or (args.workload == AUTO and args.node_name)
     if wants_cluster or config is not None:
         from katamgr import cluster  # the Kubernetes client costs a second: only when it is used
+        from katamgr.node.apiclient import connect
     # A simulated node talks to a cluster only when one is named (KUBECONFIG or the
     # pod's service account, as the chart's DaemonSets on a simulated node do).
-    api = cluster.connect(home_kubeconfig=not is_simulated(host)) if wants_cluster else None
+    api = connect(home_kubeconfig=open_node(host.root) is None) if wants_cluster else None
     if args.workload == AUTO:
         def read_labels(node: str):
             from katamgr.node.kube import read_node_labels  # the Kubernetes client: only to ask

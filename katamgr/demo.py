@@ -1,34 +1,41 @@
 """``katamgr demo``: the whole job on a simulated node, told as a short story.
 
-Nothing on the machine running it is touched: the node is a temp dir made by
-the simulator (``katamgr.simulator``) whose sysfs writes are answered by its
-emulated kernel, the Kata artifacts come from an OCI layout shipped with
-katamgr, and the kubelet is a simulator speaking the real device-plugin gRPC.
+Nothing on the machine running it is touched: the node is a temp dir made by the
+simulated node (``nodesim``) whose sysfs writes are answered by its emulated kernel, the
+Kata artifacts come from an OCI layout shipped with katamgr, and the kubelet is a
+simulator speaking the real device-plugin gRPC. The demo stands above both programs: it
+runs katamgr's pipeline here and ``sandbox-device-plugin`` as the separate program it is on
+a node (``python -m sandbox_plugin``), against that kubelet and Kata's cold-plug stand-in.
 """
-
 from __future__ import annotations
 
 import argparse
 import contextlib
 import difflib
 import shutil
+import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from katamgr.config import load_config
 from katamgr.errors import ConfigError
 from katamgr.host import selection as device_selection
 from katamgr.host.files import write_atomic
+from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
+from katamgr.host.passthrough import resource_units
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import STORY, plan_text, print_report
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
+from nodesim import kata_shim
+from nodesim.kubelet import KubeletSimulator
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
 
 DATA = Path(__file__).parent / "data"
 LAYOUT_ON_NODE = "/opt/kata-artifacts/layout"
@@ -87,7 +94,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print("  " + ("no changes, as expected" if not again.changes else f"UNEXPECTED: {again.changes}"))
 
         _step("4. The device plugin, as the kubelet sees it")
-        plugin_ok = _device_plugin(host, naming)
+        plugin_ok = _device_plugin(host, naming, args)
 
         _step("5. Revert (katamgr revert --config kata-manager.yaml)")
         undone = revert_all(host, steps, ctx)
@@ -99,10 +106,79 @@ def run_demo(args: argparse.Namespace) -> int:
         return 0 if (undone.ok and same and plugin_ok) else 1
 
 
-def _device_plugin(host: HostRoot, naming: Naming) -> bool:
+def _device_plugin(host: HostRoot, naming: Naming, args: argparse.Namespace, *, gpus: int = 2) -> bool:
+    """What a kubelet sees of the node: the plugin's registrations, the devices it lists,
+    an allocation for a pod, and what Kata's cold-plug makes of it."""
+    units = resource_units(host, discover(host, naming.selection), naming)
+    names = sorted({u.resource_name for u in units})
+    with tempfile.TemporaryFile("w+") as output, KubeletSimulator(host) as kubelet, \
+            _plugin_program(host, args, output):
+        try:
+            state = kubelet.wait_for(
+                lambda s: all(s.registrations_for(n) and n in s.devices for n in names), timeout=15)
+        except TimeoutError:
+            output.seek(0)
+            print("  the device plugin did not register every resource in 15 s; it said:")
+            for line in output.read().splitlines()[-20:]:
+                print(f"    {line}")
+            return False
+        for name in names:
+            registration = state.registrations_for(name)[-1]
+            print(f"  registered {name} (endpoint {registration.endpoint}, {registration.version}): "
+                  f"{len(state.healthy(name))} healthy of {len(state.devices[name])}")
+        gpu = _gpu_resource(host, naming, names)
+        if gpu is None:
+            print("  no passthrough resource to allocate from")
+            return False
+        count = min(gpus, len(state.healthy(gpu)))
+        answers = kubelet.admit_pod("default", "cuda-vectoradd-kata", {"cuda": {gpu: count}})
+        (chosen,) = [p.containers[0].devices[gpu] for p in kubelet.state.pods]
+        answer = answers["cuda"][gpu]
+        print(f"  pod default/cuda-vectoradd-kata asks for {count} {gpu}: GetPreferredAllocation, then")
+        print(f"  Allocate({', '.join(chosen)}) ->")
+        for spec in answer.devices:
+            print(f"    device node {spec.host_path} ({spec.permissions})")
+        for key, value in sorted(answer.envs.items()):
+            print(f"    env {key}={value}")
+        for device in answer.cdi_devices:
+            print(f"    CDI device {device.name}")
+        print("  Kata cold-plug at sandbox creation (PodResources Get -> CDI names -> VFIO nodes -> QEMU):")
+        try:
+            plug = kata_shim.cold_plug(host, kubelet.pod_resources_socket,
+                                       kata_shim.sandbox_annotations("default", "cuda-vectoradd-kata"))
+        except kata_shim.ColdPlugError as exc:
+            print(f"    FAILED: {exc}")
+            return False
+        for name in plug.cdi_names:
+            print(f"    resolved {name}")
+        print(f"    device nodes {' '.join(plug.device_nodes)}")
+        print(f"    qemu {' '.join(plug.qemu_args)}")
+        return bool(answer.devices) and len(plug.functions) >= count
+
+
+def _gpu_resource(host: HostRoot, naming: Naming, names: list[str]) -> str | None:
+    """A GPU resource if there is one, else any passthrough resource (an included device's)."""
+    inv = discover(host, naming.selection)
+    wanted = {naming.resource(d) for d in inv.gpus} or {naming.resource(d) for d in inv.passthrough}
+    return next((n for n in names if n in wanted), None)
+
+
+@contextlib.contextmanager
+def _plugin_program(host: HostRoot, args: argparse.Namespace, output) -> Iterator[None]:
+    """``sandbox-device-plugin`` serving the node with the demo's device selection until the
+    block ends, then stopped as the kubelet's pod would be (SIGTERM; killed after 10 s)."""
+    selection = [*(f"--include-device={v}" for v in args.include_device or ()),
+                 *(f"--exclude-device={v}" for v in args.exclude_device or ())]
+    plugin = subprocess.Popen(
+        [sys.executable, "-m", "sandbox_plugin", "--host-root", str(host.root),
+         "--mode", "vm-passthrough", *selection],
+        stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
     try:
-        from sandbox_plugin.demo import show_device_plugin
-    except ImportError as exc:  # the plugin package is part of this distribution
-        print(f"  (device plugin not available: {exc})")
-        return True
-    return show_device_plugin(host, naming)
+        yield
+    finally:
+        plugin.terminate()
+        try:
+            plugin.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            plugin.kill()
+            plugin.wait()

@@ -10,8 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host import inventory
+from katamgr.errors import KatamgrError
 from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
@@ -30,6 +29,8 @@ from katamgr.node.process import (
     setup_logging,
     stop_on_signals,
 )
+from nodesim.node import open_node
+from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host, read_labels
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
 from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
@@ -106,10 +107,6 @@ Stops cleanly (sockets removed, exit 0) on SIGTERM or SIGINT.
 """
 
 
-class UsageError(ConfigError):
-    """Bad command-line input; exit code 2."""
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sandbox-device-plugin",
@@ -158,42 +155,6 @@ def _modes(text: str) -> frozenset[Mode]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
-
-
-def cluster_client():
-    """A Kubernetes API client: in-cluster, else a kubeconfig; NoCluster without either."""
-    from kubernetes import client, config
-
-    configuration = client.Configuration()
-    try:
-        config.load_incluster_config(client_configuration=configuration)
-    except config.ConfigException:
-        try:
-            config.load_kube_config(client_configuration=configuration)
-        except (config.ConfigException, OSError) as exc:
-            raise NoCluster(str(exc)) from exc
-    return client.ApiClient(configuration)
-
-
-def read_labels(node_name: str) -> dict[str, str]:
-    """The node's labels through the Kubernetes API, read as katamgr reads them
-    (``katamgr.node.kube``). Raises NoCluster without credentials and KatamgrError
-    when the API does not answer (unreachable, 403, no such node)."""
-    from katamgr.node.kube import read_node_labels
-
-    return read_node_labels(cluster_client(), node_name)
-
-
-def mode_from_host(
-    host: HostRoot, selection: device_selection.Selection = device_selection.DEFAULT_SELECTION,
-) -> tuple[Mode, str]:
-    inv = inventory.discover(host, selection)
-    on_vfio = [d.bdf for d in inv.passthrough if d.on_vfio]
-    if on_vfio:
-        return Mode.VM_PASSTHROUGH, f"passthrough device(s) {', '.join(on_vfio)} are bound to vfio-pci"
-    if selection.is_default:
-        return Mode.CONTAINER, "no NVIDIA GPU is bound to vfio-pci"
-    return Mode.CONTAINER, "no passthrough device (as --include-device/--exclude-device select) is bound to vfio-pci"
 
 
 def decide_mode(
@@ -258,14 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         host, naming = _build(args)
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
-        # A simulated node has no NVML: its stand-in answers from the node's sysfs, and is
-        # asked again soon (the agent may still be giving the GPUs back to nvidia).
-        simulated = host.is_simulated
-        nvml = None
-        if simulated:
-            from sandbox_plugin.testing.nvml import FakeNvml
-
-            nvml = FakeNvml.for_simulated_host(host)
+        # A simulated node brings its own NVML (answering from the node's sysfs), asked
+        # again soon (the agent may still be giving the GPUs back to nvidia).
+        simulated = open_node(host.root)
+        nvml = simulated.nvml() if simulated else None
         runner = PluginRunner(lambda m, metrics: PluginManager(
             host, m, naming=naming, device_list_strategies=strategies, metrics=metrics,
             nvml=nvml, **({"nvml_retry_interval": 2.0} if simulated else {})))
@@ -275,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             watch = _label_watch(args)
             if watch is None:
-                mode, why = decide_mode(host, args.node_name, default=args.default_workload,
+                mode, why = decide_mode(host, args.node_name,
+                                        lambda node: read_labels(node, args.host_root),
+                                        default=args.default_workload,
                                         selection=naming.selection, modes=args.auto_modes)
             else:
                 # Followed live: a relabel switches the plugins without a restart.
@@ -311,7 +270,7 @@ def _label_watch(args: argparse.Namespace):
     if not args.node_name:
         return None
     try:
-        api = cluster_client()
+        api = cluster_client(args.host_root)
     except NoCluster:
         return None
     from katamgr.node.kube import NodeLabelWatch

@@ -33,7 +33,7 @@ No NVML (library missing, driver not loaded, any NVMLError on init): advertise
 nothing, say why in one log line, and retry init rarely; the process stays up.
 
 The NVML module is injectable: production uses ``pynvml`` (package
-``nvidia-ml-py``); tests pass ``sandbox_plugin.testing.nvml.FakeNvml``.
+``nvidia-ml-py``); tests pass ``nodesim.nvml.FakeNvml``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from katamgr.k8snames import QUALIFIED_NAME_MAX, is_extended_resource_name
+from kubeletapi.deviceplugin_paths import KUBELET_SOCKET
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,6 @@ HEALTH_VALUES = (HEALTHY, UNHEALTHY)
 # The kubelet refuses longer device IDs.
 MAX_DEVICE_ID_LENGTH = 63
 
-KUBELET_SOCKET = "kubelet.sock"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +36,12 @@ from google.protobuf.message import DecodeError
 from inotify_simple import flags as inotify_flags
 
 from katamgr.host.root import HostRoot
+from katamgr.node.backoff import Backoff
 from katamgr.node.watching import Watcher
 from kubeletapi import deviceplugin_pb2 as pb
+from kubeletapi.deviceplugin_paths import API_VERSION, DEVICE_PLUGIN_DIR, KUBELET_SOCKET
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.resources import (
-    KUBELET_SOCKET,
     MAX_DEVICE_ID_LENGTH,
     AllocationError,
     ContainerAllocation,
@@ -55,34 +55,17 @@ from sandbox_plugin.wire.server import GrpcServer, ServerStream
 
 log = logging.getLogger(__name__)
 
-API_VERSION = "v1beta1"
 _SERVICE = "/v1beta1.DevicePlugin/"
 _REGISTER = "/v1beta1.Registration/Register"
 # Allocate answers kept per set of device IDs; a node has at most a few dozen
 # devices per resource, so this only bounds what odd requests can leave behind.
 _ANSWER_CACHE_SIZE = 512
-DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
 
 class PluginServerError(Exception):
     """The plugin cannot serve at all (not a transient kubelet problem)."""
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """Capped exponential backoff for registration retries."""
-
-    initial: float = 0.5
-    factor: float = 2.0
-    cap: float = 30.0
-
-    def delays(self) -> Iterator[float]:
-        delay = self.initial
-        while True:
-            yield delay
-            delay = min(delay * self.factor, self.cap)
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ import oci  # noqa: E402 - hack/image/oci.py, after the re-exec
 PROG = "hack/image/build"
 CHART = REPO / "deploy" / "helm" / "kata-sandbox-manager"
 DOCKERFILE = REPO / "deploy" / "Dockerfile"
-PACKAGES = ("katamgr", "sandbox_plugin", "cdi", "kubeletapi")
+PACKAGES = ("katamgr", "sandbox_plugin", "cdi", "kubeletapi", "nodesim")
 # What goes into the wheel (the git-tracked files of these) and what decides the image.
 INPUTS = (*PACKAGES, "pyproject.toml", "README.md", "deploy/Dockerfile",
           "deploy/helm/kata-sandbox-manager/Chart.yaml",

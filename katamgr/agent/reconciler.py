@@ -20,6 +20,7 @@ from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.target import Target
 from katamgr.errors import KatamgrError
 from katamgr.host.vfio import Action, SkipReason
+from katamgr.node.backoff import Backoff, Retries
 from katamgr.pipeline.reconcile import reconcile
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report
@@ -43,13 +44,16 @@ class Reconciler:
         self.metrics = metrics
         self.events = events
         self.catch_up = catch_up
-        self.retry_initial = retry_initial
-        self.retry_max = retry_max
+        self.retries = Retries(Backoff(retry_initial, 2.0, retry_max))
         self.reconciles = 0
         self.last_result: Report | None = None
-        self.retry_delay: float | None = None  # the backoff now pending after failures
         self.retry_at: float | None = None  # monotonic time of the next retry
         self.in_use = False  # the last reconcile skipped a GPU a process held: bind it once free
+
+    @property
+    def retry_delay(self) -> float | None:
+        """The backoff now pending after failures (None: the last reconcile succeeded)."""
+        return self.retries.delay
 
     def run(self, why: str, *, raise_errors: bool = False) -> Report:
         """One reconcile under the node lock; an error that stopped it before any
@@ -99,15 +103,15 @@ class Reconciler:
         self.last_result = report
         if report.ok:
             m.last_success.set_to_current_time()
-            self.retry_delay = self.retry_at = None
+            self.retries.succeeded()
+            self.retry_at = None
             m.retry_delay.set(0)
         else:
             m.reconcile_errors.inc(len(report.failures))
-            self.retry_delay = (self.retry_initial if self.retry_delay is None
-                                else min(self.retry_delay * 2, self.retry_max))
-            self.retry_at = time.monotonic() + self.retry_delay
-            m.retry_delay.set(self.retry_delay)
-            log.warning("reconcile failed; retrying in %.0f s", self.retry_delay)
+            delay = self.retries.failed()
+            self.retry_at = time.monotonic() + delay
+            m.retry_delay.set(delay)
+            log.warning("reconcile failed; retrying in %.0f s", delay)
         try:
             plan = self.target.plan()
             m.observe_plan(plan)

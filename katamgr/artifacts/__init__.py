@@ -1,6 +1,7 @@
 """Kata artifacts (guest kernel, initrd/image, Kata config) from an OCI registry or layout.
 
-Public API: ``install_artifact`` -> ``InstallResult``, ``read_install``, ``remove_install``,
+Public API: ``Pull`` (what to pull and how), ``resolve_artifact`` -> ``Resolution``,
+``install_artifact`` -> ``InstallResult``, ``read_install``, ``remove_install``,
 ``NotOursError`` (a destination katamgr did not install), ``parse_ref``,
 ``credentials_from_dockerconfigjson`` -> ``Credentials``, ``ArtifactError``.
 """
@@ -8,18 +9,10 @@ Public API: ``install_artifact`` -> ``InstallResult``, ``read_install``, ``remov
 from .credentials import Credentials, credentials_from_dockerconfigjson
 from .deadlines import DEFAULT_DEADLINES, Deadlines
 from .errors import ArtifactError
-from .install import (
-    InstalledFile,
-    InstallRecord,
-    InstallResult,
-    NotOursError,
-    Resolution,
-    install_artifact,
-    read_install,
-    remove_install,
-    resolve_artifact,
-)
+from .install import InstallResult, Resolution, install_artifact, remove_install, resolve_artifact
 from .manifest import DEFAULT_MAX_LAYER_BYTES, MAX_MANIFEST_BYTES
+from .pull import Pull
+from .record import InstalledFile, InstallRecord, NotOursError, read_install
 from .refs import ArtifactRef, LayoutRef, RegistryRef, parse_ref
 
 __all__ = [
@@ -35,6 +28,7 @@ __all__ = [
     "InstalledFile",
     "LayoutRef",
     "NotOursError",
+    "Pull",
     "RegistryRef",
     "Resolution",
     "credentials_from_dockerconfigjson",

@@ -1,6 +1,6 @@
 """The only layer that talks to the Kubernetes API.
 
-Every function takes an ``ApiClient`` from ``connect()`` (or a test's client
+Every function takes an ``ApiClient`` from ``katamgr.node.apiclient.connect()`` (or a test's client
 pointed at a stand-in API server) and returns dataclasses, never raw API models.
 """
 
@@ -9,7 +9,6 @@ from katamgr.cluster.client import (
     MANAGED_BY_LABEL,
     MANAGED_BY_VALUE,
     agent_namespace,
-    connect,
 )
 from katamgr.cluster.events import EventRecorder, ObjectRef, record_event
 from katamgr.cluster.nodes import node_workload_mode
@@ -29,7 +28,6 @@ __all__ = [
     "ObjectRef",
     "RuntimeClassChanges",
     "agent_namespace",
-    "connect",
     "delete_managed_runtime_classes",
     "desired_runtime_classes",
     "node_workload_mode",

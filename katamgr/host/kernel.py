@@ -5,7 +5,7 @@ the node is asking the kernel: a write to a sysfs control file
 (``driver_override``, ``<driver>/unbind``, ``drivers_probe``), whether a module
 can be loaded, loading it. Every ``HostRoot`` carries the ``Kernel`` that
 answers those (``host.kernel``); ``HostRoot.at(path)`` gives ``LinuxKernel``,
-the real one. The simulator (``katamgr.simulator``) installs its emulated
+the real one. The simulated node (``nodesim``) installs its emulated
 kernel on the roots it makes; nothing here knows about it.
 """
 

@@ -7,7 +7,7 @@ prefixed with the root we happen to see it through.
 
 A root also carries the kernel that answers its control writes and module loads
 (``katamgr.host.kernel``): the real one unless whoever made the root says
-otherwise (the simulator, ``katamgr.simulator``, gives its roots an emulated one).
+otherwise (the simulated node, ``nodesim``, gives its roots an emulated one).
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ from katamgr.host.kernel import LINUX, Kernel
 
 # Where katamgr keeps what it needs to undo its own changes.
 STATE_DIR = "/var/lib/kata-sandbox-manager"
-# The file that marks a root `katamgr simulate` made (katamgr.simulator owns what is in it).
-# In /sys: the one host dir every container of the chart mounts (so a simulated node is
-# one inside the pods too), and one where a real node can hold no such file.
-SIMULATED_MARKER = "sys/katamgr-simulated-host"
 
 
 @dataclass(frozen=True)
@@ -51,11 +47,6 @@ class HostRoot:
     @property
     def is_real_root(self) -> bool:
         return self.root == Path("/")
-
-    @property
-    def is_simulated(self) -> bool:
-        """A root `katamgr simulate` made (whatever kernel this object was given)."""
-        return not self.is_real_root and (self.root / SIMULATED_MARKER).is_file()
 
     def runtime_node(self, host_path: str) -> str:
         """The path the container runtime opens for the device node ``host_path``

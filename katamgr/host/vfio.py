@@ -9,7 +9,7 @@ revert (or a crash followed by a revert) restores exactly it.
 
 Every write and module load goes to the root's kernel (``host.kernel``,
 ``katamgr.host.kernel``), so this code runs unchanged on a real node and on one
-the simulator (``katamgr.simulator``) made.
+the simulated node (``nodesim``) made.
 """
 
 from __future__ import annotations

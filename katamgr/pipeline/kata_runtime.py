@@ -23,6 +23,7 @@ from katamgr.artifacts import (
     Deadlines,
     LayoutRef,
     NotOursError,
+    Pull,
     RegistryRef,
     Resolution,
     credentials_from_dockerconfigjson,
@@ -65,12 +66,14 @@ def class_dir(config: KataManagerConfig, name: str) -> str:
     return f"{config.artifacts_dir.rstrip('/')}/{name}"
 
 
-def _source(host: HostRoot, rc: RuntimeClassConfig) -> RegistryRef | LayoutRef:
+def _pull(host: HostRoot, ctx: KataContext, rc: RuntimeClassConfig) -> Pull:
+    """How this runtime class's artifact is pulled, for both the preflight and the install."""
     ref = rc.artifacts.source
     if isinstance(ref, LayoutRef):
         # An air-gapped layout lives on the node, so its path is a host path.
-        return dataclasses.replace(ref, path=host.path(str(ref.path)))
-    return ref
+        ref = dataclasses.replace(ref, path=host.path(str(ref.path)))
+    return Pull.of(ref, label=rc.artifacts.url, credentials=_credentials(ctx, rc, ref),
+                   deadlines=ctx.deadlines, insecure_registries=ctx.config.insecure_registries)
 
 
 def _credentials(ctx: KataContext, rc: RuntimeClassConfig, ref: RegistryRef | LayoutRef) -> Credentials | None:
@@ -165,8 +168,7 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
 class Checked:
     """One runtime class's artifact as ``preflight`` found it, for ``apply`` to install."""
 
-    ref: RegistryRef | LayoutRef
-    credentials: Credentials | None
+    pull: Pull
     resolution: Resolution
 
 
@@ -194,11 +196,9 @@ def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> d
     for rc in config.runtime_classes:
         dest = host.path(class_dir(config, rc.name))
         try:
-            ref = _source(host, rc)
-            credentials = _credentials(ctx, rc, ref)
-            found = resolve_artifact(ref, dest, credentials=credentials, deadlines=ctx.deadlines,
-                                     insecure_registries=config.insecure_registries, label=rc.artifacts.url)
-            checked[rc.name] = Checked(ref, credentials, found)
+            pull = _pull(host, ctx, rc)
+            found = resolve_artifact(pull, dest)
+            checked[rc.name] = Checked(pull, found)
         except NotOursError as exc:
             bad.append(_not_ours(rc, config, exc))
         except ConfigError as exc:
@@ -260,12 +260,9 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
         try:
             found = (checked or {}).get(rc.name)
             if found is None:
-                ref = _source(host, rc)
-                found = Checked(ref, _credentials(ctx, rc, ref), Resolution(None, 0))
+                found = Checked(_pull(host, ctx, rc), Resolution(None, 0))
             result = None if found.resolution.warning else install_artifact(  # source down: keep
-                found.ref, dest, credentials=found.credentials, deadlines=ctx.deadlines,
-                fetched=found.resolution.fetched, insecure_registries=config.insecure_registries,
-                label=rc.artifacts.url)
+                found.pull, dest, fetched=found.resolution.fetched)
         except NotOursError as exc:
             report.failures.append(_not_ours(rc, config, exc))
             continue

@@ -187,8 +187,10 @@ def configure_containerd(
         main = _read_main(host, config_path, version)
         state = None
     if mode == DROP_IN:
-        return _apply_drop_in(host, main, target, runtimes, enable_cdi, state, dry_run)
-    return _apply_main(host, main, runtimes, enable_cdi, state, dry_run)
+        edit = _edit_drop_in(host, main, target, runtimes, enable_cdi, state, dry_run)
+    else:
+        edit = _edit_main(host, main, runtimes, enable_cdi, state, dry_run)
+    return _apply(host, main, edit, dry_run)
 
 
 def _resume(
@@ -235,14 +237,62 @@ def _write_durably(
     st.save(host, config_path, state)
 
 
-def _apply_main(
+@dataclass
+class _Edit:
+    """What one apply makes of its target file, worked out before anything is written:
+    the main config edited in place, or our drop-in written whole."""
+
+    target: str  # host path of the file: the main config or our drop-in
+    mode: str
+    old: bytes | None  # the file's content now (None: missing)
+    new_text: str
+    outcome: _Outcome
+    state: st.EditState  # what is recorded once the write has landed
+    pending: list[st.Entry]  # every entry of ours the file may hold before or after the write
+    # With nothing to write: record the state anyway (it was known before, or the file is
+    # already exactly what we would write and so ours to remove on revert).
+    keep_unchanged: bool
+
+    @property
+    def old_text(self) -> str:
+        return self.old.decode() if self.old is not None else ""
+
+    @property
+    def changed(self) -> bool:
+        return self.new_text != self.old_text
+
+
+def _apply(host: HostRoot, main: _Main, edit: _Edit, dry_run: bool) -> ContainerdChange:
+    """One apply over either target: the change for the report, then (unless ``dry_run``)
+    the durable write, or the state settled where nothing changed."""
+    change = ContainerdChange(
+        edit.target, edit.changed, edit.mode, main.version,
+        _diff(edit.target, edit.old_text, edit.new_text) if edit.changed else "",
+        tuple(edit.outcome.added), tuple(edit.outcome.updated), tuple(edit.outcome.removed),
+    )
+    if dry_run:
+        return change
+    if edit.changed:
+        _write_durably(host, main.path, edit.state, edit.pending, edit.old, edit.new_text)
+        log.info("containerd: %s %s written (added %s, updated %s, removed %s)",
+                 "our drop-in" if edit.mode == DROP_IN else "config", edit.target,
+                 edit.outcome.added or "-", edit.outcome.updated or "-", edit.outcome.removed or "-")
+    elif edit.keep_unchanged:
+        edit.state.settle(edit.old)
+        st.save(host, main.path, edit.state)
+    return change
+
+
+def _edit_main(
     host: HostRoot,
     main: _Main,
     runtimes: Sequence[KataRuntime],
     enable_cdi: bool,
     state: st.EditState | None,
-    dry_run: bool = False,
-) -> ContainerdChange:
+    dry_run: bool,
+) -> _Edit:
+    """The operator's config, edited in place: our entries recorded one by one, with what
+    each replaced, so that a revert restores every other byte."""
     layout = layout_for(main.version)
     old_text = main.data.decode() if main.data is not None else ""
     doc = main.doc
@@ -263,31 +313,9 @@ def _apply_main(
     new_text = tomlkit.dumps(doc)
     if main.fresh:
         new_text = _tidy(new_text)
-    changed = new_text != old_text
-    if changed and not dry_run:
-        # Entries we drop stay recorded until the write lands: the file holds them till then.
-        pending = before + [e for e in state.entries if not any(e is b for b in before)]
-        _write_durably(host, main.path, state, pending, main.data, new_text)
-        log.info(
-            "containerd: %s updated (added %s, updated %s, removed %s)",
-            main.path,
-            outcome.added or "-",
-            outcome.updated or "-",
-            outcome.removed or "-",
-        )
-    elif had_state and not dry_run:
-        state.settle(main.data)
-        st.save(host, main.path, state)
-    return ContainerdChange(
-        main.path,
-        changed,
-        MAIN,
-        main.version,
-        _diff(main.path, old_text, new_text) if changed else "",
-        tuple(outcome.added),
-        tuple(outcome.updated),
-        tuple(outcome.removed),
-    )
+    # Entries we drop stay recorded until the write lands: the file holds them till then.
+    pending = before + [e for e in state.entries if not any(e is b for b in before)]
+    return _Edit(main.path, MAIN, main.data, new_text, outcome, state, pending, had_state)
 
 
 def _edit(
@@ -376,15 +404,17 @@ def _undo(doc: tomlkit.TOMLDocument, entry: st.Entry) -> bool:
     return delete(doc, path)
 
 
-def _apply_drop_in(
+def _edit_drop_in(
     host: HostRoot,
     main: _Main,
     target: str,
     runtimes: Sequence[KataRuntime],
     enable_cdi: bool,
     state: st.EditState | None,
-    dry_run: bool = False,
-) -> ContainerdChange:
+    dry_run: bool,
+) -> _Edit:
+    """Our drop-in, written whole from the runtimes (and, for containerd 1.x, the CRI plugin
+    settings it must repeat): the main config is never touched."""
     layout = layout_for(main.version)
     local = host.path(target)
     try:
@@ -427,38 +457,18 @@ def _apply_drop_in(
         wanted = {rt.name for rt in runtimes}
         outcome.removed = [n for n in state.runtime_names() if n not in wanted]
     new_text = _tidy(tomlkit.dumps(doc))
-    changed = new_text != old_text
-    change = ContainerdChange(
-        target,
-        changed,
-        DROP_IN,
-        main.version,
-        _diff(target, old_text, new_text) if changed else "",
-        tuple(outcome.added),
-        tuple(outcome.updated),
-        tuple(outcome.removed),
-    )
-    if dry_run:
-        return change
+    pending = fresh_state.entries + (
+        [e for e in state.entries if fresh_state.entry(e.path) is None] if state else [])
     if state is None:
         state = fresh_state
-        if not changed:
+        if new_text == old_text:
             # The file already holds exactly what we write: it is ours to remove on revert.
             state.existed, state.original = False, None
-    elif not state.holds_ours(old):
-        state.pristine = False
-    if changed:
-        pending = fresh_state.entries + [
-            e for e in state.entries if fresh_state.entry(e.path) is None
-        ]
-        state.entries = fresh_state.entries
-        _write_durably(host, main.path, state, pending, old, new_text)
-        log.info("containerd: drop-in %s written (runtimes %s)", target, [r.name for r in runtimes])
     else:
+        if not state.holds_ours(old):
+            state.pristine = False
         state.entries = fresh_state.entries
-        state.settle(old)
-        st.save(host, main.path, state)
-    return change
+    return _Edit(target, DROP_IN, old, new_text, outcome, state, pending, True)
 
 
 def revert_containerd(host: HostRoot, config_path: str = DEFAULT_CONFIG_PATH) -> ContainerdChange:

@@ -22,7 +22,7 @@ from katamgr.node.process import (
     setup_logging,
     stop_on_signals,
 )
-from sandbox_plugin.cli import UsageError, cluster_client, mode_from_host
+from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host
 from sandbox_plugin.dra.registration import KUBELET_DIR
 from sandbox_plugin.follow import mode_for
 from sandbox_plugin.manager import Mode
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         try:
-            api = cluster_client()
+            api = cluster_client(args.host_root)
         except NoCluster as exc:
             raise KatamgrError(f"no Kubernetes API to read claims from and publish to ({exc}); run "
                                "in a pod with a service account, or set KUBECONFIG") from None

@@ -29,12 +29,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-
-from kubernetes.client import ApiClient
+from typing import TYPE_CHECKING
 
 from katamgr.errors import KatamgrError
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
+from katamgr.node.backoff import Backoff, Retries
 from sandbox_plugin.dra import devices as dra_devices
 from sandbox_plugin.dra.checkpoint import Checkpoint
 from sandbox_plugin.dra.devices import DraDevice
@@ -45,6 +45,9 @@ from sandbox_plugin.dra.slices import SlicePublisher
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import AllocationError
 from sandbox_plugin.watch import DeviceWatcher
+
+if TYPE_CHECKING:  # the client is imported where the API is talked to (claims, slices)
+    from kubernetes.client import ApiClient
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +166,7 @@ class DraDriver:
 
     def _run(self) -> None:
         due = 0.0  # the next sync's time: at once
-        backoff = 1.0
+        retries = Retries(Backoff(1.0, 2.0, MAX_BACKOFF))
         verify = True  # list the slices first (at start, on the timer, after a failure)
         while not self._stop.is_set():
             try:
@@ -178,12 +181,11 @@ class DraDriver:
             if time.monotonic() >= due:
                 ok, verify = self._sync(verify), False
                 if ok:
-                    backoff = 1.0
+                    retries.succeeded()
                     due = time.monotonic() + self.resync_interval
                 else:
                     verify = True
-                    due = time.monotonic() + backoff
-                    backoff = min(backoff * 2, MAX_BACKOFF)
+                    due = time.monotonic() + retries.failed()
             self._wake.wait(max(0.0, min(self.recheck_interval, due - time.monotonic())))
 
     def _sync(self, verify: bool) -> bool:

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-
-from kubernetes.client import ApiClient
+from typing import TYPE_CHECKING
 
 from sandbox_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from sandbox_plugin.dra.claims import (
@@ -33,6 +32,9 @@ from sandbox_plugin.dra.claims import (
     our_devices,
     read_claim,
 )
+
+if TYPE_CHECKING:  # the client is imported where the API is talked to (claims, slices)
+    from kubernetes.client import ApiClient
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import pytest
 from artifactkit import leftovers, snapshot
 from support.paths import EXAMPLES, REPO
 
-import katamgr.artifacts.install as install_module
+import katamgr.artifacts.swap as swap_module
 from katamgr.artifacts import ArtifactError, install_artifact, read_install
-from katamgr.artifacts.install import RECORD_NAME
+from katamgr.artifacts.record import RECORD_NAME
 
 LAYOUT = EXAMPLES / "oci-layout"
 GPU_TAG = "kata-qemu-nvidia-gpu"
@@ -166,7 +166,7 @@ def test_crash_between_renames_is_recovered(tmp_path):
 
 def test_swap_without_rename_exchange(tmp_path, monkeypatch):
     # filesystems without renameat2(RENAME_EXCHANGE) take the two-rename path
-    monkeypatch.setattr(install_module, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(swap_module, "_exchange", lambda a, b: False)
     dest = tmp_path / "rc"
     install_artifact(f"oci-layout://{LAYOUT}:{GPU_TAG}", dest)
     result = install_artifact(f"oci-layout://{LAYOUT}:{SNP_TAG}", dest)

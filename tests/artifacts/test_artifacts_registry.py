@@ -23,14 +23,14 @@ import pytest
 from artifactkit import leftovers, snapshot
 from support.registry_server import TEST_PASSWORD, TEST_USER
 
-import katamgr.artifacts.install as install_module
+import katamgr.artifacts.verified as verified
 from katamgr.artifacts import (
     ArtifactError,
     credentials_from_dockerconfigjson,
     install_artifact,
     read_install,
 )
-from katamgr.artifacts.install import RECORD_NAME
+from katamgr.artifacts.record import RECORD_NAME
 
 pytestmark = pytest.mark.integration
 FAST = {"retries": 1, "backoff": 0.01}
@@ -178,10 +178,10 @@ def test_corrupted_blob_fails_and_keeps_the_install(installed, tmp_path):
 def test_big_blobs_are_verified_while_streaming(registry_server, tmp_path):
     # over PIPELINE_MIN_BYTES and WRITEBACK_BYTES: hashed in the second thread, written back
     # early, and several layers at once; a bad byte in the middle must still be caught
-    big = install_module.WRITEBACK_BYTES + 3 * 1024 * 1024 + 17
+    big = verified.WRITEBACK_BYTES + 3 * 1024 * 1024 + 17
     files = artifact_files(tmp_path / "v1", "v1")
     files[0].write_bytes(os.urandom(big))
-    files[1].write_bytes(os.urandom(install_module.PIPELINE_MIN_BYTES + 1))
+    files[1].write_bytes(os.urandom(verified.PIPELINE_MIN_BYTES + 1))
     repo = "kata/big-blobs"
     registry_server.push_files(f"{repo}:v1", files)
     dest = tmp_path / "artifacts" / "kata-qemu-nvidia-gpu"

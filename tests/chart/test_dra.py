@@ -109,8 +109,8 @@ def test_device_classes_select_this_drivers_devices_by_type(chart, tmp_path):
     from katamgr.host.pciids import PciIds
     from katamgr.pipeline.devices import apply_host
     from katamgr.pipeline.plan import build_plan
-    from katamgr.simulator.materialise import materialise
-    from katamgr.simulator.profiles import find_profile
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
     from sandbox_plugin.dra.devices import describe
     from sandbox_plugin.passthrough import scan_units
 

@@ -14,12 +14,12 @@ from support.apiserver import FakeApiServer
 from katamgr.cluster import (
     ObjectRef,
     agent_namespace,
-    connect,
     node_workload_mode,
     read_pull_secret,
     record_event,
 )
 from katamgr.errors import ConfigError, KatamgrError
+from katamgr.node.apiclient import connect
 
 DOCKER_CONFIG = b'{"auths": {"nvcr.io": {"auth": "JG9hdXRodG9rZW46c2VjcmV0"}}}'
 
@@ -224,7 +224,7 @@ def test_event_failure_is_logged_not_raised(caplog):
 def test_no_cluster_means_none_and_a_clear_log(tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         assert connect(environ={"HOME": str(tmp_path)}, service_account_dir=tmp_path) is None
-    assert "no cluster reachable: skipping RuntimeClasses" in caplog.text
+    assert "no cluster reachable: no KUBECONFIG" in caplog.text
 
 
 def test_kubeconfig_from_env_reaches_the_server_with_its_token(tmp_path):
@@ -251,7 +251,7 @@ def test_a_simulated_node_uses_only_a_cluster_it_is_given(tmp_path, caplog):
     with FakeApiServer() as server:
         (tmp_path / ".kube").mkdir()
         server.write_kubeconfig(tmp_path / ".kube" / "config")
-        with caplog.at_level(logging.INFO, logger="katamgr.cluster.client"):
+        with caplog.at_level(logging.INFO, logger="katamgr.node.apiclient"):
             assert connect(environ={"HOME": str(tmp_path)}, service_account_dir=tmp_path / "none",
                            home_kubeconfig=False) is None
         assert "a simulated node: not using" in caplog.text and "set KUBECONFIG" in caplog.text

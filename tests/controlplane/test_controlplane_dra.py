@@ -30,11 +30,11 @@ from support.paths import EXAMPLES, REPO
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.reconcile import Steps, reconcile
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
-from sandbox_plugin.testing import kata_shim
-from sandbox_plugin.testing.drakubelet import DraKubelet
-from sandbox_plugin.testing.kubelet import KubeletSimulator
+from nodesim import kata_shim
+from nodesim.drakubelet import DraKubelet
+from nodesim.kubelet import KubeletSimulator
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
 
 pytestmark = pytest.mark.integration
 

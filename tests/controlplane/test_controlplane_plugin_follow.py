@@ -21,9 +21,9 @@ from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
-from sandbox_plugin.testing.kubelet import KubeletSimulator
+from nodesim.kubelet import KubeletSimulator
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
 
 pytestmark = pytest.mark.integration
 

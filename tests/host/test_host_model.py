@@ -15,8 +15,8 @@ from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.plan import build_plan
 from katamgr.render import plan_text
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import load_profile
+from nodesim.materialise import materialise
+from nodesim.profile import load_profile
 
 RESOURCE_RE = re.compile(r"^nvidia\.com/[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
 

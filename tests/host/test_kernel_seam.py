@@ -9,22 +9,23 @@ from katamgr.host import vfio
 from katamgr.host.errors import HostError
 from katamgr.host.kernel import LINUX
 from katamgr.host.root import HostRoot
-from katamgr.simulator.kernel import EMULATED, MARKER
-from katamgr.simulator.materialise import is_simulated, open_root
+from nodesim.kernel import EMULATED, MARKER
+from nodesim.node import open_node, open_root
 
 
 def test_a_root_opened_by_path_has_the_real_kernel(tmp_path):
     assert HostRoot.at(tmp_path).kernel is LINUX
     assert HostRoot().kernel is LINUX
     assert open_root(tmp_path).kernel is LINUX
-    assert not is_simulated(open_root(tmp_path))
+    assert open_node(tmp_path) is None
+    assert open_node("/") is None
 
 
 def test_a_simulated_root_keeps_its_emulated_kernel_when_opened_again(tmp_path):
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)])
-    assert host.kernel == EMULATED and is_simulated(host)
+    assert host.kernel == EMULATED
     again = open_root(host.root)
-    assert again == host and is_simulated(again)
+    assert again == host and open_node(host.root).host == host
 
 
 def test_the_real_kernel_ignores_the_simulator_marker(tmp_path):

@@ -74,7 +74,7 @@ def test_bounded_write_lands_and_a_refusal_names_the_file(tmp_path):
 
 
 def test_driver_override_is_written_directly(tmp_path):
-    host = _root(tmp_path, LinuxKernel(write_timeout=0.01))
+    host = _root(tmp_path, LinuxKernel(write_timeout=10.0))
     override = host.path("/sys/bus/pci/devices/0000:01:00.0/driver_override")
     override.parent.mkdir(parents=True)
     override.write_text("")

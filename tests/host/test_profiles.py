@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from katamgr.simulator.profile import ProfileError, parse_profile
+from nodesim.profile import ProfileError, parse_profile
 
 GOOD = {"bdf": "0000:01:00.0", "vendor": 0x10DE, "device": 0x2236, "class": 0x030200}
 

@@ -22,8 +22,8 @@ from katamgr.host.selection import (
     parse_include,
     select,
 )
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
 
 EDU = {"vendor": 0x1234, "device": 0x11E8, "class": 0x00FF00}
 NVSWITCH = {"vendor": 0x10DE, "device": 0x22A3, "class": 0x068000}

@@ -3,7 +3,7 @@
 
 On a node, vfio-pci's probe makes the kernel announce /dev/vfio/<group> and udev creates
 it; the agent's pod sees /dev/vfio read-only. So on such a simulated node the emulated
-kernel leaves /dev/vfio alone and ``katamgr.simulator.udev`` makes the nodes: character
+kernel leaves /dev/vfio alone and ``nodesim.udev`` makes the nodes: character
 devices with /dev/null's numbers (1, 3), which containerd can stat and inject. The device
 paths a runtime is given (CDI hostPath, the kubelet's DeviceSpec) are below --runtime-root.
 """
@@ -25,9 +25,9 @@ from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.cdi_specs import write_specs
 from katamgr.pipeline.plan import build_plan
-from katamgr.simulator import udev
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import parse_profile
+from nodesim import udev
+from nodesim.materialise import materialise
+from nodesim.profile import parse_profile
 from sandbox_plugin.passthrough import PassthroughDiscovery
 
 A10 = "nvidia.com/GA102GL_A10"

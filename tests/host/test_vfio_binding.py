@@ -21,8 +21,8 @@ from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import build_plan
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import load_profile
+from nodesim.materialise import materialise
+from nodesim.profile import load_profile
 
 NAMING = Naming(PciIds.find())
 
@@ -174,7 +174,7 @@ def test_readiness_files_written_and_removed(tmp_path):
 def test_revert_leaves_a_device_someone_else_moved(tmp_path):
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)], vfio_pci="loaded")
     plan_and_apply(host)
-    from katamgr.simulator import kernel
+    from nodesim import kernel
 
     kernel.create_driver_dir(host, "other")
     kernel.handle_write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:01:00.0")

@@ -350,7 +350,7 @@ class Plugin:
 
 def import_kubelet_simulator():
     """The kubelet simulator's module (grpc and the protos: seconds under TCG)."""
-    from sandbox_plugin.testing import kubelet
+    from nodesim import kubelet
 
     return kubelet
 

@@ -1,6 +1,6 @@
 """The device plugin on a real kernel: ``sandbox-device-plugin --mode vm-passthrough
 --include-device ...`` in the guest with the kubelet simulator
-(sandbox_plugin/testing/kubelet.py) in the guest's driver script.
+(nodesim/kubelet.py) in the guest's driver script.
 
 Sources: Kubernetes device plugin API v1beta1 (Register, ListAndWatch with per-device
 Health, Allocate's DeviceSpec host/container paths); kernel

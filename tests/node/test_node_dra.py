@@ -25,7 +25,7 @@ from support.nodekit import AGENT, GPU_RESOURCE, IMAGE, KATA_CLASS, NODE, is_rea
 from support.paths import EXAMPLES, REPO
 
 from katamgr.host.root import HostRoot
-from sandbox_plugin.testing import kata_shim
+from nodesim import kata_shim
 
 DRIVER = "passthrough.kata-sandbox-manager.io"
 NAMESPACE = "node-dra-tests"

@@ -11,7 +11,7 @@ What each part does, and where the fact comes from:
   Config.CDIDevices" at debug level (internal/cri/opts/spec_linux.go, WithCDI);
 - the kubelet's PodResources v1 Get lists the container's device IDs by resource
   (pkg/kubelet/apis/podresources/server_v1.go), which Kata's shim turns into CDI names
-  (sandbox_plugin/testing/kata_shim.py says where in Kata).
+  (nodesim/kata_shim.py says where in Kata).
 The Kata runtime class's handler is runc's shim here (no Kata guest can run): the
 container is a runc container with the devices the Kata VM would be given.
 """
@@ -25,7 +25,7 @@ from support.kubecluster import wait_for
 from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, metric
 
 from katamgr.host.root import HostRoot
-from sandbox_plugin.testing import kata_shim
+from nodesim import kata_shim
 
 NAMESPACE = "node-tests"
 

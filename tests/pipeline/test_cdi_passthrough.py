@@ -14,9 +14,9 @@ import cdi
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
-from katamgr.simulator import kernel
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import load_profile
+from nodesim import kernel
+from nodesim.materialise import materialise
+from nodesim.profile import load_profile
 
 NAMING = Naming(PciIds.find())
 PGPU = "/var/run/cdi/nvidia.com-pgpu.yaml"

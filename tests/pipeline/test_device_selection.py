@@ -19,8 +19,8 @@ from katamgr.host.pciids import PciIds
 from katamgr.host.selection import Selection, parse_exclude, parse_include
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
 
 PCI_IDS = PciIds.find()
 EDU = {"vendor": 0x1234, "device": 0x11E8, "class": 0x00FF00}

@@ -20,7 +20,7 @@ import pytest
 from support.hostkit import GPU_A10, dev, driver_of, make_host
 
 from katamgr.node.lock import node_lock
-from katamgr.simulator.kernel import MARKER
+from nodesim.kernel import MARKER
 
 REPO = Path(__file__).resolve().parents[1]
 while not (REPO / "pyproject.toml").exists():

@@ -257,7 +257,7 @@ def test_agent_reapplies_when_someone_drops_our_entries(tmp_path, containerd_pro
 
 def test_agent_keeps_the_cdi_specs_in_step_with_rebinds_and_hotplug(tmp_path):
     import cdi
-    from katamgr.simulator import kernel
+    from nodesim import kernel
 
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
     agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.1)

@@ -27,7 +27,7 @@ from katamgr.host.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Workl
 from katamgr.node.podresources import POD_RESOURCES_SOCKET, list_pod_devices
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, reconcile
-from sandbox_plugin.testing.podresources import (
+from nodesim.podresources import (
     ContainerRecord,
     PodRecord,
     PodResourcesServer,
@@ -258,7 +258,7 @@ def short_host(devices):
 
 def pod_resources(host, pods):
     """The kubelet's PodResources v1 service on the node's socket, answering ``pods()``
-    (sandbox_plugin.testing.podresources, as the kubelet simulator serves it)."""
+    (nodesim.podresources, as the kubelet simulator serves it)."""
     server = PodResourcesServer(host.path(POD_RESOURCES_SOCKET), lambda: Snapshot(pods(), {}))
     server.start()
     return server

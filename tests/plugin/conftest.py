@@ -1,5 +1,5 @@
 """Fixtures for the device plugin tests, around the kubelet simulator
-(sandbox_plugin.testing.kubelet): ``short_root``, ``kubelet`` and ``sim_host``.
+(nodesim.kubelet): ``short_root``, ``kubelet`` and ``sim_host``.
 
 Host roots are short temp dirs: a unix socket path must fit in 107 bytes, and
 pytest's own tmp_path names are long.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from katamgr.host.root import HostRoot
-from sandbox_plugin.testing.kubelet import KubeletSimulator
+from nodesim.kubelet import KubeletSimulator
 
 
 @pytest.fixture
@@ -43,9 +43,9 @@ def sim_host() -> Iterator:
     or a parsed HostProfile) into a new short temp root and starts a kubelet
     simulator there; returns ``(HostRoot, KubeletSimulator)``. Cleaned up after
     the test."""
-    from katamgr.simulator.materialise import materialise
-    from katamgr.simulator.profile import HostProfile
-    from katamgr.simulator.profiles import find_profile
+    from nodesim.materialise import materialise
+    from nodesim.profile import HostProfile
+    from nodesim.profiles import find_profile
 
     started: list[tuple[str, KubeletSimulator]] = []
 

@@ -2,7 +2,7 @@
 
 ``DraNode``: a host profile materialised and set up by katamgr (vfio-pci, CDI
 specs), the in-process API server stand-in with the Node, the kubelet simulator
-with its DRA side (``sandbox_plugin.testing.drakubelet``) and a running
+with its DRA side (``nodesim.drakubelet``) and a running
 ``DraDriver``. Claims are seeded into the API stand-in allocated as the scheduler
 would write them (``status.allocation.devices.results`` and ``status.reservedFor``).
 """
@@ -20,13 +20,13 @@ from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
 from katamgr.pipeline.reconcile import Steps, reconcile
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import HostProfile
-from katamgr.simulator.profiles import find_profile
 from kubeletapi import dra_pb2 as dra
+from nodesim.drakubelet import DraKubelet
+from nodesim.kubelet import KubeletSimulator
+from nodesim.materialise import materialise
+from nodesim.profile import HostProfile
+from nodesim.profiles import find_profile
 from sandbox_plugin.dra.driver import DraDriver
-from sandbox_plugin.testing.drakubelet import DraKubelet
-from sandbox_plugin.testing.kubelet import KubeletSimulator
 
 DRIVER = "passthrough.kata-sandbox-manager.io"
 NODE = "dgx-1"

@@ -1,6 +1,6 @@
 """The container fallback (``nvidia.com/gpu`` from NVML) with the NVML stand-in.
 
-No GPU or libnvidia-ml exists here, so NVML is ``sandbox_plugin.testing.nvml``
+No GPU or libnvidia-ml exists here, so NVML is ``nodesim.nvml``
 (same calls, error codes and event-set semantics as pynvml); the kubelet side
 is the simulator over real gRPC.
 """
@@ -16,8 +16,10 @@ import pytest
 
 import cdi
 from cdi.names import annotation_key_problem
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
+from katamgr.node.backoff import Backoff
+from nodesim.materialise import materialise
+from nodesim.nvml import NVML_ERROR_TIMEOUT, FakeGpu, FakeNvml, NVMLError
+from nodesim.profiles import find_profile
 from sandbox_plugin.cli import main as plugin_main
 from sandbox_plugin.container import (
     DEFAULT_DEVICE_LIST_STRATEGIES,
@@ -31,8 +33,6 @@ from sandbox_plugin.container import (
 )
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY
-from sandbox_plugin.server import Backoff
-from sandbox_plugin.testing.nvml import NVML_ERROR_TIMEOUT, FakeGpu, FakeNvml, NVMLError
 
 UUIDS = [
     "GPU-3b2c1d4e-0000-4a5b-8c9d-000000000017",

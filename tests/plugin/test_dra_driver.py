@@ -1,6 +1,6 @@
 """The DRA driver as kubelet 1.35 meets it, on a simulated DGX H100 node.
 
-The kubelet is the simulator's DRA side (``sandbox_plugin.testing.drakubelet``:
+The kubelet is the simulator's DRA side (``nodesim.drakubelet``:
 the plugin watcher's registration and the DRA manager's NodePrepareResources and
 NodeUnprepareResources over grpcio, from a real unix socket); the API server is the
 in-process stand-in holding the claims as the scheduler allocates them; Kata is the
@@ -17,9 +17,9 @@ import time
 import pytest
 from drakit import DRIVER, NODE, make_node, new_uid
 
+from nodesim import kata_shim
+from nodesim.drakubelet import PrepareError
 from sandbox_plugin.dra.registration import DRA_SERVICE
-from sandbox_plugin.testing import kata_shim
-from sandbox_plugin.testing.drakubelet import PrepareError
 
 ENDPOINT = f"/var/lib/kubelet/plugins/{DRIVER}/dra.sock"
 REGISTRATION = f"/var/lib/kubelet/plugins_registry/{DRIVER}-reg.sock"

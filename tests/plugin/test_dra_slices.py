@@ -17,8 +17,8 @@ from support.resourceapi import slice_problems
 from katamgr.host.naming import Naming
 from katamgr.host.selection import Selection, parse_exclude, parse_include
 from katamgr.pipeline.reconcile import Steps, revert_all
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import load_profile
+from nodesim.materialise import materialise
+from nodesim.profile import load_profile
 from sandbox_plugin.dra import devices as dra_devices
 from sandbox_plugin.passthrough import scan_units
 

@@ -3,7 +3,7 @@
 The chain a Kata pod goes through on a vm-passthrough node: katamgr binds and
 writes the CDI specs; the device plugin advertises units; the kubelet (the
 simulator) admits the pod and records its devices; the Kata shim (the
-stand-in, ``sandbox_plugin.testing.kata_shim``, which follows the Go shim's
+stand-in, ``nodesim.kata_shim``, which follows the Go shim's
 cold-plug code) asks PodResources ``Get`` for the pod, forms
 ``<resource>=<device id>`` names, resolves them in the host's CDI specs and
 derives the functions QEMU gets. A name that does not resolve fails the
@@ -21,11 +21,11 @@ from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, ResourceNaming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.reconcile import Steps, reconcile
-from katamgr.simulator.profile import load_profile, parse_profile
+from nodesim import kata_shim
+from nodesim.kata_shim import ColdPlugError, cold_plug, sandbox_annotations
+from nodesim.kubelet import AdmissionError
+from nodesim.profile import load_profile, parse_profile
 from sandbox_plugin.manager import Mode, PluginManager
-from sandbox_plugin.testing import kata_shim
-from sandbox_plugin.testing.kata_shim import ColdPlugError, cold_plug, sandbox_annotations
-from sandbox_plugin.testing.kubelet import AdmissionError
 
 NAMING = Naming(PciIds.find())
 

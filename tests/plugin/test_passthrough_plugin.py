@@ -20,15 +20,15 @@ from katamgr.host import pci, vfio
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, resource_name
 from katamgr.host.pciids import PciIds
+from katamgr.node.backoff import Backoff
 from katamgr.pipeline.cdi_specs import write_specs
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
-from katamgr.simulator.kernel import handle_write
-from katamgr.simulator.profile import parse_profile
+from nodesim.kernel import handle_write
+from nodesim.profile import parse_profile
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.passthrough import PassthroughDiscovery, env_name
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY, AllocationError, UnknownDeviceError
-from sandbox_plugin.server import Backoff
 
 PCI_IDS = PciIds.find()
 NAMING = Naming(PCI_IDS)

@@ -18,9 +18,10 @@ from katamgr.host.pciids import PciIds
 from katamgr.host.workload import WORKLOAD_LABEL, NoCluster
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
-from sandbox_plugin.cli import decide_mode, main, mode_from_host
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
+from sandbox_plugin.cli import decide_mode, main
+from sandbox_plugin.commands import mode_from_host
 from sandbox_plugin.manager import Mode
 
 A10 = "nvidia.com/GA102GL_A10"

@@ -14,11 +14,11 @@ from katamgr.host import vfio
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
+from katamgr.node.backoff import Backoff
 from katamgr.node.metrics_server import MetricsServer, parse_address
 from katamgr.pipeline.cdi_specs import write_specs
 from katamgr.pipeline.plan import build_plan
 from sandbox_plugin.manager import Mode, PluginManager
-from sandbox_plugin.server import Backoff
 
 NAMING = Naming(PciIds.find())
 A10 = "nvidia.com/GA102GL_A10"

@@ -1,7 +1,7 @@
 """The generic device plugin server against the kubelet simulator.
 
 Everything here is real gRPC over real unix sockets in a temp host root; only
-the kubelet is a stand-in (sandbox_plugin.testing.kubelet).
+the kubelet is a stand-in (nodesim.kubelet).
 """
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import grpc
 import pytest
 
 from katamgr.host.root import HostRoot
+from katamgr.node.backoff import Backoff
 from kubeletapi import deviceplugin_pb2 as pb
 from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
+from nodesim.kubelet import KubeletSimulator, PluginOptions
 from sandbox_plugin.resources import (
     HEALTHY,
     UNHEALTHY,
     PluginDevice,
-    PluginOptions,
     StaticResource,
 )
-from sandbox_plugin.server import Backoff, PluginServer, PluginServerError
-from sandbox_plugin.testing.kubelet import KubeletSimulator
+from sandbox_plugin.server import PluginServer, PluginServerError
 
 NAME = "example.com/widget"
 FAST = Backoff(initial=0.05, factor=2.0, cap=0.4)

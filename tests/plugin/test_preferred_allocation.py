@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, resource_name
 from katamgr.host.pciids import PciIds
+from katamgr.node.backoff import Backoff
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from sandbox_plugin.manager import Mode, PluginManager
-from sandbox_plugin.server import Backoff
 from sandbox_plugin.topology import Placement, placement_of, preferred
 
 PCI_IDS = PciIds.find()
@@ -38,8 +38,8 @@ ALL = [gpu(b) for b in SWITCH]
 @pytest.fixture(scope="module")
 def dgx_placements(tmp_path_factory) -> list[Placement]:
     """Placements read from a simulated dgx-h100 through the host model."""
-    from katamgr.simulator.materialise import materialise
-    from katamgr.simulator.profiles import find_profile
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
 
     host = materialise(find_profile("dgx-h100"), tmp_path_factory.mktemp("dgx") / "host")
     return [placement_of(d.bdf, d) for d in discover(host).gpus]

@@ -12,13 +12,14 @@ from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.selection import Selection, parse_exclude, parse_include
+from katamgr.node.backoff import Backoff
 from katamgr.pipeline.reconcile import Steps, reconcile
-from katamgr.simulator.profile import parse_profile
-from sandbox_plugin.cli import main, mode_from_host
+from nodesim import kata_shim
+from nodesim.profile import parse_profile
+from sandbox_plugin.cli import main
+from sandbox_plugin.commands import mode_from_host
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.resources import HEALTHY
-from sandbox_plugin.server import Backoff
-from sandbox_plugin.testing import kata_shim
 
 PCI_IDS = PciIds.find()
 FAST = Backoff(initial=0.05, factor=2.0, cap=0.4)

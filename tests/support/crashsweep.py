@@ -29,9 +29,9 @@ from pathlib import Path
 import katamgr.cluster  # noqa: F401 - imported once here, so each forked run starts warm
 from katamgr.cli import main as katamgr_main
 from katamgr.host import faults
-from katamgr.simulator.kernel import MARKER
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
+from nodesim.kernel import MARKER
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = REPO / "examples" / "oci-layout"

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from katamgr.host.root import HostRoot
-from katamgr.simulator.kernel import MARKER
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import parse_profile
+from nodesim.kernel import MARKER
+from nodesim.materialise import materialise
+from nodesim.profile import parse_profile
 
 GPU_A10 = {"vendor": 0x10DE, "device": 0x2236, "class": 0x030200}
 GPU_A6000 = {"vendor": 0x10DE, "device": 0x2230, "class": 0x030000}

@@ -18,9 +18,9 @@ a host root:
   the plugin's preferred allocation, one Allocate per container) and records
   it; the PodResources v1 service on
   ``<root>/var/lib/kubelet/pod-resources/kubelet.sock`` answers from those
-  records (``sandbox_plugin.testing.podresources``);
+  records (``nodesim.podresources``);
 - ``record_pod`` records a pod admitted by the simulator's DRA side
-  (``sandbox_plugin.testing.drakubelet``: the plugin watcher, DRA driver
+  (``nodesim.drakubelet``: the plugin watcher, DRA driver
   registration and NodePrepareResources), whose claims' devices PodResources then
   reports as ``dynamic_resources``.
 
@@ -45,11 +45,11 @@ from katamgr.host.root import HostRoot
 from katamgr.k8snames import is_extended_resource_name
 from kubeletapi import deviceplugin_pb2 as pb
 from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
-from sandbox_plugin.resources import KUBELET_SOCKET, PluginDevice, PluginOptions
-from sandbox_plugin.server import API_VERSION, DEVICE_PLUGIN_DIR
-from sandbox_plugin.testing.podresources import (
+from kubeletapi.deviceplugin_paths import API_VERSION, DEVICE_PLUGIN_DIR, KUBELET_SOCKET
+from nodesim.podresources import (
     POD_RESOURCES_SOCKET,
     ContainerRecord,
+    ListedDevice,
     PodRecord,
     PodResourcesServer,
     Snapshot,
@@ -59,6 +59,15 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = (API_VERSION,)
 
+
+
+@dataclass(frozen=True)
+class PluginOptions:
+    """A plugin's DevicePluginOptions as the kubelet keeps them (from Register, then from
+    GetDevicePluginOptions); until it has them, it asks for a preferred allocation."""
+
+    get_preferred_allocation_available: bool = True
+    pre_start_required: bool = False
 
 class AdmissionError(Exception):
     """The simulated kubelet would not admit the pod (UnexpectedAdmissionError)."""
@@ -83,7 +92,7 @@ class KubeletState:
     # (version, endpoint, resource_name, error message) of refused calls
     rejections: list[tuple[str, str, str, str]] = field(default_factory=list)
     # latest ListAndWatch list per resource (cleared for all by restart())
-    devices: dict[str, list[PluginDevice]] = field(default_factory=dict)
+    devices: dict[str, list[ListedDevice]] = field(default_factory=dict)
     # how many ListAndWatch responses arrived per resource
     updates: dict[str, int] = field(default_factory=dict)
     # GetDevicePluginOptions answers per resource
@@ -138,7 +147,7 @@ class _Endpoint:
                 self._stream.cancel()
             for response in self._stream:
                 devices = [
-                    PluginDevice(
+                    ListedDevice(
                         id=d.ID,
                         health=d.health,
                         numa_node=d.topology.nodes[0].ID if d.topology.nodes else None,
@@ -423,7 +432,7 @@ class KubeletSimulator:
             self._state.options[resource_name] = options
             self._cond.notify_all()
 
-    def _record_devices(self, endpoint: _Endpoint, devices: list[PluginDevice]) -> None:
+    def _record_devices(self, endpoint: _Endpoint, devices: list[ListedDevice]) -> None:
         name = endpoint.registration.resource_name
         with self._cond:
             if self._endpoints.get(name) is not endpoint:

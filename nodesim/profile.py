@@ -1,7 +1,7 @@
 """Host profiles: a YAML description of a node's PCI devices (the files in ``examples/hosts/``).
 
-A profile is what the simulator materialises (``katamgr.simulator.materialise``);
-shipped ones are found by name through ``katamgr.simulator.profiles``.
+A profile is what the simulator materialises (``nodesim.materialise``);
+shipped ones are found by name through ``nodesim.profiles``.
 """
 
 from __future__ import annotations

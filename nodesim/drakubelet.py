@@ -29,7 +29,7 @@ implementation that is not the driver's own):
   ``defaultClientCallTimeout``); a claim's error, a missing answer or a call error
   fails the pod, and nothing is recorded; otherwise each container that uses a
   claim gets its prepared devices, which the PodResources service reports as
-  ``dynamic_resources`` (``sandbox_plugin.testing.podresources``);
+  ``dynamic_resources`` (``nodesim.podresources``);
 - removing a pod unprepares the claims no other pod uses, with
   ``NodeUnprepareResources`` per driver.
 
@@ -57,7 +57,7 @@ from kubeletapi import dra_pb2 as dra
 from kubeletapi import dra_pb2_grpc as dra_grpc
 from kubeletapi import pluginregistration_pb2 as reg
 from kubeletapi import pluginregistration_pb2_grpc as reg_grpc
-from sandbox_plugin.testing.podresources import ClaimDevice, ClaimRecord, ContainerRecord, PodRecord
+from nodesim.podresources import ClaimDevice, ClaimRecord, ContainerRecord, PodRecord
 
 log = logging.getLogger(__name__)
 

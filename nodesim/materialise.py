@@ -1,13 +1,12 @@
-"""Materialise a host profile as a host root with the kernel's sysfs shape,
-and open such a root again by its path.
+"""Materialise a host profile as a host root with the kernel's sysfs shape.
 
 The result is read by exactly the same code as a real node: devices live under
 ``sys/devices/pci<domain>:<bus>/...`` with ``sys/bus/pci/devices/<bdf>``
 symlinks, ``driver`` and ``iommu_group`` links, group member links, and
 ``dev/vfio`` nodes as plain files (character devices with ``real_device_nodes``). The
-root carries the emulated kernel (``katamgr.simulator.kernel``), which answers binding
+root carries the emulated kernel (``nodesim.kernel``), which answers binding
 writes and module loads; its settings file (``kernel.MARKER``, ``sys/katamgr-simulated-host``)
-is how ``open_root`` tells a simulated root from a real one.
+is how ``nodesim.node.open_node`` tells a simulated root from a real one.
 """
 
 from __future__ import annotations
@@ -18,15 +17,15 @@ from pathlib import Path
 
 from katamgr.errors import ConfigError
 from katamgr.host.root import HostRoot
-from katamgr.simulator import kernel, udev
-from katamgr.simulator.profile import HostProfile, ProfileDevice
+from nodesim import kernel, udev
+from nodesim.profile import HostProfile, ProfileDevice
 
 
 def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bool = False) -> HostRoot:
     """Write ``profile`` into ``into``. With ``real_device_nodes`` (root only) its
     ``/dev/vfio`` nodes are character devices with /dev/null's numbers, so a real
     container runtime here can inject them, and they are kept by a udev stand-in on this
-    machine (``python -m katamgr.simulator.udev ROOT``) rather than by the emulated kernel:
+    machine (``python -m nodesim.udev ROOT``) rather than by the emulated kernel:
     the local node of hack/local-cluster, whose pods run with ``--runtime-root`` set to
     this root."""
     root = Path(into).resolve()
@@ -83,19 +82,6 @@ def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bo
     if real_device_nodes:
         udev.sync(host)
     return host
-
-
-def open_root(root: str | Path) -> HostRoot:
-    """The host root at ``root``: with the emulated kernel when ``materialise``
-    made it (its ``MARKER`` is there), else with the real one. ``/`` is always
-    the real node."""
-    host = HostRoot.at(root)
-    return HostRoot(host.root, kernel.EMULATED) if host.is_simulated else host
-
-
-def is_simulated(host: HostRoot) -> bool:
-    """Whether ``host`` is a simulated node (its kernel is the emulated one)."""
-    return isinstance(host.kernel, kernel.EmulatedKernel)
 
 
 def _sysfs_dir(dev: ProfileDevice, by_bdf: dict[str, ProfileDevice]) -> str:

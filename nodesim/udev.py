@@ -9,7 +9,7 @@ is loaded, ``/dev/vfio/<group>`` while a member of the group is bound to vfio-pc
 nodes are character devices with /dev/null's numbers, so a container given one reaches no
 device.
 
-    python -m katamgr.simulator.udev ROOT     keep ROOT/dev/vfio in step until SIGTERM
+    python -m nodesim.udev ROOT     keep ROOT/dev/vfio in step until SIGTERM
 """
 
 from __future__ import annotations
@@ -84,5 +84,5 @@ def run(root: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m katamgr.simulator.udev ROOT")
+        sys.exit("usage: python -m nodesim.udev ROOT")
     sys.exit(run(sys.argv[1]))

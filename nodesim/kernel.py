@@ -6,7 +6,7 @@ and, for vfio-pci, creating or removing ``/dev/vfio/<group>``. This module does
 the same to the files of a simulated host root, so binding code runs unchanged
 against it. It also stands in for ``modprobe vfio-pci``.
 
-It implements ``katamgr.host.kernel.Kernel``; ``katamgr.simulator.materialise``
+It implements ``katamgr.host.kernel.Kernel``; ``nodesim.materialise``
 installs it on the roots it makes (``host.kernel``). Its settings and state (the
 profile's native drivers, vfio-pci's state, ``fail_probe``, ``udev_delay_ms``)
 live in the root's ``MARKER`` file, which tests may tune.
@@ -23,11 +23,13 @@ from pathlib import Path
 
 from katamgr.host.errors import HostError
 from katamgr.host.pci import VFIO_DRIVER as VFIO
-from katamgr.host.root import SIMULATED_MARKER, HostRoot
+from katamgr.host.root import HostRoot
 
-# The emulated kernel's settings and state, at the top of a simulated root; its
-# presence is how the simulator recognises a root it made (materialise.open_root).
-MARKER = SIMULATED_MARKER
+# The emulated kernel's settings and state; its presence is how a root `katamgr simulate`
+# made is told from a real one (nodesim.node.open_node). In /sys: the one host dir every
+# container of the chart mounts (so a simulated node is one inside the pods too), and one
+# where a real node can hold no such file.
+MARKER = "sys/katamgr-simulated-host"
 
 
 def relative_link(target: Path, link: Path) -> None:
@@ -47,13 +49,13 @@ def save_marker(host: HostRoot, data: dict) -> None:
 
 def make_node(host: HostRoot, path: Path) -> None:
     """A device node of the simulated kernel (an empty file), unless the host's udev
-    stand-in makes them (``katamgr.simulator.udev``)."""
+    stand-in makes them (``nodesim.udev``)."""
     if not host_udev(host) and not path.exists():
         path.touch()
 
 
 def host_udev(host: HostRoot) -> bool:
-    """Whether /dev/vfio is kept by ``katamgr.simulator.udev`` on the machine (a root made
+    """Whether /dev/vfio is kept by ``nodesim.udev`` on the machine (a root made
     for a real runtime, ``katamgr simulate --real-device-nodes``), as udev keeps it on a
     node: the kernel's callers, in pods with /dev/vfio mounted read-only, never write it."""
     return bool(marker(host).get("real_device_nodes"))

@@ -1,11 +1,11 @@
 """Finding host profiles: a path, or the name of one shipped with katamgr
-(``katamgr/simulator/hosts/``, also reachable as ``examples/hosts/``)."""
+(``nodesim/hosts/``, also reachable as ``examples/hosts/``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from katamgr.simulator.profile import HostProfile, ProfileError, load_profile
+from nodesim.profile import HostProfile, ProfileError, load_profile
 
 SHIPPED = Path(__file__).parent / "hosts"
 

@@ -35,10 +35,23 @@ import grpc
 
 from kubeletapi import podresources_pb2 as pr
 from kubeletapi import podresources_pb2_grpc as pr_grpc
-from sandbox_plugin.resources import PluginDevice
 
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
+
+
+@dataclass(frozen=True)
+class ListedDevice:
+    """One device as a plugin's ListAndWatch listed it: the kubelet's view of it (the
+    ``Device`` message's ID, health and first NUMA node)."""
+
+    id: str
+    health: str = "Healthy"
+    numa_node: int | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.health == "Healthy"
 
 @dataclass(frozen=True)
 class ClaimDevice:
@@ -81,10 +94,10 @@ class Snapshot:
     """What the service answers from: the simulator's pods and devices at one moment."""
 
     pods: list[PodRecord]
-    devices: dict[str, list[PluginDevice]]  # resource -> every device reported
+    devices: dict[str, list[ListedDevice]]  # resource -> every device reported
 
 
-def _entries(resource: str, device_id: str, device: PluginDevice | None) -> list[pr.ContainerDevices]:
+def _entries(resource: str, device_id: str, device: ListedDevice | None) -> list[pr.ContainerDevices]:
     """The kubelet's containerDevicesFromResourceDeviceInstances: one entry per device
     (per NUMA node of it), never several IDs in one entry."""
     if device is None or device.numa_node is None:
@@ -109,7 +122,7 @@ def _dynamic(claim: ClaimRecord) -> pr.DynamicResource:
                               claim_resources=resources)
 
 
-def _pod_message(pod: PodRecord, devices: dict[str, list[PluginDevice]]) -> pr.PodResources:
+def _pod_message(pod: PodRecord, devices: dict[str, list[ListedDevice]]) -> pr.PodResources:
     known = {(name, d.id): d for name, listed in devices.items() for d in listed}
     containers = [
         pr.ContainerResources(name=c.name, devices=[

@@ -1,0 +1,13 @@
+"""The device plugin API's fixed names, as the kubelet has them.
+
+The API version a plugin registers with, the directory plugins serve their sockets in and
+the kubelet's own registration socket there. The kubelet hard-codes the socket's place
+whatever its ``--root-dir`` says (``KubeletSocket`` in
+``pkg/kubelet/cm/devicemanager/manager.go`` and ``DevicePluginPath`` in
+``staging/src/k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1/constants.go``), so the plugin and
+the tests' kubelet stand-in both take them from here.
+"""
+
+API_VERSION = "v1beta1"
+DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
+KUBELET_SOCKET = "kubelet.sock"

@@ -1,0 +1,56 @@
+"""A simulated node as one thing: its root, and what the node simulates for the programs.
+
+A real node brings its kernel, its udev and NVIDIA's driver with it; a simulated one
+(``katamgr simulate``) brings stand-ins for each, and this is where a program gets them.
+``open_node`` is the one answer to "is this root a simulated node" (the marker the
+simulator writes into it, ``kernel.MARKER``) and gives back the ``SimulatedNode``:
+
+- ``host``: the ``HostRoot`` with the emulated kernel installed (``katamgr.host`` never asks
+  which kernel it talks to);
+- ``nvml()``: the NVML of the node (``nvml.FakeNvml`` following the node's sysfs), for the
+  container plugin in the place of ``pynvml``;
+- ``host_udev``: whether its ``/dev/vfio`` is kept by the machine's udev stand-in (``udev``)
+  rather than by the emulated kernel.
+
+Only the programs' entry points open a node this way (``katamgr.cli``, ``katamgr.demo``,
+``sandbox_plugin.cli``); the code that serves never imports this package, a contract in
+``pyproject.toml`` says so, and a real node's root never becomes a simulated one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from katamgr.host.root import HostRoot
+from nodesim import kernel
+
+
+@dataclass(frozen=True)
+class SimulatedNode:
+    host: HostRoot
+
+    def nvml(self) -> object:
+        """A fresh NVML for this node, answering from its sysfs as the driver would."""
+        from nodesim.nvml import FakeNvml
+
+        return FakeNvml.for_simulated_host(self.host)
+
+    @property
+    def host_udev(self) -> bool:
+        return kernel.host_udev(self.host)
+
+
+def open_node(root: str | Path, runtime_root: str = "/") -> SimulatedNode | None:
+    """The simulated node at ``root``, or None when ``root`` is not one (``/`` never is)."""
+    host = HostRoot.at(root, runtime_root=runtime_root)
+    if host.is_real_root or not (host.root / kernel.MARKER).is_file():
+        return None
+    return SimulatedNode(HostRoot(host.root, kernel.EMULATED, runtime_root))
+
+
+def open_root(root: str | Path, runtime_root: str = "/") -> HostRoot:
+    """The host root at ``root``: a simulated node's with its emulated kernel, else the
+    real kernel's."""
+    node = open_node(root, runtime_root)
+    return node.host if node else HostRoot.at(root, runtime_root=runtime_root)
