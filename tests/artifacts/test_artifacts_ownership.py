@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 from support.hostkit import GPU_A10, dev, driver_of, make_host
+from support.kataconfig import kata_manager_yaml
 from support.paths import EXAMPLES
 
 from katamgr.artifacts import NotOursError, install_artifact, read_install, remove_install
@@ -32,13 +33,8 @@ def tree(path) -> dict[str, bytes]:
 
 
 def config(artifacts_dir: str, name: str):
-    return KataContext(parse_config(f"""
-artifactsDir: {artifacts_dir}
-runtimeClasses:
-  - name: {name}
-    artifacts: {{url: "oci-layout:///layout:kata-qemu-nvidia-gpu"}}
-containerd: {{restartMode: none}}
-"""))
+    return KataContext(parse_config(kata_manager_yaml(
+        (name,), artifacts_dir=artifacts_dir, url="oci-layout:///layout:kata-qemu-nvidia-gpu")))
 
 
 @pytest.mark.parametrize("artifacts_dir, name, foreign", [

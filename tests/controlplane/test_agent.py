@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from support.chartkit import render_release
+from support.kataconfig import kata_manager_yaml
 from support.kubecluster import wait_for
 from support.paths import REPO
 from support.registry_server import free_port
@@ -30,18 +31,7 @@ NODE = "sim-dgx-1"
 GPU, SNP = "kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"
 WORKLOAD = "nvidia.com/gpu.workload.config"
 KATAMGR = str(Path(sys.executable).parent / "katamgr")
-CONFIG = """
-artifactsDir: /opt/nvidia-gpu-operator/artifacts/runtimeclasses
-runtimeClasses:
-  - name: kata-qemu-nvidia-gpu
-    artifacts: {url: "oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu"}
-  - name: kata-qemu-nvidia-gpu-snp
-    nodeSelector: {nvidia.com/cc.capable: "true"}
-    artifacts: {url: "oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu-snp"}
-runtimeClassOverhead:
-  podFixed: {cpu: 250m, memory: 160Mi}
-containerd: {restartMode: none}
-"""
+CONFIG = kata_manager_yaml((GPU, SNP), overhead={"cpu": "250m", "memory": "160Mi"})
 VALUES = {"sandboxWorkloads": {"enabled": True}, "kataManager": {"enabled": True}}
 ACCOUNT_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 

@@ -14,6 +14,7 @@ import stat
 
 import pytest
 from support.hostkit import GPU_A10, dev, make_host
+from support.kataconfig import kata_manager_yaml
 from support.paths import REPO
 
 from katamgr.config import parse_config
@@ -26,13 +27,7 @@ from katamgr.pipeline.reconcile import Steps, reconcile, revert_all
 DATA = REPO / "katamgr" / "data"
 ORIGINAL = (DATA / "demo" / "containerd-config.toml").read_bytes()
 NAMING = Naming(PciIds.find())
-CTX = KataContext(parse_config("""
-artifactsDir: /opt/nvidia-gpu-operator/artifacts/runtimeclasses
-runtimeClasses:
-  - name: kata-qemu-nvidia-gpu
-    artifacts: {url: "oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu"}
-containerd: {restartMode: none}
-"""))
+CTX = KataContext(parse_config(kata_manager_yaml()))
 XATTRS = {"user.katamgr-test": b"tagged", "security.selinux": b"system_u:object_r:container_config_t:s0\x00"}
 
 

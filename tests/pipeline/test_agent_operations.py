@@ -13,6 +13,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, make_host
+from support.kataconfig import kata_manager_yaml, prepare_node
 from support.paths import REPO
 
 from katamgr.agent import Agent
@@ -26,21 +27,12 @@ from katamgr.pipeline.reconcile import Steps
 LAYOUT = REPO / "katamgr" / "data" / "oci-layout"
 NAMING = Naming(PciIds.find())
 # The layout is not on the node at first (a copy still under way, a mirror not synced).
-LATE = """
-artifactsDir: /opt/nvidia-gpu-operator/artifacts/runtimeclasses
-runtimeClasses:
-  - name: kata-qemu-nvidia-gpu
-    artifacts: {url: "oci-layout:///opt/kata-artifacts/late:kata-qemu-nvidia-gpu"}
-containerd: {restartMode: none}
-"""
+LATE = kata_manager_yaml(layout="/opt/kata-artifacts/late")
 
 
 def node(tmp_path):
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
-    host.path("/etc/containerd").mkdir(parents=True)
-    host.path("/etc/containerd/config.toml").write_text(
-        (REPO / "katamgr" / "data" / "demo" / "containerd-config.toml").read_text())
-    return host
+    return prepare_node(host, layout=False)
 
 
 def publish_layout(host) -> None:

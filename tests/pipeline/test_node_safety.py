@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from support.hostkit import GPU_A10, dev, driver_of, make_host
+from support.kataconfig import kata_manager_yaml
 
 from katamgr.node.lock import node_lock
 from nodesim.kernel import MARKER
@@ -41,13 +42,7 @@ def node(tmp_path):
 
 def config(tmp_path, url="oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu") -> str:
     path = tmp_path / "kata-manager.yaml"
-    path.write_text(f"""
-artifactsDir: /opt/nvidia-gpu-operator/artifacts/runtimeclasses
-runtimeClasses:
-  - name: kata-qemu-nvidia-gpu
-    artifacts: {{url: "{url}"}}
-containerd: {{restartMode: none}}
-""")
+    path.write_text(kata_manager_yaml(url=url))
     return str(path)
 
 

@@ -5,7 +5,6 @@ the API stand-in), a real process receiving containerd's SIGHUP, and the agent l
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, make_host
+from support.kataconfig import kata_manager_yaml, prepare_node
 from support.paths import REPO, require_binary
 
 from katamgr.agent import Agent
@@ -23,6 +23,7 @@ from katamgr.config import parse_config
 from katamgr.errors import KatamgrError
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
+from katamgr.kataclasses import GPU, GPU_SNP
 from katamgr.pipeline.kata_runtime import KataContext, runtimes
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.runtime import check_entries
@@ -30,17 +31,8 @@ from katamgr.runtime import check_entries
 DATA = REPO / "katamgr" / "data"
 ORIGINAL = (DATA / "demo" / "containerd-config.toml").read_text()
 NAMING = Naming(PciIds.find())
-CONFIG = """
-artifactsDir: /opt/nvidia-gpu-operator/artifacts/runtimeclasses
-runtimeClasses:
-  - name: kata-qemu-nvidia-gpu
-    artifacts: {url: "oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu"}
-  - name: kata-qemu-nvidia-gpu-snp
-    nodeSelector: {nvidia.com/cc.capable: "true"}
-    artifacts: {url: "oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu-snp"}
-containerd: {restartMode: signal}
-runtimeClassOverhead: {podFixed: {memory: 160Mi, cpu: 250m}}
-"""
+CONFIG = kata_manager_yaml((GPU, GPU_SNP), restart_mode="signal",
+                           overhead={"memory": "160Mi", "cpu": "250m"})
 SOCKET_INODE = 4242424
 
 
@@ -65,9 +57,7 @@ def containerd_proc(tmp_path):
 
 def node(tmp_path, containerd_proc=None):
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
-    host.path("/etc/containerd").mkdir(parents=True)
-    host.path("/etc/containerd/config.toml").write_text(ORIGINAL)
-    shutil.copytree(DATA / "oci-layout", host.path("/opt/kata-artifacts/layout"))
+    prepare_node(host)
     if containerd_proc is not None:
         # The node's /proc as the kernel shows it: containerd's listening socket
         # in PID 1's unix table, and the fd of the (real) process holding it.

@@ -29,22 +29,16 @@ from pathlib import Path
 import katamgr.cluster  # noqa: F401 - imported once here, so each forked run starts warm
 from katamgr.cli import main as katamgr_main
 from katamgr.host import faults
+from katamgr.kataclasses import GPU, GPU_SNP
 from nodesim.kernel import MARKER
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile
+from support.kataconfig import kata_manager_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = REPO / "examples" / "oci-layout"
 CONTAINERD = (REPO / "katamgr" / "data" / "demo" / "containerd-config.toml").read_bytes()
-CONFIG = """
-artifactsDir: /opt/nvidia-gpu-operator/artifacts/runtimeclasses
-runtimeClasses:
-  - name: kata-qemu-nvidia-gpu
-    artifacts: {url: "oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu"}
-  - name: kata-qemu-nvidia-gpu-snp
-    artifacts: {url: "oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu-snp"}
-containerd: {restartMode: none}
-"""
+CONFIG = kata_manager_yaml((GPU, GPU_SNP), selectors={})
 # Values that differ between two uninterrupted runs (file times, which pid): masked.
 _VOLATILE = (re.compile(rb'"mtime_ns": \d+'), re.compile(rb'"pid": \d+'))
 
