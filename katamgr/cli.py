@@ -25,7 +25,6 @@ from katamgr.host.workload import (
     DEFAULT_WORKLOAD,
     WORKLOADS,
     Operand,
-    Resolution,
     Workload,
     describe_opt_outs,
     resolve_workload,
@@ -399,34 +398,18 @@ def cmd_run(args: argparse.Namespace) -> int:
             # In "default", the one namespace the API server accepts a Node's Events in
             # (the chart's <release>-node-events Role there lets the agent create them).
             events = EventRecorder(setup.api, args.node_name)
-        follower = None if args.once else _workload_follower(args, setup.api)
+        from katamgr.agent.following import node_follower
+
+        follower = None if args.once else node_follower(
+            setup.api, args.node_name, workload=args.workload,
+            default_workload=args.default_workload, fallback=_by_hand)
         agent = Agent(host, naming, setup.steps, setup.ctx, force=args.force, wait=args.device_wait,
                       lock_wait=args.wait,
                       repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
                       events=events, metrics_address=args.metrics_address,
-                      read_workload=follower[0] if follower else None,
-                      node_watch=follower[1].start() if follower else None, opted_out=setup.opted_out)
+                      read_workload=follower.read if follower else None,
+                      node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out)
         return agent.run(once=args.once)
-
-
-def _workload_follower(args: argparse.Namespace, api: object | None):
-    """What ``katamgr run`` follows: its Node's labels, kept by a watch (not started yet),
-    and the rule it started with that turns them into a workload and opt-outs, as
-    ``(resolve, watch)``; None (not followed) without ``--workload auto``, a node name or
-    a cluster."""
-    if args.workload != AUTO or not args.node_name or api is None:
-        return None
-    from katamgr.node.kube import NodeLabelWatch
-
-    watch = NodeLabelWatch(api, args.node_name)
-
-    def read() -> Resolution:
-        return resolve_workload(
-            args.node_name, lambda node: watch.labels(), default=args.default_workload,
-            fallback=_by_hand,
-        )
-
-    return read, watch
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -43,15 +43,15 @@ def keep(agent: Agent, watcher: Watcher) -> None:
     next_pull = time.monotonic() + agent.repull_interval
     while not agent.stop.is_set():
         agent.probes.tick()
-        retry_at = agent.retry_at
+        retry_at = agent.reconciler.retry_at
         due = min(next_pull, retry_at if retry_at is not None else next_pull)
         watcher.wait(max(0.0, min(due - time.monotonic(), agent.check_interval)))
         # (what woke it does not matter: the checks look at the files themselves)
         if agent.stop.is_set():
             break
         agent.probes.tick()
-        if agent.retry_at is not None and time.monotonic() >= agent.retry_at:
-            agent.reconcile(f"retry after a failure (backoff {agent.retry_delay:g} s)")
+        if agent.reconciler.retry_at is not None and time.monotonic() >= agent.reconciler.retry_at:
+            agent.reconcile(f"retry after a failure (backoff {agent.reconciler.retry_delay:g} s)")
             continue
         try:
             if _check(agent):

@@ -60,44 +60,6 @@ class Agent:
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=retry_initial, retry_max=retry_max)
 
-    # -- what the node is kept at, and what the rooms know ------------------------
-
-    @property
-    def steps(self) -> Steps:
-        return self.target.steps
-
-    @property
-    def opted_out(self) -> frozenset[Operand]:
-        return self.target.opted_out
-
-    @property
-    def held(self) -> set[str]:
-        return self.give_backs.held
-
-    @property
-    def reconciles(self) -> int:
-        return self.reconciler.reconciles
-
-    @property
-    def last_result(self) -> Report | None:
-        return self.reconciler.last_result
-
-    @property
-    def retry_delay(self) -> float | None:
-        return self.reconciler.retry_delay
-
-    @property
-    def retry_at(self) -> float | None:
-        return self.reconciler.retry_at
-
-    @property
-    def last_tick(self) -> float:
-        return self.probes.last_tick
-
-    @last_tick.setter
-    def last_tick(self, value: float) -> None:
-        self.probes.last_tick = value
-
     # -- the work, each piece in its room -----------------------------------------
 
     def reconcile(self, why: str, *, raise_errors: bool = False) -> Report:

@@ -15,6 +15,7 @@ from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, make_host
 from support.kataconfig import kata_manager_yaml, prepare_node
 from support.paths import REPO
+from support.waiting import wait_for
 
 from katamgr.agent import Agent
 from katamgr.cluster import EventRecorder
@@ -59,15 +60,6 @@ def value(samples, name: str, **labels) -> float:
     return sum(found)
 
 
-def wait_for(condition, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
     host = node(tmp_path)
     # The artifact timer is an hour away: only the retry backoff can bring the pull back.
@@ -81,24 +73,24 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
         assert not first.ok and "late" in first.failures[0]
         status, body = get(server.port, "/readyz")
         assert status == 503 and "the last reconcile failed" in body
-        assert agent.retry_delay == 0.1
+        assert agent.reconciler.retry_delay == 0.1
         thread = threading.Thread(target=agent.loop, daemon=True)
         thread.start()
         try:
             # It keeps failing, backing off (0.1, 0.2, 0.4, 0.4 ...) but never waiting an hour.
-            assert wait_for(lambda: agent.reconciles >= 4)
-            assert agent.retry_delay == 0.4
+            assert wait_for(lambda: agent.reconciler.reconciles >= 4)
+            assert agent.reconciler.retry_delay == 0.4
             metrics = scrape(server.port)
             assert value(metrics["katamgr_reconciles"], "katamgr_reconciles_total", result="failure") >= 4
             assert value(metrics["katamgr_reconcile_errors"], "katamgr_reconcile_errors_total") >= 4
             publish_layout(host)
-            assert wait_for(lambda: agent.last_result is not None and agent.last_result.ok)
-            assert agent.retry_delay is None and agent.retry_at is None  # the backoff is reset
+            assert wait_for(lambda: agent.reconciler.last_result is not None and agent.reconciler.last_result.ok)
+            assert agent.reconciler.retry_delay is None and agent.reconciler.retry_at is None  # the backoff is reset
             status, body = get(server.port, "/readyz")
             assert status == 200, body
-            settled = agent.reconciles
+            settled = agent.reconciler.reconciles
             time.sleep(0.6)
-            assert agent.reconciles == settled  # no retries after a success
+            assert agent.reconciler.reconciles == settled  # no retries after a success
             assert get(server.port, "/healthz")[0] == 200
         finally:
             agent.request_stop()
@@ -110,7 +102,7 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
     assert "kata-qemu-nvidia-gpu" in host.path("/etc/containerd/config.toml").read_text()
     assert value(metrics["katamgr_reconciles"], "katamgr_reconciles_total", result="success") == 1
     assert value(metrics["katamgr_reconcile_duration_seconds"], "katamgr_reconcile_duration_seconds_count") \
-        == agent.reconciles
+        == agent.reconciler.reconciles
     assert value(metrics["katamgr_last_successful_reconcile_timestamp_seconds"],
                  "katamgr_last_successful_reconcile_timestamp_seconds") > time.time() - 120
     assert value(metrics["katamgr_artifact_pulled_bytes"], "katamgr_artifact_pulled_bytes_total") > 0
@@ -124,7 +116,7 @@ def test_healthz_fails_when_the_loop_stops_ticking(tmp_path):
     agent.reconcile("start")
     with agent.serve_metrics("127.0.0.1:0") as server:
         assert get(server.port, "/healthz")[0] == 200
-        agent.last_tick -= 3600  # as if the loop hung an hour ago
+        agent.probes.last_tick -= 3600  # as if the loop hung an hour ago
         status, body = get(server.port, "/healthz")
         assert status == 503 and "last ticked" in body
         assert get(server.port, "/nothing")[0] == 404

@@ -226,19 +226,19 @@ def test_agent_reapplies_when_someone_drops_our_entries(tmp_path, containerd_pro
     thread.start()
     try:
         time.sleep(0.3)
-        assert agent.reconciles == 1
+        assert agent.reconciler.reconciles == 1
         # Another tool rewrites containerd's config without our runtimes, and
         # restarts containerd: the GPU Operator's kata manager never notices.
         host.path("/etc/containerd/config.toml").write_text(ORIGINAL)
         deadline = time.monotonic() + 10
-        while agent.reconciles < 2 and time.monotonic() < deadline:
+        while agent.reconciler.reconciles < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert agent.reconciles == 2
+        assert agent.reconciler.reconciles == 2
         assert check_entries(host, "/etc/containerd/config.toml", runtimes(host, ctx)) == []
         # An unrelated write to the same dir does not trigger a reconcile.
         host.path("/etc/containerd/other.toml").write_text("# unrelated\n")
         time.sleep(0.5)
-        assert agent.reconciles == 2
+        assert agent.reconciler.reconciles == 2
     finally:
         agent.request_stop()
         thread.join(timeout=15)
@@ -265,7 +265,7 @@ def test_agent_keeps_the_cdi_specs_in_step_with_rebinds_and_hotplug(tmp_path):
                 break
             time.sleep(0.05)
         assert [d.name for d in cdi.read_spec(spec).devices] == ["0000:01:00.0"]
-        assert agent.reconciles == 1  # the specs alone were rewritten
+        assert agent.reconciler.reconciles == 1  # the specs alone were rewritten
     finally:
         agent.request_stop()
         thread.join(timeout=15)

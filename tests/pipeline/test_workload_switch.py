@@ -6,7 +6,7 @@ Operator's opt-out labels (``nvidia.com/gpu.deploy.<operand>=false``) take parts
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import threading
 import time
 from dataclasses import replace
@@ -15,9 +15,10 @@ from pathlib import Path
 from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, driver_of, make_host
 from support.paths import REPO
+from support.waiting import wait_for
 
 from katamgr.agent import Agent
-from katamgr.cli import _workload_follower
+from katamgr.agent.following import node_follower
 from katamgr.cluster import EventRecorder
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
@@ -80,18 +81,24 @@ def relabel(api: FakeApiServer, workload: str | None, key: str = WORKLOAD_LABEL)
 
 def follower(api: FakeApiServer):
     """What `katamgr run --workload auto --node-name NODE` follows, its watch started."""
-    args = argparse.Namespace(workload="auto", node_name=NODE, default_workload="container")
-    read, watch = _workload_follower(args, api.client())
-    return read, watch.start()
+    followed = node_follower(api.client(), NODE, workload="auto", default_workload="container",
+                             fallback=lambda: (Workload.VM_PASSTHROUGH, "by hand"))
+    return followed.read, followed.watch.start()
 
 
-def wait_for(condition, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
+@contextlib.contextmanager
+def followed_node(host, steps: Steps, *, ctx=None, label: str = "vm-passthrough", events: bool = False,
+                  check_interval: float = 0.05):
+    """An API server holding the Node labeled ``label``, and an Agent following it as
+    ``katamgr run --workload auto`` does (its loop not started): (api, agent, watch)."""
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: label}}})
+        read, watch = follower(api)
+        agent = Agent(host, NAMING, steps, ctx, check_interval=check_interval,
+                      events=EventRecorder(api.client(), NODE) if events else None,
+                      read_workload=read, node_watch=watch)
+        yield api, agent, watch
 
 
 def events(api: FakeApiServer, reason: str) -> list[dict]:
@@ -116,14 +123,8 @@ def cdi_text(host) -> str:
 def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, caplog):
     caplog.set_level("INFO", logger="katamgr.agent")
     host = node(tmp_path)
-    with FakeApiServer() as api:
-        api.seed({"apiVersion": "v1", "kind": "Node",
-                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-        client = api.client()
-        read, watch = follower(api)
-        assert read().workload is Workload.VM_PASSTHROUGH
-        agent = Agent(host, NAMING, Steps(), KataContext(parse_config(CONFIG)), check_interval=0.05,
-                      events=EventRecorder(client, NODE), read_workload=read, node_watch=watch)
+    with followed_node(host, Steps(), ctx=KataContext(parse_config(CONFIG)), events=True) as (api, agent, watch):
+        assert agent.switcher.read_workload().workload is Workload.VM_PASSTHROUGH
         assert agent.reconcile("start").ok
         assert driver_of(host, HELD) == driver_of(host, FREE) == "vfio-pci"
         assert host.path(WORKLOAD_TYPE).read_text() == "vm-passthrough\n"
@@ -136,11 +137,11 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
         thread.start()
         try:
             relabel(api, "container")
-            assert wait_for(lambda: agent.steps.workload is Workload.CONTAINER)
+            assert wait_for(lambda: agent.target.steps.workload is Workload.CONTAINER)
             # The free GPU went back to its driver; the one the VM holds stayed and is reported.
             assert driver_of(host, FREE) == "nvidia"
             assert driver_of(host, HELD) == "vfio-pci"
-            assert agent.held == {HELD}
+            assert agent.give_backs.held == {HELD}
             assert not agent.give_backs.waiting
             assert host.path(WORKLOAD_TYPE).read_text() == "container\n"
             assert not host.path(VFIO_READY).exists()
@@ -165,13 +166,13 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
             # The VM is gone: its GPU goes back too, with no relabel.
             held.unlink()
             assert wait_for(lambda: driver_of(host, HELD) == "nvidia")
-            assert wait_for(lambda: agent.held == set())
+            assert wait_for(lambda: agent.give_backs.held == set())
             assert "/dev/vfio/4" not in cdi_text(host)
 
             relabel(api, "vm-passthrough")
             # The switch is logged once its reconcile has finished.
             assert wait_for(lambda: any("workload switch container" in r.getMessage() for r in caplog.records))
-            assert agent.steps.workload is Workload.VM_PASSTHROUGH
+            assert agent.target.steps.workload is Workload.VM_PASSTHROUGH
             assert driver_of(host, HELD) == driver_of(host, FREE) == "vfio-pci"
             assert host.path(WORKLOAD_TYPE).read_text() == "vm-passthrough\n"
             assert host.path(VFIO_READY).exists()
@@ -199,15 +200,19 @@ def test_a_bad_label_value_keeps_the_workload_and_is_logged_once(tmp_path, caplo
         assert wait_for(lambda: watch.labels().get(WORKLOAD_LABEL) == "vm-typo")
         assert agent.follow_workload() is False and agent.follow_workload() is False
         watch.stop()
-        assert agent.steps.workload is Workload.VM_PASSTHROUGH and driver_of(host, FREE) == "vfio-pci"
+        assert agent.target.steps.workload is Workload.VM_PASSTHROUGH and driver_of(host, FREE) == "vfio-pci"
         warnings = [r for r in caplog.records if "could not read the node's workload" in r.getMessage()]
         assert len(warnings) == 1 and "vm-typo" in warnings[0].getMessage()
 
 
 def test_no_follower_without_auto_a_node_name_or_a_cluster():
-    assert _workload_follower(argparse.Namespace(workload="container", node_name=NODE), object()) is None
-    assert _workload_follower(argparse.Namespace(workload="auto", node_name=None), object()) is None
-    assert _workload_follower(argparse.Namespace(workload="auto", node_name=NODE), None) is None
+    def followed(workload, node, api):
+        return node_follower(api, node, workload=workload, default_workload=None,
+                             fallback=lambda: (Workload.VM_PASSTHROUGH, "by hand"))
+
+    assert followed("container", NODE, object()) is None
+    assert followed("auto", None, object()) is None
+    assert followed("auto", NODE, None) is None
 
 
 def run_loop(agent: Agent) -> threading.Thread:
@@ -280,21 +285,16 @@ def test_a_gpu_given_to_a_pod_whose_vm_is_starting_stays_and_the_free_one_goes(c
     pods = [PodRecord("default", "vm-a", [ContainerRecord("cuda", {A10: [HELD.lower()]})])]
     server = pod_resources(host, lambda: list(pods))
     try:
-        with FakeApiServer() as api:
-            api.seed({"apiVersion": "v1", "kind": "Node",
-                      "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-            read, watch = follower(api)
-            agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
-                          events=EventRecorder(api.client(), NODE), read_workload=read, node_watch=watch)
+        with followed_node(host, Steps(kata=False), events=True) as (api, agent, watch):
             assert agent.reconcile("start").ok
             thread = run_loop(agent)
             try:
                 # The kubelet gave HELD to pod vm-a; its VM is still booting (no open node).
                 # HELD stays for it; FREE, which nobody has, goes back at once.
                 relabel(api, "container")
-                assert wait_for(lambda: agent.steps.workload is Workload.CONTAINER)
+                assert wait_for(lambda: agent.target.steps.workload is Workload.CONTAINER)
                 assert driver_of(host, HELD) == "vfio-pci" and driver_of(host, FREE) == "nvidia"
-                assert agent.held == {HELD}
+                assert agent.give_backs.held == {HELD}
                 [line] = [r.getMessage() for r in caplog.records if "workload switch" in r.getMessage()]
                 assert f"gave {FREE} back to their drivers" in line
                 assert f"{HELD} (pod default/vm-a (container cuda, {A10}))" in line
@@ -306,19 +306,19 @@ def test_a_gpu_given_to_a_pod_whose_vm_is_starting_stays_and_the_free_one_goes(c
                 # The VM is up and holds its GPU: it stays.
                 vm = hold(host, 4)
                 time.sleep(0.2)
-                assert agent.held == {HELD} and driver_of(host, HELD) == "vfio-pci"
+                assert agent.give_backs.held == {HELD} and driver_of(host, HELD) == "vfio-pci"
                 # The VM restarts (lets go for a moment) while its pod is still there: still the pod's.
                 vm.unlink()
                 time.sleep(0.2)
                 vm = hold(host, 4, pid=7778)
-                assert agent.held == {HELD} and driver_of(host, HELD) == "vfio-pci"
+                assert agent.give_backs.held == {HELD} and driver_of(host, HELD) == "vfio-pci"
                 # Nothing let go all this while: no leave after the switch's (no node lock,
                 # PCI scan or CDI check every check).
                 assert len(leaves) == 1
                 # Pod and VM gone: the last GPU goes back too, with no relabel.
                 pods.clear()
                 vm.unlink()
-                assert wait_for(lambda: agent.held == set())
+                assert wait_for(lambda: agent.give_backs.held == set())
                 assert driver_of(host, HELD) == "nvidia"
                 assert len(leaves) == 2
             finally:
@@ -359,20 +359,15 @@ def set_label(api, key: str, value: str | None) -> None:
 def test_opting_out_of_the_vfio_manager_gives_gpus_back_and_lifting_it_binds_again(tmp_path, caplog):
     caplog.set_level("INFO", logger="katamgr.agent")
     host = make_host(tmp_path, [dev(FREE, GPU_A10, "nvidia", 5)])
-    with FakeApiServer() as api:
-        api.seed({"apiVersion": "v1", "kind": "Node",
-                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-        read, watch = follower(api)
-        agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
-                      events=EventRecorder(api.client(), NODE), read_workload=read, node_watch=watch)
+    with followed_node(host, Steps(kata=False), events=True) as (api, agent, watch):
         assert agent.reconcile("start").ok and host.path(VFIO_READY).exists()
         thread = run_loop(agent)
         try:
             # As the GPU Operator's vfio-manager leaving the node unbinds (its preStop hook).
             set_label(api, Operand.VFIO_MANAGER.label, "false")
-            assert wait_for(lambda: agent.opted_out == {Operand.VFIO_MANAGER})
+            assert wait_for(lambda: agent.target.opted_out == {Operand.VFIO_MANAGER})
             assert driver_of(host, FREE) == "nvidia"
-            assert agent.steps.workload is Workload.VM_PASSTHROUGH and not agent.steps.vfio
+            assert agent.target.steps.workload is Workload.VM_PASSTHROUGH and not agent.target.steps.vfio
             assert not host.path(VFIO_READY).exists()
             assert host.path(WORKLOAD_TYPE).read_text() == "vm-passthrough\n"
             assert "/dev/vfio/5" not in cdi_text(host)
@@ -394,17 +389,12 @@ def test_opting_out_of_the_vfio_manager_gives_gpus_back_and_lifting_it_binds_aga
 
 def test_opting_out_of_the_sandbox_validator_removes_the_readiness_files_only(tmp_path):
     host = make_host(tmp_path, [dev(FREE, GPU_A10, "nvidia", 5)])
-    with FakeApiServer() as api:
-        api.seed({"apiVersion": "v1", "kind": "Node",
-                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-        read, watch = follower(api)
-        agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
-                      read_workload=read, node_watch=watch)
+    with followed_node(host, Steps(kata=False)) as (api, agent, watch):
         assert agent.reconcile("start").ok
         thread = run_loop(agent)
         try:
             set_label(api, Operand.SANDBOX_VALIDATOR.label, "false")
-            assert wait_for(lambda: agent.opted_out == {Operand.SANDBOX_VALIDATOR})
+            assert wait_for(lambda: agent.target.opted_out == {Operand.SANDBOX_VALIDATOR})
             assert not host.path(WORKLOAD_TYPE).exists()
             assert not host.path(VFIO_READY).exists()
             assert driver_of(host, FREE) == "vfio-pci"  # the GPUs stay bound
@@ -417,20 +407,15 @@ def test_opting_out_of_the_sandbox_validator_removes_the_readiness_files_only(tm
 
 def test_all_operands_off_stands_every_step_down_and_kata_entries_stay(tmp_path):
     host = node(tmp_path)
-    with FakeApiServer() as api:
-        api.seed({"apiVersion": "v1", "kind": "Node",
-                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-        read, watch = follower(api)
-        agent = Agent(host, NAMING, Steps(), KataContext(parse_config(CONFIG)), check_interval=0.05,
-                      read_workload=read, node_watch=watch)
+    with followed_node(host, Steps(), ctx=KataContext(parse_config(CONFIG))) as (api, agent, watch):
         assert agent.reconcile("start").ok
         containerd = host.path("/etc/containerd/config.toml").read_text()
         thread = run_loop(agent)
         try:
             set_label(api, OPERANDS_LABEL, "false")
-            assert wait_for(lambda: agent.opted_out == frozenset(Operand))
+            assert wait_for(lambda: agent.target.opted_out == frozenset(Operand))
             assert driver_of(host, FREE) == driver_of(host, HELD) == "nvidia"
-            assert not agent.steps.kata and not host.path(WORKLOAD_TYPE).exists()
+            assert not agent.target.steps.kata and not host.path(WORKLOAD_TYPE).exists()
             # The Kata entries stay for running VMs; with kata-manager opted out nothing
             # repairs them either: an edit someone makes is left alone.
             assert host.path("/etc/containerd/config.toml").read_text() == containerd
@@ -491,13 +476,13 @@ def test_a_relabel_while_no_agent_ran_is_carried_out_by_the_first_reconcile(tmp_
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "container"}}})
         agent, watch = agent_at_start(api, host, Steps(), ctx)
-        assert agent.steps.workload is Workload.CONTAINER
+        assert agent.target.steps.workload is Workload.CONTAINER
         try:
             assert agent.reconcile("start").ok
             # The first reconcile did what the switch would have: the free GPU is back...
             assert driver_of(host, FREE) == "nvidia"
             # ...the VM's stays, reported, and is followed.
-            assert driver_of(host, HELD) == "vfio-pci" and agent.held == {HELD}
+            assert driver_of(host, HELD) == "vfio-pci" and agent.give_backs.held == {HELD}
             assert host.path(WORKLOAD_TYPE).read_text() == "container\n"
             assert not host.path(VFIO_READY).exists()
             specs = cdi_text(host)
@@ -519,9 +504,9 @@ def test_a_relabel_while_no_agent_ran_is_carried_out_by_the_first_reconcile(tmp_
             try:
                 vm.unlink()  # the VM is gone: its GPU goes back, with no relabel
                 assert wait_for(lambda: driver_now(host, HELD) == "nvidia")
-                assert wait_for(lambda: agent.held == set())
+                assert wait_for(lambda: agent.give_backs.held == set())
                 assert "/dev/vfio/4" not in cdi_text(host)
-                assert agent.steps.workload is Workload.CONTAINER
+                assert agent.target.steps.workload is Workload.CONTAINER
             finally:
                 agent.request_stop()
                 thread.join(timeout=15)
@@ -540,12 +525,12 @@ def test_a_vfio_manager_opt_out_while_no_agent_ran_is_carried_out_at_start(tmp_p
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough",
                                                         Operand.VFIO_MANAGER.label: "false"}}})
         agent, watch = agent_at_start(api, host, Steps(kata=False))
-        assert agent.steps.passthrough and not agent.steps.vfio
+        assert agent.target.steps.passthrough and not agent.target.steps.vfio
         thread = None
         try:
             assert agent.reconcile("start").ok
             assert driver_of(host, FREE) == "nvidia" and driver_of(host, HELD) == "vfio-pci"
-            assert agent.held == {HELD}
+            assert agent.give_backs.held == {HELD}
             assert not host.path(VFIO_READY).exists()
             assert host.path(WORKLOAD_TYPE).read_text() == "vm-passthrough\n"
             specs = cdi_text(host)
@@ -556,7 +541,7 @@ def test_a_vfio_manager_opt_out_while_no_agent_ran_is_carried_out_at_start(tmp_p
             thread = run_loop(agent)
             vm.unlink()
             assert wait_for(lambda: driver_now(host, HELD) == "nvidia")
-            assert wait_for(lambda: agent.held == set())
+            assert wait_for(lambda: agent.give_backs.held == set())
             assert "/dev/vfio/4" not in cdi_text(host)
         finally:
             if thread is not None:
@@ -593,7 +578,7 @@ def test_a_switch_and_a_give_back_keep_the_agent_healthy_however_long(tmp_path, 
     def slow_leave(*args, **kwargs):
         # The loop last ticked long ago (a slow unbind, a kubelet that takes its time):
         # only the busy mark keeps /healthz good.
-        agent.last_tick = time.monotonic() - 10 * health.STALE_AFTER
+        agent.probes.last_tick = time.monotonic() - 10 * health.STALE_AFTER
         seen.append(agent.health())
         return real(*args, **kwargs)
 
@@ -602,35 +587,30 @@ def test_a_switch_and_a_give_back_keep_the_agent_healthy_however_long(tmp_path, 
     assert agent.switch(Workload.CONTAINER, frozenset())
     assert seen and seen[-1][0] is True and seen[-1][1].startswith("switching the workload for ")
     assert agent.health()[0] is True  # and the loop counts as ticked once it is done
-    assert agent.held == {HELD}
+    assert agent.give_backs.held == {HELD}
     vm.unlink()
     agent.release_freed()
     assert len(seen) == 2 and seen[-1][0] is True and seen[-1][1].startswith("giving back GPUs for ")
-    assert agent.held == set() and driver_of(host, HELD) == "nvidia"
+    assert agent.give_backs.held == set() and driver_of(host, HELD) == "nvidia"
     # Without the mark the same pause fails /healthz (what the probe would restart).
-    agent.last_tick = time.monotonic() - 10 * health.STALE_AFTER
+    agent.probes.last_tick = time.monotonic() - 10 * health.STALE_AFTER
     assert agent.health()[0] is False
 
 
 def test_an_opt_out_change_on_a_container_node_keeps_following_a_held_gpu(tmp_path):
     host = make_host(tmp_path, [dev(HELD, GPU_A10, "nvidia", 4)])
-    with FakeApiServer() as api:
-        api.seed({"apiVersion": "v1", "kind": "Node",
-                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-        read, watch = follower(api)
-        agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
-                      read_workload=read, node_watch=watch)
+    with followed_node(host, Steps(kata=False)) as (api, agent, watch):
         assert agent.reconcile("start").ok
         vm = hold(host, 4)
         thread = run_loop(agent)
         try:
             relabel(api, "container")
-            assert wait_for(lambda: agent.steps.workload is Workload.CONTAINER)
-            assert agent.held == {HELD}
+            assert wait_for(lambda: agent.target.steps.workload is Workload.CONTAINER)
+            assert agent.give_backs.held == {HELD}
             # A change that gives nothing back (the readiness files' opt-out) forgets nothing.
             set_label(api, Operand.SANDBOX_VALIDATOR.label, "false")
-            assert wait_for(lambda: agent.opted_out == {Operand.SANDBOX_VALIDATOR})
-            assert agent.held == {HELD}
+            assert wait_for(lambda: agent.target.opted_out == {Operand.SANDBOX_VALIDATOR})
+            assert agent.give_backs.held == {HELD}
             vm.unlink()
             assert wait_for(lambda: driver_now(host, HELD) == "nvidia")
         finally:

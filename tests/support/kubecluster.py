@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import yaml
 
 from support.paths import REPO
+from support.waiting import wait_for  # noqa: F401 - the one rule, imported from here by the cluster tests
 
 LOCAL_CLUSTER = REPO / "hack" / "local-cluster"
 BUILD = REPO / "hack" / "kube" / "build"
@@ -42,23 +42,6 @@ def missing_part() -> str | None:
     if shutil.which("go") is None and not os.environ.get("KUBE_BIN_DIR"):
         return "no Go toolchain to build the Kubernetes components (install Go 1.25+)"
     return None
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 30, every: float = 0.2):
-    """check()'s first truthy value; AssertionError naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = check()
-        except Exception as e:  # noqa: BLE001 - the last error is the message
-            last = e
-        else:
-            if last:
-                return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:g} s (last: {last!r})")
-        time.sleep(every)
 
 
 def placed(objects: list[dict[str, Any]], namespace: str | None) -> list[dict[str, Any]]:
