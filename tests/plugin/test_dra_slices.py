@@ -140,7 +140,8 @@ def test_a_revert_removes_the_slice(node):
     report = revert_all(node.host, Steps(), None)
     assert report.ok, report.failures
     wait(lambda: node.slices() == [], "the slice is deleted once no device is on vfio-pci")
-    assert node.driver.last_sync in ("deleted", "none")
+    # The driver records the sync once the API server has answered the delete.
+    wait(lambda: node.driver.last_sync in ("deleted", "none"), "the driver saw its delete answered")
 
 
 def test_a_relabel_away_takes_the_slice_down_and_back_up(node):
