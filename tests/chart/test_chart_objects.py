@@ -12,6 +12,7 @@ in test_helm_values.py. The plumbing is tests/support/chartkit.py.
 
 from __future__ import annotations
 
+import subprocess
 import tomllib
 
 import pytest
@@ -100,6 +101,11 @@ def test_image_tag_is_the_package_version(chart):
     rendered = render(chart, FULL)
     images = {c["image"] for _, c in rendered.containers()}
     assert images == {f"ghcr.io/kata-sandbox-manager/kata-sandbox-manager:{version}"}
+    # The one hack/image/build builds (and tests/image runs).
+    recipe = subprocess.run([str(REPO / "hack/image/build"), "--ref"], capture_output=True,  # noqa: S603
+                            text=True, timeout=60)
+    assert recipe.returncode == 0, recipe.stderr
+    assert images == {c["image"] for _, c in render(chart, {}).containers()} == {recipe.stdout.strip()}
     # Both commands come from that one image: each is a console script of the package.
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert {c["command"][0] for _, c in rendered.containers()} == {"katamgr", "sandbox-device-plugin"}

@@ -1,11 +1,14 @@
 """Fixtures for the image tests: the images hack/image/build makes (cached after the first
-build), their archives read back, and a private real containerd (its own root, state and
-socket under a temp dir, no CRI) with both images imported. Without mmdebstrap, containerd,
-ctr, runc or root the tests skip, or fail under REQUIRE_INTEGRATION=1."""
+build), for this machine (`images`: what the local node imports) and for every architecture
+(`release`: amd64 and arm64, what a release publishes), their archives read back, and a
+private real containerd (its own root, state and socket under a temp dir, no CRI) with both
+images imported. Without mmdebstrap, containerd, ctr, runc, root or (for arm64) qemu-user's
+binfmt handler the tests skip, or fail under REQUIRE_INTEGRATION=1."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -27,7 +30,7 @@ oci = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = oci
 _spec.loader.exec_module(oci)
 
-COLD_BUILD_TIMEOUT = 1800  # a cold build takes about 2 minutes here
+COLD_BUILD_TIMEOUT = 3600  # a cold build takes minutes here; arm64's, under qemu-user, longer
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class Images:
     chart_ref: str
     pause_ref: str
     stdout: str
+    args: tuple[str, ...]
+
+    @property
+    def build_info(self) -> dict:
+        return json.loads((self.archives[self.chart_ref].parent / "build.json").read_text())
 
 
 def _run_build(*args: str, timeout: float = COLD_BUILD_TIMEOUT) -> subprocess.CompletedProcess:
@@ -49,13 +57,12 @@ def run_build():
     return _run_build
 
 
-@pytest.fixture(scope="session")
-def images() -> Images:
+def _build(*args: str) -> Images:
     require_binary("mmdebstrap")
     if os.geteuid() != 0:
         part_missing("hack/image/build needs root (mmdebstrap's unshare mode as root)")
-    proc = _run_build()
-    assert proc.returncode == 0, f"hack/image/build failed:\n{proc.stderr[-4000:]}"
+    proc = _run_build(*args)
+    assert proc.returncode == 0, f"hack/image/build {' '.join(args)} failed:\n{proc.stderr[-4000:]}"
     archives = {}
     for line in proc.stdout.splitlines():
         ref, path = line.split(" ", 1)
@@ -63,7 +70,25 @@ def images() -> Images:
     assert len(archives) == 2, proc.stdout
     pause = next(ref for ref in archives if ref.startswith("registry.k8s.io/pause:"))
     chart = next(ref for ref in archives if ref != pause)
-    return Images(archives, chart, pause, proc.stdout)
+    return Images(archives, chart, pause, proc.stdout, args)
+
+
+@pytest.fixture(scope="session")
+def images() -> Images:
+    """`hack/image/build`: this machine's architecture (what hack/local-cluster imports)."""
+    return _build()
+
+
+@pytest.fixture(scope="session")
+def release() -> Images:
+    """`hack/image/build --arch all`: the chart's image for amd64 and arm64. An amd64
+    machine builds arm64 under qemu-user, through its binfmt handler."""
+    require_binary("arch-test")
+    proc = subprocess.run(["arch-test", "arm64"], capture_output=True, text=True)  # noqa: S603, S607
+    if proc.stdout.strip() != "arm64: ok":
+        part_missing("this machine cannot run arm64 programs (qemu-user-static's binfmt "
+                     "handler: bash .ci/setup)")
+    return _build("--arch", "all")
 
 
 class Containerd:
@@ -200,6 +225,17 @@ def containerd(images: Images):
 
 
 @pytest.fixture(scope="session")
-def chart_archive(images: Images):
-    """(index, manifest, config, layer members) of the chart image's archive."""
+def chart_archive(images: Images) -> oci.Archive:
+    """The chart image's archive for this machine, read back."""
     return oci.read_archive(images.archives[images.chart_ref])
+
+
+@pytest.fixture(scope="session")
+def pause_archive(images: Images) -> oci.Archive:
+    return oci.read_archive(images.archives[images.pause_ref])
+
+
+@pytest.fixture(scope="session")
+def release_archive(release: Images) -> oci.Archive:
+    """The chart image's archive for every architecture, read back."""
+    return oci.read_archive(release.archives[release.chart_ref])

@@ -1,9 +1,10 @@
-"""The images hack/image/build makes without Docker (the chart's image and a pause image),
-imported into a real containerd and run there.
+"""The images hack/image/build makes without Docker (the chart's image for this machine and
+a pause image), imported into a real containerd and run there. The arm64 image, the
+release's index, reproducibility and publishing: test_image_release.py.
 
 The build is cached (~/.cache/kata-sandbox-manager/images), so after .ci/run's own call,
 or any earlier one with the same inputs, these tests take seconds; a cold build takes
-about 2 minutes."""
+minutes."""
 
 from __future__ import annotations
 
@@ -21,10 +22,6 @@ from support.paths import REPO, require_binary
 pytestmark = pytest.mark.integration
 
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-
-
-def build_info(images) -> dict:
-    return json.loads((images.archives[images.chart_ref].parent / "build.json").read_text())
 
 
 def test_the_image_is_the_one_the_chart_runs_by_default(images):
@@ -49,18 +46,20 @@ def test_a_cached_call_prints_the_same_archives_at_once(images, run_build):
 
 
 def test_the_archives_are_oci_layouts_naming_their_images(images, chart_archive):
-    index, manifest, config, _ = chart_archive
-    (entry,) = index["manifests"]
+    (entry,) = chart_archive.layout["manifests"]
     assert entry["annotations"] == {"org.opencontainers.image.ref.name": images.chart_ref,
                                     "io.containerd.image.name": images.chart_ref}
-    assert entry["platform"] == {"architecture": "amd64", "os": "linux"}
-    assert manifest["layers"][0]["mediaType"] == "application/vnd.oci.image.layer.v1.tar+gzip"
-    assert (config["architecture"], config["os"]) == ("amd64", "linux")
-    assert len(config["rootfs"]["diff_ids"]) == 1
+    # An image index, as the release publishes, of this machine's image alone.
+    assert entry["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    (image,) = chart_archive.images
+    assert image.platform == {"architecture": "amd64", "os": "linux"}
+    assert image.manifest["layers"][0]["mediaType"] == "application/vnd.oci.image.layer.v1.tar+gzip"
+    assert (image.config["architecture"], image.config["os"]) == ("amd64", "linux")
+    assert len(image.config["rootfs"]["diff_ids"]) == 1
     with tarfile.open(images.archives[images.chart_ref]) as tar:
         assert json.loads(tar.extractfile("oci-layout").read()) == {"imageLayoutVersion": "1.0.0"}
-    # What deploy/Dockerfile sets.
-    container = config["config"]
+    # What hack/image/recipe.py sets.
+    container = image.config["config"]
     assert container["Entrypoint"] == ["katamgr"]
     env = dict(e.split("=", 1) for e in container["Env"])
     assert env["PATH"].split(":")[0] == "/opt/kata-sandbox-manager/bin"
@@ -70,12 +69,13 @@ def test_the_archives_are_oci_layouts_naming_their_images(images, chart_archive)
         "org.opencontainers.image.description":
             "Kata Containers with VFIO GPU passthrough for Kubernetes GPU nodes",
         "org.opencontainers.image.licenses": "Apache-2.0",
+        "org.opencontainers.image.version": VERSION,
     }
 
 
 def test_the_layer_is_deterministic_and_slim(images, chart_archive):
-    *_, members = chart_archive
-    epoch = build_info(images)["inputs"]["epoch"]
+    members = chart_archive.members(chart_archive.images[0])
+    epoch = images.build_info["inputs"]["epoch"]
     names = [m.name for m in members]
     # Depth first, each directory before its contents, siblings by name.
     assert names == sorted(names, key=lambda n: n.split("/"))
@@ -96,29 +96,21 @@ def test_the_layer_is_deterministic_and_slim(images, chart_archive):
     assert not [n for n in names if n.startswith(site + "pip/")]
 
 
-def pyc_headers(archive: Path) -> tuple[dict[str, tuple[int, int, int]], dict[str, tarfile.TarInfo]]:
+def pyc_headers(archive) -> tuple[dict[str, tuple[int, int, int]], dict[str, tarfile.TarInfo]]:
     """For every .pyc in the chart image's layer: (flags, source mtime, source size) from its
     header; and the layer's members by name."""
-    headers, members = {}, {}
-    with tarfile.open(archive) as outer:
-        index = json.loads(outer.extractfile("index.json").read())
-        digest = index["manifests"][0]["digest"].split(":")[1]
-        manifest = json.loads(outer.extractfile(f"blobs/sha256/{digest}").read())
-        layer = manifest["layers"][0]["digest"].split(":")[1]
-        with tarfile.open(fileobj=outer.extractfile(f"blobs/sha256/{layer}"), mode="r|gz") as tar:
-            for member in tar:
-                members[member.name] = member
-                if member.name.endswith(".pyc") and member.isreg():
-                    head = tar.extractfile(member).read(16)
-                    flags, mtime, size = struct.unpack("<III", head[4:16])
-                    headers[member.name] = (flags, mtime, size)
+    (image,) = archive.images
+    members = {m.name: m for m in archive.members(image)}
+    headers = {}
+    for name, (_, content) in archive.files(image, lambda m: m.name.endswith(".pyc")).items():
+        headers[name] = struct.unpack("<III", content[4:16])
     return headers, members
 
 
-def test_no_pyc_is_stale_after_the_mtime_clamp(images):
+def test_no_pyc_is_stale_after_the_mtime_clamp(chart_archive):
     """A .pyc whose source's mtime the layer changed would be recompiled in memory at every
     start: the virtualenv's are hash-based, Debian's match their (clamped) sources."""
-    headers, members = pyc_headers(images.archives[images.chart_ref])
+    headers, members = pyc_headers(chart_archive)
     assert len(headers) > 1000
     stale, timestamped_venv = [], []
     for name, (flags, mtime, size) in headers.items():
@@ -228,18 +220,10 @@ def test_pause_reaps_the_orphans_it_inherits(images, containerd):
         containerd.ctr("containers", "delete", name, check=False)
 
 
-def test_pause_is_a_static_binary_running_as_nobody(images):
-    with tarfile.open(images.archives[images.pause_ref]) as outer:
-        index = json.loads(outer.extractfile("index.json").read())
-        digest = index["manifests"][0]["digest"].split(":")[1]
-        manifest = json.loads(outer.extractfile(f"blobs/sha256/{digest}").read())
-        config = json.loads(outer.extractfile(
-            f"blobs/sha256/{manifest['config']['digest'].split(':')[1]}").read())
-        layer = manifest["layers"][0]["digest"].split(":")[1]
-        with tarfile.open(fileobj=outer.extractfile(f"blobs/sha256/{layer}"), mode="r:gz") as tar:
-            (member,) = tar.getmembers()
-            binary = tar.extractfile(member).read()
-    assert config["config"] == {"Entrypoint": ["/pause"], "User": "65535:65535"}
+def test_pause_is_a_static_binary_running_as_nobody(pause_archive):
+    (image,) = pause_archive.images
+    ((member, binary),) = pause_archive.files(image, lambda m: True).values()
+    assert image.config["config"] == {"Entrypoint": ["/pause"], "User": "65535:65535"}
     assert member.name == "pause" and member.mode == 0o755
     assert b"ld-linux" not in binary[:4096]
 
