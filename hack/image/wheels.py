@@ -103,7 +103,7 @@ def _closure(dependencies: list[str], platform: Platform) -> list[str]:
     return [f"{name}=={version}" for name, version in sorted(pins.items())]
 
 
-def _pip(args: list[str], what: str) -> subprocess.CompletedProcess:
+def _pip(args: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     return subprocess.run([sys.executable, "-m", "pip", *args], env=env,  # noqa: S603
                           capture_output=True, text=True)
@@ -129,32 +129,32 @@ def wheelhouse(frozen: list[str], pip: str, platform: Platform, root: Path, log)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=house.parent))
     try:
         log(f"fetching {len(frozen)} wheels for {platform.name} into the wheelhouse")
-        no_wheel = []
+        no_wheel: dict[str, str] = {}  # pin -> what pip said
         requirements = tmp / "requirements.txt"
         requirements.write_text("\n".join(frozen) + "\n")
         download = ["download", "-q", "--no-deps", "--only-binary=:all:", *target, "--dest", str(tmp)]
-        if _pip([*download, "-r", str(requirements)], "pip download").returncode:
+        if _pip([*download, "-r", str(requirements)]).returncode:
             # One at a time, to learn which have no wheel for the platform.
             for pin in frozen:
-                if _pip([*download, pin], "pip download").returncode:
-                    no_wheel.append(pin)
-        for pin in no_wheel:
+                proc = _pip([*download, pin])
+                if proc.returncode:
+                    no_wheel[pin] = _tail(proc)
+        for pin, said in no_wheel.items():
             built = tmp / "built"
-            proc = _pip(["wheel", "-q", "--no-deps", "--no-binary=:all:", "--wheel-dir", str(built), pin],
-                        "pip wheel")
+            proc = _pip(["wheel", "-q", "--no-deps", "--no-binary=:all:", "--wheel-dir",
+                         str(built), pin])
             wheels = list(built.glob("*.whl")) if built.is_dir() else []
+            where = f"CPython {'.'.join(map(str, PYTHON))} on {platform.name} (glibc <= 2.36)"
             if proc.returncode or len(wheels) != 1:
-                raise Failure(f"{pin} has no wheel for CPython {'.'.join(map(str, PYTHON))} on "
-                              f"{platform.name} (glibc <= 2.36), and its sdist did not build:\n"
-                              + _tail(proc))
+                raise Failure(f"pip found no wheel of {pin} for {where}:\n{said}\n"
+                              f"and its sdist did not build:\n{_tail(proc)}")
             if not wheels[0].name.endswith("-none-any.whl"):
-                raise Failure(f"{pin} has no wheel for {platform.name} (glibc <= 2.36), and its "
-                              f"sdist builds a platform wheel here ({wheels[0].name}): the image "
-                              "cannot take it")
+                raise Failure(f"pip found no wheel of {pin} for {where}, and its sdist builds "
+                              f"a platform wheel here ({wheels[0].name}): the image cannot take it")
             wheels[0].rename(tmp / wheels[0].name)
             shutil.rmtree(built)
         proc = _pip(["download", "-q", "--no-deps", "--only-binary=:all:", "--dest", str(tmp),
-                     f"pip=={pip}"], "pip download pip")
+                     f"pip=={pip}"])
         if proc.returncode:
             raise Failure(f"pip download pip=={pip} failed:\n{_tail(proc)}")
         try:
