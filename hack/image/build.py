@@ -33,11 +33,13 @@ into place, so an interrupted build leaves nothing half-written. Every file's mt
 clamped to SOURCE_DATE_EPOCH, the time of the last commit of those inputs, so the same
 inputs and the same Debian packages give the same image (--check-reproducible builds the
 asked images again, caching nothing, and says whether every digest came out the same).
---out DIR also puts the archives in DIR; --rebuild ignores the cache; --cached-only never
-builds (exit 3 when the inputs have no cached images); --ref prints the chart image's
-reference and exits. Needs root (mmdebstrap's unshare mode as root), mmdebstrap, Go
-1.22+, the network (the Debian mirror, PyPI for wheels not cached yet) and, for a foreign
-architecture, qemu-user-static with its binfmt handler (arch-test says).
+--out DIR also puts the archives in DIR, with build.json (every digest and size) and
+packages-<arch>.txt (the Debian packages and Python distributions of each image); --rebuild
+ignores the cache; --cached-only never builds (exit 3 when the inputs have no cached
+images); --ref prints the chart image's reference and exits. Needs root (mmdebstrap's
+unshare mode as root), mmdebstrap, Go 1.22+, the network (the Debian mirror, PyPI for
+wheels not cached yet) and, for a foreign architecture, qemu-user-static with its binfmt
+handler (arch-test says).
 """
 
 from __future__ import annotations
@@ -620,7 +622,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", help="amd64, arm64, a comma-separated list or all "
                         "(default: this machine's)")
-    parser.add_argument("--out", type=Path, help="also put the archives in this directory")
+    parser.add_argument("--out", type=Path, help="also put the archives, build.json and the "
+                        "package lists in this directory")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--rebuild", action="store_true", help="ignore the cached images")
     mode.add_argument("--cached-only", action="store_true",
@@ -654,24 +657,26 @@ def main() -> int:
         for part in (*request.parts.values(), request.pause):
             os.utime(part)
     info = json.loads((request.out / "build.json").read_text())
-    lines = []
-    for image in info["images"]:
-        path = request.out / image["archive"]
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            target = args.out / image["archive"]
-            tmp = target.with_name(target.name + ".tmp")
-            tmp.unlink(missing_ok=True)
-            try:
-                os.link(path, tmp)
-            except OSError:
-                shutil.copyfile(path, tmp)
-            os.replace(tmp, target)
-            path = target
-        lines.append(f"{image['ref']} {path.resolve()}")
-    print("\n".join(lines))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for path in sorted(request.out.iterdir()):
+            copy_out(path, args.out / path.name)
+    where = args.out or request.out
+    print("\n".join(f"{image['ref']} {(where / image['archive']).resolve()}"
+                    for image in info["images"]))
     return 0
 
+
+def copy_out(path: Path, target: Path) -> None:
+    """A hard link where it can (the cache and DIR on one filesystem), else a copy; the name
+    appears only once complete."""
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(path, tmp)
+    except OSError:
+        shutil.copyfile(path, tmp)
+    os.replace(tmp, target)
 
 if __name__ == "__main__":
     try:
