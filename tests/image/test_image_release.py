@@ -74,6 +74,25 @@ def test_this_machines_image_is_the_releases(images, release, chart_archive, rel
     assert own.manifest_digest == release_archive.image("amd64").manifest_digest
 
 
+def test_containerd_runs_its_own_architecture_out_of_the_release(release, release_archive,
+                                                                 containerd):
+    """A node given the release (as by a pull of the published tag) holds the index and
+    starts this machine's image from it."""
+    archive = release.archives[release.chart_ref]
+    containerd.ctr("images", "import", "--snapshotter", containerd.snapshotter, str(archive),
+                   timeout=300)
+    listed = {line.split()[0]: line.split() for line in
+              containerd.ctr("images", "ls").stdout.splitlines()[1:]}
+    ref, kind, digest, *_ = listed[release.chart_ref]
+    (entry,) = release_archive.layout["manifests"]
+    assert (kind, digest) == ("application/vnd.oci.image.index.v1+json", entry["digest"])
+    assert "linux/amd64,linux/arm64/v8" in listed[release.chart_ref]
+    proc = containerd.run(release.chart_ref, "sh", "-c", "uname -m; katamgr --version")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[0] == "x86_64"
+    assert proc.stdout.split("\n")[1].startswith("katamgr ")
+
+
 @pytest.mark.parametrize("arch", ["amd64", "arm64"])
 def test_every_binary_is_built_for_its_architecture(release_archive, arch):
     machine, triplet = EM[arch]
@@ -156,12 +175,21 @@ def test_skopeo_publishes_the_release_with_its_digests(release, release_archive,
     assert raw.returncode == 0, raw.stderr
     (entry,) = release_archive.layout["manifests"]
     assert "sha256:" + hashlib.sha256(raw.stdout.encode()).hexdigest() == entry["digest"]
+    repository = dest.rsplit(":", 1)[0]
     for image in release_archive.images:
+        # Each manifest is there under its digest ...
+        manifest = skopeo("inspect", "--raw", "--tls-verify=false", "--creds", creds,
+                          f"{repository}@{image.manifest_digest}")
+        assert manifest.returncode == 0, manifest.stderr
+        assert "sha256:" + hashlib.sha256(manifest.stdout.encode()).hexdigest() == \
+            image.manifest_digest
+        # ... and is what a client of that platform gets for the tag.
         platform = ["--override-arch", image.platform["architecture"]]
         if "variant" in image.platform:
             platform += ["--override-variant", image.platform["variant"]]
-        seen = skopeo(*platform, "inspect", "--tls-verify=false", "--creds", creds, dest)
-        assert seen.returncode == 0, seen.stderr
-        pulled = json.loads(seen.stdout)
-        assert (pulled["Digest"], pulled["Architecture"]) == (
-            image.manifest_digest, image.platform["architecture"])
+        config = skopeo(*platform, "inspect", "--config", "--raw", "--tls-verify=false",
+                        "--creds", creds, dest)
+        assert config.returncode == 0, config.stderr
+        assert "sha256:" + hashlib.sha256(config.stdout.encode()).hexdigest() == \
+            image.manifest["config"]["digest"]
+        assert json.loads(config.stdout)["architecture"] == image.platform["architecture"]
