@@ -45,6 +45,7 @@ handler (arch-test says).
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -135,8 +136,9 @@ def chart_ref() -> str:
     repository/name:(tag or appVersion)."""
     import yaml
 
-    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    image = yaml.safe_load((CHART / "values.yaml").read_text())["image"]
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: a cached call is quick
+    chart = yaml.load((CHART / "Chart.yaml").read_text(), Loader=loader)
+    image = yaml.load((CHART / "values.yaml").read_text(), Loader=loader)["image"]
     tag = image.get("tag") or chart["appVersion"]
     return f"{image['repository']}/{image['name']}:{tag}"
 
@@ -180,11 +182,16 @@ def go_version(go: str | None) -> str:
     return run([go, "env", "GOVERSION"], what="go env").strip()
 
 
+@functools.cache
+def file_hash(rel: str) -> bytes:
+    return hashlib.sha256((REPO / rel).read_bytes()).digest()
+
+
 def digest_of(inputs: dict, files: list[str]) -> str:
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode())
     for rel in files:
         digest.update(f"\0{rel}\0".encode())
-        digest.update(hashlib.sha256((REPO / rel).read_bytes()).digest())
+        digest.update(file_hash(rel))
     return digest.hexdigest()[:24]
 
 
@@ -413,7 +420,7 @@ def build_chart_part(dest: Path, work: Path, target: Platform, request: dict,
     config = image_config(target, epoch, recipe.container_config(version), recipe.history(version))
     seconds = round(time.monotonic() - started)
     save_part(dest, "chart", target, layer, config, {"seconds": seconds})
-    log(f"built {request['ref']} for {target.name} ({layer.unpacked / 2**20:.0f} MiB, "
+    log(f"built the chart's image for {target.name} ({layer.unpacked / 2**20:.0f} MiB, "
         f"{layer.entries} files; {layer.size / 2**20:.0f} MiB gzip'd) in {seconds} s")
 
 
@@ -481,7 +488,6 @@ class Request:
         self.inputs = {
             "version": pyproject["project"]["version"],
             "epoch": source_date_epoch(),
-            "ref": chart_ref(),
             "frozen": {t.arch: wheels.frozen_requirements(pyproject["project"]["dependencies"],
                                                          t, self.root) for t in arches},
             "pip": wheels.pip_version(),
@@ -499,14 +505,18 @@ class Request:
         key = digest_of({"epoch": self.inputs["epoch"], "go": self.inputs["go"],
                          "arch": self.pause_arch.arch}, pause_files)
         self.pause = self.root / "parts" / f"pause-{self.pause_arch.arch}-{key}"
+        # The chart image's reference comes from Chart.yaml and values.yaml, hashed above.
         key = hashlib.sha256(json.dumps(
-            [self.inputs["ref"], sorted(str(p) for p in self.parts.values()), str(self.pause)]
-        ).encode()).hexdigest()[:24]
+            [sorted(str(p) for p in self.parts.values()), str(self.pause)]).encode()).hexdigest()[:24]
         self.out = self.root / "out" / key
+
+    @functools.cached_property
+    def ref(self) -> str:
+        return chart_ref()
 
     @property
     def chart_archive(self) -> str:
-        return f"kata-sandbox-manager-{self.inputs['ref'].rsplit(':', 1)[1]}.oci.tar"
+        return f"kata-sandbox-manager-{self.ref.rsplit(':', 1)[1]}.oci.tar"
 
     @property
     def pause_archive(self) -> str:
@@ -568,14 +578,14 @@ class Request:
         work = work_dir(self.out.parent, self.out.name)
         try:
             index = oci.index([(c.manifest, c.info["platform"]) for c in charts])
-            oci.write_archive(work / self.chart_archive, self.inputs["ref"], index,
+            oci.write_archive(work / self.chart_archive, self.ref, index,
                               [b for c in charts for b in c.blobs], self.inputs["epoch"])
             oci.write_archive(work / self.pause_archive, PAUSE_REF, pause.manifest,
                               pause.blobs[1:], self.inputs["epoch"], pause.info["platform"])
             for chart in charts:
                 shutil.copy2(chart.path / "packages.txt", work / f"packages-{chart.info['arch']}.txt")
             info = {"key": self.out.name, "inputs": self.inputs, "images": [
-                {"ref": self.inputs["ref"], "archive": self.chart_archive, "index": index.digest,
+                {"ref": self.ref, "archive": self.chart_archive, "index": index.digest,
                  "platforms": [c.summary() for c in charts]},
                 {"ref": PAUSE_REF, "archive": self.pause_archive, **pause.summary()}]}
             (work / "build.json").write_text(json.dumps(info, indent=2) + "\n")
@@ -595,7 +605,7 @@ def check_reproducible(request: Request) -> int:
         differs = 0
         for name, path in cached.items():
             first, second = Part(path), Part(again[name])
-            ref = PAUSE_REF if name == "pause" else request.inputs["ref"]
+            ref = PAUSE_REF if name == "pause" else request.ref
             platform = first.info["arch"]
             if first.info["manifest"] == second.info["manifest"]:
                 print(f"{ref} linux/{platform} {first.info['manifest']['digest']} reproduced")

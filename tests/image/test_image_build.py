@@ -33,16 +33,14 @@ def test_the_image_is_the_one_the_chart_runs_by_default(images):
     assert images.pause_ref == "registry.k8s.io/pause:3.10.1"
 
 
-def test_a_cached_call_prints_the_same_archives_at_once(images, run_build):
-    started = time.monotonic()
-    proc = run_build("--cached-only", timeout=60)
-    took = time.monotonic() - started
+def test_a_cached_call_prints_the_same_archives_without_building(images, run_build):
+    # --cached-only never builds: it exits 3 where the inputs have no cached images.
+    proc = run_build("--cached-only", *images.args, timeout=60)
     if proc.returncode == 3:  # only where someone edits the tree while the tests run
         pytest.skip("the image's inputs changed since this session built it")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == images.stdout
     assert proc.stderr == ""
-    assert took < 2.0, f"a cached call took {took:.2f} s"
 
 
 def test_the_archives_are_oci_layouts_naming_their_images(images, chart_archive):
