@@ -78,7 +78,9 @@ from wheels import Failure  # noqa: E402
 
 PROG = "hack/image/build"
 CHART = REPO / "deploy" / "helm" / "kata-sandbox-manager"
-PACKAGES = ("katamgr", "sandbox_plugin", "cdi", "kubeletapi", "nodesim")
+# The import packages the wheel ships, as pyproject.toml lists them for setuptools.
+PACKAGES = tuple(p.rstrip("*") for p in tomllib.loads((REPO / "pyproject.toml").read_text())
+                 ["tool"]["setuptools"]["packages"]["find"]["include"])
 # What goes into the wheel (the git-tracked files of these) and what decides the image.
 INPUTS = (*PACKAGES, "pyproject.toml", "README.md",
           "deploy/helm/kata-sandbox-manager/Chart.yaml",
@@ -313,7 +315,8 @@ def build_rootfs(work: Path, house: Path, project: Path, version: str, epoch: in
     rootfs = work / "rootfs"
     rootfs.mkdir()
     hook = work / "customize-hook"
-    hook.write_text(recipe.hook(epoch, pip_wheel, version))
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    hook.write_text(recipe.hook(epoch, pip_wheel, version, sorted(scripts)))
     hook.chmod(0o755)
     cmd = [shutil.which("mmdebstrap"), "--mode=unshare", "--format=directory",
            "--variant=minbase", f"--architectures={target.arch}",

@@ -45,9 +45,6 @@ DPKG_OPTS = (
     "path-include=/usr/share/doc/*/copyright",
     "path-exclude=/usr/share/lintian/*",
 )
-# Every command the package installs is run (--help) in the new root filesystem, under
-# emulation for a foreign architecture: an image that cannot start them is not cached.
-COMMANDS = ("katamgr", "sandbox-device-plugin", "sandbox-dra-driver")
 
 
 @dataclass(frozen=True)
@@ -147,9 +144,12 @@ rm -f "$root/tmp/clamped"
 """
 
 
-def hook(epoch: int, pip_wheel: str, version: str) -> str:
+def hook(epoch: int, pip_wheel: str, version: str, commands: list[str]) -> str:
+    """The hook for ``commands``: every console script the package installs is run (--help)
+    in the new root, under emulation for a foreign architecture, and an image that cannot
+    start one is not cached."""
     return HOOK.format(venv=VENV_DIR, epoch=epoch, pip_wheel=pip_wheel, version=version,
-                       commands=" ".join(COMMANDS))
+                       commands=" ".join(commands))
 
 
 # Left out of the layer: what the container runtime provides (mount points stay, empty),
