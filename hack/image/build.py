@@ -97,9 +97,17 @@ def log(message: str) -> None:
 
 def run(cmd: list[str], *, cwd: Path | None = None, env: dict | None = None,
         what: str | None = None) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)  # noqa: S603
+    # Its own process group: when this build is interrupted, the command and every process
+    # it started (mmdebstrap's dpkg and hooks) are stopped before the temp dir is removed.
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,  # noqa: S603
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate()
+    except BaseException:
+        stop_group(proc)
+        raise
     if proc.returncode:
-        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        lines = (stdout + stderr).strip().splitlines()
         where = ""
         if len(lines) > 30:
             saved = cache_root() / "failed-build.log"
@@ -108,7 +116,22 @@ def run(cmd: list[str], *, cwd: Path | None = None, env: dict | None = None,
             where = f" (all of its output: {saved})"
         raise Failure(f"{what or cmd[0]} failed (exit {proc.returncode}){where}:\n"
                       + "\n".join(lines[-30:]))
-    return proc.stdout
+    return stdout
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command's process group (mmdebstrap cleans up on it), SIGKILL after
+    30 s."""
+    for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 # --- the inputs --------------------------------------------------------------------------
