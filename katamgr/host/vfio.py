@@ -470,3 +470,44 @@ def unbind_all(host: HostRoot, *, force: bool = False, keep: Collection[str] = (
     else:
         remove_file(host.state_path(STATE_FILE))
     return report
+
+
+# ---- a device reset under no driver (a CC mode switch) -----------------------
+
+
+def unbind_for_reset(host: HostRoot, bdf: str) -> str | None:
+    """Unbind ``bdf`` from whatever driver it has, so NVIDIA's tool can stage a mode and reset
+    it; returns the driver it had (for ``rebind_after_reset``). Holders are looked at again
+    right before the write: a held device is never unbound here. katamgr's record of the
+    device (its original driver, for revert) is left as it is."""
+    current = _current_driver(host, bdf)
+    if current is None:
+        return None
+    if is_vfio_driver(current):
+        _refuse_if_held(bdf, vfio_holders(host, bdf, iommu.group_of(host, bdf)))
+    else:
+        _refuse_if_held(bdf, in_use(host, [_device_on(host, bdf, current)]))
+    _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{current}/unbind", bdf)
+    return current
+
+
+def rebind_after_reset(host: HostRoot, bdf: str, driver: str | None) -> None:
+    """Give ``bdf`` back the driver it had before ``unbind_for_reset``: a probe (its
+    driver_override, vfio-pci or its variant for a passthrough device, still names it),
+    else a bind to that driver."""
+    if driver is None or _current_driver(host, bdf) == driver:
+        return
+    if _current_driver(host, bdf) is None:
+        _kernel_write(host, sysfs.DRIVERS_PROBE, bdf)
+    if _current_driver(host, bdf) is None and host.path(f"{sysfs.PCI_DRIVERS}/{driver}").is_dir():
+        _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{driver}/bind", bdf)
+    now = _current_driver(host, bdf)
+    if now != driver:
+        raise HostError(f"{bdf} came back on {now or 'no driver'} instead of {driver} after its reset; bind it "
+                        f"by hand: echo {bdf} > /sys/bus/pci/drivers/{driver}/bind")
+
+
+def _device_on(host: HostRoot, bdf: str, driver: str) -> Device:
+    from katamgr.host.pci import read_device
+
+    return replace(read_device(host, bdf), driver=driver)
