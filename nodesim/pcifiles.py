@@ -40,7 +40,7 @@ def _bar0_address(dev: ProfileDevice) -> int:
     # Distinct, aligned addresses per device (the tool tells devices apart by BAR0).
     bus, slot_fn = dev.bdf.split(":")[1], dev.bdf.split(":")[2]
     slot, fn = slot_fn.split(".")
-    return 0xA0000000 + ((int(bus, 16) << 8 | int(slot, 16) << 3 | int(fn)) << 24 & 0x3FFFFFFF)
+    return 0x80000000 + ((int(bus, 16) * 32 + int(slot, 16)) * 8 + int(fn)) % 120 * BAR0_SIZE
 
 
 def _port_type(dev: ProfileDevice, by_bdf: dict[str, ProfileDevice]) -> int:

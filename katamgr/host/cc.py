@@ -170,3 +170,20 @@ def read_modes(host: HostRoot, devices: list[Device], *, held: dict[str, str] | 
             except HostError as exc:
                 out[device.bdf] = GpuMode(device.bdf, True, unread=str(exc))
     return out
+
+
+# The KVM parameters that say the host runs confidential VMs (k8s-cc-manager main.py,
+# is_host_cc_enabled): Intel TDX, AMD SEV-SNP.
+HOST_CC_PARAMETERS = (("tdx", "/sys/module/kvm_intel/parameters/tdx"),
+                      ("sev-snp", "/sys/module/kvm_amd/parameters/sev_snp"))
+
+
+def host_cc(host: HostRoot) -> str | None:
+    """Which confidential-VM technology the host's KVM has on (``tdx``, ``sev-snp``), or None."""
+    for name, path in HOST_CC_PARAMETERS:
+        try:
+            if host.path(path).read_text().strip().lower() in ("y", "1"):
+                return name
+        except OSError:
+            continue
+    return None
