@@ -14,3 +14,15 @@ GPU_SNP = "kata-qemu-nvidia-gpu-snp"
 
 # In the order the GPU Operator lists them; the first is the one the webhook injects.
 DEFAULT_RUNTIME_CLASSES: tuple[str, ...] = (GPU, GPU_SNP)
+
+# Confidential classes: their VMs are AMD SEV-SNP or Intel TDX guests, which need their GPUs
+# in CC mode (kata-deploy's qemu-nvidia-gpu-snp and qemu-nvidia-gpu-tdx shims). A class the
+# config marks ``confidential`` is one too, whatever its name.
+CONFIDENTIAL_SUFFIXES: tuple[str, ...] = ("-snp", "-tdx")
+# The node label NVIDIA's k8s-cc-manager (and katamgr's CC room) sets "true" once the
+# node's GPUs run a confidential mode: what a confidential class schedules by.
+CC_READY_LABEL = "nvidia.com/cc.ready.state"
+
+
+def confidential_by_name(name: str) -> bool:
+    return name.endswith(CONFIDENTIAL_SUFFIXES)
