@@ -227,6 +227,9 @@ def _webhook_parser(sub) -> None:
                    help="resources (glob) that are passthrough GPUs, the container GPU names "
                         f"({', '.join(rules.CONTAINER_GPU_RESOURCES)}) excepted (repeatable; default "
                         f"{', '.join(rules.DEFAULT_PASSTHROUGH)})")
+    p.add_argument("--confidential-runtime-class", action="append", metavar="NAME",
+                   help="a runtime class that runs confidential VMs besides those named *-snp and *-tdx "
+                        "(repeatable): /validate refuses it a GPU model with no CC mode")
     p.add_argument("--inject-runtime-class", action="store_true",
                    help="on /mutate, give a passthrough pod without a runtimeClassName the first "
                         "--runtime-class instead of leaving /validate to deny it")
@@ -461,7 +464,8 @@ def cmd_webhook(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
     policy = Policy(runtime_classes=tuple(args.runtime_class or DEFAULT_RUNTIME_CLASSES),
                     passthrough=tuple(args.passthrough_resource or DEFAULT_PASSTHROUGH),
-                    inject_runtime_class=args.inject_runtime_class)
+                    inject_runtime_class=args.inject_runtime_class,
+                    confidential_classes=tuple(args.confidential_runtime_class or ()))
     server = make_server(args.listen, args.tls_cert_file, args.tls_private_key_file, policy)
     log.warning("katamgr webhook serving on https://%s (runtime classes %s)", args.listen,
                 ", ".join(policy.runtime_classes))

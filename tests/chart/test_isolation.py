@@ -215,15 +215,18 @@ def evaluate_policy(policy: dict, pod: dict) -> tuple[bool, str | None]:
     activation = {"object": json_to_cel(pod), "variables": celpy.celtypes.MapType(variables)}
 
     def run(expression: str):
-        program = env.program(env.compile(expression))
+        # Kubernetes' CEL has the strings extension (substring); cel-python's core does not.
+        program = env.program(env.compile(expression), functions={
+            "substring": lambda text, start: celpy.celtypes.StringType(str(text)[int(start):])})
         activation["variables"] = celpy.celtypes.MapType(variables)
         return program.evaluate(activation)
 
     for var in spec["variables"]:
         variables[celpy.celtypes.StringType(var["name"])] = run(var["expression"])
-    (check,) = spec["validations"]
-    ok = bool(run(check["expression"]))
-    return ok, None if ok else str(run(check["messageExpression"]))
+    for check in spec["validations"]:  # the API server reports the first that fails
+        if not bool(run(check["expression"])):
+            return False, str(run(check["messageExpression"]))
+    return True, None
 
 
 @pytest.mark.parametrize("case", sorted(podkit.cases()))
@@ -255,7 +258,8 @@ def webhook_policy(rendered) -> Policy:
     args = build_parser().parse_args([*c["command"][1:], *c["args"]])
     return Policy(runtime_classes=tuple(args.runtime_class or DEFAULT_RUNTIME_CLASSES),
                   passthrough=tuple(args.passthrough_resource or DEFAULT_PASSTHROUGH),
-                  inject_runtime_class=args.inject_runtime_class)
+                  inject_runtime_class=args.inject_runtime_class,
+                  confidential_classes=tuple(args.confidential_runtime_class or ()))
 
 
 def included_cases() -> dict[str, dict]:
