@@ -32,8 +32,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from katamgr.k8snames import NVIDIA_CONTAINER_RESOURCES
-from katamgr.kataclasses import confidential_by_name, not_cc_capable_model
-from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES
+from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES, confidential_by_name, not_cc_capable_model
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 VOID = "void"
