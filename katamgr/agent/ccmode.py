@@ -80,17 +80,35 @@ class CcModes:
 
     def _switch(self, wanted: CcMode, why: str, labels: Mapping[str, str]) -> bool:
         t = self.target
-        if labels.get(cc.READY_STATE_LABEL) not in (None, "false") and self.publish is not None:
+
+        labels = dict(labels)  # as the Node will read after our own writes
+
+        def not_ready() -> None:
             # No new confidential pod lands here until the GPUs run the mode read back.
-            self._label({cc.READY_STATE_LABEL: "false"})
+            if labels.get(cc.READY_STATE_LABEL) not in (None, "false") and self.publish is not None:
+                self._label({cc.READY_STATE_LABEL: "false"})
+                labels[cc.READY_STATE_LABEL] = "false"
+
         with self.health.busy("switching the CC mode"):
             try:
-                report = ccmode.switch(t.host, t.naming, wanted, lock_wait=0)
+                report = ccmode.switch(t.host, t.naming, wanted, lock_wait=0, before=not_ready)
             except KatamgrError as exc:  # a busy node lock: the next check
                 self._say(f"could not switch the CC mode to {wanted} yet ({exc}); trying again")
                 return False
+        if report.unverified and not report.waiting:
+            # Every GPU it could read runs the wanted mode; the rest a VM or pod holds, and
+            # only a reset (never done to a held GPU) changes a mode.
+            if labels.get(cc.MODE_STATE_LABEL) == wanted.value:
+                self.settled, self.failed = wanted.value, None
+                return False
+            report.held = dict(report.unverified)
+            report.warnings.append(
+                f"switching to CC mode {wanted} waits: the mode of " + "; ".join(
+                    f"{b} (held by {w})" for b, w in sorted(report.unverified.items()))
+                + " cannot be read while held (NVIDIA's tool maps the GPU's registers)")
         self.last = report
         if report.waiting:
+            not_ready()
             self._say(report.warnings[0])
             self.events.cc_waiting(report.warnings[0])
             return False

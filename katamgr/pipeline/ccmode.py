@@ -48,6 +48,10 @@ class CcSwitchReport(Report):
     state: str = ""  # the mode read back from every device, "failed", or "" (waiting)
     switched: list[str] = field(default_factory=list)  # BDFs reset into the new mode
     held: dict[str, str] = field(default_factory=dict)  # BDF -> who holds it (the switch waits)
+    # Devices not read because a VM, pod or process holds them, when every device read runs the
+    # wanted mode: the node is as wanted unless one of these is not (a reset, which needs no
+    # holder, is the only way a mode changes), so the caller goes by what it published last.
+    unverified: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
 
     @property
@@ -64,10 +68,12 @@ class NodeCc:
     devices: tuple[Device, ...]
     readings: dict[str, Reading]
     problems: tuple[str, ...]
+    unread: dict[str, str] = field(default_factory=dict)  # BDF -> who holds it (not read)
 
     @property
     def differ(self) -> list[Device]:
-        return [d for d in self.devices if not _in_mode(self.readings.get(d.bdf), self.wanted)]
+        return [d for d in self.devices
+                if d.bdf not in self.unread and not _in_mode(self.readings.get(d.bdf), self.wanted)]
 
     @property
     def state(self) -> str:
@@ -93,9 +99,11 @@ def _in_mode(reading: Reading | None, wanted: CcMode) -> bool:
     return reading.cc is None or reading.cc == wanted.value
 
 
-def look(host: HostRoot, naming: Naming, wanted: CcMode) -> NodeCc:
+def look(host: HostRoot, naming: Naming, wanted: CcMode, held: dict[str, str] | None = None) -> NodeCc:
     """Which devices a switch to ``wanted`` touches and what they run now (reads each with
-    NVIDIA's tool)."""
+    NVIDIA's tool, but none in ``held``: the tool maps a device's BAR and writes to it, which is
+    never done to a GPU a VM runs on)."""
+    held = held or {}
     inv = discover(host, naming.selection)
     gpus = inv.gpus
     admin = host.kernel.gpu_admin()
@@ -108,6 +116,8 @@ def look(host: HostRoot, naming: Naming, wanted: CcMode) -> NodeCc:
     candidates = capable + [s for s in inv.nvswitches]
     readings: dict[str, Reading] = {}
     for device in candidates:
+        if device.bdf in held:
+            continue
         try:
             readings[device.bdf] = admin.query(host, device.bdf)
         except HostError as exc:
@@ -120,8 +130,16 @@ def look(host: HostRoot, naming: Naming, wanted: CcMode) -> NodeCc:
             problems.append(f"PPCIe mode needs every GPU and NVSwitch of the node to have one, and "
                             f"{', '.join(sorted(set(lacking)))} has none (Hopper HGX systems only)")
     else:
-        devices = capable + [s for s in inv.nvswitches if readings.get(s.bdf, Reading(None, None)).ppcie == "on"]
-    return NodeCc(wanted, tuple(sorted(devices, key=lambda d: d.bdf)), readings, tuple(problems))
+        devices = capable + [s for s in inv.nvswitches
+                             if s.bdf in held or readings.get(s.bdf, Reading(None, None)).ppcie == "on"]
+    unread = {d.bdf: held[d.bdf] for d in devices if d.bdf in held}
+    return NodeCc(wanted, tuple(sorted(devices, key=lambda d: d.bdf)), readings, tuple(problems), unread)
+
+
+def candidates(host: HostRoot, naming: Naming) -> list[Device]:
+    """Every device a switch may touch: the CC-capable GPUs and the NVSwitches."""
+    inv = discover(host, naming.selection)
+    return [g for g in inv.gpus if cc.cc_capable(g)] + list(inv.nvswitches)
 
 
 def holders_of(host: HostRoot, naming: Naming, devices: list[Device],
@@ -140,41 +158,47 @@ def holders_of(host: HostRoot, naming: Naming, devices: list[Device],
             if given.get(device.bdf):
                 pods = ", ".join(str(a) for a in given[device.bdf])
                 held[device.bdf] = f"{held[device.bdf]}; {pods}" if device.bdf in held else pods
-    if asked.unknown:
-        # The kubelet cannot say which pods hold GPUs: only VMs that hold them are seen.
-        pass
     return held
 
 
 def switch(host: HostRoot, naming: Naming, wanted: CcMode, *, lock_wait: float = DEFAULT_LOCK_WAIT,
            command: str = "katamgr run (CC mode)",
-           pod_devices: Callable[[], PodDevices] | None = None) -> CcSwitchReport:
-    """Carry the node to ``wanted`` (the module's procedure), holding the node lock."""
+           pod_devices: Callable[[], PodDevices] | None = None,
+           before: Callable[[], None] | None = None) -> CcSwitchReport:
+    """Carry the node to ``wanted`` (the module's procedure), holding the node lock;
+    ``before`` is called once it is decided that devices will be reset, before the first."""
     started = time.monotonic()
     with node_lock(host, command, lock_wait):
-        report = _switch(host, naming, wanted, pod_devices)
+        report = _switch(host, naming, wanted, pod_devices, before)
     report.seconds = time.monotonic() - started
     return report
 
 
 def _switch(host: HostRoot, naming: Naming, wanted: CcMode,
-            pod_devices: Callable[[], PodDevices] | None) -> CcSwitchReport:
+            pod_devices: Callable[[], PodDevices] | None,
+            before: Callable[[], None] | None = None) -> CcSwitchReport:
     report = CcSwitchReport(wanted=wanted.value)
-    node = look(host, naming, wanted)
+    held = holders_of(host, naming, candidates(host, naming), pod_devices)
+    node = look(host, naming, wanted, held)
     if node.problems:
         report.failures += list(node.problems)
         report.state = cc.FAILED
         return report
     todo = node.differ
     if not todo:
-        report.state = node.state
+        if node.unread:
+            report.unverified = dict(node.unread)
+        else:
+            report.state = node.state
         return report
-    report.held = holders_of(host, naming, todo, pod_devices)
+    report.held = {bdf: who for bdf, who in held.items() if bdf in {d.bdf for d in node.devices}}
     if report.held:
         report.warnings.append(
             f"switching to CC mode {wanted} waits: " + "; ".join(f"{b} is held by {w}" for b, w in sorted(report.held.items()))
             + " (never forced: the switch resets the GPU)")
         return report
+    if before is not None:
+        before()
     drivers: dict[str, str | None] = {}
     try:
         for device in todo:

@@ -220,3 +220,36 @@ def test_the_agent_follows_the_label_publishes_state_and_waits_for_held_gpus(tmp
             thread.join(timeout=15)
             watch.stop()
         assert not thread.is_alive()
+
+
+def test_a_held_gpu_is_never_read_and_a_node_already_in_mode_is_left_alone(tmp_path):
+    """NVIDIA's tool maps a GPU's BAR and writes to it: never to a GPU a VM runs on. A node
+    whose readable GPUs already run the wanted mode is reported unverified, not switched."""
+    host = simulated(tmp_path)
+    assert ccmode.switch(host, NAMING, CcMode.ON).state == "on"
+    hold(host, 6)
+    seen: list[str] = []
+
+    class Watching:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def query(self, h, bdf):
+            seen.append(bdf)
+            return self.inner.query(h, bdf)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    import katamgr.simulator.kernel as simkernel
+    from katamgr.simulator.gpu import EMULATED_GPU_ADMIN
+
+    original = simkernel.EmulatedKernel.gpu_admin
+    simkernel.EmulatedKernel.gpu_admin = lambda self: Watching(EMULATED_GPU_ADMIN)
+    try:
+        report = ccmode.switch(host, NAMING, CcMode.ON)
+    finally:
+        simkernel.EmulatedKernel.gpu_admin = original
+    assert "0000:03:00.0" not in seen and "0000:04:00.0" in seen
+    assert report.unverified == {"0000:03:00.0": "PID 4242 (qemu-system-x86) holding /dev/vfio/6"}
+    assert not report.waiting and report.switched == [] and report.state == ""
