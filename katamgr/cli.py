@@ -432,12 +432,13 @@ def _cc_options(args: argparse.Namespace, api: object | None, watch) -> dict:
     if api is None or not args.node_name:
         raise ConfigError("--cc-manager follows the node label nvidia.com/cc.mode: it needs --node-name "
                           "(or NODE_NAME) and a cluster to ask")
-    from katamgr.cluster import set_node_labels
+    from katamgr.cluster import node_resources, set_node_labels
     from katamgr.node.kube import read_node_labels
 
     read = watch.labels if watch is not None else (lambda: read_node_labels(api, args.node_name))
     return {"cc_default_mode": cc.CcMode(args.cc_default_mode), "read_labels": read,
-            "publish_labels": lambda labels: set_node_labels(api, args.node_name, labels)}
+            "publish_labels": lambda labels: set_node_labels(api, args.node_name, labels),
+            "read_resources": lambda: node_resources(api, args.node_name)}
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -8,8 +8,13 @@ does the same). Only a vm-passthrough node is switched. A switch is the pipeline
 once in an Event) and while it runs, ``nvidia.com/cc.ready.state`` is ``false``, so the
 scheduler puts no new confidential pod here. Afterwards ``nvidia.com/cc.mode.state`` is the
 mode read back (or ``failed``) and ``nvidia.com/cc.ready.state`` follows it
-(``katamgr.host.cc.ready_state``). A failed switch is not retried until the label changes
-(or the agent restarts). Each switch is a log line, an Event and metric samples.
+(``katamgr.host.cc.ready_state``), but ``true`` only once the kubelet advertises the GPUs again
+(the Node's allocatable count of each passthrough resource back to what the node has): the
+device plugin marks them Unhealthy while they are unbound, and a pod the scheduler placed
+before the kubelet heard they are back is refused by the kubelet ("cannot allocate unhealthy
+devices", seen on the real kubelet by tests/node/test_node_cc.py). A failed switch is not
+retried until the label changes (or the agent restarts). Each switch is a log line, an Event
+and metric samples.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ class CcModes:
 
     def __init__(self, target: Target, health: Health, metrics: AgentMetrics, events: NodeEvents, *,
                  default_mode: CcMode | None, read_labels: Callable[[], Mapping[str, str]] | None,
-                 publish: Callable[[dict[str, str | None]], None] | None) -> None:
+                 publish: Callable[[dict[str, str | None]], None] | None,
+                 read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None) -> None:
         self.target = target
         self.health = health
         self.metrics = metrics
@@ -42,6 +48,8 @@ class CcModes:
         self.default_mode = default_mode  # None: not managed (no --cc-manager)
         self.read_labels = read_labels
         self.publish = publish
+        # The Node's (capacity, allocatable): cc.ready.state waits for the GPUs to be advertised.
+        self.read_resources = read_resources
         self.settled: str | None = None  # the wanted mode the node was last switched to (or found in)
         self.failed: str | None = None  # the wanted mode whose switch failed (not retried)
         self.last: ccmode.CcSwitchReport | None = None
@@ -72,7 +80,6 @@ class CcModes:
         except (KatamgrError, ValueError) as exc:
             self._say(f"cannot follow {cc.MODE_LABEL}: {exc}")
             return False
-        self._said = None
         if wanted.value in (self.settled, self.failed):
             self._publish_state(labels)
             return False
@@ -140,8 +147,35 @@ class CcModes:
         if not state or self.publish is None:
             return
         wanted = {cc.MODE_STATE_LABEL: state, cc.READY_STATE_LABEL: cc.ready_state(state)}
+        if wanted[cc.READY_STATE_LABEL] == "true" and not self._advertised():
+            wanted[cc.READY_STATE_LABEL] = "false"  # looked at again at the next check
         if any(labels.get(k) != v for k, v in wanted.items()):
             self._label(wanted)
+
+    def _advertised(self) -> bool:
+        """Whether the kubelet advertises every passthrough unit of the node again: each device
+        plugin resource the Node has capacity of is allocatable in full. A resource the Node
+        does not list (the DRA driver publishes instead, or the plugin is off) is not waited for."""
+        if self.read_resources is None:
+            return True
+        from katamgr.host.passthrough import resource_units
+
+        t = self.target
+        expected: dict[str, int] = {}
+        for unit in resource_units(t.host, t.scan(), t.naming):
+            expected[unit.resource_name] = expected.get(unit.resource_name, 0) + 1
+        try:
+            capacity, allocatable = self.read_resources()
+        except KatamgrError as exc:
+            self._say(f"cannot read the Node's allocatable resources ({exc}); cc.ready.state waits")
+            return False
+        short = {name: allocatable.get(name, "0") for name, count in expected.items()
+                 if name in capacity and allocatable.get(name, "0") != str(count)}
+        if short:
+            self._say("cc.ready.state stays false until the kubelet advertises the GPUs again: allocatable "
+                      + ", ".join(f"{n}={v} of {expected[n]}" for n, v in sorted(short.items())))
+            return False
+        return True
 
     def _label(self, labels: dict[str, str | None]) -> None:
         try:

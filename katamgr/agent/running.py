@@ -45,7 +45,8 @@ class Agent:
                  read_workload: Callable[[], Resolution | Workload | str] | None = None,
                  node_watch=None, opted_out: frozenset[Operand] = frozenset(),
                  cc_default_mode: CcMode | None = None, read_labels: Callable[[], Mapping[str, str]] | None = None,
-                 publish_labels: Callable[[dict[str, str | None]], None] | None = None):
+                 publish_labels: Callable[[dict[str, str | None]], None] | None = None,
+                 read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None):
         self.target = Target(host, naming, steps, ctx, opted_out, force=force, wait=wait, lock_wait=lock_wait)
         self.repull_interval = repull_interval
         self.check_interval = check_interval
@@ -62,7 +63,7 @@ class Agent:
         self.switcher = Switch(self.target, self.give_backs, self.probes, self.metrics, self.events,
                                self.reconcile, read_workload)
         self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=cc_default_mode,
-                          read_labels=read_labels, publish=publish_labels)
+                          read_labels=read_labels, publish=publish_labels, read_resources=read_resources)
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=retry_initial, retry_max=retry_max)
 

@@ -37,3 +37,16 @@ def set_node_labels(api: ApiClient, node_name: str, labels: Mapping[str, str | N
         raise KatamgrError(f"cannot label node {node_name}: {api_error_message(e)}{hint}") from e
     except HTTPError as e:
         raise KatamgrError(f"cannot label node {node_name}: API server unreachable ({e})") from e
+
+
+def node_resources(api: ApiClient, node_name: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Our Node's ``status.capacity`` and ``status.allocatable``, as the kubelet last reported
+    them; a KatamgrError when the Node cannot be read."""
+    try:
+        node = CoreV1Api(api).read_node(node_name, _request_timeout=READ_TIMEOUT)
+    except ApiException as e:
+        raise KatamgrError(f"cannot read node {node_name}: {api_error_message(e)}") from e
+    except HTTPError as e:
+        raise KatamgrError(f"cannot read node {node_name}: API server unreachable ({e})") from e
+    status = node.status
+    return dict((status.capacity if status else None) or {}), dict((status.allocatable if status else None) or {})

@@ -45,7 +45,11 @@ def switch_chart(node, values: dict, tmp_path_factory) -> None:
         pods = [p for p in node.pods(AGENT) if not p["metadata"].get("deletionTimestamp")]
         args = pods[0]["spec"]["containers"][0].get("args", []) if len(pods) == 1 else []
         return len(pods) == 1 and is_ready(pods[0]) and ("--cc-manager" in args) == bool(values.get("ccManager"))
-    wait_for(rolled, "the agent's pod rolled and Ready", 180, every=1)
+    try:
+        wait_for(rolled, "the agent's pod rolled and Ready", 300, every=1)
+    except AssertionError as e:
+        described = node.cluster.kubectl("describe", "pods", "-n", "kata-sandbox-manager", "-l", AGENT, check=False)
+        raise AssertionError(f"{e}\n{described.stdout[-6000:]}") from None
 
 
 def labels(node) -> dict[str, str]:
@@ -81,6 +85,13 @@ def test_the_label_switch_end_to_end_and_a_snp_pod_waits_for_cc_ready(node, cc):
     assert rc["scheduling"]["nodeSelector"][READY] == "true"
 
     node.run(snp_pod())
+    try:
+        _the_pod_waits_then_runs(node)
+    finally:
+        node.delete_pod("confidential", NAMESPACE)
+
+
+def _the_pod_waits_then_runs(node) -> None:
     def unschedulable():
         pod = node.pod("confidential", NAMESPACE)
         conditions = {c["type"]: c for c in pod.get("status", {}).get("conditions", [])}
@@ -92,7 +103,10 @@ def test_the_label_switch_end_to_end_and_a_snp_pod_waits_for_cc_ready(node, cc):
 
     node.label(MODE, "on")
     wait_for(lambda: labels(node).get(STATE) == "on", f"{STATE}=on", 180, every=1)
-    assert labels(node)[READY] == "true"
+    # cc.ready.state turns true only once the kubelet advertises the GPUs again (the plugin
+    # had them Unhealthy while they were unbound): a pod placed earlier would be refused.
+    wait_for(lambda: labels(node).get(READY) == "true", f"{READY}=true", 120, every=1)
+    assert node.resources()[GPU_RESOURCE] == "8"
     running = node.wait_phase("confidential", NAMESPACE, timeout=180)
     assert running["spec"]["nodeName"] == NODE
     listed = node.wait_log("confidential", NAMESPACE, "vfio").split()
@@ -100,4 +114,3 @@ def test_the_label_switch_end_to_end_and_a_snp_pod_waits_for_cc_ready(node, cc):
     agent = node.component_pod("sandbox-agent")["metadata"]["name"]
     log = node.logs(agent, "kata-sandbox-manager", "kata-manager")
     assert "CC mode switched to on" in log and "reset in one batch" in log
-    node.delete_pod("confidential", NAMESPACE)

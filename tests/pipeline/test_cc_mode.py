@@ -253,3 +253,28 @@ def test_a_held_gpu_is_never_read_and_a_node_already_in_mode_is_left_alone(tmp_p
     assert "0000:03:00.0" not in seen and "0000:04:00.0" in seen
     assert report.unverified == {"0000:03:00.0": "PID 4242 (qemu-system-x86) holding /dev/vfio/6"}
     assert not report.waiting and report.switched == [] and report.state == ""
+
+
+def test_cc_ready_waits_until_the_kubelet_advertises_the_gpus_again(tmp_path):
+    """Seen on the real kubelet (tests/node/test_node_cc.py): right after a switch the device
+    plugin still has the GPUs Unhealthy (they were unbound), and a confidential pod the
+    scheduler placed then is refused by the kubelet. cc.ready.state=true waits for the Node's
+    allocatable count to be whole again."""
+    host = simulated(tmp_path)
+    published: list[dict] = []
+    status = {"capacity": {"nvidia.com/GH100H100_SXM5_80GB": "8"},
+              "allocatable": {"nvidia.com/GH100H100_SXM5_80GB": "0"}}
+    labels = {WORKLOAD_LABEL: "vm-passthrough", MODE_LABEL: "on"}
+
+    def publish(change):
+        published.append(dict(change))
+        labels.update(change)
+
+    agent = Agent(host, NAMING, Steps(kata=False), None, cc_default_mode=CcMode.OFF,
+                  read_labels=lambda: labels, publish_labels=publish,
+                  read_resources=lambda: (status["capacity"], status["allocatable"]))
+    assert agent.follow_cc() is True
+    assert labels[MODE_STATE_LABEL] == "on" and labels[READY_STATE_LABEL] == "false"
+    status["allocatable"]["nvidia.com/GH100H100_SXM5_80GB"] = "8"  # the plugin reports them healthy
+    assert agent.follow_cc() is False
+    assert labels[READY_STATE_LABEL] == "true"
