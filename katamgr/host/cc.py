@@ -7,7 +7,7 @@ NVSwitches claimed by one VM). A new mode is staged through the GPU's FSP and ta
 at the next reset. NVIDIA's gpu-admin-tools (``nvidia_gpu_tools``) does all of it; katamgr
 never speaks the registers or the FSP mailbox itself. The tool is reached through the
 root's kernel (``Kernel.gpu_admin``): ``katamgr.host.gpuadmin`` on a node, the
-simulator's emulated GPU on a simulated one.
+simulated node's emulated GPU (``nodesim.gpu``) on a simulated one.
 
 The labels are those of NVIDIA's k8s-cc-manager (the GPU Operator's ccManager):
 ``nvidia.com/cc.mode`` is what the node should run (``on``, ``off``, ``devtools``,

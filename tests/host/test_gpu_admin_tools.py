@@ -3,12 +3,12 @@
 The tool finds GPUs by scanning ``/sys/bus/pci/devices``, reads each one's ``config`` and
 ``resource`` and maps BAR0 from ``resource0`` (``pci/device.py``, ``PciDevice``); its
 ``--query-cc-mode`` then reads the GPU's boot and CC status registers. The simulator writes
-those files (``katamgr.simulator.pcifiles``, ``gpuregs``), so here the tool's own command
+those files (``nodesim.pcifiles``, ``gpuregs``), so here the tool's own command
 runs unchanged with the simulated node's ``sys`` bind-mounted over ``/sys`` in a private mount
 namespace (``unshare -m``, as root), and katamgr's in-process calls of the tool
 (``katamgr.host.gpuadmin``) read the same files below the host root. Staging a mode goes
 through the GPU's FSP mailbox, which no file can answer: that half is the simulator's
-(``katamgr.simulator.gpu``) and is checked on a real GPU only (docs/testing.md).
+(``nodesim.gpu``) and is checked on a real GPU only (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from support.paths import REPO, REQUIRE_INTEGRATION
 
 from katamgr.host.cc import CcMode, Reading
 from katamgr.host.gpuadmin import NVIDIA_GPU_TOOLS
-from katamgr.simulator.gpu import EMULATED_GPU_ADMIN
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
+from nodesim.gpu import EMULATED_GPU_ADMIN
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
 
 GPUS = ["0000:03:00.0", "0000:04:00.0", "0000:13:00.0", "0000:14:00.0",
         "0000:83:00.0", "0000:84:00.0", "0000:93:00.0", "0000:94:00.0"]

@@ -2,7 +2,7 @@
 end to end, and a confidential (``-snp``) Kata pod scheduled only once ``cc.ready.state=true``.
 
 The node's host is a simulated DGX H100 on an SEV-SNP host (its GPUs' modes live in the
-emulated kernel: katamgr.simulator.gpu); the agent in its pod switches them as on a node
+emulated kernel: nodesim.gpu); the agent in its pod switches them as on a node
 (unbind, stage, one batch reset, read back, bind back) and labels the Node. The real
 scheduler places the pod by the RuntimeClass's scheduling.nodeSelector, which the API server
 merges into the pod (pkg/kubelet... RuntimeClass admission, plugin/pkg/admission/runtimeclass):

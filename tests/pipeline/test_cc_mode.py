@@ -3,7 +3,7 @@ k8s-cc-manager keeps it: label ``on`` -> the GPUs switched in one batch, read ba
 labels published, confidential (``-snp``) pods schedulable; a held GPU delays the switch
 without harm; ``off`` back; a failing tool or a read-back that differs leaves
 ``cc.mode.state=failed``, nothing CC-ready, and the GPUs bound for passthrough as before.
-The modes live in the emulated kernel (``katamgr.simulator.gpu``): staged, applied at the
+The modes live in the emulated kernel (``nodesim.gpu``): staged, applied at the
 device's reset, read back after it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from support.apiserver import FakeApiServer
 
 from katamgr.agent import Agent
-from katamgr.cli import _workload_follower
+from katamgr.agent.following import node_follower
 from katamgr.cluster import EventRecorder, set_node_labels
 from katamgr.cluster.runtimeclasses import desired_runtime_classes
 from katamgr.config import default_config
@@ -23,12 +23,12 @@ from katamgr.host.cc import MODE_LABEL, MODE_STATE_LABEL, READY_STATE_LABEL, CcM
 from katamgr.host.naming import Naming
 from katamgr.host.pci import scan
 from katamgr.host.pciids import PciIds
-from katamgr.host.workload import WORKLOAD_LABEL
+from katamgr.host.workload import WORKLOAD_LABEL, Workload
 from katamgr.pipeline import ccmode
 from katamgr.pipeline.reconcile import Steps, reconcile
-from katamgr.simulator.kernel import MARKER
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profiles import find_profile
+from nodesim.kernel import MARKER
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
 
 NAMING = Naming(PciIds.find())
 NODE = "dgx-1"
@@ -161,11 +161,9 @@ def test_the_agent_follows_the_label_publishes_state_and_waits_for_held_gpus(tmp
     with FakeApiServer() as api:
         _seed(api, {WORKLOAD_LABEL: "vm-passthrough"})
         client = api.client()
-        import argparse
-
-        read, watch = _workload_follower(argparse.Namespace(workload="auto", node_name=NODE,
-                                                            default_workload="container"), client)
-        watch.start()
+        followed = node_follower(client, NODE, workload="auto", default_workload="container",
+                                 fallback=lambda: (Workload.VM_PASSTHROUGH, "by hand"))
+        read, watch = followed.read, followed.watch.start()
         agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
                       events=EventRecorder(client, NODE), read_workload=read, node_watch=watch,
                       cc_default_mode=CcMode.OFF, read_labels=watch.labels,
@@ -241,8 +239,8 @@ def test_a_held_gpu_is_never_read_and_a_node_already_in_mode_is_left_alone(tmp_p
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-    import katamgr.simulator.kernel as simkernel
-    from katamgr.simulator.gpu import EMULATED_GPU_ADMIN
+    import nodesim.kernel as simkernel
+    from nodesim.gpu import EMULATED_GPU_ADMIN
 
     original = simkernel.EmulatedKernel.gpu_admin
     simkernel.EmulatedKernel.gpu_admin = lambda self: Watching(EMULATED_GPU_ADMIN)
