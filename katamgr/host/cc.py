@@ -150,10 +150,10 @@ class GpuMode:
         return f"unread ({self.unread})" if self.unread else "unread"
 
 
-def read_modes(host: HostRoot, devices: list[Device], *, held: dict[str, str] | None = None) -> dict[str, GpuMode]:
+def read_modes(host: HostRoot, devices: list[Device], *, skip: dict[str, str] | None = None) -> dict[str, GpuMode]:
     """The CC modes of ``devices`` (NVIDIA GPUs and NVSwitches), read with NVIDIA's tool;
-    a device in ``held`` (BDF -> who holds it) is not touched: mapping the BAR of a GPU a VM
-    runs on is not done."""
+    a device in ``skip`` (BDF -> why: a VM holds it, a driver runs it) is not touched: the tool
+    maps the device's registers and writes some."""
     from katamgr.host.errors import HostError
 
     admin = host.kernel.gpu_admin()
@@ -162,8 +162,8 @@ def read_modes(host: HostRoot, devices: list[Device], *, held: dict[str, str] | 
         capable = cc_capable(device) or device.is_nvswitch
         if not capable:
             out[device.bdf] = GpuMode(device.bdf, False)
-        elif held and device.bdf in held:
-            out[device.bdf] = GpuMode(device.bdf, True, unread=f"held by {held[device.bdf]}")
+        elif skip and device.bdf in skip:
+            out[device.bdf] = GpuMode(device.bdf, True, unread=skip[device.bdf])
         else:
             try:
                 out[device.bdf] = GpuMode(device.bdf, True, admin.query(host, device.bdf))

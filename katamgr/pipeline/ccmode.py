@@ -9,7 +9,8 @@ its earlier script unbound the GPUs from their drivers first, ``_unbind_device``
    ``off`` is refused when some GPU of the node is not CC-capable: half a node in CC mode
    serves no confidential VM;
 2. nothing held: a GPU a VM holds open (its ``/dev/vfio`` node), one the kubelet gave a pod,
-   or one a process uses (``/dev/nvidiaN``) keeps the switch waiting, never forced;
+   or one a driver other than VFIO runs (NVIDIA's tool maps the GPU's registers and writes
+   some: never under a running driver) keeps the switch waiting, never forced;
 3. each device unbound from its driver (the tool resets the device under no driver),
    remembering which; the new mode staged on each; all of them reset in one batch; each
    read back;
@@ -144,11 +145,15 @@ def candidates(host: HostRoot, naming: Naming) -> list[Device]:
 
 def holders_of(host: HostRoot, naming: Naming, devices: list[Device],
                pod_devices: Callable[[], PodDevices] | None = None) -> dict[str, str]:
-    """Who holds each of ``devices``: a VM (its /dev/vfio node), a process (/dev/nvidiaN), a pod."""
+    """Who holds each of ``devices``: a VM (its /dev/vfio node), a pod, or a driver other than VFIO."""
     held: dict[str, str] = {}
     for device in devices:
-        who = (vfio.vfio_holders(host, device.bdf, device.iommu_group) if device.on_vfio
-               else vfio.in_use(host, [device]))
+        if device.driver is not None and not device.on_vfio:
+            # The tool maps the device's registers and writes some: never under a running
+            # driver (a node that opts out of vfio-manager keeps its GPUs on nvidia).
+            held[device.bdf] = f"{device.driver} (katamgr reads and switches GPUs on VFIO or no driver only)"
+            continue
+        who = vfio.vfio_holders(host, device.bdf, device.iommu_group) if device.on_vfio else []
         if who:
             held[device.bdf] = "; ".join(str(h) for h in who)
     asked = (pod_devices or (lambda: list_pod_devices(host)))()

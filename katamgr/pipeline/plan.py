@@ -166,11 +166,14 @@ def _cc_modes(host: HostRoot, inv: Inventory, decisions: list[GroupDecision]) ->
     held: dict[str, str] = {}
     for decision in decisions:
         for device in decision.devices:
-            who = (vfio.vfio_holders(host, device.bdf, device.iommu_group) if device.on_vfio
-                   else vfio.in_use(host, [device]))
+            if device.driver is not None and not device.on_vfio:
+                # The tool maps the GPU's registers and writes some: never under a running driver.
+                held[device.bdf] = f"on {device.driver}"
+                continue
+            who = vfio.vfio_holders(host, device.bdf, device.iommu_group) if device.on_vfio else []
             if who:
-                held[device.bdf] = "; ".join(str(h) for h in who)
-    return cc.read_modes(host, nvidia, held=held)
+                held[device.bdf] = "held by " + "; ".join(str(h) for h in who)
+    return cc.read_modes(host, nvidia, skip=held)
 
 
 def _naming_notes(inv: Inventory, naming: Naming, decisions: list[GroupDecision]) -> list[str]:
