@@ -18,6 +18,7 @@ import pytest
 import yaml
 from support.kubecluster import wait_for
 from support.nodekit import AGENT, GPU_RESOURCE, IMAGE, NODE, is_ready
+from support.nodekit import NAMESPACE as RELEASE_NAMESPACE
 from support.paths import REPO
 
 NAMESPACE = "node-cc-tests"
@@ -42,13 +43,18 @@ def switch_chart(node, values: dict, tmp_path_factory) -> None:
     node.cluster_chart("up", "--values", str(path))
 
     def rolled():
+        if not values.get("ccManager"):
+            # Back to the node's own values, which name no -snp class: the agent would delete the
+            # class it made, which RBAC rendered without a lookup (hack/local-chart) no longer
+            # lets it; the test removes it, as an operator dropping a class would.
+            node.cluster.kubectl("delete", "runtimeclass", SNP, "--ignore-not-found", check=False)
         pods = [p for p in node.pods(AGENT) if not p["metadata"].get("deletionTimestamp")]
         args = pods[0]["spec"]["containers"][0].get("args", []) if len(pods) == 1 else []
         return len(pods) == 1 and is_ready(pods[0]) and ("--cc-manager" in args) == bool(values.get("ccManager"))
     try:
         wait_for(rolled, "the agent's pod rolled and Ready", 300, every=1)
     except AssertionError as e:
-        described = node.cluster.kubectl("describe", "pods", "-n", "kata-sandbox-manager", "-l", AGENT, check=False)
+        described = node.cluster.kubectl("describe", "pods", "-n", RELEASE_NAMESPACE, "-l", AGENT, check=False)
         raise AssertionError(f"{e}\n{described.stdout[-6000:]}") from None
 
 
@@ -112,5 +118,5 @@ def _the_pod_waits_then_runs(node) -> None:
     listed = node.wait_log("confidential", NAMESPACE, "vfio").split()
     assert any(n.isdigit() for n in listed)  # its GPU's group, bound back for passthrough
     agent = node.component_pod("sandbox-agent")["metadata"]["name"]
-    log = node.logs(agent, "kata-sandbox-manager", "kata-manager")
+    log = node.logs(agent, RELEASE_NAMESPACE, "kata-manager")
     assert "CC mode switched to on" in log and "reset in one batch" in log
