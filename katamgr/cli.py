@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from katamgr import __version__
 from katamgr.errors import ConfigError, KatamgrError
+from katamgr.host import cc
 from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
@@ -167,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--once", action="store_true", help="reconcile once and exit (like apply)")
     p.add_argument("--metrics-address", metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz there (default: off)")
+    p.add_argument("--cc-manager", action="store_true",
+                   help="keep the GPUs' confidential-computing mode as the node label nvidia.com/cc.mode asks "
+                        "(on, off, devtools, ppcie) with NVIDIA's gpu-admin-tools, and publish "
+                        "nvidia.com/cc.mode.state and nvidia.com/cc.ready.state (NVIDIA's k8s-cc-manager's job; "
+                        "needs a node name, a cluster and patch on nodes)")
+    p.add_argument("--cc-default-mode", choices=cc.MODES, default=cc.DEFAULT_MODE.value,
+                   help="with --cc-manager, the mode of a node without the label (default on, as the GPU "
+                        "Operator's ccManager.defaultMode; off on a host without SEV-SNP or TDX)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("simulate", help="materialise a host profile as a host root",
@@ -218,6 +227,9 @@ def _webhook_parser(sub) -> None:
                    help="resources (glob) that are passthrough GPUs, the container GPU names "
                         f"({', '.join(rules.CONTAINER_GPU_RESOURCES)}) excepted (repeatable; default "
                         f"{', '.join(rules.DEFAULT_PASSTHROUGH)})")
+    p.add_argument("--confidential-runtime-class", action="append", metavar="NAME",
+                   help="a runtime class that runs confidential VMs besides those named *-snp and *-tdx "
+                        "(repeatable): /validate refuses it a GPU model with no CC mode")
     p.add_argument("--inject-runtime-class", action="store_true",
                    help="on /mutate, give a passthrough pod without a runtimeClassName the first "
                         "--runtime-class instead of leaving /validate to deny it")
@@ -408,8 +420,25 @@ def cmd_run(args: argparse.Namespace) -> int:
                       repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
                       events=events, metrics_address=args.metrics_address,
                       read_workload=follower.read if follower else None,
-                      node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out)
+                      node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out,
+                      **_cc_options(args, setup.api, follower.watch if follower else None))
         return agent.run(once=args.once)
+
+
+def _cc_options(args: argparse.Namespace, api: object | None, watch) -> dict:
+    """What the agent's CC room needs: the default mode (None: off), the labels, a labeller."""
+    if not args.cc_manager:
+        return {}
+    if api is None or not args.node_name:
+        raise ConfigError("--cc-manager follows the node label nvidia.com/cc.mode: it needs --node-name "
+                          "(or NODE_NAME) and a cluster to ask")
+    from katamgr.cluster import node_resources, set_node_labels
+    from katamgr.node.kube import read_node_labels
+
+    read = watch.labels if watch is not None else (lambda: read_node_labels(api, args.node_name))
+    return {"cc_default_mode": cc.CcMode(args.cc_default_mode), "read_labels": read,
+            "publish_labels": lambda labels: set_node_labels(api, args.node_name, labels),
+            "read_resources": lambda: node_resources(api, args.node_name)}
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -436,7 +465,8 @@ def cmd_webhook(args: argparse.Namespace) -> int:
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
     policy = Policy(runtime_classes=tuple(args.runtime_class or DEFAULT_RUNTIME_CLASSES),
                     passthrough=tuple(args.passthrough_resource or DEFAULT_PASSTHROUGH),
-                    inject_runtime_class=args.inject_runtime_class)
+                    inject_runtime_class=args.inject_runtime_class,
+                    confidential_classes=tuple(args.confidential_runtime_class or ()))
     server = make_server(args.listen, args.tls_cert_file, args.tls_private_key_file, policy)
     log.warning("katamgr webhook serving on https://%s (runtime classes %s)", args.listen,
                 ", ".join(policy.runtime_classes))

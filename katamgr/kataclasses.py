@@ -9,8 +9,40 @@ both programs, so that the three cannot drift apart.
 
 from __future__ import annotations
 
+import re
+
 GPU = "kata-qemu-nvidia-gpu"
 GPU_SNP = "kata-qemu-nvidia-gpu-snp"
 
 # In the order the GPU Operator lists them; the first is the one the webhook injects.
 DEFAULT_RUNTIME_CLASSES: tuple[str, ...] = (GPU, GPU_SNP)
+
+# Confidential classes: their VMs are AMD SEV-SNP or Intel TDX guests, which need their GPUs
+# in CC mode (kata-deploy's qemu-nvidia-gpu-snp and qemu-nvidia-gpu-tdx shims). A class the
+# config marks ``confidential`` is one too, whatever its name.
+CONFIDENTIAL_SUFFIXES: tuple[str, ...] = ("-snp", "-tdx")
+# The node label NVIDIA's k8s-cc-manager (and katamgr's CC room) sets "true" once the
+# node's GPUs run a confidential mode: what a confidential class schedules by.
+CC_READY_LABEL = "nvidia.com/cc.ready.state"
+
+
+def confidential_by_name(name: str) -> bool:
+    return name.endswith(CONFIDENTIAL_SUFFIXES)
+
+
+# A passthrough resource named after a GPU model of an architecture with no confidential
+# computing: the pci.ids name (which both naming rules keep the front of) starts with the
+# chip, and a chip before Hopper (Fermi GF, Kepler GK, Maxwell GM, Pascal GP, Volta GV,
+# Turing TU, Ampere GA, Ada AD) never has a CC mode (NVIDIA's gpu-admin-tools: CC modes on
+# Hopper and later only). The admission layers refuse such a GPU to a confidential class:
+# its VM could never attest it. Anything else (a Hopper or Blackwell model, an alias such as
+# pgpu, a hex id where pci.ids lacks the model) is left to the scheduler and cc.ready.state.
+NOT_CC_CAPABLE_MODEL_PATTERN = r"^nvidia\.com/(GF|GK|GM|GP|GV|TU|GA|AD)[0-9]{3}"
+_NOT_CC_CAPABLE = re.compile(NOT_CC_CAPABLE_MODEL_PATTERN)
+
+
+def not_cc_capable_model(resource: str) -> str | None:
+    """The model part of ``resource`` when it names a GPU that can never run a CC mode."""
+    if _NOT_CC_CAPABLE.match(resource):
+        return resource.split("/", 1)[1]
+    return None

@@ -32,12 +32,15 @@ def plan_text(plan: Plan) -> str:
     out.append("")
     if plan.devices:
         rows = [
-            (d.bdf, d.kind, d.model or d.ids, d.driver, d.iommu_group, d.numa_node, d.selection,
-             d.action, d.reason)
+            (d.bdf, d.kind, d.model or d.ids, d.driver, d.vfio_driver, d.iommu_group, d.numa_node,
+             d.cc_mode, d.selection, d.action, d.reason)
             for d in plan.devices
         ]
-        out.append(table(("BDF", "KIND", "MODEL", "DRIVER", "GROUP", "NUMA", "SELECTION", "ACTION",
-                          "REASON"), rows))
+        out.append(table(("BDF", "KIND", "MODEL", "DRIVER", "VFIO DRIVER", "GROUP", "NUMA", "CC MODE",
+                          "SELECTION", "ACTION", "REASON"), rows))
+        variants = [d for d in plan.devices if d.vfio_driver and d.vfio_driver != "vfio-pci"
+                    and d.vfio_driver_why and d.action == "bind"]
+        out += [f"  {d.bdf}: {d.vfio_driver_why}" for d in variants]
     else:
         out.append("No passthrough devices found.")
     out.append("")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from katamgr.host.errors import HostError
 from katamgr.host.pci import VFIO_DRIVER as VFIO
+from katamgr.host.pci import is_vfio_driver
 from katamgr.host.root import HostRoot
 
 # The emulated kernel's settings and state; its presence is how a root `katamgr simulate`
@@ -170,7 +171,7 @@ def _on_vfio_unbound(host: HostRoot, bdf: str) -> None:
     group = _group(host, bdf)
     if group is None:
         return
-    still = [m for m in _group_members(host, group) if m != bdf and current_driver(host, m) == VFIO]
+    still = [m for m in _group_members(host, group) if m != bdf and is_vfio_driver(current_driver(host, m))]
     if not still:
         host.path(f"/dev/vfio/{group}").unlink(missing_ok=True)
 
@@ -182,19 +183,32 @@ def _unbind(host: HostRoot, driver: str, bdf: str) -> None:
     (device / "driver").unlink()
     host.path(f"/sys/bus/pci/drivers/{driver}/{bdf}").unlink(missing_ok=True)
     _set_uevent_driver(device, None)
-    if driver == VFIO:
+    if is_vfio_driver(driver):
         _on_vfio_unbound(host, bdf)
 
 
 def _attach(host: HostRoot, bdf: str, driver: str) -> None:
     if not host.path(f"/sys/bus/pci/drivers/{driver}").is_dir():
         return
-    if driver == VFIO and (_group(host, bdf) is None or bdf in marker(host).get("fail_probe", [])):
+    if is_vfio_driver(driver) and (_group(host, bdf) is None or bdf in marker(host).get("fail_probe", [])):
         # vfio-pci's probe fails without an IOMMU group; the device stays unbound.
         return
+    if driver != VFIO and is_vfio_driver(driver) and driver not in _variant_ids(host, bdf):
+        # A variant driver's id table lists its devices only (and only by driver_override).
+        return
     link_driver(host, bdf, driver)
-    if driver == VFIO:
+    if is_vfio_driver(driver):
         on_vfio_bound(host, bdf)
+
+
+def _variant_ids(host: HostRoot, bdf: str) -> set[str]:
+    """The variant drivers whose modules.alias entries match the device."""
+    import fnmatch
+
+    alias = (_device_dir(host, bdf) / "modalias").read_text().strip()
+    wanted = "vfio_pci:" + alias[len("pci:"):]
+    return {module for pattern, module in marker(host).get("modules_alias", [])
+            if fnmatch.fnmatchcase(wanted, pattern)}
 
 
 def _override(host: HostRoot, bdf: str) -> str | None:
@@ -207,6 +221,12 @@ def handle_write(host: HostRoot, host_path: str, value: str) -> None:
     text = value.strip()
     if parts[:4] == ["sys", "bus", "pci", "devices"] and len(parts) == 6 and parts[5] == "driver_override":
         (_device_dir(host, parts[4]) / "driver_override").write_text((text or "(null)") + "\n")
+        return
+    if parts[:4] == ["sys", "bus", "pci", "devices"] and len(parts) == 6 and parts[5] == "reset":
+        from nodesim import gpu
+
+        _device_dir(host, parts[4])
+        gpu.on_reset(host, parts[4])
         return
     if parts == ["sys", "bus", "pci", "drivers_probe"]:
         if current_driver(host, text) is not None:
@@ -241,11 +261,26 @@ class EmulatedKernel:
         handle_write(host, host_path, value)
 
     def module_loadable(self, host: HostRoot, module: str) -> bool:
+        if module in {m for _p, m in marker(host).get("modules_alias", [])}:
+            return True
         return module == VFIO and marker(host).get("vfio_pci") != "missing"
 
+    def gpu_admin(self):
+        from nodesim.gpu import EMULATED_GPU_ADMIN
+
+        return EMULATED_GPU_ADMIN
+
     def modprobe(self, host: HostRoot, module: str) -> str | None:
-        """``modprobe vfio-pci``: the driver dir and ``/dev/vfio/vfio`` appear."""
+        """``modprobe vfio-pci``: the driver dir and ``/dev/vfio/vfio`` appear; a variant
+        driver of the profile's modules.alias: its driver dir and /sys/module entry."""
         data = marker(host)
+        if module in {m for _p, m in data.get("modules_alias", [])}:
+            if not host.path(f"/sys/bus/pci/drivers/{VFIO}").is_dir():
+                self.modprobe(host, VFIO)  # its dependency, vfio_pci_core's user
+            create_driver_dir(host, module)
+            relative_link(host.path(f"/sys/bus/pci/drivers/{module}"),
+                          host.path(f"/sys/module/{module}/drivers/pci:{module}"))
+            return None
         if module != VFIO:
             raise HostError(f"modprobe: FATAL: Module {module} not found in the simulated host")
         if data.get("vfio_pci") == "missing":

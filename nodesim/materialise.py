@@ -17,7 +17,7 @@ from pathlib import Path
 
 from katamgr.errors import ConfigError
 from katamgr.host.root import HostRoot
-from nodesim import kernel, udev
+from nodesim import gpuregs, kernel, pcifiles, udev
 from nodesim.profile import HostProfile, ProfileDevice
 
 
@@ -65,6 +65,11 @@ def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bo
         "native_drivers": {d.bdf: d.driver for d in profile.devices if d.driver and d.driver != kernel.VFIO},
         "fail_probe": [],
         "udev_delay_ms": 0,
+        # The Hopper GPUs' and NVSwitches' modes (nodesim.gpu), and its faults.
+        "cc": {d.bdf: {"cc": d.cc_mode, "ppcie": d.ppcie_mode} for d in profile.devices
+               if d.cc_mode is not None or d.ppcie_mode is not None},
+        "cc_faults": {"stage": [], "readback": {}},
+        "modules_alias": [list(a) for a in profile.modules_alias],
     }
     if real_device_nodes:
         marker["real_device_nodes"] = True
@@ -79,9 +84,30 @@ def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bo
         if dev.driver == kernel.VFIO:
             kernel.on_vfio_bound(host, dev.bdf)
     _create_proc(host, profile)
+    _create_kernel_files(host, profile)
     if real_device_nodes:
         udev.sync(host)
     return host
+
+
+SIMULATED_RELEASE = "6.8.0-katamgr-simulated"
+_CC_HOST_PARAMETER = {"snp": "/sys/module/kvm_amd/parameters/sev_snp", "tdx": "/sys/module/kvm_intel/parameters/tdx"}
+
+
+def _create_kernel_files(host: HostRoot, profile: HostProfile) -> None:
+    """The running kernel's release and its modules.alias (vfio-pci's catch-all and the
+    profile's variant drivers, as depmod writes them); a CC host's KVM parameter."""
+    host.path("/proc/sys/kernel").mkdir(parents=True, exist_ok=True)
+    host.path("/proc/sys/kernel/osrelease").write_text(SIMULATED_RELEASE + "\n")
+    modules = host.path(f"/lib/modules/{SIMULATED_RELEASE}")
+    modules.mkdir(parents=True, exist_ok=True)
+    lines = [f"alias {pattern} {module}" for pattern, module in profile.modules_alias]
+    lines.append("alias vfio_pci:v*d*sv*sd*bc*sc*i* vfio_pci")
+    (modules / "modules.alias").write_text("\n".join(lines) + "\n")
+    if profile.cc_host:
+        parameter = host.path(_CC_HOST_PARAMETER[profile.cc_host])
+        parameter.parent.mkdir(parents=True, exist_ok=True)
+        parameter.write_text("Y\n")
 
 
 def _sysfs_dir(dev: ProfileDevice, by_bdf: dict[str, ProfileDevice]) -> str:
@@ -112,6 +138,10 @@ def _create_device(host: HostRoot, profile: HostProfile, dev: ProfileDevice, by_
         (directory / name).write_text(value + "\n")
     kernel.write_uevent(directory, dev.bdf, dev.vendor, dev.device, dev.class_code,
                            dev.subsystem_vendor, dev.subsystem_device, None)
+    emulated = dev.cc_mode is not None or dev.ppcie_mode is not None
+    pcifiles.write_files(directory, dev, by_bdf, bars=emulated)
+    if emulated and dev.device in gpuregs.GH100_IDS:
+        gpuregs.boot(directory / "resource0", dev.cc_mode or "off", dev.ppcie_mode or "off")
     kernel.relative_link(directory, host.path(f"/sys/bus/pci/devices/{dev.bdf}"))
     if profile.iommu and dev.iommu_group is not None:
         group_dir = host.path(f"/sys/kernel/iommu_groups/{dev.iommu_group}/devices")

@@ -35,6 +35,10 @@ class ProfileDevice:
     subsystem_vendor: int = 0
     subsystem_device: int = 0
     minor: int | None = None  # /dev/nvidia<minor> while on the nvidia driver
+    # The CC mode a Hopper GPU booted into (its registers are emulated: nodesim.gpu),
+    # and the PPCIe mode of a Hopper GPU or NVSwitch; None: the device has no such mode.
+    cc_mode: str | None = None
+    ppcie_mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,22 @@ class HostProfile:
     vfio_pci: str = "loadable"
     processes: tuple[ProfileProcess, ...] = field(default=())
     description: str = ""
+    # Extra lines of the kernel's modules.alias, "vfio_pci:<pattern> <module>": the VFIO
+    # variant drivers this kernel has (vfio-pci's own catch-all is always there).
+    modules_alias: tuple[tuple[str, str], ...] = ()
+    # Whether the host CPU runs confidential VMs (kvm_amd sev_snp or kvm_intel tdx set).
+    cc_host: str | None = None
 
 
 _DEVICE_KEYS = {
     "bdf", "vendor", "device", "class", "driver", "iommu_group", "numa_node", "parent",
-    "subsystem_vendor", "subsystem_device", "minor",
+    "subsystem_vendor", "subsystem_device", "minor", "cc_mode", "ppcie_mode",
 }
-_TOP_KEYS = {"name", "description", "iommu", "iommufd", "vfio_pci", "devices", "processes"}
+_TOP_KEYS = {"name", "description", "iommu", "iommufd", "vfio_pci", "devices", "processes", "modules_alias",
+             "cc_host"}
+CC_MODES = ("off", "on", "devtools")
+PPCIE_MODES = ("off", "on")
+CC_HOSTS = ("snp", "tdx")
 
 
 def _int(value: Any, where: str) -> int:
@@ -97,6 +110,10 @@ def parse_profile(data: Any, source: str = "profile") -> HostProfile:
             raise ProfileError(f"{source}: devices[{i}] parent {dev.parent} is not a device of this profile")
     _check_acyclic(devices, source)
     processes = tuple(_process(p, f"{source}: processes[{i}]") for i, p in enumerate(data.get("processes") or []))
+    aliases = tuple(_alias(a, f"{source}: modules_alias[{i}]") for i, a in enumerate(data.get("modules_alias") or []))
+    cc_host = data.get("cc_host")
+    if cc_host is not None and cc_host not in CC_HOSTS:
+        raise ProfileError(f"{source}: cc_host {cc_host!r} must be one of {', '.join(CC_HOSTS)} or null")
     return HostProfile(
         name=name,
         description=str(data.get("description", "")),
@@ -105,7 +122,17 @@ def parse_profile(data: Any, source: str = "profile") -> HostProfile:
         vfio_pci=vfio,
         devices=tuple(devices),
         processes=processes,
+        modules_alias=aliases,
+        cc_host=cc_host,
     )
+
+
+def _alias(raw: Any, where: str) -> tuple[str, str]:
+    parts = raw.split() if isinstance(raw, str) else []
+    if len(parts) != 2 or not parts[0].startswith("vfio_pci:v") or "/" in parts[1]:
+        raise ProfileError(f"{where} {raw!r} must be 'vfio_pci:v<VENDOR>d<DEVICE>... <module>', "
+                           "as a line of modules.alias without its 'alias'")
+    return parts[0], parts[1]
 
 
 def _device(raw: Any, where: str) -> ProfileDevice:
@@ -141,7 +168,17 @@ def _device(raw: Any, where: str) -> ProfileDevice:
         subsystem_vendor=_int(raw.get("subsystem_vendor", 0), f"{where}.subsystem_vendor"),
         subsystem_device=_int(raw.get("subsystem_device", 0), f"{where}.subsystem_device"),
         minor=None if raw.get("minor") is None else _int(raw["minor"], f"{where}.minor"),
+        cc_mode=_choice(raw.get("cc_mode"), CC_MODES, f"{where}.cc_mode"),
+        ppcie_mode=_choice(raw.get("ppcie_mode"), PPCIE_MODES, f"{where}.ppcie_mode"),
     )
+
+
+def _choice(value: Any, allowed: tuple[str, ...], where: str) -> str | None:
+    if value is None:
+        return None
+    if value not in allowed:
+        raise ProfileError(f"{where} {value!r} must be one of {', '.join(allowed)}")
+    return value
 
 
 def _process(raw: Any, where: str) -> ProfileProcess:

@@ -21,7 +21,7 @@ import sys
 import threading
 from pathlib import Path
 
-from katamgr.host.pci import VFIO_DRIVER
+from katamgr.host.pci import VFIO_DRIVER, is_vfio_driver
 from katamgr.host.root import HostRoot
 
 NULL_DEVICE = (1, 3)
@@ -32,14 +32,17 @@ INTERVAL = 0.05
 
 def wanted(host: HostRoot) -> set[str]:
     """The node names /dev/vfio should hold now."""
-    driver = host.path(f"/sys/bus/pci/drivers/{VFIO_DRIVER}")
-    if not driver.is_dir():
+    drivers = host.path("/sys/bus/pci/drivers")
+    if not host.path(f"/sys/bus/pci/drivers/{VFIO_DRIVER}").is_dir():
         return set()
     names = {"vfio"}
-    for entry in os.listdir(driver):
-        group = host.path(f"/sys/bus/pci/devices/{entry}/iommu_group")
-        if group.is_symlink():
-            names.add(Path(os.readlink(group)).name)
+    for name in os.listdir(drivers):
+        if not is_vfio_driver(name):
+            continue
+        for entry in os.listdir(drivers / name):
+            group = host.path(f"/sys/bus/pci/devices/{entry}/iommu_group")
+            if group.is_symlink():
+                names.add(Path(os.readlink(group)).name)
     return names
 
 

@@ -313,7 +313,7 @@ class PassthroughResource(Resource):
             for device, inode in zip(unit.devices, unit.sysfs_inodes, strict=True):
                 path = f"{base}/{device.bdf}"
                 if (os.stat(path).st_ino != inode
-                        or os.readlink(path + "/driver").rpartition("/")[2] != pci.VFIO_DRIVER
+                        or not pci.is_vfio_driver(os.readlink(path + "/driver").rpartition("/")[2])
                         or os.readlink(path + "/iommu_group").rpartition("/")[2] != group):
                     break
             else:
@@ -330,7 +330,7 @@ class PassthroughResource(Resource):
             now = pci.read_binding(self.host, expected.bdf)  # all the checks below need
             if now.vendor is None:
                 problem = "is gone from the host"
-            elif now.driver != pci.VFIO_DRIVER:
+            elif not pci.is_vfio_driver(now.driver):
                 problem = f"is no longer on vfio-pci (driver: {now.driver or 'none'})"
             elif now.iommu_group != unit.group:
                 problem = f"moved from IOMMU group {unit.group} to {now.iommu_group}"

@@ -25,6 +25,42 @@ class Failure(Exception):
     """A build that cannot go on: exit 2 with this message."""
 
 
+# Requirements pinned by hash (pip's --require-hashes format), as .ci/setup installs them:
+# the image takes exactly those files too.
+PINNED = Path(__file__).resolve().parents[2] / "requirements"
+
+
+def pinned_hashes() -> dict[str, set[str]]:
+    """``name==version`` (the name canonical) -> the sha256 digests its pin allows."""
+    _, canonicalize_name = _packaging()
+    pins: dict[str, set[str]] = {}
+    for path in sorted(PINNED.glob("*.txt")):
+        text = path.read_text().replace("\\\n", " ")
+        for line in text.splitlines():
+            words = line.split("#", 1)[0].split()
+            if not words or "==" not in words[0]:
+                continue
+            name, version = words[0].split("==", 1)
+            pins[f"{canonicalize_name(name)}=={version}"] = {
+                w.split(":", 1)[1] for w in words[1:] if w.startswith("--hash=sha256:")}
+    return pins
+
+
+def check_pinned(house: Path) -> None:
+    """Every wheel whose requirement is pinned by hash is one of the files its pin allows."""
+    _, canonicalize_name = _packaging()
+    pins = pinned_hashes()
+    for wheel in house.glob("*.whl"):
+        name, version = wheel.name.split("-")[:2]
+        allowed = pins.get(f"{canonicalize_name(name)}=={version}")
+        if allowed is None:
+            continue
+        digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if digest not in allowed:
+            raise Failure(f"{wheel.name} has sha256 {digest}, which its pin in {PINNED} does not "
+                          f"allow ({', '.join(sorted(allowed))}); the index served another file")
+
+
 def _packaging():
     try:
         from packaging.requirements import Requirement
@@ -157,6 +193,7 @@ def wheelhouse(frozen: list[str], pip: str, platform: Platform, root: Path, log)
                      f"pip=={pip}"])
         if proc.returncode:
             raise Failure(f"pip download pip=={pip} failed:\n{_tail(proc)}")
+        check_pinned(tmp)
         try:
             tmp.rename(house)
         except OSError:  # another build got there first

@@ -13,7 +13,10 @@ sends) and a ``Policy``.
   variable; with ``inject_runtime_class``, a pod requesting a passthrough resource and no
   runtime class gets the first Kata class.
 - **validate**: a pod requesting a passthrough resource is denied unless its
-  ``runtimeClassName`` is one of the Kata runtime classes.
+  ``runtimeClassName`` is one of the Kata runtime classes; a pod of a confidential class
+  (``-snp``, ``-tdx``, or one the chart marks confidential) is denied a passthrough resource
+  named after a GPU model that can never run a CC mode (``kataclasses.not_cc_capable_model``),
+  naming the model.
 
 A request counts when its quantity is not zero (in ``requests`` or ``limits``); a quantity
 that cannot be parsed counts too (the safe side).
@@ -29,7 +32,7 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from katamgr.k8snames import NVIDIA_CONTAINER_RESOURCES
-from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES
+from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES, confidential_by_name, not_cc_capable_model
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 VOID = "void"
@@ -45,6 +48,12 @@ class Policy:
     runtime_classes: tuple[str, ...] = DEFAULT_RUNTIME_CLASSES
     passthrough: tuple[str, ...] = DEFAULT_PASSTHROUGH  # fnmatch patterns
     inject_runtime_class: bool = False
+    # Classes marked confidential besides those named *-snp and *-tdx.
+    confidential_classes: tuple[str, ...] = ()
+
+    def is_confidential(self, runtime_class: str | None) -> bool:
+        return bool(runtime_class) and (runtime_class in self.confidential_classes
+                                        or confidential_by_name(runtime_class))
 
     def is_container_gpu(self, resource: str) -> bool:
         return any(fnmatchcase(resource, p) for p in CONTAINER_GPU_RESOURCES)
@@ -158,7 +167,7 @@ def validate(pod: dict[str, Any], policy: Policy) -> str | None:
         return None
     runtime_class = (pod.get("spec") or {}).get("runtimeClassName")
     if runtime_class in policy.runtime_classes:
-        return None
+        return _confidential_problem(pod, runtime_class, passthrough, policy)
     first = passthrough[0]
     more = f" (and {len(passthrough) - 1} more passthrough request(s))" if len(passthrough) > 1 else ""
     has = f'runtimeClassName is "{runtime_class}"' if runtime_class else "it sets no runtimeClassName"
@@ -167,3 +176,20 @@ def validate(pod: dict[str, Any], policy: Policy) -> str | None:
             f"{first.resource}{more}, but {has}; a passthrough GPU is only given to a Kata VM: "
             f"set spec.runtimeClassName to one of {classes}, or request nvidia.com/gpu for a "
             f"container GPU")
+
+
+def _confidential_problem(pod: dict[str, Any], runtime_class: str, passthrough: list[Request],
+                          policy: Policy) -> str | None:
+    """A confidential class asking for a GPU model that never runs in CC mode: its VM's
+    attestation of the GPU can never succeed, so the pod is refused now rather than left
+    Pending for good."""
+    if not policy.is_confidential(runtime_class):
+        return None
+    for request in passthrough:
+        model = not_cc_capable_model(request.resource)
+        if model:
+            return (f'pod "{pod_name(pod)}": {request.where} requests {request.resource}, but runtimeClassName '
+                    f'"{runtime_class}" runs confidential VMs and the GPU model {model} has no confidential-'
+                    f"computing mode (Hopper and later only); use a non-confidential Kata class for it, or "
+                    f"request a CC-capable GPU")
+    return None

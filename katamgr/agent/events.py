@@ -33,3 +33,11 @@ class NodeEvents:
     def switched(self, workload_changed: bool, summary: str) -> None:
         """A workload switch, or (the workload unchanged) a change of the opt-outs."""
         self._record("WorkloadSwitched" if workload_changed else "OptOutsChanged", summary)
+
+    def cc_waiting(self, message: str) -> None:
+        """A CC mode switch waits for held GPUs (recorded once per message)."""
+        self._record("CcModeSwitchWaiting", message)
+
+    def cc_switched(self, summary: str, *, failed: bool) -> None:
+        self._record("CcModeSwitchFailed" if failed else "CcModeSwitched", summary,
+                     "Warning" if failed else "Normal")

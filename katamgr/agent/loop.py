@@ -67,6 +67,8 @@ def _check(agent: Agent) -> bool:
     """One check; True when it switched the workload, which is a whole tick's work."""
     if agent.follow_workload():
         return True
+    if agent.follow_cc():
+        return True
     # Held GPUs before drift: a GPU given back or bound changes what the CDI specs should say.
     agent.release_freed()
     agent.bind_freed()

@@ -38,6 +38,20 @@ class AgentMetrics:
                                "1 for each GPU Operator operand the node opts out of "
                                "(nvidia.com/gpu.deploy.<operand>=false).", ["operand"], registry=r)
 
+        self.cc_switches = Counter("katamgr_cc_mode_switches",
+                                   "CC mode switches of the node's GPUs, by wanted mode and result.",
+                                   ["mode", "result"], registry=r)
+        self.cc_switch_seconds = Histogram("katamgr_cc_mode_switch_duration_seconds",
+                                           "How long a CC mode switch took (unbind, stage, reset, read back, "
+                                           "bind back).", registry=r, buckets=(0.5, 1, 5, 10, 30, 60, 120, 300, 600))
+        self.cc_state = Gauge("katamgr_cc_mode_state",
+                              "1 for the node's CC mode state as last read (on, off, devtools, ppcie, failed).",
+                              ["state"], registry=r)
+
+    def observe_cc_state(self, state: str) -> None:
+        for known in ("off", "on", "devtools", "ppcie", "failed"):
+            self.cc_state.labels(known).set(int(known == state))
+
     def observe_plan(self, plan: Plan) -> None:
         counts: dict[tuple[str, str, str], int] = {}
         for d in plan.devices:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from katamgr.agent import drift
+from katamgr.agent.ccmode import CcModes
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.giveback import GiveBacks
 from katamgr.agent.health import Health, readiness
@@ -15,6 +16,7 @@ from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.reconciler import RETRY_INITIAL, RETRY_MAX, Reconciler
 from katamgr.agent.switch import Switch
 from katamgr.agent.target import Target
+from katamgr.host.cc import CcMode
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import Operand, Resolution, Workload
@@ -41,7 +43,10 @@ class Agent:
                  lock_wait: float = DEFAULT_LOCK_WAIT, retry_initial: float = RETRY_INITIAL,
                  retry_max: float = RETRY_MAX, events=None, metrics_address: str | None = None,
                  read_workload: Callable[[], Resolution | Workload | str] | None = None,
-                 node_watch=None, opted_out: frozenset[Operand] = frozenset()):
+                 node_watch=None, opted_out: frozenset[Operand] = frozenset(),
+                 cc_default_mode: CcMode | None = None, read_labels: Callable[[], Mapping[str, str]] | None = None,
+                 publish_labels: Callable[[dict[str, str | None]], None] | None = None,
+                 read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None):
         self.target = Target(host, naming, steps, ctx, opted_out, force=force, wait=wait, lock_wait=lock_wait)
         self.repull_interval = repull_interval
         self.check_interval = check_interval
@@ -57,6 +62,8 @@ class Agent:
         self.give_backs = GiveBacks(self.target, self.probes)
         self.switcher = Switch(self.target, self.give_backs, self.probes, self.metrics, self.events,
                                self.reconcile, read_workload)
+        self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=cc_default_mode,
+                          read_labels=read_labels, publish=publish_labels, read_resources=read_resources)
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=retry_initial, retry_max=retry_max)
 
@@ -70,6 +77,9 @@ class Agent:
 
     def follow_workload(self) -> bool:
         return self.switcher.follow()
+
+    def follow_cc(self) -> bool:
+        return self.cc.follow()
 
     def switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
         return self.switcher.switch(workload, out)
@@ -98,8 +108,9 @@ class Agent:
         server = self.serve_metrics(self.metrics_address) if self.metrics_address and not once else None
         try:
             first = self.reconcile("start", raise_errors=once)
+            self.follow_cc()
             if once:
-                return 0 if first.ok else 1
+                return 0 if first.ok and (self.cc.last is None or self.cc.last.ok) else 1
             stop_on_signals(self.request_stop, log)
             self._loop_and_revert()
         finally:

@@ -11,7 +11,7 @@ from katamgr.cluster.client import (
     agent_namespace,
 )
 from katamgr.cluster.events import EventRecorder, ObjectRef, record_event
-from katamgr.cluster.nodes import node_workload_mode
+from katamgr.cluster.nodes import node_resources, node_workload_mode, set_node_labels
 from katamgr.cluster.runtimeclasses import (
     RuntimeClassChanges,
     delete_managed_runtime_classes,
@@ -30,8 +30,10 @@ __all__ = [
     "agent_namespace",
     "delete_managed_runtime_classes",
     "desired_runtime_classes",
+    "node_resources",
     "node_workload_mode",
     "read_pull_secret",
     "reconcile_runtime_classes",
+    "set_node_labels",
     "record_event",
 ]

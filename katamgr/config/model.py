@@ -87,15 +87,26 @@ class RuntimeClassConfig(_Model):
         Artifacts, NULL_IS_MISSING,
         Says(missing="every runtime class needs artifacts.url"),
     ]
+    confidential: Annotated[bool | None, NULL_IS_DEFAULT] = Field(
+        default=None, description="Whether the class runs confidential VMs (SEV-SNP, TDX) that need the "
+                                  "GPUs in CC mode; unset: classes named *-snp or *-tdx are.")
 
     @property
     def handler(self) -> str:
         return self.name
 
     @property
+    def is_confidential(self) -> bool:
+        return kataclasses.confidential_by_name(self.name) if self.confidential is None else self.confidential
+
+    @property
     def scheduling_node_selector(self) -> dict[str, str]:
-        """The RuntimeClass's scheduling.nodeSelector: the configured one or the default."""
-        return dict(self.node_selector or DEFAULT_NODE_SELECTOR)
+        """The RuntimeClass's scheduling.nodeSelector: the configured one or the default; a
+        confidential class also selects nodes whose GPUs are CC-ready (cc.ready.state=true)."""
+        selector = dict(self.node_selector or DEFAULT_NODE_SELECTOR)
+        if self.is_confidential:
+            selector[kataclasses.CC_READY_LABEL] = "true"
+        return selector
 
 
 class ContainerdConfig(_Model):

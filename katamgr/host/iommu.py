@@ -69,3 +69,12 @@ def vfio_cdev(host: HostRoot, bdf: str) -> str | None:
         return None
     names = sorted(n for n in names if n.startswith("vfio") and n[4:].isdigit())
     return names[0] if names else None
+
+
+def group_of(host: HostRoot, bdf: str) -> int | None:
+    """The device's IOMMU group number, from its ``iommu_group`` link."""
+    try:
+        name = os.path.basename(os.readlink(host.path(f"/sys/bus/pci/devices/{bdf}/iommu_group")))
+    except OSError:
+        return None
+    return int(name) if name.isdigit() else None

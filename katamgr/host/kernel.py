@@ -16,9 +16,12 @@ import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from katamgr.host.errors import HostError
+
+if TYPE_CHECKING:
+    from katamgr.host.cc import GpuAdmin
 
 
 class HostRoot(Protocol):
@@ -49,6 +52,9 @@ class Kernel(Protocol):
         exit code). A modprobe that cannot be run, or a kernel that refuses the
         module outright, is a HostError."""
 
+    def gpu_admin(self) -> GpuAdmin:
+        """NVIDIA's gpu-admin-tools for this kernel's GPUs (``katamgr.host.cc``)."""
+
 
 @dataclass(frozen=True)
 class LinuxKernel:
@@ -66,11 +72,9 @@ class LinuxKernel:
         _write_bounded(str(host.path(host_path)), host_path, value, self.write_timeout)
 
     def module_loadable(self, host: HostRoot, module: str) -> bool:
-        try:
-            release = host.path("/proc/sys/kernel/osrelease").read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            release = ""
-        modules = host.path(f"/lib/modules/{release or os.uname().release}")
+        from katamgr.host.variants import kernel_release
+
+        modules = host.path(f"/lib/modules/{kernel_release(host)}")
         # modules.dep names files (vfio-pci.ko.zst); either spelling of the name.
         files = {f"/{module.replace('_', '-')}.ko", f"/{module.replace('-', '_')}.ko"}
         for index in ("modules.dep", "modules.builtin"):
@@ -94,6 +98,11 @@ class LinuxKernel:
         if result.returncode == 0:
             return None
         return (result.stderr or result.stdout).strip() or f"exit code {result.returncode}"
+
+    def gpu_admin(self) -> GpuAdmin:
+        from katamgr.host.gpuadmin import NVIDIA_GPU_TOOLS
+
+        return NVIDIA_GPU_TOOLS
 
 
 LINUX = LinuxKernel()

@@ -15,6 +15,16 @@ from katamgr.host.root import HostRoot
 
 NVIDIA_VENDOR = 0x10DE
 VFIO_DRIVER = "vfio-pci"
+# The kernel's VFIO PCI variant drivers (drivers/vfio/pci/*: nvgrace_gpu_vfio_pci,
+# mlx5_vfio_pci, hisi_acc_vfio_pci, virtio_vfio_pci, ...) each register as KBUILD_MODNAME,
+# the name of a module built as <something>-vfio-pci.ko; a device on one is a VFIO device
+# exactly as on vfio-pci (a /dev/vfio group node, DMA owned by the VM).
+VFIO_VARIANT_SUFFIX = "_vfio_pci"
+
+
+def is_vfio_driver(driver: str | None) -> bool:
+    """Whether ``driver`` is vfio-pci or one of its variant drivers."""
+    return driver is not None and (driver == VFIO_DRIVER or driver.endswith(VFIO_VARIANT_SUFFIX))
 
 BDF_RE = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 # The root complex a device hangs off, as sysfs names its directory under sys/devices.
@@ -72,7 +82,8 @@ class Device:
 
     @property
     def on_vfio(self) -> bool:
-        return self.driver == VFIO_DRIVER
+        """Bound to vfio-pci or a VFIO variant driver (``is_vfio_driver``)."""
+        return is_vfio_driver(self.driver)
 
     @property
     def root_port(self) -> str | None:

@@ -20,14 +20,15 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from katamgr.host import holders, iommu, sysfs
+from katamgr.host import holders, iommu, sysfs, variants
 from katamgr.host.errors import HostError
 from katamgr.host.faults import write_point
 from katamgr.host.files import read_json, remove_file, write_json
 from katamgr.host.inventory import Inventory, Kind
 from katamgr.host.kernel import BlockedWrite, read_bounded
-from katamgr.host.pci import VFIO_DRIVER, Device
+from katamgr.host.pci import VFIO_DRIVER, Device, is_vfio_driver
 from katamgr.host.root import HostRoot
+from katamgr.host.variants import VfioDriver
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,11 @@ class GroupDecision:
     # What the operator should know though it does not stop the move.
     warnings: tuple[str, ...] = ()
     forced: bool = False  # --force: move even when a process holds the device
+    # The VFIO driver each device goes to (vfio-pci or its variant driver), by BDF.
+    drivers: tuple[tuple[str, VfioDriver], ...] = ()
+
+    def driver_for(self, device: Device) -> VfioDriver:
+        return dict(self.drivers).get(device.bdf, variants.PLAIN)
 
     def action_for(self, device: Device) -> Action:
         if self.action is Action.BIND and device.on_vfio:
@@ -94,13 +100,16 @@ def decide(host: HostRoot, inv: Inventory, *, force: bool = False) -> list[Group
     ours: dict[int | None, list[Device]] = {}
     for device in inv.ours:  # the selected devices and their companions
         ours.setdefault(device.iommu_group, []).append(device)
+    aliases = variants.modules_alias(host) if ours else ()
     decisions = []
     for group, devices in ours.items():
         if group is None:
             for device in devices:
                 decisions.append(_no_group(inv, device))
             continue
-        decisions.append(_group_decision(host, inv, group, tuple(devices), force))
+        decision = _group_decision(host, inv, group, tuple(devices), force)
+        drivers = tuple((d.bdf, variants.choose(host, d, aliases)) for d in devices)
+        decisions.append(replace(decision, drivers=drivers))
     return sorted(decisions, key=lambda d: d.devices[0].bdf)
 
 
@@ -129,7 +138,8 @@ def _group_decision(host: HostRoot, inv: Inventory, group: int, devices: tuple[D
         for d in driverless
     )
     if all(d.on_vfio for d in devices):
-        return GroupDecision(group, devices, Action.KEEP, "already on vfio-pci", warnings=warnings)
+        on = sorted({d.driver or VFIO_DRIVER for d in devices})
+        return GroupDecision(group, devices, Action.KEEP, f"already on {', '.join(on)}", warnings=warnings)
     pending = _unbind_pending(host, inv, group)
     if pending is not None:
         # Not even --force: a bind written now would wait behind the pending unbind.
@@ -142,7 +152,7 @@ def _group_decision(host: HostRoot, inv: Inventory, group: int, devices: tuple[D
                                  SkipReason.IN_USE, warnings=warnings)
     moving = [d for d in devices if not d.on_vfio]
     froms = sorted({d.driver or "no driver" for d in moving})
-    return GroupDecision(group, devices, Action.BIND, f"move from {', '.join(froms)} to vfio-pci",
+    return GroupDecision(group, devices, Action.BIND, f"move from {', '.join(froms)} to VFIO",
                          warnings=warnings, forced=force)
 
 
@@ -167,7 +177,7 @@ def _unbind_pending(host: HostRoot, inv: Inventory, group: int) -> str | None:
 # (drivers with driver_managed_dma set: vfio-pci, pci-stub, pcieport;
 # drivers/iommu/iommu.c iommu_device_use_default_domain). A device with no
 # driver claims nothing either.
-_DMA_NEUTRAL = frozenset({VFIO_DRIVER, "pci-stub", "pcieport"})
+_DMA_NEUTRAL = frozenset({VFIO_DRIVER, "pci-stub", "pcieport"})  # and vfio-pci's variant drivers
 
 
 def _viability(inv: Inventory, group: int) -> tuple[list[Device], list[Device]]:
@@ -188,7 +198,8 @@ def _viability(inv: Inventory, group: int) -> tuple[list[Device], list[Device]]:
 def blocks_group(device: Device) -> bool:
     """Whether ``device``, bound as it is now, keeps a VM from taking its IOMMU group:
     the one rule katamgr plans by and the device plugin judges health by."""
-    return not device.is_bridge and device.driver is not None and device.driver not in _DMA_NEUTRAL
+    return (not device.is_bridge and device.driver is not None and device.driver not in _DMA_NEUTRAL
+            and not is_vfio_driver(device.driver))
 
 
 # The one driver whose users katamgr can find (its /dev/nvidiaN nodes); a device
@@ -198,7 +209,7 @@ NVIDIA_DRIVER = "nvidia"
 
 def users_visible(device: Device) -> bool:
     """Whether ``in_use`` can tell who uses ``device`` on its present driver."""
-    return device.driver in (None, NVIDIA_DRIVER, VFIO_DRIVER)
+    return device.driver in (None, NVIDIA_DRIVER) or is_vfio_driver(device.driver)
 
 
 def in_use(host: HostRoot, devices: tuple[Device, ...] | list[Device]) -> list[holders.Holder]:
@@ -214,14 +225,16 @@ def in_use(host: HostRoot, devices: tuple[Device, ...] | list[Device]) -> list[h
 # ---- changing the host -------------------------------------------------------
 
 
-def load_vfio(host: HostRoot) -> bool:
-    """Make sure vfio-pci is loaded; return True when we loaded it."""
-    if vfio_module(host) is VfioModule.LOADED:
+def load_vfio(host: HostRoot, driver: VfioDriver = variants.PLAIN) -> bool:
+    """Make sure ``driver`` (vfio-pci or a variant driver) is loaded; True when we loaded it."""
+    if host.path(f"{sysfs.PCI_DRIVERS}/{driver.name}").is_dir():
         return False
-    complaint = host.kernel.modprobe(host, VFIO_DRIVER)
-    if complaint is not None or not host.path(f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}").is_dir():
+    module = VFIO_DRIVER if driver.module == variants.VFIO_PCI_MODULE else driver.module
+    complaint = host.kernel.modprobe(host, module)
+    if complaint is not None or not host.path(f"{sysfs.PCI_DRIVERS}/{driver.name}").is_dir():
         detail = complaint or "exit code 0"
-        raise HostError(f"vfio-pci is not loaded and 'modprobe vfio-pci' failed ({detail}); install the kernel's vfio modules on the node")
+        raise HostError(f"{driver.name} is not loaded and 'modprobe {module}' failed ({detail}); install the "
+                        "kernel's vfio modules on the node")
     return True
 
 
@@ -259,8 +272,16 @@ def bind(host: HostRoot, decisions: list[GroupDecision], *, wait: float = 5.0) -
     todo = [d for d in decisions if d.to_move]
     if not todo:
         return report
-    if load_vfio(host):
-        report.changes.append("loaded the vfio-pci module")
+    needed = {decision.driver_for(d).name: decision.driver_for(d) for decision in todo for d in decision.to_move}
+    for driver in sorted(needed.values(), key=lambda d: d.name != VFIO_DRIVER):
+        try:
+            if load_vfio(host, driver):
+                report.changes.append(f"loaded the {driver.module.replace('_', '-')} module")
+        except HostError as exc:
+            if driver.name == VFIO_DRIVER:
+                raise
+            report.failures.append(str(exc))
+            todo = [d for d in todo if all(d.driver_for(x).name != driver.name for x in d.to_move)]
     for decision in todo:
         try:
             moved = _bind_group(host, decision, wait)
@@ -268,7 +289,8 @@ def bind(host: HostRoot, decisions: list[GroupDecision], *, wait: float = 5.0) -
             report.failures.append(str(exc))
             continue
         report.changes.extend(
-            f"bound {d.bdf} ({d.id_string()}) to vfio-pci, was {d.driver or 'unbound'} [IOMMU group {decision.group}]"
+            f"bound {d.bdf} ({d.id_string()}) to {decision.driver_for(d).name}, was {d.driver or 'unbound'} "
+            f"[IOMMU group {decision.group}]"
             for d in moved
         )
     return report
@@ -292,7 +314,7 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
     try:
         for device in decision.to_move:
             moved.append(device)
-            _move_to_vfio(host, device, forced=decision.forced)
+            _move_to_vfio(host, device, decision.driver_for(device).name, forced=decision.forced)
         node = host.path(f"/dev/vfio/{decision.group}")
         if not _wait_for(node.exists, wait):
             raise HostError(
@@ -325,16 +347,16 @@ def _original_override(value: str | None) -> str | None:
     """The override to give back on revert. ``vfio-pci`` on a device not yet on vfio-pci
     is a move in flight (another tool's, or one a crash cut short), never a setting to
     restore: restoring it would send the device straight back to vfio-pci."""
-    if value in (None, "", "(null)", VFIO_DRIVER):
+    if value in (None, "", "(null)") or is_vfio_driver(value):
         return None
     return value
 
 
-def _move_to_vfio(host: HostRoot, device: Device, *, forced: bool = False) -> None:
+def _move_to_vfio(host: HostRoot, device: Device, target: str = VFIO_DRIVER, *, forced: bool = False) -> None:
     base = f"{sysfs.PCI_DEVICES}/{device.bdf}"
-    _kernel_write(host, f"{base}/driver_override", VFIO_DRIVER + "\n")
+    _kernel_write(host, f"{base}/driver_override", target + "\n")
     current = _current_driver(host, device.bdf)
-    if current is not None and current != VFIO_DRIVER:
+    if current is not None and current != target:
         if not forced:
             # Looked at again right before the write: the plan may be minutes old,
             # and the driver would make the writer wait for the user to let go.
@@ -345,8 +367,8 @@ def _move_to_vfio(host: HostRoot, device: Device, *, forced: bool = False) -> No
     # drivers_probe returns success even when vfio-pci's probe fails (the
     # reason is only in dmesg): the driver link is the one true answer.
     now = _current_driver(host, device.bdf)
-    if now != VFIO_DRIVER:
-        raise HostError(f"{device.bdf} did not bind to vfio-pci (driver is now {now or 'none'}); see dmesg for the probe error")
+    if now != target:
+        raise HostError(f"{device.bdf} did not bind to {target} (driver is now {now or 'none'}); see dmesg for the probe error")
 
 
 class DeviceHeld(HostError):
@@ -368,14 +390,14 @@ def _restore(host: HostRoot, bdf: str, driver: str | None, override: str | None,
              group: int | None = None, forced: bool = False) -> None:
     base = f"{sysfs.PCI_DEVICES}/{bdf}"
     current = _current_driver(host, bdf)
-    if not forced and current in (VFIO_DRIVER, None):
+    if not forced and (current is None or is_vfio_driver(current)):
         # Never write unbind for a group a VM holds: vfio-pci would ask the VM to
         # give the device up and the write would wait until it does. Driverless
         # counts too: during an unbind the kernel holds, the driver link is
         # already gone while the VM still has the group (seen on Debian's 6.1).
         _refuse_if_held(bdf, vfio_holders(host, bdf, group))
-    if current == VFIO_DRIVER:
-        _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{VFIO_DRIVER}/unbind", bdf)
+    if is_vfio_driver(current):
+        _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{current}/unbind", bdf)
     _kernel_write(host, f"{base}/driver_override", (override or "") + "\n")
     if driver is not None and _current_driver(host, bdf) is None:
         _kernel_write(host, sysfs.DRIVERS_PROBE, bdf)
@@ -428,7 +450,7 @@ def unbind_all(host: HostRoot, *, force: bool = False, keep: Collection[str] = (
             continue
         current = _current_driver(host, bdf)
         original = record.get("driver")
-        if current not in (VFIO_DRIVER, None) and current != original:
+        if current is not None and not is_vfio_driver(current) and current != original:
             report.failures.append(f"{bdf} is now on {current}, which katamgr did not do; left alone")
             continue
         try:
@@ -448,3 +470,44 @@ def unbind_all(host: HostRoot, *, force: bool = False, keep: Collection[str] = (
     else:
         remove_file(host.state_path(STATE_FILE))
     return report
+
+
+# ---- a device reset under no driver (a CC mode switch) -----------------------
+
+
+def unbind_for_reset(host: HostRoot, bdf: str) -> str | None:
+    """Unbind ``bdf`` from whatever driver it has, so NVIDIA's tool can stage a mode and reset
+    it; returns the driver it had (for ``rebind_after_reset``). Holders are looked at again
+    right before the write: a held device is never unbound here. katamgr's record of the
+    device (its original driver, for revert) is left as it is."""
+    current = _current_driver(host, bdf)
+    if current is None:
+        return None
+    if is_vfio_driver(current):
+        _refuse_if_held(bdf, vfio_holders(host, bdf, iommu.group_of(host, bdf)))
+    else:
+        _refuse_if_held(bdf, in_use(host, [_device_on(host, bdf, current)]))
+    _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{current}/unbind", bdf)
+    return current
+
+
+def rebind_after_reset(host: HostRoot, bdf: str, driver: str | None) -> None:
+    """Give ``bdf`` back the driver it had before ``unbind_for_reset``: a probe (its
+    driver_override, vfio-pci or its variant for a passthrough device, still names it),
+    else a bind to that driver."""
+    if driver is None or _current_driver(host, bdf) == driver:
+        return
+    if _current_driver(host, bdf) is None:
+        _kernel_write(host, sysfs.DRIVERS_PROBE, bdf)
+    if _current_driver(host, bdf) is None and host.path(f"{sysfs.PCI_DRIVERS}/{driver}").is_dir():
+        _kernel_write(host, f"{sysfs.PCI_DRIVERS}/{driver}/bind", bdf)
+    now = _current_driver(host, bdf)
+    if now != driver:
+        raise HostError(f"{bdf} came back on {now or 'no driver'} instead of {driver} after its reset; bind it "
+                        f"by hand: echo {bdf} > /sys/bus/pci/drivers/{driver}/bind")
+
+
+def _device_on(host: HostRoot, bdf: str, driver: str) -> Device:
+    from katamgr.host.pci import read_device
+
+    return replace(read_device(host, bdf), driver=driver)

@@ -7,10 +7,10 @@ The plan is the single description both ``katamgr plan`` prints and
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from katamgr.host import vfio
+from katamgr.host import cc, vfio
 from katamgr.host.inventory import Inventory, Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import unit_head
@@ -35,6 +35,12 @@ class DevicePlan:
     # Why the device is a passthrough device or not (katamgr.host.selection's verdict,
     # or the passthrough device a companion travels with).
     selection: str
+    # The VFIO driver it is or will be bound to (vfio-pci or a variant driver), and why.
+    vfio_driver: str | None = None
+    vfio_driver_why: str = ""
+    # Its confidential-computing mode as NVIDIA's tool read it ("not capable", "off", "on",
+    # "devtools", "ppcie", or "unread (why)"); None for a device that has none.
+    cc_mode: str | None = None
 
 
 @dataclass
@@ -90,7 +96,9 @@ class Plan:
         return out
 
 
-def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
+def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes: bool = True) -> Plan:
+    """The plan; with ``cc_modes`` each NVIDIA GPU's and NVSwitch's CC mode is read with
+    NVIDIA's tool (never from a device a VM or process holds)."""
     inv = discover(host, naming.selection)
     decisions = vfio.decide(host, inv, force=force)
     module = vfio.vfio_module(host)
@@ -99,9 +107,17 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
     problems: list[str] = list(inv.notes)
 
     bound = vfio.bound_by_us(host) if inv.excluded else {}
+    modes = _cc_modes(host, inv, decisions) if cc_modes else {}
     for decision in decisions:
         for device in decision.devices:
-            devices.append(_device_plan(inv, naming, device, decision.action_for(device).value, decision.reason))
+            driver = decision.driver_for(device) if decision.action is not Action.SKIP else None
+            current = device.driver if device.on_vfio else None
+            plan = _device_plan(inv, naming, device, decision.action_for(device).value, decision.reason)
+            mode = modes.get(device.bdf)
+            devices.append(replace(
+                plan, vfio_driver=current or (driver.name if driver else None),
+                vfio_driver_why=("already bound" if current else driver.why if driver else ""),
+                cc_mode=mode.shown if mode else None))
         for device in inv.foreign(decision.group) if decision.group is not None else []:
             devices.append(_device_plan(inv, naming, device, Action.SKIP.value, _left_alone(inv, device, bound)))
         if decision.action in (Action.BIND, Action.KEEP):
@@ -140,6 +156,24 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False) -> Plan:
         inventory=inv,
         warnings=[w for decision in decisions for w in decision.warnings] + _selection_warnings(inv, decisions),
     )
+
+
+def _cc_modes(host: HostRoot, inv: Inventory, decisions: list[GroupDecision]) -> dict[str, cc.GpuMode]:
+    """Each passthrough GPU's and NVSwitch's CC mode; a device a VM or process holds is not read."""
+    nvidia = [d for d in inv.passthrough if d.is_gpu or d.is_nvswitch]
+    if not nvidia:
+        return {}
+    held: dict[str, str] = {}
+    for decision in decisions:
+        for device in decision.devices:
+            if device.driver is not None and not device.on_vfio:
+                # The tool maps the GPU's registers and writes some: never under a running driver.
+                held[device.bdf] = f"on {device.driver}"
+                continue
+            who = vfio.vfio_holders(host, device.bdf, device.iommu_group) if device.on_vfio else []
+            if who:
+                held[device.bdf] = "held by " + "; ".join(str(h) for h in who)
+    return cc.read_modes(host, nvidia, skip=held)
 
 
 def _naming_notes(inv: Inventory, naming: Naming, decisions: list[GroupDecision]) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from chartvalues import CUSTOM_CLASSES, VALUE_SETS
-from support.chartkit import FULL, NAMESPACE, RELEASE, render
+from support.chartkit import FULL, NAMESPACE, RELEASE, merged, render
 from support.paths import REPO
 
 # The code that talks to the Kubernetes API with the chart's service account: katamgr's
@@ -75,7 +75,8 @@ def granted(*roles: dict[str, Any]) -> dict[tuple[str, str], list[str] | None]:
 
 def test_the_call_scan_finds_the_calls_we_know_of():
     needed = api_calls(API_CALLERS)
-    assert set(needed) == {("nodes", "get"), ("nodes", "watch"), ("events", "create"), ("secrets", "get"),
+    assert set(needed) == {("nodes", "get"), ("nodes", "watch"), ("nodes", "patch"), ("events", "create"),
+                           ("secrets", "get"),
                            ("runtimeclasses", "list"), ("runtimeclasses", "patch"),
                            ("runtimeclasses", "create"), ("runtimeclasses", "delete")}
     assert any("katamgr/node/kube.py" in w for w in needed[("nodes", "get")])
@@ -84,7 +85,8 @@ def test_the_call_scan_finds_the_calls_we_know_of():
 
 @pytest.mark.integration
 def test_rbac_grants_exactly_what_the_code_calls(chart):
-    rendered = render(chart, CUSTOM_CLASSES)
+    # With ccManager on, the agent labels its Node (cc.mode.state, cc.ready.state): every call.
+    rendered = render(chart, merged(CUSTOM_CLASSES, {"ccManager": {"enabled": True}}))
     cluster = granted(rendered.get("ClusterRole"))
     namespaced = granted(rendered.get("Role"), rendered.get("Role", "-node-events"))
     have = set(cluster) | set(namespaced)

@@ -60,7 +60,7 @@ def test_first_reconcile_creates_each_class_by_server_side_apply(server, api):
     assert gpu["metadata"]["labels"] == {MANAGED_BY_LABEL: MANAGED_BY_VALUE}
     assert "overhead" not in gpu
     snp = server.get("runtimeclasses", SNP)
-    assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true"}
+    assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true", "nvidia.com/cc.ready.state": "true"}
     writes = server.writes()
     assert [(w.method, w.path) for w in writes] == [
         ("PATCH", f"/apis/node.k8s.io/v1/runtimeclasses/{GPU}"),

@@ -40,7 +40,8 @@ def test_default_config_matches_the_gpu_operator_defaults():
     assert gpu.artifacts.url == DEFAULT_GPU_ARTIFACTS
     assert snp.artifacts.url == DEFAULT_SNP_ARTIFACTS
     assert gpu.scheduling_node_selector == {"nvidia.com/gpu.workload.config": "vm-passthrough"}
-    assert snp.scheduling_node_selector == {"nvidia.com/cc.capable": "true"}
+    # A confidential class (-snp) schedules only where the GPUs are CC-ready too.
+    assert snp.scheduling_node_selector == {"nvidia.com/cc.capable": "true", "nvidia.com/cc.ready.state": "true"}
     assert config.containerd.restart_mode == "signal"
     assert config.containerd.pod_annotations == ("io.katacontainers.*",)
     assert load_config(None) == config
@@ -206,3 +207,19 @@ def test_one_device_under_two_resources_is_refused_naming_both():
         {"ids": "1234:11E8", "resource": "example.com/other"},
     ]}}) == ['devices.include includes "1234:11e8" twice, as "example.com/edu" and '
              '"example.com/other"; a device is advertised under one resource']
+
+
+def test_confidential_runtime_classes_select_cc_ready_nodes():
+    config = parse_config("""
+runtimeClasses:
+  - {name: kata-qemu-nvidia-gpu-tdx, artifacts: {url: "registry.example.com/a:1"}}
+  - {name: my-cc-class, confidential: true, nodeSelector: {team: ml}, artifacts: {url: "registry.example.com/a:1"}}
+  - {name: kata-qemu-nvidia-gpu-snp, confidential: false, artifacts: {url: "registry.example.com/a:1"}}
+  - {name: kata-qemu-nvidia-gpu, artifacts: {url: "registry.example.com/a:1"}}
+""")
+    tdx, mine, not_cc, plain = config.runtime_classes
+    assert tdx.scheduling_node_selector == {"nvidia.com/gpu.workload.config": "vm-passthrough",
+                                            "nvidia.com/cc.ready.state": "true"}
+    assert mine.scheduling_node_selector == {"team": "ml", "nvidia.com/cc.ready.state": "true"}
+    assert not_cc.scheduling_node_selector == {"nvidia.com/gpu.workload.config": "vm-passthrough"}
+    assert "nvidia.com/cc.ready.state" not in plain.scheduling_node_selector

@@ -35,6 +35,10 @@ RELEASE = "ksm-adm"
 TENANT = "tenant"
 A10 = "nvidia.com/GA102GL_A10"
 KATA = "kata-qemu-nvidia-gpu"
+SNP = "kata-qemu-nvidia-gpu-snp"
+H100 = "nvidia.com/GH100H100_SXM5_80GB"
+CONFIDENTIAL_DENIAL = (f'requests {A10}, but runtimeClassName "{SNP}" runs confidential VMs and the GPU model '
+                       "GA102GL_A10 has no confidential-computing mode (Hopper and later only)")
 VALUES = {"sandboxWorkloads": {"enabled": True},
           "isolation": {"webhook": {"enabled": True}, "admissionPolicy": {"enabled": True}}}
 DENIAL = (f'requests the passthrough resource {A10}, but it sets no runtimeClassName; a '
@@ -124,12 +128,17 @@ def of_kind(objects, *kinds):
 def runtime_classes(kube):
     """The Kata RuntimeClasses (as the agent makes them): the API server refuses a pod
     naming a RuntimeClass that does not exist."""
+    from katamgr.cluster.runtimeclasses import desired_runtime_classes
+    from katamgr.config import default_config
+
     classes = [{
         "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
         "metadata": {"name": name}, "handler": name,
         "overhead": {"podFixed": {"cpu": "250m", "memory": "160Mi"}},
-        "scheduling": {"nodeSelector": {"nvidia.com/gpu.workload.config": "vm-passthrough"}},
-    } for name in (KATA, "kata-qemu-nvidia-gpu-snp")]
+        # As katamgr makes them: the -snp class also selects CC-ready nodes.
+        "scheduling": next(b["scheduling"] for b in desired_runtime_classes(default_config())
+                           if b["metadata"]["name"] == name),
+    } for name in (KATA, SNP)]
     kube.apply(classes, manager="test")
     yield
     kube.delete(classes)
@@ -242,3 +251,17 @@ def test_excluded_namespaces_are_left_alone(kube, layer):
     passthrough = create(kube, pod("system-gpu", resources={A10: 1}), "kube-system")
     assert passthrough.returncode == 0, passthrough.stderr
     kube.kubectl("delete", "pod", "system-gpu", "-n", "kube-system", "--wait=false", check=False)
+
+
+@pytest.mark.parametrize("which", ["webhook", "policy"])
+def test_a_confidential_class_is_refused_a_gpu_model_without_cc_naming_it(kube, layer, which):
+    """Refused: what can never work (an A10 has no CC mode: its confidential VM could never
+    attest it); admitted: an H100 (the scheduler then waits for cc.ready.state=true). The policy's
+    CEL uses the strings library (substring) as the real API server has it."""
+    layer(which)
+    refusal = refused_until_in_force(kube, "cc-a10", pod("cc-a10", resources={A10: 1}, runtime_class=SNP))
+    assert CONFIDENTIAL_DENIAL in refusal, refusal
+    admitted = create(kube, pod("cc-h100", resources={H100: 1}, runtime_class=SNP), TENANT)
+    assert admitted.returncode == 0, admitted.stderr
+    stored = json.loads(admitted.stdout)
+    assert stored["spec"]["nodeSelector"]["nvidia.com/cc.ready.state"] == "true"  # the RuntimeClass's

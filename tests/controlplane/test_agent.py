@@ -120,7 +120,7 @@ def test_the_agent_applies_runtime_classes_once_with_its_own_token(kube, release
     assert gpu["overhead"]["podFixed"] == {"cpu": "250m", "memory": "160Mi"}
     assert gpu["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kata-sandbox-manager"
     snp = kube.get("runtimeclass", SNP)
-    assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true"}
+    assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true", "nvidia.com/cc.ready.state": "true"}
     # Server-side apply under our field manager: the API server records it as such.
     entries = [(e["manager"], e["operation"]) for e in gpu["metadata"]["managedFields"]]
     assert entries == [("kata-sandbox-manager", "Apply")]

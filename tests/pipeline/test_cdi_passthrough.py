@@ -12,6 +12,7 @@ from support.paths import HOST_PROFILES
 
 import cdi
 from katamgr.host.naming import Naming
+from katamgr.host.pci import is_vfio_driver
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from nodesim import kernel
@@ -37,7 +38,7 @@ def test_specs_on_every_profile(tmp_path, profile_path):
     apply(host)
     bound = sorted(d.bdf for d in load_profile(profile_path).devices
                    if d.vendor == 0x10DE and d.class_code >> 8 in (0x0300, 0x0302)
-                   and driver_of(host, d.bdf) == "vfio-pci")
+                   and is_vfio_driver(driver_of(host, d.bdf)))
     path = host.path(PGPU)
     if not bound:
         assert not path.exists()

@@ -49,7 +49,8 @@ def snapshot(host: HostRoot) -> dict[str, str]:
                 if path.is_symlink():
                     state[rel] = "-> " + os.readlink(path)
                 elif path.is_file():
-                    state[rel] = path.read_text()
+                    # config and resourceN are binary, as on a node
+                    state[rel] = path.read_bytes().decode("latin-1")
                 else:
                     state[rel] = "<dir>"
     return state

@@ -11,6 +11,7 @@ from kubernetes import client as k8s
 
 A10 = "nvidia.com/GA102GL_A10"
 KATA = "kata-qemu-nvidia-gpu"
+H100 = "nvidia.com/GH100H100_SXM5_80GB"
 _API = k8s.ApiClient()
 
 
@@ -99,7 +100,12 @@ def cases() -> dict[str, dict[str, Any]]:
         "gpu": pod(container(limits={"nvidia.com/gpu": "1"})),
         "mig": pod(container(limits={"nvidia.com/mig-1g.10gb": "1"})),
         "passthrough-kata": pod(container(limits={A10: "1"}), runtime_class=KATA),
-        "passthrough-snp": pod(container(limits={A10: "1"}), runtime_class="kata-qemu-nvidia-gpu-snp"),
+        "passthrough-snp": pod(container(limits={H100: "1"}), runtime_class="kata-qemu-nvidia-gpu-snp"),
+        # A confidential class and a GPU model with no CC mode: refused, naming the model.
+        "snp-a10": pod(container(limits={A10: "1"}), runtime_class="kata-qemu-nvidia-gpu-snp"),
+        "snp-t4-init": pod(container(), init=[container("loader", limits={"nvidia.com/TU104GL_TESLA_T4": "1"})],
+                           runtime_class="kata-qemu-nvidia-gpu-snp"),
+        "snp-alias": pod(container(limits={"nvidia.com/pgpu": "1"}), runtime_class="kata-qemu-nvidia-gpu-snp"),
         "passthrough-none": pod(container(limits={A10: "1"})),
         "passthrough-runc": pod(container(limits={A10: "1"}), runtime_class="runc"),
         "passthrough-init": pod(container(), init=[container("loader", limits={"nvidia.com/pgpu": "1"})]),

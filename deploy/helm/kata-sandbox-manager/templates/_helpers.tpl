@@ -49,7 +49,24 @@ The containers' pull policies: an operand's imagePullPolicy, else that of the GP
 block feeding the same container, else image.pullPolicy.
 */}}
 {{- define "ksm.agentPullPolicy" -}}
-{{- coalesce .Values.kataManager.imagePullPolicy .Values.vfioManager.imagePullPolicy .Values.image.pullPolicy -}}
+{{- $cc := include "ksm.block" (list . "ccManager") | fromJson -}}
+{{- coalesce .Values.kataManager.imagePullPolicy .Values.vfioManager.imagePullPolicy $cc.imagePullPolicy .Values.image.pullPolicy -}}
+{{- end -}}
+
+{{/*
+The CC manager (ccManager.enabled with sandbox workloads on): "true" or "". Its default mode:
+DEFAULT_CC_MODE from ccManager.env (NVIDIA's cc-manager reads that), else defaultMode.
+*/}}
+{{- define "ksm.ccManager" -}}
+{{- $cc := include "ksm.block" (list . "ccManager") | fromJson -}}
+{{- if and .Values.sandboxWorkloads.enabled $cc.enabled }}true{{ end -}}
+{{- end -}}
+
+{{- define "ksm.ccDefaultMode" -}}
+{{- $cc := include "ksm.block" (list . "ccManager") | fromJson -}}
+{{- $mode := $cc.defaultMode | default "on" -}}
+{{- range ($cc.env | default list) }}{{ if eq .name "DEFAULT_CC_MODE" }}{{ $mode = .value }}{{ end }}{{ end -}}
+{{- $mode -}}
 {{- end -}}
 
 {{- define "ksm.pluginPullPolicy" -}}
@@ -144,7 +161,10 @@ block overrides for the same container counts when it differs from the value use
       "sandboxDevicePlugin" $v.sandboxDevicePlugin "kataSandboxDevicePlugin" $k
       "devicePlugin" $v.devicePlugin -}}
 {{- $out := list -}}
-{{- with (include "ksm.block" (list . "ccManager") | fromJson) }}{{ $out = append $out "ccManager" }}{{ end -}}
+{{- $cc := include "ksm.block" (list . "ccManager") | fromJson -}}
+{{- range $key := list "repository" "image" "version" -}}
+{{- if not (empty (index $cc $key)) }}{{ $out = append $out (printf "ccManager.%s" $key) }}{{ end -}}
+{{- end -}}
 {{- range $name := list "kataManager" "vfioManager" "sandboxDevicePlugin" "kataSandboxDevicePlugin" "devicePlugin" -}}
 {{- $block := index $blocks $name -}}
 {{- range $key := list "repository" "image" "version" "args" "hostNetwork" -}}
@@ -207,6 +227,30 @@ block overrides for the same container counts when it differs from the value use
 {{- end -}}
 {{- if has (dig "driverName" "" (.Values.dra | default dict)) (list "gpu.nvidia.com" "compute-domain.nvidia.com") -}}
 {{- fail (printf "dra.driverName=%s is a driver name of NVIDIA's DRA driver for GPUs; give this chart's passthrough driver its own (default passthrough.kata-sandbox-manager.io)" .Values.dra.driverName) -}}
+{{- end -}}
+{{- $cc := include "ksm.block" (list . "ccManager") | fromJson -}}
+{{- if and $cc.enabled .Values.sandboxWorkloads.enabled (not .Values.vfioManager.enabled) -}}
+{{- fail "ccManager.enabled=true needs vfioManager.enabled=true: a CC mode switch unbinds and resets the GPUs, which only the privileged agent container (vfioManager) may do" -}}
+{{- end -}}
+{{- if not (has (include "ksm.ccDefaultMode" .) (list "on" "off" "devtools" "ppcie")) -}}
+{{- fail (printf "ccManager: the default CC mode %q (defaultMode, or DEFAULT_CC_MODE in ccManager.env) is not one of on, off, devtools, ppcie" (include "ksm.ccDefaultMode" .)) -}}
+{{- end -}}
+{{- /* The rest refuses what the CC manager, once enabled, could not honour. */ -}}
+{{- if $cc.enabled -}}
+{{- range ($cc.env | default list) -}}
+{{- if ne .name "DEFAULT_CC_MODE" -}}
+{{- fail (printf "ccManager.env %s: only DEFAULT_CC_MODE is read (as NVIDIA's cc-manager reads it); katamgr evicts no GPU Operator component for a switch (it waits until no VM or pod holds a GPU), so EVICT_OPERATOR_COMPONENTS and OPERATOR_NAMESPACE have nothing to set, and it takes each GPU's CC capability from NVIDIA's gpu-admin-tools (Hopper and later), so CC_CAPABLE_DEVICE_IDS has none either" .name) -}}
+{{- end -}}
+{{- end -}}
+{{- if $cc.args -}}
+{{- fail (printf "ccManager.args %v: NVIDIA's cc-manager command line; this chart's agent does the CC manager's job with its own options (ccManager.enabled, defaultMode)" $cc.args) -}}
+{{- end -}}
+{{- if $cc.hostNetwork -}}
+{{- fail "ccManager.hostNetwork=true: no pod of this chart uses the host's network, and switching CC modes needs none" -}}
+{{- end -}}
+{{- if or (and $cc.repository (ne (toString $cc.repository) "nvcr.io/nvidia/cloud-native")) (and $cc.image (ne (toString $cc.image) "k8s-cc-manager")) -}}
+{{- fail (printf "ccManager.repository/image %s/%s: this chart does the CC manager's job in its own agent (katamgr run --cc-manager), so only NVIDIA's nvcr.io/nvidia/cloud-native/k8s-cc-manager may be named (and is listed as replaced); a different cc-manager image cannot run here" (toString $cc.repository) (toString $cc.image)) -}}
+{{- end -}}
 {{- end -}}
 {{- if and (include "ksm.metricsOn" .) (eq (int $m.agentPort) (int $m.pluginPort)) -}}
 {{- fail (printf "metrics.agentPort and metrics.pluginPort are both %d: the sandbox agent pod runs both containers, so they need two ports" (int $m.agentPort)) -}}
@@ -784,4 +828,16 @@ layoutDirs).
 helm.sh/hook: post-delete
 helm.sh/hook-weight: {{ . | quote }}
 helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+{{- end -}}
+
+{{/*
+The runtime classes kataManager.config marks confidential (confidential: true), besides those
+named *-snp or *-tdx, which are confidential by name: as a JSON list.
+*/}}
+{{- define "ksm.confidentialClasses" -}}
+{{- $out := list -}}
+{{- range (.Values.kataManager.config.runtimeClasses | default list) -}}
+{{- if .confidential }}{{ $out = append $out .name }}{{ end -}}
+{{- end -}}
+{{- toJson $out -}}
 {{- end -}}
