@@ -18,7 +18,7 @@ from support.paths import REPO
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BIN = Path(sys.executable).parent
 # Programs a reader runs that are not files of this repository.
-OUTSIDE = {"kubectl", "helm", "bash", "grep", "sudo", ".", "cd", "docker", "REQUIRE_INTEGRATION=1"}
+OUTSIDE = {"kubectl", "helm", "bash", "grep", "sudo", ".", "cd", "docker", "skopeo", "REQUIRE_INTEGRATION=1"}
 READ_ONLY = {"plan", "demo"}
 
 
