@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -282,7 +283,7 @@ def request_problem(containers: list[tuple[str, ...]] | list[list[str]]) -> str:
     for index, ids in enumerate(containers):
         if not ids:
             return f"container request {index} names no device"
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        repeated = sorted(i for i, n in Counter(ids).items() if n > 1)
         if repeated:
             return f"container request {index} names {', '.join(repeated)} more than once"
     return ""

@@ -42,6 +42,8 @@ _CONFIG = h2.config.H2Configuration(
     # Only our own constant headers go out; what comes in is validated in full.
     validate_outbound_headers=False, normalize_outbound_headers=False,
 )
+# Output waiting past this pauses reading from the client (it is not reading either).
+_READ_PAUSE = 256 * 1024
 # A call's ``trailers`` when its answer ends with its last DATA frame, not with trailers.
 _END_WITH_DATA = ()
 # Events that mean work was asked for or done; anything else spends the flood budget.
@@ -124,7 +126,7 @@ class ServerStream:
 
 
 class ServerConnection:
-    def __init__(self, server: GrpcServer, sock: socket.socket, peer: int) -> None:
+    def __init__(self, server: GrpcServer, sock: socket.socket, peer: int, budget: Budget) -> None:
         self.server = server
         self.limits: Limits = server.limits
         self.sock = sock
@@ -140,7 +142,8 @@ class ServerConnection:
         self.out = bytearray()  # bytes the socket did not take yet
         self.inbound = 0  # request bytes held for calls not yet complete
         self.pending = 0  # answer bytes held for closed windows
-        self.budget = Budget(self.limits.flood_burst, self.limits.flood_rate)
+        self.budget = budget  # the client process's, shared by its connections
+        self.events = 0  # what the loop watches this connection's socket for
         now = time.monotonic()
         self.active_at = now  # the last call's start
         self.moved_at = now  # the last time waiting output moved
@@ -376,8 +379,8 @@ class ServerConnection:
                 if idle and not self.budget.spend(idle):
                     self.server.quiet.warning(
                         "flood", "%s: a client (pid %d) sent more frames that do no work than its "
-                        "budget (%d, and %g a second); closing its connection", self.server.name,
-                        self.peer, self.limits.flood_burst, self.limits.flood_rate)
+                        "budget allows (%d, and %g a second); closing its connection",
+                        self.server.name, self.peer, self.limits.flood_burst, self.limits.flood_rate)
                     self.calm("too many frames that do no work")
                     ready = []
                 self._send()
@@ -496,6 +499,11 @@ class ServerConnection:
             data = call.data
             self._drop_request(call)
         return data
+
+    @property
+    def backlogged(self) -> bool:
+        """So much output waits that the loop stops reading the client until it takes some."""
+        return len(self.out) > _READ_PAUSE
 
     def on_writable(self) -> bool:
         """Send what waits; True when nothing is left."""

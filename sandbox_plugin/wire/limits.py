@@ -48,10 +48,11 @@ class Limits:
     # opens a new one when it next calls).
     idle_timeout: float = 900.0
     # Frames that do no work (PING, SETTINGS, PRIORITY, RST_STREAM, WINDOW_UPDATE, empty
-    # DATA, unknown types, streams reset before their request ended): a connection may
-    # send ``flood_burst`` at once, earns ``flood_rate`` a second and 4 per call answered;
-    # one that overdraws is closed with ENHANCE_YOUR_CALM.
-    flood_burst: int = 1000
+    # DATA, unknown types): a client process may send ``flood_burst`` at once over all its
+    # connections, and earns ``flood_rate`` a second and 4 per call answered. One that
+    # overdraws has its connection closed with ENHANCE_YOUR_CALM, and its next ones too
+    # until it has earned its way back.
+    flood_burst: int = 500
     flood_rate: float = 100.0
 
     @property
@@ -73,7 +74,9 @@ DEFAULT = Limits()
 
 
 class Budget:
-    """A token bucket of frames that do no work, for one connection."""
+    """A token bucket of frames that do no work, for one client process (its connections
+    share it, so that reconnecting does not refill it). Overdrawn, it goes down to
+    minus its burst and refills from there."""
 
     __slots__ = ("tokens", "burst", "rate", "at")
 
@@ -83,15 +86,29 @@ class Budget:
         self.rate = rate
         self.at = time.monotonic()
 
-    def spend(self, count: int) -> bool:
-        """False once the connection has overdrawn."""
+    def _refill(self) -> None:
         now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate) - count
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
+
+    def spend(self, count: int) -> bool:
+        """False once the client has overdrawn."""
+        self._refill()
+        self.tokens = max(-self.burst, self.tokens - count)
         return self.tokens >= 0
 
     def earn(self, count: int) -> None:
         self.tokens = min(self.burst, self.tokens + count)
+
+    @property
+    def overdrawn(self) -> bool:
+        self._refill()
+        return self.tokens < 0
+
+    @property
+    def full(self) -> bool:
+        self._refill()
+        return self.tokens >= self.burst
 
 
 class QuietLog:

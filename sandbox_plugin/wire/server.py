@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 
 from sandbox_plugin.wire import limits as _limits
 from sandbox_plugin.wire.connection import Call, ServerConnection, ServerStream
-from sandbox_plugin.wire.limits import Limits, QuietLog, shorten
+from sandbox_plugin.wire.limits import Budget, Limits, QuietLog, shorten
 from sandbox_plugin.wire.status import RpcError, StatusCode, split_messages
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 Unary = Callable[[bytes], bytes]
 Streaming = Callable[[bytes, ServerStream], None]
 
-_READ = 65536  # per connection per turn
+_READ = 16384  # per connection per turn: one client's flood cannot hold the others long
 _TICK = 1.0
+_TICK_BATCH = 4
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
@@ -71,6 +72,7 @@ class GrpcServer:
         self._epoll: select.epoll | None = None
         self._listener: socket.socket | None = None
         self._connections: dict[int, ServerConnection] = {}  # by fd
+        self._budgets: dict[int, Budget] = {}  # by client process
         self._lock = threading.Lock()
         self._want_write: set[ServerConnection] = set()
         self._want_close: set[ServerConnection] = set()
@@ -139,10 +141,13 @@ class GrpcServer:
         listening, waking = listener.fileno(), self._wake_r
         readable = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
         next_tick = time.monotonic() + _TICK
+        ticking: list[ServerConnection] = []  # still to look at this second
         try:
             while not self._stopping:
                 timeout = -1.0
-                if connections or self._accepting_at is not None:
+                if ticking:
+                    timeout = 0.0
+                elif connections or self._accepting_at is not None:
                     timeout = max(0.0, min(next_tick, self._accepting_at or next_tick) - time.monotonic())
                 for fd, events in epoll.poll(timeout):
                     connection = connections.get(fd)
@@ -159,8 +164,15 @@ class GrpcServer:
                     epoll.register(listening, select.EPOLLIN)
                 if now >= next_tick:
                     next_tick = now + _TICK
-                    for connection in list(connections.values()):
-                        self._guarded(connection, connection.tick, now)
+                    ticking = list(connections.values())
+                    self._forget_budgets()
+                if ticking:
+                    # A few connections a turn: thousands of calls past their deadline at
+                    # once must not hold up the answers to everyone else.
+                    batch, ticking = ticking[:_TICK_BATCH], ticking[_TICK_BATCH:]
+                    for connection in batch:
+                        if connections.get(connection.fd) is connection:
+                            self._guarded(connection, connection.tick, now)
                     self._service()
         except BaseException as exc:  # MemoryError included: the owner must know
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -171,7 +183,7 @@ class GrpcServer:
             self.on_failure()
 
     def _serve(self, connection: ServerConnection, readable: int, writable: int) -> None:
-        if readable:
+        if readable and not connection.backlogged:
             try:
                 data = connection.sock.recv(_READ)
             except BlockingIOError:
@@ -186,8 +198,22 @@ class GrpcServer:
                 ready = self._guarded(connection, connection.received, data)
                 for call in ready or ():
                     self._dispatch(connection, call)
-        if writable and connection.on_writable():
-            self._watch(connection, select.EPOLLIN)
+        if writable:
+            connection.on_writable()
+        if self._connections.get(connection.fd) is connection:
+            self._rearm(connection)
+
+    def _rearm(self, connection: ServerConnection) -> None:
+        """Watch for what the connection waits on: input unless its output is backed up,
+        writability while output waits."""
+        events = (0 if connection.backlogged else select.EPOLLIN) | (select.EPOLLOUT if connection.out else 0)
+        if events != connection.events:
+            connection.events = events
+            assert self._epoll is not None
+            try:
+                self._epoll.modify(connection.fd, events)
+            except (ValueError, OSError):
+                pass  # closed meanwhile
 
     def _guarded(self, connection: ServerConnection, step, *args):
         """Run one connection's step; a failure closes that connection, not the loop."""
@@ -208,15 +234,9 @@ class GrpcServer:
         for connection in closing:
             self._drop(connection, goodbye=False)
         for connection in writers:
-            if connection.fd in self._connections and not connection.on_writable():
-                self._watch(connection, select.EPOLLIN | select.EPOLLOUT)
-
-    def _watch(self, connection: ServerConnection, events: int) -> None:
-        assert self._epoll is not None
-        try:
-            self._epoll.modify(connection.fd, events)
-        except (ValueError, OSError):
-            pass  # closed meanwhile
+            if self._connections.get(connection.fd) is connection:
+                connection.on_writable()
+                self._rearm(connection)
 
     def _accept(self) -> None:
         assert self._listener is not None and self._epoll is not None
@@ -242,12 +262,21 @@ class GrpcServer:
                                        peer, len(self._connections))
                     sock.close()
                     continue
-                connection = ServerConnection(self, sock, peer)
+                budget = self._budgets.get(peer)
+                if budget is None:
+                    budget = self._budgets[peer] = Budget(self.limits.flood_burst, self.limits.flood_rate)
+                connection = ServerConnection(self, sock, peer, budget)
             except OSError as exc:
                 sock.close()
                 self.quiet.warning("accept", "%s: could not set up a connection: %s", self.name, exc)
                 continue
+            if budget.overdrawn:  # it flooded us and has not earned its way back
+                with connection.lock:
+                    connection.calm("too many frames that do no work; wait before connecting again")
+                connection.close(goodbye=False)
+                continue
             self._connections[connection.fd] = connection
+            connection.events = select.EPOLLIN
             self._epoll.register(connection.fd, select.EPOLLIN)
 
     def _pause_accepting(self, exc: OSError) -> None:
@@ -279,9 +308,16 @@ class GrpcServer:
         self._drop(victim, goodbye=False)
         return True
 
+    def _forget_budgets(self) -> None:
+        """Budgets of processes with no connection left that are full again."""
+        held = {connection.peer for connection in self._connections.values()}
+        for peer in [p for p, b in self._budgets.items() if p not in held and b.full]:
+            del self._budgets[peer]
+
     def _drop(self, connection: ServerConnection, goodbye: bool) -> None:
-        if self._connections.pop(connection.fd, None) is not connection:
-            return
+        if self._connections.get(connection.fd) is not connection:
+            return  # gone already (its number may be another connection's by now)
+        del self._connections[connection.fd]
         assert self._epoll is not None
         try:
             self._epoll.unregister(connection.fd)

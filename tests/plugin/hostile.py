@@ -24,6 +24,10 @@ import sys
 import time
 from collections import Counter
 
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
 from h2.errors import ErrorCodes
 from hpack import Decoder, Encoder
 from hpack.hpack import encode_integer
@@ -252,47 +256,120 @@ def continuation_flood(path: str, seconds: float, tally: Tally) -> None:
 
 def idle_streams(path: str, seconds: float, tally: Tally) -> None:
     """Connections each opening as many calls as the server allows, sending half a request
-    on each and then nothing; one stream more than allowed on one of them."""
+    on each and then nothing; the last one opens one stream more than allowed."""
     connections = []
+    body = message(ALLOCATE_REQUEST)
     for _ in range(100):
         connection = Connection(path)
-        body = message(ALLOCATE_REQUEST)
+        connection.read(0.02)  # the server's SETTINGS acknowledged: its stream limit applies
         for stream in range(1, 65, 2):  # 32 streams
             connection.send(headers(stream, connection.request_block()) + data(stream, body[:7]))
         connections.append(connection)
-    time.sleep(0.2)
-    connections[0].send(headers(65, connections[0].request_block()))  # the 33rd
+    connections[-1].send(headers(65, connections[-1].request_block()))  # the 33rd
     time.sleep(seconds)
-    for connection in connections:
-        tally.add(connection, timeout=0.5)
-
-
-def large_bodies(path: str, seconds: float, tally: Tally) -> None:
-    """Requests just under the 4 MiB message limit on many streams and connections, none
-    ever finished; and one just over it."""
-    body = message(os.urandom(4 * 1024 * 1024 - 64))
-    over = message(os.urandom(4 * 1024 * 1024 + 64))
-    connections = []
-    end = time.monotonic() + seconds
-    for _ in range(8):
-        connection = Connection(path, {0x4: 2**31 - 1})
-        for stream in (1, 3, 5):
-            if not connection.send(headers(stream, connection.request_block()) + _chunks(stream, body)):
-                break
-        connections.append(connection)
-    big = Connection(path)
-    big.send(headers(1, big.request_block()) + _chunks(1, over, end_stream=True))
-    connections.append(big)
-    time.sleep(max(0.0, end - time.monotonic()))
     for connection in connections:
         tally.add(connection, timeout=3.0)
 
 
-def _chunks(stream: int, body: bytes, *, end_stream: bool = False) -> bytes:
-    out = [data(stream, body[i:i + 16384]) for i in range(0, len(body), 16384)]
-    if end_stream:
-        out.append(data(stream, b"", end_stream=True))
-    return b"".join(out)
+class H2Client:
+    """A client on h2 (the library), for attacks that must keep to the protocol: sending
+    within the windows the server advertises."""
+
+    def __init__(self, path: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.conn.initiate_connection()
+        self.conn.update_settings({0x4: 2**31 - 1})
+        self.goaway: str | None = None
+        self.eof = False
+        self.statuses: Counter[str] = Counter()
+        self.resets: Counter[str] = Counter()
+        self.ended: set[int] = set()
+        self.flush()
+        self.pump(0.5)  # the server's SETTINGS and its connection window
+
+    def flush(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def pump(self, timeout: float) -> None:
+        """Read and act on what comes within ``timeout`` s."""
+        self.sock.settimeout(timeout)
+        try:
+            chunk = self.sock.recv(262144)
+        except (TimeoutError, BlockingIOError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self.eof = True
+            return
+        for event in self.conn.receive_data(chunk):
+            if isinstance(event, h2.events.ResponseReceived | h2.events.TrailersReceived):
+                fields = dict(event.headers)
+                if b"grpc-status" in fields:
+                    self.statuses[fields[b"grpc-status"].decode()] += 1
+            elif isinstance(event, h2.events.StreamReset):
+                self.resets[_code(event.error_code)] += 1
+                self.ended.add(event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded):
+                self.ended.add(event.stream_id)
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                self.goaway = _code(event.error_code)
+            elif isinstance(event, h2.events.DataReceived):
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        self.flush()
+
+    def send_body(self, stream: int, body: bytes, deadline: float, *, end_stream: bool) -> None:
+        """Send ``body`` on ``stream`` as the server's windows allow (until it ends the call)."""
+        view = memoryview(body)
+        while view and stream not in self.ended and not self.eof and time.monotonic() < deadline:
+            try:
+                size = min(len(view), self.conn.local_flow_control_window(stream),
+                           self.conn.max_outbound_frame_size)
+            except h2.exceptions.StreamClosedError:
+                return
+            if size > 0:
+                self.conn.send_data(stream, bytes(view[:size]))
+                view = view[size:]
+                self.flush()
+            else:
+                self.pump(0.2)
+        if end_stream and not view and stream not in self.ended:
+            self.conn.end_stream(stream)
+            self.flush()
+
+    def add_to(self, tally: Tally, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.eof and time.monotonic() < deadline:
+            self.pump(max(0.01, deadline - time.monotonic()))
+        self.sock.close()
+        tally.connections += 1
+        tally.outcomes[f"GOAWAY {self.goaway}" if self.goaway else ("eof" if self.eof else "open")] += 1
+        tally.statuses.update(self.statuses)
+        tally.resets.update(self.resets)
+
+
+def large_bodies(path: str, seconds: float, tally: Tally) -> None:
+    """Requests just under the 4 MiB message limit, within the windows the server advertises,
+    three at once on each of 8 connections and none ever finished; and one just over it."""
+    body = message(os.urandom(4 * 1024 * 1024 - 64))
+    end = time.monotonic() + seconds
+    clients = []
+    for _ in range(8):
+        client = H2Client(path)
+        for stream in (1, 3, 5):
+            client.conn.send_headers(stream, REQUEST_HEADERS)
+            client.send_body(stream, body, end, end_stream=False)
+        clients.append(client)
+    big = H2Client(path)
+    big.conn.send_headers(1, REQUEST_HEADERS)
+    big.send_body(1, message(os.urandom(4 * 1024 * 1024 + 64)), end, end_stream=True)
+    clients.append(big)
+    for client in clients:
+        client.add_to(tally, timeout=max(0.5, end - time.monotonic()) + 3.0)
 
 
 def zero_window(path: str, seconds: float, tally: Tally) -> None:
@@ -311,7 +388,9 @@ def zero_window(path: str, seconds: float, tally: Tally) -> None:
 
 
 def never_reading(path: str, seconds: float, tally: Tally) -> None:
-    """Calls on and on, never reading an answer (the socket's buffers fill)."""
+    """Calls on and on, never reading an answer (the socket's buffers fill): 16 at a time,
+    each batch once the server has had time to answer the last (so that no more streams
+    are open than it allows, as far as it can tell)."""
     connection = Connection(path)
     block = connection.request_block()
     body = message(ALLOCATE_REQUEST)
@@ -328,7 +407,7 @@ def never_reading(path: str, seconds: float, tally: Tally) -> None:
         except OSError:
             break
         stream += 32
-        time.sleep(0.005)
+        time.sleep(0.02)
     tally.add(connection)
 
 
