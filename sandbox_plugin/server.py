@@ -408,10 +408,13 @@ class PluginServer:
         return self._registered.is_set()
 
     @property
-    def alive(self) -> bool:
-        """The supervisor (registering, re-registering) is running, and the gRPC loop has
-        not died again and again."""
-        return self._thread is not None and self._thread.is_alive() and self._socket.healthy
+    def trouble(self) -> str:
+        """Why this plugin cannot be trusted to serve ("" when it can): /healthz's answer."""
+        if self._thread is None or not self._thread.is_alive():
+            return "its supervisor stopped"
+        if not self._socket.healthy:
+            return "its gRPC loop keeps dying (restart the process)"
+        return ""
 
     def _loop_died(self) -> None:
         # From the dead loop's thread: the supervisor serves again at once.

@@ -23,10 +23,11 @@ class Limits:
     # Streams open at once on a connection (SETTINGS_MAX_CONCURRENT_STREAMS): the
     # kubelet's calls wait for a free one; more from a client is a protocol error.
     max_concurrent_streams: int = 32
-    # Decoded request headers (SETTINGS_MAX_HEADER_LIST_SIZE, RFC 7541 sizes); a kubelet's
-    # are about 300 bytes. An encoded header block past twice this is refused before
-    # it is decoded, so a block of Huffman or table references costs little to turn down.
-    max_header_list_size: int = 8 * KIB
+    # Decoded request headers (SETTINGS_MAX_HEADER_LIST_SIZE, RFC 7541 sizes): gRPC core's
+    # hard limit on metadata; a kubelet's are about 300 bytes. An encoded header block
+    # past twice this is refused before it is decoded, so a block of Huffman or table
+    # references costs little to turn down.
+    max_header_list_size: int = 16 * KIB
     # A request message (gRPC's own default); larger is RESOURCE_EXHAUSTED.
     max_message: int = 4 * MIB
     # What a connection may keep here: requests not yet complete, answers waiting for
@@ -57,7 +58,7 @@ class Limits:
 
     @property
     def max_header_block(self) -> int:
-        return max(16 * KIB, 2 * self.max_header_list_size)
+        return 2 * self.max_header_list_size
 
     def settings(self) -> dict[int, int]:
         """What the server's SETTINGS frame says."""

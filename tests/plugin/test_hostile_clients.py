@@ -14,7 +14,7 @@ test checks what a kubelet and an operator would notice:
 - the plugin says so in a few log lines, none of them huge.
 
 The plugin runs with shorter clocks than its defaults (2 s for a request to
-arrive or an answer to be taken, 3 s for an idle connection; ``wire.limits``) so
+arrive or an answer to be taken, 3 s for an idle connection; pluginproc.py) so
 that those limits are seen within the test. The figures of a run on this
 machine are in docs/reliability.md. Bounds here are generous enough to hold on a
 loaded 2-core machine; speed figures belong to bench/.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -35,19 +34,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from pluginproc import Plugin
 from support.paths import REPO
-from support.registry_server import free_port
 
-from katamgr.host.naming import Naming, resource_name
-from katamgr.host.pciids import PciIds
-from katamgr.pipeline.devices import apply_host
-from katamgr.pipeline.plan import build_plan
 from kubeletapi import deviceplugin_pb2 as pb
-from sandbox_plugin.resources import socket_name_for
-from sandbox_plugin.server import DEVICE_PLUGIN_DIR
 
-NAMING = Naming(PciIds.find())
-H100 = resource_name(NAMING.pci_ids, 0x10DE, 0x2330)
 ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
 HOSTILE = Path(__file__).with_name("hostile.py")
 PROBE_SECONDS = 4.0
@@ -59,65 +50,7 @@ P99_BOUND = 0.5
 # most, and what the buffer limits allow for large requests (16 MiB for all connections).
 RSS_CAP_MIB = 24
 LARGE_BODIES_RSS_CAP_MIB = 40
-# The plugin's limits in these tests (wire.limits.Limits): clocks short enough to watch.
-LAUNCH = """
-import dataclasses, resource, sys
-from sandbox_plugin.wire import limits
-limits.DEFAULT = dataclasses.replace(limits.DEFAULT, request_timeout=2.0, write_timeout=2.0,
-                                     idle_timeout=3.0)
-if int(sys.argv[1]):
-    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[1])))
-from sandbox_plugin.cli import main
-sys.exit(main(sys.argv[2:]))
-"""
 WIRE_LINE = re.compile(r"dp-[^:]*: (closed|closing|refusing|cannot accept|a client)")
-
-
-@dataclass
-class Plugin:
-    process: subprocess.Popen
-    socket: Path
-    log: Path
-
-    def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        raise AssertionError("no VmRSS")
-
-    def log_lines(self) -> list[str]:
-        return self.log.read_text(errors="replace").splitlines()
-
-
-@pytest.fixture
-def start_plugin(sim_host, tmp_path):
-    """``start_plugin(nofile=0)``: the plugin process, registered, its ListAndWatch open."""
-    started: list[subprocess.Popen] = []
-
-    def start(nofile: int = 0) -> Plugin:
-        host, kubelet = sim_host("dgx-h100")
-        assert apply_host(host, build_plan(host, NAMING)).ok
-        log = tmp_path / f"plugin-{len(started)}.log"
-        with log.open("wb") as output:
-            process = subprocess.Popen(
-                [sys.executable, "-c", LAUNCH, str(nofile), "--mode", "vm-passthrough",
-                 "--host-root", str(host.root), "--metrics-address", f"127.0.0.1:{free_port()}"],
-                cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
-        started.append(process)
-        try:
-            kubelet.wait_for(lambda state: len(state.devices.get(H100, [])) == 8, timeout=30)
-        except TimeoutError:
-            raise AssertionError(log.read_text()) from None
-        return Plugin(process, host.path(DEVICE_PLUGIN_DIR) / socket_name_for(H100), log)
-
-    yield start
-    for process in started:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 class WellBehaved:
