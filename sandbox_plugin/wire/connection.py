@@ -272,76 +272,50 @@ class ServerConnection:
 
     # -- from any thread ----------------------------------------------------------
 
-    def respond(self, call: Call, payload: bytes) -> None:
-        """The answer to a unary call: headers, the message and trailers."""
-        body = st.message(payload)
-        with self.lock:
-            if call.done or self.broken:
-                return
-            h2c = self.h2
-            try:
-                h2c.send_headers(call.id, st.RESPONSE_HEADERS)
-                call.headers_sent = True
-                if len(body) <= min(h2c.local_flow_control_window(call.id), h2c.max_outbound_frame_size):
-                    h2c.send_data(call.id, body)
-                    h2c.send_headers(call.id, st.OK_TRAILERS, end_stream=True)
-                    self._close_stream(call)
-                else:
-                    self._queue(call, body)
-                    call.trailers = st.OK_TRAILERS
-                    self._flush(call)
-            except h2.exceptions.H2Error:  # the stream or connection closed meanwhile
-                self._end(call)
-            self.budget.earn(4)
-            self._send()
-            later = self._take_later()
-        _run(later)
-
-    def send_message(self, call: Call, payload: bytes) -> bool:
+    def _act(self, call: Call, action: Callable[[], None]) -> bool:
+        """Run ``action`` on a live call under the lock, send what it made; False when the
+        call had ended."""
         with self.lock:
             if call.done or self.broken or call.trailers is not None:
                 return False
             try:
-                if not call.headers_sent:
-                    self.h2.send_headers(call.id, st.RESPONSE_HEADERS)
-                    call.headers_sent = True
-                self._queue(call, st.message(payload))
-                self._flush(call)
-            except h2.exceptions.H2Error:
+                action()
+            except h2.exceptions.H2Error:  # the stream or connection closed meanwhile
                 self._end(call)
             self._send()
             later = self._take_later()
         _run(later)
         return True
 
+    def _answer(self, call: Call, payload: bytes, trailers: tuple | list | None) -> None:
+        if not call.headers_sent:
+            self.h2.send_headers(call.id, st.RESPONSE_HEADERS)
+            call.headers_sent = True
+        self._queue(call, st.message(payload))
+        call.trailers = trailers
+        self._flush(call)
+
+    def respond(self, call: Call, payload: bytes) -> None:
+        """The answer to a unary call: headers, the message and trailers."""
+        if self._act(call, lambda: self._answer(call, payload, st.OK_TRAILERS)):
+            self.budget.earn(4)
+
+    def send_message(self, call: Call, payload: bytes) -> bool:
+        return self._act(call, lambda: self._answer(call, payload, None))
+
     def finish(self, call: Call, code: StatusCode, details: str = "") -> None:
-        with self.lock:
-            if call.done or self.broken or call.trailers is not None:
-                return
-            try:
-                if code is StatusCode.OK and not details:
-                    call.trailers = st.OK_TRAILERS
-                else:
-                    call.trailers = st.trailers(code, details, trailers_only=not call.headers_sent)
-                call.headers_sent = True
-                self._flush(call)
-            except h2.exceptions.H2Error:
-                self._end(call)
-            self._send()
-            later = self._take_later()
-        _run(later)
+        def end() -> None:
+            if code is StatusCode.OK and not details:
+                call.trailers = st.OK_TRAILERS
+            else:
+                call.trailers = st.trailers(code, details, trailers_only=not call.headers_sent)
+            call.headers_sent = True
+            self._flush(call)
+
+        self._act(call, end)
 
     def fail(self, call: Call, code: StatusCode, details: str) -> None:
-        with self.lock:
-            if call.done or self.broken:
-                return
-            try:
-                self._fail(call, code, details)
-            except h2.exceptions.H2Error:
-                self._end(call)
-            self._send()
-            later = self._take_later()
-        _run(later)
+        self._act(call, lambda: self._fail(call, code, details))
 
     def add_callback(self, call: Call, callback: Callable[[], None]) -> bool:
         with self.lock:

@@ -20,10 +20,15 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import h2.config
+import h2.connection
+import h2.events
 import pytest
+from h2.settings import SettingCodes
 from support.paths import REPO
 
 from sandbox_plugin.wire.client import unary_call
+from sandbox_plugin.wire.limits import DEFAULT
 from sandbox_plugin.wire.server import GrpcServer
 from sandbox_plugin.wire.status import RpcError, StatusCode
 
@@ -157,6 +162,57 @@ def test_a_client_that_breaks_http2_is_dropped_and_others_are_served(served, soc
             received += chunk
     assert received  # the server's preface and a GOAWAY, then the end
     assert channel.unary_unary(ECHO)(b"fine", timeout=5) == b"fine"
+
+
+def test_the_server_advertises_its_limits(served, sock_path):
+    """SETTINGS says what a client may hold; a request over the message limit is refused
+    with RESOURCE_EXHAUSTED, naming the limit, and the connection goes on."""
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(sock_path)
+        sock.sendall(conn.data_to_send())
+        settings = {}
+        while len(settings) < 4:
+            for event in conn.receive_data(sock.recv(65536)):
+                if isinstance(event, h2.events.RemoteSettingsChanged):
+                    settings.update({k: v.new_value for k, v in event.changed_settings.items()})
+            sock.sendall(conn.data_to_send())
+    assert settings[SettingCodes.MAX_CONCURRENT_STREAMS] == DEFAULT.max_concurrent_streams == 32
+    assert settings[SettingCodes.MAX_HEADER_LIST_SIZE] == DEFAULT.max_header_list_size == 16384
+    assert settings[SettingCodes.INITIAL_WINDOW_SIZE] == DEFAULT.max_message + 5
+    assert settings[SettingCodes.ENABLE_PUSH] == 0
+    _server, channel, _ = served
+    call = channel.unary_unary(ECHO)
+    with pytest.raises(grpc.RpcError) as refused:
+        call(b"x" * (DEFAULT.max_message + 1), timeout=20)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(DEFAULT.max_message) in refused.value.details()
+    assert call(b"after", timeout=5) == b"after"
+
+
+def test_a_request_that_is_not_grpc_gets_an_http_status(served, sock_path):
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.send_headers(1, [(":method", "GET"), (":scheme", "http"), (":path", "/"),
+                          (":authority", "localhost")], end_stream=True)
+    fields, body = {}, b""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(sock_path)
+        sock.sendall(conn.data_to_send())
+        ended = False
+        while not ended:
+            for event in conn.receive_data(sock.recv(65536)):
+                if isinstance(event, h2.events.ResponseReceived):
+                    fields = dict(event.headers)
+                elif isinstance(event, h2.events.DataReceived):
+                    body += event.data
+                elif isinstance(event, h2.events.StreamEnded):
+                    ended = True
+    assert fields[b":status"] == b"415" and fields[b"grpc-status"] == b"13"
+    assert b"this socket serves gRPC" in body
 
 
 # -- the client, against grpcio's server -----------------------------------------------
