@@ -39,9 +39,15 @@ log = logging.getLogger(__name__)
 
 _CONFIG = h2.config.H2Configuration(
     client_side=False, header_encoding=None,
-    # Only our own constant headers go out; what comes in is validated in full.
+    # Only our own constant headers go out; what comes in is validated in full (its only
+    # normalisation is joining cookie fields, which gRPC has none of).
     validate_outbound_headers=False, normalize_outbound_headers=False,
+    normalize_inbound_headers=False,
 )
+# Received DATA is given back to the connection's window in batches this large (the
+# window granted at the start is max_connection_buffer larger; a stream's own window,
+# max_message + 5, holds any request whole, so streams need none).
+_ACK_BATCH = 65536
 # Output waiting past this pauses reading from the client (it is not reading either).
 _READ_PAUSE = 256 * 1024
 # A call's ``trailers`` when its answer ends with its last DATA frame, not with trailers.
@@ -69,7 +75,7 @@ class _CappedFrameBuffer(h2.frame_buffer.FrameBuffer):
         return super().__next__()
 
     def _update_header_buffer(self, f):  # noqa: ANN001, ANN202
-        if self._headers_buffer or (isinstance(f, HeadersFrame) and "END_HEADERS" not in f.flags):
+        if self._headers_buffer or (f.type == 0x1 and "END_HEADERS" not in f.flags):
             size = sum(len(x.data) for x in self._headers_buffer)
             if isinstance(f, ContinuationFrame | HeadersFrame):
                 size += len(f.data)
@@ -141,6 +147,7 @@ class ServerConnection:
         self.calls: dict[int, Call] = {}
         self.out = bytearray()  # bytes the socket did not take yet
         self.inbound = 0  # request bytes held for calls not yet complete
+        self.unacked = 0  # DATA bytes not yet given back to the connection's window
         self.pending = 0  # answer bytes held for closed windows
         self.budget = budget  # the client process's, shared by its connections
         self.events = 0  # what the loop watches this connection's socket for
@@ -447,7 +454,10 @@ class ServerConnection:
     def _data(self, event: ev.DataReceived) -> int:
         size = event.flow_controlled_length
         if size:
-            self.h2.acknowledge_received_data(size, event.stream_id)
+            self.unacked += size
+            if self.unacked >= _ACK_BATCH:
+                self.h2.acknowledge_received_data(self.unacked, event.stream_id)
+                self.unacked = 0
         call = self.calls.get(event.stream_id)
         if call is None or call.done or call.ended or call.refusal is not None:
             return 0 if size else 1

@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 Unary = Callable[[bytes], bytes]
 Streaming = Callable[[bytes, ServerStream], None]
 
-_READ = 16384  # per connection per turn: one client's flood cannot hold the others long
+# Read per connection per turn: at most a few dozen small calls, so that one busy client
+# holds the others up by a few milliseconds at most.
+_READ = 4096
 _TICK = 1.0
 _TICK_BATCH = 4
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)

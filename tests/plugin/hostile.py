@@ -84,7 +84,15 @@ class Connection:
         self.eof = False
         self.statuses: Counter[str] = Counter()
         self.resets: Counter[str] = Counter()
+        self.settings_seen = 0
         self.send(PREFACE + SettingsFrame(0, settings or {}).serialize())
+
+    def handshake(self, timeout: float = 10.0) -> None:
+        """Read until the server's two SETTINGS frames (h2's defaults, then its limits) came
+        and are acknowledged: from then on its limits apply to this connection."""
+        deadline = time.monotonic() + timeout
+        while self.settings_seen < 2 and time.monotonic() < deadline and not self.eof:
+            self.read(0.05)
 
     def send(self, payload: bytes) -> bool:
         """False once the server has closed (or reset) the connection."""
@@ -126,6 +134,7 @@ class Connection:
             frame.parse_body(memoryview(self.buf[9:9 + length]))
             del self.buf[:9 + length]
             if isinstance(frame, SettingsFrame) and "ACK" not in frame.flags:
+                self.settings_seen += 1
                 self.send(SettingsFrame(0, flags={"ACK"}).serialize())
             elif isinstance(frame, GoAwayFrame) and self.goaway is None:
                 self.goaway = _code(frame.error_code)
@@ -261,7 +270,7 @@ def idle_streams(path: str, seconds: float, tally: Tally) -> None:
     body = message(ALLOCATE_REQUEST)
     for _ in range(100):
         connection = Connection(path)
-        connection.read(0.02)  # the server's SETTINGS acknowledged: its stream limit applies
+        connection.handshake()  # the server's stream limit applies
         for stream in range(1, 65, 2):  # 32 streams
             connection.send(headers(stream, connection.request_block()) + data(stream, body[:7]))
         connections.append(connection)
@@ -389,8 +398,9 @@ def zero_window(path: str, seconds: float, tally: Tally) -> None:
 
 def never_reading(path: str, seconds: float, tally: Tally) -> None:
     """Calls on and on, never reading an answer (the socket's buffers fill): 16 at a time,
-    each batch once the server has had time to answer the last (so that no more streams
-    are open than it allows, as far as it can tell)."""
+    each batch once the server has likely answered the last. Never reading, it cannot know
+    how many of its streams are still open: once the server lags, it opens more than
+    allowed, which is a protocol error."""
     connection = Connection(path)
     block = connection.request_block()
     body = message(ALLOCATE_REQUEST)
@@ -407,7 +417,7 @@ def never_reading(path: str, seconds: float, tally: Tally) -> None:
         except OSError:
             break
         stream += 32
-        time.sleep(0.02)
+        time.sleep(0.05)
     tally.add(connection)
 
 
