@@ -26,7 +26,6 @@ import h2.events as ev
 import h2.exceptions
 import h2.frame_buffer
 from h2.errors import ErrorCodes
-from hyperframe.frame import ContinuationFrame, HeadersFrame
 
 from sandbox_plugin.wire import status as st
 from sandbox_plugin.wire.limits import Budget, Limits, shorten
@@ -56,33 +55,25 @@ _END_WITH_DATA = ()
 _WORK = (ev.RequestReceived, ev.StreamEnded, ev.TrailersReceived)
 
 
-class _CappedFrameBuffer(h2.frame_buffer.FrameBuffer):
-    """h2's frame buffer, with two limits checked before bytes pile up: a frame longer than
-    SETTINGS_MAX_FRAME_SIZE is refused from its header (h2 waits for the whole frame
-    first, up to 16 MiB), and a header block larger than ``cap`` before it is decoded
-    (h2 allows 64 CONTINUATION frames: 1 MiB of HPACK to decode before its header-list
-    limit can say no)."""
+class _FrameBuffer(h2.frame_buffer.FrameBuffer):
+    """h2's frame buffer, which can say when what it holds is past two limits h2 checks
+    too late: a frame longer than SETTINGS_MAX_FRAME_SIZE (h2 waits for the whole frame
+    before it looks, up to 16 MiB) and a header block larger than ``cap`` (h2 allows 64
+    CONTINUATION frames: 1 MiB of HPACK to decode before its header-list limit can say
+    no). Asked after every read, which is at most 4 KiB: a block is refused before it
+    grows past ``cap`` and one frame."""
 
     def __init__(self, cap: int) -> None:
         super().__init__(server=True)
         self.cap = cap
 
-    def __next__(self):  # noqa: ANN204 (h2's own signature)
+    def over_limits(self) -> tuple[ErrorCodes, str] | None:
         data = self._data
         if len(data) >= 9 and (length := int.from_bytes(data[:3], "big")) > self.max_frame_size:
-            raise h2.exceptions.FrameTooLargeError(
-                f"a frame of {length} bytes, over the {self.max_frame_size} allowed")
-        return super().__next__()
-
-    def _update_header_buffer(self, f):  # noqa: ANN001, ANN202
-        if self._headers_buffer or (f.type == 0x1 and "END_HEADERS" not in f.flags):
-            size = sum(len(x.data) for x in self._headers_buffer)
-            if isinstance(f, ContinuationFrame | HeadersFrame):
-                size += len(f.data)
-            if size > self.cap:
-                raise h2.exceptions.DenialOfServiceError(
-                    f"a header block of more than {self.cap} bytes")
-        return super()._update_header_buffer(f)
+            return ErrorCodes.FRAME_SIZE_ERROR, f"a frame of {length} bytes, over {self.max_frame_size}"
+        if self._headers_buffer and sum(len(f.data) for f in self._headers_buffer) > self.cap:
+            return ErrorCodes.ENHANCE_YOUR_CALM, f"a header block of more than {self.cap} bytes"
+        return None
 
 
 class Call:
@@ -140,7 +131,7 @@ class ServerConnection:
         self.peer = peer  # the client's process id (SO_PEERCRED)
         self.lock = threading.Lock()
         self.h2 = h2.connection.H2Connection(_CONFIG)
-        self.h2.incoming_buffer = _CappedFrameBuffer(self.limits.max_header_block)
+        self.incoming = self.h2.incoming_buffer = _FrameBuffer(self.limits.max_header_block)
         self.h2.initiate_connection()
         self.h2.update_settings(self.limits.settings())
         self.h2.increment_flow_control_window(self.limits.max_connection_buffer)
@@ -349,6 +340,15 @@ class ServerConnection:
                 self._flush_and_break()
                 later = self._take_later()
             else:
+                over = self.incoming.over_limits()
+                if over is not None:
+                    code, why = over
+                    self.server.quiet.warning(
+                        "protocol", "%s: closed a connection (pid %d) that broke HTTP/2: %s",
+                        self.server.name, self.peer, why)
+                    self.h2.close_connection(code, why.encode())
+                    self._flush_and_break()
+                    events = []
                 idle = 0
                 for event in events:
                     try:
