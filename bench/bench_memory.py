@@ -141,8 +141,8 @@ def big_layout(into: Path, mib: int) -> None:
 def agent(tmp: Path) -> dict[str, float]:
     from support.apiserver import FakeApiServer
 
-    from katamgr.simulator.materialise import materialise
-    from katamgr.simulator.profiles import find_profile
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
 
     host = materialise(find_profile("dgx-h100"), tmp / "host")
     big_layout(host.path("/opt/kata-artifacts/layout"), 256)
@@ -182,11 +182,11 @@ def passthrough_plugin(tmp: Path) -> float:
     from katamgr.host.pciids import PciIds
     from katamgr.pipeline.devices import apply_host
     from katamgr.pipeline.plan import build_plan
-    from katamgr.simulator.materialise import materialise
-    from katamgr.simulator.profiles import find_profile
+    from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
+    from nodesim.kubelet import KubeletSimulator
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
     from sandbox_plugin.resources import socket_name_for
-    from sandbox_plugin.server import DEVICE_PLUGIN_DIR
-    from sandbox_plugin.testing.kubelet import KubeletSimulator
 
     naming = Naming(PciIds.find())
     h100 = resource_name(naming.pci_ids, 0x10DE, 0x2330)
@@ -219,9 +219,9 @@ def passthrough_plugin(tmp: Path) -> float:
 
 
 def container_plugin(tmp: Path) -> float:
-    from katamgr.simulator.materialise import materialise
-    from katamgr.simulator.profiles import find_profile
-    from sandbox_plugin.testing.kubelet import KubeletSimulator
+    from nodesim.kubelet import KubeletSimulator
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
 
     host = materialise(find_profile("a10-server"), tempfile.mkdtemp(prefix="kbm-"))
     kubelet = KubeletSimulator(host)
