@@ -34,7 +34,7 @@ from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host, 
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
 from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
-from sandbox_plugin.server import PluginServerError
+from sandbox_plugin.served import PluginServerError
 
 log = logging.getLogger("sandbox_plugin")
 

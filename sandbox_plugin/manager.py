@@ -131,9 +131,10 @@ class PluginManager:
         if not self._started or self._stopped:
             return False, "the plugin manager is not running"
         with self._lock:
-            dead = [name for name, server in self.servers.items() if not server.alive]
-        if dead:
-            return False, f"the device plugin for {', '.join(dead)} stopped"
+            troubles = [f"{name}: {server.trouble}" for name, server in self.servers.items()
+                        if server.trouble]
+        if troubles:
+            return False, f"a device plugin is not serving ({'; '.join(troubles)})"
         return True, f"serving {len(self.servers)} resource(s)"
 
     def readiness(self) -> tuple[bool, str]:

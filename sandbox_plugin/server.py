@@ -25,11 +25,9 @@ is announced, rather than from a thread that has to be woken first.
 from __future__ import annotations
 
 import logging
-import os
-import stat
 import threading
 import time
-from dataclasses import dataclass
+from collections import Counter
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -49,9 +47,11 @@ from sandbox_plugin.resources import (
     Resource,
     UnknownDeviceError,
 )
+from sandbox_plugin.served import FileId, PluginServerError, ServedSocket
 from sandbox_plugin.wire.client import unary_call
-from sandbox_plugin.wire.frames import RpcError, StatusCode
-from sandbox_plugin.wire.server import GrpcServer, ServerStream
+from sandbox_plugin.wire.connection import ServerStream
+from sandbox_plugin.wire.limits import shorten
+from sandbox_plugin.wire.status import RpcError, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -60,29 +60,6 @@ _REGISTER = "/v1beta1.Registration/Register"
 # Allocate answers kept per set of device IDs; a node has at most a few dozen
 # devices per resource, so this only bounds what odd requests can leave behind.
 _ANSWER_CACHE_SIZE = 512
-# sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
-MAX_SOCKET_PATH = 107
-
-
-class PluginServerError(Exception):
-    """The plugin cannot serve at all (not a transient kubelet problem)."""
-
-
-@dataclass(frozen=True)
-class FileId:
-    """Identity of a file, to tell 'the same socket' from 'a new one at the same path'."""
-
-    dev: int
-    ino: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, path: Path) -> FileId | None:
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            return None
-        return cls(st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 def to_proto_devices(devices: list[PluginDevice], resource_name: str, warned: set[str]):
@@ -259,7 +236,7 @@ class _DevicePluginServicer:
             containers = [tuple(r.devices_ids) for r in _parse(pb.AllocateRequest, request).container_requests]
             problem = request_problem(containers)
             if problem:
-                log.warning("%s: refused Allocate: %s", name, problem)
+                log.warning("%s: refused Allocate: %s", name, shorten(problem))
                 raise RpcError(StatusCode.INVALID_ARGUMENT, f"{name}: {problem}")
             if len(self._requests) >= _ANSWER_CACHE_SIZE:
                 self._requests.clear()
@@ -270,10 +247,12 @@ class _DevicePluginServicer:
         try:
             allocation = self.resource.allocate(ids)
         except UnknownDeviceError as exc:
-            log.warning("%s: refused Allocate of %s: %s", self.resource.resource_name, list(ids), exc.message)
+            log.warning("%s: refused Allocate of %s: %s", self.resource.resource_name,
+                        shorten(repr(list(ids))), shorten(exc.message))
             raise RpcError(StatusCode.INVALID_ARGUMENT, exc.message) from None
         except AllocationError as exc:
-            log.warning("%s: refused Allocate of %s: %s", self.resource.resource_name, list(ids), exc.message)
+            log.warning("%s: refused Allocate of %s: %s", self.resource.resource_name,
+                        shorten(repr(list(ids))), shorten(exc.message))
             raise RpcError(StatusCode.FAILED_PRECONDITION, exc.message) from None
         cached = self._answers.get(ids)
         if cached is not None and cached[0] is allocation:
@@ -304,7 +283,7 @@ def request_problem(containers: list[tuple[str, ...]] | list[list[str]]) -> str:
     for index, ids in enumerate(containers):
         if not ids:
             return f"container request {index} names no device"
-        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        repeated = sorted(i for i, n in Counter(ids).items() if n > 1)
         if repeated:
             return f"container request {index} names {', '.join(repeated)} more than once"
     return ""
@@ -382,15 +361,12 @@ class PluginServer:
         self.socket_dir = self.host_root.path(DEVICE_PLUGIN_DIR)
         self.socket_path = self.socket_dir / resource.socket_name
         self.kubelet_socket = self.socket_dir / KUBELET_SOCKET
-        if len(os.fsencode(self.socket_path)) > MAX_SOCKET_PATH:
-            raise PluginServerError(
-                f"socket path {self.socket_path} is longer than the {MAX_SOCKET_PATH} bytes a "
-                "unix socket allows; use a shorter host root or socket name"
-            )
         self.registrations = 0  # successful Register calls so far
         self._servicer = _DevicePluginServicer(resource, metrics)
-        self._grpc: GrpcServer | None = None
-        self._socket_id: FileId | None = None
+        self._socket = ServedSocket(
+            self.socket_path, self._servicer.unary(), self._servicer.streaming(),
+            name=f"dp-{resource.socket_name}", fix="use a shorter host root or socket name",
+            on_failure=self._loop_died)
         self._stopping = threading.Event()
         self._registered = threading.Event()
         self._thread: threading.Thread | None = None
@@ -417,7 +393,7 @@ class PluginServer:
             self._watcher.wake()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._stop_grpc()
+        self._socket.stop()
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
@@ -432,9 +408,18 @@ class PluginServer:
         return self._registered.is_set()
 
     @property
-    def alive(self) -> bool:
-        """The supervisor (registering, re-registering) is running."""
-        return self._thread is not None and self._thread.is_alive()
+    def trouble(self) -> str:
+        """Why this plugin cannot be trusted to serve ("" when it can): /healthz's answer."""
+        if self._thread is None or not self._thread.is_alive():
+            return "its supervisor stopped"
+        if not self._socket.healthy:
+            return "its gRPC loop keeps dying (restart the process)"
+        return ""
+
+    def _loop_died(self) -> None:
+        # From the dead loop's thread: the supervisor serves again at once.
+        if self._watcher is not None:
+            self._watcher.wake()
 
     def __enter__(self) -> PluginServer:
         self.start()
@@ -452,8 +437,8 @@ class PluginServer:
         delays = self.backoff.delays()
         while not self._stopping.is_set():
             try:
-                if not self._socket_intact():
-                    self._start_grpc()
+                if self._socket.serve():
+                    log.debug("%s: serving DevicePlugin on %s", name, self.socket_path)
                 kubelet_id = self._register()
             except (RpcError, OSError, RuntimeError, PluginServerError) as exc:
                 if self.metrics is not None:
@@ -486,8 +471,9 @@ class PluginServer:
             watched = frozenset({KUBELET_SOCKET, self.resource.socket_name})
             while not self._stopping.is_set():
                 watcher.wait(self.recheck_interval, watched)
-                if not self._socket_intact():
-                    log.info("%s: our socket was removed (kubelet restart?); serving again", name)
+                if not self._socket.intact:
+                    log.info("%s: our socket was removed (kubelet restart?) or is not served; "
+                             "serving again", name)
                     break
                 if FileId.of(self.kubelet_socket) != kubelet_id:
                     log.info(
@@ -496,32 +482,6 @@ class PluginServer:
                     break
             self._registered.clear()
         self._registered.clear()
-
-    def _socket_intact(self) -> bool:
-        current = FileId.of(self.socket_path)
-        return self._grpc is not None and current is not None and current == self._socket_id
-
-    def _start_grpc(self) -> None:
-        self._stop_grpc()
-        remove_socket(self.socket_path)  # a stale one from an earlier run
-        server = GrpcServer(
-            str(self.socket_path), self._servicer.unary(), self._servicer.streaming(),
-            name=f"dp-{self.resource.socket_name}",
-        )
-        server.start()
-        self._grpc = server
-        self._socket_id = FileId.of(self.socket_path)
-        log.debug("%s: serving DevicePlugin on %s", self.resource.resource_name, self.socket_path)
-
-    def _stop_grpc(self) -> None:
-        server, self._grpc = self._grpc, None
-        if server is None:
-            return
-        server.stop()
-        # Only remove the socket we created, never a newer file at the same path.
-        if self._socket_id is not None and FileId.of(self.socket_path) == self._socket_id:
-            remove_socket(self.socket_path)
-        self._socket_id = None
 
     def _register(self) -> FileId:
         """Register with the kubelet; return the identity of the kubelet.sock used."""
@@ -547,14 +507,3 @@ def _describe(exc: BaseException) -> str:
         return f"{exc.code.name}: {exc.details}"
     return str(exc)
 
-
-def remove_socket(path: Path) -> None:
-    try:
-        if stat.S_ISSOCK(path.lstat().st_mode):
-            path.unlink()
-        else:
-            raise PluginServerError(
-                f"{path} exists and is not a socket; move it away so the plugin can serve there"
-            )
-    except FileNotFoundError:
-        pass

@@ -73,12 +73,14 @@ class DraDriver:
         self.publisher = SlicePublisher(api, driver, node)
         self.checkpoint = Checkpoint(host.path(self.layout.checkpoint))
         self.preparer = ClaimPreparer(api, driver, node, self.checkpoint, self.cdi_ids, runtime_classes)
-        self.registration = Registration(host, self.layout)
-        self.service = dra_socket(host.path(self.layout.endpoint), self.preparer, driver)
+        self._wake = threading.Event()
+        # A serving loop that died wakes the driver's thread, which serves again.
+        self.registration = Registration(host, self.layout, on_failure=self._wake.set)
+        self.service = dra_socket(host.path(self.layout.endpoint), self.preparer, driver,
+                                  on_failure=self._wake.set)
         self._lock = threading.Lock()
         self._devices: dict[str, DraDevice] = {}
         self._publishing = True
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.synced = threading.Condition()

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from katamgr.host.root import HostRoot
 from kubeletapi import pluginregistration_pb2 as reg
-from sandbox_plugin.dra.served import ServedSocket
+from sandbox_plugin.served import ServedSocket
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ DRA_PLUGIN_TYPE = "DRAPlugin"
 # in supported_versions for the v1 DRAPlugin service.
 DRA_SERVICE = "v1.DRAPlugin"
 _SERVICE = "/pluginregistration.Registration/"
+_SHORTER = "use a shorter --kubelet-dir or --driver-name"
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,8 @@ class Layout:
 class Registration:
     """Serves the registration socket and remembers the kubelet's verdict."""
 
-    def __init__(self, host: HostRoot, layout: Layout) -> None:
+    def __init__(self, host: HostRoot, layout: Layout,
+                 on_failure: Callable[[], None] | None = None) -> None:
         self.layout = layout
         # The endpoint as the kubelet dials it: the kubelet sees the node's / where the
         # container runtime does (``HostRoot.runtime_root``: / on a node; hack/local-cluster's
@@ -76,7 +79,7 @@ class Registration:
         self.socket = ServedSocket(host.path(layout.registration_socket), {
             _SERVICE + "GetInfo": self._get_info,
             _SERVICE + "NotifyRegistrationStatus": self._notify,
-        }, name=f"dra-registration-{layout.driver}")
+        }, name=f"dra-registration-{layout.driver}", fix=_SHORTER, on_failure=on_failure)
 
     def _get_info(self, request: bytes) -> bytes:
         reg.InfoRequest.FromString(request)

@@ -16,7 +16,7 @@ import logging
 from kubeletapi import dra_pb2 as pb
 from sandbox_plugin.dra.claims import ClaimError, ClaimRef
 from sandbox_plugin.dra.preparing import ClaimPreparer
-from sandbox_plugin.dra.served import ServedSocket
+from sandbox_plugin.served import ServedSocket
 
 log = logging.getLogger(__name__)
 
@@ -64,5 +64,6 @@ class DraService:
         return answer.SerializeToString()
 
 
-def dra_socket(path, preparer: ClaimPreparer, driver: str) -> ServedSocket:
-    return ServedSocket(path, DraService(preparer).unary(), name=f"dra-{driver}")
+def dra_socket(path, preparer: ClaimPreparer, driver: str, on_failure=None) -> ServedSocket:
+    return ServedSocket(path, DraService(preparer).unary(), name=f"dra-{driver}",
+                        fix="use a shorter --kubelet-dir or --driver-name", on_failure=on_failure)

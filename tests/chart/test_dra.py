@@ -56,7 +56,7 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
         "/host/dev/vfio": ("/dev/vfio", True),
         "/host/var/run/cdi": ("/var/run/cdi", True),
     }
-    assert driver["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}}
+    assert driver["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "192Mi"}}
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
     mounted = {m["name"] for c in pod["containers"] for m in c.get("volumeMounts", [])}
     assert mounted == {v["name"] for v in pod["volumes"]}

@@ -90,6 +90,8 @@ def test_the_uninstall_helpers_requests_are_a_value(chart):
     own = {"requests": {"cpu": "20m", "memory": "96Mi"}}
     rendered = render(chart, merged(FULL, {"defaultResources": {"uninstall": own}}))
     containers = {c["name"]: c for w in workloads(rendered) for c in pod_containers(w)}
-    assert containers["done"]["resources"] == own and containers["wait"]["resources"] == own
+    # Helm merges maps: the default memory limit stays unless set (null removes it).
+    for name in ("done", "wait"):
+        assert containers[name]["resources"] == {**own, "limits": {"memory": "160Mi"}}
     # The revert is katamgr, as in the agent: the kata-manager container's requests.
     assert containers["revert"]["resources"] == containers["kata-manager"]["resources"]

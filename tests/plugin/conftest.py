@@ -1,5 +1,6 @@
 """Fixtures for the device plugin tests, around the kubelet simulator
-(nodesim.kubelet): ``short_root``, ``kubelet`` and ``sim_host``.
+(nodesim.kubelet): ``short_root``, ``kubelet``, ``sim_host``, and ``start_plugin`` (the
+plugin as its own process, pluginproc.py).
 
 Host roots are short temp dirs: a unix socket path must fit in 107 bytes, and
 pytest's own tmp_path names are long.
@@ -13,9 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pluginproc import Plugin
 
+from katamgr.host.naming import Naming, resource_name
+from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
+from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
 from nodesim.kubelet import KubeletSimulator
+from sandbox_plugin.resources import socket_name_for
 
 
 @pytest.fixture
@@ -63,3 +69,32 @@ def sim_host() -> Iterator:
     for directory, sim in started:
         sim.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def start_plugin(sim_host, tmp_path) -> Iterator:
+    """Factory: ``start_plugin(nofile=0)`` runs the plugin as its own process on a simulated
+    DGX H100 bound to vfio-pci (pluginproc.Plugin), and returns it once it registered with
+    the kubelet simulator, whose ListAndWatch stays open. Stopped after the test."""
+    from katamgr.pipeline.devices import apply_host
+    from katamgr.pipeline.plan import build_plan
+
+    naming = Naming(PciIds.find())
+    h100 = resource_name(naming.pci_ids, 0x10DE, 0x2330)
+    started: list[Plugin] = []
+
+    def start(nofile: int = 0) -> Plugin:
+        host, kubelet = sim_host("dgx-h100")
+        assert apply_host(host, build_plan(host, naming)).ok
+        plugin = Plugin.launch(host.root, host.path(DEVICE_PLUGIN_DIR) / socket_name_for(h100),
+                               tmp_path / f"plugin-{len(started)}.log", nofile)
+        started.append(plugin)
+        try:
+            kubelet.wait_for(lambda state: len(state.devices.get(h100, [])) == 8, timeout=30)
+        except TimeoutError:
+            raise AssertionError(plugin.log.read_text()) from None
+        return plugin
+
+    yield start
+    for plugin in started:
+        plugin.stop()

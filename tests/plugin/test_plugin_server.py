@@ -23,7 +23,8 @@ from sandbox_plugin.resources import (
     PluginDevice,
     StaticResource,
 )
-from sandbox_plugin.server import PluginServer, PluginServerError
+from sandbox_plugin.served import PluginServerError
+from sandbox_plugin.server import PluginServer
 
 NAME = "example.com/widget"
 FAST = Backoff(initial=0.05, factor=2.0, cap=0.4)
