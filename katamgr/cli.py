@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("profile", metavar="PROFILE", help=f"a profile file or one of: {', '.join(shipped_names())}")
     p.add_argument("--into", required=True, metavar="DIR", help="a new or empty directory")
     p.add_argument("--real-device-nodes", action="store_true",
-                   help="make /dev/vfio nodes character devices with /dev/null's numbers, named "
+                   help="make /dev/vfio nodes character devices that reach no device, named "
                         "in CDI specs and device plugin answers by their path on this machine, "
                         "so a real container runtime here can inject them (root only; the "
                         "local node of hack/local-cluster)")

@@ -31,6 +31,9 @@ from katamgr.host.root import HostRoot
 # container of the chart mounts (so a simulated node is one inside the pods too), and one
 # where a real node can hold no such file.
 MARKER = "sys/katamgr-simulated-host"
+# The vfio-dev cdev region's major: the kernel allocates it at boot (alloc_chrdev_region), and
+# simulated nodes take the one in the example of Kata's GetDeviceFromVFIODev (drivers/utils.go).
+VFIO_DEV_MAJOR = 237
 
 
 def relative_link(target: Path, link: Path) -> None:
@@ -143,7 +146,15 @@ def on_vfio_bound(host: HostRoot, bdf: str) -> None:
         make_node(host, node)
     if marker(host).get("iommufd"):
         number = _next_cdev(host)
-        (_device_dir(host, bdf) / "vfio-dev" / f"vfio{number}").mkdir(parents=True)
+        cdev = _device_dir(host, bdf) / "vfio-dev" / f"vfio{number}"
+        cdev.mkdir(parents=True)
+        # The cdev's numbers, where the kernel publishes them: its dev and uevent attributes
+        # and /sys/dev/char/MAJOR:MINOR, which a runtime follows from the node back to the
+        # device (Kata: GetBDFFromVFIODev).
+        (cdev / "dev").write_text(f"{VFIO_DEV_MAJOR}:{number}\n")
+        (cdev / "uevent").write_text(
+            f"MAJOR={VFIO_DEV_MAJOR}\nMINOR={number}\nDEVNAME=vfio/devices/vfio{number}\n")
+        relative_link(cdev, host.path(f"/sys/dev/char/{VFIO_DEV_MAJOR}:{number}"))
         devices = vfio_dir / "devices"
         devices.mkdir(exist_ok=True)
         (devices / f"vfio{number}").touch()
@@ -167,6 +178,7 @@ def _on_vfio_unbound(host: HostRoot, bdf: str) -> None:
     if cdev_dir.is_dir():
         for name in os.listdir(cdev_dir):
             host.path(f"/dev/vfio/devices/{name}").unlink(missing_ok=True)
+            host.path(f"/sys/dev/char/{VFIO_DEV_MAJOR}:{name[4:]}").unlink(missing_ok=True)
         shutil.rmtree(cdev_dir)
     group = _group(host, bdf)
     if group is None:

@@ -20,10 +20,13 @@ from katamgr.host.root import HostRoot
 from nodesim import gpuregs, kernel, pcifiles, udev
 from nodesim.profile import HostProfile, ProfileDevice
 
+PCI_CONFIG_SIZE = 256
+PCIE_CONFIG_SIZE = 4096
+
 
 def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bool = False) -> HostRoot:
     """Write ``profile`` into ``into``. With ``real_device_nodes`` (root only) its
-    ``/dev/vfio`` nodes are character devices with /dev/null's numbers, so a real
+    ``/dev/vfio`` nodes are character devices that reach no device, so a real
     container runtime here can inject them, and they are kept by a udev stand-in on this
     machine (``python -m nodesim.udev ROOT``) rather than by the emulated kernel:
     the local node of hack/local-cluster, whose pods run with ``--runtime-root`` set to
@@ -136,6 +139,10 @@ def _create_device(host: HostRoot, profile: HostProfile, dev: ProfileDevice, by_
     }
     for name, value in attrs.items():
         (directory / name).write_text(value + "\n")
+    # The config space as sysfs sizes it: 4096 bytes for PCI Express, 256 for conventional PCI
+    # (drivers/pci/probe.c pci_cfg_space_size); Kata tells them apart by this size alone.
+    with open(directory / "config", "wb") as config:
+        config.truncate(PCIE_CONFIG_SIZE if dev.pcie else PCI_CONFIG_SIZE)
     kernel.write_uevent(directory, dev.bdf, dev.vendor, dev.device, dev.class_code,
                            dev.subsystem_vendor, dev.subsystem_device, None)
     emulated = dev.cc_mode is not None or dev.ppcie_mode is not None

@@ -39,6 +39,9 @@ class ProfileDevice:
     # and the PPCIe mode of a Hopper GPU or NVSwitch; None: the device has no such mode.
     cc_mode: str | None = None
     ppcie_mode: str | None = None
+    # A PCI Express function (4096 bytes of config space) or a conventional PCI one (256):
+    # Kata gives only the former a PCIe root port.
+    pcie: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class HostProfile:
 
 _DEVICE_KEYS = {
     "bdf", "vendor", "device", "class", "driver", "iommu_group", "numa_node", "parent",
-    "subsystem_vendor", "subsystem_device", "minor", "cc_mode", "ppcie_mode",
+    "subsystem_vendor", "subsystem_device", "minor", "cc_mode", "ppcie_mode", "pcie",
 }
 _TOP_KEYS = {"name", "description", "iommu", "iommufd", "vfio_pci", "devices", "processes", "modules_alias",
              "cc_host"}
@@ -170,6 +173,7 @@ def _device(raw: Any, where: str) -> ProfileDevice:
         minor=None if raw.get("minor") is None else _int(raw["minor"], f"{where}.minor"),
         cc_mode=_choice(raw.get("cc_mode"), CC_MODES, f"{where}.cc_mode"),
         ppcie_mode=_choice(raw.get("ppcie_mode"), PPCIE_MODES, f"{where}.ppcie_mode"),
+        pcie=_bool(raw.get("pcie", True), f"{where}.pcie"),
     )
 
 
@@ -178,6 +182,12 @@ def _choice(value: Any, allowed: tuple[str, ...], where: str) -> str | None:
         return None
     if value not in allowed:
         raise ProfileError(f"{where} {value!r} must be one of {', '.join(allowed)}")
+    return value
+
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProfileError(f"{where} must be true or false, got {value!r}")
     return value
 
 

@@ -6,8 +6,11 @@ read-only). A simulated node made with ``katamgr simulate --real-device-nodes`` 
 same way: its emulated kernel leaves /dev/vfio alone and this stand-in, running on the
 machine as root, keeps it in step with the node's sysfs: ``/dev/vfio/vfio`` while vfio-pci
 is loaded, ``/dev/vfio/<group>`` while a member of the group is bound to vfio-pci. The
-nodes are character devices with /dev/null's numbers, so a container given one reaches no
-device.
+nodes are character devices of the memory driver (major 1) with minors it has no device for,
+so a container given one reaches no device (its open fails with ENXIO). Each node has numbers
+of its own, as on a node: a runtime tells devices apart by them (Kata's device manager takes
+two nodes with one major:minor for one device, ``FindDevice`` in
+``src/runtime/pkg/device/manager/manager.go``).
 
     python -m nodesim.udev ROOT     keep ROOT/dev/vfio in step until SIGTERM
 """
@@ -24,7 +27,17 @@ from pathlib import Path
 from katamgr.host.pci import VFIO_DRIVER, is_vfio_driver
 from katamgr.host.root import HostRoot
 
-NULL_DEVICE = (1, 3)
+MEM_MAJOR = 1
+# The memory driver's minors end at 12 (kmsg, oldmem: drivers/char/mem.c's devlist); from here
+# on it has none. /dev/vfio/vfio takes the first, each group node the next plus its number.
+FIRST_FREE_MINOR = 64
+
+
+def numbers(name: str) -> tuple[int, int]:
+    """The major:minor of /dev/vfio/<name> on a simulated node."""
+    if name == "vfio":
+        return MEM_MAJOR, FIRST_FREE_MINOR
+    return MEM_MAJOR, FIRST_FREE_MINOR + 1 + int(name)
 # How often sysfs is compared with /dev/vfio: udev answers in milliseconds, and the agent
 # waits up to --device-wait (5 s) for a node.
 INTERVAL = 0.05
@@ -57,7 +70,7 @@ def sync(host: HostRoot) -> tuple[list[str], list[str]]:
     have = {e.name for e in os.scandir(directory) if not e.is_dir()}
     made, removed = sorted(want - have), sorted(have - want)
     for name in made:
-        os.mknod(directory / name, 0o666 | stat.S_IFCHR, os.makedev(*NULL_DEVICE))
+        os.mknod(directory / name, 0o666 | stat.S_IFCHR, os.makedev(*numbers(name)))
         os.chmod(directory / name, 0o666)
     for name in removed:
         (directory / name).unlink(missing_ok=True)

@@ -4,13 +4,15 @@
 On a node, vfio-pci's probe makes the kernel announce /dev/vfio/<group> and udev creates
 it; the agent's pod sees /dev/vfio read-only. So on such a simulated node the emulated
 kernel leaves /dev/vfio alone and ``nodesim.udev`` makes the nodes: character
-devices with /dev/null's numbers (1, 3), which containerd can stat and inject. The device
+devices of the memory driver with minors it has no device for (a container given one reaches
+nothing), one pair of numbers per node as on a node, which containerd can stat and inject. The device
 paths a runtime is given (CDI hostPath, the kubelet's DeviceSpec) are below --runtime-root.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import stat
 import threading
@@ -64,9 +66,16 @@ def test_udev_makes_and_removes_the_nodes_the_kernel_leaves_alone(tmp_path):
         stop.set()
         keeper.join()
     assert sorted(os.listdir(nodes)) == ["12", "13", "vfio"]
+    seen = set()
     for name in ("vfio", "12", "13"):
         st = os.stat(nodes / name)
-        assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (1, 3)
+        assert stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == 1 and os.minor(st.st_rdev) >= 64
+        seen.add(st.st_rdev)
+        # Opening one reaches no device: the memory driver has none at that minor.
+        with pytest.raises(OSError) as err:
+            os.open(nodes / name, os.O_RDONLY)
+        assert err.value.errno == errno.ENXIO
+    assert len(seen) == 3  # a runtime tells them apart by their numbers
     host.kernel.write(host, "/sys/bus/pci/drivers/vfio-pci/unbind", "0000:31:00.0")
     assert udev.sync(host) == ([], ["13"])
 

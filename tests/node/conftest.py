@@ -8,7 +8,7 @@ pause image imported from hack/image/build), the node labelled vm-passthrough, t
 examples/values/local-node.yaml, applied server-side). Every pod here is started by the
 real kubelet from our image: the agent, both device plugins, the webhook. What is still a
 stand-in: the Kata guest (the Kata runtime handler runs runc's shim), the GPUs (the
-simulated node's sysfs, /dev/vfio nodes with /dev/null's numbers) and NVML.
+simulated node's sysfs, /dev/vfio nodes that reach no device) and NVML.
 
 Needs root, runc, the CNI plugins, iptables and mmdebstrap (bash .ci/setup installs them);
 under REQUIRE_INTEGRATION=1 a missing part fails the suite. Its time is printed in the
