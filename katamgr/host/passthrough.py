@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from katamgr.host import iommu
+from katamgr.host import iommu, kata
 from katamgr.host.inventory import Inventory
 from katamgr.host.naming import Naming
 from katamgr.host.pci import Device
@@ -107,8 +107,9 @@ class ResourceUnit:
     group: int
     devices: tuple[Device, ...]  # the group's passthrough devices on vfio-pci, bus order
     members: tuple[PassthroughDevice, ...]  # those with index names (GPUs, NVSwitches), bus order
-    functions: tuple[str, ...]  # every endpoint of the group on vfio-pci: what QEMU gets
+    functions: tuple[str, ...]  # every endpoint of the group on vfio-pci
     nodes: tuple[str, ...]  # host paths of the device nodes a VM needs
+    plugged: tuple[str, ...] = ()  # the functions Kata puts on QEMU's command line (katamgr.host.kata)
 
     @property
     def head(self) -> Device:
@@ -136,8 +137,8 @@ def resource_units(
     units = []
     for group, members in by_group.items():
         name = naming.resource(unit_head(members))
-        if name is None:
-            continue
+        if name is None or kata.unit_problem(inv, group, unit_head(members)):
+            continue  # Kata would give a pod's VM another function of the group (the plan says)
         functions = tuple(d.bdf for d in inv.members(group) if d.on_vfio and not d.is_bridge)
         if inv.iommufd:
             # A cdev opens one function, so the VM needs the cdev of each.
@@ -147,5 +148,5 @@ def resource_units(
             nodes = ("/dev/vfio/vfio", f"/dev/vfio/{group}")
         named = tuple(indexed[d.bdf] for d in members if d.bdf in indexed)
         units.append(ResourceUnit(members[0].bdf.lower(), name, group, tuple(members), named,
-                                  functions, nodes))
+                                  functions, nodes, kata.plugged(inv, group)))
     return sorted(units, key=lambda u: u.id)

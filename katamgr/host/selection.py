@@ -11,6 +11,12 @@ changes that with two kinds of rule, from the command line
   device on its driver (the display GPU of a workstation). Exclusion wins over
   inclusion and over the default.
 
+NVSwitches are passthrough devices only where the node's Kata can cold-plug them: Kata
+before 4.1 takes an NVSwitch (class 0x0680) for a bridge and fails every sandbox given one
+("unsupported device type", ``katamgr.host.kata``). ``--nvswitches auto`` (the default) passes
+them through when ``--kata-version`` names 4.1 or later, ``yes`` always (the operator's call,
+with a warning where Kata will fail), ``no`` never.
+
 An excluded device is treated like any device that is none of ours: it is never
 moved, and an IOMMU group that holds it beside a selected device cannot go to a
 VM. This module is pure: ``select`` answers from the rules and the ``Device``
@@ -21,17 +27,22 @@ record alone, and every "is this a passthrough device" question
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
 import cdi
 from katamgr import k8snames
+from katamgr.host.kata import UNKNOWN, KataRelease, parse_release
 from katamgr.host.pci import BDF_RE, Device
 
 # Where a rule came from, as the plan quotes it ("excluded by --exclude-device 10de:1eb8").
 INCLUDE_FLAG = "--include-device"
 EXCLUDE_FLAG = "--exclude-device"
+NVSWITCHES_FLAG = "--nvswitches"
+KATA_VERSION_FLAG = "--kata-version"
+NVSWITCH_MODES = ("auto", "yes", "no")
 INCLUDE_CONFIG = "config devices.include"
 EXCLUDE_CONFIG = "config devices.exclude"
 
@@ -103,14 +114,19 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Selection:
-    """The rules, in the order given (config first, then the command line)."""
+    """The rules, in the order given (config first, then the command line), and whether
+    NVSwitches are passed through (``nvswitches``, for the node's ``kata`` release)."""
 
     include: tuple[IncludeRule, ...] = ()
     exclude: tuple[ExcludeRule, ...] = ()
+    nvswitches: str = "auto"
+    kata: KataRelease = UNKNOWN
 
     def __post_init__(self) -> None:
         # Two resources for one device would advertise it twice: refuse, naming both.
         seen: dict[Ids, IncludeRule] = {}
+        if self.nvswitches not in NVSWITCH_MODES:
+            raise ValueError(f"nvswitches {self.nvswitches!r} is not one of {', '.join(NVSWITCH_MODES)}")
         for rule in self.include:
             first = seen.setdefault(rule.ids, rule)
             if first.resource != rule.resource:
@@ -127,11 +143,50 @@ class Selection:
         exclude: dict[str, ExcludeRule] = {}
         for rule in (*self.exclude, *other.exclude):
             exclude.setdefault(rule.value, rule)
-        return Selection(tuple(include.values()), tuple(exclude.values()))
+        return Selection(tuple(include.values()), tuple(exclude.values()), self.nvswitches, self.kata)
 
     @property
     def is_default(self) -> bool:
         return not self.include and not self.exclude
+
+    @property
+    def takes_nvswitches(self) -> bool:
+        """Whether the default selection passes NVSwitches through."""
+        if self.nvswitches == "auto":
+            return self.kata.cold_plugs_nvswitches
+        return self.nvswitches == "yes"
+
+    @property
+    def nvswitch_why_not(self) -> str:
+        """Why NVSwitches are not passed through (the plan's and the docs' words)."""
+        if self.nvswitches == "no":
+            return f"NVIDIA NVSwitch, not passed through ({NVSWITCHES_FLAG} no)"
+        if self.kata.version is None:
+            return ("NVIDIA NVSwitch, not passed through: Kata before 4.1 cannot cold-plug one, and "
+                    f"{KATA_VERSION_FLAG} does not say the node runs a later release")
+        return f"NVIDIA NVSwitch, not passed through: {self.kata} cannot cold-plug one"
+
+    @property
+    def nvswitch_held_back(self) -> str:
+        """The plan's and the Event's sentence for NVSwitches ``--nvswitches auto`` keeps on the host."""
+        return (f"{nvswitch_failure(self.kata)}. {NVSWITCHES_FLAG} yes (chart: devices.nvswitches) passes "
+                "them through all the same")
+
+    @property
+    def nvswitch_warning(self) -> str | None:
+        """What the operator is told when NVSwitches are passed through to a Kata that fails them."""
+        if self.nvswitches != "yes" or self.kata.cold_plugs_nvswitches:
+            return None
+        return (f"NVSwitches are passed through ({NVSWITCHES_FLAG} yes), but {nvswitch_failure(self.kata)}: "
+                "a pod given an NVSwitch will not start until the node runs Kata 4.1 or later")
+
+
+def nvswitch_failure(kata: KataRelease) -> str:
+    if kata.version is None:
+        return ("the node's Kata release is unknown (" + KATA_VERSION_FLAG + "), and Kata before 4.1 "
+                "takes an NVSwitch for a bridge and fails every sandbox given one (\"unsupported device type\")")
+    return (f"{kata} takes an NVSwitch (class 0x0680) for a bridge and fails every sandbox given one "
+            "(\"unsupported device type\"; fixed in Kata 4.1)")
 
 
 DEFAULT_SELECTION = Selection()
@@ -149,7 +204,11 @@ def select(selection: Selection, device: Device) -> Verdict:
     if device.is_gpu:
         return Verdict(True, "NVIDIA GPU (default selection)")
     if device.is_nvswitch:
-        return Verdict(True, "NVIDIA NVSwitch (default selection)")
+        if not selection.takes_nvswitches:
+            return Verdict(False, selection.nvswitch_why_not)
+        if selection.nvswitches == "yes":
+            return Verdict(True, f"NVIDIA NVSwitch ({NVSWITCHES_FLAG} yes)")
+        return Verdict(True, f"NVIDIA NVSwitch ({selection.kata} cold-plugs NVSwitches)")
     return Verdict(False, "not an NVIDIA GPU, NVSwitch or included device")
 
 
@@ -254,13 +313,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         INCLUDE_FLAG, action="append", default=[], metavar="VENDOR:DEVICE=RESOURCE",
         help="also pass through every device with these PCI ids, advertised as the extended "
              "resource RESOURCE (domain/name), e.g. 1234:11e8=example.com/edu (repeatable; "
-             "by default only NVIDIA GPUs and NVSwitches are passed through)")
+             "by default only NVIDIA GPUs, and NVSwitches where Kata can take them, are passed through)")
     parser.add_argument(
         EXCLUDE_FLAG, action="append", default=[], metavar="BDF|VENDOR:DEVICE",
         help="never pass through this device (full PCI address 0000:01:00.0) or these PCI ids "
              "(10de:1eb8), e.g. a GPU the host's display needs; it stays on its driver, and an "
              "IOMMU group it shares with a selected device is left alone (repeatable; wins over "
              f"{INCLUDE_FLAG})")
+    parser.add_argument(
+        NVSWITCHES_FLAG, choices=NVSWITCH_MODES, default=None,
+        help="pass NVIDIA NVSwitches through: auto (default) where the node's Kata cold-plugs them "
+             f"(Kata 4.1 or later, by {KATA_VERSION_FLAG}), yes always, no never. Kata before 4.1 "
+             "fails every sandbox given an NVSwitch")
+    parser.add_argument(
+        KATA_VERSION_FLAG, default=None, metavar="RELEASE",
+        help="the Kata Containers release the node runs (containerd-shim-kata-v2 --version), e.g. "
+             "3.25.0; what its cold-plug can take (default: unknown, taken as a release before 4.1)")
 
 
 def from_arguments(args: argparse.Namespace, base: Selection = DEFAULT_SELECTION) -> Selection:
@@ -278,5 +346,11 @@ def from_arguments(args: argparse.Namespace, base: Selection = DEFAULT_SELECTION
             exclude.append(parse_exclude(text))
         except ValueError as exc:
             raise ValueError(f"{EXCLUDE_FLAG}: {exc}") from None
-    return base.merged(Selection(tuple(include), tuple(exclude)))
+    merged = base.merged(Selection(tuple(include), tuple(exclude)))
+    nvswitches = getattr(args, "nvswitches", None) or merged.nvswitches
+    try:
+        kata = parse_release(args.kata_version) if getattr(args, "kata_version", None) else merged.kata
+    except ValueError as exc:
+        raise ValueError(f"{KATA_VERSION_FLAG}: {exc}") from None
+    return dataclasses.replace(merged, nvswitches=nvswitches, kata=kata)
 

@@ -156,7 +156,7 @@ def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision],
     found, passthrough = changes(host, projected(inv, decisions), naming)
     cold_plug = [
         {"name": u.cdi_name, "resource": u.resource_name, "device_id": u.id, "iommu_group": u.group,
-         "functions": list(u.functions), "nodes": list(u.nodes)}
+         "functions": list(u.functions), "plugged": list(u.plugged), "nodes": list(u.nodes)}
         for u in passthrough.units
     ]
     data = {
@@ -169,9 +169,12 @@ def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision],
     }
     lines = [f"{c.action} {c.path}" for c in found]
     if passthrough.units:
-        lines.append("Kata cold-plug resolves (resource=device ID -> device nodes -> QEMU functions):")
+        lines.append("Kata cold-plug resolves (resource=device ID -> device nodes -> what QEMU gets):")
         for u in passthrough.units:
-            lines.append(f"  {u.cdi_name:<48} {' '.join(u.nodes)} -> {', '.join(u.functions)}")
+            rest = [f for f in u.functions if f not in u.plugged]
+            left = f" ({', '.join(rest)} stays out of the VM: Kata plugs one device per IOMMU group)" if rest else ""
+            given = ", ".join(u.plugged) or "nothing: Kata fails the sandbox"
+            lines.append(f"  {u.cdi_name:<48} {' '.join(u.nodes)} -> {given}{left}")
     for kind in USER_KINDS:
         members = [d for d in passthrough.devices if d.kind == kind]
         if members:

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from katamgr.host import cc, vfio
+from katamgr.host import cc, kata, vfio
 from katamgr.host.inventory import Inventory, Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import unit_head
@@ -106,6 +106,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
     resources: Counter[str] = Counter()
     problems: list[str] = list(inv.notes)
 
+    warnings: list[str] = []
     bound = vfio.bound_by_us(host) if inv.excluded else {}
     modes = _cc_modes(host, inv, decisions) if cc_modes else {}
     for decision in decisions:
@@ -122,7 +123,10 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
             devices.append(_device_plan(inv, naming, device, Action.SKIP.value, _left_alone(inv, device, bound)))
         if decision.action in (Action.BIND, Action.KEEP):
             selected = [d for d in decision.devices if inv.selected(d)]
-            if selected:
+            problem = kata.unit_problem(inv, decision.group, unit_head(selected)) if selected else None
+            if problem:
+                warnings.append(problem)
+            elif selected:
                 # The schedulable unit is the IOMMU group, so GPUs sharing
                 # a group count once: two pods can never split a group.
                 resources[naming.resource(unit_head(selected))] += 1
@@ -133,6 +137,15 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
     listed = {d.bdf for d in devices}
     devices += [_device_plan(inv, naming, d, Action.SKIP.value, _left_alone(inv, d, bound))
                 for d in inv.excluded if d.bdf not in listed]
+    # NVSwitches the node's Kata cannot take stay on their drivers, and the plan says why.
+    held = [d for d in inv.devices if d.is_nvswitch and not inv.selected(d) and not inv.verdict(d).excluded]
+    devices += [_device_plan(inv, naming, d, Action.SKIP.value, "stays on its driver") for d in held
+                if d.bdf not in listed]
+    if held and inv.selection.nvswitches == "auto":
+        warnings.append(f"NVSwitches {', '.join(d.bdf for d in held)} stay on their drivers: "
+                        f"{inv.selection.nvswitch_held_back}")
+    if inv.nvswitches and inv.selection.nvswitch_warning:
+        warnings.append(inv.selection.nvswitch_warning)
 
     if not inv.iommu_enabled and inv.passthrough:
         problems.insert(0, "The IOMMU is off on this host, so no GPU can be passed through: boot with "
@@ -154,7 +167,8 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
         problems=problems,
         decisions=decisions,
         inventory=inv,
-        warnings=[w for decision in decisions for w in decision.warnings] + _selection_warnings(inv, decisions),
+        warnings=([w for decision in decisions for w in decision.warnings] + _selection_warnings(inv, decisions)
+                  + warnings),
     )
 
 

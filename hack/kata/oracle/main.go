@@ -357,8 +357,11 @@ func vfioHost(arg string) (string, bool) {
 }
 
 func emit(res *Result, code int) int {
-	if res.Log == nil {
-		res.Log = []string{}
+	// Lists print as [] rather than null.
+	for _, list := range []*[]string{&res.Log, &res.CDIDevices, &res.Plugged, &res.QemuArgs} {
+		if *list == nil {
+			*list = []string{}
+		}
 	}
 	enc := json.NewEncoder(os.Stdout)
 	enc.SetIndent("", "  ")

@@ -1,0 +1,95 @@
+"""Fixtures for tests/kata: Kata's own cold-plug code (the oracle hack/kata/build builds, run
+by ``support.kataoracle``) on simulated nodes that katamgr set up and the device plugin serves.
+
+``kata_node(profile, naming)`` materialises a profile into a short temp root, applies katamgr
+(binds, CDI specs), starts the device plugin and the kubelet simulator, and waits until the
+kubelet has every unit; ``KataNode.pod(...)`` admits a pod and asks both Kata releases and the
+stand-in what they do with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from support import kataoracle
+
+from katamgr.host.inventory import discover
+from katamgr.host.naming import Naming
+from katamgr.host.passthrough import resource_units
+from katamgr.host.pciids import PciIds
+from katamgr.host.root import HostRoot
+from katamgr.pipeline.reconcile import Steps, reconcile
+from katamgr.simulator.materialise import materialise
+from katamgr.simulator.profile import HostProfile
+from katamgr.simulator.profiles import find_profile
+from sandbox_plugin.manager import Mode, PluginManager
+from sandbox_plugin.testing.kubelet import KubeletSimulator
+
+NAMING = Naming(PciIds.find())
+
+
+def pytest_collection_modifyitems(items):
+    # Every test here runs Kata's code: a real part (Go, root), never skipped in CI.
+    for item in items:
+        if item.path.parent.name == "kata":
+            item.add_marker(pytest.mark.integration)
+
+
+@dataclass
+class KataNode:
+    host: HostRoot
+    kubelet: KubeletSimulator
+    naming: Naming
+    units: dict[str, list[str]]  # resource -> its healthy device IDs
+    _names: Iterator[int] = field(default_factory=itertools.count)
+
+    def admit(self, requests: dict[str, int] | dict[str, dict[str, int]], name: str | None = None) -> str:
+        """A pod (one container, or containers by name) admitted by the kubelet; its name."""
+        name = name or f"pod-{next(self._names)}"
+        containers = requests if all(isinstance(v, dict) for v in requests.values()) else {"main": requests}
+        self.kubelet.admit_pod("default", name, containers)
+        return name
+
+    def kata(self, release: str, pod: str, **kw) -> kataoracle.Outcome:
+        return kataoracle.on_simulated_node(release, self.host, self.kubelet.pod_resources_socket,
+                                            "default", pod, **kw)
+
+
+@pytest.fixture(scope="session")
+def oracle_bin():
+    return kataoracle.bin_dir()
+
+
+@pytest.fixture
+def kata_node(oracle_bin) -> Iterator:
+    made: list[tuple[str, KubeletSimulator, PluginManager]] = []
+
+    def make(profile: HostProfile | str, naming: Naming = NAMING, steps: Steps | None = None) -> KataNode:
+        if not isinstance(profile, HostProfile):
+            profile = find_profile(profile)
+        directory = tempfile.mkdtemp(prefix="kk-")
+        host = materialise(profile, directory)
+        kubelet = KubeletSimulator(host)
+        kubelet.start()
+        manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=naming)
+        made.append((directory, kubelet, manager))
+        report = reconcile(host, naming, steps or Steps(kata=False), None)
+        assert report.ok, report.failures
+        manager.start()
+        wanted: dict[str, list[str]] = {}
+        for unit in resource_units(host, discover(host, naming.selection), naming):
+            wanted.setdefault(unit.resource_name, []).append(unit.id)
+        state = kubelet.wait_for(
+            lambda s: all(sorted(s.healthy(r)) == sorted(ids) for r, ids in wanted.items()), timeout=10)
+        return KataNode(host, kubelet, naming, {r: sorted(state.healthy(r)) for r in wanted})
+
+    yield make
+    for directory, kubelet, manager in made:
+        manager.stop()
+        kubelet.stop()
+        shutil.rmtree(directory, ignore_errors=True)
