@@ -47,6 +47,9 @@ CHART_OVERLAY: dict[str, Any] = {
     # sandbox device plugin (--include-device, --exclude-device): in kataManager.config only
     # the agent would see it, and the plugin would advertise other devices than it binds.
     "top_level_keys": ["devices"],
+    # The chart sets it from dra.enabled (the Kata config must read the claims exactly when
+    # the DRA driver serves the devices), so kataManager.config does not take it.
+    "chart_set_keys": ["podResourceDeviceSources"],
 }
 
 # Key order of the generated schema: what a reader looks for first.
@@ -70,6 +73,8 @@ def chart_parts() -> dict[tuple[str, ...], Any]:
     config = {k: v for k, v in schema.items() if k not in ("$schema", "title")}
     containerd = config["properties"].pop("containerd")
     top_level = {key: config["properties"].pop(key) for key in CHART_OVERLAY["top_level_keys"]}
+    for key in CHART_OVERLAY["chart_set_keys"]:
+        config["properties"].pop(key)
     config["required"] = list(CHART_OVERLAY["config_required"])
     containerd["properties"] = {
         key: containerd["properties"][key] for key in CHART_OVERLAY["containerd_keys"]}

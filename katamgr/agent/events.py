@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from katamgr.host.inventory import Inventory
 from katamgr.pipeline.report import Report
 
 
@@ -41,3 +42,15 @@ class NodeEvents:
     def cc_switched(self, summary: str, *, failed: bool) -> None:
         self._record("CcModeSwitchFailed" if failed else "CcModeSwitched", summary,
                      "Warning" if failed else "Normal")
+
+    def nvswitches(self, inv: Inventory) -> None:
+        """What the node does with its NVSwitches, where its Kata cannot cold-plug them:
+        kept on the host (``--nvswitches auto``), or passed through at the operator's word."""
+        selection = inv.selection
+        held = [d.bdf for d in inv.devices
+                if d.is_nvswitch and not inv.selected(d) and not inv.verdict(d).excluded]
+        if held and selection.nvswitches == "auto":
+            self._record("NVSwitchesNotPassedThrough",
+                         f"NVSwitches {', '.join(held)} stay on their drivers: {selection.nvswitch_held_back}")
+        if inv.nvswitches and selection.nvswitch_warning:
+            self._record("NVSwitchesFailKata", selection.nvswitch_warning, "Warning")

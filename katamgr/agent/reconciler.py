@@ -115,6 +115,8 @@ class Reconciler:
         try:
             plan = self.target.plan()
             m.observe_plan(plan)
+            if self.target.binds:
+                self.events.nvswitches(plan.inventory)
             self.in_use = self.target.binds and any(
                 d.skipped_because is SkipReason.IN_USE for d in plan.decisions)
         except Exception as exc:  # noqa: BLE001 - the metrics never fail the loop

@@ -20,7 +20,9 @@ from katamgr import k8snames
 from katamgr.artifacts.refs import LayoutRef, parse_ref
 from katamgr.config.messages import Says, kind_of, quote
 from katamgr.errors import ConfigError
+from katamgr.host import kata
 from katamgr.host import selection as device_selection
+from katamgr.runtime.kata_config import POD_RESOURCE_SOURCES
 from katamgr.runtime.settings import CONFIGURABLE_VERSIONS, RestartMode
 
 RESTART_MODES = tuple(mode.value for mode in RestartMode)
@@ -160,6 +162,28 @@ def _restart_mode(value: Any) -> RestartMode:
     return RestartMode(value)
 
 
+def _nvswitches(value: Any) -> bool | str:
+    """``auto``, or a YAML boolean (``true``: pass them through, ``false``: never)."""
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f"{quote(value)} is not auto, true or false")
+
+
+def _kata_release_problem(value: str) -> str | None:
+    try:
+        kata.parse_release(value)
+    except ValueError:
+        return "is not a Kata Containers release such as 3.25.0"
+    return None
+
+
+def _device_source(value: Any) -> str:
+    if value not in POD_RESOURCE_SOURCES:
+        raise ValueError(f"{quote(value)} is not a PodResources device source; use "
+                         f"{' or '.join(POD_RESOURCE_SOURCES)}")
+    return value
+
+
 def _annotation_glob(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{quote(value)} must be a non-empty string (an annotation glob)")
@@ -246,6 +270,18 @@ ContainerdVersion = Annotated[
     Literal[CONFIGURABLE_VERSIONS] | None, BeforeValidator(_containerd_version)
 ]
 RestartModeField = Annotated[RestartMode, BeforeValidator(_restart_mode)]
+NvswitchMode = Annotated[
+    bool | Literal["auto"], BeforeValidator(_nvswitches),
+    WithJsonSchema({"anyOf": [{"type": "boolean"}, {"type": "string", "enum": ["auto"]}]}),
+]
+KataRelease = Annotated[
+    str, _text(_kata_release_problem),
+    WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0},
+                              {"type": "string", "pattern": r"^v?[0-9]+\.[0-9]+(\.[0-9]+)?$"}]}),
+]
+DeviceSource = Annotated[
+    str, BeforeValidator(_device_source), WithJsonSchema({"type": "string", "enum": list(POD_RESOURCE_SOURCES)}),
+]
 NULL_IS_DEFAULT = BeforeValidator(_use_default_for_null)
 NULL_IS_EMPTY = BeforeValidator(_empty_for_null)
 NULL_IS_MISSING = BeforeValidator(_missing_if_null)

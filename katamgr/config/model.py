@@ -25,8 +25,11 @@ from katamgr.config.fields import (
     AnnotationGlob,
     ArtifactUrl,
     ContainerdVersion,
+    DeviceSource,
     ExcludedDevice,
+    KataRelease,
     NodeSelector,
+    NvswitchMode,
     PciIds,
     PodFixed,
     RegistryHost,
@@ -36,6 +39,7 @@ from katamgr.config.fields import (
     SecretName,
 )
 from katamgr.config.messages import Says, quote
+from katamgr.host import kata
 from katamgr.host import selection as device_selection
 from katamgr.host.workload import WORKLOAD_LABEL, Workload
 from katamgr.runtime.settings import (
@@ -157,12 +161,24 @@ class DevicesConfig(_Model):
                                  f"{quote(entry.resource)}; a device is advertised under one resource")
         return value
 
+    nvswitches: Annotated[NvswitchMode, NULL_IS_DEFAULT] = Field(
+        default="auto",
+        description="Pass NVIDIA NVSwitches through: auto where the node's Kata cold-plugs them "
+                    "(kataVersion 4.1 or later), true always, false never. Kata before 4.1 fails "
+                    "every sandbox given an NVSwitch.")
+    kata_version: Annotated[KataRelease, NULL_IS_DEFAULT] = Field(
+        default="",
+        description="The Kata Containers release the nodes run (containerd-shim-kata-v2 "
+                    "--version), e.g. 3.25.0; empty: unknown, taken as a release before 4.1.")
+
     @property
     def selection(self) -> device_selection.Selection:
         return device_selection.Selection(
             tuple(device_selection.include_rule(e.ids, e.resource, device_selection.INCLUDE_CONFIG)
                   for e in self.include),
             tuple(device_selection.parse_exclude(e, device_selection.EXCLUDE_CONFIG) for e in self.exclude),
+            self.nvswitches if self.nvswitches == "auto" else ("yes" if self.nvswitches else "no"),
+            kata.parse_release(self.kata_version),
         )
 
 
@@ -197,7 +213,23 @@ class KataManagerConfig(_Model):
                                       "plain HTTP.")
     devices: Annotated[DevicesConfig, NULL_IS_DEFAULT] = Field(
         default_factory=DevicesConfig,
-        description="Which PCI devices are passed through (default: NVIDIA GPUs and NVSwitches).")
+        description="Which PCI devices are passed through (default: NVIDIA GPUs, and NVSwitches "
+                    "where the node's Kata cold-plugs them).")
+    pod_resource_device_sources: Annotated[
+        tuple[DeviceSource, ...], NULL_IS_DEFAULT,
+        Says(expect='it must be a list of "device-plugin" and "dra"'),
+    ] = Field(
+        default=("device-plugin",), min_length=1,
+        description="What the rendered Kata configs set as [runtime] pod_resource_device_sources: "
+                    "where Kata's cold-plug takes a pod's devices from (device-plugin, and dra for "
+                    "DRA claims; Kata releases without the setting ignore it).")
+
+    @field_validator("pod_resource_device_sources", mode="after")
+    @classmethod
+    def _each_source_once(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"lists a source twice ({', '.join(value)}); list each once")
+        return value
 
     @field_validator("runtime_classes", mode="wrap")
     @classmethod

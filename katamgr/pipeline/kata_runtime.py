@@ -283,7 +283,8 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
                     f"into {class_dir(config, rc.name)}"
                 )
         try:
-            kata = transform_kata_config(host, dest, root_ports=ctx.root_ports)
+            kata = transform_kata_config(host, dest, root_ports=ctx.root_ports,
+                                         device_sources=config.pod_resource_device_sources)
         except KatamgrError as exc:
             report.failures.append(f"runtime class {rc.name}: {exc}")
             continue

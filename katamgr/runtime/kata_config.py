@@ -6,6 +6,12 @@ they live in the runtime class's artifacts dir, so each ``[hypervisor.*]`` table
 those keys rewritten to the files' host paths. With VFIO cold/hot plug on
 ``root-port``, every passed-through GPU or NVSwitch needs its own PCIe root port,
 so ``pcie_root_port`` is raised to at least that count (never below the shipped value).
+``[runtime] pod_resource_device_sources`` says where the shim's cold-plug takes a pod's
+devices from: ``device-plugin`` (the kubelet's device-plugin devices) and, with the chart's
+``dra.enabled``, ``dra`` (DRA claims). The setting comes from Kata's pending DRA cold-plug
+(pull requests #13323, #13420; default ``["device-plugin"]``): Kata 3.25 and 3.29 do not know
+it and ignore it (their configuration parser skips unknown keys, as tests/kata shows), so it is
+written for the Kata that reads it.
 
 The shipped file stays as the artifact delivered it (its digest is what the
 install record checks); the rewritten copy goes to ``rendered/`` inside the
@@ -34,6 +40,9 @@ CONFIG_GLOB = "configuration-*.toml"
 ASSET_KEYS = ("kernel", "initrd", "image")
 ROOT_PORT = "root-port"
 PLUG_KEYS = ("cold_plug_vfio", "hot_plug_vfio")
+SOURCES_KEY = "pod_resource_device_sources"
+POD_RESOURCE_SOURCES = ("device-plugin", "dra")
+DEFAULT_SOURCES = ("device-plugin",)
 
 
 @dataclass(frozen=True)
@@ -98,14 +107,20 @@ def find_kata_config(host: HostRoot, artifact_dir: Path) -> Path:
 
 
 def transform_kata_config(
-    host: HostRoot, artifact_dir: Path, root_ports: int = 0
+    host: HostRoot, artifact_dir: Path, root_ports: int = 0,
+    device_sources: tuple[str, ...] = DEFAULT_SOURCES,
 ) -> KataConfigResult:
     """Rewrite the Kata config in ``artifact_dir`` (local path, reached through ``host``).
 
-    ``root_ports`` is the node's passthrough GPU + NVSwitch count.
+    ``root_ports`` is the node's passthrough GPU + NVSwitch count; ``device_sources`` what
+    ``[runtime] pod_resource_device_sources`` is set to.
     """
     if root_ports < 0:
         raise ConfigError(f"root port count {root_ports} is negative; pass the device count")
+    bad = [s for s in device_sources if s not in POD_RESOURCE_SOURCES]
+    if bad or not device_sources or len(set(device_sources)) != len(device_sources):
+        raise ConfigError(f"{SOURCES_KEY} {list(device_sources)} must list {' and/or '.join(POD_RESOURCE_SOURCES)}, "
+                          "each once")
     artifact_dir = Path(artifact_dir)
     local = find_kata_config(host, artifact_dir)
     config_host = host.host_path(local)
@@ -147,6 +162,7 @@ def transform_kata_config(
             if root_ports > current:
                 table["pcie_root_port"] = root_ports
                 changes.append(f"{section}.pcie_root_port: {current} -> {root_ports}")
+    _set_device_sources(doc, device_sources, changes)
     rendered = artifact_dir / RENDERED_DIR / local.name
     rendered_host = host.host_path(rendered)
     changed = write_atomic(rendered, tomlkit.dumps(doc))
@@ -154,6 +170,30 @@ def transform_kata_config(
         log.info("Kata config %s (from %s): %s", rendered_host, config_host, "; ".join(changes) or "copied")
     gaps = tuple(cold_plug_gaps(doc, f"Kata config {config_host}"))
     return KataConfigResult(rendered_host, changed, tuple(changes) if changed else (), gaps)
+
+
+def _set_device_sources(doc, sources: tuple[str, ...], changes: list[str]) -> None:
+    """``[runtime] pod_resource_device_sources`` set to ``sources``, the file's comments kept
+    (a key the shipped file has is changed in place; a new one gets a comment saying why)."""
+    runtime = doc.get("runtime")
+    if runtime is None:
+        runtime = tomlkit.table()
+        doc["runtime"] = runtime
+    wanted = list(sources)
+    current = plain(runtime.get(SOURCES_KEY)) if SOURCES_KEY in runtime else None
+    if current == wanted:
+        return
+    array = tomlkit.array()
+    array.extend(wanted)
+    if SOURCES_KEY in runtime:
+        runtime[SOURCES_KEY] = array
+    else:
+        runtime.add(tomlkit.nl())
+        runtime.add(tomlkit.comment("Where the cold-plug takes a pod's devices from: the kubelet's device-plugin "
+                                    "devices, and DRA claims (\"dra\"). Set by kata-sandbox-manager to match its "
+                                    "chart (dra.enabled); Kata releases without the setting ignore it."))
+        runtime.add(SOURCES_KEY, array)
+    changes.append(f"runtime.{SOURCES_KEY}: {current} -> {wanted}")
 
 
 def rendered_config(host: HostRoot, artifact_dir: Path) -> Path | None:

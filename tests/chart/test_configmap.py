@@ -19,10 +19,11 @@ def test_config_map_carries_the_kata_manager_config(chart):
                        "socket": "/run/containerd/containerd.sock", "restartMode": "signal"},
         "runtimeClassOverhead": {"podFixed": {"memory": "160Mi", "cpu": "250m"}},
         "insecureRegistries": ["registry.local:5000"],
+        "podResourceDeviceSources": ["device-plugin"],
     }
     # Optional keys stay out of the file unless set.
     default = yaml.safe_load(render(chart, FULL).get("ConfigMap", "-config")["data"]["config.yaml"])
-    assert set(default) == {"artifactsDir", "runtimeClasses", "containerd"}
+    assert set(default) == {"artifactsDir", "runtimeClasses", "containerd", "podResourceDeviceSources"}
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
     config_volume = next(v for v in pod["volumes"] if v["name"] == "config")
     assert config_volume["configMap"]["name"] == f"{RELEASE}-config"
@@ -52,3 +53,14 @@ def test_duplicate_runtime_class_names_are_refused(helm, chart):
     classes = [{"name": "kata-gpu", "artifacts": {"url": "registry.local/kata:1"}}] * 2
     with pytest.raises(helm.HelmError, match='"kata-gpu" appears twice'):
         render(chart, merged(FULL, {"kataManager": {"config": {"runtimeClasses": classes}}}))
+
+
+def test_the_kata_config_reads_claims_exactly_when_the_dra_driver_serves_the_devices(chart):
+    """katamgr renders [runtime] pod_resource_device_sources from this config key."""
+    def sources(values):
+        rendered = render(chart, values)
+        return yaml.safe_load(rendered.get("ConfigMap", "-config")["data"]["config.yaml"])[
+            "podResourceDeviceSources"]
+
+    assert sources(FULL) == ["device-plugin"]
+    assert sources({**FULL, "dra": {"enabled": True}}) == ["device-plugin", "dra"]

@@ -46,8 +46,38 @@ def test_both_containers_get_the_same_selection(chart):
 def test_the_default_selects_as_before(chart):
     rendered = render(chart, FULL)
     for name in ("kata-manager", "sandbox-device-plugin"):
-        assert not selection_flags(container(rendered, "-sandbox-agent", name)["args"])
-    assert chart.merge_values({})["devices"] == {"include": [], "exclude": []}
+        args = container(rendered, "-sandbox-agent", name)["args"]
+        assert not selection_flags(args)
+        assert nvswitch_flags(args) == ["--nvswitches", "auto"]
+    assert chart.merge_values({})["devices"] == {"include": [], "exclude": [], "nvswitches": "auto",
+                                                 "kataVersion": ""}
+
+
+def nvswitch_flags(args: list[str]) -> list[str]:
+    out = []
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag in ("--nvswitches", "--kata-version"):
+            out += [flag, value]
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("value", "mode"), [(True, "yes"), (False, "no"), ("auto", "auto")])
+def test_nvswitches_and_the_kata_release_reach_both_containers(chart, value, mode):
+    """Kata before 4.1 fails every sandbox given an NVSwitch: the operator opts in (true), and
+    says which Kata the nodes run; the agent and the plugin (or the DRA driver) get both."""
+    values = merged(FULL, {"devices": {"nvswitches": value, "kataVersion": "3.25.0"}})
+    for dra in (False, True):
+        rendered = render(chart, merged(values, {"dra": {"enabled": dra}}))
+        plugin = "dra-driver" if dra else "sandbox-device-plugin"
+        agent = container(rendered, "-sandbox-agent", "kata-manager")["args"]
+        served = container(rendered, "-sandbox-agent", plugin)["args"]
+        assert nvswitch_flags(agent) == nvswitch_flags(served) == [
+            "--nvswitches", mode, "--kata-version", "3.25.0"]
+        if not dra:
+            assert parse_args(served).nvswitches == mode  # the plugin takes what the chart renders
+    katamgr = build_parser().parse_args(agent)
+    assert (katamgr.nvswitches, katamgr.kata_version) == (mode, "3.25.0")
 
 
 @pytest.mark.parametrize(("values", "fragments"), [
@@ -59,11 +89,13 @@ def test_the_default_selects_as_before(chart):
     ({"devices": {"exclude": ["01:00.0"]}}, ["/devices/exclude/0", "01:00.0"]),
     ({"devices": {"exclude": "10de:1eb8"}}, ["/devices/exclude", "array"]),
     ({"devices": {"exlude": []}}, ["/devices", "'exlude'"]),
+    ({"devices": {"nvswitches": "yes"}}, ["/devices/nvswitches", "want boolean"]),
+    ({"devices": {"kataVersion": "latest"}}, ["/devices/kataVersion", "latest"]),
     # In kataManager.config only the agent would see it: the chart takes the top-level value.
     ({"kataManager": {"config": {"devices": {"exclude": ["10de:1eb8"]}}}},
      ["/kataManager/config", "'devices'"]),
 ], ids=["resource-without-domain", "resource-missing", "short-ids", "short-bdf", "exclude-not-a-list",
-        "unknown-key", "in-kata-manager-config"])
+        "unknown-key", "nvswitches-yes", "kata-version", "in-kata-manager-config"])
 @pytest.mark.integration
 def test_bad_devices_values_are_refused(helm, chart, values, fragments):
     with pytest.raises(helm.HelmValuesError) as caught:

@@ -45,7 +45,7 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
                               "--driver-name", DRIVER, "--default-workload", "container",
                               "--kata-runtime-class", "kata-qemu-nvidia-gpu",
                               "--kata-runtime-class", "kata-qemu-nvidia-gpu-snp",
-                              "--log-format", "text", "--resource-naming", "nvidia"]
+                              "--log-format", "text", "--resource-naming", "nvidia", "--nvswitches", "auto"]
     assert driver["securityContext"]["privileged"] is False
     assert driver["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert driver["securityContext"]["readOnlyRootFilesystem"] is True
@@ -107,6 +107,7 @@ def test_device_classes_select_this_drivers_devices_by_type(chart, tmp_path):
     celpy = pytest.importorskip("celpy")
     from katamgr.host.naming import Naming
     from katamgr.host.pciids import PciIds
+    from katamgr.host.selection import Selection
     from katamgr.pipeline.devices import apply_host
     from katamgr.pipeline.plan import build_plan
     from nodesim.materialise import materialise
@@ -114,7 +115,7 @@ def test_device_classes_select_this_drivers_devices_by_type(chart, tmp_path):
     from sandbox_plugin.dra.devices import describe
     from sandbox_plugin.passthrough import scan_units
 
-    naming = Naming(PciIds.find())
+    naming = Naming(PciIds.find(), selection=Selection(nvswitches="yes"))  # NVSwitches opted in
     host = materialise(find_profile("dgx-h100"), tmp_path)
     apply_host(host, build_plan(host, naming))
     devices = describe(scan_units(host, naming), naming)

@@ -33,7 +33,7 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     assert agent["args"] == ["run", "--config", "/etc/kata-sandbox-manager/config.yaml",
                              "--host-root", "/host", "--log-format", "text",
                              "--metrics-address", "0.0.0.0:9410", "--default-workload", "container",
-                             "--resource-naming", "nvidia"]
+                             "--resource-naming", "nvidia", "--nvswitches", "auto"]
     assert set(env_names(agent)) >= {"NODE_NAME", "POD_NAMESPACE"}
     assert agent["securityContext"]["privileged"] is True
     assert host_mounts(rendered, "-sandbox-agent", "kata-manager") == {
@@ -59,7 +59,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     assert plugin["args"] == ["--host-root", "/host", "--mode", "auto", "--auto-modes", "vm-passthrough",
                               "--default-workload", "container",
                               "--node-name", "$(NODE_NAME)", "--log-format", "text",
-                              "--metrics-address", "0.0.0.0:9411", "--resource-naming", "nvidia"]
+                              "--metrics-address", "0.0.0.0:9411", "--resource-naming", "nvidia",
+                              "--nvswitches", "auto"]
     assert plugin["securityContext"]["privileged"] is False
     assert plugin["securityContext"]["allowPrivilegeEscalation"] is False
     assert host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin") == {
@@ -149,7 +150,8 @@ def test_cdi_off_passes_no_cdi_and_mounts_no_cdi_dir(chart):
 def test_alias_restart_mode_and_runtime_class_options(chart):
     rendered = render(chart, VALUE_SETS["alias-no-restart"])
     plugin = container(rendered, "-sandbox-agent", "sandbox-device-plugin")
-    assert plugin["args"][-2:] == ["--alias", "pgpu"]
+    args = plugin["args"]
+    assert args[args.index("--alias") + 1] == "pgpu"
     # restartMode none: nothing to signal, so neither host PID nor host network namespace.
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
     assert not pod.get("hostPID") and not pod.get("hostNetwork")

@@ -193,6 +193,8 @@ def test_devices_are_normalised_and_quoted_by_origin():
     assert config.to_dict()["devices"] == {
         "include": [{"ids": "1234:11e8", "resource": "example.com/edu"}],
         "exclude": ["0000:00:0a.0", "10de:1eb8"],
+        "nvswitches": "auto",
+        "kataVersion": "",
     }
     selection = config.devices.selection
     assert [str(r) for r in selection.include] == ["1234:11e8=example.com/edu"]
@@ -223,3 +225,33 @@ runtimeClasses:
     assert mine.scheduling_node_selector == {"team": "ml", "nvidia.com/cc.ready.state": "true"}
     assert not_cc.scheduling_node_selector == {"nvidia.com/gpu.workload.config": "vm-passthrough"}
     assert "nvidia.com/cc.ready.state" not in plain.scheduling_node_selector
+
+
+@pytest.mark.parametrize(("value", "mode", "takes"), [("auto", "auto", False), ("true", "yes", True),
+                                                     ("false", "no", False)])
+def test_nvswitches_are_opted_into(value, mode, takes):
+    """NVSwitches pass through where the node's Kata cold-plugs them, or at the operator's word."""
+    config = parse_config(f"devices: {{nvswitches: {value}, kataVersion: 3.25.0}}\n")
+    selection = config.devices.selection
+    assert (selection.nvswitches, selection.takes_nvswitches) == (mode, takes)
+    assert str(selection.kata) == "Kata 3.25.0"
+    assert parse_config(yaml.safe_dump(config.to_dict())).devices == config.devices  # round trip
+    assert parse_config("devices: {kataVersion: '4.1.0'}\n").devices.selection.takes_nvswitches
+
+
+def test_bad_nvswitch_and_kata_and_source_values_are_named():
+    with pytest.raises(ConfigError) as err:
+        parse_config("devices: {nvswitches: maybe, kataVersion: latest}\n"
+                     "podResourceDeviceSources: [dra, dra, gpu]\n")
+    text = str(err.value)
+    assert '"maybe" is not auto, true or false' in text
+    assert '"latest" is not a Kata Containers release such as 3.25.0' in text
+    assert '"gpu" is not a PodResources device source' in text
+
+
+def test_pod_resource_device_sources_default_to_the_device_plugin():
+    assert parse_config("{}\n").pod_resource_device_sources == ("device-plugin",)
+    both = parse_config("podResourceDeviceSources: [device-plugin, dra]\n")
+    assert both.pod_resource_device_sources == ("device-plugin", "dra")
+    with pytest.raises(ConfigError, match="lists a source twice"):
+        parse_config("podResourceDeviceSources: [dra, dra]\n")

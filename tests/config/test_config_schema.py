@@ -63,7 +63,9 @@ def test_the_chart_differs_from_the_model_only_by_its_overlay():
     model = config_schema()["properties"]
     chart = chart_schema()["properties"]
     config = chart["kataManager"]["properties"]["config"]
-    assert set(config["properties"]) == set(model) - {"containerd", "devices"}
+    assert set(config["properties"]) == set(model) - {"containerd", "devices", "podResourceDeviceSources"}
+    # The chart sets the Kata config's device sources from dra.enabled.
+    assert CHART_OVERLAY["chart_set_keys"] == ["podResourceDeviceSources"]
     # The device selection is the chart's top-level devices value (both containers get it).
     assert CHART_OVERLAY["top_level_keys"] == ["devices"]
     assert chart["devices"] == chart_parts()[("properties", "devices")]

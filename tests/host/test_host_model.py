@@ -13,6 +13,7 @@ from katamgr.host import iommu, pci
 from katamgr.host.inventory import Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
+from katamgr.host.selection import Selection
 from katamgr.pipeline.plan import build_plan
 from katamgr.render import plan_text
 from nodesim.materialise import materialise
@@ -59,15 +60,17 @@ def test_plan_resources_are_valid_kubernetes_names(tmp_path, profile_path):
 
 def test_dgx_topology(tmp_path):
     host = materialise(load_profile([p for p in HOST_PROFILES if p.stem == "dgx-h100"][0]), tmp_path / "host")
-    inv = discover(host)
+    opted = Selection(nvswitches="yes")  # the NVSwitches too (by default Kata before 4.1 keeps them out)
+    inv = discover(host, opted)
     assert len(inv.gpus) == 8 and len(inv.nvswitches) == 4
     assert {g.numa_node for g in inv.gpus} == {0, 1}
     # Each GPU sits under a switch downstream port, a switch upstream port and a root port.
     assert all(len(g.parents) == 3 for g in inv.gpus)
     assert len({g.parents[1] for g in inv.gpus}) == 4  # four PCIe switches
-    plan = build_plan(host, naming())
+    plan = build_plan(host, Naming(PciIds.find(), selection=opted))
     assert sum(plan.resources.values()) == 12
     assert plan.problems == []
+    assert sum(build_plan(host, naming()).resources.values()) == 8
 
 
 def test_workstation_audio_function_is_a_companion(tmp_path):

@@ -4,12 +4,14 @@ and how the inventory, naming and the passthrough list follow it."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 from support.hostkit import AUDIO_A6000, GPU_A6000, NIC_I210, ROOT_PORT, dev, make_host
 
 from katamgr.host import vfio
 from katamgr.host.inventory import Kind, discover
+from katamgr.host.kata import parse_release
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import passthrough_devices, resource_units
 from katamgr.host.pci import Device
@@ -38,10 +40,25 @@ def rules(*, include=(), exclude=()) -> Selection:
     return Selection(tuple(parse_include(t) for t in include), tuple(parse_exclude(t) for t in exclude))
 
 
-def test_the_default_selects_nvidia_gpus_and_nvswitches_only():
+def test_the_default_selects_nvidia_gpus_and_the_nvswitches_kata_can_take():
     assert select(DEFAULT_SELECTION, device("0000:01:00.0", GPU_A6000)).why == "NVIDIA GPU (default selection)"
-    assert select(DEFAULT_SELECTION, device("0000:05:00.0", NVSWITCH)).why == (
-        "NVIDIA NVSwitch (default selection)")
+    # The node's Kata release unknown: taken as one before 4.1, which fails NVSwitches.
+    held = select(DEFAULT_SELECTION, device("0000:05:00.0", NVSWITCH))
+    assert not held.selected and not held.excluded
+    assert held.why == ("NVIDIA NVSwitch, not passed through: Kata before 4.1 cannot cold-plug one, and "
+                        "--kata-version does not say the node runs a later release")
+    newer = Selection(kata=parse_release("4.1.0"))
+    assert select(newer, device("0000:05:00.0", NVSWITCH)).why == "NVIDIA NVSwitch (Kata 4.1.0 cold-plugs NVSwitches)"
+    older = Selection(kata=parse_release("v3.29"))
+    assert select(older, device("0000:05:00.0", NVSWITCH)).why == (
+        "NVIDIA NVSwitch, not passed through: Kata 3.29.0 cannot cold-plug one")
+    opted = Selection(nvswitches="yes", kata=parse_release("3.25.0"))
+    assert select(opted, device("0000:05:00.0", NVSWITCH)).why == "NVIDIA NVSwitch (--nvswitches yes)"
+    assert "a pod given an NVSwitch will not start" in opted.nvswitch_warning
+    assert Selection(nvswitches="yes", kata=parse_release("4.1")).nvswitch_warning is None
+    assert not select(Selection(nvswitches="no", kata=parse_release("4.1")), device("0000:05:00.0", NVSWITCH)).selected
+    with pytest.raises(ValueError, match="'3.x' is not a Kata release"):
+        parse_release("3.x")
     for other in (AUDIO_A6000, NIC_I210, EDU, ROOT_PORT):
         verdict = select(DEFAULT_SELECTION, device("0000:02:00.0", other))
         assert not verdict.selected and not verdict.excluded
@@ -58,7 +75,7 @@ def test_include_names_the_resource_and_exclude_wins():
     # By ids, case-insensitive, only that device.
     by_ids = rules(exclude=["10DE:2230"])
     assert select(by_ids, device("0000:01:00.0", GPU_A6000)).why == "excluded by --exclude-device 10de:2230"
-    assert select(by_ids, device("0000:05:00.0", NVSWITCH)).selected
+    assert select(dataclasses.replace(by_ids, nvswitches="yes"), device("0000:05:00.0", NVSWITCH)).selected
 
 
 @pytest.mark.parametrize("flag, value, message", [
@@ -135,7 +152,8 @@ def test_inventory_follows_the_selection(tmp_path):
 
 
 def test_naming_follows_the_selection():
-    selection = rules(include=["1234:11e8=example.com/edu"], exclude=["10de:2230"])
+    selection = dataclasses.replace(rules(include=["1234:11e8=example.com/edu"], exclude=["10de:2230"]),
+                                    nvswitches="yes")
     naming = Naming(PCI_IDS, gpu_alias="pgpu", selection=selection)
     assert naming.resource(device("0000:01:00.0", EDU)) == "example.com/edu"
     assert naming.resource(device("0000:02:00.0", GPU_A6000)) is None  # excluded: never advertised

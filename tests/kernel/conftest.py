@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import kernelvm
+from support import kataoracle, kernelvm
 from support.paths import REPO, REQUIRE_INTEGRATION
 
 GUEST_SCRIPT = Path(__file__).with_name("guest_checks.py")
@@ -87,6 +87,9 @@ def guest(tmp_path_factory) -> GuestResults:
     except kernelvm.KernelVmError as exc:
         _unavailable(f"no kernel to boot: {exc}")
     fetched = time.monotonic() - started
+    # Kata's cold-plug code (hack/kata/build's oracle, built here): the guest runs it on the
+    # real kernel's sysfs and /dev/vfio, from the host's tree it shares.
+    oracle_bin = kataoracle.bin_dir()
     out = tmp_path_factory.mktemp("kernel-results")
     work = tmp_path_factory.mktemp("kernel-vm")
     _warm_bytecode()
@@ -97,6 +100,8 @@ def guest(tmp_path_factory) -> GuestResults:
         # PYTHONPATH to its fresh clone).
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
         "PYTHONUNBUFFERED": "1",
+        "KATA_ORACLE_BIN": str(oracle_bin),
+        "KATA_RELEASES": " ".join(kataoracle.RELEASES),
     }
     command = kernelvm.GuestCommand(
         argv=(sys.executable, str(GUEST_SCRIPT), str(out)), cwd=str(REPO), env=env, writable=(str(out),),

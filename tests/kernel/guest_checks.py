@@ -375,6 +375,38 @@ def step_plugin(plugin: Plugin | None) -> None:
     record("plugin", **data)
 
 
+def step_kata(kubelet) -> None:
+    """Kata's own cold-plug on the real kernel: a pod given an edu and a VGA by the kubelet
+    simulator (from the plugin's units), asked of each Kata release's code (the oracle, on
+    the real /sys and /dev/vfio, with katamgr's CDI specs) and of the stand-in."""
+    from katamgr.host.root import HostRoot
+    from sandbox_plugin.testing import kata_shim
+
+    data: dict = {"iommufd": os.path.exists("/dev/iommu"), "config_size": {}, "kata": {}, "stand_in": {}}
+    for name, bdf in STAND_INS.items():
+        if bdf:
+            data["config_size"][name] = os.stat(PCI / "devices" / bdf / "config").st_size
+    kubelet.admit_pod("default", "kata-stand-ins", {"vm": {EDU_RESOURCE: 1, VGA_RESOURCE: 1}})
+    socket = str(kubelet.pod_resources_socket)
+    for release in os.environ.get("KATA_RELEASES", "").split():
+        argv = [f"{os.environ['KATA_ORACLE_BIN']}/kata-oracle-{release}", "--root", "/",
+                "--pod", "default/kata-stand-ins", "--pod-resources", socket, "--cdi-dir", "/var/run/cdi"]
+        done = run(argv, timeout=60)
+        try:
+            data["kata"][release] = json.loads(done["stdout"])
+        except ValueError:
+            data["kata"][release] = {"run": done}
+        try:
+            plug = kata_shim.cold_plug(HostRoot.at("/"), socket, kata_shim.sandbox_annotations("default", "kata-stand-ins"),
+                                       spec_dirs=("/var/run/cdi",), release=release)
+            data["stand_in"][release] = {"cdi_devices": list(plug.cdi_names), "device_nodes": list(plug.device_nodes),
+                                         "plugged": list(plug.functions), "qemu_args": plug.qemu_args}
+        except kata_shim.ColdPlugError as exc:
+            data["stand_in"][release] = {"error": str(exc)}
+    kubelet.remove_pod("default", "kata-stand-ins")
+    record("kata", **data)
+
+
 def _devices(state, resource: str) -> list[dict]:
     return [{"id": d.id, "health": d.health} for d in state.devices.get(resource, [])]
 
@@ -391,6 +423,7 @@ def _plugin_checks(kubelet, data: dict, started: float, plugin_pid: int) -> None
     data["uevent_sockets"] = sockets
     data["registrations"] = sorted(r.resource_name for r in state.registrations)
     data["devices"] = {r: _devices(state, r) for r in resources}
+    step_kata(kubelet)
     data["allocate"] = {}
     for resource in resources:
         ids = [d.id for d in state.devices[resource]]

@@ -10,8 +10,10 @@ What each part does, and where the fact comes from:
   containerd 2.x resolves them in its cdi_spec_dirs, logging "CDI devices from CRI
   Config.CDIDevices" at debug level (internal/cri/opts/spec_linux.go, WithCDI);
 - the kubelet's PodResources v1 Get lists the container's device IDs by resource
-  (pkg/kubelet/apis/podresources/server_v1.go), which Kata's shim turns into CDI names
-  (nodesim/kata_shim.py says where in Kata).
+  (pkg/kubelet/apis/podresources/server_v1.go), which Kata's shim turns into CDI names,
+  resolves in the node's CDI specs and hands to QEMU: Kata's own code (Kata 3.25.0 and
+  3.29.0, through the oracle of hack/kata/build) is asked what it does with the real
+  kubelet's answer and the node's specs, and the stand-in must say the same.
 The Kata runtime class's handler is runc's shim here (no Kata guest can run): the
 container is a runc container with the devices the Kata VM would be given.
 """
@@ -21,8 +23,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from support import kataoracle
 from support.kubecluster import wait_for
-from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, metric
+from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NVSWITCH_RESOURCE, metric
 
 from katamgr.host.root import HostRoot
 from nodesim import kata_shim
@@ -31,14 +34,14 @@ NAMESPACE = "node-tests"
 
 
 def gpu_pod(name: str, gpus: int = 2, runtime_class: str | None = KATA_CLASS,
-            command: str = "ls /dev/vfio; env; sleep 3600") -> dict:
+            command: str = "ls /dev/vfio; env; sleep 3600", resource: str = GPU_RESOURCE) -> dict:
     spec = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": 1,
         "containers": [{
             "name": "main", "image": IMAGE, "imagePullPolicy": "Never",
             "command": ["sh", "-c", command],
-            "resources": {"limits": {GPU_RESOURCE: gpus}} if gpus else {},
+            "resources": {"limits": {resource: gpus}} if gpus else {},
         }],
     }
     if runtime_class:
@@ -112,6 +115,53 @@ def test_podresources_lists_the_devices_and_the_shim_resolves_them(node, kata_po
     assert sorted(plug.functions) == sorted(env["PCI_RESOURCE_NVIDIA_COM_GH100H100_SXM5_80GB"].split(","))
     groups = sorted(n for n in plug.device_nodes if n != "/dev/vfio/vfio")
     assert len(groups) == 2
+
+
+def ask_kata(node, release: str, pod: str) -> kataoracle.Outcome:
+    """Kata's own cold-plug on the node: the real kubelet's PodResources, the node's CDI
+    specs, and its sysfs (the simulated host's, shown to Kata as /sys)."""
+    root = node.cluster.host_root
+    return kataoracle.run(release, pod=(NAMESPACE, pod), root=root,
+                          pod_resources=root / "var/lib/kubelet/pod-resources/kubelet.sock",
+                          cdi_dirs=[root / "etc/cdi", root / "var/run/cdi"])
+
+
+@pytest.mark.parametrize("release", kataoracle.RELEASES)
+def test_kata_cold_plugs_the_two_gpus_the_kubelet_gave_the_pod(node, kata_pod, release):
+    _, log, _ = kata_pod
+    env = dict(line.split("=", 1) for line in log.splitlines() if "=" in line)
+    given = sorted(env["PCI_RESOURCE_NVIDIA_COM_GH100H100_SXM5_80GB"].split(","))
+    kata = ask_kata(node, release, "kata-two-gpus")
+    assert kata.ok, kata.error
+    assert sorted(kata.plugged) == given
+    assert sorted(n.rpartition("=")[2] for n in kata.cdi_devices) == given
+    assert len(kata.vfio_args) == 2 and all(",bus=rp" in a for a in kata.vfio_args)
+    # The stand-in says what Kata says, on the same inputs.
+    root = node.cluster.host_root
+    plug = kata_shim.cold_plug(HostRoot.at(root, runtime_root=str(root)),
+                               root / "var/lib/kubelet/pod-resources/kubelet.sock",
+                               kata_shim.sandbox_annotations(NAMESPACE, "kata-two-gpus"), release=release)
+    assert (plug.cdi_names, plug.device_nodes, plug.functions) == (kata.cdi_devices, kata.device_nodes, kata.plugged)
+    assert [a for a in plug.qemu_args if a != "-device"] == kata.vfio_args
+
+
+def test_an_nvswitch_pod_starts_here_but_kata_fails_it_and_the_node_says_so(node, namespace):
+    """local-node.yaml passes the NVSwitches through at the operator's word (and says the
+    node runs Kata 3.29.0): the agent warns on the Node, and Kata's own code, given the pod's
+    NVSwitch, fails the sandbox. (The runc stand-in for the VM starts it all the same.)"""
+    node.wait_resource(NVSWITCH_RESOURCE, 4)
+    warned = wait_for(lambda: [e for e in node.cluster.get("events", "-n", "default")["items"]
+                               if e["reason"] == "NVSwitchesFailKata"],
+                      "the agent's NVSwitch warning on the Node", 60, every=1)
+    assert warned[0]["type"] == "Warning" and warned[0]["involvedObject"]["kind"] == "Node"
+    assert "Kata 3.29.0 takes an NVSwitch (class 0x0680) for a bridge" in warned[0]["message"]
+    node.run(gpu_pod("kata-nvswitch", gpus=1, resource=NVSWITCH_RESOURCE))
+    node.wait_phase("kata-nvswitch", namespace)
+    for release in kataoracle.RELEASES:
+        kata = ask_kata(node, release, "kata-nvswitch")
+        assert (kata.stage, kata.error) == ("sandbox", "unsupported device type")
+        assert kata.cdi_devices[0].startswith(NVSWITCH_RESOURCE + "=")
+    node.delete_pod("kata-nvswitch", namespace)
 
 
 def test_the_same_pod_without_the_kata_class_is_refused(node, namespace):

@@ -14,6 +14,7 @@ import cdi
 from katamgr.host.naming import Naming
 from katamgr.host.pci import is_vfio_driver
 from katamgr.host.pciids import PciIds
+from katamgr.host.selection import Selection
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from nodesim import kernel
 from nodesim.materialise import materialise
@@ -26,8 +27,8 @@ A10_SPEC = "/var/run/cdi/nvidia.com-GA102GL_A10.yaml"
 SCHEMA = official_validator()
 
 
-def apply(host):
-    report = reconcile(host, NAMING, Steps(), None)
+def apply(host, naming=NAMING):
+    report = reconcile(host, naming, Steps(), None)
     assert report.ok, report.failures
     return report
 
@@ -75,7 +76,8 @@ def test_specs_on_every_profile(tmp_path, profile_path):
 
 def test_group_names_and_nvswitch_spec_on_dgx(tmp_path):
     host = materialise(load_profile([p for p in HOST_PROFILES if p.stem == "dgx-h100"][0]), tmp_path / "host")
-    report = apply(host)
+    # NVSwitches opted in (the default keeps them on the host: Kata before 4.1 fails them).
+    report = apply(host, Naming(PciIds.find(), selection=Selection(nvswitches="yes")))
     pgpu = cdi.read_spec(host.path(PGPU))
     names = [d.name for d in pgpu.devices]
     assert names[:2] == ["0", "1"] and "8" in names

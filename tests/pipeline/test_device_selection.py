@@ -3,6 +3,7 @@ and leaves alone, the CDI specs written, and that revert undoes whatever was bou
 
 from __future__ import annotations
 
+import pytest
 from support.hostkit import (
     AUDIO_A6000,
     GPU_A10,
@@ -14,6 +15,7 @@ from support.hostkit import (
     snapshot,
 )
 
+from katamgr.host.kata import parse_release
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.selection import Selection, parse_exclude, parse_include
@@ -47,18 +49,40 @@ def workstation(tmp_path):
     ])
 
 
-def test_the_default_selection_is_unchanged(tmp_path):
+def test_the_default_selection_is_the_gpus_and_the_nvswitches_kata_can_take(tmp_path):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     plan = full_plan(host, Naming(PCI_IDS), Steps(), None)
     by_kind: dict[str, set[str]] = {}
     for row in plan.to_json()["devices"]:
         by_kind.setdefault(row["kind"], set()).add(row["selection"])
     assert by_kind["gpu"] == {"NVIDIA GPU (default selection)"}
-    assert by_kind["nvswitch"] == {"NVIDIA NVSwitch (default selection)"}
+    # The node's Kata release is unknown: NVSwitches stay on the host (Kata before 4.1 fails them).
+    assert "nvswitch" not in by_kind
+    assert ("NVIDIA NVSwitch, not passed through: Kata before 4.1 cannot cold-plug one, and --kata-version "
+            "does not say the node runs a later release") in by_kind["other"]
     assert set(by_kind) <= {"gpu", "nvswitch", "companion", "other"}
-    assert sum(plan.resources.values()) == 12 and len(plan.resources) == 2
+    assert plan.resources == {"nvidia.com/GH100H100_SXM5_80GB": 8}
+    assert any(w.startswith("NVSwitches 0000:05:00.0, 0000:15:00.0, 0000:85:00.0, 0000:95:00.0 stay on "
+                            "their drivers") for w in plan.warnings)
     assert reconcile(host, Naming(PCI_IDS), Steps(), None).ok
     assert host.path("/var/run/cdi/nvidia.com-pgpu.yaml").exists()
+    assert not host.path("/var/run/cdi/nvidia.com-nvswitch.yaml").exists()
+
+
+@pytest.mark.parametrize(("mode", "kata", "taken", "warned"), [
+    ("auto", "4.1.0", True, False),  # a Kata that cold-plugs them
+    ("auto", "3.29.0", False, False),
+    ("yes", "3.25.0", True, True),  # the operator's call, with the warning
+    ("no", "4.1.0", False, False),
+])
+def test_nvswitches_follow_the_node_s_kata_and_the_operator(tmp_path, mode, kata, taken, warned):
+    host = materialise(find_profile("dgx-h100"), tmp_path / "host")
+    chosen = Naming(PCI_IDS, selection=Selection(nvswitches=mode, kata=parse_release(kata)))
+    plan = full_plan(host, chosen, Steps(), None)
+    assert ("nvidia.com/PCI_22a3" in plan.resources) is taken
+    assert any("a pod given an NVSwitch will not start" in w for w in plan.warnings) is warned
+    if mode == "no":
+        assert rows(plan)["0000:05:00.0"]["selection"] == "NVIDIA NVSwitch, not passed through (--nvswitches no)"
 
 
 def test_a_display_gpu_excluded_by_bdf_stays_on_its_driver_and_plan_says_why(tmp_path):

@@ -19,6 +19,7 @@ from support.apiserver import FakeApiServer
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
+from katamgr.host.selection import Selection
 from katamgr.pipeline.reconcile import Steps, reconcile
 from kubeletapi import dra_pb2 as dra
 from nodesim.drakubelet import DraKubelet
@@ -30,7 +31,9 @@ from sandbox_plugin.dra.driver import DraDriver
 
 DRIVER = "passthrough.kata-sandbox-manager.io"
 NODE = "dgx-1"
-NAMING = Naming(PciIds.find())
+# The dgx-h100's NVSwitches opted in (--nvswitches yes): the driver publishes them as devices
+# of their own type. (By default they stay on the host: Kata before 4.1 fails them.)
+NAMING = Naming(PciIds.find(), selection=Selection(nvswitches="yes"))
 
 
 @dataclass

@@ -66,7 +66,7 @@ def test_the_command_publishes_and_follows_its_node_label(tmp_path):
         env.pop("KUBERNETES_SERVICE_HOST", None)
         process = subprocess.Popen(
             [sys.executable, "-m", "sandbox_plugin.dra.cli", "--host-root", str(node.host.root),
-             "--node-name", NODE], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+             "--node-name", NODE, "--nvswitches", "yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             cwd=REPO, env=env)
         try:
             node.dra.wait_for(lambda s: s.current(DRIVER) is not None, timeout=30)

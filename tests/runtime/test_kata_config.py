@@ -56,8 +56,12 @@ def test_comments_and_untouched_lines_survive(host: HostRoot) -> None:
     transform_kata_config(host, local, root_ports=1)
     before = FIXTURE.read_text().splitlines()
     after = (local / "rendered" / FIXTURE.name).read_text().splitlines()
-    assert len(before) == len(after)
-    changed = [(a, b) for a, b in zip(before, after, strict=True) if a != b]
+    # The [runtime] table ends the file: the device sources, with the comment saying why, go last.
+    assert after[len(before):] == [
+        "", "# Where the cold-plug takes a pod's devices from: the kubelet's device-plugin devices, and DRA "
+        'claims ("dra"). Set by kata-sandbox-manager to match its chart (dra.enabled); Kata releases without '
+        "the setting ignore it.", 'pod_resource_device_sources = ["device-plugin"]']
+    changed = [(a, b) for a, b in zip(before, after[:len(before)], strict=True) if a != b]
     assert [b.split(" = ")[0] for _, b in changed] == ["kernel", "initrd", "pcie_root_port"]
     assert '#image = "/opt/kata/share/kata-containers/kata-containers.img"' in after
     assert "# Number of PCIe root ports to create; each passed-through GPU needs one." in after
@@ -175,3 +179,17 @@ def test_without_cold_plug_pods_need_the_annotation(host: HostRoot) -> None:
     local = install(host, ARTIFACT_FILES, text)
     gaps = transform_kata_config(host, local).cold_plug_gaps
     assert any("cold_plug_vfio" in g for g in gaps) and not any("pod_resource_api_sock" in g for g in gaps)
+
+
+def test_the_device_sources_follow_the_chart_and_a_shipped_key_is_changed_in_place(host: HostRoot) -> None:
+    shipped = FIXTURE.read_text().replace(
+        "[runtime]\n", '[runtime]\n# as shipped\npod_resource_device_sources = ["device-plugin"]\n')
+    local = install(host, config=shipped)
+    result = transform_kata_config(host, local, device_sources=("device-plugin", "dra"))
+    text = (local / "rendered" / FIXTURE.name).read_text()
+    assert '# as shipped\npod_resource_device_sources = ["device-plugin", "dra"]\n' in text
+    assert text.count("pod_resource_device_sources") == 1
+    assert "runtime.pod_resource_device_sources: ['device-plugin'] -> ['device-plugin', 'dra']" in result.changes
+    assert not transform_kata_config(host, local, device_sources=("device-plugin", "dra")).changed
+    with pytest.raises(ConfigError, match="pod_resource_device_sources"):
+        transform_kata_config(host, local, device_sources=("dra", "dra"))

@@ -115,7 +115,8 @@ advertised resource, named like the resource.
 {{- end -}}
 
 {{/*
-The device selection both commands get (devices.include, devices.exclude). They must agree:
+The device selection both commands get (devices.include, devices.exclude, devices.nvswitches,
+devices.kataVersion). They must agree:
 the plugin advertises exactly the devices katamgr binds and writes CDI specs for.
 */}}
 {{- define "ksm.deviceArgs" -}}
@@ -126,6 +127,16 @@ the plugin advertises exactly the devices katamgr binds and writes CDI specs for
 {{- end }}
 {{- range ($devices.exclude | default list) }}
 - --exclude-device
+- {{ . | quote }}
+{{- end }}
+{{- $nvswitches := "auto" }}
+{{- if kindIs "bool" $devices.nvswitches }}
+{{- $nvswitches = ternary "yes" "no" $devices.nvswitches }}
+{{- end }}
+- --nvswitches
+- {{ $nvswitches | quote }}
+{{- with $devices.kataVersion }}
+- --kata-version
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
@@ -810,10 +821,16 @@ layoutDirs).
 {{- define "ksm.kataManagerConfig" -}}
 {{- $kata := .Values.kataManager.config }}
 {{- /* The kataManager config of the GPU Operator, plus how to reach containerd. */}}
+{{- /* Kata's cold-plug reads the claims too when the DRA driver serves the devices. */}}
+{{- $sources := list "device-plugin" }}
+{{- if (.Values.dra | default dict).enabled }}
+{{- $sources = append $sources "dra" }}
+{{- end }}
 {{- $config := dict
       "artifactsDir" $kata.artifactsDir
       "runtimeClasses" $kata.runtimeClasses
-      "containerd" .Values.containerd }}
+      "containerd" .Values.containerd
+      "podResourceDeviceSources" $sources }}
 {{- with $kata.runtimeClassOverhead }}
 {{- $_ := set $config "runtimeClassOverhead" . }}
 {{- end }}
