@@ -23,7 +23,7 @@ def render(node, sources):
     local = node.host.path("/opt/kata-classes/kata-qemu-nvidia-gpu")
     local.mkdir(parents=True, exist_ok=True)
     (local / SHIPPED.name).write_text(SHIPPED.read_text())
-    for name in ("vmlinuz-nvidia-gpu.container", "kata-ubuntu-noble-nvidia-gpu.initrd"):
+    for name in ("vmlinux-nvidia-gpu", "kata-ubuntu-jammy-nvidia-gpu.initrd"):
         (local / name).write_bytes(b"\x7fELF")
     transform_kata_config(node.host, local, root_ports=2, device_sources=sources)
     return local / "rendered" / SHIPPED.name
