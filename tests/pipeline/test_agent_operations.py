@@ -147,6 +147,31 @@ def test_events_on_the_node_for_changes_and_failures_deduplicated(tmp_path):
         assert len(api.names("events")) == 2
 
 
+def test_the_node_is_told_what_becomes_of_its_nvswitches(tmp_path):
+    """Kata before 4.1 fails every sandbox given an NVSwitch: with the defaults they stay on the
+    host (a Normal Event says so); passed through at the operator's word to such a Kata, a
+    Warning Event says the pods will not start."""
+    from katamgr.host.kata import parse_release
+    from katamgr.host.selection import Selection
+    from katamgr.simulator.materialise import materialise
+    from katamgr.simulator.profiles import find_profile
+
+    for mode, reason, kind in (("auto", "NVSwitchesNotPassedThrough", "Normal"),
+                               ("yes", "NVSwitchesFailKata", "Warning")):
+        host = materialise(find_profile("dgx-h100"), tmp_path / mode)
+        naming = Naming(PciIds.find(), selection=Selection(nvswitches=mode, kata=parse_release("3.25.0")))
+        with FakeApiServer() as api:
+            api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "dgx-1"}})
+            agent = Agent(host, naming, Steps(kata=False), None,
+                          events=EventRecorder(api.client(), "dgx-1", window=600))
+            assert agent.reconcile("start").ok
+            events = {e["reason"]: e for e in (api.get("events", n, "default") for n in api.names("events"))}
+            assert events[reason]["type"] == kind
+            assert "Kata 3.25.0 takes an NVSwitch (class 0x0680) for a bridge" in events[reason]["message"]
+            other = {"NVSwitchesNotPassedThrough", "NVSwitchesFailKata"} - {reason}
+            assert not other & set(events)
+
+
 def test_the_recorder_is_rate_limited():
     now = [0.0]
     with FakeApiServer() as api:
