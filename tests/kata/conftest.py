@@ -24,11 +24,11 @@ from katamgr.host.passthrough import resource_units
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
 from katamgr.pipeline.reconcile import Steps, reconcile
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import HostProfile
-from katamgr.simulator.profiles import find_profile
+from nodesim.kubelet import KubeletSimulator
+from nodesim.materialise import materialise
+from nodesim.profile import HostProfile
+from nodesim.profiles import find_profile
 from sandbox_plugin.manager import Mode, PluginManager
-from sandbox_plugin.testing.kubelet import KubeletSimulator
 
 NAMING = Naming(PciIds.find())
 

@@ -23,11 +23,11 @@ from katamgr.host.passthrough import resource_units
 from katamgr.host.pciids import PciIds
 from katamgr.host.selection import Selection, parse_exclude, parse_include
 from katamgr.pipeline.plan import build_plan
-from katamgr.simulator import udev
-from katamgr.simulator.materialise import materialise
-from katamgr.simulator.profile import parse_profile
-from katamgr.simulator.profiles import find_profile
-from sandbox_plugin.testing.podresources import ContainerRecord, PodRecord
+from nodesim import udev
+from nodesim.materialise import materialise
+from nodesim.podresources import ContainerRecord, PodRecord
+from nodesim.profile import parse_profile
+from nodesim.profiles import find_profile
 
 RELEASES = kataoracle.RELEASES
 PCI_IDS = PciIds.find()

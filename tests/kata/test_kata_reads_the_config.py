@@ -14,7 +14,7 @@ from support import kataoracle
 from support.paths import REPO
 
 from katamgr.runtime.kata_config import transform_kata_config
-from sandbox_plugin.testing.podresources import ClaimDevice, ClaimRecord, ContainerRecord, PodRecord
+from nodesim.podresources import ClaimDevice, ClaimRecord, ContainerRecord, PodRecord
 
 SHIPPED = REPO / "tests" / "data" / "artifacts" / "files" / "configuration-qemu-nvidia-gpu.toml"
 

@@ -1,4 +1,4 @@
-"""The stand-in (sandbox_plugin.testing.kata_shim) against Kata's own code, on the same inputs.
+"""The stand-in (nodesim.kata_shim) against Kata's own code, on the same inputs.
 
 Where the stand-in still answers (the fast tests, ``katamgr demo``, DRA claims), it must say
 what Kata 3.25.0 and 3.29.0 say: the CDI names, the device nodes in the spec's order, the
@@ -20,9 +20,9 @@ from test_kata_decides import (
     shared_group,
 )
 
-from katamgr.simulator.profiles import find_profile
-from sandbox_plugin.testing import kata_shim
-from sandbox_plugin.testing.podresources import ClaimDevice, ClaimRecord, ContainerRecord, PodRecord
+from nodesim import kata_shim
+from nodesim.podresources import ClaimDevice, ClaimRecord, ContainerRecord, PodRecord
+from nodesim.profiles import find_profile
 
 CASES = {
     **{p.stem: (p.stem, NAMING) for p in HOST_PROFILES},

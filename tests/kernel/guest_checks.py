@@ -380,7 +380,7 @@ def step_kata(kubelet) -> None:
     simulator (from the plugin's units), asked of each Kata release's code (the oracle, on
     the real /sys and /dev/vfio, with katamgr's CDI specs) and of the stand-in."""
     from katamgr.host.root import HostRoot
-    from sandbox_plugin.testing import kata_shim
+    from nodesim import kata_shim
 
     data: dict = {"iommufd": os.path.exists("/dev/iommu"), "config_size": {}, "kata": {}, "stand_in": {}}
     for name, bdf in STAND_INS.items():

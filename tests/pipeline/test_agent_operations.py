@@ -153,8 +153,8 @@ def test_the_node_is_told_what_becomes_of_its_nvswitches(tmp_path):
     Warning Event says the pods will not start."""
     from katamgr.host.kata import parse_release
     from katamgr.host.selection import Selection
-    from katamgr.simulator.materialise import materialise
-    from katamgr.simulator.profiles import find_profile
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
 
     for mode, reason, kind in (("auto", "NVSwitchesNotPassedThrough", "Normal"),
                                ("yes", "NVSwitchesFailKata", "Warning")):

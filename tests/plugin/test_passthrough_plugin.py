@@ -20,8 +20,8 @@ from katamgr.host import pci, vfio
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, resource_name
 from katamgr.host.pciids import PciIds
-from katamgr.node.backoff import Backoff
 from katamgr.host.selection import Selection
+from katamgr.node.backoff import Backoff
 from katamgr.pipeline.cdi_specs import write_specs
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan

@@ -6,7 +6,7 @@ socket, the CDI spec dirs, the node's root (its /sys and /dev) and the pod, it r
 shim's sandbox cold-plug and the sandbox's VFIO assembly and prints what Kata does: the CDI
 names, the device nodes injected, the VFIO functions, QEMU's ``-device`` arguments, or
 Kata's error. It is the test of record for every Kata outcome; the stand-in
-(``sandbox_plugin.testing.kata_shim``) is checked against it.
+(``nodesim.kata_shim``) is checked against it.
 
 A simulated node is shown to Kata in a private mount namespace of the oracle's (its /sys
 and /dev), so the oracle needs root there, as the tests' real parts do.
