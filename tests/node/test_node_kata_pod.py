@@ -136,13 +136,19 @@ def test_kata_cold_plugs_the_two_gpus_the_kubelet_gave_the_pod(node, kata_pod, r
     assert sorted(kata.plugged) == given
     assert sorted(n.rpartition("=")[2] for n in kata.cdi_devices) == given
     assert len(kata.vfio_args) == 2 and all(",bus=rp" in a for a in kata.vfio_args)
-    # The stand-in says what Kata says, on the same inputs.
+    # The stand-in says what Kata says, on the same inputs. In any order: the kubelet lists a
+    # container's devices in Go map order, another at each Get
+    # (pkg/kubelet/cm/container_manager.go, containerDevicesFromResourceDeviceInstances), and
+    # Kata's CDI names, device nodes and root port numbers follow that order.
     root = node.cluster.host_root
     plug = kata_shim.cold_plug(HostRoot.at(root, runtime_root=str(root)),
                                root / "var/lib/kubelet/pod-resources/kubelet.sock",
                                kata_shim.sandbox_annotations(NAMESPACE, "kata-two-gpus"), release=release)
-    assert (plug.cdi_names, plug.device_nodes, plug.functions) == (kata.cdi_devices, kata.device_nodes, kata.plugged)
-    assert [a for a in plug.qemu_args if a != "-device"] == kata.vfio_args
+    for ours, theirs in ((plug.cdi_names, kata.cdi_devices), (plug.device_nodes, kata.device_nodes),
+                         (plug.functions, kata.plugged)):
+        assert sorted(ours) == sorted(theirs)
+    assert sorted(a.split(",bus=")[0] for a in plug.qemu_args if a != "-device") == \
+        sorted(a.split(",bus=")[0] for a in kata.vfio_args)
 
 
 def test_an_nvswitch_pod_starts_here_but_kata_fails_it_and_the_node_says_so(node, namespace):
