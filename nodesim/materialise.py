@@ -20,9 +20,6 @@ from katamgr.host.root import HostRoot
 from nodesim import gpuregs, kernel, pcifiles, udev
 from nodesim.profile import HostProfile, ProfileDevice
 
-PCI_CONFIG_SIZE = 256
-PCIE_CONFIG_SIZE = 4096
-
 
 def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bool = False) -> HostRoot:
     """Write ``profile`` into ``into``. With ``real_device_nodes`` (root only) its
@@ -139,10 +136,6 @@ def _create_device(host: HostRoot, profile: HostProfile, dev: ProfileDevice, by_
     }
     for name, value in attrs.items():
         (directory / name).write_text(value + "\n")
-    # The config space as sysfs sizes it: 4096 bytes for PCI Express, 256 for conventional PCI
-    # (drivers/pci/probe.c pci_cfg_space_size); Kata tells them apart by this size alone.
-    with open(directory / "config", "wb") as config:
-        config.truncate(PCIE_CONFIG_SIZE if dev.pcie else PCI_CONFIG_SIZE)
     kernel.write_uevent(directory, dev.bdf, dev.vendor, dev.device, dev.class_code,
                            dev.subsystem_vendor, dev.subsystem_device, None)
     emulated = dev.cc_mode is not None or dev.ppcie_mode is not None

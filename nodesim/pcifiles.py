@@ -5,7 +5,9 @@ Tools that talk to a device rather than to its driver open these: NVIDIA's gpu-a
 reads the config space (capability list, BAR registers), parses ``resource`` for the BARs
 and maps BAR0 from ``resource0`` to read the GPU's registers; its reset writes ``reset``.
 They are laid out as Linux lays them out (``drivers/pci/pci-sysfs.c``): ``config`` is the
-4 KiB extended config space, ``resource`` one ``start end flags`` line per resource in hex,
+4 KiB extended config space of a PCI Express function, 256 bytes for a conventional PCI one
+(``drivers/pci/probe.c`` ``pci_cfg_space_size``; Kata tells them apart by that size alone,
+and gives only the former a PCIe root port), ``resource`` one ``start end flags`` line per resource in hex,
 ``resourceN`` a file as long as BAR N, ``modalias`` ``pci:v%08Xd%08X...``.
 
 A simulated GPU with a CC mode (a profile's ``cc_mode``) has BAR0 registers the tool's
@@ -20,6 +22,7 @@ from pathlib import Path
 from nodesim.profile import ProfileDevice
 
 CONFIG_SIZE = 4096
+PCI_CONFIG_SIZE = 256  # a conventional PCI function's (profile key pcie: false)
 BAR0_SIZE = 16 << 20  # a GPU's BAR0 (GPU_BAR0_SIZE in the tool)
 BAR1_MAPPED = 1 << 20  # the tool maps only the first MiB of BAR1
 _CAP_PM = 0x01
@@ -55,8 +58,9 @@ def _port_type(dev: ProfileDevice, by_bdf: dict[str, ProfileDevice]) -> int:
 
 def config_space(dev: ProfileDevice, by_bdf: dict[str, ProfileDevice], *, with_bars: bool) -> bytes:
     """The device's config space: ids, command (memory decode on), class, header type, its
-    BARs, subsystem ids, and a capability list of power management and PCI Express."""
-    cfg = bytearray(CONFIG_SIZE)
+    BARs, subsystem ids, and a capability list of power management and, for a PCI Express
+    function, PCI Express."""
+    cfg = bytearray(CONFIG_SIZE if dev.pcie else PCI_CONFIG_SIZE)
     bridge = dev.class_code >> 8 == _BRIDGE_CLASS
     struct.pack_into("<HHHH", cfg, 0x00, dev.vendor, dev.device, 0x0006, 0x0010)
     cfg[0x09:0x0C] = bytes([dev.class_code & 0xFF, (dev.class_code >> 8) & 0xFF, dev.class_code >> 16])
@@ -66,10 +70,11 @@ def config_space(dev: ProfileDevice, by_bdf: dict[str, ProfileDevice], *, with_b
     if not bridge:
         struct.pack_into("<HH", cfg, 0x2C, dev.subsystem_vendor, dev.subsystem_device)
     cfg[0x34] = _PM_AT
-    cfg[_PM_AT], cfg[_PM_AT + 1] = _CAP_PM, _EXP_AT
+    cfg[_PM_AT], cfg[_PM_AT + 1] = _CAP_PM, _EXP_AT if dev.pcie else 0x00
     struct.pack_into("<H", cfg, _PM_AT + 2, 0x0003)
-    cfg[_EXP_AT], cfg[_EXP_AT + 1] = _CAP_EXP, 0x00
-    struct.pack_into("<H", cfg, _EXP_AT + 2, 0x0002 | _port_type(dev, by_bdf) << 4)
+    if dev.pcie:
+        cfg[_EXP_AT], cfg[_EXP_AT + 1] = _CAP_EXP, 0x00
+        struct.pack_into("<H", cfg, _EXP_AT + 2, 0x0002 | _port_type(dev, by_bdf) << 4)
     return bytes(cfg)
 
 
