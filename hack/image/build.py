@@ -457,8 +457,10 @@ def build_pause_part(dest: Path, target: Platform, request: dict) -> None:
     version = PAUSE_REF.rsplit(":", 1)[1]
     env = {**os.environ, "CGO_ENABLED": "0", "GOOS": "linux", "GOARCH": target.arch,
            "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
-    run([go_binary(), "build", "-trimpath", "-ldflags", f"-s -w -buildid= -X main.version={version}",
-         "-o", str(root / "pause"), "."], cwd=HERE / "pause", env=env, what="go build (pause)")
+    # -buildvcs=false: Go would stamp the checkout's revision and whether it has untracked
+    # files into the binary, so a test run that leaves a file behind changed the pause image.
+    run([go_binary(), "build", "-trimpath", "-buildvcs=false", "-ldflags",
+         f"-s -w -buildid= -X main.version={version}", "-o", str(root / "pause"), "."], cwd=HERE / "pause", env=env, what="go build (pause)")
     os.chmod(root / "pause", 0o755)
     (dest / "blobs").mkdir()
     layer = oci.write_layer(root, dest / "blobs", request["epoch"])
