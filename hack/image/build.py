@@ -460,7 +460,8 @@ def build_pause_part(dest: Path, target: Platform, request: dict) -> None:
     # -buildvcs=false: Go would stamp the checkout's revision and whether it has untracked
     # files into the binary, so a test run that leaves a file behind changed the pause image.
     run([go_binary(), "build", "-trimpath", "-buildvcs=false", "-ldflags",
-         f"-s -w -buildid= -X main.version={version}", "-o", str(root / "pause"), "."], cwd=HERE / "pause", env=env, what="go build (pause)")
+         f"-s -w -buildid= -X main.version={version}", "-o", str(root / "pause"), "."],
+        cwd=HERE / "pause", env=env, what="go build (pause)")
     os.chmod(root / "pause", 0o755)
     (dest / "blobs").mkdir()
     layer = oci.write_layer(root, dest / "blobs", request["epoch"])
