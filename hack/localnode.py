@@ -1,7 +1,7 @@
 """The node half of hack/local-cluster (`up DIR --node`): containerd 2.x, a kubelet and
 kube-proxy on this machine, registered with the local control plane as one node.
 
-Imported by hack/local-cluster (standard library only, like it). What it sets up, and why:
+Imported by hack/localcluster.py (standard library only, like it). What it sets up, and why:
 
 - containerd (built from hack/containerd/go.mod; Debian 12's 1.6 has no CDI) with its own
   root, state and socket under DIR/containerd, runc from Debian, CDI on and reading the
