@@ -334,6 +334,15 @@ def control_plane(d: Path, bin_dir: Path, ports: dict[str, int], node_ip: str) -
                   # The `kubernetes` Service's Endpoints may not hold a loopback address
                   # (the API server refuses its own write every 10 s): keep none.
                   "--endpoint-reconciler-type", "none"]
+
+    def controller(name: str, kubeconfig: str) -> list[str]:
+        """The controller manager and the scheduler: one kubeconfig for the API and for
+        checking their own callers, serving on loopback only."""
+        config = str(pki / kubeconfig)
+        return [str(bin_dir / name), "--kubeconfig", config,
+                "--authentication-kubeconfig", config, "--authorization-kubeconfig", config,
+                "--bind-address", "127.0.0.1", "--secure-port", str(ports[name])]
+
     return {
         "etcd": Process("etcd", [
             str(bin_dir / "etcd"), "--name", "local", "--data-dir", str(d / "etcd"),
@@ -371,12 +380,7 @@ def control_plane(d: Path, bin_dir: Path, ports: dict[str, int], node_ip: str) -
             "--profiling=false",
         ], str(logs / "kube-apiserver.log"), port=ports["kube-apiserver"]),
         "kube-controller-manager": Process("kube-controller-manager", [
-            str(bin_dir / "kube-controller-manager"),
-            "--kubeconfig", str(pki / "controller-manager.kubeconfig"),
-            "--authentication-kubeconfig", str(pki / "controller-manager.kubeconfig"),
-            "--authorization-kubeconfig", str(pki / "controller-manager.kubeconfig"),
-            "--bind-address", "127.0.0.1",
-            "--secure-port", str(ports["kube-controller-manager"]),
+            *controller("kube-controller-manager", "controller-manager.kubeconfig"),
             "--service-account-private-key-file", str(pki / "sa.key"),
             "--root-ca-file", str(pki / "ca.crt"),
             "--cluster-signing-cert-file", str(pki / "ca.crt"),
@@ -387,12 +391,7 @@ def control_plane(d: Path, bin_dir: Path, ports: dict[str, int], node_ip: str) -
             "--profiling=false",
         ], str(logs / "kube-controller-manager.log"), port=ports["kube-controller-manager"]),
         "kube-scheduler": Process("kube-scheduler", [
-            str(bin_dir / "kube-scheduler"),
-            "--kubeconfig", str(pki / "scheduler.kubeconfig"),
-            "--authentication-kubeconfig", str(pki / "scheduler.kubeconfig"),
-            "--authorization-kubeconfig", str(pki / "scheduler.kubeconfig"),
-            "--bind-address", "127.0.0.1",
-            "--secure-port", str(ports["kube-scheduler"]),
+            *controller("kube-scheduler", "scheduler.kubeconfig"),
             "--leader-elect=false",
             "--profiling=false",
         ], str(logs / "kube-scheduler.log"), port=ports["kube-scheduler"]),
