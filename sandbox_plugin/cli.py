@@ -219,13 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         host, naming = _build(args)
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
-        # A simulated node brings its own NVML (answering from the node's sysfs), asked
-        # again soon (the agent may still be giving the GPUs back to nvidia).
+        # A simulated node brings its own NVML (answering from the node's sysfs and, as
+        # NVML, listing again only when started again: the driver watch does that).
         simulated = open_node(host.root)
         nvml = simulated.nvml() if simulated else None
         runner = PluginRunner(lambda m, metrics: PluginManager(
-            host, m, naming=naming, device_list_strategies=strategies, metrics=metrics,
-            nvml=nvml, **({"nvml_retry_interval": 2.0} if simulated else {})))
+            host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml))
         follower = None
         if args.mode != AUTO:
             mode, why = Mode(args.mode), "chosen with --mode"
