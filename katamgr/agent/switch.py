@@ -24,7 +24,7 @@ from katamgr.agent.giveback import GiveBacks
 from katamgr.agent.health import Health
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.target import Target
-from katamgr.errors import KatamgrError
+from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.workload import Operand, Resolution, Workload, describe_opt_outs
 from katamgr.pipeline.reconcile import Steps
 from katamgr.pipeline.report import LeaveReport, Report
@@ -63,6 +63,8 @@ class Switch:
         except KatamgrError as exc:  # the API down, a bad label value: keep what we run
             if str(exc) != self._label_error:
                 log.warning("could not read the node's workload (%s); keeping %s", exc, t.steps.workload)
+                if isinstance(exc, ConfigError):  # the label's own value: the operator's to mend
+                    self.events.label_refused(f"{exc}; nothing was moved: the node keeps {t.steps.workload}")
             self._label_error = str(exc)
             return False
         self._label_error = None

@@ -1,14 +1,20 @@
 """Kubernetes Events, so `kubectl describe node` shows what the agent did.
 
 Events are best effort: a failure to record one is logged and never fails
-the work it describes.
+the work it describes. An Event the API server could not be reached for (a
+restart, an outage across a relabel) is written again later, as client-go's
+recorder does (k8s.io/client-go tools/record/event.go, recordToSink: up to 12
+tries, 10 s apart, the first wait random; an answer from the server that
+refuses the Event is not retried), with the time it happened.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -49,6 +55,12 @@ class ObjectRef:
     api_version: str = "v1"
 
 
+# client-go's recorder: tries per Event, and the wait between them.
+MAX_TRIES = 12
+RETRY_SECONDS = 10.0
+WRITTEN, REFUSED, UNREACHABLE = "written", "refused", "unreachable"
+
+
 def record_event(
     api: ApiClient,
     namespace: str,
@@ -58,9 +70,15 @@ def record_event(
     type: str = "Normal",  # noqa: A002 - the Event field's name
 ) -> bool:
     """Record a core/v1 Event in ``namespace``; False (logged) when it could not be written."""
+    return _send(api, namespace, involved_object, reason, message, type) == WRITTEN
+
+
+def _send(api: ApiClient, namespace: str, involved_object: ObjectRef, reason: str, message: str,
+          type: str, when: datetime | None = None, quiet: bool = False) -> str:  # noqa: A002
+    """WRITTEN, REFUSED (the server answered no) or UNREACHABLE (no answer: worth a retry)."""
     if type not in EVENT_TYPES:
         raise ValueError(f"event type {type!r} is not one of {EVENT_TYPES}")
-    now = datetime.now(UTC)
+    now = when or datetime.now(UTC)
     event = CoreV1Event(
         metadata=V1ObjectMeta(
             # client-go names events <object>.<hex nanoseconds>, unique per object.
@@ -87,14 +105,21 @@ def record_event(
     try:
         CoreV1Api(api).create_namespaced_event(namespace, event)
     except ApiException as e:
+        if e.status == 0 or e.status is None:  # the client's own wrapper of a failed connection
+            return _unreachable(reason, involved_object, str(e.reason), quiet)
         log.warning("could not record event %s on %s %s: %s", reason, involved_object.kind,
                     involved_object.name, api_error_message(e))
-        return False
+        return REFUSED
     except HTTPError as e:
-        log.warning("could not record event %s on %s %s: %s", reason, involved_object.kind,
-                    involved_object.name, e)
-        return False
-    return True
+        return _unreachable(reason, involved_object, str(e), quiet)
+    return WRITTEN
+
+
+def _unreachable(reason: str, involved_object: ObjectRef, why: str, quiet: bool) -> str:
+    if not quiet:
+        log.warning("could not record event %s on %s %s: %s; trying again every %g s",
+                    reason, involved_object.kind, involved_object.name, why, RETRY_SECONDS)
+    return UNREACHABLE
 
 
 def _host() -> str:
@@ -108,7 +133,8 @@ class EventRecorder:
     per ``window`` in all (the rest are logged and dropped)."""
 
     def __init__(self, api: ApiClient, node_name: str, *, namespace: str = NODE_EVENTS_NAMESPACE,
-                 window: float = 600.0, burst: int = 20, clock=time.monotonic) -> None:
+                 window: float = 600.0, burst: int = 20, clock=time.monotonic,
+                 retry_seconds: float = RETRY_SECONDS) -> None:
         # kubelet's convention for Node events (kubectl describe node finds them by it).
         self.node = ObjectRef("Node", node_name, uid=node_name)
         self.api = api
@@ -118,6 +144,11 @@ class EventRecorder:
         self.clock = clock
         self._seen: dict[tuple[str, str, str], float] = {}
         self._written: list[float] = []
+        self.retry_seconds = retry_seconds
+        # Events the API server could not be reached for: (reason, message, type, when, tries).
+        self._pending: list[tuple[str, str, str, datetime, int]] = []
+        self._pending_lock = threading.Lock()
+        self._retrier: threading.Thread | None = None
 
     def record(self, reason: str, message: str, type: str = "Normal") -> bool:  # noqa: A002
         """True when an Event was written; False when de-duplicated, rate-limited or failed."""
@@ -132,4 +163,48 @@ class EventRecorder:
             return False
         self._seen[key] = now
         self._written.append(now)
-        return record_event(self.api, self.namespace, self.node, reason, message, type)
+        when = datetime.now(UTC)
+        outcome = _send(self.api, self.namespace, self.node, reason, message, type, when)
+        if outcome == UNREACHABLE:
+            self._keep(reason, message, type, when)
+        return outcome == WRITTEN
+
+    @property
+    def pending(self) -> int:
+        """Events waiting for the API server."""
+        with self._pending_lock:
+            return len(self._pending)
+
+    def _keep(self, reason: str, message: str, type: str, when: datetime) -> None:  # noqa: A002
+        with self._pending_lock:
+            self._pending.append((reason, message, type, when, 1))
+            if self._retrier is None or not self._retrier.is_alive():
+                self._retrier = threading.Thread(target=self._retry, name="event-retry", daemon=True)
+                self._retrier.start()
+
+    def _retry(self) -> None:
+        """Write the kept Events again, oldest first, until none is left."""
+        delay = self.retry_seconds * random.random()  # noqa: S311 - spreading nodes out, not secrecy
+        while True:
+            time.sleep(delay)
+            delay = self.retry_seconds
+            with self._pending_lock:
+                batch, self._pending = self._pending, []
+            left = []
+            for i, (reason, message, type_, when, tries) in enumerate(batch):
+                outcome = _send(self.api, self.namespace, self.node, reason, message, type_, when, quiet=True)
+                if outcome == UNREACHABLE:
+                    if tries + 1 < MAX_TRIES:
+                        left.append((reason, message, type_, when, tries + 1))
+                    else:
+                        log.warning("gave up recording event %s on Node %s after %d tries: %s",
+                                    reason, self.node.name, MAX_TRIES, message)
+                    left += [(r, m, t, w, n) for r, m, t, w, n in batch[i + 1:]]  # still down: later
+                    break
+                if outcome == WRITTEN:
+                    log.info("recorded event %s on Node %s after the API server came back", reason, self.node.name)
+            with self._pending_lock:
+                self._pending = left + self._pending
+                if not self._pending:
+                    self._retrier = None
+                    return

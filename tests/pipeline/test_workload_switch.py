@@ -194,7 +194,8 @@ def test_a_bad_label_value_keeps_the_workload_and_is_logged_once(tmp_path, caplo
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
         read, watch = follower(api)
-        agent = Agent(host, NAMING, Steps(kata=False), None, read_workload=read, node_watch=watch)
+        agent = Agent(host, NAMING, Steps(kata=False), None, read_workload=read, node_watch=watch,
+                      events=EventRecorder(api.client(), NODE))
         assert agent.reconcile("start").ok
         relabel(api, "vm-typo")
         assert wait_for(lambda: watch.labels().get(WORKLOAD_LABEL) == "vm-typo")
@@ -203,6 +204,10 @@ def test_a_bad_label_value_keeps_the_workload_and_is_logged_once(tmp_path, caplo
         assert agent.target.steps.workload is Workload.VM_PASSTHROUGH and driver_of(host, FREE) == "vfio-pci"
         warnings = [r for r in caplog.records if "could not read the node's workload" in r.getMessage()]
         assert len(warnings) == 1 and "vm-typo" in warnings[0].getMessage()
+        # And on the Node, where `kubectl describe node` shows it: once, a Warning.
+        [refused] = events(api, "WorkloadLabelInvalid")
+        assert refused["type"] == "Warning" and "'vm-typo'" in refused["message"]
+        assert "nothing was moved: the node keeps vm-passthrough" in refused["message"]
 
 
 def test_no_follower_without_auto_a_node_name_or_a_cluster():
