@@ -12,6 +12,9 @@ a host root:
   (a newer registration of the same resource replaces the older connection);
 - ``allocate`` / ``preferred`` / ``pre_start`` call the plugin as the kubelet
   would when admitting a pod;
+- a plugin whose ListAndWatch stream ends (it stood down, or died) has its devices
+  marked Unhealthy, as the kubelet's ``PluginDisconnected`` does: none is allocated,
+  none is listed as allocatable by PodResources;
 - ``restart()`` does what a restarting kubelet does to the dir: stop, delete
   every socket in it, serve a new ``kubelet.sock``;
 - ``admit_pod`` admits a pod as the device manager does (free healthy devices,
@@ -36,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -447,4 +450,9 @@ class KubeletSimulator:
         with self._cond:
             if self._endpoints.get(name) in (endpoint, None):
                 self._state.connected.discard(name)
+                # As the kubelet: a plugin whose stream ended has every device Unhealthy
+                # (pkg/kubelet/cm/devicemanager/manager.go PluginDisconnected ->
+                # markResourceUnhealthy), so none is allocated or listed as allocatable.
+                self._state.devices[name] = [replace(d, health="Unhealthy")
+                                             for d in self._state.devices.get(name, [])]
             self._cond.notify_all()

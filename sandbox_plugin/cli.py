@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from katamgr.errors import KatamgrError
@@ -288,15 +289,18 @@ def _metrics(args: argparse.Namespace, metrics, healthy, ready) -> contextlib.Ab
 
 def _wait(stop: threading.Event, follower: LabelFollower | None = None) -> None:
     # Short waits keep the main thread where signal handlers run responsive; a follower
-    # is checked when its watch says the labels changed, and every 30 s regardless.
-    ticks = 0
-    while not stop.wait(0.2 if follower is not None else 1.0):
+    # is checked as soon as its watch says the labels changed, and every 30 s regardless.
+    last = time.monotonic()
+    while not stop.is_set():
         if follower is None:
+            stop.wait(1.0)
             continue
-        ticks += 1
-        if follower.changed.is_set() or ticks >= 150:
+        woken = follower.changed.wait(0.2)
+        if stop.is_set():
+            return
+        if woken or time.monotonic() - last >= 30:
             follower.changed.clear()
-            ticks = 0
+            last = time.monotonic()
             follower.check()
 
 

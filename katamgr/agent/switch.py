@@ -84,6 +84,8 @@ class Switch:
         t = self.target
         old, old_out = t.steps, t.opted_out
         new = replace(t.base_steps, workload=workload).without(out)
+        # When it began (the line at the end says what it did): a switch takes seconds.
+        log.info("%s: starting", _change(old, old_out, new, out))
         release = old.passthrough and old.vfio and not (new.passthrough and new.vfio)
         what: list[str] = []
         readiness_off = old.readiness and not new.readiness and t.base_steps.vfio

@@ -14,11 +14,17 @@ from typing import TYPE_CHECKING
 from katamgr.host import readiness, vfio
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
+from katamgr.host.passthrough import resource_units
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Operand, Workload
 from katamgr.node.lock import node_lock, tidy_state_dir
-from katamgr.node.podresources import PodDevices, assigned_functions, list_pod_devices
+from katamgr.node.podresources import (
+    PodDevices,
+    assigned_functions,
+    list_pod_devices,
+    wait_not_offered,
+)
 from katamgr.node.toolkit import isolation_problem, read_toolkit_config, toml_value
 from katamgr.pipeline import cdi_specs
 from katamgr.pipeline.devices import apply_host, revert_host
@@ -31,6 +37,9 @@ if TYPE_CHECKING:
 PASSTHROUGH = Workload.VM_PASSTHROUGH
 # How long a second katamgr waits for the one holding the node lock (--wait).
 DEFAULT_LOCK_WAIT = 60.0
+# How long a leave waits for the kubelet to stop offering the GPUs it gives back (their
+# device plugin standing down follows the same label within a second).
+OFFER_WAIT = 10.0
 
 
 @dataclass(frozen=True)
@@ -209,7 +218,8 @@ def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, f
 def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: bool | None = None,
                       readiness_owned: bool | None = None, lock_wait: float = DEFAULT_LOCK_WAIT,
                       command: str = "katamgr run (workload switch)",
-                      pod_devices: Callable[[], PodDevices] | None = None) -> LeaveReport:
+                      pod_devices: Callable[[], PodDevices] | None = None,
+                      offer_wait: float = OFFER_WAIT) -> LeaveReport:
     """The node was relabeled away from vm-passthrough, or opted out of katamgr's binding
     (``steps`` are the steps it asks for now): with ``release`` (default ``steps.vfio``,
     whether katamgr bound its GPUs) give the GPUs no pod or VM holds back to their drivers,
@@ -224,13 +234,20 @@ def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: 
     default: the node's kubelet socket). A GPU given to a pod whose VM has not opened it
     yet (the VM is starting) is kept too (``LeaveReport.waiting``) and the free GPUs go
     at once; the caller tries again, so the kept one goes once its pod is gone. A kubelet
-    that cannot be asked is reported and only the VMs' open nodes count."""
+    that cannot be asked is reported and only the VMs' open nodes count.
+
+    On a node that leaves vm-passthrough the kubelet is asked only once it no longer
+    offers the GPUs to new pods (their plugin stood down: ``wait_not_offered``, at most
+    ``offer_wait`` s): a pod admitted a moment before is then in its answer and keeps its
+    GPU, and none admitted after can get one, so no pod is ever given a GPU that is
+    leaving."""
     release = steps.vfio if release is None else release
     readiness_owned = release if readiness_owned is None else readiness_owned
     with node_lock(host, command, lock_wait):
         report = LeaveReport()
         if release:
-            _release_devices(host, naming, report, pod_devices or (lambda: list_pod_devices(host)))
+            _release_devices(host, naming, report, pod_devices or (lambda: list_pod_devices(host)),
+                             offer_wait=0.0 if steps.passthrough else offer_wait)
         if readiness_owned and steps.readiness:
             report.changes += [f"wrote {p}" if p == readiness.WORKLOAD_TYPE else f"removed {p}"
                                for p in readiness.mark_workload(host, steps.workload)]
@@ -243,9 +260,15 @@ def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: 
 
 
 def _release_devices(host: HostRoot, naming: Naming, report: LeaveReport,
-                     pod_devices: Callable[[], PodDevices]) -> None:
+                     pod_devices: Callable[[], PodDevices], *, offer_wait: float) -> None:
     """The device half of ``leave_passthrough``: unbind what nobody holds, report the rest."""
     recorded = vfio.bound_by_us(host)
+    if offer_wait and recorded:
+        leaving = [u.id for u in resource_units(host, discover(host, naming.selection), naming)
+                   if set(u.functions) & set(recorded)]
+        late = wait_not_offered(host, leaving, timeout=offer_wait)
+        if late:
+            report.warnings.append(f"{late}; going on: a pod given one meanwhile is in the kubelet's answer")
     asked = pod_devices()
     report.pods_unknown = asked.unknown
     if asked.unknown:
