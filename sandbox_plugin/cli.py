@@ -33,7 +33,7 @@ from katamgr.node.process import (
 from nodesim.node import open_node
 from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host, read_labels
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
-from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, mode_for
+from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, holds_for, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.served import PluginServerError
 
@@ -224,8 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         # NVML, listing again only when started again: the driver watch does that).
         simulated = open_node(host.root)
         nvml = simulated.nvml() if simulated else None
-        runner = PluginRunner(lambda m, metrics: PluginManager(
-            host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml))
+        runner = PluginRunner(lambda m, metrics, held_only=False: PluginManager(
+            host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml,
+            held_only=held_only))
+        held = False
         follower = None
         if args.mode != AUTO:
             mode, why = Mode(args.mode), "chosen with --mode"
@@ -242,14 +244,16 @@ def main(argv: list[str] | None = None) -> int:
                     host, args.node_name, lambda node: watch.labels(), args.default_workload,
                     naming.selection), args.auto_modes)
                 watch.on_change = follower.changed.set
-                mode, why = mode_for(follower.resolve(), args.auto_modes)
+                resolved = follower.resolve()
+                mode, why = mode_for(resolved, args.auto_modes)
+                held = holds_for(resolved, args.auto_modes)
     except KatamgrError as exc:  # bad usage or configuration 2, the API not answering 1
         if watch is not None:
             watch.stop()
         report_error(f"sandbox-device-plugin: error: {exc}", args.log_format, log)
         return exc.exit_code
     try:
-        runner.serve(mode, why)
+        runner.serve(mode, why, held)
         # After the plugins registered: the kubelet waits for them, while the probes
         # (startupProbe: a minute) wait well for the HTTP server and prometheus_client.
         with _metrics(args, runner.metrics, runner.health, runner.readiness):

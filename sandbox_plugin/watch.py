@@ -85,12 +85,15 @@ class DeviceWatcher:
         self, host: HostRoot, on_change: Callable[[], None], *, rescan_interval: float = 30.0,
         uevents: bool | None = None, uevent_subsystems: frozenset[str] = DEVICE_SUBSYSTEMS,
         on_node_gone: Callable[[str], None] | None = None, watched: tuple[str, ...] = WATCHED,
-        name: str = "device-watcher",
+        name: str = "device-watcher", polls: bool = False,
     ) -> None:
         """``uevents``: listen to the kernel's device events (default: when the
         host root is the real kernel's, not a simulated one). ``on_node_gone``: called
         with the host path of a VFIO device node as soon as it is seen gone. ``watched``:
-        the host dirs watched with inotify (default: the passthrough side's)."""
+        the host dirs watched with inotify (default: the passthrough side's). ``polls``:
+        ``rescan_interval`` is a poll the caller needs (for what no device event tells),
+        kept even when uevents would stretch the safety rescan."""
+        self.polls = polls
         self.host = host
         self.watched = watched
         self.name = name
@@ -116,7 +119,8 @@ class DeviceWatcher:
             self._uevents = open_kernel_events(self._uevent_subsystems)
             if self._uevents is not None:
                 self._watcher.add_source(self._uevents.fileno(), self._uevents.drain)
-                self.rescan_interval = max(self.rescan_interval, UEVENT_RESCAN_INTERVAL)
+                if not self.polls:
+                    self.rescan_interval = max(self.rescan_interval, UEVENT_RESCAN_INTERVAL)
         self._add_watches()
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()

@@ -110,15 +110,20 @@ def offered_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
 
 def wait_not_offered(host: HostRoot, ids: Iterable[str], *, timeout: float,
                      every: float = 0.05, clock=time.monotonic) -> str | None:
-    """Wait until the kubelet offers none of ``ids`` (the device plugin serving them stood
-    down), so that no pod can be given one after the kubelet's ``List`` is read. None once
-    it offers none (or cannot be asked: then ``List`` fails too and says so); else a
-    sentence naming those still offered after ``timeout``."""
+    """Wait until the kubelet offers none of ``ids`` to a new pod (the device plugin
+    serving them stood down, or lists only those pods were given: a device given to a pod
+    is never given to another), so that no pod can be given one after the kubelet's
+    ``List`` is read. None once it offers none free (or cannot be asked: then ``List``
+    fails too and says so); else a sentence naming those still offered after ``timeout``."""
     wanted = {i.lower() for i in ids}
     deadline = clock() + timeout
     while True:
         offered, unknown = offered_devices(host, timeout=min(DEFAULT_TIMEOUT, timeout))
-        still = sorted(wanted & offered)
+        still = wanted & offered
+        if still and unknown is None:
+            given = list_pod_devices(host, timeout=min(DEFAULT_TIMEOUT, timeout))
+            still -= {a.device_id.lower() for a in given.assignments}
+        still = sorted(still)
         if unknown is not None or not still:
             return None
         if clock() >= deadline:

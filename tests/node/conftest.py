@@ -71,11 +71,10 @@ def node():
         the_node.wait_chart_ready()
         yield the_node
     finally:
-        bin_dir = cluster.bin
         print(cluster.down())
         # `down` leaves no process it started, directly or through containerd (its shims,
         # the pods' containers): the process table against the one before `up`.
-        left = {pid: cmd for pid, cmd in started_processes(directory, bin_dir).items()
+        left = {pid: cmd for pid, cmd in started_processes(directory).items()
                 if (pid, _start_time(pid)) not in before}
         shutil.rmtree(directory, ignore_errors=True)
         assert not left, f"hack/local-cluster down left {len(left)} processes running: {left}"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,13 +201,14 @@ def nvidia_drivers(root: Path) -> dict[str, str | None]:
     return found
 
 
-def started_processes(directory: Path, bin_dir: Path) -> dict[int, str]:
+def started_processes(directory: Path) -> dict[int, str]:
     """Processes a local cluster in ``directory`` started, found the way `ps` would: the
-    command line names the dir or a binary of ``bin_dir``, the binary is a containerd shim,
-    or the process lives in the kubelet's ``kubepods`` cgroups (its pods' containers).
-    pid -> command line."""
+    command line names the dir (every component's flags do, and each containerd shim's
+    ``-address``), or the process lives in the kubelet's ``kubepods`` cgroups (its pods'
+    containers; one node per machine). Other clusters' processes (other checkouts' control
+    planes, another containerd's shims) name other dirs. pid -> command line."""
     found = {}
-    marks = (str(directory), str(bin_dir))
+    marks = (str(directory),)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -220,17 +220,7 @@ def started_processes(directory: Path, bin_dir: Path) -> dict[int, str]:
             continue
         if state == "Z":
             continue
-        if any(m in cmdline for m in marks) or "containerd-shim" in cmdline or "/kubepods" in cgroup:
+        if any(m in cmdline for m in marks) or "/kubepods" in cgroup:
             found[int(entry.name)] = cmdline[:200]
     return found
 
-
-def wait_quiet(check, what: str, timeout: float) -> Any:
-    """check()'s first truthy value within ``timeout`` (polling every 0.1 s), else None."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    return None
