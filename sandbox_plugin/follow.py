@@ -97,7 +97,21 @@ class PluginRunner:
             self.why = why
             if (mode, held) == (self.mode, self.held) and (mode is None and not held or self.manager is not None):
                 return False
-            old, self.manager, self.mode, self.held = self.manager, None, mode, held
+            current = self.manager
+            if (current is not None and current.mode is Mode.VM_PASSTHROUGH
+                    and (mode is Mode.VM_PASSTHROUGH or held)):
+                # vm-passthrough <-> held-only: the same servers, so the devices pods hold
+                # never turn Unhealthy at the kubelet.
+                self.mode, self.held = mode, held
+                in_place = current
+            else:
+                in_place = None
+                old, self.manager, self.mode, self.held = self.manager, None, mode, held
+        if in_place is not None:
+            announce.info("mode %s: %s", "none (advertising only the passthrough devices pods still hold)"
+                          if held else mode.value, why)
+            in_place.set_held_only(held)
+            return True
         if old is not None:
             old.stop()
         if held:

@@ -69,6 +69,7 @@ class PluginManager:
         self.host = host
         self.mode = Mode(mode)
         self.held_only = held_only
+        self.rescan_interval = rescan_interval
         self.backoff = backoff
         self.servers: dict[str, PluginServer] = {}
         self._lock = threading.Lock()
@@ -111,6 +112,23 @@ class PluginManager:
             assert self.nvml_resource is not None
             self.nvml_resource.start()
             self._serve(self.nvml_resource)
+
+    def set_held_only(self, held: bool) -> None:
+        """Serve only the devices pods still hold (every Allocate refused), or all again,
+        without stopping the servers: a device a pod holds stays Healthy at the kubelet
+        throughout (a stopped server would have it marked Unhealthy, and a kubelet
+        restarting then would kill its pod)."""
+        assert self.discovery is not None and self._watcher is not None
+        self.discovery.set_held_only(held)  # Allocate refused from here on, before the list shrinks
+        self.held_only = held
+        self._watcher.polls = held
+        self._watcher.rescan_interval = HELD_RESCAN if held else self.rescan_interval
+        self.refresh()
+        self._watcher.wake()
+        if held:
+            log.info("serving only the devices pods still hold (%s); every Allocate refused",
+                     ", ".join(f"{name}: {len(r.units())}" for name, r in self.discovery.resources.items())
+                     or "none")
 
     def refresh(self) -> None:
         """Rescan passthrough devices; start servers for resources seen for the first time."""

@@ -398,6 +398,20 @@ class PassthroughDiscovery:
         self._given = given or self._ask_kubelet
         self._kept: set[str] = set()  # the units listed last (a kubelet not answering keeps them)
 
+    def _refusal(self) -> str | None:
+        return (f"this node no longer runs {PASSTHROUGH}: its devices stay only with the pods "
+                "that hold them" if self.held_only else None)
+
+    def set_held_only(self, held: bool) -> None:
+        """Switch in place (the servers stay registered, so the devices pods hold never turn
+        Unhealthy at the kubelet): Allocate is refused, or allowed, from now on; the next
+        ``refresh`` lists what that asks for."""
+        with self._lock:
+            self.held_only = held
+            refusal = self._refusal()
+            for resource in self.resources.values():
+                resource.refusal = refusal
+
     def _ask_kubelet(self) -> set[str] | None:
         from katamgr.node.podresources import list_pod_devices
 
@@ -422,7 +436,7 @@ class PassthroughDiscovery:
         server already registered for it need not be torn down and rebuilt.
         """
         units = scan_units(self.host, self.naming)
-        if self.held_only:
+        if self.held_only:  # (read once: set_held_only may change it meanwhile; the next refresh follows)
             given = self._given()
             if given is not None:  # else (a kubelet restarting): the units listed last
                 self._kept = {u.id for u in units if {u.id, *u.bdfs} & given}
@@ -431,8 +445,7 @@ class PassthroughDiscovery:
         for unit in units:
             by_name.setdefault(unit.resource_name, []).append(unit)
         created = []
-        refusal = (f"this node no longer runs {PASSTHROUGH}: its devices stay only with the pods "
-                   "that hold them" if self.held_only else None)
+        refusal = self._refusal()
         with self._lock:
             for name in sorted(by_name.keys() - self.resources.keys()):
                 self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs, refusal)

@@ -125,6 +125,10 @@ class DeviceWatcher:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
+    def wake(self) -> None:
+        """Look at ``rescan_interval`` again (it was changed)."""
+        self._watcher.wake()
+
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._watcher.wake()
@@ -157,6 +161,9 @@ class DeviceWatcher:
             events = self._watcher.wait(max(0.0, deadline - time.monotonic()))
             if self._stop.is_set():
                 return
+            if events is None and not self._stop.is_set():  # woken: the interval may have changed
+                deadline = min(deadline, time.monotonic() + self.rescan_interval)
+                continue
             if events == [] and time.monotonic() < deadline:
                 continue  # only uevents of other subsystems
             if events:

@@ -96,7 +96,13 @@ def settled(node, workload: str, vms: list[VmPod], timeout: float = 90) -> dict[
             ok = (a.get(CONTAINER_GPU) == str(GPUS - gpus_held) and a.get(GPU_RESOURCE, "0") == str(gpus_held)
                   and a.get(NVSWITCH_RESOURCE, "0") == "0")
         return a if ok else None
-    wait_for(listed, f"allocatable of a {workload} node ({gpus_held} GPUs held)", timeout, every=0.5)
+    try:
+        wait_for(listed, f"allocatable of a {workload} node ({gpus_held} GPUs held)", timeout, every=0.5)
+    except AssertionError as e:
+        status = node.get()["status"]
+        raise AssertionError(f"{e}\nallocatable {status.get('allocatable')}\ncapacity {status.get('capacity')}\n"
+                             f"{node.cluster.kubectl('get', 'pods', '-A', check=False).stdout}"
+                             f"\nagent log:\n{agent_log(node)[-2000:]}") from None
     return drivers
 
 

@@ -80,7 +80,9 @@ def test_the_plugin_follows_relabels_and_opt_outs_without_a_restart(bound_a10, t
         try:
             kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
             for change, serving in (
-                ((WORKLOAD_LABEL, "container"), False),          # the container plugin's node now
+                # The container plugin's node now: no pod holds a GPU, so none is listed
+                # (the server stays, for the GPUs pods would still hold).
+                ((WORKLOAD_LABEL, "container"), None),
                 ((WORKLOAD_LABEL, "vm-passthrough"), True),
                 ((Operand.SANDBOX_DEVICE_PLUGIN.label, "false"), False),
                 ((Operand.SANDBOX_DEVICE_PLUGIN.label, None), True),
@@ -91,6 +93,8 @@ def test_the_plugin_follows_relabels_and_opt_outs_without_a_restart(bound_a10, t
                 label(api, *change)
                 if serving:
                     kubelet.wait_for(lambda s: A10 in s.connected and len(s.healthy(A10)) == 4, timeout=10)
+                elif serving is None:
+                    kubelet.wait_for(lambda s: A10 in s.connected and s.devices[A10] == [], timeout=10)
                 else:
                     # The servers stop and remove their sockets: the kubelet loses the endpoint.
                     kubelet.wait_for(lambda s: A10 not in s.connected, timeout=10)
