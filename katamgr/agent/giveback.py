@@ -46,13 +46,14 @@ class GiveBacks:
         return sorted(set(vfio.bound_by_us(self.target.host)) - self.held)
 
     def leave(self, steps: Steps, *, release: bool, lock_wait: float,
-              command: str = "katamgr run (workload switch)") -> LeaveReport:
-        """``leave_passthrough``, remembering the kubelet's answer it went by."""
+              command: str = "katamgr run (workload switch)", cancelled=None) -> LeaveReport:
+        """``leave_passthrough``, remembering the kubelet's answer it went by (``cancelled()``:
+        the node wants its GPUs bound again, stop waiting for the kubelet)."""
         self._asked = None
         t = self.target
         return leave_passthrough(t.host, t.naming, steps, release=release,
                                  readiness_owned=t.base_steps.vfio, lock_wait=lock_wait,
-                                 command=command, pod_devices=self._ask_pods)
+                                 command=command, pod_devices=self._ask_pods, cancelled=cancelled)
 
     def _ask_pods(self) -> PodDevices:
         self._asked = list_pod_devices(self.target.host)

@@ -74,6 +74,21 @@ class Switch:
             return False
         return self.switch(wanted, out)
 
+    def _binds_again(self) -> bool:
+        """Whether the labels, read now, ask for the GPUs on vfio-pci again (flipped back
+        while a leave waited for the kubelet)."""
+        if self.read_workload is None:
+            return False
+        try:
+            read = self.read_workload()
+        except KatamgrError:
+            return False
+        t = self.target
+        wanted, out = ((read.workload, read.opted_out) if isinstance(read, Resolution)
+                       else (Workload(read), t.opted_out))
+        steps = replace(t.base_steps, workload=wanted).without(out)
+        return steps.passthrough and steps.vfio
+
     def switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
         """Carry the node to ``workload`` with the operands in ``out`` opted out; False when
         it must be tried again (the node lock is busy, a record unreadable)."""
@@ -91,7 +106,8 @@ class Switch:
         readiness_off = old.readiness and not new.readiness and t.base_steps.vfio
         if release or (old.passthrough and not new.passthrough) or readiness_off:
             try:
-                report = self.give_backs.leave(new, release=release, lock_wait=t.lock_wait)
+                report = self.give_backs.leave(new, release=release, lock_wait=t.lock_wait,
+                                               cancelled=self._binds_again)
             except KatamgrError as exc:  # a busy node lock, an unreadable record: next tick
                 log.warning("could not switch %s yet (%s); trying again", _change(old, old_out, new, out), exc)
                 return False

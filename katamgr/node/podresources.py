@@ -108,13 +108,14 @@ def offered_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
     return frozenset(i.lower() for d in answer.devices for i in d.device_ids), None
 
 
-def wait_not_offered(host: HostRoot, ids: Iterable[str], *, timeout: float,
-                     every: float = 0.05, clock=time.monotonic) -> str | None:
+def wait_not_offered(host: HostRoot, ids: Iterable[str], *, timeout: float, every: float = 0.05,
+                     cancelled=None, clock=time.monotonic) -> list[str]:
     """Wait until the kubelet offers none of ``ids`` to a new pod (the device plugin
     serving them stood down, or lists only those pods were given: a device given to a pod
     is never given to another), so that no pod can be given one after the kubelet's
-    ``List`` is read. None once it offers none free (or cannot be asked: then ``List``
-    fails too and says so); else a sentence naming those still offered after ``timeout``."""
+    ``List`` is read. Returns the IDs still offered free when ``timeout`` passed or
+    ``cancelled()`` said to stop waiting; empty once none is (or when the kubelet cannot be
+    asked: then ``List`` fails too, and says so)."""
     wanted = {i.lower() for i in ids}
     deadline = clock() + timeout
     while True:
@@ -123,12 +124,10 @@ def wait_not_offered(host: HostRoot, ids: Iterable[str], *, timeout: float,
         if still and unknown is None:
             given = list_pod_devices(host, timeout=min(DEFAULT_TIMEOUT, timeout))
             still -= {a.device_id.lower() for a in given.assignments}
-        still = sorted(still)
         if unknown is not None or not still:
-            return None
-        if clock() >= deadline:
-            return (f"the kubelet still offered {', '.join(still)} to new pods after {timeout:g} s "
-                    "(is a device plugin still serving them?)")
+            return []
+        if clock() >= deadline or (cancelled is not None and cancelled()):
+            return sorted(still)
         time.sleep(every)
 
 

@@ -373,7 +373,10 @@ def test_a_pod_admitted_while_the_plugin_still_serves_keeps_its_gpu():
         server.stop()
 
 
-def test_a_plugin_that_never_stands_down_delays_the_leave_a_bounded_time():
+def test_a_gpu_the_kubelet_still_offers_stays_until_it_does_not():
+    """A plugin that never stands down (or a label flipped back meanwhile): after the bounded
+    wait the GPU the kubelet still offers to new pods stays on vfio-pci, reported, and goes
+    back at a later look once it is not offered."""
     from katamgr.pipeline.reconcile import leave_passthrough
     from nodesim.podresources import ListedDevice
 
@@ -384,10 +387,18 @@ def test_a_plugin_that_never_stands_down_delays_the_leave_a_bounded_time():
     server.start()
     try:
         started = time.monotonic()
-        report = leave_passthrough(host, NAMING, Steps(kata=False, workload=Workload.CONTAINER), offer_wait=0.5)
+        container = Steps(kata=False, workload=Workload.CONTAINER)
+        report = leave_passthrough(host, NAMING, container, offer_wait=0.5)
         assert 0.5 <= time.monotonic() - started < 3
-        assert driver_of(host, FREE) == "nvidia"
-        assert any(f"the kubelet still offered {FREE}" in w for w in report.warnings), report.warnings
+        assert driver_of(host, FREE) == "vfio-pci" and list(report.held) == [FREE]
+        assert any(f"{FREE} stay on vfio-pci: the kubelet still offers them" in w for w in report.warnings)
+        # Waiting stops as soon as the node wants its GPUs bound again.
+        started = time.monotonic()
+        report = leave_passthrough(host, NAMING, container, offer_wait=10, cancelled=lambda: True)
+        assert time.monotonic() - started < 2 and driver_of(host, FREE) == "vfio-pci"
+        offered[A10] = []  # the plugin stood down at last
+        report = leave_passthrough(host, NAMING, container, offer_wait=10)
+        assert driver_of(host, FREE) == "nvidia" and report.restored == [FREE]
     finally:
         server.stop()
 
