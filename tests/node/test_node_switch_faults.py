@@ -185,14 +185,20 @@ class VmPod:
         assert pod["status"]["containerStatuses"][0]["containerID"] == self.container_id
         assert restart_count(pod) == 0
 
-    def end(self) -> None:
-        """The VM exits (QEMU lets go of the groups), then its pod is deleted."""
+    def vm_exits(self) -> None:
+        """QEMU exits and lets go of the groups."""
         proc = self.node.cluster.host_root / f"proc/{self.pid}"
+        if not proc.exists():
+            return
         for link in (proc / "fd").iterdir():
             link.unlink()
         (proc / "fd").rmdir()
         (proc / "comm").unlink()
         proc.rmdir()
+
+    def end(self) -> None:
+        """The VM exits, then its pod is deleted."""
+        self.vm_exits()
         self.node.delete_pod(self.name, NAMESPACE)
 
 
@@ -207,8 +213,8 @@ def resident(node):
         yield vm
     finally:
         node.kernel(driver_write_ms=0)
-        relabel(node, PASSTHROUGH)
         vm.end()
+        relabel(node, PASSTHROUGH)
         settled(node, PASSTHROUGH, [])
 
 
@@ -275,23 +281,24 @@ def test_the_agent_pod_deleted_while_unbinding_and_while_binding(node, resident)
     assert any("bound" in m or "vfio-pci" in m for m in reconciled), reconciled
 
 
-def test_kubelet_restarted_while_unbinding_and_containerd_while_binding(node, resident):
-    """Faults: the kubelet restarts during the switch to container (no PodResources, no
-    device plugin registrations for a few seconds); containerd restarts during the switch
-    back. The agent keeps the GPU its VM holds, the plugins register again, the pods run on."""
+def test_containerd_restarted_while_unbinding_and_the_kubelet_while_binding(node, resident):
+    """Faults: containerd restarts during the switch to container; the kubelet restarts
+    during the switch back (no PodResources, no device plugin registrations for a few
+    seconds). The agent keeps the GPU the Kata pod holds, the plugins register again, the
+    pods run on, the agent is never restarted."""
     agent = node.component_pod("sandbox-agent")
+    since = now()
     relabel(node, CONTAINER)
     moving(node, CONTAINER)
-    node.cluster.component("restart", "kubelet")
+    node.cluster.component("restart", "containerd")
     settled(node, CONTAINER, [resident])
     resident.undisturbed()
-    # The agent was not restarted by either; its log names the VM that kept its GPU.
-    log = node.logs(agent["metadata"]["name"], agent["metadata"]["namespace"], "kata-manager")
-    assert f"{resident.gpus[0]} (PID {resident.pid} (qemu-system-x86)" in log, log[-3000:]
+    [switched] = events_since(node, "WorkloadSwitched", since)
+    assert f"{resident.gpus[0]} (pod {NAMESPACE}/resident" in switched["message"], switched["message"]
 
     relabel(node, PASSTHROUGH)
     moving(node, PASSTHROUGH)
-    node.cluster.component("restart", "containerd")
+    node.cluster.component("restart", "kubelet")
     settled(node, PASSTHROUGH, [resident])
     resident.undisturbed()
     same = node.component_pod("sandbox-agent")
@@ -440,3 +447,30 @@ class Given:
                                    kata_shim.sandbox_annotations(NAMESPACE, name))
         self.functions = list(plug.functions)
         self.gpus = list(plug.functions)
+
+
+def test_a_kubelet_restart_on_a_node_relabelled_away_ends_its_kata_pods_and_strands_nothing(node, resident):
+    """Fault: the kubelet restarts on a node relabelled to container while a Kata pod still
+    runs there. The kubelet admits its running pods again and ends this one: its node
+    selector (the RuntimeClass's, nvidia.com/gpu.workload.config=vm-passthrough, which the
+    RuntimeClass admission plugin copied into the pod) no longer matches the node
+    (k8s.io/kubernetes v1.35.4 pkg/kubelet/lifecycle/predicate.go: "Predicate NodeAffinity
+    failed"). That is the kubelet's rule, not ours (the GPU Operator's runtime classes select
+    the same label). Nothing is stranded: once its VM is gone the agent gives its GPU back
+    (a GpusGivenBack Event) and the container plugin offers it."""
+    relabel(node, CONTAINER)
+    settled(node, CONTAINER, [resident])
+    since = now()
+    node.cluster.component("restart", "kubelet")
+
+    def ended():
+        status = node.pod("resident", NAMESPACE)["status"]
+        return status if status.get("phase") == "Failed" else None
+    status = wait_for(ended, "the kubelet ending the Kata pod", 60, every=0.5)
+    assert status.get("reason") == "NodeAffinity", status
+    resident.vm_exits()  # its container is gone; so would its VM be
+    settled(node, CONTAINER, [])
+    given = wait_for(lambda: events_since(node, "GpusGivenBack", since), "the GpusGivenBack Event", 30, every=0.5)
+    assert resident.gpus[0] in given[-1]["message"]
+    relabel(node, PASSTHROUGH)
+    settled(node, PASSTHROUGH, [])

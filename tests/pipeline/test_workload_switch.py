@@ -174,6 +174,8 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
             assert wait_for(lambda: driver_of(host, HELD) == "nvidia")
             assert wait_for(lambda: agent.give_backs.held == set())
             assert "/dev/vfio/4" not in cdi_text(host)
+            assert wait_for(lambda: events(api, "GpusGivenBack"))
+            assert f"gave {HELD} back" in events(api, "GpusGivenBack")[0]["message"]
 
             relabel(api, "vm-passthrough")
             # The switch is logged once its reconcile has finished.
