@@ -59,6 +59,10 @@ class ObjectRef:
 MAX_TRIES = 12
 RETRY_SECONDS = 10.0
 WRITTEN, REFUSED, UNREACHABLE = "written", "refused", "unreachable"
+# No answer (the client's own status 0), or the server saying "not now" (starting up,
+# overloaded): client-go's REST client waits and retries those itself (rest/request.go,
+# checkWait: 429 and 5xx with Retry-After), so the recorder sees them fail only after that.
+RETRIED = frozenset({0, None, 429, 500, 502, 503, 504})
 
 
 def record_event(
@@ -74,15 +78,22 @@ def record_event(
 
 
 def _send(api: ApiClient, namespace: str, involved_object: ObjectRef, reason: str, message: str,
-          type: str, when: datetime | None = None, quiet: bool = False) -> str:  # noqa: A002
-    """WRITTEN, REFUSED (the server answered no) or UNREACHABLE (no answer: worth a retry)."""
+          type: str, when: datetime | None = None, quiet: bool = False,  # noqa: A002
+          name: str | None = None, repeat: tuple[str, int, datetime] | None = None) -> str:
+    """WRITTEN, REFUSED (the server answered no) or UNREACHABLE (no answer, or "try again":
+    worth a retry). ``repeat``: (name, count, first time) of the same Event written before,
+    patched with the new count and time as client-go's EventCorrelator does."""
     if type not in EVENT_TYPES:
         raise ValueError(f"event type {type!r} is not one of {EVENT_TYPES}")
     now = when or datetime.now(UTC)
+    if repeat is not None:
+        outcome = _patch(api, namespace, involved_object, reason, repeat, now, quiet)
+        if outcome != "gone":
+            return outcome
     event = CoreV1Event(
         metadata=V1ObjectMeta(
             # client-go names events <object>.<hex nanoseconds>, unique per object.
-            name=f"{involved_object.name}.{time.time_ns():x}",
+            name=name or f"{involved_object.name}.{time.time_ns():x}",
             namespace=namespace,
         ),
         involved_object=V1ObjectReference(
@@ -105,9 +116,28 @@ def _send(api: ApiClient, namespace: str, involved_object: ObjectRef, reason: st
     try:
         CoreV1Api(api).create_namespaced_event(namespace, event)
     except ApiException as e:
-        if e.status == 0 or e.status is None:  # the client's own wrapper of a failed connection
-            return _unreachable(reason, involved_object, str(e.reason), quiet)
+        if e.status in RETRIED:
+            return _unreachable(reason, involved_object, api_error_message(e) if e.status else str(e.reason), quiet)
         log.warning("could not record event %s on %s %s: %s", reason, involved_object.kind,
+                    involved_object.name, api_error_message(e))
+        return REFUSED
+    except HTTPError as e:
+        return _unreachable(reason, involved_object, str(e), quiet)
+    return WRITTEN
+
+
+def _patch(api: ApiClient, namespace: str, involved_object: ObjectRef, reason: str,
+           repeat: tuple[str, int, datetime], now: datetime, quiet: bool) -> str:
+    name, count, _first = repeat
+    body = {"count": count, "lastTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    try:
+        CoreV1Api(api).patch_namespaced_event(name, namespace, body)
+    except ApiException as e:
+        if e.status == 404:
+            return "gone"  # deleted meanwhile (events expire): written afresh, as client-go does
+        if e.status in RETRIED:
+            return _unreachable(reason, involved_object, api_error_message(e) if e.status else str(e.reason), quiet)
+        log.warning("could not update event %s on %s %s: %s", reason, involved_object.kind,
                     involved_object.name, api_error_message(e))
         return REFUSED
     except HTTPError as e:
@@ -127,10 +157,11 @@ def _host() -> str:
 
 
 class EventRecorder:
-    """Events on one Node, de-duplicated and rate-limited, for a loop that may fail
-    the same way every few seconds: the same type, reason and message within
-    ``window`` seconds is recorded once, and at most ``burst`` events are written
-    per ``window`` in all (the rest are logged and dropped)."""
+    """Events on one Node, correlated and rate-limited, for a loop that may fail the same
+    way every few seconds: the same type, reason and message within ``window`` seconds is
+    one Event whose ``count`` and ``lastTimestamp`` are patched (client-go's EventCorrelator,
+    tools/record/events_cache.go, eventObserve), and at most ``burst`` writes are made per
+    ``window`` in all (the rest are logged and dropped)."""
 
     def __init__(self, api: ApiClient, node_name: str, *, namespace: str = NODE_EVENTS_NAMESPACE,
                  window: float = 600.0, burst: int = 20, clock=time.monotonic,
@@ -142,7 +173,8 @@ class EventRecorder:
         self.window = window
         self.burst = burst
         self.clock = clock
-        self._seen: dict[tuple[str, str, str], float] = {}
+        # (type, reason, message) -> (last time, Event name, count, first time)
+        self._seen: dict[tuple[str, str, str], tuple[float, str, int, datetime]] = {}
         self._written: list[float] = []
         self.retry_seconds = retry_seconds
         # Events the API server could not be reached for: (reason, message, type, when, tries).
@@ -151,20 +183,27 @@ class EventRecorder:
         self._retrier: threading.Thread | None = None
 
     def record(self, reason: str, message: str, type: str = "Normal") -> bool:  # noqa: A002
-        """True when an Event was written; False when de-duplicated, rate-limited or failed."""
+        """True when an Event was written (a repeat: its count raised); False when
+        rate-limited or failed."""
         now = self.clock()
         key = (type, reason, message[:MAX_MESSAGE])
-        self._seen = {k: t for k, t in self._seen.items() if now - t < self.window}
+        self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.window}
         self._written = [t for t in self._written if now - t < self.window]
-        if key in self._seen:
-            return False
         if len(self._written) >= self.burst:
             log.info("not recording event %s (more than %d in %.0f s): %s", reason, self.burst, self.window, message)
             return False
-        self._seen[key] = now
         self._written.append(now)
         when = datetime.now(UTC)
-        outcome = _send(self.api, self.namespace, self.node, reason, message, type, when)
+        seen = self._seen.get(key)
+        if seen is not None:
+            _, name, count, first = seen
+            self._seen[key] = (now, name, count + 1, first)
+            outcome = _send(self.api, self.namespace, self.node, reason, message, type, when,
+                            name=name, repeat=(name, count + 1, first))
+        else:
+            name = f"{self.node.name}.{time.time_ns():x}"
+            self._seen[key] = (now, name, 1, when)
+            outcome = _send(self.api, self.namespace, self.node, reason, message, type, when, name=name)
         if outcome == UNREACHABLE:
             self._keep(reason, message, type, when)
         return outcome == WRITTEN

@@ -329,8 +329,11 @@ def test_the_api_server_down_30_s_across_a_relabel(node, resident):
     settled(node, CONTAINER, [resident])
     resident.undisturbed()
     # client-go's recorder retries every 10 s after a random first wait: within ~25 s.
-    switched = wait_for(lambda: events_since(node, "WorkloadSwitched", since),
-                        "the switch's Event, written after the outage", 40, every=1)
+    try:
+        switched = wait_for(lambda: events_since(node, "WorkloadSwitched", since),
+                            "the switch's Event, written after the outage", 40, every=1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nagent log:\n{agent_log(node)[-3000:]}") from None
     stamp = datetime.fromisoformat(switched[-1]["lastTimestamp"].replace("Z", "+00:00"))
     assert since.replace(microsecond=0) <= stamp < back, (since, stamp, back)
     relabel(node, PASSTHROUGH)
@@ -350,7 +353,8 @@ def test_the_label_flipped_faster_than_a_switch_and_a_value_that_is_no_workload(
     wait_for(lambda: not node.pods(CONTAINER_PLUGIN), "the container plugin's pod gone", 90, every=1)
     resident.undisturbed()
     switches = [e["message"] for e in events_since(node, "WorkloadSwitched", since)]
-    assert switches and switches[-1].startswith("workload switch container -> vm-passthrough"), switches
+    assert switches and switches[-1].startswith("workload switch container -> vm-passthrough"), \
+        (switches, agent_log(node)[-3000:])
 
     before = node.drivers()
     allocatable = node.resources()
