@@ -65,7 +65,7 @@ from support.nodekit import (  # noqa: E402
 )
 
 from katamgr.host.root import HostRoot  # noqa: E402
-from sandbox_plugin.testing import kata_shim  # noqa: E402
+from nodesim import kata_shim  # noqa: E402
 
 CONTAINER_PLUGIN = "app.kubernetes.io/component=device-plugin"
 BENCH_NS = "bench-node"

@@ -53,7 +53,7 @@ from support.nodekit import (
 from support.paths import REPO
 
 from katamgr.host.root import HostRoot
-from sandbox_plugin.testing import kata_shim
+from nodesim import kata_shim
 
 NAMESPACE = "node-fault-tests"
 CONTAINER_PLUGIN = "app.kubernetes.io/component=device-plugin"

@@ -22,12 +22,12 @@ from katamgr.host import pci
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.workload import Workload
+from katamgr.node.backoff import Backoff
 from katamgr.pipeline.reconcile import Steps, leave_passthrough, reconcile, revert_all
+from nodesim.nvml import FakeNvml
 from sandbox_plugin.container import RESOURCE_NAME, NvmlResource
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY
-from sandbox_plugin.server import Backoff
-from sandbox_plugin.testing.nvml import FakeNvml
 
 NAMING = Naming(PciIds.find())
 PASSTHROUGH = Steps(workload=Workload.VM_PASSTHROUGH, kata=False, cdi=False)

@@ -30,7 +30,7 @@ IMAGE = "ghcr.io/kata-sandbox-manager/kata-sandbox-manager:0.1.0"  # the chart's
 # A pod's start on this 2-core machine: the kubelet's sync, the sandbox, the container.
 POD_TIMEOUT = 120
 CONTAINER_GPU = "nvidia.com/gpu"
-# The simulated host's emulated kernel settings (katamgr.simulator.kernel), in its /sys.
+# The simulated host's emulated kernel settings (nodesim.kernel), in its /sys.
 KERNEL_SETTINGS = "sys/katamgr-simulated-host"
 
 
