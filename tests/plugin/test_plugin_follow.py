@@ -148,6 +148,10 @@ def test_on_a_container_node_the_devices_pods_hold_stay_listed_and_are_never_all
                 kubelet.allocate(A10, [held])
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "no longer runs vm-passthrough" in refused.value.details()
+            # A kubelet restart re-admits the pod against what the Node lists: it fits.
+            kubelet.restart()
+            kubelet.wait_for(lambda s: [d.id for d in s.devices.get(A10, [])] == [held], timeout=10)
+            assert [p.name for p in kubelet.state.pods] == ["kata-a"] and kubelet.state.ended == []
             kubelet.remove_pod("vms", "kata-a")  # the pod ends
             kubelet.wait_for(lambda s: s.devices.get(A10) == [], timeout=10)
             label(api, WORKLOAD_LABEL, "vm-passthrough")
@@ -157,3 +161,30 @@ def test_on_a_container_node_the_devices_pods_hold_stay_listed_and_are_never_all
             output, _ = process.communicate(timeout=15)
     assert process.returncode == 0, output
     assert "serving only the devices pods still hold (nvidia.com/GA102GL_A10: 1); every Allocate refused" in output
+
+
+def test_a_plugin_that_stood_down_under_a_pod_gets_that_pod_ended_by_a_kubelet_restart(bound_a10, tmp_path):
+    """The contrast, and why the GPUs pods hold stay listed: a node opted out of the sandbox
+    device plugin while a pod holds a GPU; the plugin stands down (its devices Unhealthy
+    at the kubelet), and a restarted kubelet ends the pod: "OutOfnvidia.com/GA102GL_A10"."""
+    host, kubelet = bound_a10
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+        env = {**os.environ, "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
+             "--auto-modes", "vm-passthrough", "--node-name", NODE],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        try:
+            kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
+            kubelet.admit_pod("vms", "kata-a", {"main": {A10: 1}})
+            label(api, Operand.SANDBOX_DEVICE_PLUGIN.label, "false")
+            kubelet.wait_for(lambda s: A10 not in s.connected and s.healthy(A10) == [], timeout=10)
+            kubelet.restart()
+            [(pod, reason)] = kubelet.state.ended
+            assert pod.name == "kata-a" and reason == f"OutOf{A10}"
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.communicate(timeout=15)
