@@ -19,8 +19,12 @@ Imported by hack/localcluster.py (standard library only, like it). What it sets 
 - kube-proxy (iptables), so that pods reach the API server through the `kubernetes` Service
   and the API server reaches the webhook's Service, as on any node.
 
-`down` kills every container of this containerd, stops the processes, removes kube-proxy's
-rules (`kube-proxy --cleanup`), the bridge and every mount left under DIR.
+`down` kills every container of this containerd, stops the processes, then ends what
+containerd started that outlives it: one `containerd-shim-runc-v2` per pod sandbox (each
+shim double-forks away from containerd, so it is re-parented to PID 1 and keeps running
+after containerd stops; it knows our containerd by its `-address`), and any process still
+in the kubelet's `kubepods` cgroups; it removes kube-proxy's rules (`kube-proxy --cleanup`),
+the bridge and every mount left under DIR.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -343,6 +348,9 @@ def clean_up(d: Path, bin_dir: Path, made: str = "") -> list[str]:
     if Path(f"/sys/class/net/{BRIDGE}").exists():
         subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True, timeout=30)
         done.append(f"bridge {BRIDGE} removed")
+    ended = end_leftovers(d)
+    if ended:
+        done.append(f"{len(ended)} processes containerd left ended ({', '.join(ended)})")
     mounts = mounts_under(d)
     for target in mounts:
         subprocess.run(["umount", "--lazy", target], capture_output=True, timeout=30)
@@ -395,3 +403,52 @@ def kill_containers(bin_dir: Path, d: Path) -> int:
                 break
             time.sleep(0.2)
     return len(tasks)
+
+
+def leftovers(d: Path) -> dict[int, str]:
+    """Processes containerd started for this node that still run once it stopped: its
+    shims (``-address`` names our socket) and whatever is still in a ``kubepods`` cgroup
+    (the containers). pid -> what it is."""
+    socket_path = str(d / "containerd/containerd.sock")
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            cgroups = (entry / "cgroup").read_text()
+        except OSError:
+            continue  # gone
+        args = [a.decode(errors="replace") for a in argv if a]
+        if "-address" in args[:-1] and args[args.index("-address") + 1] == socket_path:
+            found[int(entry.name)] = f"{Path(args[0]).name} {_flag(args, '-id')[:12]}".strip()
+        elif "/kubepods" in cgroups:
+            found[int(entry.name)] = Path(args[0]).name if args else "?"
+    return found
+
+
+def _flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1] if name in args[:-1] else ""
+
+
+def end_leftovers(d: Path, timeout: float = 10.0) -> list[str]:
+    """SIGTERM each leftover, SIGKILL what is left after ``timeout``; what was ended."""
+    first = leftovers(d)
+    for pid in first:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and set(leftovers(d)) & set(first):
+        time.sleep(0.1)
+    for pid in set(leftovers(d)):
+        _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and leftovers(d):
+        time.sleep(0.1)
+    return [f"{what} (pid {pid})" for pid, what in sorted(first.items())]
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

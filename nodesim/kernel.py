@@ -8,7 +8,8 @@ against it. It also stands in for ``modprobe vfio-pci``.
 
 It implements ``katamgr.host.kernel.Kernel``; ``nodesim.materialise``
 installs it on the roots it makes (``host.kernel``). Its settings and state (the
-profile's native drivers, vfio-pci's state, ``fail_probe``, ``udev_delay_ms``)
+profile's native drivers, vfio-pci's state, ``fail_probe``, ``udev_delay_ms``,
+``driver_write_ms``: how long a bind or unbind holds its writer)
 live in the root's ``MARKER`` file, which tests may tune.
 """
 
@@ -18,6 +19,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,6 +231,18 @@ def _override(host: HostRoot, bdf: str) -> str | None:
 
 
 def handle_write(host: HostRoot, host_path: str, value: str) -> None:
+    handle_change(host, host_path, value)
+    parts = host_path.strip("/").split("/")
+    if parts[-1] in ("bind", "unbind", "drivers_probe"):
+        # A real driver's remove and probe take time (a GPU's teardown, vfio-pci's reset);
+        # the writer returns only then. The change is made first: a writer killed in the
+        # meantime does not undo it, as the kernel finishes an unbind whose writer died.
+        delay = marker(host).get("driver_write_ms", 0) / 1000.0
+        if delay:
+            time.sleep(delay)
+
+
+def handle_change(host: HostRoot, host_path: str, value: str) -> None:
     parts = host_path.strip("/").split("/")
     text = value.strip()
     if parts[:4] == ["sys", "bus", "pci", "devices"] and len(parts) == 6 and parts[5] == "driver_override":

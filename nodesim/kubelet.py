@@ -12,8 +12,12 @@ a host root:
   (a newer registration of the same resource replaces the older connection);
 - ``allocate`` / ``preferred`` / ``pre_start`` call the plugin as the kubelet
   would when admitting a pod;
+- a plugin whose ListAndWatch stream ends (it stood down, or died) has its devices
+  marked Unhealthy, as the kubelet's ``PluginDisconnected`` does: none is allocated,
+  none is listed as allocatable by PodResources;
 - ``restart()`` does what a restarting kubelet does to the dir: stop, delete
-  every socket in it, serve a new ``kubelet.sock``;
+  every socket in it, serve a new ``kubelet.sock``; and admits its running pods
+  again against the allocatable it last reported, ending those that no longer fit;
 - ``admit_pod`` admits a pod as the device manager does (free healthy devices,
   the plugin's preferred allocation, one Allocate per container) and records
   it; the PodResources v1 service on
@@ -36,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -102,6 +106,8 @@ class KubeletState:
     restarts: int = 0
     # admitted pods, in admission order (PodResources answers from these)
     pods: list[PodRecord] = field(default_factory=list)
+    # pods a restart's re-admission ended, with the kubelet's reason ("OutOf<resource>")
+    ended: list[tuple[PodRecord, str]] = field(default_factory=list)
 
     def registrations_for(self, resource_name: str) -> list[Registration]:
         return [r for r in self.registrations if r.resource_name == resource_name]
@@ -235,7 +241,10 @@ class KubeletSimulator:
             pass
 
     def restart(self) -> None:
-        """Stop, delete every socket in the dir (as the kubelet does), serve again."""
+        """Stop, delete every socket in the dir (as the kubelet does), serve again, and
+        admit the running pods again as a restarted kubelet does (``_readmit``)."""
+        with self._cond:  # what the Node showed: read before stopping marks every device Unhealthy
+            reported = {name: sum(d.healthy for d in devices) for name, devices in self._state.devices.items()}
         self.stop()
         for entry in self.socket_dir.iterdir():
             try:
@@ -244,10 +253,36 @@ class KubeletSimulator:
             except FileNotFoundError:
                 pass
         with self._cond:
+            self._readmit(reported)
             self._state.devices.clear()
             self._state.restarts += 1
             self._cond.notify_all()
         self.start()
+
+    def _readmit(self, allocatable: dict[str, int]) -> None:
+        """A restarted kubelet admits its running pods again against the Node's allocatable
+        as it last reported it (the healthy devices before the restart), in admission order,
+        and ends a pod that no longer fits, "OutOf<resource>" (k8s.io/kubernetes v1.35.4
+        pkg/kubelet/lifecycle/predicate.go; a resource the Node does not list at all is
+        left out of the check, removeMissingExtendedResources). Seen on tests/node: a Kata
+        pod holding a GPU whose plugin had stood down was ended on a kubelet restart. (The
+        same re-admission checks the pod's node selector, which this simulator, holding no
+        Node labels, does not model.)"""
+        used: dict[str, int] = {}
+        kept = []
+        for pod in self._state.pods:
+            need: dict[str, int] = {}
+            for container in pod.containers:
+                for resource, ids in container.devices.items():
+                    need[resource] = need.get(resource, 0) + len(ids)
+            short = [r for r, n in need.items() if r in allocatable and used.get(r, 0) + n > allocatable[r]]
+            if short:
+                self._state.ended.append((pod, f"OutOf{short[0]}"))
+                continue
+            kept.append(pod)
+            for resource, n in need.items():
+                used[resource] = used.get(resource, 0) + n
+        self._state.pods = kept
 
     def __enter__(self) -> KubeletSimulator:
         self.start()
@@ -447,4 +482,9 @@ class KubeletSimulator:
         with self._cond:
             if self._endpoints.get(name) in (endpoint, None):
                 self._state.connected.discard(name)
+                # As the kubelet: a plugin whose stream ended has every device Unhealthy
+                # (pkg/kubelet/cm/devicemanager/manager.go PluginDisconnected ->
+                # markResourceUnhealthy), so none is allocated or listed as allocatable.
+                self._state.devices[name] = [replace(d, health="Unhealthy")
+                                             for d in self._state.devices.get(name, [])]
             self._cond.notify_all()

@@ -10,8 +10,9 @@ Behaviour follows the kubelet's ``pkg/kubelet/apis/podresources/server_v1.go``:
 
 - ``List``: every admitted pod, each container with one ``ContainerDevices`` per
   device (resource name, the one ID, its NUMA node when the plugin gave one);
-- ``GetAllocatableResources``: every device the plugins reported, healthy or not
-  (the device manager's ``allDevices``);
+- ``GetAllocatableResources``: every healthy device the plugins reported (the device
+  manager's ``GetAllocatableDevices``, ``allDevices.Filter(healthyDevices)`` in 1.35: a
+  plugin that stood down offers none);
 - ``Get(pod_name, pod_namespace)``: one pod; an unknown pod is an error whose
   message is ``pod <name> in namespace <namespace> not found`` (a plain Go error,
   so gRPC status UNKNOWN);
@@ -145,7 +146,7 @@ class _Servicer(pr_grpc.PodResourcesListerServicer):
     def GetAllocatableResources(self, request, context):
         now = self._snapshot()
         entries = [e for name, listed in sorted(now.devices.items()) for d in listed
-                   for e in _entries(name, d.id, d)]
+                   if d.healthy for e in _entries(name, d.id, d)]
         return pr.AllocatableResourcesResponse(devices=entries)
 
     def Get(self, request, context):

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from katamgr.errors import KatamgrError
@@ -32,7 +33,7 @@ from katamgr.node.process import (
 from nodesim.node import open_node
 from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host, read_labels
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
-from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, mode_for
+from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, holds_for, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.served import PluginServerError
 
@@ -219,13 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         host, naming = _build(args)
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
-        # A simulated node brings its own NVML (answering from the node's sysfs), asked
-        # again soon (the agent may still be giving the GPUs back to nvidia).
+        # A simulated node brings its own NVML (answering from the node's sysfs and, as
+        # NVML, listing again only when started again: the driver watch does that).
         simulated = open_node(host.root)
         nvml = simulated.nvml() if simulated else None
-        runner = PluginRunner(lambda m, metrics: PluginManager(
-            host, m, naming=naming, device_list_strategies=strategies, metrics=metrics,
-            nvml=nvml, **({"nvml_retry_interval": 2.0} if simulated else {})))
+        runner = PluginRunner(lambda m, metrics, held_only=False: PluginManager(
+            host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml,
+            held_only=held_only))
+        held = False
         follower = None
         if args.mode != AUTO:
             mode, why = Mode(args.mode), "chosen with --mode"
@@ -242,14 +244,16 @@ def main(argv: list[str] | None = None) -> int:
                     host, args.node_name, lambda node: watch.labels(), args.default_workload,
                     naming.selection), args.auto_modes)
                 watch.on_change = follower.changed.set
-                mode, why = mode_for(follower.resolve(), args.auto_modes)
+                resolved = follower.resolve()
+                mode, why = mode_for(resolved, args.auto_modes)
+                held = holds_for(resolved, args.auto_modes)
     except KatamgrError as exc:  # bad usage or configuration 2, the API not answering 1
         if watch is not None:
             watch.stop()
         report_error(f"sandbox-device-plugin: error: {exc}", args.log_format, log)
         return exc.exit_code
     try:
-        runner.serve(mode, why)
+        runner.serve(mode, why, held)
         # After the plugins registered: the kubelet waits for them, while the probes
         # (startupProbe: a minute) wait well for the HTTP server and prometheus_client.
         with _metrics(args, runner.metrics, runner.health, runner.readiness):
@@ -289,15 +293,18 @@ def _metrics(args: argparse.Namespace, metrics, healthy, ready) -> contextlib.Ab
 
 def _wait(stop: threading.Event, follower: LabelFollower | None = None) -> None:
     # Short waits keep the main thread where signal handlers run responsive; a follower
-    # is checked when its watch says the labels changed, and every 30 s regardless.
-    ticks = 0
-    while not stop.wait(0.2 if follower is not None else 1.0):
+    # is checked as soon as its watch says the labels changed, and every 30 s regardless.
+    last = time.monotonic()
+    while not stop.is_set():
         if follower is None:
+            stop.wait(1.0)
             continue
-        ticks += 1
-        if follower.changed.is_set() or ticks >= 150:
+        woken = follower.changed.wait(0.2)
+        if stop.is_set():
+            return
+        if woken or time.monotonic() - last >= 30:
             follower.changed.clear()
-            ticks = 0
+            last = time.monotonic()
             follower.check()
 
 

@@ -29,8 +29,22 @@ Every other critical XID (48 double-bit ECC, 61-64 and 74 firmware/NVLink,
 "recovered" event, so an unhealthy GPU stays so until the plugin restarts
 (normally after the node's GPU is reset or replaced).
 
+The GPUs follow the ``nvidia`` driver without a restart. NVML lists the GPUs it
+found at ``nvmlInit`` and keeps that list until ``nvmlShutdown`` (its reference count
+back at zero: NVML API reference, "Initialization and Cleanup"), so a GPU given back to
+``nvidia`` after the plugin started (by katamgr after a relabel, once its Kata VM let go;
+by ``katamgr revert``; by an operator's bind) would never be offered, and one taken away
+would stay offered. The plugin watches the driver instead (``sandbox_plugin.watch``: the
+kernel's ``pci`` uevents, which reach a pod's network namespace, and inotify on
+``/sys/bus/pci/drivers/nvidia``, which is what a simulated node's emulated kernel moves),
+and when the set of devices the driver drives differs from the one NVML was started
+with, it shuts NVML down and starts it again, so that ListAndWatch lists the GPUs the
+driver has now. An XID mark is kept for a GPU listed again (it never left the driver);
+a GPU that left and came back was probed afresh by the driver and starts Healthy.
+
 No NVML (library missing, driver not loaded, any NVMLError on init): advertise
-nothing, say why in one log line, and retry init rarely; the process stays up.
+nothing, say why in one log line, and retry init rarely, or as soon as the driver
+binds a device; the process stays up.
 
 The NVML module is injectable: production uses ``pynvml`` (package
 ``nvidia-ml-py``); tests pass ``nodesim.nvml.FakeNvml``.
@@ -40,6 +54,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -59,6 +74,7 @@ from sandbox_plugin.resources import (
     Resource,
     UnknownDeviceError,
 )
+from sandbox_plugin.watch import DRIVER_WATCHED, NVIDIA_DRIVER, DeviceWatcher
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +166,15 @@ def normalise_bus_id(bus_id: str) -> str | None:
     return bdf if pci.BDF_RE.match(bdf) else None
 
 
+def nvidia_bound(host: HostRoot) -> frozenset[str]:
+    """The PCI functions the ``nvidia`` driver drives now (its dir's ``<bdf>`` links)."""
+    try:
+        names = os.listdir(host.path(f"/sys/bus/pci/drivers/{NVIDIA_DRIVER}"))
+    except OSError:  # the module not loaded
+        return frozenset()
+    return frozenset(n for n in names if pci.BDF_RE.match(n))
+
+
 def load_pynvml():
     """The real NVML bindings, or None when the package is not installed."""
     try:
@@ -170,7 +195,11 @@ class NvmlResource(Resource):
         retry_interval: float = 300.0,
         ignored_xids: Iterable[int] = APPLICATION_XIDS,
         device_list_strategies: Iterable[DeviceListStrategy | str] = DEFAULT_DEVICE_LIST_STRATEGIES,
+        follow_driver: bool = True,
+        driver_rescan_interval: float = 30.0,
     ) -> None:
+        """``follow_driver``: watch the nvidia driver and list the GPUs again when its
+        devices change (``driver_rescan_interval``: the safety look without events)."""
         super().__init__(RESOURCE_NAME)
         self.device_list_strategies = parse_device_list_strategies(device_list_strategies)
         self.host = host
@@ -179,25 +208,52 @@ class NvmlResource(Resource):
         self.ignored_xids = frozenset(ignored_xids)
         self.unavailable_reason: str | None = None
         self.cdi_specs = HostCdiSpecs(host)
+        self.follow_driver = follow_driver
+        self.driver_rescan_interval = driver_rescan_interval
         self._lock = threading.Lock()
         self._gpus: dict[str, ContainerGpu] = {}
+        # GPUs a critical XID took out of service, and why: kept while NVML lists them again.
+        self._xid_marked: dict[str, str] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # stop, or the driver's devices changed
+        self._resync = threading.Event()  # the driver's devices differ from NVML's start
+        self._driver_set: frozenset[str] | None = None  # what nvidia drove when NVML started
+        self._watcher: DeviceWatcher | None = None
         self._thread: threading.Thread | None = None
+        self.enumerations = 0  # NVML sessions that listed the GPUs
 
     # -- lifecycle --------------------------------------------------------------
 
     def start(self) -> None:
+        if self.follow_driver:
+            # Before the first nvmlInit: a bind between NVML's start and the watch is seen.
+            self._watcher = DeviceWatcher(
+                self.host, self.driver_changed, rescan_interval=self.driver_rescan_interval,
+                uevent_subsystems=frozenset({"pci"}), watched=DRIVER_WATCHED, name="nvidia-driver-watch")
+            self._watcher.start()
         self._thread = threading.Thread(target=self._run, name="nvml-health", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
+        if self._watcher is not None:
+            self._watcher.stop()
         if self._thread is not None:
             # The event wait returns within EVENT_WAIT_MS.
             self._thread.join(timeout)
 
+    def driver_changed(self) -> None:
+        """The driver watch's callback: start NVML again when the devices ``nvidia``
+        drives are not those it had when NVML last started."""
+        if self._driver_set is not None and nvidia_bound(self.host) != self._driver_set:
+            self._resync.set()
+            self._wake.set()
+
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._resync.clear()
+            self._wake.clear()
             if self._init():
                 try:
                     self._watch_events()
@@ -205,10 +261,14 @@ class NvmlResource(Resource):
                     self._shutdown()
                 if self._stop.is_set():
                     return
-            self._stop.wait(self.retry_interval)
+                if self._resync.is_set():
+                    continue  # NVML again at once, listing what the driver has now
+            self._wake.wait(self.retry_interval)
 
     def _init(self) -> bool:
         nvml = self.nvml
+        # Taken before nvmlInit: a bind or unbind after it differs, and starts NVML again.
+        self._driver_set = nvidia_bound(self.host)
         if nvml is None:
             self._unavailable("the nvidia-ml-py package (pynvml) is not installed")
             return False
@@ -224,10 +284,23 @@ class NvmlResource(Resource):
             self._shutdown()
             return False
         self.unavailable_reason = None
+        listed = {g.uuid for g in gpus}
         with self._lock:
-            self._gpus = {g.uuid: g for g in gpus}
-        log.info("%s: NVML reports %d GPU(s): %s", RESOURCE_NAME, len(gpus),
-                 ", ".join(f"{g.uuid} at {g.bdf}" for g in gpus) or "none")
+            before = dict(self._gpus)
+            self._xid_marked = {u: why for u, why in self._xid_marked.items() if u in listed and u in before}
+            self._gpus = {g.uuid: replace(g, health=UNHEALTHY) if g.uuid in self._xid_marked else g
+                          for g in gpus}
+        self.enumerations += 1
+        if self.enumerations == 1:
+            log.info("%s: NVML reports %d GPU(s): %s", RESOURCE_NAME, len(gpus),
+                     ", ".join(f"{g.uuid} at {g.bdf}" for g in gpus) or "none")
+        else:
+            came = [g for g in gpus if g.uuid not in before]
+            went = [g for u, g in before.items() if u not in listed]
+            log.info("%s: the nvidia driver's devices changed; NVML now reports %d GPU(s)%s%s",
+                     RESOURCE_NAME, len(gpus),
+                     "; offered again: " + ", ".join(f"{g.uuid} at {g.bdf}" for g in came) if came else "",
+                     "; no longer offered: " + ", ".join(f"{g.uuid} at {g.bdf}" for g in went) if went else "")
         self.changes.notify()
         return True
 
@@ -268,7 +341,8 @@ class NvmlResource(Resource):
             event_set = nvml.nvmlEventSetCreate()
         except nvml.NVMLError as exc:
             log.warning("%s: cannot watch XID events (%s); health stays as it is", RESOURCE_NAME, exc)
-            self._stop.wait()
+            while not (self._stop.is_set() or self._resync.is_set()):
+                self._wake.wait(1.0)
             return
         handles = {}
         try:
@@ -280,7 +354,7 @@ class NvmlResource(Resource):
                     log.warning("%s: %s cannot report XID events (%s); its health is not watched",
                                 RESOURCE_NAME, gpu.uuid, exc)
                 handles[gpu.uuid] = handle
-            while not self._stop.is_set():
+            while not (self._stop.is_set() or self._resync.is_set()):
                 try:
                     event = nvml.nvmlEventSetWait(event_set, EVENT_WAIT_MS)
                 except nvml.NVMLError as exc:
@@ -288,7 +362,7 @@ class NvmlResource(Resource):
                         continue
                     log.warning("%s: waiting for XID events failed (%s); marking every GPU "
                                 "unhealthy and restarting NVML", RESOURCE_NAME, exc)
-                    self._mark_unhealthy(list(handles), f"NVML event wait failed: {exc}")
+                    self._mark_unhealthy(list(handles), f"NVML event wait failed: {exc}", lasting=False)
                     return
                 self._on_event(nvml, event)
         finally:
@@ -314,11 +388,14 @@ class NvmlResource(Resource):
         targets = [uuid] if uuid in known else known
         self._mark_unhealthy(targets, f"critical XID {xid}")
 
-    def _mark_unhealthy(self, uuids: Sequence[str], why: str) -> None:
+    def _mark_unhealthy(self, uuids: Sequence[str], why: str, *, lasting: bool = True) -> None:
+        """``lasting``: kept when NVML starts again (an XID; not NVML's own failure)."""
         changed = False
         with self._lock:
             for uuid in uuids:
                 gpu = self._gpus.get(uuid)
+                if gpu is not None and lasting:
+                    self._xid_marked.setdefault(uuid, why)
                 if gpu is not None and gpu.health == HEALTHY:
                     self._gpus[uuid] = replace(gpu, health=UNHEALTHY)
                     changed = True

@@ -17,8 +17,11 @@ and nothing for a mode left out of ``--auto-modes``. The chart's sandbox agent p
 with ``--auto-modes vm-passthrough``: on a container node ``nvidia.com/gpu`` is the
 container plugin DaemonSet's (this chart's or the GPU Operator's), so this one stands
 down and no GPU is ever advertised by two plugins. Standing down stops the plugin
-servers, which removes their sockets: the kubelet marks their devices unhealthy at
-once and keeps what running pods were given.
+servers of the devices no pod holds, which removes their sockets: the kubelet marks
+their devices unhealthy at once and keeps what running pods were given. The devices
+pods still hold stay listed, never allocated (``holds_for``; ``passthrough``, held-only),
+until those pods are gone: a restarted kubelet admits its running pods again against the
+Node's allocatable and would kill them otherwise.
 
 ``PluginRunner`` holds the running ``PluginManager`` (or none) and swaps it; one
 ``PluginMetrics`` registry outlives the swaps, so ``/metrics`` keeps its counters.
@@ -48,6 +51,15 @@ announce = logging.getLogger("sandbox_plugin")
 ALL_MODES = frozenset(Mode)
 
 
+def holds_for(resolved: Resolution, modes: frozenset[Mode] = ALL_MODES) -> bool:
+    """Whether a plugin that serves vm-passthrough, on a node that runs another workload,
+    keeps serving the passthrough devices pods still hold (held-only: listed, never
+    allocated), so that a restarted kubelet keeps those pods; not where the node opts out
+    of the sandbox device plugin."""
+    return (Mode.VM_PASSTHROUGH in modes and resolved.workload is not Workload.VM_PASSTHROUGH
+            and not resolved.opted_out & PASSTHROUGH_PLUGIN)
+
+
 def mode_for(resolved: Resolution, modes: frozenset[Mode] = ALL_MODES) -> tuple[Mode | None, str]:
     """What to serve for the node's workload and opt-outs; None: stand down. And why."""
     why = resolved.why
@@ -67,26 +79,48 @@ def mode_for(resolved: Resolution, modes: frozenset[Mode] = ALL_MODES) -> tuple[
 class PluginRunner:
     """The plugins of one mode at a time (or none), swapped by ``serve()``."""
 
-    def __init__(self, make: Callable[[Mode, PluginMetrics], PluginManager]) -> None:
+    def __init__(self, make: Callable[..., PluginManager]) -> None:
+        """``make(mode, metrics, held_only=False)``: a ``PluginManager``."""
         self._make = make
         self.metrics = PluginMetrics()
         self.manager: PluginManager | None = None
         self.mode: Mode | None = None
+        self.held = False  # mode None, serving only the passthrough devices pods still hold
         self.why = "not started"
         self._lock = threading.Lock()
 
-    def serve(self, mode: Mode | None, why: str) -> bool:
-        """Run the plugins of ``mode`` (None: none); True when that changed anything."""
+    def serve(self, mode: Mode | None, why: str, held: bool = False) -> bool:
+        """Run the plugins of ``mode`` (None: none, or with ``held`` only the passthrough
+        devices pods still hold); True when that changed anything."""
+        held = held and mode is None
         with self._lock:
             self.why = why
-            if mode is self.mode and (mode is None or self.manager is not None):
+            if (mode, held) == (self.mode, self.held) and (mode is None and not held or self.manager is not None):
                 return False
-            old, self.manager, self.mode = self.manager, None, mode
+            current = self.manager
+            if (current is not None and current.mode is Mode.VM_PASSTHROUGH
+                    and (mode is Mode.VM_PASSTHROUGH or held)):
+                # vm-passthrough <-> held-only: the same servers, so the devices pods hold
+                # never turn Unhealthy at the kubelet.
+                self.mode, self.held = mode, held
+                in_place = current
+            else:
+                in_place = None
+                old, self.manager, self.mode, self.held = self.manager, None, mode, held
+        if in_place is not None:
+            announce.info("mode %s: %s", "none (advertising only the passthrough devices pods still hold)"
+                          if held else mode.value, why)
+            in_place.set_held_only(held)
+            return True
         if old is not None:
             old.stop()
-        announce.info("mode %s: %s", mode.value if mode else "none (advertising nothing)", why)
-        if mode is not None:
-            manager = self._make(mode, self.metrics)
+        if held:
+            announce.info("mode none (advertising only the passthrough devices pods still hold): %s", why)
+        else:
+            announce.info("mode %s: %s", mode.value if mode else "none (advertising nothing)", why)
+        if mode is not None or held:
+            manager = (self._make(Mode.VM_PASSTHROUGH, self.metrics, held_only=True) if held
+                       else self._make(mode, self.metrics))
             with self._lock:
                 self.manager = manager
             manager.start()
@@ -127,7 +161,8 @@ class LabelFollower:
     def check(self) -> bool:
         """Serve what the labels ask for now; True when the mode changed."""
         try:
-            mode, why = mode_for(self.resolve(), self.modes)
+            resolved = self.resolve()
+            mode, why = mode_for(resolved, self.modes)
         except KatamgrError as exc:
             if str(exc) != self._error:
                 log.warning("could not read the node's workload (%s); keeping mode %s", exc,
@@ -135,4 +170,4 @@ class LabelFollower:
             self._error = str(exc)
             return False
         self._error = None
-        return self.runner.serve(mode, why)
+        return self.runner.serve(mode, why, holds_for(resolved, self.modes))

@@ -35,6 +35,9 @@ from sandbox_plugin.watch import DeviceWatcher
 
 log = logging.getLogger(__name__)
 
+# How often a held-only manager asks the kubelet which pods still hold its devices.
+HELD_RESCAN = 2.0
+
 
 class Mode(StrEnum):
     """The workloads (``katamgr.host.workload``) this process serves."""
@@ -58,9 +61,15 @@ class PluginManager:
         nvml_retry_interval: float = 300.0,
         device_list_strategies: Sequence[DeviceListStrategy | str] = DEFAULT_DEVICE_LIST_STRATEGIES,
         metrics: PluginMetrics | None = None,
+        held_only: bool = False,
     ) -> None:
+        """``held_only`` (vm-passthrough mode): the node left vm-passthrough; serve only the
+        devices pods still hold, refusing every Allocate (``passthrough.PassthroughDiscovery``),
+        looking again every ``HELD_RESCAN`` s for pods that ended."""
         self.host = host
         self.mode = Mode(mode)
+        self.held_only = held_only
+        self.rescan_interval = rescan_interval
         self.backoff = backoff
         self.servers: dict[str, PluginServer] = {}
         self._lock = threading.Lock()
@@ -74,9 +83,10 @@ class PluginManager:
         if self.mode is Mode.VM_PASSTHROUGH:
             if naming is None:
                 raise ValueError("vm-passthrough mode needs a Naming (pci.ids and aliases)")
-            self.discovery = PassthroughDiscovery(host, naming)
-            self._watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval,
-                                          on_node_gone=self.discovery.node_gone)
+            self.discovery = PassthroughDiscovery(host, naming, held_only=held_only)
+            self._watcher = DeviceWatcher(host, self.refresh, on_node_gone=self.discovery.node_gone,
+                                          rescan_interval=min(rescan_interval, HELD_RESCAN)
+                                          if held_only else rescan_interval, polls=held_only)
         else:
             self.nvml_resource = NvmlResource(host, nvml, retry_interval=nvml_retry_interval,
                                               device_list_strategies=device_list_strategies)
@@ -92,12 +102,33 @@ class PluginManager:
             self.refresh()
             assert self._watcher is not None
             self._watcher.start()
-            if not self.servers:
+            if self.held_only:
+                log.info("serving only the devices pods still hold (%s); every Allocate refused",
+                         ", ".join(f"{name}: {len(r.units())}" for name, r in self.discovery.resources.items())
+                         or "none")
+            elif not self.servers:
                 log.info("no GPU or NVSwitch is on vfio-pci yet; waiting for one to be bound")
         else:
             assert self.nvml_resource is not None
             self.nvml_resource.start()
             self._serve(self.nvml_resource)
+
+    def set_held_only(self, held: bool) -> None:
+        """Serve only the devices pods still hold (every Allocate refused), or all again,
+        without stopping the servers: a device a pod holds stays Healthy at the kubelet
+        throughout (a stopped server would have it marked Unhealthy, and a kubelet
+        restarting then would kill its pod)."""
+        assert self.discovery is not None and self._watcher is not None
+        self.discovery.set_held_only(held)  # Allocate refused from here on, before the list shrinks
+        self.held_only = held
+        self._watcher.polls = held
+        self._watcher.rescan_interval = HELD_RESCAN if held else self.rescan_interval
+        self.refresh()
+        self._watcher.wake()
+        if held:
+            log.info("serving only the devices pods still hold (%s); every Allocate refused",
+                     ", ".join(f"{name}: {len(r.units())}" for name, r in self.discovery.resources.items())
+                     or "none")
 
     def refresh(self) -> None:
         """Rescan passthrough devices; start servers for resources seen for the first time."""

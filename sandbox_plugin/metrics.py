@@ -77,6 +77,10 @@ class PluginMetrics:
         self.allocate_errors = _Family(
             "sandbox_device_plugin_allocate_errors", "Allocate calls refused, by gRPC status code.",
             ("resource", "code"), _CounterChild)
+        self.preferred_seconds = _Family(
+            "sandbox_device_plugin_preferred_allocation_duration_seconds",
+            "How long a GetPreferredAllocation call took.", ("resource",),
+            lambda: _HistogramChild(ALLOCATE_BUCKETS))
         self.preferred_allocations = _Family(
             "sandbox_device_plugin_preferred_allocations",
             "GetPreferredAllocation calls answered (the kubelet asks before Allocate when a "
@@ -113,17 +117,17 @@ class _Collector:
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
         m = self.metrics
-        histogram = HistogramMetricFamily(m.allocate_seconds.name, m.allocate_seconds.documentation,
-                                          labels=m.allocate_seconds.labelnames)
-        for labels, child in m.allocate_seconds.snapshot():
-            with child._lock:
-                counts, total = list(child.counts), child.sum
-            cumulative, buckets = 0, []
-            for bound, count in zip((*child.buckets, float("inf")), counts, strict=True):
-                cumulative += count
-                buckets.append((_bound(bound), cumulative))
-            histogram.add_metric(list(labels), buckets, total)
-        yield histogram
+        for family in (m.allocate_seconds, m.preferred_seconds):
+            histogram = HistogramMetricFamily(family.name, family.documentation, labels=family.labelnames)
+            for labels, child in family.snapshot():
+                with child._lock:
+                    counts, total = list(child.counts), child.sum
+                cumulative, buckets = 0, []
+                for bound, count in zip((*child.buckets, float("inf")), counts, strict=True):
+                    cumulative += count
+                    buckets.append((_bound(bound), cumulative))
+                histogram.add_metric(list(labels), buckets, total)
+            yield histogram
         for family in (m.allocate_errors, m.preferred_allocations, m.registrations,
                        m.registration_failures):
             counter = CounterMetricFamily(family.name, family.documentation, labels=family.labelnames)

@@ -17,6 +17,16 @@ or each device's ``/dev/vfio/devices/vfioN`` on iommufd hosts). A unit whose
 device leaves vfio-pci behind our back stays listed, Unhealthy, until the
 device is back, unplugged or given back to its driver on purpose.
 
+On a node that no longer runs vm-passthrough (relabelled while Kata pods still hold
+GPUs) the discovery is ``held_only``: it lists only the units the kubelet has given to
+pods (PodResources ``List``), Healthy, and every Allocate is refused. The kubelet must
+keep seeing those devices: a restarted kubelet admits its running pods again against the
+Node's allocatable, and kills a pod whose device resource has none
+(k8s.io/kubernetes v1.35.4, pkg/kubelet/lifecycle/predicate.go: "OutOf<resource>", seen
+on tests/node). Listing only devices that pods were given keeps the scheduler from
+counting any as free; a unit leaves the list once its pod is gone (its VM then lets go,
+and katamgr gives it back).
+
 ``PassthroughDiscovery.refresh()`` rescans and pushes the result into one
 ``PassthroughResource`` per name; the watcher (``sandbox_plugin.watch``) calls
 it when something changes, and the manager starts servers for new names.
@@ -66,6 +76,8 @@ from sandbox_plugin.resources import (
 from sandbox_plugin.topology import Placement
 
 log = logging.getLogger(__name__)
+
+PASSTHROUGH = "vm-passthrough"
 
 
 @dataclass(frozen=True)
@@ -154,9 +166,11 @@ def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
 class PassthroughResource(Resource):
     """The passthrough units of one resource name; fed by ``PassthroughDiscovery``."""
 
-    def __init__(self, resource_name: str, host: HostRoot, cdi_specs: HostCdiSpecs | None = None) -> None:
+    def __init__(self, resource_name: str, host: HostRoot, cdi_specs: HostCdiSpecs | None = None,
+                 refusal: str | None = None) -> None:
         super().__init__(resource_name)
         self.host = host
+        self.refusal = refusal  # set: every Allocate is refused, saying this
         self.cdi_specs = cdi_specs if cdi_specs is not None else HostCdiSpecs(host)
         self._lock = threading.Lock()
         self._units: dict[str, PassthroughUnit] = {}
@@ -198,7 +212,8 @@ class PassthroughResource(Resource):
             log.info("%s: device %s (IOMMU group %d, %s) appeared, %s%s", name, unit_id,
                      unit.group, ", ".join(unit.bdfs), unit.health, _because(unit))
         for unit_id in sorted(old.keys() - new.keys()):
-            log.info("%s: device %s left (unplugged)", name, unit_id)
+            log.info("%s: device %s left (%s)", name, unit_id,
+                     "no pod holds it any more" if self.refusal else "unplugged, or given back to its driver")
         for unit_id in sorted(old.keys() & new.keys()):
             before, after = old[unit_id], new[unit_id]
             if before.health != after.health:
@@ -250,6 +265,8 @@ class PassthroughResource(Resource):
     def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
         """The allocation for ``device_ids``; the same object again while nothing changed
         (callers must not modify it)."""
+        if self.refusal is not None:
+            raise AllocationError(f"{self.resource_name}: {self.refusal}")
         with self._lock:
             units = self._units  # update() replaces the dict, never changes it
         chosen: list[PassthroughUnit] = []
@@ -283,6 +300,8 @@ class PassthroughResource(Resource):
         scanned (Allocate's re-check); AllocationError naming what is wrong. For a
         caller that, unlike the kubelet's device manager, does not pick among healthy
         devices itself (a DRA claim names its device)."""
+        if self.refusal is not None:
+            raise AllocationError(f"{self.resource_name}: {self.refusal}")
         with self._lock:
             unit = self._units.get(unit_id)
         if unit is None:
@@ -365,12 +384,39 @@ def _because(unit: PassthroughUnit) -> str:
 class PassthroughDiscovery:
     """Keeps one ``PassthroughResource`` per resource name in step with the host."""
 
-    def __init__(self, host: HostRoot, naming: Naming) -> None:
+    def __init__(self, host: HostRoot, naming: Naming, *, held_only: bool = False,
+                 given=None) -> None:
+        """``held_only``: list only the units the kubelet gave pods, refuse every Allocate
+        (a node that left vm-passthrough); ``given()``: the device IDs the kubelet gave
+        pods, None when it cannot be asked (default: its PodResources ``List``)."""
         self.host = host
         self.naming = naming
         self.cdi_specs = HostCdiSpecs(host)  # one cache for every resource
         self._lock = threading.Lock()
         self.resources: dict[str, PassthroughResource] = {}
+        self.held_only = held_only
+        self._given = given or self._ask_kubelet
+        self._kept: set[str] = set()  # the units listed last (a kubelet not answering keeps them)
+
+    def _refusal(self) -> str | None:
+        return (f"this node no longer runs {PASSTHROUGH}: its devices stay only with the pods "
+                "that hold them" if self.held_only else None)
+
+    def set_held_only(self, held: bool) -> None:
+        """Switch in place (the servers stay registered, so the devices pods hold never turn
+        Unhealthy at the kubelet): Allocate is refused, or allowed, from now on; the next
+        ``refresh`` lists what that asks for."""
+        with self._lock:
+            self.held_only = held
+            refusal = self._refusal()
+            for resource in self.resources.values():
+                resource.refusal = refusal
+
+    def _ask_kubelet(self) -> set[str] | None:
+        from katamgr.node.podresources import list_pod_devices
+
+        asked = list_pod_devices(self.host, timeout=2.0)
+        return None if asked.unknown else {a.device_id.lower() for a in asked.assignments}
 
     def node_gone(self, node: str) -> None:
         """A VFIO device node was removed (``sandbox_plugin.watch``): see ``PassthroughResource.node_gone``."""
@@ -390,13 +436,19 @@ class PassthroughDiscovery:
         server already registered for it need not be torn down and rebuilt.
         """
         units = scan_units(self.host, self.naming)
+        if self.held_only:  # (read once: set_held_only may change it meanwhile; the next refresh follows)
+            given = self._given()
+            if given is not None:  # else (a kubelet restarting): the units listed last
+                self._kept = {u.id for u in units if {u.id, *u.bdfs} & given}
+            units = [u for u in units if u.id in self._kept]
         by_name: dict[str, list[PassthroughUnit]] = {}
         for unit in units:
             by_name.setdefault(unit.resource_name, []).append(unit)
         created = []
+        refusal = self._refusal()
         with self._lock:
             for name in sorted(by_name.keys() - self.resources.keys()):
-                self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs)
+                self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs, refusal)
                 created.append(self.resources[name])
             resources = dict(self.resources)
         for name, resource in resources.items():

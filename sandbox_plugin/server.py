@@ -199,8 +199,17 @@ class _DevicePluginServicer:
             return answer
 
     def get_preferred_allocation(self, request: bytes) -> bytes:
-        if self.metrics is not None:
-            self.metrics.preferred_allocations.labels(self.resource.resource_name).inc()
+        if self.metrics is None:
+            return self._preferred(request)
+        self.metrics.preferred_allocations.labels(self.resource.resource_name).inc()
+        started = time.perf_counter()
+        try:
+            return self._preferred(request)
+        finally:
+            self.metrics.preferred_seconds.labels(self.resource.resource_name).observe(
+                time.perf_counter() - started)
+
+    def _preferred(self, request: bytes) -> bytes:
         response = pb.PreferredAllocationResponse()
         for req in _parse(pb.PreferredAllocationRequest, request).container_requests:
             try:

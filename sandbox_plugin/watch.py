@@ -24,6 +24,11 @@ One change does not wait for the burst to settle: a VFIO device node that is
 gone (a group's node deleted, a cdev removed) is reported to ``on_node_gone`` at
 once, from the first event, so the units using it turn Unhealthy at the
 kubelet within a millisecond; the rescan after the burst then confirms it.
+
+The container plugin (``sandbox_plugin.container``) watches the other side the same
+way: ``DRIVER_WATCHED`` (the ``nvidia`` driver's dir, whose ``<bdf>`` links follow every
+bind and unbind, and the device list) with the kernel's ``pci`` uevents, so a GPU given
+back to ``nvidia`` is offered again, and one that leaves is no longer offered.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ _MASK = (
     | inotify_flags.DELETE_SELF
     | inotify_flags.MOVE_SELF
 )
+# The container plugin's: where a bind to or unbind from the nvidia driver leaves a trace.
+NVIDIA_DRIVER = "nvidia"
+DRIVER_WATCHED = (f"/sys/bus/pci/drivers/{NVIDIA_DRIVER}", "/sys/bus/pci/devices")
 # A bind is a burst of events (driver link, group node, cdev); wait until it
 # settles so one change is one rescan, but never longer than _MAX_SETTLE.
 _SETTLE = 0.005
@@ -76,12 +84,19 @@ class DeviceWatcher:
     def __init__(
         self, host: HostRoot, on_change: Callable[[], None], *, rescan_interval: float = 30.0,
         uevents: bool | None = None, uevent_subsystems: frozenset[str] = DEVICE_SUBSYSTEMS,
-        on_node_gone: Callable[[str], None] | None = None,
+        on_node_gone: Callable[[str], None] | None = None, watched: tuple[str, ...] = WATCHED,
+        name: str = "device-watcher", polls: bool = False,
     ) -> None:
         """``uevents``: listen to the kernel's device events (default: when the
         host root is the real kernel's, not a simulated one). ``on_node_gone``: called
-        with the host path of a VFIO device node as soon as it is seen gone."""
+        with the host path of a VFIO device node as soon as it is seen gone. ``watched``:
+        the host dirs watched with inotify (default: the passthrough side's). ``polls``:
+        ``rescan_interval`` is a poll the caller needs (for what no device event tells),
+        kept even when uevents would stretch the safety rescan."""
+        self.polls = polls
         self.host = host
+        self.watched = watched
+        self.name = name
         self.on_change = on_change
         self.on_node_gone = on_node_gone
         self._node_dirs = {host.path(d): d for d in NODE_DIRS}
@@ -104,10 +119,15 @@ class DeviceWatcher:
             self._uevents = open_kernel_events(self._uevent_subsystems)
             if self._uevents is not None:
                 self._watcher.add_source(self._uevents.fileno(), self._uevents.drain)
-                self.rescan_interval = max(self.rescan_interval, UEVENT_RESCAN_INTERVAL)
+                if not self.polls:
+                    self.rescan_interval = max(self.rescan_interval, UEVENT_RESCAN_INTERVAL)
         self._add_watches()
-        self._thread = threading.Thread(target=self._run, name="device-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
+
+    def wake(self) -> None:
+        """Look at ``rescan_interval`` again (it was changed)."""
+        self._watcher.wake()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -121,7 +141,7 @@ class DeviceWatcher:
     def _add_watches(self) -> None:
         """Watch each target, or its nearest existing ancestor until it appears."""
         present = set(self._watches.values())
-        for host_path in WATCHED:
+        for host_path in self.watched:
             path = self.host.path(host_path)
             while not path.is_dir() and path != self.host.root:
                 path = path.parent
@@ -141,6 +161,9 @@ class DeviceWatcher:
             events = self._watcher.wait(max(0.0, deadline - time.monotonic()))
             if self._stop.is_set():
                 return
+            if events is None and not self._stop.is_set():  # woken: the interval may have changed
+                deadline = min(deadline, time.monotonic() + self.rescan_interval)
+                continue
             if events == [] and time.monotonic() < deadline:
                 continue  # only uevents of other subsystems
             if events:
@@ -152,7 +175,7 @@ class DeviceWatcher:
             try:
                 self.on_change()
             except Exception:  # a bad rescan must not end watching for good
-                log.exception("rescanning passthrough devices failed; will retry on the next change")
+                log.exception("%s: the check after a device change failed; will retry on the next change", self.name)
 
     def _nodes_gone(self, events: list) -> None:
         if self.on_node_gone is None:

@@ -9,7 +9,9 @@ once in an Event) and while it runs, ``nvidia.com/cc.ready.state`` is ``false``,
 scheduler puts no new confidential pod here. Afterwards ``nvidia.com/cc.mode.state`` is the
 mode read back (or ``failed``) and ``nvidia.com/cc.ready.state`` follows it
 (``katamgr.host.cc.ready_state``), but ``true`` only once the kubelet advertises the GPUs again
-(the Node's allocatable count of each passthrough resource back to what the node has): the
+(the Node's allocatable count of each passthrough resource back to what the node has, and
+the kubelet's PodResources listing each unit as allocatable, which the Node's status, synced
+every 10 s, can be behind): the
 device plugin marks them Unhealthy while they are unbound, and a pod the scheduler placed
 before the kubelet heard they are back is refused by the kubelet ("cannot allocate unhealthy
 devices", seen on the real kubelet by tests/node/test_node_cc.py). A failed switch is not
@@ -29,6 +31,7 @@ from katamgr.agent.target import Target
 from katamgr.errors import KatamgrError
 from katamgr.host import cc
 from katamgr.host.cc import CcMode
+from katamgr.node.podresources import offered_devices
 from katamgr.pipeline import ccmode
 
 log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
@@ -154,15 +157,17 @@ class CcModes:
 
     def _advertised(self) -> bool:
         """Whether the kubelet advertises every passthrough unit of the node again: each device
-        plugin resource the Node has capacity of is allocatable in full. A resource the Node
-        does not list (the DRA driver publishes instead, or the plugin is off) is not waited for."""
+        plugin resource the Node has capacity of is allocatable in full, and the kubelet's
+        PodResources lists each of its units as allocatable now. A resource the Node does not
+        list (the DRA driver publishes instead, or the plugin is off) is not waited for."""
         if self.read_resources is None:
             return True
         from katamgr.host.passthrough import resource_units
 
         t = self.target
         expected: dict[str, int] = {}
-        for unit in resource_units(t.host, t.scan(), t.naming):
+        units = resource_units(t.host, t.scan(), t.naming)
+        for unit in units:
             expected[unit.resource_name] = expected.get(unit.resource_name, 0) + 1
         try:
             capacity, allocatable = self.read_resources()
@@ -174,6 +179,17 @@ class CcModes:
         if short:
             self._say("cc.ready.state stays false until the kubelet advertises the GPUs again: allocatable "
                       + ", ".join(f"{n}={v} of {expected[n]}" for n, v in sorted(short.items())))
+            return False
+        # The Node's allocatable is the kubelet's report at its last status sync (every 10 s):
+        # a switch shorter than that can leave it whole from before the GPUs went Unhealthy.
+        # PodResources answers from the kubelet's device manager as it is now (only for a
+        # kubelet that can be asked, and for the resources the Node lists).
+        offered, unknown = offered_devices(t.host)
+        missing = sorted(u.id for u in units if u.resource_name in capacity
+                         and u.id not in offered) if unknown is None else []
+        if missing:
+            self._say("cc.ready.state stays false until the kubelet offers the GPUs again: "
+                      f"its PodResources does not list {', '.join(missing)} as allocatable")
             return False
         return True
 

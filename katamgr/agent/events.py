@@ -31,6 +31,14 @@ class NodeEvents:
         if report.changes:
             self._record("CdiSpecsUpdated", "; ".join(report.changes))
 
+    def given_back(self, message: str) -> None:
+        """GPUs a switch kept for their VMs or pods, given back once those were gone."""
+        self._record("GpusGivenBack", message)
+
+    def label_refused(self, message: str) -> None:
+        """The workload label names no workload: nothing moves until it does."""
+        self._record("WorkloadLabelInvalid", message, "Warning")
+
     def switched(self, workload_changed: bool, summary: str) -> None:
         """A workload switch, or (the workload unchanged) a change of the opt-outs."""
         self._record("WorkloadSwitched" if workload_changed else "OptOutsChanged", summary)

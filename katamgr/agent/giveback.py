@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from katamgr.agent.events import NodeEvents
 from katamgr.agent.health import Health
 from katamgr.agent.target import Target
 from katamgr.errors import KatamgrError
@@ -27,9 +28,10 @@ log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 class GiveBacks:
     """The held GPUs and what kept each: a VM, or a pod the kubelet gave it."""
 
-    def __init__(self, target: Target, health: Health) -> None:
+    def __init__(self, target: Target, health: Health, events: NodeEvents | None = None) -> None:
         self.target = target
         self.health = health
+        self.events = events or NodeEvents()
         self.held: set[str] = set()  # BDFs a leave left on vfio-pci because a pod or VM holds them
         self.waiting: dict[str, list[str]] = {}  # the last LeaveReport.waiting, logged when it changes
         # Per held BDF, what the kubelet had given pods of it at the last leave: while those
@@ -46,13 +48,14 @@ class GiveBacks:
         return sorted(set(vfio.bound_by_us(self.target.host)) - self.held)
 
     def leave(self, steps: Steps, *, release: bool, lock_wait: float,
-              command: str = "katamgr run (workload switch)") -> LeaveReport:
-        """``leave_passthrough``, remembering the kubelet's answer it went by."""
+              command: str = "katamgr run (workload switch)", cancelled=None) -> LeaveReport:
+        """``leave_passthrough``, remembering the kubelet's answer it went by (``cancelled()``:
+        the node wants its GPUs bound again, stop waiting for the kubelet)."""
         self._asked = None
         t = self.target
         return leave_passthrough(t.host, t.naming, steps, release=release,
                                  readiness_owned=t.base_steps.vfio, lock_wait=lock_wait,
-                                 command=command, pod_devices=self._ask_pods)
+                                 command=command, pod_devices=self._ask_pods, cancelled=cancelled)
 
     def _ask_pods(self) -> PodDevices:
         self._asked = list_pod_devices(self.target.host)
@@ -100,6 +103,9 @@ class GiveBacks:
             self.note_left(report)
             if report.changes or report.failures:
                 log_report(report, log)
+            if report.restored:
+                self.events.given_back(f"gave {', '.join(report.restored)} back to their drivers: "
+                                       "the VMs and pods that held them are gone")
 
     def _let_go(self, records: dict[str, dict]) -> list[str]:
         """The held devices nothing keeps any more, by IOMMU group (a group moves whole):

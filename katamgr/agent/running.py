@@ -59,7 +59,7 @@ class Agent:
         self.metrics.observe_opt_outs(self.target.opted_out)
         self.probes = Health(check_interval)
         self.events = NodeEvents(events)
-        self.give_backs = GiveBacks(self.target, self.probes)
+        self.give_backs = GiveBacks(self.target, self.probes, self.events)
         self.switcher = Switch(self.target, self.give_backs, self.probes, self.metrics, self.events,
                                self.reconcile, read_workload)
         self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=cc_default_mode,

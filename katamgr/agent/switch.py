@@ -24,7 +24,7 @@ from katamgr.agent.giveback import GiveBacks
 from katamgr.agent.health import Health
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.target import Target
-from katamgr.errors import KatamgrError
+from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.workload import Operand, Resolution, Workload, describe_opt_outs
 from katamgr.pipeline.reconcile import Steps
 from katamgr.pipeline.report import LeaveReport, Report
@@ -63,6 +63,8 @@ class Switch:
         except KatamgrError as exc:  # the API down, a bad label value: keep what we run
             if str(exc) != self._label_error:
                 log.warning("could not read the node's workload (%s); keeping %s", exc, t.steps.workload)
+                if isinstance(exc, ConfigError):  # the label's own value: the operator's to mend
+                    self.events.label_refused(f"{exc}; nothing was moved: the node keeps {t.steps.workload}")
             self._label_error = str(exc)
             return False
         self._label_error = None
@@ -71,6 +73,21 @@ class Switch:
         if wanted is t.steps.workload and out == t.opted_out:
             return False
         return self.switch(wanted, out)
+
+    def _binds_again(self) -> bool:
+        """Whether the labels, read now, ask for the GPUs on vfio-pci again (flipped back
+        while a leave waited for the kubelet)."""
+        if self.read_workload is None:
+            return False
+        try:
+            read = self.read_workload()
+        except KatamgrError:
+            return False
+        t = self.target
+        wanted, out = ((read.workload, read.opted_out) if isinstance(read, Resolution)
+                       else (Workload(read), t.opted_out))
+        steps = replace(t.base_steps, workload=wanted).without(out)
+        return steps.passthrough and steps.vfio
 
     def switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
         """Carry the node to ``workload`` with the operands in ``out`` opted out; False when
@@ -82,12 +99,15 @@ class Switch:
         t = self.target
         old, old_out = t.steps, t.opted_out
         new = replace(t.base_steps, workload=workload).without(out)
+        # When it began (the line at the end says what it did): a switch takes seconds.
+        log.info("%s: starting", _change(old, old_out, new, out))
         release = old.passthrough and old.vfio and not (new.passthrough and new.vfio)
         what: list[str] = []
         readiness_off = old.readiness and not new.readiness and t.base_steps.vfio
         if release or (old.passthrough and not new.passthrough) or readiness_off:
             try:
-                report = self.give_backs.leave(new, release=release, lock_wait=t.lock_wait)
+                report = self.give_backs.leave(new, release=release, lock_wait=t.lock_wait,
+                                               cancelled=self._binds_again)
             except KatamgrError as exc:  # a busy node lock, an unreadable record: next tick
                 log.warning("could not switch %s yet (%s); trying again", _change(old, old_out, new, out), exc)
                 return False

@@ -16,6 +16,7 @@ that does not answer within ``timeout`` is given up on. Each of those comes back
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -80,6 +81,54 @@ def list_pod_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
         for devices in container.devices
         for device_id in devices.device_ids
     ))
+
+
+def offered_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
+                    socket: str = POD_RESOURCES_SOCKET) -> tuple[frozenset[str], str | None]:
+    """The device IDs the kubelet can hand out now: PodResources ``GetAllocatableResources``,
+    which lists only the healthy devices of its plugins (pkg/kubelet/cm/devicemanager
+    manager.go ``GetAllocatableDevices``); a plugin that stood down has none there
+    (``PluginDisconnected`` marks them all Unhealthy). ``(ids, None)``, or ``(empty, why)``
+    when the kubelet could not be asked."""
+    path = host.path(socket)
+    if not path.exists():
+        return frozenset(), f"the kubelet's PodResources socket {socket} does not exist"
+    import grpc
+
+    from kubeletapi import podresources_pb2 as pr
+    from kubeletapi import podresources_pb2_grpc as pr_grpc
+
+    try:
+        with grpc.insecure_channel(f"unix://{path}") as channel:
+            answer = pr_grpc.PodResourcesListerStub(channel).GetAllocatableResources(
+                pr.AllocatableResourcesRequest(), timeout=timeout)
+    except grpc.RpcError as exc:
+        code = exc.code() if hasattr(exc, "code") else None
+        return frozenset(), f"the kubelet's PodResources GetAllocatableResources failed ({code})"
+    return frozenset(i.lower() for d in answer.devices for i in d.device_ids), None
+
+
+def wait_not_offered(host: HostRoot, ids: Iterable[str], *, timeout: float, every: float = 0.05,
+                     cancelled=None, clock=time.monotonic) -> list[str]:
+    """Wait until the kubelet offers none of ``ids`` to a new pod (the device plugin
+    serving them stood down, or lists only those pods were given: a device given to a pod
+    is never given to another), so that no pod can be given one after the kubelet's
+    ``List`` is read. Returns the IDs still offered free when ``timeout`` passed or
+    ``cancelled()`` said to stop waiting; empty once none is (or when the kubelet cannot be
+    asked: then ``List`` fails too, and says so)."""
+    wanted = {i.lower() for i in ids}
+    deadline = clock() + timeout
+    while True:
+        offered, unknown = offered_devices(host, timeout=min(DEFAULT_TIMEOUT, timeout))
+        still = wanted & offered
+        if still and unknown is None:
+            given = list_pod_devices(host, timeout=min(DEFAULT_TIMEOUT, timeout))
+            still -= {a.device_id.lower() for a in given.assignments}
+        if unknown is not None or not still:
+            return []
+        if clock() >= deadline or (cancelled is not None and cancelled()):
+            return sorted(still)
+        time.sleep(every)
 
 
 def assigned_functions(host: HostRoot, inv: Inventory, naming: Naming,

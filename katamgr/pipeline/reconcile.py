@@ -14,11 +14,17 @@ from typing import TYPE_CHECKING
 from katamgr.host import readiness, vfio
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
+from katamgr.host.passthrough import resource_units
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Operand, Workload
 from katamgr.node.lock import node_lock, tidy_state_dir
-from katamgr.node.podresources import PodDevices, assigned_functions, list_pod_devices
+from katamgr.node.podresources import (
+    PodDevices,
+    assigned_functions,
+    list_pod_devices,
+    wait_not_offered,
+)
 from katamgr.node.toolkit import isolation_problem, read_toolkit_config, toml_value
 from katamgr.pipeline import cdi_specs
 from katamgr.pipeline.devices import apply_host, revert_host
@@ -31,6 +37,9 @@ if TYPE_CHECKING:
 PASSTHROUGH = Workload.VM_PASSTHROUGH
 # How long a second katamgr waits for the one holding the node lock (--wait).
 DEFAULT_LOCK_WAIT = 60.0
+# How long a leave waits for the kubelet to stop offering the GPUs it gives back (their
+# device plugin standing down follows the same label within a second).
+OFFER_WAIT = 10.0
 
 
 @dataclass(frozen=True)
@@ -209,7 +218,9 @@ def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, f
 def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: bool | None = None,
                       readiness_owned: bool | None = None, lock_wait: float = DEFAULT_LOCK_WAIT,
                       command: str = "katamgr run (workload switch)",
-                      pod_devices: Callable[[], PodDevices] | None = None) -> LeaveReport:
+                      pod_devices: Callable[[], PodDevices] | None = None,
+                      offer_wait: float = OFFER_WAIT,
+                      cancelled: Callable[[], bool] | None = None) -> LeaveReport:
     """The node was relabeled away from vm-passthrough, or opted out of katamgr's binding
     (``steps`` are the steps it asks for now): with ``release`` (default ``steps.vfio``,
     whether katamgr bound its GPUs) give the GPUs no pod or VM holds back to their drivers,
@@ -224,13 +235,21 @@ def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: 
     default: the node's kubelet socket). A GPU given to a pod whose VM has not opened it
     yet (the VM is starting) is kept too (``LeaveReport.waiting``) and the free GPUs go
     at once; the caller tries again, so the kept one goes once its pod is gone. A kubelet
-    that cannot be asked is reported and only the VMs' open nodes count."""
+    that cannot be asked is reported and only the VMs' open nodes count.
+
+    On a node that leaves vm-passthrough the kubelet is asked only once it no longer
+    offers the GPUs to new pods (their plugin stood down: ``wait_not_offered``, at most
+    ``offer_wait`` s, or until ``cancelled()``: the node wants them bound again): a pod
+    admitted a moment before is then in its answer and keeps its GPU, and none admitted
+    after can get one, so no pod is ever given a GPU that is leaving. A GPU the kubelet
+    still offers after that stays on vfio-pci (``LeaveReport.held``, tried again)."""
     release = steps.vfio if release is None else release
     readiness_owned = release if readiness_owned is None else readiness_owned
     with node_lock(host, command, lock_wait):
         report = LeaveReport()
         if release:
-            _release_devices(host, naming, report, pod_devices or (lambda: list_pod_devices(host)))
+            _release_devices(host, naming, report, pod_devices or (lambda: list_pod_devices(host)),
+                             offer_wait=0.0 if steps.passthrough else offer_wait, cancelled=cancelled)
         if readiness_owned and steps.readiness:
             report.changes += [f"wrote {p}" if p == readiness.WORKLOAD_TYPE else f"removed {p}"
                                for p in readiness.mark_workload(host, steps.workload)]
@@ -243,9 +262,21 @@ def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: 
 
 
 def _release_devices(host: HostRoot, naming: Naming, report: LeaveReport,
-                     pod_devices: Callable[[], PodDevices]) -> None:
+                     pod_devices: Callable[[], PodDevices], *, offer_wait: float,
+                     cancelled: Callable[[], bool] | None = None) -> None:
     """The device half of ``leave_passthrough``: unbind what nobody holds, report the rest."""
     recorded = vfio.bound_by_us(host)
+    offered: dict[str, list[str]] = {}  # BDF -> why it stays: the kubelet still offers it
+    if offer_wait and recorded:
+        units = [u for u in resource_units(host, discover(host, naming.selection), naming)
+                 if set(u.functions) & set(recorded)]
+        still = set(wait_not_offered(host, [u.id for u in units], timeout=offer_wait, cancelled=cancelled))
+        why = ["offered to new pods by the kubelet: its device plugin has not stood down"]
+        offered = {bdf: why for u in units if u.id.lower() in still for bdf in u.functions}
+        if offered:
+            report.warnings.append(
+                f"{', '.join(sorted(offered))} stay on vfio-pci: the kubelet still offers them to new pods "
+                f"(after {offer_wait:g} s, or the node wants them bound again); given back once it does not")
     asked = pod_devices()
     report.pods_unknown = asked.unknown
     if asked.unknown:
@@ -262,10 +293,11 @@ def _release_devices(host: HostRoot, naming: Naming, report: LeaveReport,
             + ", whose VM has not opened it yet; it goes back once the pod is gone")
     before = set(recorded)
     # The pods' GPUs stay whether or not their VM holds them yet; the free ones go now.
-    result = vfio.unbind_all(host, force=False, keep=set(report.pods))
+    result = vfio.unbind_all(host, force=False, keep=set(report.pods) | set(offered))
     report.changes += result.changes
     vms = {bdf: [str(h) for h in who] for bdf, who in result.held.items()}
-    report.held = {bdf: vms.get(bdf, []) + report.pods.get(bdf, []) for bdf in {*vms, *report.pods}}
+    report.held = {bdf: vms.get(bdf, []) + report.pods.get(bdf, []) + offered.get(bdf, [])
+                   for bdf in {*vms, *report.pods, *offered}}
     report.restored = sorted(before - set(vfio.bound_by_us(host)))
     for failure in result.failures:
         bdf = failure.split(" ", 1)[0]

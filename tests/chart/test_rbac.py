@@ -76,6 +76,7 @@ def granted(*roles: dict[str, Any]) -> dict[tuple[str, str], list[str] | None]:
 def test_the_call_scan_finds_the_calls_we_know_of():
     needed = api_calls(API_CALLERS)
     assert set(needed) == {("nodes", "get"), ("nodes", "watch"), ("nodes", "patch"), ("events", "create"),
+                           ("events", "patch"),
                            ("secrets", "get"),
                            ("runtimeclasses", "list"), ("runtimeclasses", "patch"),
                            ("runtimeclasses", "create"), ("runtimeclasses", "delete")}
@@ -127,7 +128,7 @@ def test_rbac_is_least_privilege_for_the_full_agent(chart):
     # Node Events: only in "default", the namespace the API server takes them in.
     events = rendered.get("Role", "-node-events")
     assert events["metadata"]["namespace"] == "default"
-    assert granted(events) == {("events", "create"): None}
+    assert granted(events) == {("events", "create"): None, ("events", "patch"): None}
 
     for binding_kind, role_kind, suffix in (("ClusterRoleBinding", "ClusterRole", ""),
                                             ("RoleBinding", "Role", ""),
@@ -143,7 +144,7 @@ def test_rbac_is_least_privilege_for_the_full_agent(chart):
 def test_no_pull_secret_no_secret_access(chart):
     rendered = render(chart, FULL)  # default runtime classes have pullSecret ""
     assert rendered.find("Role") is None and rendered.find("RoleBinding") is None
-    assert set(granted(rendered.get("Role", "-node-events"))) == {("events", "create")}
+    assert set(granted(rendered.get("Role", "-node-events"))) == {("events", "create"), ("events", "patch")}
 
 
 @pytest.mark.integration

@@ -218,6 +218,35 @@ def test_event_failure_is_logged_not_raised(caplog):
     assert "could not record event GpusBound on Node gpu-1: HTTP 401" in caplog.text
 
 
+def test_an_event_the_api_server_was_down_for_is_written_once_it_is_back(caplog):
+    """As client-go's recorder (tools/record/event.go, recordToSink): no answer from the
+    server is retried, 10 s apart in production; a refusal (the 401 above) is not."""
+    import time
+
+    from katamgr.cluster import EventRecorder
+
+    with FakeApiServer() as server:
+        recorder = EventRecorder(server.client(), "gpu-1", retry_seconds=0.2)
+        server.stop()  # the API server down across the switch
+        with caplog.at_level(logging.WARNING):
+            assert not recorder.record("WorkloadSwitched", "workload switch vm-passthrough -> container")
+        assert recorder.pending == 1 and "trying again every" in caplog.text
+        time.sleep(0.5)
+        assert recorder.pending == 1  # still down: kept
+        happened = time.time()
+        server.start()  # back, with its objects, on the same address
+        deadline = time.monotonic() + 5
+        while recorder.pending and time.monotonic() < deadline:
+            time.sleep(0.05)
+        [event] = [server.get("events", n, "default") for n in server.names("events")]
+        assert event["reason"] == "WorkloadSwitched" and "vm-passthrough -> container" in event["message"]
+        # Stamped when it happened, not when it could be written.
+        from datetime import datetime
+
+        stamped = datetime.fromisoformat(event["lastTimestamp"].replace("Z", "+00:00")).timestamp()
+        assert stamped <= happened
+
+
 # --- connecting --------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from support.kubecluster import LocalCluster, missing_part
-from support.nodekit import WORKLOAD, Node
+from support.nodekit import WORKLOAD, Node, started_processes
 from support.paths import REQUIRE_INTEGRATION
 
 _timing: dict[str, float] = {"tests": 0.0}
@@ -61,6 +61,7 @@ def node():
     # Short: the kubelet's plugin sockets live below DIR/host and a unix socket path
     # holds 107 bytes.
     directory = Path(tempfile.mkdtemp(prefix="ksm-node-", dir="/tmp"))
+    before = _processes()
     cluster = LocalCluster.up(directory / "c", node=True)
     _timing["start"] = cluster.start_seconds
     the_node = Node(cluster)
@@ -71,7 +72,23 @@ def node():
         yield the_node
     finally:
         print(cluster.down())
+        # `down` leaves no process it started, directly or through containerd (its shims,
+        # the pods' containers): the process table against the one before `up`.
+        left = {pid: cmd for pid, cmd in started_processes(directory).items()
+                if (pid, _start_time(pid)) not in before}
         shutil.rmtree(directory, ignore_errors=True)
+        assert not left, f"hack/local-cluster down left {len(left)} processes running: {left}"
+
+
+def _processes() -> set[tuple[int, str]]:
+    return {(int(p), _start_time(int(p))) for p in os.listdir("/proc") if p.isdigit()}
+
+
+def _start_time(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
 
 
 def pytest_runtest_logreport(report) -> None:

@@ -134,6 +134,8 @@ def test_events_on_the_node_for_changes_and_failures_deduplicated(tmp_path):
         events = [api.get("events", n, "default") for n in api.names("events")]
         assert [(e["type"], e["reason"]) for e in events] == [("Warning", "ReconcileFailed")]
         failed = events[0]
+        # One Event, seen three times: its count raised, as client-go's EventCorrelator does.
+        assert failed["count"] == 3 and failed["lastTimestamp"] >= failed["firstTimestamp"]
         assert failed["involvedObject"]["kind"] == "Node" and failed["involvedObject"]["name"] == "gpu-node-1"
         assert "late" in failed["message"]
         publish_layout(host)

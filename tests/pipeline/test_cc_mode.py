@@ -279,3 +279,40 @@ def test_cc_ready_waits_until_the_kubelet_advertises_the_gpus_again(tmp_path):
     status["allocatable"]["nvidia.com/GH100H100_SXM5_80GB"] = "8"  # the plugin reports them healthy
     assert agent.follow_cc() is False
     assert labels[READY_STATE_LABEL] == "true"
+
+
+def test_cc_ready_waits_for_the_kubelets_own_view_when_the_node_status_is_behind():
+    """The Node's allocatable is the kubelet's report at its last status sync (every 10 s), so
+    right after a short switch it can still read whole from before the GPUs went Unhealthy;
+    a pod placed then was refused on the real kubelet (tests/node/test_node_cc.py). The
+    kubelet's PodResources GetAllocatableResources lists only the devices its device manager
+    holds healthy now (pkg/kubelet/cm/devicemanager GetAllocatableDevices): ready waits for
+    every GPU there too."""
+    import tempfile
+    from pathlib import Path
+
+    from katamgr.node.podresources import POD_RESOURCES_SOCKET
+    from nodesim.podresources import ListedDevice, PodResourcesServer, Snapshot
+
+    host = simulated(Path(tempfile.mkdtemp(prefix="cc-")))  # a unix socket path fits 107 bytes
+    gpu = "nvidia.com/GH100H100_SXM5_80GB"
+    status = {"capacity": {gpu: "8"}, "allocatable": {gpu: "8"}}  # whole: from before the switch
+    health = {bdf: "Unhealthy" for bdf in GPUS}
+    labels = {WORKLOAD_LABEL: "vm-passthrough", MODE_LABEL: "on"}
+    server = PodResourcesServer(host.path(POD_RESOURCES_SOCKET), lambda: Snapshot(
+        [], {gpu: [ListedDevice(bdf, health[bdf]) for bdf in GPUS]}))
+    server.start()
+    try:
+        agent = Agent(host, NAMING, Steps(kata=False), None, cc_default_mode=CcMode.OFF,
+                      read_labels=lambda: labels, publish_labels=labels.update,
+                      read_resources=lambda: (status["capacity"], status["allocatable"]))
+        assert agent.follow_cc() is True
+        assert labels[MODE_STATE_LABEL] == "on" and labels[READY_STATE_LABEL] == "false"
+        health.update({bdf: "Healthy" for bdf in GPUS[:7]})
+        agent.follow_cc()
+        assert labels[READY_STATE_LABEL] == "false"  # one GPU still Unhealthy at the kubelet
+        health[GPUS[7]] = "Healthy"
+        agent.follow_cc()
+        assert labels[READY_STATE_LABEL] == "true"
+    finally:
+        server.stop()

@@ -101,6 +101,12 @@ def followed_node(host, steps: Steps, *, ctx=None, label: str = "vm-passthrough"
         yield api, agent, watch
 
 
+def switch_lines(caplog, start: str = "workload switch") -> list[str]:
+    """The lines that say what a switch did (not the one saying it began)."""
+    return [r.getMessage() for r in caplog.records
+            if start in r.getMessage() and not r.getMessage().endswith(": starting")]
+
+
 def events(api: FakeApiServer, reason: str) -> list[dict]:
     """The Events recorded on the Node with this reason."""
     found = [api.get("events", n, "default") for n in api.names("events")]
@@ -149,7 +155,7 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
             assert "/dev/vfio/4" in specs and "/dev/vfio/5" not in specs  # the specs follow
             # The Kata runtime entries stay (running VMs use them).
             assert host.path("/etc/containerd/config.toml").read_text() == containerd
-            switches = [r.getMessage() for r in caplog.records if "workload switch" in r.getMessage()]
+            switches = switch_lines(caplog)
             assert len(switches) == 1
             line = switches[0]
             assert line.startswith("workload switch vm-passthrough -> container: ")
@@ -168,16 +174,18 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
             assert wait_for(lambda: driver_of(host, HELD) == "nvidia")
             assert wait_for(lambda: agent.give_backs.held == set())
             assert "/dev/vfio/4" not in cdi_text(host)
+            assert wait_for(lambda: events(api, "GpusGivenBack"))
+            assert f"gave {HELD} back" in events(api, "GpusGivenBack")[0]["message"]
 
             relabel(api, "vm-passthrough")
             # The switch is logged once its reconcile has finished.
-            assert wait_for(lambda: any("workload switch container" in r.getMessage() for r in caplog.records))
+            assert wait_for(lambda: switch_lines(caplog, "workload switch container"))
             assert agent.target.steps.workload is Workload.VM_PASSTHROUGH
             assert driver_of(host, HELD) == driver_of(host, FREE) == "vfio-pci"
             assert host.path(WORKLOAD_TYPE).read_text() == "vm-passthrough\n"
             assert host.path(VFIO_READY).exists()
             assert "/dev/vfio/4" in cdi_text(host) and "/dev/vfio/5" in cdi_text(host)
-            back = [r.getMessage() for r in caplog.records if "workload switch container" in r.getMessage()]
+            back = switch_lines(caplog, "workload switch container")
             assert len(back) == 1 and f"bound {HELD}, {FREE} to vfio-pci" in back[0]
             assert agent.metrics.registry.get_sample_value(
                 "katamgr_workload_switches_total", {"from": "container", "to": "vm-passthrough"}) == 1
@@ -194,7 +202,8 @@ def test_a_bad_label_value_keeps_the_workload_and_is_logged_once(tmp_path, caplo
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
         read, watch = follower(api)
-        agent = Agent(host, NAMING, Steps(kata=False), None, read_workload=read, node_watch=watch)
+        agent = Agent(host, NAMING, Steps(kata=False), None, read_workload=read, node_watch=watch,
+                      events=EventRecorder(api.client(), NODE))
         assert agent.reconcile("start").ok
         relabel(api, "vm-typo")
         assert wait_for(lambda: watch.labels().get(WORKLOAD_LABEL) == "vm-typo")
@@ -203,6 +212,10 @@ def test_a_bad_label_value_keeps_the_workload_and_is_logged_once(tmp_path, caplo
         assert agent.target.steps.workload is Workload.VM_PASSTHROUGH and driver_of(host, FREE) == "vfio-pci"
         warnings = [r for r in caplog.records if "could not read the node's workload" in r.getMessage()]
         assert len(warnings) == 1 and "vm-typo" in warnings[0].getMessage()
+        # And on the Node, where `kubectl describe node` shows it: once, a Warning.
+        [refused] = events(api, "WorkloadLabelInvalid")
+        assert refused["type"] == "Warning" and "'vm-typo'" in refused["message"]
+        assert "nothing was moved: the node keeps vm-passthrough" in refused["message"]
 
 
 def test_no_follower_without_auto_a_node_name_or_a_cluster():
@@ -295,7 +308,7 @@ def test_a_gpu_given_to_a_pod_whose_vm_is_starting_stays_and_the_free_one_goes(c
                 assert wait_for(lambda: agent.target.steps.workload is Workload.CONTAINER)
                 assert driver_of(host, HELD) == "vfio-pci" and driver_of(host, FREE) == "nvidia"
                 assert agent.give_backs.held == {HELD}
-                [line] = [r.getMessage() for r in caplog.records if "workload switch" in r.getMessage()]
+                [line] = switch_lines(caplog)
                 assert f"gave {FREE} back to their drivers" in line
                 assert f"{HELD} (pod default/vm-a (container cuda, {A10}))" in line
                 assert f"{HELD} not opened by its VM yet" in line
@@ -323,6 +336,71 @@ def test_a_gpu_given_to_a_pod_whose_vm_is_starting_stays_and_the_free_one_goes(c
                 assert len(leaves) == 2
             finally:
                 stop_loop(agent, thread, watch)
+    finally:
+        server.stop()
+
+
+def test_a_pod_admitted_while_the_plugin_still_serves_keeps_its_gpu():
+    """The leave asks the kubelet which pods hold GPUs only once it no longer offers them
+    (PodResources GetAllocatableResources lists healthy devices only; a plugin that stood
+    down has none: kubelet manager.go PluginDisconnected): a pod the kubelet admits in the
+    moment between the relabel and the plugin standing down is in the answer and keeps
+    its GPU, never given one that is leaving."""
+    from katamgr.pipeline.reconcile import leave_passthrough
+    from nodesim.podresources import ListedDevice
+
+    host = short_host([dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
+    assert reconcile(host, NAMING, Steps(kata=False), None).ok
+    pods: list[PodRecord] = []
+    offered = {A10: [ListedDevice(HELD), ListedDevice(FREE)]}
+    server = PodResourcesServer(host.path(POD_RESOURCES_SOCKET), lambda: Snapshot(list(pods), offered))
+    server.start()
+    try:
+        left = []
+        leave = threading.Thread(target=lambda: left.append(leave_passthrough(
+            host, NAMING, Steps(kata=False, workload=Workload.CONTAINER), offer_wait=10)))
+        started = time.monotonic()
+        leave.start()
+        time.sleep(0.3)
+        assert not left and driver_of(host, FREE) == "vfio-pci"  # waiting: the plugin still serves
+        # The kubelet admits a Kata pod onto HELD, then the plugin stands down.
+        pods.append(PodRecord("default", "late", [ContainerRecord("main", {A10: [HELD.lower()]})]))
+        offered[A10] = [ListedDevice(HELD, "Unhealthy"), ListedDevice(FREE, "Unhealthy")]
+        leave.join(timeout=10)
+        [report] = left
+        assert time.monotonic() - started < 2
+        assert driver_of(host, HELD) == "vfio-pci" and driver_of(host, FREE) == "nvidia"
+        assert list(report.waiting) == [HELD] and "default/late" in report.waiting[HELD][0]
+    finally:
+        server.stop()
+
+
+def test_a_gpu_the_kubelet_still_offers_stays_until_it_does_not():
+    """A plugin that never stands down (or a label flipped back meanwhile): after the bounded
+    wait the GPU the kubelet still offers to new pods stays on vfio-pci, reported, and goes
+    back at a later look once it is not offered."""
+    from katamgr.pipeline.reconcile import leave_passthrough
+    from nodesim.podresources import ListedDevice
+
+    host = short_host([dev(FREE, GPU_A10, "nvidia", 5)])
+    assert reconcile(host, NAMING, Steps(kata=False), None).ok
+    offered = {A10: [ListedDevice(FREE)]}
+    server = PodResourcesServer(host.path(POD_RESOURCES_SOCKET), lambda: Snapshot([], offered))
+    server.start()
+    try:
+        started = time.monotonic()
+        container = Steps(kata=False, workload=Workload.CONTAINER)
+        report = leave_passthrough(host, NAMING, container, offer_wait=0.5)
+        assert 0.5 <= time.monotonic() - started < 3
+        assert driver_of(host, FREE) == "vfio-pci" and list(report.held) == [FREE]
+        assert any(f"{FREE} stay on vfio-pci: the kubelet still offers them" in w for w in report.warnings)
+        # Waiting stops as soon as the node wants its GPUs bound again.
+        started = time.monotonic()
+        report = leave_passthrough(host, NAMING, container, offer_wait=10, cancelled=lambda: True)
+        assert time.monotonic() - started < 2 and driver_of(host, FREE) == "vfio-pci"
+        offered[A10] = []  # the plugin stood down at last
+        report = leave_passthrough(host, NAMING, container, offer_wait=10)
+        assert driver_of(host, FREE) == "nvidia" and report.restored == [FREE]
     finally:
         server.stop()
 
@@ -371,7 +449,7 @@ def test_opting_out_of_the_vfio_manager_gives_gpus_back_and_lifting_it_binds_aga
             assert not host.path(VFIO_READY).exists()
             assert host.path(WORKLOAD_TYPE).read_text() == "vm-passthrough\n"
             assert "/dev/vfio/5" not in cdi_text(host)
-            line = next(r.getMessage() for r in caplog.records if "opt-outs now" in r.getMessage())
+            line = next(iter(switch_lines(caplog, "opt-outs now")))
             assert line.startswith("opt-outs now nvidia.com/gpu.deploy.vfio-manager=false (were none): "
                                    f"gave {FREE} back to their drivers")
             assert agent.metrics.registry.get_sample_value("katamgr_opted_out", {"operand": "vfio-manager"}) == 1
@@ -441,7 +519,7 @@ def test_a_gpu_busy_at_the_switch_to_passthrough_is_bound_once_its_process_lets_
             relabel(api, "vm-passthrough")
             assert wait_for(lambda: driver_now(host, FREE) == "vfio-pci")
             # The container plugin leaving the node still holds HELD's /dev/nvidia0: skipped, named.
-            assert wait_for(lambda: any("workload switch container" in r.getMessage() for r in caplog.records))
+            assert wait_for(lambda: switch_lines(caplog, "workload switch container"))
             assert driver_of(host, HELD) == "nvidia"
             assert any("PID 4242 (nvidia-device-plugin)" in r.getMessage() for r in caplog.records)
             shutil.rmtree(host.path("/proc/4242"))  # it is gone
@@ -488,7 +566,7 @@ def test_a_relabel_while_no_agent_ran_is_carried_out_by_the_first_reconcile(tmp_
             specs = cdi_text(host)
             assert "/dev/vfio/4" in specs and "/dev/vfio/5" not in specs
             assert host.path("/etc/containerd/config.toml").read_text() == containerd  # Kata entries stay
-            [line] = [r.getMessage() for r in caplog.records if "workload switch" in r.getMessage()]
+            [line] = switch_lines(caplog)
             assert line.startswith("workload switch vm-passthrough -> container, found at start")
             assert f"gave {FREE} back" in line and f"{HELD} (PID 7777 (qemu-system-x86)" in line
             assert not any("katamgr revert" in r.getMessage() and r.levelname == "WARNING"
@@ -498,7 +576,7 @@ def test_a_relabel_while_no_agent_ran_is_carried_out_by_the_first_reconcile(tmp_
                 "katamgr_workload_switches_total", {"from": "vm-passthrough", "to": "container"}) == 1
             # Another reconcile (the hourly check) has nothing new to give back or say.
             assert agent.reconcile("periodic artifact check").ok
-            assert sum("workload switch" in r.getMessage() for r in caplog.records) == 1
+            assert len(switch_lines(caplog)) == 1
 
             thread = run_loop(agent)
             try:

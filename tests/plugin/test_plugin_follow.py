@@ -80,7 +80,9 @@ def test_the_plugin_follows_relabels_and_opt_outs_without_a_restart(bound_a10, t
         try:
             kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
             for change, serving in (
-                ((WORKLOAD_LABEL, "container"), False),          # the container plugin's node now
+                # The container plugin's node now: no pod holds a GPU, so none is listed
+                # (the server stays, for the GPUs pods would still hold).
+                ((WORKLOAD_LABEL, "container"), None),
                 ((WORKLOAD_LABEL, "vm-passthrough"), True),
                 ((Operand.SANDBOX_DEVICE_PLUGIN.label, "false"), False),
                 ((Operand.SANDBOX_DEVICE_PLUGIN.label, None), True),
@@ -91,6 +93,8 @@ def test_the_plugin_follows_relabels_and_opt_outs_without_a_restart(bound_a10, t
                 label(api, *change)
                 if serving:
                     kubelet.wait_for(lambda s: A10 in s.connected and len(s.healthy(A10)) == 4, timeout=10)
+                elif serving is None:
+                    kubelet.wait_for(lambda s: A10 in s.connected and s.devices[A10] == [], timeout=10)
                 else:
                     # The servers stop and remove their sockets: the kubelet loses the endpoint.
                     kubelet.wait_for(lambda s: A10 not in s.connected, timeout=10)
@@ -104,8 +108,83 @@ def test_the_plugin_follows_relabels_and_opt_outs_without_a_restart(bound_a10, t
             process.send_signal(signal.SIGTERM)
             output, _ = process.communicate(timeout=15)
     assert process.returncode == 0, output
-    assert "mode none (advertising nothing): node worker-1 is labeled nvidia.com/gpu.workload.config=container; " \
-           "this plugin serves only vm-passthrough (--auto-modes)" in output
+    assert "mode none (advertising only the passthrough devices pods still hold): node worker-1 is labeled " \
+           "nvidia.com/gpu.workload.config=container; this plugin serves only vm-passthrough (--auto-modes)" in output
+    assert "mode none (advertising nothing): node worker-1 is labeled nvidia.com/gpu.workload.config=vm-passthrough; " \
+           "the node opts out of nvidia.com/gpu.deploy.sandbox-device-plugin=false" in output
     assert "the node opts out of nvidia.com/gpu.deploy.sandbox-device-plugin=false" in output
     # One watch, no restarts: every switch came from the same process.
     assert output.count("mode vm-passthrough:") == 4
+
+
+def test_on_a_container_node_the_devices_pods_hold_stay_listed_and_are_never_allocated(bound_a10, tmp_path):
+    """Relabelled to container while a Kata pod holds one GPU: the plugin keeps listing that
+    one (Healthy: a restarted kubelet re-admits its running pods against the Node's
+    allocatable, and kills a pod whose resource has none: pkg/kubelet/lifecycle/predicate.go,
+    seen on tests/node), refuses every Allocate, lists none of the free ones, and drops it
+    once the pod is gone."""
+    import grpc
+
+    host, kubelet = bound_a10
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+        env = {**os.environ, "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
+             "--auto-modes", "vm-passthrough", "--node-name", NODE],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        try:
+            kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
+            answers = kubelet.admit_pod("vms", "kata-a", {"main": {A10: 1}})
+            [held] = [d for d in kubelet.state.pods[0].containers[0].devices[A10]]
+            assert answers["main"][A10].devices
+            label(api, WORKLOAD_LABEL, "container")
+            state = kubelet.wait_for(lambda s: A10 in s.connected and [d.id for d in s.devices[A10]] == [held],
+                                     timeout=10)
+            assert state.healthy(A10) == [held]
+            with pytest.raises(grpc.RpcError) as refused:
+                kubelet.allocate(A10, [held])
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "no longer runs vm-passthrough" in refused.value.details()
+            # A kubelet restart re-admits the pod against what the Node lists: it fits.
+            kubelet.restart()
+            kubelet.wait_for(lambda s: [d.id for d in s.devices.get(A10, [])] == [held], timeout=10)
+            assert [p.name for p in kubelet.state.pods] == ["kata-a"] and kubelet.state.ended == []
+            kubelet.remove_pod("vms", "kata-a")  # the pod ends
+            kubelet.wait_for(lambda s: s.devices.get(A10) == [], timeout=10)
+            label(api, WORKLOAD_LABEL, "vm-passthrough")
+            kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=10)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=15)
+    assert process.returncode == 0, output
+    assert "serving only the devices pods still hold (nvidia.com/GA102GL_A10: 1); every Allocate refused" in output
+
+
+def test_a_plugin_that_stood_down_under_a_pod_gets_that_pod_ended_by_a_kubelet_restart(bound_a10, tmp_path):
+    """The contrast, and why the GPUs pods hold stay listed: a node opted out of the sandbox
+    device plugin while a pod holds a GPU; the plugin stands down (its devices Unhealthy
+    at the kubelet), and a restarted kubelet ends the pod: "OutOfnvidia.com/GA102GL_A10"."""
+    host, kubelet = bound_a10
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node",
+                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+        env = {**os.environ, "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
+             "--auto-modes", "vm-passthrough", "--node-name", NODE],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        try:
+            kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
+            kubelet.admit_pod("vms", "kata-a", {"main": {A10: 1}})
+            label(api, Operand.SANDBOX_DEVICE_PLUGIN.label, "false")
+            kubelet.wait_for(lambda s: A10 not in s.connected and s.healthy(A10) == [], timeout=10)
+            kubelet.restart()
+            [(pod, reason)] = kubelet.state.ended
+            assert pod.name == "kata-a" and reason == f"OutOf{A10}"
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.communicate(timeout=15)

@@ -141,6 +141,7 @@ class FakeApiServer:
         # served: lets a test change the world at an exact moment (races).
         self.on_request: Callable[[str, str], None] | None = None
         self._httpd: ThreadingHTTPServer | None = None
+        self._port = 0  # chosen at the first start, kept for a restart
         self._thread: threading.Thread | None = None
         # Watch support: every change as (revision, type, resource, object), oldest first,
         # and a condition on the lock that wakes the streams.
@@ -155,12 +156,17 @@ class FakeApiServer:
     # --- lifecycle -------------------------------------------------------
 
     def start(self) -> FakeApiServer:
+        """Serve; again on the same port after ``stop()`` (an API server restarted: its
+        objects kept, as etcd keeps them)."""
         server = self
 
         class Handler(_Handler):
             api = server
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        with self._lock:
+            self._stopping = False
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", self._port), Handler)
+        self._port = self._httpd.server_address[1]
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.05,),
                                         daemon=True)

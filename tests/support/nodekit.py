@@ -6,9 +6,11 @@ server and kubelet.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -27,6 +29,9 @@ AGENT = "app.kubernetes.io/component=sandbox-agent"
 IMAGE = "ghcr.io/kata-sandbox-manager/kata-sandbox-manager:0.1.0"  # the chart's, from hack/image/build
 # A pod's start on this 2-core machine: the kubelet's sync, the sandbox, the container.
 POD_TIMEOUT = 120
+CONTAINER_GPU = "nvidia.com/gpu"
+# The simulated host's emulated kernel settings (nodesim.kernel), in its /sys.
+KERNEL_SETTINGS = "sys/katamgr-simulated-host"
 
 
 @dataclass
@@ -125,6 +130,29 @@ class Node:
         assert result.returncode == 0, result.stdout + result.stderr
         return result.stdout + result.stderr
 
+    # --- the simulated host ---------------------------------------------------------------
+
+    def drivers(self) -> dict[str, str | None]:
+        """Each NVIDIA device's driver (GPUs and NVSwitches), from the host's sysfs."""
+        return nvidia_drivers(self.cluster.host_root)
+
+    def kernel(self, **settings: Any) -> None:
+        """Tune the simulated host's emulated kernel (``driver_write_ms``...), as its
+        docstring says tests may; every process of the node reads it on the next write."""
+        path = self.cluster.host_root / KERNEL_SETTINGS
+        data = json.loads(path.read_text())
+        data.update(settings)
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+    def events(self, reason: str | None = None) -> list[dict[str, Any]]:
+        """The Events on the Node (namespace default, where the kubelet puts them too)."""
+        selector = f"involvedObject.kind=Node,involvedObject.name={NODE}"
+        if reason:
+            selector += f",reason={reason}"
+        out = self.cluster.kubectl("get", "events", "-n", "default", "--field-selector", selector,
+                                   "-o", "json").stdout
+        return json.loads(out)["items"]
+
     # --- metrics --------------------------------------------------------------------------
 
     def scrape(self, pod: dict[str, Any], port: int) -> str:
@@ -155,4 +183,44 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 
 def restart_count(pod: dict[str, Any]) -> int:
     return sum(c.get("restartCount", 0) for c in pod["status"].get("containerStatuses", []))
+
+
+
+def nvidia_drivers(root: Path) -> dict[str, str | None]:
+    """BDF -> driver of every NVIDIA PCI function under ``root``'s sysfs."""
+    devices = root / "sys/bus/pci/devices"
+    found = {}
+    for bdf in sorted(os.listdir(devices)):
+        try:
+            if (devices / bdf / "vendor").read_text().strip() != "0x10de":
+                continue
+        except OSError:
+            continue
+        link = devices / bdf / "driver"
+        found[bdf] = os.path.basename(os.readlink(link)) if link.is_symlink() else None
+    return found
+
+
+def started_processes(directory: Path) -> dict[int, str]:
+    """Processes a local cluster in ``directory`` started, found the way `ps` would: the
+    command line names the dir (every component's flags do, and each containerd shim's
+    ``-address``), or the process lives in the kubelet's ``kubepods`` cgroups (its pods'
+    containers; one node per machine). Other clusters' processes (other checkouts' control
+    planes, another containerd's shims) name other dirs. pid -> command line."""
+    found = {}
+    marks = (str(directory),)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            cgroup = (entry / "cgroup").read_text()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state == "Z":
+            continue
+        if any(m in cmdline for m in marks) or "/kubepods" in cgroup:
+            found[int(entry.name)] = cmdline[:200]
+    return found
 
