@@ -238,7 +238,7 @@ def cdi_written(root: Path, since: float) -> float | None:
 
 
 def kata_pod(name: str, gpus: int, nvswitches: int = 0) -> dict:
-    limits = {GPU_RESOURCE: gpus, **({NVSWITCH_RESOURCE: nvswitches} if nvswitches else {})}
+    limits = {GPU_RESOURCE: str(gpus), **({NVSWITCH_RESOURCE: str(nvswitches)} if nvswitches else {})}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": BENCH_NS},
             "spec": {"runtimeClassName": KATA_CLASS, "restartPolicy": "Never",
                      "terminationGracePeriodSeconds": 1,
