@@ -81,31 +81,32 @@ class GiveBacks:
             log.info("%s", next(w for w in report.warnings if w.startswith("kept on vfio-pci:")))
         self.waiting = dict(report.waiting)
 
-    def release_freed(self) -> None:
+    def release_freed(self) -> bool:
         """After a switch away from binding: give back a held GPU once its pod and VM are
-        gone. A kubelet that cannot be asked is asked again at the next check (the pod's
-        GPU stays meanwhile)."""
+        gone (True when a leave ran). A kubelet that cannot be asked is asked again at the
+        next check (the pod's GPU stays meanwhile)."""
         t = self.target
         if not self.held or t.binds:
-            return
+            return False
         with self.health.busy("giving back GPUs"):
             records = vfio.bound_by_us(t.host)
             self.held &= set(records)
             freed = self._let_go(records)
             if not freed:
-                return
+                return False
             try:
                 # No wait for the node lock: whoever holds it is done by the next check.
                 report = self.leave(t.steps, release=t.base_steps.vfio, lock_wait=0)
             except KatamgrError as exc:
                 log.info("could not give back %s yet (%s); trying again", ", ".join(freed), exc)
-                return
+                return False
             self.note_left(report)
             if report.changes or report.failures:
                 log_report(report, log)
             if report.restored:
                 self.events.given_back(f"gave {', '.join(report.restored)} back to their drivers: "
                                        "the VMs and pods that held them are gone")
+            return True
 
     def _let_go(self, records: dict[str, dict]) -> list[str]:
         """The held devices nothing keeps any more, by IOMMU group (a group moves whole):

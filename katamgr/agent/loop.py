@@ -2,7 +2,8 @@
 
 It sleeps until an inotify event in containerd's config dir, a relabel (the Node watch
 wakes it), a stop request or, at the latest, every check interval: the checks are cheap
-and cover a lost event (sysfs sends none for a kernel's driver change). A failed
+and cover a lost event (sysfs sends none for a kernel's driver change). While a leave keeps
+GPUs for running VMs, those alone are looked at every second (a VM's end sends no event). A failed
 reconcile is retried when its backoff is up; the artifacts are re-checked on a timer.
 """
 
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 
 # The ways an editor, a package upgrade or another tool replaces or edits containerd's config.
+HELD_POLL = 1.0
+
 _WATCH = inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE | inflags.DELETE | inflags.MOVED_FROM
 
 
@@ -41,15 +44,24 @@ def keep(agent: Agent, watcher: Watcher) -> None:
         except OSError as exc:
             log.warning("cannot watch %s (%s); checking every 10 s instead", directory, exc.strerror)
     next_pull = time.monotonic() + agent.repull_interval
+    next_check = time.monotonic()
     while not agent.stop.is_set():
         agent.probes.tick()
         retry_at = agent.reconciler.retry_at
-        due = min(next_pull, retry_at if retry_at is not None else next_pull)
-        watcher.wait(max(0.0, min(due - time.monotonic(), agent.check_interval)))
-        # (what woke it does not matter: the checks look at the files themselves)
+        due = min(next_pull, retry_at if retry_at is not None else next_pull, next_check)
+        # A VM letting go of its GPUs sends no event (its /dev/vfio fds close in /proc):
+        # while GPUs wait for their VMs, those alone are looked at every HELD_POLL seconds.
+        polling = bool(agent.give_backs.held)
+        if polling:
+            due = min(due, time.monotonic() + HELD_POLL)
+        events = watcher.wait(max(0.0, due - time.monotonic()))
         if agent.stop.is_set():
             break
         agent.probes.tick()
+        if polling and events == [] and _only_poll(agent, next_check, next_pull):
+            continue  # the held GPUs' poll, and none let go
+        # (otherwise what woke it does not matter: the checks look at the files themselves)
+        next_check = time.monotonic() + agent.check_interval
         if agent.reconciler.retry_at is not None and time.monotonic() >= agent.reconciler.retry_at:
             agent.reconcile(f"retry after a failure (backoff {agent.reconciler.retry_delay:g} s)")
             continue
@@ -61,6 +73,20 @@ def keep(agent: Agent, watcher: Watcher) -> None:
         if time.monotonic() >= next_pull:
             agent.reconcile("periodic artifact check")
             next_pull = time.monotonic() + agent.repull_interval
+
+
+def _only_poll(agent: Agent, next_check: float, next_pull: float) -> bool:
+    """Between checks, with nothing else due: give back what its VM let go (False when that
+    gave something back, so the whole check follows)."""
+    now = time.monotonic()
+    retry_at = agent.reconciler.retry_at
+    if now >= min(next_check, next_pull, retry_at if retry_at is not None else next_pull):
+        return False
+    try:
+        return not agent.release_freed()
+    except KatamgrError as exc:
+        log.warning("could not check the held GPUs: %s", exc)
+        return True
 
 
 def _check(agent: Agent) -> bool:

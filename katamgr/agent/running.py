@@ -84,8 +84,8 @@ class Agent:
     def switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
         return self.switcher.switch(workload, out)
 
-    def release_freed(self) -> None:
-        self.give_backs.release_freed()
+    def release_freed(self) -> bool:
+        return self.give_backs.release_freed()
 
     def containerd_drift(self) -> str | None:
         return drift.containerd_drift(self.target)

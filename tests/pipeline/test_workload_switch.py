@@ -241,6 +241,26 @@ def stop_loop(agent: Agent, thread: threading.Thread, watch) -> None:
     assert not thread.is_alive()
 
 
+def test_a_gpu_is_given_back_within_seconds_of_its_vm_ending_with_a_long_check_interval(tmp_path):
+    """A VM's end sends no event (its /dev/vfio fd closes in /proc): while a leave keeps GPUs
+    for VMs, the agent looks at those GPUs every second between its full checks."""
+    host = make_host(tmp_path, [dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
+    with followed_node(host, Steps(kata=False), check_interval=3600) as (api, agent, watch):
+        assert agent.reconcile("start").ok and driver_of(host, HELD) == "vfio-pci"
+        held = hold(host, 4)
+        thread = run_loop(agent)
+        try:
+            relabel(api, "container")
+            assert wait_for(lambda: agent.give_backs.held == {HELD}, timeout=5)
+            assert driver_of(host, FREE) == "nvidia" and driver_of(host, HELD) == "vfio-pci"
+            held.unlink()
+            # An hour between full checks: only the poll of the held GPUs brings it back.
+            assert wait_for(lambda: driver_now(host, HELD) == "nvidia", timeout=5)
+            assert wait_for(lambda: agent.give_backs.held == set(), timeout=5)
+        finally:
+            stop_loop(agent, thread, watch)
+
+
 def test_a_relabel_is_acted_on_within_seconds_with_a_long_check_interval(tmp_path):
     host = make_host(tmp_path, [dev(FREE, GPU_A10, "nvidia", 5)])
     with FakeApiServer() as api:
