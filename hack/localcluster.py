@@ -268,18 +268,15 @@ def https_get(port: int, path: str, pki: Path | None = None) -> tuple[bool, str]
     else:
         context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
         context.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
-    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=5, context=context)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        body = response.read(2000).decode(errors="replace")
-        return response.status == 200, f"{response.status} {body.strip()[:300]}"
-    finally:
-        conn.close()
+    return _get(http.client.HTTPSConnection("127.0.0.1", port, timeout=5, context=context), path)
 
 
 def http_get(port: int, path: str) -> tuple[bool, str]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    return _get(http.client.HTTPConnection("127.0.0.1", port, timeout=5), path)
+
+
+def _get(conn: http.client.HTTPConnection, path: str) -> tuple[bool, str]:
+    """(answered 200, the status and the start of the body) of one GET, the connection closed."""
     try:
         conn.request("GET", path)
         response = conn.getresponse()
