@@ -5,6 +5,9 @@ from __future__ import annotations
 from katamgr.host.inventory import Inventory
 from katamgr.pipeline.report import Report
 
+_ONCE_PER_ACTION = frozenset({"WorkloadSwitched", "OptOutsChanged", "GpusGivenBack", "WorkloadLabelInvalid",
+                              "CcModeSwitched", "CcModeSwitchFailed"})
+
 
 class NodeEvents:
     """Events through a ``katamgr.cluster.EventRecorder`` (which de-duplicates and
@@ -15,7 +18,10 @@ class NodeEvents:
 
     def _record(self, reason: str, message: str, type_: str = "Normal") -> None:
         if self.recorder is not None:
-            self.recorder.record(reason, message, type_)
+            # A reconcile or a CDI sync may fail the same way every check: those are
+            # rate-limited. What follows an operator's action (a relabel, a VM's end) is
+            # bounded by those actions, and is what an operator looks for: never dropped.
+            self.recorder.record(reason, message, type_, limited=reason not in _ONCE_PER_ACTION)
 
     def reconciled(self, report: Report, failed_before: bool) -> None:
         if report.failures:

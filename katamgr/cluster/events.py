@@ -63,6 +63,16 @@ WRITTEN, REFUSED, UNREACHABLE = "written", "refused", "unreachable"
 # overloaded): client-go's REST client waits and retries those itself (rest/request.go,
 # checkWait: 429 and 5xx with Retry-After), so the recorder sees them fail only after that.
 RETRIED = frozenset({0, None, 429, 500, 502, 503, 504})
+# What an API server that has just started answers until its admission plugins' informers
+# have synced: 403 with this message (k8s.io/apiserver admission/plugin/namespace/lifecycle
+# admission.go, policy/generic/plugin.go, webhook/generic/webhook.go). client-go's recorder
+# drops the Event then; it is worth the next try here, as an API server restart is when
+# Events pile up.
+NOT_YET_READY = "not yet ready to handle request"
+
+
+def _retried(e: ApiException) -> bool:
+    return e.status in RETRIED or (e.status == 403 and NOT_YET_READY in str(e.body or ""))
 
 
 def record_event(
@@ -116,7 +126,7 @@ def _send(api: ApiClient, namespace: str, involved_object: ObjectRef, reason: st
     try:
         CoreV1Api(api).create_namespaced_event(namespace, event)
     except ApiException as e:
-        if e.status in RETRIED:
+        if _retried(e):
             return _unreachable(reason, involved_object, api_error_message(e) if e.status else str(e.reason), quiet)
         log.warning("could not record event %s on %s %s: %s", reason, involved_object.kind,
                     involved_object.name, api_error_message(e))
@@ -135,7 +145,7 @@ def _patch(api: ApiClient, namespace: str, involved_object: ObjectRef, reason: s
     except ApiException as e:
         if e.status == 404:
             return "gone"  # deleted meanwhile (events expire): written afresh, as client-go does
-        if e.status in RETRIED:
+        if _retried(e):
             return _unreachable(reason, involved_object, api_error_message(e) if e.status else str(e.reason), quiet)
         log.warning("could not update event %s on %s %s: %s", reason, involved_object.kind,
                     involved_object.name, api_error_message(e))
@@ -182,14 +192,16 @@ class EventRecorder:
         self._pending_lock = threading.Lock()
         self._retrier: threading.Thread | None = None
 
-    def record(self, reason: str, message: str, type: str = "Normal") -> bool:  # noqa: A002
+    def record(self, reason: str, message: str, type: str = "Normal",  # noqa: A002
+               limited: bool = True) -> bool:
         """True when an Event was written (a repeat: its count raised); False when
-        rate-limited or failed."""
+        rate-limited or failed. ``limited=False``: an Event that happens once per operator
+        action (a workload switch, a give-back), never dropped for the burst of others."""
         now = self.clock()
         key = (type, reason, message[:MAX_MESSAGE])
         self._seen = {k: v for k, v in self._seen.items() if now - v[0] < self.window}
         self._written = [t for t in self._written if now - t < self.window]
-        if len(self._written) >= self.burst:
+        if limited and len(self._written) >= self.burst:
             log.info("not recording event %s (more than %d in %.0f s): %s", reason, self.burst, self.window, message)
             return False
         self._written.append(now)

@@ -18,6 +18,7 @@ from support.paths import REPO
 from support.waiting import wait_for
 
 from katamgr.agent import Agent
+from katamgr.agent.events import NodeEvents
 from katamgr.cluster import EventRecorder
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
@@ -180,9 +181,25 @@ def test_the_recorder_is_rate_limited():
         recorder = EventRecorder(api.client(), "n1", window=60, burst=3, clock=lambda: now[0])
         assert [recorder.record("R", f"m{i}") for i in range(5)] == [True, True, True, False, False]
         assert recorder.record("R", "m0") is False  # a repeat, and over the limit anyway
+        # What an operator's action causes is written whatever the burst of others.
+        assert recorder.record("WorkloadSwitched", "workload switch a -> b", limited=False) is True
         now[0] = 61  # the window passed: the same message is news again
         assert recorder.record("R", "m0") is True
-        assert len(api.names("events")) == 4
+        assert len(api.names("events")) == 5
+
+
+def test_a_switch_is_recorded_after_a_burst_of_other_events():
+    """Switch after switch (the node fault suite makes many within ten minutes), Reconciled
+    and CdiSpecsUpdated Events fill the recorder's burst; the next WorkloadSwitched and
+    GpusGivenBack are still written."""
+    with FakeApiServer() as api:
+        events = NodeEvents(EventRecorder(api.client(), "n1", burst=3))
+        for i in range(5):
+            events._record("CdiSpecsUpdated", f"wrote spec {i}")
+        events.switched(True, "workload switch vm-passthrough -> container: gave 1 GPU back")
+        events.given_back("gave 0000:65:00.0 back to their drivers")
+        reasons = sorted(api.get("events", n, "default")["reason"] for n in api.names("events"))
+        assert reasons == ["CdiSpecsUpdated"] * 3 + ["GpusGivenBack", "WorkloadSwitched"]
 
 
 def test_cli_run_serves_the_endpoints_and_refuses_a_bad_address(tmp_path):

@@ -152,13 +152,20 @@ class FakeApiServer:
         # Set by a test: watch requests are refused with this HTTP status (403: RBAC lacks
         # the watch verb), as a server that cannot watch would.
         self.refuse_watch: int | None = None
+        # Writes still to be refused after a start(warming=N), as a just-started API server's
+        # admission plugins refuse them until their informers synced.
+        self._warming = 0
 
     # --- lifecycle -------------------------------------------------------
 
-    def start(self) -> FakeApiServer:
+    def start(self, warming: int = 0) -> FakeApiServer:
         """Serve; again on the same port after ``stop()`` (an API server restarted: its
-        objects kept, as etcd keeps them)."""
+        objects kept, as etcd keeps them). ``warming``: the first that many writes are
+        refused 403 "not yet ready to handle request", as kube-apiserver's admission plugins
+        refuse them until their informers have synced (k8s.io/apiserver
+        admission/plugin/namespace/lifecycle/admission.go)."""
         server = self
+        self._warming = warming
 
         class Handler(_Handler):
             api = server
@@ -289,6 +296,9 @@ class FakeApiServer:
     def handle(self, method: str, path: str, query: dict, content_type: str, body: Any):
         resource, ns, name = self._route(path)
         key = (resource.group, resource.plural, ns, name)
+        if method != "GET" and self._warming > 0:
+            self._warming -= 1
+            raise ApiError(403, "Forbidden", f"{resource.plural} is forbidden: not yet ready to handle request")
         if method == "GET":
             if name:
                 return 200, self._public(resource, self._existing(resource, key))
