@@ -62,10 +62,8 @@ from support.nodekit import (  # noqa: E402
     WORKLOAD,
     Node,
     nvidia_drivers,
+    vm_devices,
 )
-
-from katamgr.host.root import HostRoot  # noqa: E402
-from nodesim import kata_shim  # noqa: E402
 
 CONTAINER_PLUGIN = "app.kubernetes.io/component=device-plugin"
 BENCH_NS = "bench-node"
@@ -253,9 +251,7 @@ class Vm:
 
     def __init__(self, node: Node, name: str) -> None:
         root = node.cluster.host_root
-        plug = kata_shim.cold_plug(HostRoot.at(root, runtime_root=str(root)),
-                                   root / "var/lib/kubelet/pod-resources/kubelet.sock",
-                                   kata_shim.sandbox_annotations(BENCH_NS, name))
+        plug = vm_devices(node, BENCH_NS, name)
         self.node, self.name, self.pid = node, name, next(self.pids)
         self.dir = root / f"proc/{self.pid}"
         (self.dir / "fd").mkdir(parents=True)

@@ -123,31 +123,30 @@ def _send(api: ApiClient, namespace: str, involved_object: ObjectRef, reason: st
         reporting_component=FIELD_MANAGER,
         reporting_instance=_host(),
     )
-    try:
-        CoreV1Api(api).create_namespaced_event(namespace, event)
-    except ApiException as e:
-        if _retried(e):
-            return _unreachable(reason, involved_object, api_error_message(e) if e.status else str(e.reason), quiet)
-        log.warning("could not record event %s on %s %s: %s", reason, involved_object.kind,
-                    involved_object.name, api_error_message(e))
-        return REFUSED
-    except HTTPError as e:
-        return _unreachable(reason, involved_object, str(e), quiet)
-    return WRITTEN
+    return _write(lambda: CoreV1Api(api).create_namespaced_event(namespace, event),
+                  "record", reason, involved_object, quiet)
 
 
 def _patch(api: ApiClient, namespace: str, involved_object: ObjectRef, reason: str,
            repeat: tuple[str, int, datetime], now: datetime, quiet: bool) -> str:
     name, count, _first = repeat
     body = {"count": count, "lastTimestamp": now.strftime("%Y-%m-%dT%H:%M:%SZ")}
+    # A 404: deleted meanwhile (events expire), so written afresh, as client-go does.
+    return _write(lambda: CoreV1Api(api).patch_namespaced_event(name, namespace, body),
+                  "update", reason, involved_object, quiet, gone_on_404=True)
+
+
+def _write(call, verb: str, reason: str, involved_object: ObjectRef, quiet: bool,
+           gone_on_404: bool = False) -> str:
+    """WRITTEN, REFUSED (logged), UNREACHABLE (worth a retry) or "gone" for one API call."""
     try:
-        CoreV1Api(api).patch_namespaced_event(name, namespace, body)
+        call()
     except ApiException as e:
-        if e.status == 404:
-            return "gone"  # deleted meanwhile (events expire): written afresh, as client-go does
+        if gone_on_404 and e.status == 404:
+            return "gone"
         if _retried(e):
             return _unreachable(reason, involved_object, api_error_message(e) if e.status else str(e.reason), quiet)
-        log.warning("could not update event %s on %s %s: %s", reason, involved_object.kind,
+        log.warning("could not %s event %s on %s %s: %s", verb, reason, involved_object.kind,
                     involved_object.name, api_error_message(e))
         return REFUSED
     except HTTPError as e:

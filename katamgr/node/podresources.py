@@ -51,12 +51,12 @@ class PodDevices:
     unknown: str | None = None
 
 
-def list_pod_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
-                     socket: str = POD_RESOURCES_SOCKET) -> PodDevices:
-    """Every device of every pod, by the kubelet's PodResources ``List``, within ``timeout``."""
+def _ask(host: HostRoot, method: str, timeout: float, socket: str):
+    """(the answer, None) of one PodResources call, or (None, why) when the kubelet could not
+    be asked (no socket, no answer within ``timeout``, an error)."""
     path = host.path(socket)
     if not path.exists():
-        return PodDevices(unknown=f"the kubelet's PodResources socket {socket} does not exist")
+        return None, f"the kubelet's PodResources socket {socket} does not exist"
     # Imported here: the gRPC runtime costs a tenth of a second that `katamgr plan` and
     # every other command not switching a workload should not pay.
     import grpc
@@ -64,16 +64,25 @@ def list_pod_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
     from kubeletapi import podresources_pb2 as pr
     from kubeletapi import podresources_pb2_grpc as pr_grpc
 
+    request = {"List": pr.ListPodResourcesRequest,
+               "GetAllocatableResources": pr.AllocatableResourcesRequest}[method]()
     try:
         with grpc.insecure_channel(f"unix://{path}") as channel:
-            answer = pr_grpc.PodResourcesListerStub(channel).List(
-                pr.ListPodResourcesRequest(), timeout=timeout)
+            return getattr(pr_grpc.PodResourcesListerStub(channel), method)(request, timeout=timeout), None
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
         detail = exc.details() if hasattr(exc, "details") else str(exc)
         why = (f"no answer within {timeout:g} s" if code is grpc.StatusCode.DEADLINE_EXCEEDED
                else f"{code.name if code else 'error'}: {detail}")
-        return PodDevices(unknown=f"the kubelet's PodResources List on {socket} failed ({why})")
+        return None, f"the kubelet's PodResources {method} on {socket} failed ({why})"
+
+
+def list_pod_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
+                     socket: str = POD_RESOURCES_SOCKET) -> PodDevices:
+    """Every device of every pod, by the kubelet's PodResources ``List``, within ``timeout``."""
+    answer, why = _ask(host, "List", timeout, socket)
+    if answer is None:
+        return PodDevices(unknown=why)
     return PodDevices(tuple(
         Assignment(pod.namespace, pod.name, container.name, devices.resource_name, device_id)
         for pod in answer.pod_resources
@@ -90,21 +99,9 @@ def offered_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
     manager.go ``GetAllocatableDevices``); a plugin that stood down has none there
     (``PluginDisconnected`` marks them all Unhealthy). ``(ids, None)``, or ``(empty, why)``
     when the kubelet could not be asked."""
-    path = host.path(socket)
-    if not path.exists():
-        return frozenset(), f"the kubelet's PodResources socket {socket} does not exist"
-    import grpc
-
-    from kubeletapi import podresources_pb2 as pr
-    from kubeletapi import podresources_pb2_grpc as pr_grpc
-
-    try:
-        with grpc.insecure_channel(f"unix://{path}") as channel:
-            answer = pr_grpc.PodResourcesListerStub(channel).GetAllocatableResources(
-                pr.AllocatableResourcesRequest(), timeout=timeout)
-    except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        return frozenset(), f"the kubelet's PodResources GetAllocatableResources failed ({code})"
+    answer, why = _ask(host, "GetAllocatableResources", timeout, socket)
+    if answer is None:
+        return frozenset(), why
     return frozenset(i.lower() for d in answer.devices for i in d.device_ids), None
 
 

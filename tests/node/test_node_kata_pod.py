@@ -25,7 +25,7 @@ import re
 import pytest
 from support import kataoracle
 from support.kubecluster import wait_for
-from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NVSWITCH_RESOURCE, metric
+from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NVSWITCH_RESOURCE, ask_kata, metric
 
 from katamgr.host.root import HostRoot
 from nodesim import kata_shim
@@ -117,21 +117,12 @@ def test_podresources_lists_the_devices_and_the_shim_resolves_them(node, kata_po
     assert len(groups) == 2
 
 
-def ask_kata(node, release: str, pod: str) -> kataoracle.Outcome:
-    """Kata's own cold-plug on the node: the real kubelet's PodResources, the node's CDI
-    specs, and its sysfs (the simulated host's, shown to Kata as /sys)."""
-    root = node.cluster.host_root
-    return kataoracle.run(release, pod=(NAMESPACE, pod), root=root,
-                          pod_resources=root / "var/lib/kubelet/pod-resources/kubelet.sock",
-                          cdi_dirs=[root / "etc/cdi", root / "var/run/cdi"])
-
-
 @pytest.mark.parametrize("release", kataoracle.RELEASES)
 def test_kata_cold_plugs_the_two_gpus_the_kubelet_gave_the_pod(node, kata_pod, release):
     _, log, _ = kata_pod
     env = dict(line.split("=", 1) for line in log.splitlines() if "=" in line)
     given = sorted(env["PCI_RESOURCE_NVIDIA_COM_GH100H100_SXM5_80GB"].split(","))
-    kata = ask_kata(node, release, "kata-two-gpus")
+    kata = ask_kata(node, release, NAMESPACE, "kata-two-gpus")
     assert kata.ok, kata.error
     assert sorted(kata.plugged) == given
     assert sorted(n.rpartition("=")[2] for n in kata.cdi_devices) == given
@@ -164,7 +155,7 @@ def test_an_nvswitch_pod_starts_here_but_kata_fails_it_and_the_node_says_so(node
     node.run(gpu_pod("kata-nvswitch", gpus=1, resource=NVSWITCH_RESOURCE))
     node.wait_phase("kata-nvswitch", namespace)
     for release in kataoracle.RELEASES:
-        kata = ask_kata(node, release, "kata-nvswitch")
+        kata = ask_kata(node, release, NAMESPACE, "kata-nvswitch")
         assert (kata.stage, kata.error) == ("sandbox", "unsupported device type")
         assert kata.cdi_devices[0].startswith(NVSWITCH_RESOURCE + "=")
     node.delete_pod("kata-nvswitch", namespace)

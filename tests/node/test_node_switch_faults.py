@@ -15,7 +15,7 @@ switch of its 12 devices takes seconds and a fault can land inside it. A running
 holds its IOMMU groups' ``/dev/vfio`` nodes open; no Kata guest runs here (the Kata class's
 handler is runc), so each VM pod's QEMU is stood in for in the simulated host's ``/proc``
 (``start_vm``), where the agent looks for holders, with the groups Kata's shim would
-cold-plug for the pod (``kata_shim.cold_plug``, from the real kubelet's PodResources).
+cold-plug for the pod (``nodekit.vm_devices``: the stand-in, checked against Kata's own code).
 
 What the real components do that these tests rely on, with the source (Kubernetes
 v1.35.4): a deleted pod's containers get SIGTERM, then SIGKILL after the grace period,
@@ -49,11 +49,9 @@ from support.nodekit import (
     WORKLOAD,
     metric,
     restart_count,
+    vm_devices,
 )
 from support.paths import REPO
-
-from katamgr.host.root import HostRoot
-from nodesim import kata_shim
 
 NAMESPACE = "node-fault-tests"
 CONTAINER_PLUGIN = "app.kubernetes.io/component=device-plugin"
@@ -161,9 +159,7 @@ class VmPod:
         node.run(kata_pod(name, gpus))
         self.pod = node.wait_phase(name, NAMESPACE)
         root = node.cluster.host_root
-        socket = root / "var/lib/kubelet/pod-resources/kubelet.sock"
-        plug = kata_shim.cold_plug(HostRoot.at(root, runtime_root=str(root)), socket,
-                                   kata_shim.sandbox_annotations(NAMESPACE, name))
+        plug = vm_devices(node, NAMESPACE, name)
         self.functions = list(plug.functions)
         self.gpus = [bdf for bdf in plug.functions if bdf in node.drivers()]
         self.groups = [n.rsplit("/", 1)[1] for n in plug.device_nodes if n != "/dev/vfio/vfio"]
@@ -454,10 +450,7 @@ class Given:
     """The GPUs the kubelet gave a pod (no VM holds them), as Kata's shim reads them."""
 
     def __init__(self, node, name: str) -> None:
-        root = node.cluster.host_root
-        plug = kata_shim.cold_plug(HostRoot.at(root, runtime_root=str(root)),
-                                   root / "var/lib/kubelet/pod-resources/kubelet.sock",
-                                   kata_shim.sandbox_annotations(NAMESPACE, name))
+        plug = vm_devices(node, NAMESPACE, name)
         self.functions = list(plug.functions)
         self.gpus = list(plug.functions)
 

@@ -64,18 +64,23 @@ def label(api: FakeApiServer, key: str, value: str | None) -> None:
     api.update("nodes", NODE, change)
 
 
+def auto_plugin(api: FakeApiServer, host, tmp_path) -> subprocess.Popen:
+    """``sandbox-device-plugin --mode auto`` as the chart's sandbox agent pod runs it, following
+    the Node (labelled vm-passthrough) that ``api`` holds."""
+    api.seed({"apiVersion": "v1", "kind": "Node",
+              "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
+    env = {**os.environ, "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
+         "--auto-modes", "vm-passthrough", "--node-name", NODE],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+
+
 def test_the_plugin_follows_relabels_and_opt_outs_without_a_restart(bound_a10, tmp_path):
     host, kubelet = bound_a10
     with FakeApiServer() as api:
-        api.seed({"apiVersion": "v1", "kind": "Node",
-                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-        env = {**os.environ, "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        # As the chart's sandbox agent pod runs it.
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
-             "--auto-modes", "vm-passthrough", "--node-name", NODE],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        process = auto_plugin(api, host, tmp_path)
         socket = kubelet.socket_dir / "nvidia.com-GA102GL_A10.sock"
         try:
             kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
@@ -127,14 +132,7 @@ def test_on_a_container_node_the_devices_pods_hold_stay_listed_and_are_never_all
 
     host, kubelet = bound_a10
     with FakeApiServer() as api:
-        api.seed({"apiVersion": "v1", "kind": "Node",
-                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-        env = {**os.environ, "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
-             "--auto-modes", "vm-passthrough", "--node-name", NODE],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        process = auto_plugin(api, host, tmp_path)
         try:
             kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
             answers = kubelet.admit_pod("vms", "kata-a", {"main": {A10: 1}})
@@ -169,14 +167,7 @@ def test_a_plugin_that_stood_down_under_a_pod_gets_that_pod_ended_by_a_kubelet_r
     at the kubelet), and a restarted kubelet ends the pod: "OutOfnvidia.com/GA102GL_A10"."""
     host, kubelet = bound_a10
     with FakeApiServer() as api:
-        api.seed({"apiVersion": "v1", "kind": "Node",
-                  "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
-        env = {**os.environ, "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
-             "--auto-modes", "vm-passthrough", "--node-name", NODE],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        process = auto_plugin(api, host, tmp_path)
         try:
             kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
             kubelet.admit_pod("vms", "kata-a", {"main": {A10: 1}})

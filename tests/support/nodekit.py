@@ -15,6 +15,9 @@ from typing import Any
 
 import yaml
 
+from katamgr.host.root import HostRoot
+from nodesim import kata_shim
+from support import kataoracle
 from support.kubecluster import LocalCluster, wait_for
 from support.paths import REPO
 
@@ -224,3 +227,28 @@ def started_processes(directory: Path) -> dict[int, str]:
             found[int(entry.name)] = cmdline[:200]
     return found
 
+
+
+def ask_kata(node: Node, release: str, namespace: str, pod: str) -> kataoracle.Outcome:
+    """Kata's own cold-plug on the node: the real kubelet's PodResources, the node's CDI
+    specs, and its sysfs (the simulated host's, shown to Kata as /sys)."""
+    root = node.cluster.host_root
+    return kataoracle.run(release, pod=(namespace, pod), root=root,
+                          pod_resources=root / "var/lib/kubelet/pod-resources/kubelet.sock",
+                          cdi_dirs=[root / "etc/cdi", root / "var/run/cdi"])
+
+
+def vm_devices(node: Node, namespace: str, pod: str) -> kata_shim.ColdPlug:
+    """What the pod's VM gets, for a test that stands in for its QEMU: the stand-in's answer,
+    which Kata's own code (the newest pinned release) must give too, compared as sets (the
+    kubelet lists a container's devices in Go map order)."""
+    root = node.cluster.host_root
+    release = kataoracle.NEWEST
+    plug = kata_shim.cold_plug(HostRoot.at(root, runtime_root=str(root)),
+                               root / "var/lib/kubelet/pod-resources/kubelet.sock",
+                               kata_shim.sandbox_annotations(namespace, pod), release=release)
+    kata = ask_kata(node, release, namespace, pod)
+    assert kata.ok, f"Kata {release} fails {namespace}/{pod}: {kata.error}"
+    assert (sorted(plug.functions), sorted(plug.device_nodes)) == \
+        (sorted(kata.plugged), sorted(kata.device_nodes)), (plug, kata)
+    return plug
