@@ -30,6 +30,19 @@ log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_KUBECONFIG = "~/.kube/config"
+# (connect, read) seconds for a call that names no timeout of its own. The client's default
+# is none: a request to an API server that accepted the connection and never answered (one
+# shutting down or starting) would hold its thread for good, an Event's retries with it.
+REQUEST_TIMEOUT = (10.0, 30.0)
+
+
+class BoundedApiClient(ApiClient):
+    """An ``ApiClient`` whose every call is bounded (REQUEST_TIMEOUT unless the call says)."""
+
+    def call_api(self, method, url, header_params=None, body=None, post_params=None,
+                 _request_timeout=None):
+        return super().call_api(method, url, header_params, body, post_params,
+                                _request_timeout=_request_timeout or REQUEST_TIMEOUT)
 
 
 def connect(
@@ -83,7 +96,7 @@ def _from_service_account(env: Mapping[str, str], service_account_dir: Path) -> 
             "check the pod's automountServiceAccountToken"
         ) from e
     log.info("using the in-cluster service account for %s", configuration.host)
-    return ApiClient(configuration)
+    return BoundedApiClient(configuration)
 
 
 def _from_kubeconfig(paths: list[str]) -> ApiClient:
@@ -99,7 +112,7 @@ def _from_kubeconfig(paths: list[str]) -> ApiClient:
             f"kubeconfig {joined} is unusable ({e}); fix it or unset KUBECONFIG"
         ) from e
     log.info("using kubeconfig %s for %s", joined, configuration.host)
-    return ApiClient(configuration)
+    return BoundedApiClient(configuration)
 
 
 def _in_cluster(env: Mapping[str, str], service_account_dir: Path) -> bool:

@@ -250,6 +250,36 @@ def test_an_event_the_api_server_was_down_for_is_written_once_it_is_back(caplog)
         assert stamped <= happened
 
 
+def test_a_call_to_an_api_server_that_never_answers_is_bounded(tmp_path, monkeypatch):
+    """An API server that accepts the connection and never answers (one shutting down or
+    starting up): the Event is kept for a retry once the call's timeout passes, instead of
+    holding the recorder's thread for good (the client's own default is no timeout)."""
+    import socket
+    import threading
+    import time
+
+    from katamgr.cluster import EventRecorder
+    from katamgr.node import apiclient
+
+    monkeypatch.setattr(apiclient, "REQUEST_TIMEOUT", (1.0, 1.0))
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.extend(iter(lambda: silent.accept()[0], None)),
+                     daemon=True).start()
+    with FakeApiServer() as api:
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        kubeconfig.write_text(kubeconfig.read_text().replace(
+            api.url, f"http://127.0.0.1:{silent.getsockname()[1]}"))
+    client = connect(environ={"KUBECONFIG": str(kubeconfig)}, service_account_dir=tmp_path)
+    recorder = EventRecorder(client, "gpu-1", retry_seconds=3600)
+    started = time.monotonic()
+    assert not recorder.record("WorkloadSwitched", "workload switch vm-passthrough -> container")
+    assert time.monotonic() - started < 20  # urllib3's own retries included
+    assert recorder.pending == 1
+    assert held  # it did connect: the answer was what never came
+    silent.close()
+
+
 # --- connecting --------------------------------------------------------------
 
 
