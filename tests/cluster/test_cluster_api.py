@@ -254,6 +254,7 @@ def test_a_call_to_an_api_server_that_never_answers_is_bounded(tmp_path, monkeyp
     """An API server that accepts the connection and never answers (one shutting down or
     starting up): the Event is kept for a retry once the call's timeout passes, instead of
     holding the recorder's thread for good (the client's own default is no timeout)."""
+    import contextlib
     import socket
     import threading
     import time
@@ -264,8 +265,12 @@ def test_a_call_to_an_api_server_that_never_answers_is_bounded(tmp_path, monkeyp
     monkeypatch.setattr(apiclient, "REQUEST_TIMEOUT", (1.0, 1.0))
     silent = socket.create_server(("127.0.0.1", 0))
     held: list[socket.socket] = []
-    threading.Thread(target=lambda: held.extend(iter(lambda: silent.accept()[0], None)),
-                     daemon=True).start()
+
+    def hold() -> None:
+        with contextlib.suppress(OSError):  # closed at the end of the test
+            while True:
+                held.append(silent.accept()[0])
+    threading.Thread(target=hold, daemon=True).start()
     with FakeApiServer() as api:
         kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
         kubeconfig.write_text(kubeconfig.read_text().replace(
