@@ -141,7 +141,8 @@ def run(kube: LocalCluster, args, tmp: Path) -> int:
                 and "helm.sh/hook" not in o["metadata"].get("annotations", {})]
     kube.namespace(RELEASE)
     kube.apply(accounts, namespace=RELEASE)
-    account = next(o for o in accounts if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    account = next(o for o in accounts if o["kind"] == "ServiceAccount"
+                   and o["metadata"]["name"].endswith("-sandbox-agent"))["metadata"]["name"]
     kubeconfig = kube.service_account_kubeconfig(RELEASE, account, tmp / "agent.kubeconfig")
     nodes = [f"scale-{i:04d}" for i in range(args.agents)]
     kube.apply([{"apiVersion": "v1", "kind": "Node", "metadata": {

@@ -100,6 +100,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-vfio", action="store_true", help="do not bind or unbind devices (vfioManager off)")
     parser.add_argument("--no-cdi", action="store_true", help="do not write CDI specs (cdi off)")
     parser.add_argument("--no-kata", action="store_true", help="skip the Kata chain even with --config (kataManager off)")
+    parser.add_argument("--no-runtime-classes", action="store_true",
+                        help="leave the cluster's RuntimeClasses to their owner: none is applied, updated or "
+                             "deleted (the chart creates them with Helm and passes this)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every step")
     add_log_format_argument(parser)
 
@@ -207,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _webhook_parser(sub) -> None:
-    from katamgr.admission import DEFAULT_LISTEN, rules
+    from katamgr.admission import DEFAULT_LISTEN, limits, rules
 
     p = sub.add_parser("webhook", help="the admission webhook: no GPU for a pod that asked for none, "
                                        "passthrough GPUs only in Kata VMs",
@@ -233,6 +236,14 @@ def _webhook_parser(sub) -> None:
     p.add_argument("--inject-runtime-class", action="store_true",
                    help="on /mutate, give a passthrough pod without a runtimeClassName the first "
                         "--runtime-class instead of leaving /validate to deny it")
+    p.add_argument("--kata-handler", action="append", metavar="PATTERN",
+                   help="a RuntimeClass handler (glob) that runs Kata VMs (repeatable; default "
+                        f"{', '.join(rules.DEFAULT_KATA_HANDLERS)}); with --check-handlers")
+    p.add_argument("--check-handlers", action="store_true",
+                   help="on /validate, read a passthrough pod's RuntimeClass from the API server (in-cluster "
+                        "service account or KUBECONFIG; it needs get on runtimeclasses) and deny it unless its "
+                        "handler is a --kata-handler")
+    limits.add_arguments(p)  # --max-connections, --workers, --request-timeout, --idle-timeout
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     add_log_format_argument(p)
     p.set_defaults(func=cmd_webhook, host=None, host_root=None)
@@ -337,7 +348,8 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
     if config is not None:
         from katamgr.pipeline.kata_runtime import KataContext
 
-        ctx = KataContext(config, api, cluster.agent_namespace())
+        ctx = KataContext(config, api, cluster.agent_namespace(),
+                          manage_runtime_classes=not args.no_runtime_classes)
     return NodeSetup(steps, ctx, api, why, opted_out)
 
 
@@ -379,6 +391,9 @@ def _tell_how_to_undo(report: Report, args: argparse.Namespace) -> None:
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
+    if args.delete_runtimeclasses and args.no_runtime_classes:
+        raise ConfigError("--delete-runtimeclasses and --no-runtime-classes contradict each other: "
+                          "RuntimeClasses left to the chart are deleted by helm uninstall")
     with host_from(args) as host:
         steps, ctx = steps_and_context(args, host)
         report = revert_all(host, steps, ctx, force=args.force,
@@ -459,15 +474,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_webhook(args: argparse.Namespace) -> int:
-    from katamgr.admission.rules import DEFAULT_PASSTHROUGH, DEFAULT_RUNTIME_CLASSES, Policy
+    from katamgr.admission.limits import from_args
+    from katamgr.admission.rules import (
+        DEFAULT_KATA_HANDLERS,
+        DEFAULT_PASSTHROUGH,
+        DEFAULT_RUNTIME_CLASSES,
+        Policy,
+    )
     from katamgr.admission.server import make_server
 
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
     policy = Policy(runtime_classes=tuple(args.runtime_class or DEFAULT_RUNTIME_CLASSES),
                     passthrough=tuple(args.passthrough_resource or DEFAULT_PASSTHROUGH),
                     inject_runtime_class=args.inject_runtime_class,
-                    confidential_classes=tuple(args.confidential_runtime_class or ()))
-    server = make_server(args.listen, args.tls_cert_file, args.tls_private_key_file, policy)
+                    confidential_classes=tuple(args.confidential_runtime_class or ()),
+                    kata_handlers=tuple(args.kata_handler or DEFAULT_KATA_HANDLERS),
+                    handler_of=_handler_lookup() if args.check_handlers else None)
+    server = make_server(args.listen, args.tls_cert_file, args.tls_private_key_file, policy,
+                         from_args(args))
     log.warning("katamgr webhook serving on https://%s (runtime classes %s)", args.listen,
                 ", ".join(policy.runtime_classes))
     try:
@@ -475,6 +499,17 @@ def cmd_webhook(args: argparse.Namespace) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _handler_lookup():
+    from katamgr.cluster.handlers import handler_lookup
+    from katamgr.node.apiclient import connect
+
+    api = connect(home_kubeconfig=False)
+    if api is None:
+        raise ConfigError("--check-handlers reads RuntimeClasses from the API server, but there is no "
+                          "in-cluster service account and no KUBECONFIG")
+    return handler_lookup(api)
 
 
 def exit_code_of(exc: BaseException) -> int | None:

@@ -13,7 +13,9 @@ prints, one per line on stdout, `<image-ref> <path-to-oci-tar>` for
       amd64, arm64 (NVIDIA Grace) or all; by default the building machine's. Each is
       recipe.py carried out for that architecture: mmdebstrap makes Debian bookworm for it
       (under qemu-user for a foreign one), and the virtualenv is installed there from a
-      wheelhouse fetched for its Python, glibc and architecture.
+      wheelhouse fetched for its Python, glibc and architecture, every wheel a file
+      requirements/image.lock allows by its sha256 (hack/image/lock writes it): a lock
+      that differs from .venv, or a wheel it does not allow, stops the build.
   registry.k8s.io/pause:3.10.1
       the pod sandbox image of Kubernetes 1.35 (kubeadm's default, build/pause), made from
       the static Go program in hack/image/pause, for the building machine (what a local
@@ -26,8 +28,9 @@ the chart's with `skopeo copy --all oci-archive:FILE docker://REGISTRY/NAME:TAG`
 Everything is cached under ${XDG_CACHE_HOME:-~/.cache}/kata-sandbox-manager/images/: each
 architecture's image under parts/ by a key hashing every input (the git-tracked files of
 the package, pyproject.toml, README.md, the chart's Chart.yaml and values.yaml, hack/image/,
-the frozen requirement list for that architecture, pip's version, the Debian mirror), the
-pause image by hack/image/ and the Go version, and the archives of one request under out/.
+requirements/ (the lock), the frozen requirement list for that architecture, pip's version,
+the Debian mirror), the pause image by hack/image/ and the Go version, and the archives of
+one request under out/.
 A call whose inputs are cached prints at once; a build works in a temp dir and renames it
 into place, so an interrupted build leaves nothing half-written. Every file's mtime is
 clamped to SOURCE_DATE_EPOCH, the time of the last commit of those inputs, so the same
@@ -84,7 +87,10 @@ PACKAGES = tuple(p.rstrip("*") for p in tomllib.loads((REPO / "pyproject.toml").
 # What goes into the wheel (the git-tracked files of these) and what decides the image.
 INPUTS = (*PACKAGES, "pyproject.toml", "README.md",
           "deploy/helm/kata-sandbox-manager/Chart.yaml",
-          "deploy/helm/kata-sandbox-manager/values.yaml", "hack/image")
+          "deploy/helm/kata-sandbox-manager/values.yaml", "hack/image", "requirements")
+# Taken tracked or not: this builder, and the lock it installs by (an edit of either is in
+# the key before it is committed).
+UNTRACKED_INPUTS = (HERE, wheels.REQUIREMENTS)
 PAUSE_REF = "registry.k8s.io/pause:3.10.1"
 MIRROR = os.environ.get("KSM_IMAGE_MIRROR", "http://deb.debian.org/debian")
 SECURITY = os.environ.get("KSM_IMAGE_SECURITY_MIRROR", "http://deb.debian.org/debian-security")
@@ -137,11 +143,10 @@ def stop_group(proc: subprocess.Popen) -> None:
 # --- the inputs --------------------------------------------------------------------------
 
 def input_files() -> list[str]:
-    """The git-tracked files of INPUTS, and every file of hack/image, tracked or not (so an
-    edit of this builder is in the key before it is committed)."""
+    """The git-tracked files of INPUTS, and every file of UNTRACKED_INPUTS, tracked or not."""
     out = run(["git", "-C", str(REPO), "ls-files", "-z", "--", *INPUTS], what="git ls-files")
     files = {p for p in out.split("\0") if p and (REPO / p).is_file()}
-    files.update(str(p.relative_to(REPO)) for p in HERE.rglob("*")
+    files.update(str(p.relative_to(REPO)) for d in UNTRACKED_INPUTS for p in d.rglob("*")
                  if p.is_file() and "__pycache__" not in p.parts)
     return sorted(files)
 
@@ -288,7 +293,7 @@ def project_wheel(files: list[str], dest: Path, epoch: int) -> Path:
     hashed), never from the working tree itself. Pure Python: every architecture's."""
     src = dest / "src"
     for rel in files:
-        if rel.startswith(("hack/", "deploy/")):
+        if rel.startswith(("hack/", "deploy/", "requirements/")):
             continue
         target = src / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -328,18 +333,23 @@ def check_emulation(target: Platform) -> None:
                       f"({(proc.stdout + proc.stderr).strip()}); run: {fix}")
 
 
-def build_rootfs(work: Path, house: Path, project: Path, version: str, epoch: int,
-                 target: Platform) -> Path:
+def build_rootfs(work: Path, house: Path, project: Path, lock: list[Path], version: str,
+                 epoch: int, target: Platform) -> Path:
+    """``lock``: the lock and the files it includes (wheels.lock_sources), all in its dir."""
     staged = work / "wheels"
-    staged.mkdir()
-    for wheel in [*house.glob("*.whl"), project]:
+    for sub in ("lock", "project"):
+        (staged / sub).mkdir(parents=True)
+    for wheel in house.glob("*.whl"):
         shutil.copy2(wheel, staged / wheel.name)
+    shutil.copy2(project, staged / "project" / project.name)
+    for path in lock:
+        shutil.copy2(path, staged / "lock" / path.relative_to(wheels.LOCK.parent))
     pip_wheel = next(w.name for w in house.glob("pip-*.whl"))
     rootfs = work / "rootfs"
     rootfs.mkdir()
     hook = work / "customize-hook"
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    hook.write_text(recipe.hook(epoch, pip_wheel, version, sorted(scripts)))
+    hook.write_text(recipe.hook(epoch, pip_wheel, version, wheels.LOCK.name, sorted(scripts)))
     hook.chmod(0o755)
     cmd = [shutil.which("mmdebstrap"), "--mode=unshare", "--format=directory",
            "--variant=minbase", f"--architectures={target.arch}",
@@ -425,9 +435,17 @@ def build_chart_part(dest: Path, work: Path, target: Platform, request: dict,
     dirs)."""
     started = time.monotonic()
     version, epoch = request["version"], request["epoch"]
+    # The lock names every file the image may install: it must pin what .venv has (else it
+    # is stale: nothing is fetched), and every wheel fetched, or cached before, must be a
+    # file it allows (else the index served another one).
+    pins = wheels.read_lock()
+    wheels.check_frozen(request["frozen"][target.arch], pins, target)
     house = wheels.wheelhouse(request["frozen"][target.arch], request["pip"], target,
-                              cache_root(), log)
-    rootfs = build_rootfs(work, house, project, version, epoch, target)
+                              cache_root(), log,
+                              check=lambda fetched: wheels.check_wheels(fetched, pins, target))
+    wheels.check_wheels(house, pins, target)
+    rootfs = build_rootfs(work, house, project, wheels.lock_sources(pins), version, epoch,
+                          target)
     want = sorted([*request["frozen"][target.arch], f"kata-sandbox-manager=={version}"])
     got = installed_dists(rootfs)
     if got != want:

@@ -8,7 +8,8 @@ One image holds every command (`katamgr`, the entrypoint; `sandbox-device-plugin
 translations or docs beyond the copyright files), the Debian packages below, and a
 virtualenv in VENV_DIR holding this package as a regular wheel with exactly the versions of
 its runtime dependencies that .venv has (what the tests ran), installed offline from a
-wheelhouse fetched for the image's Python and architecture.
+wheelhouse fetched for the image's Python and architecture, every dependency's wheel by the
+sha256 requirements/image.lock gives it (hack/image/lock writes that from .venv).
 
 Runs as root on purpose. Binding GPUs to vfio-pci writes root-only sysfs files and loads a
 kernel module, and the agent edits root-owned containerd and Kata files on the host; no
@@ -117,10 +118,24 @@ root="$1"
 chroot "$root" python3 -m venv --without-pip {venv}
 # pip runs from its wheel: the image gets no pip. Offline: only the wheelhouse, which holds
 # the wheels of this architecture (and pure ones). SOURCE_DATE_EPOCH makes pip's .pyc files
-# hash-based (no mtimes in them).
-chroot "$root" env SOURCE_DATE_EPOCH={epoch} PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    {venv}/bin/python /tmp/wheels/{pip_wheel}/pip install -q --no-index --find-links /tmp/wheels \
-    --no-warn-script-location 'kata-sandbox-manager=={version}'
+# hash-based (no mtimes in them). A clean environment and no config file: the building
+# machine's pip settings (PIP_FIND_LINKS, PIP_INDEX_URL, a pip.conf) have no say in what
+# the image installs.
+pip_install() {{
+    chroot "$root" env -i PATH={path} SOURCE_DATE_EPOCH={epoch} PIP_CONFIG_FILE=/dev/null \
+        PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+        {venv}/bin/python /tmp/wheels/{pip_wheel}/pip install -q --no-index \
+        --no-warn-script-location "$@"
+}}
+# Every dependency from the lock, by hash: pip refuses a file whose sha256 the lock does not
+# list, and --no-deps resolves nothing beyond it (the lock is the whole closure; build.py
+# checked the wheelhouse against it already, this is pip's own word on what it installs).
+pip_install --find-links /tmp/wheels --require-hashes --no-deps -r /tmp/wheels/lock/{lock}
+# Then the package, built from this tree (no file to pin), alone in its directory: pip finds
+# its requirements met by the locked ones, and with no index and no other wheel to take, one
+# the lock lacks fails here. By name, as before: a path would make pip record it (PEP 610's
+# direct_url.json).
+pip_install --find-links /tmp/wheels/project 'kata-sandbox-manager=={version}'
 for command in {commands}; do
     chroot "$root" env PYTHONDONTWRITEBYTECODE=1 {venv}/bin/$command --help >/dev/null
 done
@@ -144,12 +159,13 @@ rm -f "$root/tmp/clamped"
 """
 
 
-def hook(epoch: int, pip_wheel: str, version: str, commands: list[str]) -> str:
+def hook(epoch: int, pip_wheel: str, version: str, lock: str, commands: list[str]) -> str:
     """The hook for ``commands``: every console script the package installs is run (--help)
     in the new root, under emulation for a foreign architecture, and an image that cannot
-    start one is not cached."""
-    return HOOK.format(venv=VENV_DIR, epoch=epoch, pip_wheel=pip_wheel, version=version,
-                       commands=" ".join(commands))
+    start one is not cached. The build stages the wheelhouse in /tmp/wheels, the lock (and
+    the files it includes) in /tmp/wheels/lock and the package's wheel in /tmp/wheels/project."""
+    return HOOK.format(venv=VENV_DIR, path=DEBIAN_PATH, epoch=epoch, pip_wheel=pip_wheel,
+                       version=version, lock=lock, commands=" ".join(commands))
 
 
 # Left out of the layer: what the container runtime provides (mount points stay, empty),

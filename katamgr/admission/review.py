@@ -20,6 +20,13 @@ KIND = "AdmissionReview"
 # carries the object once more as oldObject on UPDATE, so this is generous for a Pod.
 MAX_BODY = 3 * 1024 * 1024
 POD_KIND = {"group": "", "version": "v1", "kind": "Pod"}
+# A Pod's review nests about 20 levels at its deepest (metadata.managedFields' fieldsV1).
+# Deeper is refused before the rules see it: their walks and messages (str of a value) must
+# never meet Python's recursion limit.
+MAX_DEPTH = 100
+# '{' and '[' in a body, strings included: JSON objects and arrays at most. A Pod's review
+# has a few thousand; 3 MiB of "[{},{},..." would be a million objects (70 MiB parsed).
+MAX_CONTAINERS = 100_000
 
 
 class ReviewError(ValueError):
@@ -30,19 +37,30 @@ class ReviewError(ValueError):
         self.status = status
 
 
-def parse_review(body: bytes) -> dict[str, Any]:
+def parse_review(body: bytes | bytearray) -> dict[str, Any]:
     """The ``request`` of an AdmissionReview v1 body, or ReviewError saying what is wrong."""
     if len(body) > MAX_BODY:
         raise ReviewError(f"the request body is {len(body)} bytes, over the {MAX_BODY}-byte limit", 413)
+    containers = body.count(b"{") + body.count(b"[")
+    if containers > MAX_CONTAINERS:
+        raise ReviewError(f"the request body has {containers} '{{' and '[', more JSON objects and "
+                          f"arrays than the {MAX_CONTAINERS} a Pod's review could need")
+    too_deep = (f"the request body nests JSON deeper than {MAX_DEPTH} levels (a Pod's review "
+                f"needs about 20); send an {API_VERSION} {KIND}")
     try:
         review = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ReviewError(f"the request body is not JSON ({exc}); send an {API_VERSION} {KIND}") from None
+    except RecursionError:
+        raise ReviewError(too_deep) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int of 5,000 digits
+        raise ReviewError(f"the request body is not JSON ({_one_line(exc)}); send an "
+                          f"{API_VERSION} {KIND}") from None
+    if _deeper_than(review, MAX_DEPTH):
+        raise ReviewError(too_deep)
     if not isinstance(review, dict):
         raise ReviewError(f"the request body is a JSON {type(review).__name__}, not an {API_VERSION} {KIND}")
     if review.get("apiVersion") != API_VERSION or review.get("kind") != KIND:
         raise ReviewError(f"expected apiVersion {API_VERSION} kind {KIND}, got apiVersion "
-                          f"{review.get('apiVersion')!r} kind {review.get('kind')!r} (set "
+                          f"{_shown(review.get('apiVersion'))} kind {_shown(review.get('kind'))} (set "
                           f"admissionReviewVersions: [v1] in the webhook configuration)")
     request = review.get("request")
     if not isinstance(request, dict):
@@ -51,6 +69,32 @@ def parse_review(body: bytes) -> dict[str, Any]:
     if not isinstance(uid, str) or not uid:
         raise ReviewError(f"the {KIND} request has no uid")
     return request
+
+
+def _one_line(exc: Exception, limit: int = 200) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _shown(value: Any, limit: int = 100) -> str:
+    """A value from the body in a message: its repr, cut (it may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests objects and arrays more than ``limit`` deep (a loop, not a
+    recursion, so any depth json.loads returns is measured)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, dict | list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)
+                     if isinstance(child, dict | list))
+    return False
 
 
 def kind_of(request: dict[str, Any]) -> str:

@@ -1,46 +1,71 @@
 """The pod rules of ``katamgr webhook``: pure functions of a Pod (the dict the API server
-sends) and a ``Policy``.
+sends), the subresource under review and a ``Policy``. Each container is judged on its own.
 
 - **GPU resources**: the container GPU names of NVIDIA's device plugin (``nvidia.com/gpu``,
-  ``nvidia.com/gpu.shared``, ``nvidia.com/mig-*``) and every passthrough resource.
+  ``nvidia.com/gpu.shared``, ``nvidia.com/mig-*``) and every passthrough resource. A
+  container that uses a ResourceClaim (DRA) may be given a GPU through it, so it counts as
+  asking for one.
 - **Passthrough resources**: the resources matching the policy's patterns (default every
   ``nvidia.com/*`` extended resource) that are not container GPU names, e.g. what
   sandbox-device-plugin advertises (``nvidia.com/GA102GL_A10``, ``nvidia.com/pgpu``,
   ``nvidia.com/nvswitch``).
-- **mutate**: a pod that requests no GPU resource gets ``NVIDIA_VISIBLE_DEVICES=void`` in
-  every container and init container (replacing what the user set), so the NVIDIA
-  container runtime hides every GPU from it even on a node whose toolkit honours the
-  variable; with ``inject_runtime_class``, a pod requesting a passthrough resource and no
-  runtime class gets the first Kata class.
-- **validate**: a pod requesting a passthrough resource is denied unless its
-  ``runtimeClassName`` is one of the Kata runtime classes; a pod of a confidential class
-  (``-snp``, ``-tdx``, or one the chart marks confidential) is denied a passthrough resource
-  named after a GPU model that can never run a CC mode (``kataclasses.not_cc_capable_model``),
-  naming the model.
+- **mutate**: every container, init container and (through ``pods/ephemeralcontainers``,
+  ``kubectl debug``) ephemeral container that asks for no GPU gets
+  ``NVIDIA_VISIBLE_DEVICES=void`` (replacing what it set), so the NVIDIA container runtime
+  hides every GPU from it even where the toolkit honours the variable; a container that
+  asks for GPUs loses a ``NVIDIA_VISIBLE_DEVICES`` of its own, which would otherwise win over
+  the device plugin's (the kubelet puts a container's env after the device plugin's:
+  ``kubelet_pods.go`` GenerateRunContainerOptions). With ``inject_runtime_class``, a pod
+  requesting a passthrough resource and no runtime class gets the first Kata class.
+- **validate**, in this order (the first problem is the answer, as the admission policy's
+  first failing validation is): a passthrough resource outside a Kata runtime class; a
+  confidential class asking for a GPU model with no CC mode; a Kata class whose handler is
+  not Kata's (where the webhook can read RuntimeClasses); a CDI annotation naming a GPU
+  (``cdi.k8s.io/*``, ``nvidia.cdi.k8s.io/*``); a hostPath volume showing GPU device nodes
+  (``/dev/nvidia*``, ``/dev/vfio``, or ``/dev``, ``/``); a mount where the toolkit reads its
+  device list (``/var/run/nvidia-container-devices``); a container's own
+  ``NVIDIA_VISIBLE_DEVICES`` that mutate would have removed or voided (so the rule holds
+  where only the policy runs).
 
-A request counts when its quantity is not zero (in ``requests`` or ``limits``); a quantity
-that cannot be parsed counts too (the safe side).
+On ``pods/ephemeralcontainers`` only the ephemeral containers are looked at (the rest of the
+pod cannot change there); mutate touches only those the update adds, since the API server
+refuses a change to an ephemeral container that already exists.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from fnmatch import fnmatchcase
 from typing import Any
 
+from katamgr.admission.podparts import (
+    EPHEMERAL,
+    VISIBLE_DEVICES,
+    VOID,
+    Container,
+    cdi_annotations,
+    containers,
+    holds_gpu_devices,
+    host_paths,
+    is_device_list_mount,
+    pod_name,
+    spec_of,
+)
 from katamgr.k8snames import NVIDIA_CONTAINER_RESOURCES
 from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES, confidential_by_name, not_cc_capable_model
 
-VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
-VOID = "void"
 CONTAINER_GPU_RESOURCES = NVIDIA_CONTAINER_RESOURCES
 DEFAULT_PASSTHROUGH = ("nvidia.com/*",)
+# The handlers of Kata's shims (containerd-shim-kata-v2's runtime names: kata, kata-qemu-*,
+# kata-clh, kata-qemu-nvidia-gpu-snp ...), as kata-deploy registers them with containerd.
+DEFAULT_KATA_HANDLERS = ("kata", "kata-*")
+EPHEMERAL_SUBRESOURCE = "ephemeralcontainers"
+# Every device kind of NVIDIA's CDI specs (nvidia.com/gpu, nvidia.com/pgpu, nvidia.com/nvswitch,
+# a passthrough resource's kind) whatever the policy's passthrough patterns say.
+NVIDIA_CDI_VENDOR = "nvidia.com/"
 
-CONTAINER_LISTS = ("initContainers", "containers")
-_QUANTITY = re.compile(r"^\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
+__all__ = ["DEFAULT_PASSTHROUGH", "DEFAULT_RUNTIME_CLASSES", "Policy", "mutate", "pod_name", "validate"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,10 @@ class Policy:
     inject_runtime_class: bool = False
     # Classes marked confidential besides those named *-snp and *-tdx.
     confidential_classes: tuple[str, ...] = ()
+    kata_handlers: tuple[str, ...] = DEFAULT_KATA_HANDLERS  # fnmatch patterns
+    # The handler of a RuntimeClass by name (None: no such class), where the webhook can read
+    # them; without it the handler rule is the admission policy's alone.
+    handler_of: Callable[[str], str | None] | None = None
 
     def is_confidential(self, runtime_class: str | None) -> bool:
         return bool(runtime_class) and (runtime_class in self.confidential_classes
@@ -65,131 +94,160 @@ class Policy:
     def is_gpu(self, resource: str) -> bool:
         return self.is_container_gpu(resource) or self.is_passthrough(resource)
 
+    def asks_for_gpu(self, container: Container) -> bool:
+        return bool(container.claims()) or any(self.is_gpu(r) for r in container.requests())
 
-@dataclass(frozen=True)
-class Request:
-    """One non-zero resource request of one container."""
+    def names_gpu(self, cdi_kind: str) -> bool:
+        return cdi_kind.startswith(NVIDIA_CDI_VENDOR) or self.is_gpu(cdi_kind)
 
-    list_name: str  # containers or initContainers
-    index: int
-    container: str
-    resource: str
-
-    @property
-    def where(self) -> str:
-        kind = "init container" if self.list_name == "initContainers" else "container"
-        return f'{kind} "{self.container}"'
+    def is_kata_handler(self, handler: str) -> bool:
+        return any(fnmatchcase(handler, p) for p in self.kata_handlers)
 
 
-def nonzero(quantity: Any) -> bool:
-    if isinstance(quantity, bool):
-        return True
-    if isinstance(quantity, int | float):
-        return quantity != 0
-    match = _QUANTITY.match(str(quantity))
-    if not match:
-        return True
-    try:
-        return Decimal(match.group(1)) != 0
-    except InvalidOperation:
-        return True
+def _scope(subresource: str) -> tuple[str, ...]:
+    if subresource == EPHEMERAL_SUBRESOURCE:
+        return (EPHEMERAL,)
+    return ("initContainers", "containers", EPHEMERAL)
 
 
-def _containers(pod: dict[str, Any]) -> Iterator[tuple[str, int, dict[str, Any]]]:
-    spec = pod.get("spec") or {}
-    for list_name in CONTAINER_LISTS:
-        for index, container in enumerate(spec.get(list_name) or []):
-            if isinstance(container, dict):
-                yield list_name, index, container
-
-
-def requests_of(pod: dict[str, Any]) -> list[Request]:
-    """Every non-zero resource request or limit of every container, one row per resource."""
-    out: list[Request] = []
-    for list_name, index, container in _containers(pod):
-        resources = container.get("resources") or {}
-        seen: set[str] = set()
-        for part in ("limits", "requests"):
-            for resource, quantity in (resources.get(part) or {}).items():
-                if resource not in seen and nonzero(quantity):
-                    seen.add(resource)
-                    out.append(Request(list_name, index, str(container.get("name", "")), resource))
-    return out
-
-
-def pod_name(pod: dict[str, Any]) -> str:
-    meta = pod.get("metadata") or {}
-    if meta.get("name"):
-        return str(meta["name"])
-    if meta.get("generateName"):
-        return f"{meta['generateName']}*"
-    return "(unnamed)"
-
-
-def _void_env(list_name: str, index: int, container: dict[str, Any]) -> list[dict[str, Any]]:
-    base = f"/spec/{list_name}/{index}/env"
+def _void_env(c: Container) -> list[dict[str, Any]]:
+    base = f"/spec/{c.list_name}/{c.index}/env"
     wanted = {"name": VISIBLE_DEVICES, "value": VOID}
-    env = container.get("env")
-    if not env:
+    if not c.env:
         return [{"op": "add", "path": base, "value": [wanted]}]
-    hits = [i for i, e in enumerate(env) if isinstance(e, dict) and e.get("name") == VISIBLE_DEVICES]
+    hits = c.visible_devices()
     if not hits:
         return [{"op": "add", "path": f"{base}/-", "value": wanted}]
-    first, *rest = hits
-    ops: list[dict[str, Any]] = []
+    (first, entry), *rest = hits
     # Later duplicates first, so the indices of the earlier ones stay right.
-    for i in reversed(rest):
-        ops.append({"op": "remove", "path": f"{base}/{i}"})
-    if env[first] != wanted:
+    ops: list[dict[str, Any]] = [{"op": "remove", "path": f"{base}/{i}"} for i, _ in reversed(rest)]
+    if entry != wanted:
         ops.append({"op": "replace", "path": f"{base}/{first}", "value": wanted})
     return ops
 
 
-def mutate(pod: dict[str, Any], policy: Policy) -> list[dict[str, Any]]:
+def _drop_env(c: Container) -> list[dict[str, Any]]:
+    base = f"/spec/{c.list_name}/{c.index}/env"
+    return [{"op": "remove", "path": f"{base}/{i}"} for i, _ in reversed(c.visible_devices())]
+
+
+def mutate(pod: dict[str, Any], policy: Policy, *, subresource: str = "",
+           old: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The JSONPatch for a pod (empty when nothing changes)."""
-    requests = requests_of(pod)
-    if not any(policy.is_gpu(r.resource) for r in requests):
-        ops: list[dict[str, Any]] = []
-        for list_name, index, container in _containers(pod):
-            ops += _void_env(list_name, index, container)
-        return ops
-    spec = pod.get("spec") or {}
-    if (policy.inject_runtime_class and policy.runtime_classes and not spec.get("runtimeClassName")
-            and any(policy.is_passthrough(r.resource) for r in requests)):
-        return [{"op": "add", "path": "/spec/runtimeClassName", "value": policy.runtime_classes[0]}]
-    return []
+    existing = ({c.name for c in containers(old, (EPHEMERAL,))}
+                if old and subresource == EPHEMERAL_SUBRESOURCE else set())
+    ops: list[dict[str, Any]] = []
+    for c in containers(pod, _scope(subresource)):
+        if c.list_name == EPHEMERAL and c.name in existing:
+            continue
+        ops += _drop_env(c) if policy.asks_for_gpu(c) else _void_env(c)
+    spec = spec_of(pod)
+    if (not subresource and policy.inject_runtime_class and policy.runtime_classes
+            and not spec.get("runtimeClassName") and _passthrough(pod, policy)):
+        ops.append({"op": "add", "path": "/spec/runtimeClassName", "value": policy.runtime_classes[0]})
+    return ops
 
 
-def validate(pod: dict[str, Any], policy: Policy) -> str | None:
+def _passthrough(pod: dict[str, Any], policy: Policy) -> list[tuple[Container, str]]:
+    return [(c, r) for c in containers(pod) for r in c.requests() if policy.is_passthrough(r)]
+
+
+def validate(pod: dict[str, Any], policy: Policy, *, subresource: str = "") -> str | None:
     """Why the pod is denied, or None when it is allowed."""
-    passthrough = [r for r in requests_of(pod) if policy.is_passthrough(r.resource)]
+    problem = None if subresource else (_kata_problem(pod, policy) or _cdi_problem(pod, policy)
+                                        or _host_path_problem(pod))
+    scope = _scope(subresource)
+    problem = problem or _mount_problem(pod, scope) or _env_problem(pod, policy, scope)
+    return f'pod "{pod_name(pod)}": {problem}' if problem else None
+
+
+def _kata_problem(pod: dict[str, Any], policy: Policy) -> str | None:
+    passthrough = _passthrough(pod, policy)
     if not passthrough:
         return None
-    runtime_class = (pod.get("spec") or {}).get("runtimeClassName")
+    runtime_class = spec_of(pod).get("runtimeClassName")
     if runtime_class in policy.runtime_classes:
-        return _confidential_problem(pod, runtime_class, passthrough, policy)
-    first = passthrough[0]
+        return (_confidential_problem(runtime_class, passthrough, policy)
+                or _handler_problem(runtime_class, policy))
+    first, resource = passthrough[0]
     more = f" (and {len(passthrough) - 1} more passthrough request(s))" if len(passthrough) > 1 else ""
     has = f'runtimeClassName is "{runtime_class}"' if runtime_class else "it sets no runtimeClassName"
     classes = ", ".join(policy.runtime_classes)
-    return (f'pod "{pod_name(pod)}": {first.where} requests the passthrough resource '
-            f"{first.resource}{more}, but {has}; a passthrough GPU is only given to a Kata VM: "
-            f"set spec.runtimeClassName to one of {classes}, or request nvidia.com/gpu for a "
-            f"container GPU")
+    return (f"{first.where} requests the passthrough resource {resource}{more}, but {has}; a "
+            f"passthrough GPU is only given to a Kata VM: set spec.runtimeClassName to one of "
+            f"{classes}, or request nvidia.com/gpu for a container GPU")
 
 
-def _confidential_problem(pod: dict[str, Any], runtime_class: str, passthrough: list[Request],
+def _confidential_problem(runtime_class: str, passthrough: list[tuple[Container, str]],
                           policy: Policy) -> str | None:
     """A confidential class asking for a GPU model that never runs in CC mode: its VM's
     attestation of the GPU can never succeed, so the pod is refused now rather than left
     Pending for good."""
     if not policy.is_confidential(runtime_class):
         return None
-    for request in passthrough:
-        model = not_cc_capable_model(request.resource)
+    for container, resource in passthrough:
+        model = not_cc_capable_model(resource)
         if model:
-            return (f'pod "{pod_name(pod)}": {request.where} requests {request.resource}, but runtimeClassName '
-                    f'"{runtime_class}" runs confidential VMs and the GPU model {model} has no confidential-'
-                    f"computing mode (Hopper and later only); use a non-confidential Kata class for it, or "
-                    f"request a CC-capable GPU")
+            return (f'{container.where} requests {resource}, but runtimeClassName "{runtime_class}" runs '
+                    f"confidential VMs and the GPU model {model} has no confidential-computing mode "
+                    f"(Hopper and later only); use a non-confidential Kata class for it, or request a "
+                    f"CC-capable GPU")
+    return None
+
+
+def _handler_problem(runtime_class: str, policy: Policy) -> str | None:
+    """A class of the allowed name whose handler is not Kata's (deleted and made again with
+    handler runc, say) would give the VFIO device to an ordinary container."""
+    if policy.handler_of is None:
+        return None
+    handler = policy.handler_of(runtime_class)
+    if handler is None or policy.is_kata_handler(handler):
+        return None  # no such class: the API server's RuntimeClass admission refuses the pod
+    return (f'runtimeClassName "{runtime_class}" has handler "{handler}", which is not a Kata '
+            f"runtime; a passthrough GPU is only given to a Kata VM: recreate the RuntimeClass with "
+            f"its Kata handler (helm upgrade restores it)")
+
+
+def _cdi_problem(pod: dict[str, Any], policy: Policy) -> str | None:
+    for annotation, kind in cdi_annotations(pod):
+        if policy.names_gpu(kind):
+            return (f'annotation "{annotation}" names the CDI device kind {kind}; a pod gets GPUs by '
+                    f"requesting a resource (nvidia.com/gpu, or a passthrough resource in a Kata "
+                    f"runtime class), never by a CDI annotation, which the scheduler does not count: "
+                    f"remove the annotation")
+    return None
+
+
+def _host_path_problem(pod: dict[str, Any]) -> str | None:
+    for volume, path in host_paths(pod):
+        if holds_gpu_devices(path):
+            return (f'volume "{volume}" is the host path {path}, which shows the node\'s GPU device nodes '
+                    f"(/dev/nvidia*, /dev/vfio); request a GPU resource instead")
+    return None
+
+
+def _mount_problem(pod: dict[str, Any], scope: tuple[str, ...]) -> str | None:
+    for c in containers(pod, scope):
+        for mount in c.mounts():
+            path = str(mount.get("mountPath", ""))
+            if is_device_list_mount(path):
+                return (f'{c.where} mounts volume "{mount.get("name", "")}" at {path}, where the NVIDIA '
+                        f"container runtime reads which GPUs to give the container; request a GPU "
+                        f"resource instead")
+    return None
+
+
+def _env_problem(pod: dict[str, Any], policy: Policy, scope: tuple[str, ...]) -> str | None:
+    for c in containers(pod, scope):
+        own = c.visible_devices()
+        if not own:
+            continue
+        if policy.asks_for_gpu(c):
+            return (f"{c.where} sets {VISIBLE_DEVICES} itself, which would override the GPUs the device "
+                    f"plugin gives it (the kubelet puts a container's env after the device plugin's): "
+                    f"remove it")
+        if any(entry != {"name": VISIBLE_DEVICES, "value": VOID} for _, entry in own):
+            return (f'{c.where} requests no GPU but sets {VISIBLE_DEVICES} to something other than '
+                    f'"{VOID}"; a container that requests no GPU resource sees no GPU: remove it, or '
+                    f"request the GPU it needs")
     return None

@@ -1,230 +1,367 @@
-"""The HTTPS server of ``katamgr webhook`` (standard library ``http.server`` + ``ssl``).
+"""The HTTPS server of ``katamgr webhook``: one loop thread, a few worker threads.
 
 ``POST /mutate`` and ``POST /validate`` take an AdmissionReview v1 and answer one;
-``GET /healthz`` answers ``ok`` for probes. A body that is not a review (not JSON, not
-v1, too big) gets an HTTP 4xx with a one-line message; a review of something other than
-a Pod gets ``allowed: false`` with a status saying to fix the webhook's rules; a failure
-in the rules themselves gets ``allowed: false`` with code 500 (the webhook configuration's
-``failurePolicy`` decides nothing here: the API server got an answer).
+``GET /healthz`` answers ``ok`` for probes (``answers``). The TLS certificate is read again
+when its files change (``tls.CertReloader``).
 
-The TLS certificate and key are read again when either file's mtime, size or inode
-changes (checked as each connection is accepted), so a cert-manager or kubelet-updated
-Secret mount takes effect without a restart; a pair that does not load (half-written)
-keeps the previous one in service and is retried on the next connection.
+One thread runs a selector loop (epoll) over the listening socket and every connection:
+it accepts, does the TLS handshakes, reads requests and writes answers, none of it
+blocking (``connection``). A complete review goes to a fixed pool of ``--workers`` threads,
+whose answer comes back to the loop. So the threads are a fixed number whatever the
+clients do, and what a client can make the server hold is bounded (``limits``):
+
+- ``--max-connections`` open at once: the next one closes the oldest connection not being
+  answered of the client address holding the most (a slow or idle one), or, when every
+  connection is being answered, is itself closed at once;
+- every phase of a connection has a deadline (``--request-timeout`` for handshake, head and
+  body together, ``--idle-timeout`` between requests), checked by the loop;
+- the bytes held for all connections (requests being read or reviewed, answers not yet
+  taken) stay under ``Limits.max_buffered``: past it the largest holder not being reviewed
+  is closed;
+- out of file descriptors, accepting pauses (with backoff) rather than spinning.
+
+Closed connections are tallied and logged as one line per 10 s, so a flood of clients
+cannot flood the log.
 """
 
 from __future__ import annotations
 
-import json
+import collections
+import errno
 import logging
 import os
+import selectors
 import socket
 import ssl
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+import time
 from typing import Any
 
-from katamgr.admission import review, rules
+from katamgr.admission import answers, httpio, rules
+from katamgr.admission.connection import UNANSWERED, Connection
+from katamgr.admission.limits import DEFAULT, Limits
+from katamgr.admission.tls import CertReloader
+from katamgr.admission.workers import Workers
 from katamgr.errors import ConfigError
 
+__all__ = ["CertReloader", "WebhookServer", "make_server", "parse_listen"]
+
 log = logging.getLogger("katamgr.webhook")
-IO_TIMEOUT = 10.0  # the API server's default webhook timeout
-DRAIN_LIMIT = 4 * review.MAX_BODY
+
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# Accepts per loop turn (each may do a TLS handshake's crypto, about a millisecond), so that
+# connections already open get their turn during a flood of new ones.
+ACCEPT_BATCH = 16
+# The longest the loop sleeps between deadline sweeps (a deadline may move nearer meanwhile:
+# a keep-alive request's first byte).
+CHECK_EVERY = 0.25
+REPORT_EVERY = 10.0
+FREED_WHEN_OUT_OF_FDS = 4
+# How connections end every day: not news for the log.
+ORDINARY = ("answered and closed", "ended by the client", "shutdown")
 
 
-class CertReloader:
-    """An SSLContext for a cert/key pair, rebuilt when the files change."""
+class WebhookServer:
+    """Serve the webhook on ``address`` until ``shutdown`` (the socketserver calls, so that
+    tests and the CLI drive it as they did ``ThreadingHTTPServer``)."""
 
-    def __init__(self, cert_file: str | os.PathLike, key_file: str | os.PathLike) -> None:
-        self.cert_file, self.key_file = Path(cert_file), Path(key_file)
-        self._lock = threading.Lock()
-        self._stamp: tuple | None = None
-        self._context: ssl.SSLContext | None = None
-        self.loads = 0
-        self.current()
-        if self._context is None:
-            raise ConfigError(f"cannot load the TLS pair {self.cert_file} / {self.key_file}; "
-                              f"pass a PEM certificate and its private key")
-
-    def _stat(self) -> tuple:
-        out = []
-        for path in (self.cert_file, self.key_file):
-            st = path.stat()
-            out.append((st.st_ino, st.st_size, st.st_mtime_ns))
-        # A Secret mount swaps the ..data symlink: follow it too.
-        out.append(tuple(os.path.realpath(p) for p in (self.cert_file, self.key_file)))
-        return tuple(out)
-
-    def current(self) -> ssl.SSLContext:
-        with self._lock:
-            try:
-                stamp = self._stat()
-            except OSError as exc:
-                if self._context is None:
-                    raise ConfigError(f"cannot read the TLS files: {exc}") from None
-                log.warning("cannot stat the TLS files (%s); keeping the loaded certificate", exc)
-                return self._context
-            if stamp != self._stamp:
-                try:
-                    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-                    context.minimum_version = ssl.TLSVersion.TLSv1_2
-                    context.load_cert_chain(self.cert_file, self.key_file)
-                except (OSError, ssl.SSLError) as exc:
-                    if self._context is None:
-                        raise ConfigError(f"cannot load the TLS pair {self.cert_file} / "
-                                          f"{self.key_file}: {exc}") from None
-                    log.warning("the TLS pair changed but does not load (%s); keeping the "
-                                "previous one", exc)
-                    return self._context
-                self._context, self._stamp = context, stamp
-                self.loads += 1
-                if self.loads > 1:
-                    log.info("reloaded the TLS certificate from %s", self.cert_file)
-            assert self._context is not None
-            return self._context
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # the API server keeps connections open
-    server: WebhookServer
-    timeout = IO_TIMEOUT
-
-    def setup(self) -> None:
-        super().setup()
-        sock = self.request
-        if isinstance(sock, ssl.SSLSocket):
-            sock.do_handshake()
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
-        log.debug("%s " + format, self.address_string(), *args)
-
-    def _send(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def _error(self, status: int, message: str, close: bool = False) -> None:
-        if close:
-            self.close_connection = True
-        body = json.dumps({"error": message}).encode() + b"\n"
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        if close:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        if self.path.split("?")[0] in ("/healthz", "/readyz", "/livez"):
-            self._send(200, b"ok\n", "text/plain")
-        else:
-            self._error(404, f"no such path {self.path}; use GET /healthz, POST /mutate or POST /validate")
-
-    def do_POST(self) -> None:  # noqa: N802
-        path = self.path.split("?")[0]
-        if path not in ("/mutate", "/validate"):
-            self._error(404, f"no such path {self.path}; use POST /mutate or POST /validate")
-            return
-        length_header = self.headers.get("Content-Length")
-        if length_header is None:
-            self._error(411, "send the AdmissionReview with a Content-Length", close=True)
-            return
+    def __init__(self, address: tuple[str, int], certs: CertReloader, policy: rules.Policy,
+                 limits: Limits = DEFAULT) -> None:
+        self.certs, self.policy, self.limits = certs, policy, limits
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
         try:
-            length = int(length_header)
-            if length < 0:
-                raise ValueError
-        except ValueError:
-            self._error(400, f"bad Content-Length {length_header!r}", close=True)
-            return
-        if length > review.MAX_BODY:
-            # Never keep it: discard a body up to a few times the limit (so that a client still
-            # writing it reads the answer), then say so and drop the connection.
-            if length <= DRAIN_LIMIT:
-                left = length
-                while left > 0:
-                    chunk = self.rfile.read(min(left, 65536))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-            self._error(413, f"the request body is {length} bytes, over the {review.MAX_BODY}-byte "
-                             f"limit of an AdmissionReview", close=True)
-            return
-        body = self.rfile.read(length)
-        if len(body) < length:
-            self.close_connection = True
-            return
-        try:
-            request = review.parse_review(body)
-        except review.ReviewError as exc:
-            self._error(exc.status, str(exc))
-            return
-        answer = self.server.answer(path, request)
-        self._send(200, json.dumps(answer, separators=(",", ":")).encode(), "application/json")
-
-
-class WebhookServer(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], certs: CertReloader, policy: rules.Policy) -> None:
-        self.certs = certs
-        self.policy = policy
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, Handler)
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, addr = self.socket.accept()
-        sock.settimeout(IO_TIMEOUT)
-        # Headers and body go out as two writes: without this, Nagle holds the body back
-        # until the client's delayed ACK (40 ms) on a keep-alive connection.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            context = self.certs.current()
-            return context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), addr
-        except Exception:
-            sock.close()
+            self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.socket.bind(address)
+            self.socket.listen(512)
+            self.socket.setblocking(False)
+        except OSError:
+            self.socket.close()
             raise
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
+        self._selector.register(self.socket, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._workers = Workers(limits.workers)
+        self._conns: set[Connection] = set()
+        self._registered: dict[Connection, int] = {}
+        self._counted: dict[Connection, int] = {}
+        self.buffered = 0  # bytes the connections hold together
+        # Answers from the workers: (connection, reply, error).
+        self._done: collections.deque[tuple[Connection, Any, BaseException | None]] = \
+            collections.deque()
+        self._ready: list[Connection] = []
+        self._paused_until: float | None = None  # accepting, when out of file descriptors
+        self._backoff = 0.0
+        # Connections ended, by why (Connection.why), since the start.
+        self.ended: collections.Counter[str] = collections.Counter()
+        self._reported: collections.Counter[str] = collections.Counter()
+        self._next_report = time.monotonic() + REPORT_EVERY
+        self._next_check = 0.0  # when the loop next looks at deadlines and the pause
+        self._stop = False
+        self._stopped = threading.Event()
+        self._stopped.set()
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that hung up, failed the handshake or timed out: one line, not a traceback.
-        import sys
+    @property
+    def server_address(self) -> tuple[Any, ...]:
+        return self.socket.getsockname()
 
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError | ssl.SSLError | TimeoutError):
-            log.debug("connection from %s ended: %s", client_address, exc)
-        else:
-            log.exception("error serving %s", client_address)
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
 
     def answer(self, path: str, request: dict[str, Any]) -> dict[str, Any]:
-        uid = request["uid"]
-        if not review.is_pod(request):
-            return review.response(uid, allowed=False, code=400, message=(
-                f"katamgr webhook reviews Pods only, got {review.kind_of(request)}; fix the "
-                f"rules of the webhook configuration (resources: [pods], apiGroups: [\"\"])"))
-        pod = request.get("object")
-        if request.get("operation") not in (None, "CREATE", "UPDATE") or pod is None:
-            return review.response(uid)  # DELETE/CONNECT: nothing to look at
-        if not isinstance(pod, dict):
-            return review.response(uid, allowed=False, code=400,
-                                   message="the review's object is not a Pod object")
+        """The AdmissionReview answering a parsed review's ``request``."""
+        return answers.judge(path, request, self.policy)
+
+    # The loop
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        """Serve until ``shutdown`` (``poll_interval``: socketserver's; the loop sleeps until
+        its next deadline or event, and ``shutdown`` wakes it)."""
+        self._stopped.clear()
         try:
-            if path == "/mutate":
-                patch = rules.mutate(pod, self.policy)
-                return review.response(uid, patch=patch)
-            denial = rules.validate(pod, self.policy)
-        except Exception as exc:  # noqa: BLE001 - a bug must deny, never crash the server
-            log.exception("cannot review pod %s", rules.pod_name(pod))
-            return review.response(uid, allowed=False, code=500,
-                                   message=f"katamgr webhook failed reviewing this pod: {exc}")
-        if denial:
-            log.info("denied: %s", denial)
-            return review.response(uid, allowed=False, code=403, message=denial)
-        return review.response(uid)
+            self._next_check = 0.0
+            while not self._stop:
+                now = time.monotonic()
+                timeout = 0.0 if self._ready else max(0.0, self._next_check - now)
+                for key, _ in self._selector.select(timeout):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        self._drain_wake()
+                    else:
+                        self._step(key.data)
+                self._collect_answers()
+                ready, self._ready = self._ready, []
+                for conn in ready:
+                    if not conn.closed:
+                        self._step(conn)
+                now = time.monotonic()
+                if now >= self._next_check:
+                    self._next_check = self._sweep(now)
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop serve_forever (from another thread) and wait until it has."""
+        self._stop = True
+        self._wake()
+        self._stopped.wait()
+
+    def server_close(self) -> None:
+        self._stop = True
+        for conn in list(self._conns):
+            conn.close("shutdown")
+        self._conns.clear()
+        self._workers.stop()
+        for sock in (self.socket, self._wake_r, self._wake_w):
+            sock.close()
+        self._selector.close()
+
+    def _step(self, conn: Connection) -> None:
+        try:
+            conn.step(time.monotonic())
+        except Exception:  # noqa: BLE001 - a bug with one client ends that connection only
+            log.exception("error serving %s", conn.peer)
+            conn.close("closed on an error")
+        self._sync(conn)
+
+    def _sync(self, conn: Connection) -> None:
+        """Bring the selector, the byte count and the workers up to date with ``conn``."""
+        if conn.closed:
+            self._forget(conn)
+            return
+        held = conn.held
+        self.buffered += held - self._counted.get(conn, 0)
+        self._counted[conn] = held
+        if conn.job is not None and not conn.queued:
+            conn.queued = True
+            # The queue holds the connection, not the body: a body shed while it waits is
+            # let go at once (Connection.close).
+            self._workers.submit(conn.job_bytes, lambda c=conn: self._review(c),
+                                 lambda reply, error, c=conn: self._answered(c, reply, error))
+        events = conn.wants()
+        registered = self._registered.get(conn, 0)
+        if events != registered:
+            if not events:
+                self._selector.unregister(conn.sock)
+                del self._registered[conn]
+            elif not registered:
+                self._selector.register(conn.sock, events, conn)
+                self._registered[conn] = events
+            else:
+                self._selector.modify(conn.sock, events, conn)
+                self._registered[conn] = events
+        if conn.ready:
+            self._ready.append(conn)
+        if self.buffered > self.limits.max_buffered:
+            self._shed_bytes()
+
+    def _forget(self, conn: Connection) -> None:
+        """A closed connection: nothing of it is kept (it may be forgotten twice, closed
+        while an event of it waited in the same turn)."""
+        self.buffered -= self._counted.pop(conn, 0)
+        if self._registered.pop(conn, 0):
+            try:
+                self._selector.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass  # the socket is closed: epoll dropped it already
+        if conn in self._conns:
+            self._conns.remove(conn)
+            self.ended[conn.why] += 1
+
+    # Accepting
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _OUT_OF_FDS:
+                    self._pause_accepting(exc)
+                else:
+                    log.warning("accept failed: %s", exc)
+                return
+            self._backoff = 0.0
+            peer = str(address[0])
+            if len(self._conns) >= self.limits.max_connections:
+                victim = self._victim_for_room(peer)
+                if victim is None:  # every connection is being answered
+                    sock.close()
+                    self.ended["refused at --max-connections"] += 1
+                    continue
+                victim.close("closed to make room")
+                self._sync(victim)
+            try:
+                sock.setblocking(False)
+                # An answer goes out as TLS records of up to 16 KiB: without this, Nagle can
+                # hold the last, small one back until the client's delayed ACK (40 ms).
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tls = self.certs.current().wrap_socket(sock, server_side=True,
+                                                       do_handshake_on_connect=False)
+            except (OSError, ssl.SSLError, ConfigError) as exc:
+                log.debug("cannot set up a connection from %s: %s", peer, exc)
+                sock.close()
+                continue
+            conn = Connection(tls, peer, self.limits, time.monotonic())
+            self._conns.add(conn)
+            self._step(conn)  # the ClientHello is often there already
+
+    def _victim_for_room(self, newcomer: str) -> Connection | None:
+        """The oldest connection not being answered of the address that holds the most (the
+        newcomer counted): whoever opens many connections and leaves them waiting loses its
+        own first."""
+        per_peer = collections.Counter(c.peer for c in self._conns)
+        per_peer[newcomer] += 1
+        candidates = [c for c in self._conns if c.state in UNANSWERED]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda c: (per_peer[c.peer], -c.since))
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        # The listening socket stays readable while the accept fails: waiting on it again at
+        # once would spin. Pause, and close the oldest waiting connections to free
+        # descriptors for those queued behind them.
+        self._backoff = min(1.0, max(0.01, self._backoff * 2))
+        self._paused_until = time.monotonic() + self._backoff
+        self._next_check = min(self._next_check, self._paused_until)
+        self._selector.unregister(self.socket)
+        self.ended["accepting paused, out of file descriptors"] += 1
+        for _ in range(FREED_WHEN_OUT_OF_FDS):
+            victim = self._victim_for_room("")
+            if victim is None:
+                break
+            victim.close("closed to make room")
+            self._sync(victim)
+        log.debug("cannot accept (%s): pausing %.2f s", exc.strerror, self._backoff)
+
+    # Workers
+
+    def _review(self, conn: Connection) -> httpio.Reply | None:
+        """In a worker thread: the answer to the connection's review."""
+        job = conn.take_job()
+        if job is None:
+            return None  # closed while it waited
+        return answers.review_answer(*job, self.policy)
+
+    def _answered(self, conn: Connection, reply: Any, error: BaseException | None) -> None:
+        """In the worker thread: hand the answer to the loop."""
+        self._done.append((conn, reply, error))
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # full (the loop has been woken already) or closed (shutting down)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def _collect_answers(self) -> None:
+        while self._done:
+            conn, reply, error = self._done.popleft()
+            if conn.closed:
+                continue
+            if error is not None:  # a bug (or MemoryError) in one review answers that review
+                log.error("error reviewing a request from %s: %s", conn.peer, error, exc_info=error)
+                reply = httpio.error(500, f"katamgr webhook failed on this request: "
+                                          f"{httpio.shorten(str(error))}")
+            try:
+                conn.finish(reply, time.monotonic())
+            except Exception:  # noqa: BLE001
+                log.exception("error answering %s", conn.peer)
+                conn.close("closed on an error")
+            self._sync(conn)
+
+    # Bounds
+
+    def _shed_bytes(self) -> None:
+        """Over the byte budget: close the largest holders whose bytes can be let go (all
+        but the reviews a worker is doing: a body still queued can)."""
+        while self.buffered > self.limits.max_buffered:
+            holders = [c for c in self._conns if not c.closed and not c.running and c.held]
+            if not holders:
+                return
+            victim = max(holders, key=lambda c: c.held)
+            victim.close("closed over the byte budget")
+            self._sync(victim)
+
+    def _sweep(self, now: float) -> float:
+        """Close the connections past their deadline; when to sweep next."""
+        for conn in [c for c in self._conns if now >= c.deadline]:
+            conn.expire(now)
+            self._sync(conn)
+        if self._paused_until is not None and now >= self._paused_until:
+            self._paused_until = None
+            self._selector.register(self.socket, selectors.EVENT_READ, "accept")
+        if now >= self._next_report:
+            self._next_report = now + REPORT_EVERY
+            self._report()
+        wakes = [now + CHECK_EVERY, *(c.deadline for c in self._conns)]
+        if self._paused_until is not None:
+            wakes.append(self._paused_until)
+        return min(wakes)
+
+    def _report(self) -> None:
+        # Closes that say something about the clients; ends of ordinary requests are not news.
+        news = {why: n - self._reported[why] for why, n in self.ended.items()
+                if why not in ORDINARY and n > self._reported[why]}
+        self._reported.update(news)
+        if news:
+            log.warning("in the last %.0f s: %s (%d connections open, max %d; request timeout "
+                        "%g s)", REPORT_EVERY, ", ".join(f"{n} {why}" for why, n in
+                                                         sorted(news.items())),
+                        len(self._conns), self.limits.max_connections, self.limits.request_timeout)
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
@@ -235,9 +372,9 @@ def parse_listen(listen: str) -> tuple[str, int]:
 
 
 def make_server(listen: str, cert_file: str | os.PathLike, key_file: str | os.PathLike,
-                policy: rules.Policy) -> WebhookServer:
+                policy: rules.Policy, limits: Limits = DEFAULT) -> WebhookServer:
     certs = CertReloader(cert_file, key_file)
     try:
-        return WebhookServer(parse_listen(listen), certs, policy)
+        return WebhookServer(parse_listen(listen), certs, policy, limits)
     except OSError as exc:
         raise ConfigError(f"cannot listen on {listen}: {exc}") from None

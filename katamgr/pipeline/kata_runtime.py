@@ -3,7 +3,9 @@
 Order matters and is the operator's safety net: a runtime class reaches
 containerd only once its artifacts are installed and its Kata config points at
 them, and reaches the cluster only once containerd knows it, so a pod can never
-be scheduled onto a handler the node cannot run.
+be scheduled onto a handler the node cannot run. Under the chart the RuntimeClasses
+are Helm's (``KataContext.manage_runtime_classes`` False, ``--no-runtime-classes``):
+no node identity may write the cluster's classes, so that step is left out here.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ class KataContext:
     namespace: str = "default"
     root_ports: int = 0  # passthrough GPUs + NVSwitches on this node
     deadlines: Deadlines = DEFAULT_DEADLINES  # every registry transfer ends by these
+    # False (katamgr --no-runtime-classes): someone else owns the cluster's RuntimeClasses,
+    # the chart (Helm) when the chart runs katamgr, so no step applies, updates or deletes
+    # one and this identity needs no RuntimeClass rights.
+    manage_runtime_classes: bool = True
 
 
 def class_dir(config: KataManagerConfig, name: str) -> str:
@@ -148,14 +154,25 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
         lines.append(f"runtimes added once their artifacts are installed: {', '.join(missing)}")
     sections.append(PlanSection("containerd", "containerd", data, lines, pending=change.changed or bool(missing)))
 
+    sections.append(_runtime_classes_section(ctx))
+    return sections
+
+
+# Said wherever the RuntimeClass step is skipped for --no-runtime-classes.
+MANAGED_ELSEWHERE = "managed elsewhere, by the chart (--no-runtime-classes)"
+
+
+def _runtime_classes_section(ctx: KataContext) -> PlanSection:
     from katamgr import cluster
 
-    desired = cluster.desired_runtime_classes(config)
-    rc_lines = [f"{'apply' if ctx.api else 'skip (no cluster reachable)'} RuntimeClass {b['metadata']['name']}"
-                for b in desired]
-    sections.append(PlanSection("runtimeClasses", "RuntimeClasses", {"reachable": ctx.api is not None,
-                                "objects": desired}, rc_lines))
-    return sections
+    desired = cluster.desired_runtime_classes(ctx.config)
+    if not ctx.manage_runtime_classes:
+        lines = [f"leave RuntimeClass {b['metadata']['name']}: {MANAGED_ELSEWHERE}" for b in desired]
+    else:
+        action = "apply" if ctx.api else "skip (no cluster reachable)"
+        lines = [f"{action} RuntimeClass {b['metadata']['name']}" for b in desired]
+    data = {"managed": ctx.manage_runtime_classes, "reachable": ctx.api is not None, "objects": desired}
+    return PlanSection("runtimeClasses", "RuntimeClasses", data, lines)
 
 
 # ---- apply -------------------------------------------------------------------
@@ -327,6 +344,8 @@ def _reload(host: HostRoot, config: KataManagerConfig, purpose: str) -> Report:
 
 def _cluster(ctx: KataContext, config: KataManagerConfig) -> Report:
     report = Report()
+    if not ctx.manage_runtime_classes:
+        return report  # the chart's: nothing to say on every reconcile
     if ctx.api is None:
         report.warnings.append("no cluster reachable (no in-cluster token, no kubeconfig): RuntimeClasses skipped")
         return report
@@ -351,7 +370,10 @@ def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = F
     (they serve every node: delete them when the last node is reverted)."""
     report = Report()
     config = ctx.config
-    if delete_runtime_classes and ctx.api is not None:
+    if delete_runtime_classes and not ctx.manage_runtime_classes:
+        # The CLI refuses the pair; a caller in code gets the same answer, not a delete.
+        report.failures.append(f"not deleting the RuntimeClasses: they are {MANAGED_ELSEWHERE}")
+    elif delete_runtime_classes and ctx.api is not None:
         try:
             from katamgr import cluster
 

@@ -1,6 +1,7 @@
 """Fixtures for the admission webhook tests: a throwaway CA, the server's TLS pair in a
 temp dir, and ``webhook``: ``katamgr webhook``'s server on a loopback port in a thread,
-with a client that trusts the CA."""
+with a client that trusts the CA; ``webhook_process``: ``katamgr webhook`` as its own
+process with short clocks (webhookproc.py), shared by a module's tests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 from support.tlskit import CA, Client, make_ca, write_server_pair
+from webhookproc import SHORT_IDLE_TIMEOUT, SHORT_REQUEST_TIMEOUT, WebhookProcess
 
 from katamgr.admission.rules import Policy
 from katamgr.admission.server import make_server
@@ -49,3 +51,12 @@ def start_webhook(tls_files, ca) -> Iterator:
 @pytest.fixture
 def webhook(start_webhook):
     return start_webhook()
+
+
+@pytest.fixture(scope="module")
+def webhook_process(tmp_path_factory) -> Iterator[WebhookProcess]:
+    process = WebhookProcess.launch(tmp_path_factory.mktemp("webhook"),
+                                    "--request-timeout", str(SHORT_REQUEST_TIMEOUT),
+                                    "--idle-timeout", str(SHORT_IDLE_TIMEOUT))
+    yield process
+    process.stop()

@@ -109,8 +109,8 @@ def test_an_already_void_pod_gets_no_patch(webhook):
     assert response == {"uid": response["uid"], "allowed": True}
 
 
-@pytest.mark.parametrize("case", ["gpu", "mig", "passthrough-kata", "passthrough-none", "passthrough-init"])
-def test_mutate_leaves_a_gpu_pod_untouched(webhook, case):
+@pytest.mark.parametrize("case", ["gpu", "mig", "passthrough-kata", "passthrough-none"])
+def test_mutate_leaves_a_pod_whose_every_container_asks_for_a_gpu_untouched(webhook, case):
     _, client = webhook
     obj = podkit.cases()[case]
     response = client.review("/mutate", review(obj))["response"]

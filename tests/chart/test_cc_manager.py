@@ -28,7 +28,7 @@ def args(rendered) -> list[str]:
 def test_off_by_default_no_cc_arguments_and_no_node_patch(chart):
     rendered = render(chart, SANDBOX)
     assert "--cc-manager" not in args(rendered)
-    assert rules(rendered.get("ClusterRole"))["nodes"]["verbs"] == ["get", "watch"]
+    assert rules(rendered.get("ClusterRole", "-sandbox-agent"))["nodes"]["verbs"] == ["get", "watch"]
 
 
 def test_the_gpu_operators_block_is_honoured(chart):
@@ -36,7 +36,7 @@ def test_the_gpu_operators_block_is_honoured(chart):
     a = args(rendered)
     assert "--cc-manager" in a and a[a.index("--cc-default-mode") + 1] == "on"
     # The agent labels its own Node (cc.mode.state, cc.ready.state), as k8s-cc-manager does.
-    assert rules(rendered.get("ClusterRole"))["nodes"]["verbs"] == ["get", "watch", "patch"]
+    assert rules(rendered.get("ClusterRole", "-sandbox-agent"))["nodes"]["verbs"] == ["get", "watch", "patch"]
     assert container(rendered, *AGENT)["imagePullPolicy"] == "IfNotPresent"
     # NVIDIA's image, whose job the agent does: listed as not used.
     text = notes(chart, cc(**GPU_OPERATOR_CC))

@@ -35,7 +35,7 @@ from support.paths import REPO
 KUBE_VERSIONS = ("1.25.0", "1.33.0")
 CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
                   "ValidatingWebhookConfiguration", "ValidatingAdmissionPolicy",
-                  "ValidatingAdmissionPolicyBinding"}
+                  "ValidatingAdmissionPolicyBinding", "RuntimeClass", "DeviceClass"}
 
 
 # --- every value set: valid Kubernetes objects, clean lint -----------------------------
@@ -59,7 +59,7 @@ def test_every_rendered_object_is_valid_for_kubernetes(chart, kube_validate, val
     for obj in rendered.objects:
         if obj["kind"] in CLUSTER_SCOPED:
             assert "namespace" not in obj["metadata"]
-        elif obj["metadata"]["name"] == RELEASE + "-node-events":
+        elif obj["metadata"]["name"] == RELEASE + "-sandbox-agent-node-events":
             # The one namespace the API server takes a Node's Events in.
             assert obj["metadata"]["namespace"] == "default"
         else:
@@ -127,8 +127,13 @@ def test_sandbox_off_has_no_privilege_and_no_vfio(chart):
         assert "--mode" in c["args"] and c["args"][c["args"].index("--mode") + 1] == "container"
         assert not any("vfio" in m["mountPath"] for m in c.get("volumeMounts", []))
     assert rendered.find("ConfigMap", "-config") is None
-    assert rendered.find("Role") is None and rendered.find("Role", "-node-events") is None
-    assert set(rules(rendered.get("ClusterRole"))) == {"nodes"}
+    assert not [o for o in rendered.objects if o["kind"] in ("Role", "RoleBinding")]
+    # No sandbox agent identity; the container plugin's has no role, the webhook's reads
+    # RuntimeClasses only (test_rbac.py).
+    assert rendered.find("ServiceAccount", "-sandbox-agent") is None
+    assert [o["metadata"]["name"] for o in rendered.objects if o["kind"] == "ClusterRole"] == [
+        RELEASE + "-webhook"]
+    assert set(rules(rendered.get("ClusterRole", "-webhook"))) == {"runtimeclasses"}
 
 
 @pytest.mark.integration

@@ -4,7 +4,7 @@ every sandbox-device-plugin container is given."""
 from __future__ import annotations
 
 import pytest
-from support.chartkit import FULL, RELEASE, container, env_names, host_mounts, merged, render, rules
+from support.chartkit import FULL, RELEASE, container, env_names, host_mounts, merged, render
 
 # --- defaults: like the GPU Operator, sandbox workloads are off ------------------------
 
@@ -16,9 +16,8 @@ def test_defaults_run_only_the_container_gpu_plugin_unprivileged(chart):
     assert [(kind, name) for kind, name in rendered.kinds()
             if rendered.find(kind, name[len(RELEASE):])["metadata"]["labels"].get(
                 "app.kubernetes.io/component") not in isolation] == [
-        ("ClusterRole", RELEASE), ("ClusterRoleBinding", RELEASE),
         ("DaemonSet", f"{RELEASE}-device-plugin"), ("Service", f"{RELEASE}-device-plugin-metrics"),
-        ("ServiceAccount", RELEASE),
+        ("ServiceAccount", f"{RELEASE}-device-plugin"),
     ]
     plugin = container(rendered, "-device-plugin", "device-plugin")
     assert plugin["command"] == ["sandbox-device-plugin"]
@@ -40,10 +39,13 @@ def test_defaults_run_only_the_container_gpu_plugin_unprivileged(chart):
     assert not pod.get("hostPID")
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    # Read-only access to nodes, nothing else.
-    assert rules(rendered.get("ClusterRole")) == {
-        "nodes": {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
-    }
+    # --mode container calls no API (sandbox_plugin.cli: only --mode auto reads the Node):
+    # its own ServiceAccount, bound to no role, and no token in the pod.
+    assert pod["serviceAccountName"] == f"{RELEASE}-device-plugin"
+    assert pod["automountServiceAccountToken"] is False
+    assert rendered.get("ServiceAccount", "-device-plugin")["automountServiceAccountToken"] is False
+    assert not [b for b in rendered.objects if b["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                and any(s["name"] == f"{RELEASE}-device-plugin" for s in b["subjects"])]
 
 
 # --- the device plugin accepts the arguments the chart passes --------------------------

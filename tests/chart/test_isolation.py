@@ -31,7 +31,8 @@ POLICY = {"isolation": {"admissionPolicy": {"enabled": True}}}
 CERT_MANAGER = {"isolation": {"webhook": {"enabled": True, "certManager": {"enabled": True}}}}
 ISOLATION_KINDS = {"MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
                    "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-                   "Certificate", "Issuer", "PodDisruptionBudget", "Deployment", "Service", "Secret"}
+                   "Certificate", "Issuer", "PodDisruptionBudget", "Deployment", "Service", "Secret",
+                   "NetworkPolicy"}
 CLUSTER_SCOPED = {"MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
                   "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
                   "ClusterRole", "ClusterRoleBinding"}
@@ -53,7 +54,7 @@ def excluded_namespaces(selector: dict) -> list[str]:
 
 WEBHOOK_OFF = {"isolation": {"webhook": {"enabled": False}}}
 POLICY_OFF = {"isolation": {"admissionPolicy": {"enabled": False}}}
-WEBHOOK_KINDS = {"Deployment", "Service", "Secret", "PodDisruptionBudget",
+WEBHOOK_KINDS = {"Deployment", "Service", "Secret", "PodDisruptionBudget", "NetworkPolicy",
                  "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"}
 POLICY_KINDS = {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
 POLICY_LEFT_OUT = "does not serve\nValidatingAdmissionPolicy v1"
@@ -63,18 +64,20 @@ def test_defaults_turn_the_webhook_and_the_policy_on(chart):
     # Installed on a current cluster (it serves ValidatingAdmissionPolicy v1).
     rendered = render(chart, {}, CURRENT)
     assert kinds_of(rendered) & ISOLATION_KINDS == WEBHOOK_KINDS | POLICY_KINDS
-    # The webhook as it is when turned on by hand: 2 replicas behind a PDB, Helm's own CA.
+    # The webhook as it is when turned on by hand: 3 replicas behind a PDB, Helm's own CA.
     deploy = rendered.get("Deployment", "-webhook")
-    assert deploy["spec"]["replicas"] == 2
-    assert rendered.get("PodDisruptionBudget", "-webhook")["spec"]["minAvailable"] == 1
+    assert deploy["spec"]["replicas"] == 3
+    assert rendered.get("PodDisruptionBudget", "-webhook")["spec"] == {
+        "maxUnavailable": 1, "selector": deploy["spec"]["selector"]}
     secret = rendered.get("Secret", "-webhook-tls")
     assert set(secret["data"]) == {"ca.crt", "tls.crt", "tls.key"}
     for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
         (hook,) = rendered.get(kind, "-webhook")["webhooks"]
         assert hook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
         assert hook["failurePolicy"] == "Fail"
-    binding = rendered.get("ValidatingAdmissionPolicyBinding", "-passthrough-needs-kata")
-    assert binding["spec"]["validationActions"] == ["Deny"]
+    for name in ("-passthrough-needs-kata", "-kata-handler"):
+        binding = rendered.get("ValidatingAdmissionPolicyBinding", name)
+        assert binding["spec"]["validationActions"] == ["Deny"]
     assert "WARNING" not in notes(chart, {}, CURRENT)
 
 
@@ -124,8 +127,14 @@ def test_enabled_objects_are_valid_for_kubernetes(chart, kube_validate, values):
 def test_the_webhook_objects(chart):
     rendered = render(chart, WEBHOOK)
     deploy = rendered.get("Deployment", "-webhook")
-    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["replicas"] == 3
     pod = deploy["spec"]["template"]["spec"]
+    # Every pod create waits on it: scheduled first, and one a node and a zone where it can.
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert {(t["topologyKey"], t["whenUnsatisfiable"]) for t in pod["topologySpreadConstraints"]} == {
+        ("kubernetes.io/hostname", "ScheduleAnyway"), ("topology.kubernetes.io/zone", "ScheduleAnyway")}
+    for spread in pod["topologySpreadConstraints"]:
+        assert spread["labelSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
     (c,) = pod["containers"]
     assert c["command"] == ["katamgr", "webhook"]
     assert "--runtime-class=kata-qemu-nvidia-gpu" in c["args"]
@@ -136,8 +145,18 @@ def test_the_webhook_objects(chart):
     assert c["resources"]["requests"]
     assert {v["secret"]["secretName"] for v in pod["volumes"]} == {WEBHOOK_NAME + "-tls"}
     pdb = rendered.get("PodDisruptionBudget", "-webhook")
-    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["maxUnavailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    # Only HTTPS to the webhook's port comes in, from anywhere unless narrowed.
+    netpol = rendered.get("NetworkPolicy", "-webhook")
+    assert netpol["spec"]["podSelector"] == deploy["spec"]["selector"]
+    assert netpol["spec"]["policyTypes"] == ["Ingress"]
+    assert netpol["spec"]["ingress"] == [{"ports": [{"port": "https", "protocol": "TCP"}]}]
+    narrowed = render(chart, merged(WEBHOOK, {"isolation": {"webhook": {"networkPolicy": {
+        "from": [{"ipBlock": {"cidr": "10.0.0.0/24"}}]}}}})).get("NetworkPolicy", "-webhook")
+    assert narrowed["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/24"}}]
+    off = render(chart, merged(WEBHOOK, {"isolation": {"webhook": {"networkPolicy": {"enabled": False}}}}))
+    assert off.find("NetworkPolicy", "-webhook") is None
     service = rendered.get("Service", "-webhook")
     assert service["spec"]["selector"] == deploy["spec"]["selector"]["matchLabels"]
 
@@ -158,8 +177,12 @@ def test_helm_makes_a_ca_whose_bundle_the_webhooks_trust(chart):
                                                    "path": path, "port": 443}
         assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
         assert hook["admissionReviewVersions"] == ["v1"]
-        assert hook["rules"][0]["resources"] == ["pods"]
-        assert excluded_namespaces(hook["namespaceSelector"]) == [NAMESPACE, "kube-system"]
+        # A pod's create, and kubectl debug's ephemeral containers; never a plain update.
+        assert [(r["resources"], r["operations"]) for r in hook["rules"]] == [
+            (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"])]
+        assert excluded_namespaces(hook["namespaceSelector"]) == [NAMESPACE, "kube-system", "gpu-operator"]
+        assert {"key": "isolation.kata-sandbox-manager.io/exempt", "operator": "NotIn",
+                "values": ["true"]} in hook["namespaceSelector"]["matchExpressions"]
 
 
 def test_selectors_and_failure_policy_are_values(chart):
@@ -219,24 +242,37 @@ def cel_escapes_ok(expression: str) -> bool:
                for m in _CEL_ESCAPE.finditer(lit.group(1)))
 
 
-def evaluate_policy(policy: dict, pod: dict) -> tuple[bool, str | None]:
+def evaluate_policy(policy: dict, pod: dict, *, subresource: str = "",
+                    params: dict | None = None) -> tuple[bool, str | None]:
     celpy, env = _cel_env()
-    from celpy import json_to_cel
+    from celpy import celtypes, json_to_cel
 
     spec = policy["spec"]
     variables: dict = {}
-    activation = {"object": json_to_cel(pod), "variables": celpy.celtypes.MapType(variables)}
+    activation = {"object": json_to_cel(pod), "variables": celtypes.MapType(variables),
+                  # The API server leaves subResource out of a request on the resource itself
+                  # (seen: "no such key: subResource" from a policy that read it unguarded).
+                  "request": json_to_cel({"operation": "UPDATE" if subresource else "CREATE",
+                                          **({"subResource": subresource} if subresource else {})})}
+    if params is not None:
+        activation["params"] = json_to_cel(params)
+    # Kubernetes' CEL has the strings extension (cel-go ext.Strings: substring, split, trim,
+    # join); cel-python's core does not.
+    functions = {
+        "substring": lambda text, start: celtypes.StringType(str(text)[int(start):]),
+        "split": lambda text, sep: celtypes.ListType([celtypes.StringType(p) for p in str(text).split(str(sep))]),
+        "trim": lambda text: celtypes.StringType(str(text).strip()),
+        "join": lambda items, sep: celtypes.StringType(str(sep).join(str(i) for i in items)),
+    }
 
     def run(expression: str):
         assert cel_escapes_ok(expression), f"an escape the API server's CEL refuses: {expression}"
-        # Kubernetes' CEL has the strings extension (substring); cel-python's core does not.
-        program = env.program(env.compile(expression), functions={
-            "substring": lambda text, start: celpy.celtypes.StringType(str(text)[int(start):])})
-        activation["variables"] = celpy.celtypes.MapType(variables)
+        program = env.program(env.compile(expression), functions=functions)
+        activation["variables"] = celtypes.MapType(variables)
         return program.evaluate(activation)
 
     for var in spec["variables"]:
-        variables[celpy.celtypes.StringType(var["name"])] = run(var["expression"])
+        variables[celtypes.StringType(var["name"])] = run(var["expression"])
     for check in spec["validations"]:  # the API server reports the first that fails
         if not bool(run(check["expression"])):
             return False, str(run(check["messageExpression"]))
@@ -327,7 +363,8 @@ def test_the_policy_with_includes_is_valid_for_kubernetes(chart, kube_validate):
     policy = render(chart, merged(POLICY, INCLUDED)).get("ValidatingAdmissionPolicy",
                                                          "-passthrough-needs-kata")
     kube_validate.validate(policy, "1.33.0", strict=True)
-    assert policy["spec"]["variables"][2]["expression"].count('["example.com/edu","example.com/vga"]') == 2
+    (passthrough,) = [v for v in policy["spec"]["variables"] if v["name"] == "passthrough"]
+    assert passthrough["expression"].count('["example.com/edu","example.com/vga"]') == 2
 
 
 def test_the_policy_binding(chart):
@@ -336,10 +373,59 @@ def test_the_policy_binding(chart):
     assert binding["spec"]["policyName"] == RELEASE + "-passthrough-needs-kata"
     assert binding["spec"]["validationActions"] == ["Deny"]
     assert excluded_namespaces(binding["spec"]["matchResources"]["namespaceSelector"]) == [
-        NAMESPACE, "kube-system"]
+        NAMESPACE, "kube-system", "gpu-operator"]
     policy = rendered.get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
-    assert policy["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["pods"]
+    assert [(r["resources"], r["operations"]) for r in policy["spec"]["matchConstraints"]["resourceRules"]] == [
+        (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"])]
     assert policy["spec"]["failurePolicy"] == "Fail"
+    # The handler rule: every RuntimeClass a param, none at all is no reason to refuse.
+    handler = rendered.get("ValidatingAdmissionPolicyBinding", "-kata-handler")
+    assert handler["spec"]["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Allow"}
+    assert handler["spec"]["matchResources"] == binding["spec"]["matchResources"]
+
+
+# --- pods/ephemeralcontainers and the RuntimeClass handler, both layers alike ------------
+
+EPHEMERAL_CASES = {
+    "debug-plain": podkit.ephemeral(podkit.pod(podkit.container())),
+    "debug-void": podkit.ephemeral(podkit.pod(podkit.container()), env={"NVIDIA_VISIBLE_DEVICES": "void"}),
+    "debug-all": podkit.ephemeral(podkit.pod(podkit.container()), env={"NVIDIA_VISIBLE_DEVICES": "all"}),
+    "debug-devlist": podkit.ephemeral(podkit.pod(podkit.container(), empty_dirs=("d",)),
+                                      mounts={"d": "/var/run/nvidia-container-devices/all"}),
+    # The rest of the pod is not looked at on the subresource: it could not change there.
+    "debug-old-pod": podkit.ephemeral(podkit.cases()["sidecar-user-all"], env={"NVIDIA_VISIBLE_DEVICES": "void"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EPHEMERAL_CASES))
+def test_the_policy_cel_agrees_with_the_webhook_on_kubectl_debug(chart, case):
+    policy = render(chart, POLICY).get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
+    obj = EPHEMERAL_CASES[case]
+    ok, message = evaluate_policy(policy, obj, subresource="ephemeralcontainers")
+    denial = validate(obj, Policy(), subresource="ephemeralcontainers")
+    assert ok == (denial is None), (case, message, denial)
+    assert ok == (case in ("debug-plain", "debug-void", "debug-old-pod"))
+    if not ok:
+        assert message == denial.split(": ", 1)[1] and "ephemeral container \"debugger\"" in message
+
+
+RUNTIME_CLASSES = {"kata": {"metadata": {"name": podkit.KATA}, "handler": podkit.KATA},
+                   "runc": {"metadata": {"name": podkit.KATA}, "handler": "runc"},
+                   "other": {"metadata": {"name": "runc"}, "handler": "runc"}}
+
+
+@pytest.mark.parametrize("param", sorted(RUNTIME_CLASSES))
+@pytest.mark.parametrize("case", ["passthrough-kata", "kata-and-sidecar", "no-request", "gpu"])
+def test_the_handler_policy_agrees_with_the_webhook(chart, case, param):
+    policy = render(chart, POLICY).get("ValidatingAdmissionPolicy", "-kata-handler")
+    rc = RUNTIME_CLASSES[param]
+    ok, message = evaluate_policy(policy, podkit.cases()[case], params=rc)
+    handlers = {rc["metadata"]["name"]: rc["handler"]}
+    denial = validate(podkit.cases()[case], Policy(handler_of=handlers.get))
+    assert ok == (denial is None), (case, param, message, denial)
+    assert ok == (param != "runc" or case not in ("passthrough-kata", "kata-and-sidecar"))
+    if not ok:
+        assert message == denial.split(": ", 1)[1]
 
 
 

@@ -1,6 +1,8 @@
-"""The agent's rights (rbac.yaml): least privilege, derived from the API calls the code
-makes (every call needs a granted verb, every granted verb a call), secrets and the
-RuntimeClasses' patch and delete only by name."""
+"""Who may do what (serviceaccount.yaml, rbac.yaml, uninstall-revert.yaml): one
+ServiceAccount per workload, each with exactly the calls its code makes; none may write a
+RuntimeClass (Helm owns them: test_runtimeclasses.py), and the sandbox agent's Node and
+ResourceSlice writes are bound to its own node by a policy (test_node_binding.py; on the
+real API server: tests/controlplane/test_identities.py)."""
 
 from __future__ import annotations
 
@@ -11,16 +13,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from chartvalues import CUSTOM_CLASSES, VALUE_SETS
-from support.chartkit import FULL, NAMESPACE, RELEASE, merged, render
-from support.paths import REPO
+from support.chartkit import FULL, NAMESPACE, RELEASE, SANDBOX, Rendered, merged, render
+from support.paths import EXAMPLES, REPO
 
-# The code that talks to the Kubernetes API with the chart's service account: katamgr's
-# cluster layer and agent (katamgr run, katamgr revert), and the Node reader both programs
-# share (katamgr.node.kube: the device plugin reads and watches its node through it).
-API_CALLERS = [*sorted((REPO / "katamgr" / "cluster").glob("*.py")),
+# The webhook's API reader (katamgr webhook: a pod's RuntimeClass handler) and the rest of
+# its code.
+WEBHOOK_CALLERS = [REPO / "katamgr" / "cluster" / "handlers.py",
+                   *sorted((REPO / "katamgr" / "admission").glob("*.py"))]
+# The code the sandbox agent's pod runs that talks to the Kubernetes API with its token:
+# katamgr's cluster layer (less the webhook's reader) and agent (katamgr run), the Node
+# reader both programs share (katamgr.node.kube), the device plugin's command and the DRA
+# driver's API rooms.
+API_CALLERS = [*sorted(set((REPO / "katamgr" / "cluster").glob("*.py")) - set(WEBHOOK_CALLERS)),
                *sorted((REPO / "katamgr" / "agent").glob("*.py")), REPO / "katamgr" / "node" / "kube.py",
-               REPO / "sandbox_plugin" / "cli.py"]
+               REPO / "sandbox_plugin" / "cli.py",
+               REPO / "sandbox_plugin" / "dra" / "claims.py", REPO / "sandbox_plugin" / "dra" / "slices.py"]
+# katamgr's RuntimeClass calls, made only by katamgr run by hand: the chart's agent runs
+# --no-runtime-classes (Helm owns the classes), so its identity is granted none of them.
+RUNTIME_CLASS_CALLS = REPO / "katamgr" / "cluster" / "runtimeclasses.py"
 
 # The official client's method names: <action>_[namespaced_]<kind in snake case>.
 ACTIONS = {"read": "get", "list": "list", "create": "create", "patch": "patch",
@@ -28,123 +40,230 @@ ACTIONS = {"read": "get", "list": "list", "create": "create", "patch": "patch",
 METHOD = re.compile(r"^(read|list|create|patch|replace|delete)_(namespaced_)?([a-z_]+?)(_for_all_namespaces)?$")
 # snake-case kind -> (API group, resource)
 KINDS = {"node": ("", "nodes"), "event": ("", "events"), "secret": ("", "secrets"),
-         "runtime_class": ("node.k8s.io", "runtimeclasses")}
-CLUSTER_SCOPED = {"nodes", "runtimeclasses"}
+         "runtime_class": ("node.k8s.io", "runtimeclasses"), "pod": ("", "pods"),
+         "resource_slice": ("resource.k8s.io", "resourceslices"),
+         "resource_claim": ("resource.k8s.io", "resourceclaims")}
 APPLY = "application/apply-patch+yaml"
 
+# (apiGroup, resource, verb, resourceNames or None: any, namespace or None: cluster-wide)
+Grant = tuple[str, str, str, tuple[str, ...] | None, str | None]
+
+AGENT, PLUGIN, WEBHOOK, REVERT, WAIT = (f"{RELEASE}-{w}" for w in (
+    "sandbox-agent", "device-plugin", "webhook", "revert", "revert-wait"))
+
+NODE_READ: set[Grant] = {("", "nodes", "get", None, None), ("", "nodes", "watch", None, None)}
+CC_PATCH: set[Grant] = {("", "nodes", "patch", None, None)}
+NODE_EVENTS: set[Grant] = {("", "events", v, None, "default") for v in ("create", "patch")}
+DRA: set[Grant] = ({("resource.k8s.io", "resourceslices", v, None, None)
+                    for v in ("list", "create", "update", "delete")}
+                   | {("resource.k8s.io", "resourceclaims", "get", None, None), ("", "pods", "get", None, None)})
+READ_RUNTIME_CLASSES: set[Grant] = {("node.k8s.io", "runtimeclasses", "get", None, None)}
+READ_REVERT_DS: set[Grant] = {("apps", "daemonsets", "get", (REVERT,), NAMESPACE)}
+
+
+def pull_secrets(*names: str) -> set[Grant]:
+    return {("", "secrets", "get", tuple(sorted(names)), NAMESPACE)}
+
+
+def example(name: str) -> dict[str, Any]:
+    return yaml.safe_load((EXAMPLES / "values" / f"{name}.yaml").read_text())
+
+
+CC = {"ccManager": {"enabled": True}}
+DRA_ON = {"dra": {"enabled": True}}
+# Every value set of the brief, and what each identity may then do, in full. A release
+# with sandbox workloads on and katamgr running also has the uninstall hook's two.
+HOOK = {REVERT: set(), WAIT: READ_REVERT_DS}
+ALWAYS = {PLUGIN: set(), WEBHOOK: READ_RUNTIME_CLASSES}
+EXPECTED: dict[str, tuple[dict[str, Any], dict[str, set[Grant]]]] = {
+    "defaults": ({}, ALWAYS),
+    "webhook-off": ({"isolation": {"webhook": {"enabled": False}}}, {PLUGIN: set()}),
+    "sandbox-kata-cdi": (FULL, {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
+    "ccManager": (merged(FULL, CC), {**ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS}),
+    "dra": (merged(FULL, DRA_ON), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS | DRA}),
+    "ccManager-dra-pull-secrets": (merged(CUSTOM_CLASSES, CC, DRA_ON), {
+        **ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | DRA | pull_secrets("lab", "mirror")}),
+    # Only the passthrough plugin in the pod: it reads and watches its Node, nothing else.
+    "plugin-only": (VALUE_SETS["plugin-only-annotated"], {**ALWAYS, AGENT: NODE_READ}),
+    "example-mixed-cluster": (example("mixed-cluster"), {
+        **ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS | pull_secrets("registry-mirror")}),
+    "example-air-gapped": (example("air-gapped"), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
+    "example-gpu-operator": (example("gpu-operator"), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
+    "example-local-cluster": (example("local-cluster"), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
+    "example-local-node": (example("local-node"), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
+}
+
+
+def test_every_example_values_file_is_covered():
+    assert {f"example-{p.stem}" for p in (EXAMPLES / "values").glob("*.yaml")} <= set(EXPECTED)
+
+
+# --- the rights of each identity, from the rendered objects ------------------------------
+
+def identities(rendered: Rendered) -> dict[str, set[Grant]]:
+    """ServiceAccount name -> every grant its bindings give it. Each binding names a
+    rendered role and a rendered ServiceAccount of the release namespace."""
+    accounts = {o["metadata"]["name"]: set() for o in rendered.objects if o["kind"] == "ServiceAccount"}
+    for account in accounts:
+        assert [o for o in rendered.objects if o["kind"] == "ServiceAccount"
+                and o["metadata"]["name"] == account][0]["metadata"]["namespace"] == NAMESPACE
+    roles = {(o["kind"], o["metadata"]["name"], o["metadata"].get("namespace")): o
+             for o in rendered.objects if o["kind"] in ("Role", "ClusterRole")}
+    for binding in (o for o in rendered.objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        namespace = binding["metadata"].get("namespace")
+        ref = binding["roleRef"]
+        role = roles[(ref["kind"], ref["name"], namespace if ref["kind"] == "Role" else None)]
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount" and subject["namespace"] == NAMESPACE, subject
+            assert subject["name"] in accounts, f"{binding['metadata']['name']} binds a missing account"
+            for rule in role["rules"]:
+                names = tuple(sorted(rule["resourceNames"])) if rule.get("resourceNames") else None
+                for group in rule["apiGroups"]:
+                    for resource in rule["resources"]:
+                        for verb in rule["verbs"]:
+                            grant = (group, resource, verb, names, namespace)
+                            assert grant not in accounts[subject["name"]], f"{grant} granted twice"
+                            accounts[subject["name"]].add(grant)
+    return accounts
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_each_identity_may_do_exactly_what_it_uses(chart, name):
+    values, expected = EXPECTED[name]
+    assert identities(render(chart, values)) == expected
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("values", [*VALUE_SETS.values(), *(v for v, _ in EXPECTED.values())],
+                         ids=[*VALUE_SETS, *EXPECTED])
+def test_no_identity_may_change_the_clusters_isolation(chart, values):
+    """No identity writes a RuntimeClass (a class recreated with handler runc, or pointed at
+    one node, would move every Kata GPU pod), or anything of a Node but the sandbox agent's
+    label patch (bound to its own node and two labels by node-binding-policy.yaml)."""
+    rendered = render(chart, values)
+    for account, grants in identities(rendered).items():
+        for group, resource, verb, _, _ in grants:
+            assert not (resource == "runtimeclasses" and verb != "get"), (account, resource, verb)
+            assert resource != "*" and verb != "*" and group != "*", (account, group, resource, verb)
+            if resource == "nodes" and verb not in ("get", "watch"):
+                assert (account, verb) == (AGENT, "patch"), (account, verb)
+    assert not [o for o in rendered.objects if o["kind"] == "ServiceAccount"
+                and o["metadata"]["name"] == RELEASE], "the old shared ServiceAccount is back"
+
+
+# --- each workload runs as its own identity -------------------------------------------------
+
+def pods(rendered: Rendered) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in rendered.objects
+            if (o.get("spec") or {}).get("template", {}).get("spec", {}).get("containers")}
+
+
+@pytest.mark.integration
+def test_every_workload_runs_as_its_own_account_with_a_token_only_where_it_calls_the_api(chart):
+    rendered = render(chart, merged(FULL, CC, {"devicePlugin": {"enabled": True}}))
+    accounts = {o["metadata"]["name"]: o for o in rendered.objects if o["kind"] == "ServiceAccount"}
+    # workload -> (its ServiceAccount, whether its pods get a token)
+    expected = {
+        f"{RELEASE}-sandbox-agent": (AGENT, True),
+        f"{RELEASE}-device-plugin": (PLUGIN, False),  # --mode container: no API call
+        f"{RELEASE}-webhook": (WEBHOOK, True),  # reads a pod's RuntimeClass
+        f"{RELEASE}-revert": (REVERT, False),  # katamgr revert --no-runtime-classes: none
+        f"{RELEASE}-revert-wait": (WAIT, True),  # reads the revert DaemonSet
+    }
+    got = {}
+    for workload, pod in pods(rendered).items():
+        account = pod.get("serviceAccountName", "default")  # unset: the namespace's default
+        token = pod.get("automountServiceAccountToken",
+                        accounts.get(account, {}).get("automountServiceAccountToken", True))
+        got[workload] = (account, token)
+    assert got == expected
+    assert set(accounts) == {account for account, _ in expected.values()}
+    for account, token in expected.values():
+        if not token:  # no token on the account either, so no other pod of it gets one
+            assert accounts[account]["automountServiceAccountToken"] is False
+
+
+# --- the sandbox agent's rights, from the code its pod runs --------------------------------
 
 def api_calls(paths: Iterable[Path]) -> dict[tuple[str, str], list[str]]:
-    """(resource, verb) -> where: every official-client call in ``paths``. A server-side
-    apply (a patch with the apply content type) may create the object, which the API
-    server authorizes as create as well."""
+    """(resource, verb) -> where: every official-client method in ``paths``, called or
+    handed to a helper that calls it. A server-side apply (a patch with the apply content
+    type) may create the object, which the API server authorizes as create as well."""
     needed: dict[tuple[str, str], list[str]] = {}
     for path in paths:
         tree = ast.parse(path.read_text(), filename=str(path))
+        calls = {id(n.func): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            if not isinstance(node, ast.Attribute):
                 continue
-            match = METHOD.match(node.func.attr)
+            match = METHOD.match(node.attr)
             if not match or match.group(3) not in KINDS:
                 continue
             resource = KINDS[match.group(3)][1]
-            where = f"{path.relative_to(REPO)}:{node.lineno} {node.func.attr}"
+            where = f"{path.relative_to(REPO)}:{node.lineno} {node.attr}"
             verbs = [ACTIONS[match.group(1)]]
+            call = calls.get(id(node))
+            keywords = call.keywords if call is not None else []
             # list_x(watch=True) is a watch, which RBAC authorizes as the verb watch alone.
-            if any(k.arg == "watch" for k in node.keywords):
+            if any(k.arg == "watch" for k in keywords):
                 verbs = ["watch"]
             if any(isinstance(k.value, ast.Name) and k.value.id == "APPLY_CONTENT_TYPE"
                    or isinstance(k.value, ast.Constant) and k.value.value == APPLY
-                   for k in node.keywords if k.arg == "_content_type"):
+                   for k in keywords if k.arg == "_content_type"):
                 verbs.append("create")
             for verb in verbs:
                 needed.setdefault((resource, verb), []).append(where)
     return needed
 
 
-def granted(*roles: dict[str, Any]) -> dict[tuple[str, str], list[str] | None]:
-    """(resource, verb) -> resourceNames (None: any name), over all rules of ``roles``."""
-    out: dict[tuple[str, str], list[str] | None] = {}
-    for role in roles:
-        for rule in role["rules"]:
-            for resource in rule["resources"]:
-                for verb in rule["verbs"]:
-                    assert (resource, verb) not in out, f"{resource} {verb} granted twice"
-                    out[(resource, verb)] = rule.get("resourceNames")
-    return out
-
-
 def test_the_call_scan_finds_the_calls_we_know_of():
     needed = api_calls(API_CALLERS)
     assert set(needed) == {("nodes", "get"), ("nodes", "watch"), ("nodes", "patch"), ("events", "create"),
-                           ("events", "patch"),
-                           ("secrets", "get"),
+                           ("events", "patch"), ("secrets", "get"),
                            ("runtimeclasses", "list"), ("runtimeclasses", "patch"),
-                           ("runtimeclasses", "create"), ("runtimeclasses", "delete")}
+                           ("runtimeclasses", "create"), ("runtimeclasses", "delete"),
+                           ("resourceslices", "list"), ("resourceslices", "create"),
+                           ("resourceslices", "update"), ("resourceslices", "delete"),
+                           ("resourceclaims", "get"), ("pods", "get")}
     assert any("katamgr/node/kube.py" in w for w in needed[("nodes", "get")])
     assert any("katamgr/node/kube.py" in w for w in needed[("nodes", "watch")])
+    # Every RuntimeClass call is in the one module the chart's agent skips.
+    for (resource, _), where in needed.items():
+        if resource == "runtimeclasses":
+            assert all(w.startswith(str(RUNTIME_CLASS_CALLS.relative_to(REPO))) for w in where), where
 
 
 @pytest.mark.integration
-def test_rbac_grants_exactly_what_the_code_calls(chart):
-    # With ccManager on, the agent labels its Node (cc.mode.state, cc.ready.state): every call.
-    rendered = render(chart, merged(CUSTOM_CLASSES, {"ccManager": {"enabled": True}}))
-    cluster = granted(rendered.get("ClusterRole"))
-    namespaced = granted(rendered.get("Role"), rendered.get("Role", "-node-events"))
-    have = set(cluster) | set(namespaced)
-    needed = api_calls(API_CALLERS)
+def test_the_sandbox_agents_grants_are_exactly_what_its_code_calls(chart):
+    # Everything on: ccManager (the agent labels its Node), the DRA driver, pull secrets.
+    values, _ = EXPECTED["ccManager-dra-pull-secrets"]
+    rendered = render(chart, values)
+    assert "--no-runtime-classes" in next(
+        c for c in pods(rendered)[AGENT]["containers"] if c["name"] == "kata-manager")["args"]
+    have = {(resource, verb) for _, resource, verb, _, _ in identities(rendered)[AGENT]}
+    needed = {k: v for k, v in api_calls(API_CALLERS).items() if k[0] != "runtimeclasses"}
     missing = {k: v for k, v in needed.items() if k not in have}
-    assert not missing, f"calls the chart's roles do not allow: {missing}"
+    assert not missing, f"calls the sandbox agent's roles do not allow: {missing}"
     unused = have - set(needed)
     assert not unused, f"the chart grants verbs no call uses: {sorted(unused)}"
-    for resource, _ in cluster:
-        assert resource in CLUSTER_SCOPED
-    for resource, _ in namespaced:
-        assert resource not in CLUSTER_SCOPED
 
 
 @pytest.mark.integration
-def test_rbac_is_least_privilege_for_the_full_agent(chart):
-    rendered = render(chart, CUSTOM_CLASSES)
-    cluster = granted(rendered.get("ClusterRole"))
-    classes = ["kata-gpu", "kata-gpu-cc", "kata-gpu-test"]
-    assert cluster == {
-        ("nodes", "get"): None,  # nothing writes the Node
-        ("nodes", "watch"): None,  # its own, by field selector: RBAC cannot name a DaemonSet's node
-        ("runtimeclasses", "list"): None,
-        ("runtimeclasses", "create"): None,  # RBAC cannot limit create by name
-        ("runtimeclasses", "patch"): classes,
-        ("runtimeclasses", "delete"): classes,
-    }
-    for rule in rendered.get("ClusterRole")["rules"]:
-        if "runtimeclasses" in rule["resources"]:
-            assert rule["apiGroups"] == ["node.k8s.io"]
-
-    role = rendered.get("Role")
-    assert role["metadata"]["namespace"] == NAMESPACE
-    # Only the pull secrets the runtime classes name.
-    namespaced = granted(role)
-    assert set(namespaced) == {("secrets", "get")}
-    assert sorted(namespaced[("secrets", "get")]) == ["lab", "mirror"]
-    # Node Events: only in "default", the namespace the API server takes them in.
-    events = rendered.get("Role", "-node-events")
-    assert events["metadata"]["namespace"] == "default"
-    assert granted(events) == {("events", "create"): None, ("events", "patch"): None}
-
-    for binding_kind, role_kind, suffix in (("ClusterRoleBinding", "ClusterRole", ""),
-                                            ("RoleBinding", "Role", ""),
-                                            ("RoleBinding", "Role", "-node-events")):
-        binding = rendered.get(binding_kind, suffix)
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
-                                      "kind": role_kind, "name": RELEASE + suffix}
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE,
-                                        "namespace": NAMESPACE}]
+def test_the_webhooks_grant_is_exactly_what_its_code_calls(chart):
+    needed = api_calls(WEBHOOK_CALLERS)
+    assert set(needed) == {("runtimeclasses", "get")}, needed
+    assert identities(render(chart, {}))[WEBHOOK] == READ_RUNTIME_CLASSES
 
 
 @pytest.mark.integration
 def test_no_pull_secret_no_secret_access(chart):
     rendered = render(chart, FULL)  # default runtime classes have pullSecret ""
-    assert rendered.find("Role") is None and rendered.find("RoleBinding") is None
-    assert set(granted(rendered.get("Role", "-node-events"))) == {("events", "create"), ("events", "patch")}
+    assert rendered.find("Role", "-sandbox-agent") is None
+    assert not any(g[1] == "secrets" for grants in identities(rendered).values() for g in grants)
+    # Without katamgr in the pod (the plugin alone) no Events either.
+    assert identities(render(chart, merged(SANDBOX, {"vfioManager": {"enabled": False},
+                                                     "cdi": {"enabled": False}})))[AGENT] == NODE_READ
 
 
 @pytest.mark.integration

@@ -33,7 +33,9 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     assert agent["args"] == ["run", "--config", "/etc/kata-sandbox-manager/config.yaml",
                              "--host-root", "/host", "--log-format", "text",
                              "--metrics-address", "0.0.0.0:9410", "--default-workload", "container",
-                             "--resource-naming", "nvidia", "--nvswitches", "auto"]
+                             "--resource-naming", "nvidia", "--nvswitches", "auto",
+                             # Helm owns the RuntimeClasses (test_runtimeclasses.py).
+                             "--no-runtime-classes"]
     assert set(env_names(agent)) >= {"NODE_NAME", "POD_NAMESPACE"}
     assert agent["securityContext"]["privileged"] is True
     assert host_mounts(rendered, "-sandbox-agent", "kata-manager") == {
@@ -76,7 +78,9 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     # (SO_PEERCRED), so the pod keeps its own network namespace.
     assert pod["hostPID"] is True
     assert "hostNetwork" not in pod and "dnsPolicy" not in pod
-    assert pod["serviceAccountName"] == RELEASE
+    # The pod's own identity (test_rbac.py), with the token its containers call the API with.
+    assert pod["serviceAccountName"] == RELEASE + "-sandbox-agent"
+    assert "automountServiceAccountToken" not in pod
 
 
 @pytest.mark.integration
@@ -100,9 +104,9 @@ def test_kata_manager_off_drops_runtime_class_rights_and_containerd_mounts(chart
     mounts = host_mounts(rendered, "-sandbox-agent", "kata-manager")
     assert not {"/host/etc/containerd", "/host/run/containerd"} & set(mounts)
     assert not any("artifacts" in path for path in mounts)
-    assert set(rules(rendered.get("ClusterRole"))) == {"nodes"}
-    assert set(rules(rendered.get("Role", "-node-events"))) == {"events"}
-    assert rendered.find("Role") is None  # no pull secrets to read
+    assert set(rules(rendered.get("ClusterRole", "-sandbox-agent"))) == {"nodes"}
+    assert set(rules(rendered.get("Role", "-sandbox-agent-node-events"))) == {"events"}
+    assert rendered.find("Role", "-sandbox-agent") is None  # no pull secrets to read
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
     assert not pod.get("hostPID") and not pod.get("hostNetwork")
     # Binding still checks for processes holding the GPUs.

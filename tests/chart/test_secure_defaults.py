@@ -39,7 +39,7 @@ def test_the_defaults_turn_isolation_on_keep_off_the_host_network_and_request_ev
     # Isolation: the admission policy and the webhook (test_isolation.py has the rest).
     assert rendered.find("ValidatingAdmissionPolicy", "-passthrough-needs-kata") is not None
     assert rendered.find("ValidatingAdmissionPolicyBinding", "-passthrough-needs-kata") is not None
-    assert rendered.get("Deployment", "-webhook")["spec"]["replicas"] == 2
+    assert rendered.get("Deployment", "-webhook")["spec"]["replicas"] == 3
     assert rendered.find("ValidatingWebhookConfiguration", "-webhook") is not None
     assert rendered.find("MutatingWebhookConfiguration", "-webhook") is not None
     running = workloads(rendered)

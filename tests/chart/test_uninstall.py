@@ -1,6 +1,7 @@
 """uninstall.revertNodes (uninstall-revert.yaml): the post-delete hook that runs katamgr
-revert on every GPU node, with its own ServiceAccount, RBAC and config, and a Job Helm
-waits for."""
+revert on every GPU node, with its own ServiceAccounts, RBAC and config, and a Job Helm
+waits for. The RuntimeClasses are not the hook's: Helm deletes them with the release
+(test_runtimeclasses.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from chartvalues import CUSTOM_CLASSES, VALUE_SETS
 from support.chartkit import FULL, NAMESPACE, RELEASE, host_mounts, merged, render
 
 REVERT = RELEASE + "-revert"
+WAIT = REVERT + "-wait"
 POLICY = "before-hook-creation,hook-succeeded"
 
 
@@ -22,10 +24,10 @@ def revert_container(rendered):
 def test_defaults_render_the_hook_objects_as_post_delete_hooks(chart):
     rendered = render(chart, CUSTOM_CLASSES)
     hooks = {(o["kind"], o["metadata"]["name"]) for o in rendered.hooks()}
-    assert hooks == {("ServiceAccount", REVERT), ("ConfigMap", REVERT + "-config"),
-                     ("ClusterRole", REVERT), ("ClusterRoleBinding", REVERT),
-                     ("Role", REVERT), ("RoleBinding", REVERT),
-                     ("DaemonSet", REVERT), ("Job", REVERT + "-wait")}
+    assert hooks == {("ServiceAccount", REVERT), ("ServiceAccount", WAIT),
+                     ("ConfigMap", REVERT + "-config"),
+                     ("Role", WAIT), ("RoleBinding", WAIT),
+                     ("DaemonSet", REVERT), ("Job", WAIT)}
     for obj in rendered.hooks():
         annotations = obj["metadata"]["annotations"]
         assert annotations["helm.sh/hook"] == "post-delete"
@@ -38,7 +40,7 @@ def test_defaults_render_the_hook_objects_as_post_delete_hooks(chart):
     job = rendered.get("Job", "-revert-wait")
     assert job["spec"]["backoffLimit"] == 0
     assert job["spec"]["activeDeadlineSeconds"] == 600
-    assert job["spec"]["template"]["spec"]["serviceAccountName"] == REVERT
+    assert job["spec"]["template"]["spec"]["serviceAccountName"] == WAIT
 
 
 @pytest.mark.integration
@@ -51,30 +53,35 @@ def test_no_hook_without_agent_or_with_revert_off(chart, values):
 
 @pytest.mark.integration
 def test_hook_rbac_is_what_revert_and_the_wait_need(chart):
-    """katamgr revert lists the RuntimeClasses by their managed-by label and deletes them;
-    delete is granted only on this release's class names (resourceNames)."""
+    """katamgr revert there calls no API (its workload is given, --no-runtime-classes): its
+    pods get no token and its ServiceAccount no role. The waiting Job reads the DaemonSet,
+    by name, with an identity of its own."""
     rendered = render(chart, CUSTOM_CLASSES)
-    cluster = rendered.get("ClusterRole", "-revert")["rules"]
-    assert cluster == [
-        {"apiGroups": ["node.k8s.io"], "resources": ["runtimeclasses"], "verbs": ["list"]},
-        {"apiGroups": ["node.k8s.io"], "resources": ["runtimeclasses"],
-         "resourceNames": ["kata-gpu", "kata-gpu-cc", "kata-gpu-test"], "verbs": ["delete"]},
-    ]
-    assert rendered.get("Role", "-revert")["rules"] == [
+    ds, init = revert_container(rendered)
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == REVERT
+    assert pod["automountServiceAccountToken"] is False
+    assert rendered.get("ServiceAccount", "-revert")["automountServiceAccountToken"] is False
+    assert not [o for o in rendered.objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                and any(s["name"] == REVERT for s in o["subjects"])]
+    assert "--no-runtime-classes" in init["args"] and "--delete-runtimeclasses" not in init["args"]
+    assert rendered.find("ClusterRole", "-revert") is None
+    assert rendered.get("Role", "-revert-wait")["rules"] == [
         {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": [REVERT], "verbs": ["get"]}]
-    for kind in ("ClusterRoleBinding", "RoleBinding"):
-        assert rendered.get(kind, "-revert")["subjects"] == [
-            {"kind": "ServiceAccount", "name": REVERT, "namespace": NAMESPACE}]
-    ds, _ = revert_container(rendered)
-    assert ds["spec"]["template"]["spec"]["serviceAccountName"] == REVERT
+    assert rendered.get("RoleBinding", "-revert-wait")["subjects"] == [
+        {"kind": "ServiceAccount", "name": WAIT, "namespace": NAMESPACE}]
 
 
 @pytest.mark.integration
 def test_runtime_classes_kept_when_asked(chart):
-    rendered = render(chart, merged(FULL, {"uninstall": {"deleteRuntimeClasses": False}}))
-    assert rendered.find("ClusterRole", "-revert") is None
-    assert rendered.find("ClusterRoleBinding", "-revert") is None
-    assert "--delete-runtimeclasses" not in revert_container(rendered)[1]["args"]
+    """uninstall.deleteRuntimeClasses=false: Helm keeps the classes (resource-policy keep);
+    the hook is the same either way."""
+    kept = render(chart, merged(FULL, {"uninstall": {"deleteRuntimeClasses": False}}))
+    deleted = render(chart, FULL)
+    for rendered, policy in ((kept, {"helm.sh/resource-policy": "keep"}), (deleted, None)):
+        classes = [o for o in rendered.objects if o["kind"] == "RuntimeClass"]
+        assert [o["metadata"].get("annotations") for o in classes] == [policy, policy]
+    assert revert_container(kept)[1]["args"] == revert_container(deleted)[1]["args"]
 
 
 @pytest.mark.integration
@@ -107,6 +114,7 @@ def test_revert_mounts_what_the_agent_mounts_and_katamgr_parses_its_args(chart, 
     assert parsed.no_kata == (not kata)
     assert parsed.no_vfio == (not merged_values["vfioManager"]["enabled"])
     assert parsed.no_cdi == (not merged_values["cdi"]["enabled"])
-    assert parsed.delete_runtimeclasses == bool(kata and merged_values["kataManager"]["config"]["runtimeClasses"])
+    # Helm deletes (or keeps) the RuntimeClasses: the revert never touches them.
+    assert parsed.no_runtime_classes and not parsed.delete_runtimeclasses
     agent_args = cli.build_parser().parse_args(agent["args"])
     assert parsed.resource_naming == agent_args.resource_naming

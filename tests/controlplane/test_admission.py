@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -74,7 +75,7 @@ def envs(stored_pod: dict[str, Any]) -> dict[str, dict[str, str]]:
 class Webhook:
     """``katamgr webhook`` on a loopback port with a CA of the test's own."""
 
-    def __init__(self, tmp: Path, inject: bool = False) -> None:
+    def __init__(self, tmp: Path, inject: bool = False, kubeconfig: Path | None = None) -> None:
         self.ca = make_ca()
         cert, key = tmp / "tls.crt", tmp / "tls.key"
         write_server_pair(self.ca, cert, key)
@@ -84,9 +85,14 @@ class Webhook:
                 "--tls-cert-file", str(cert), "--tls-private-key-file", str(key)]
         if inject:
             argv.append("--inject-runtime-class")
+        env = dict(os.environ)
+        if kubeconfig is not None:
+            # As the chart runs it: the handler rule reads RuntimeClasses from the API server.
+            argv.append("--check-handlers")
+            env["KUBECONFIG"] = str(kubeconfig)
         self.log = tmp / "webhook.log"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
         wait_for(self._answers, "katamgr webhook serving")
 
     def _answers(self) -> bool:
@@ -152,9 +158,9 @@ def layer(kube, objects, tmp_path):
     started: list[Webhook] = []
     applied: list[dict[str, Any]] = []
 
-    def use(which: str, inject: bool = False):
+    def use(which: str, inject: bool = False, check_handlers: bool = False):
         if which == "webhook":
-            hook = Webhook(tmp_path, inject=inject)
+            hook = Webhook(tmp_path, inject=inject, kubeconfig=kube.kubeconfig if check_handlers else None)
             started.append(hook)
             configs = hook.point(of_kind(objects, "MutatingWebhookConfiguration",
                                          "ValidatingWebhookConfiguration"))
@@ -265,3 +271,146 @@ def test_a_confidential_class_is_refused_a_gpu_model_without_cc_naming_it(kube, 
     assert admitted.returncode == 0, admitted.stderr
     stored = json.loads(admitted.stdout)
     assert stored["spec"]["nodeSelector"]["nvidia.com/cc.ready.state"] == "true"  # the RuntimeClass's
+
+
+# --- issue 33: every container on its own, every way to a GPU, both layers alike ---------
+
+def tenant(obj: dict[str, Any], name: str) -> dict[str, Any]:
+    """A podkit pod as a tenant creates it in the tenant namespace."""
+    obj = copy.deepcopy(obj)
+    obj["metadata"] = {"name": name, **({"annotations": obj["metadata"]["annotations"]}
+                                        if obj["metadata"].get("annotations") else {})}
+    return obj
+
+
+@pytest.mark.parametrize("which", ["webhook", "policy"])
+def test_the_other_ways_to_a_gpu_are_refused_by_each_layer_with_one_message(kube, layer, which):
+    """A CDI annotation, a hostPath of /dev/vfio, the toolkit's device-list mount: refused by
+    either layer alone, in the same words (tests/chart/test_isolation.py checks the same
+    sentences with cel-python; here the API server's cel-go evaluates them)."""
+    from support import podkit
+
+    from katamgr.admission.rules import Policy, validate
+
+    layer(which)
+    for case in ("cdi-gpu-all", "cdi-pgpu-kata", "hostpath-vfio", "devlist-emptydir"):
+        body = tenant(podkit.cases()[case], case)
+        refusal = refused_until_in_force(kube, case, body)
+        expected = validate(body, Policy()).split(": ", 1)[1]
+        assert expected in refusal, (case, refusal)
+
+
+def test_the_webhook_voids_each_container_that_asked_for_none_where_the_api_server_stores_it(kube, layer):
+    from support import podkit
+
+    layer("webhook")
+    refused_until_in_force(kube, "bad", pod("bad", resources={A10: 1}))
+    expected = {
+        "gpu-and-sidecar": {"app": None, "sidecar": "void"},
+        "gpu-init-only": {"warmup": None, "app": "void"},
+        "gpu-user-all": {"app": None},  # its own "all" is gone: the device plugin's value stands
+        "kata-and-sidecar": {"app": None, "sidecar": "void"},
+    }
+    for case, want in expected.items():
+        result = create(kube, tenant(podkit.cases()[case], case), TENANT)
+        assert result.returncode == 0, (case, result.stderr)
+        stored = envs(json.loads(result.stdout))
+        assert {name: env.get("NVIDIA_VISIBLE_DEVICES") for name, env in stored.items()} == want, case
+
+
+def _debug(kube, pod_name: str, *extra: str) -> subprocess.CompletedProcess:
+    # kubectl debug adds an ephemeral container with a PATCH of pods/ephemeralcontainers;
+    # without -i it returns once the API server stored it (no kubelet runs it here).
+    return kube.kubectl("debug", "-n", TENANT, pod_name, "--image=nvcr.io/nvidia/cuda:12.5.0-base-ubuntu22.04",
+                        "--container=debugger", *extra, "--", "nvidia-smi", check=False)
+
+
+def test_kubectl_debug_gets_void_from_the_webhook_and_is_refused_all_by_the_policy(kube, layer):
+    hook = layer("webhook")
+    refused_until_in_force(kube, "bad", pod("bad", resources={A10: 1}))
+    assert create(kube, pod("target", resources={"nvidia.com/gpu": 1}), TENANT).returncode == 0
+    debugged = _debug(kube, "target", "--env=NVIDIA_VISIBLE_DEVICES=all")
+    assert debugged.returncode == 0, debugged.stderr
+    stored = kube.get("pod", "target", "-n", TENANT)
+    (debugger,) = stored["spec"]["ephemeralContainers"]
+    assert [e for e in debugger["env"] if e["name"] == "NVIDIA_VISIBLE_DEVICES"] == [
+        {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    assert "NVIDIA_VISIBLE_DEVICES" not in envs(stored)["main"]  # the GPU container untouched
+    hook.stop()
+
+
+def test_the_policy_alone_refuses_kubectl_debug_that_asks_for_every_gpu(kube, layer):
+    layer("policy")
+    refused_until_in_force(kube, "bad", pod("bad", resources={A10: 1}))
+    assert create(kube, pod("target"), TENANT).returncode == 0
+
+    def refused():
+        result = _debug(kube, "target", "--env=NVIDIA_VISIBLE_DEVICES=all")
+        return result.stderr if result.returncode else None
+
+    refusal = wait_for(refused, "kubectl debug refused", timeout=30, every=0.5)
+    assert 'ephemeral container "debugger" requests no GPU but sets NVIDIA_VISIBLE_DEVICES' in refusal, refusal
+    assert _debug(kube, "target", "--env=NVIDIA_VISIBLE_DEVICES=void").returncode == 0
+
+
+@pytest.fixture
+def runc_handled_kata(kube):
+    """kata-qemu-nvidia-gpu deleted and made again with handler runc (the attack of issue
+    33: every "Kata" GPU pod would run under runc with raw /dev/vfio); put back after."""
+    original = kube.get("runtimeclass", KATA)
+    kube.kubectl("delete", "runtimeclass", KATA)
+    forged = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": KATA},
+              "handler": "runc"}
+    kube.apply([forged], manager="attacker")
+    yield
+    kube.kubectl("delete", "runtimeclass", KATA)
+    for key in ("resourceVersion", "uid", "creationTimestamp", "managedFields"):
+        original["metadata"].pop(key, None)
+    kube.apply([original], manager="test")
+
+
+@pytest.mark.parametrize("which", ["webhook", "policy"])
+def test_a_kata_class_with_a_runc_handler_gets_no_passthrough_gpu(kube, layer, runc_handled_kata, which):
+    layer(which, check_handlers=True)
+    refusal = refused_until_in_force(kube, "forged", pod("forged", resources={A10: 1}, runtime_class=KATA))
+    assert f'runtimeClassName "{KATA}" has handler "runc", which is not a Kata runtime' in refusal, refusal
+    # A pod asking for no passthrough GPU is not this rule's business.
+    assert create(kube, pod("plain-kata", runtime_class=KATA), TENANT).returncode == 0
+
+
+def test_with_every_webhook_replica_gone_only_the_excluded_namespaces_create_pods(kube, objects):
+    """failurePolicy Fail with nothing answering (every replica killed): the API server
+    refuses pod creation wherever the webhook matches, and creates pods in kube-system, the
+    GPU Operator's namespace, the release namespace and an exempt-labelled namespace
+    (docs/isolation.md, "When every webhook replica is gone")."""
+    dead = free_port()  # nothing listens there
+    configs = copy.deepcopy(of_kind(objects, "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"))
+    ca = make_ca()
+    for config in configs:
+        for hook in config["webhooks"]:
+            hook["clientConfig"] = {"url": f"https://127.0.0.1:{dead}/mutate",
+                                    "caBundle": base64.b64encode(ca.pem).decode()}
+    for name in (TENANT, "gpu-operator", "ksm-infra", "kata-sandbox-manager"):
+        kube.namespace(name)
+    kube.kubectl("label", "namespace", "ksm-infra", "isolation.kata-sandbox-manager.io/exempt=true",
+                 "--overwrite")
+    kube.apply(configs)
+    try:
+        def tenant_refused():
+            result = create(kube, pod("t"), TENANT)
+            if result.returncode == 0:
+                kube.kubectl("delete", "pod", "t", "-n", TENANT, "--wait=false", check=False)
+                return None
+            return result.stderr
+
+        refusal = wait_for(tenant_refused, "a tenant pod refused with the webhook down", timeout=30, every=0.5)
+        assert "failed calling webhook" in refusal, refusal
+        # The release namespace of this test's render (RELEASE's namespace) is excluded too.
+        release_ns = configs[0]["webhooks"][0]["namespaceSelector"]["matchExpressions"][0]["values"][0]
+        kube.namespace(release_ns)
+        for namespace in ("kube-system", "gpu-operator", "ksm-infra", release_ns):
+            result = create(kube, pod("infra"), namespace)
+            assert result.returncode == 0, (namespace, result.stderr)
+            kube.kubectl("delete", "pod", "infra", "-n", namespace, "--wait=false", check=False)
+    finally:
+        kube.delete(configs)

@@ -1,9 +1,10 @@
 """The sandbox agent (``katamgr run``) on a simulated DGX H100 node, talking to the real
 API server with the token the API server issues to the chart's ServiceAccount: the
-RuntimeClasses applied server-side, nothing written on a second run, the Node's workload
-label followed through an API server restart and an expired (410) watch, Events
-readable with the API, and the chart's uninstall hook (``katamgr revert`` with the hook's
-own ServiceAccount and arguments) putting the node and the cluster back.
+RuntimeClasses left to Helm (the chart's --no-runtime-classes; katamgr run by hand still
+applies them server-side, nothing written on a second run), the Node's workload label
+followed through an API server restart and an expired (410) watch, Events readable with the
+API, and the chart's uninstall hook (``katamgr revert`` with the hook's own arguments and no
+token) putting the node back.
 """
 
 from __future__ import annotations
@@ -95,14 +96,22 @@ def agent_env(kube, tmp_path, account: str) -> dict[str, str]:
 def agent_account(release) -> str:
     """The sandbox agent DaemonSet's ServiceAccount (its pods' identity)."""
     agent = next(o for o in release if o["kind"] == "DaemonSet" and not is_hook(o)
-                 and "sandbox" in o["metadata"]["name"])
+                 and o["metadata"]["name"].endswith("-sandbox-agent"))
     return agent["spec"]["template"]["spec"]["serviceAccountName"]
 
 
-def run_once(kube, node, env) -> subprocess.CompletedProcess:
+def chart_flags(release) -> list[str]:
+    """The agent's arguments the chart passes that decide what it writes to the cluster."""
+    agent = next(o for o in release if o["kind"] == "DaemonSet" and not is_hook(o)
+                 and o["metadata"]["name"].endswith("-sandbox-agent"))
+    args = next(c for c in agent["spec"]["template"]["spec"]["containers"] if c["name"] == "kata-manager")["args"]
+    return [a for a in args if a == "--no-runtime-classes"]
+
+
+def run_once(kube, node, env, flags: list[str] = ()) -> subprocess.CompletedProcess:
     root, config = node
     return subprocess.run([KATAMGR, "run", "--once", "--host-root", str(root), "--config",
-                           str(config), "--node-name", NODE], env=env, capture_output=True,
+                           str(config), "--node-name", NODE, *flags], env=env, capture_output=True,
                           text=True, timeout=120)
 
 
@@ -110,33 +119,51 @@ def runtime_class_versions(kube) -> dict[str, str]:
     return {name: kube.get("runtimeclass", name)["metadata"]["resourceVersion"] for name in (GPU, SNP)}
 
 
-def test_the_agent_applies_runtime_classes_once_with_its_own_token(kube, release, node, tmp_path):
+def test_the_agent_leaves_runtime_classes_to_helm_and_records_events_with_its_own_token(
+        kube, release, node, tmp_path):
     env = agent_env(kube, tmp_path, agent_account(release))
-    first = run_once(kube, node, env)
+    flags = chart_flags(release)
+    assert flags == ["--no-runtime-classes"]
+    first = run_once(kube, node, env, flags)
     assert first.returncode == 0, first.stderr
-    gpu = kube.get("runtimeclass", GPU)
-    assert gpu["handler"] == GPU
-    assert gpu["scheduling"]["nodeSelector"] == {WORKLOAD: "vm-passthrough"}
-    assert gpu["overhead"]["podFixed"] == {"cpu": "250m", "memory": "160Mi"}
-    assert gpu["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kata-sandbox-manager"
-    snp = kube.get("runtimeclass", SNP)
-    assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true", "nvidia.com/cc.ready.state": "true"}
-    # Server-side apply under our field manager: the API server records it as such.
-    entries = [(e["manager"], e["operation"]) for e in gpu["metadata"]["managedFields"]]
-    assert entries == [("kata-sandbox-manager", "Apply")]
     assert set(gpu_drivers(node[0]).values()) == {"vfio-pci"}
-
-    before = runtime_class_versions(kube)
-    second = run_once(kube, node, env)
-    assert second.returncode == 0, second.stderr
-    assert runtime_class_versions(kube) == before, "a second run wrote the RuntimeClasses again"
+    names = {rc["metadata"]["name"] for rc in kube.get("runtimeclasses")["items"]}
+    assert GPU not in names and SNP not in names, "the chart's agent wrote a RuntimeClass"
+    assert "RuntimeClass" not in first.stderr, first.stderr  # not tried, so nothing refused
 
     # The Events the agent recorded about its Node, as `kubectl describe node` finds them.
     events = [e for e in kube.get("events", "--all-namespaces")["items"]
               if e["involvedObject"]["name"] == NODE]
     assert events, "the agent recorded no Event on its Node:\n" + first.stderr[-3000:]
     assert all(e["involvedObject"]["kind"] == "Node" for e in events)
-    assert "could not record event" not in first.stderr + second.stderr
+    assert "could not record event" not in first.stderr
+
+
+def test_katamgr_by_hand_applies_runtime_classes_once(kube, release, node, tmp_path):
+    """Outside the chart (no --no-runtime-classes, the operator's credentials) katamgr
+    still applies the classes server-side, and a second run writes nothing."""
+    env = {**os.environ, "KUBECONFIG": str(kube.kubeconfig), "POD_NAMESPACE": RELEASE, "NODE_NAME": NODE}
+    try:
+        first = run_once(kube, node, env)
+        assert first.returncode == 0, first.stderr
+        gpu = kube.get("runtimeclass", GPU)
+        assert gpu["handler"] == GPU
+        assert gpu["scheduling"]["nodeSelector"] == {WORKLOAD: "vm-passthrough"}
+        assert gpu["overhead"]["podFixed"] == {"cpu": "250m", "memory": "160Mi"}
+        assert gpu["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kata-sandbox-manager"
+        snp = kube.get("runtimeclass", SNP)
+        assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true",
+                                                     "nvidia.com/cc.ready.state": "true"}
+        # Server-side apply under our field manager: the API server records it as such.
+        entries = [(e["manager"], e["operation"]) for e in gpu["metadata"]["managedFields"]]
+        assert entries == [("kata-sandbox-manager", "Apply")]
+
+        before = runtime_class_versions(kube)
+        second = run_once(kube, node, env)
+        assert second.returncode == 0, second.stderr
+        assert runtime_class_versions(kube) == before, "a second run wrote the RuntimeClasses again"
+    finally:
+        kube.kubectl("delete", "runtimeclass", GPU, SNP, "--ignore-not-found", check=False)
 
 
 def test_the_agent_token_is_refused_what_the_agent_never_does(kube, release, tmp_path):
@@ -151,14 +178,15 @@ def test_the_agent_token_is_refused_what_the_agent_never_does(kube, release, tmp
         ("get", "secrets", "other", "anything"),
         ("create", "pods", RELEASE, None),
         ("create", "events", "other", None),
-        ("delete", "runtimeclasses", None, "someone-elses-class"),
-        ("patch", "runtimeclasses", None, "someone-elses-class"),
+        # Helm owns the RuntimeClasses: no node's token may make, change or delete one.
+        ("create", "runtimeclasses", None, None),
+        ("patch", "runtimeclasses", None, GPU),
+        ("delete", "runtimeclasses", None, GPU),
+        ("list", "runtimeclasses", None, None),
     ]
     allowed = [
         ("get", "nodes", None, NODE),
         ("watch", "nodes", None, None),
-        ("create", "runtimeclasses", None, None),
-        ("patch", "runtimeclasses", None, GPU),
         ("create", "events", "default", None),  # Node events live there
     ]
     for verb, resource, namespace, name in refused:
@@ -188,7 +216,8 @@ def test_the_agent_follows_relabels_through_an_api_server_restart_and_a_410(kube
     port = free_port()
     with open(log, "w") as out:
         agent = subprocess.Popen([KATAMGR, "run", "--host-root", str(root), "--config", str(config),
-                                  "--node-name", NODE, "--metrics-address", f"127.0.0.1:{port}"],
+                                  "--node-name", NODE, "--metrics-address", f"127.0.0.1:{port}",
+                                  *chart_flags(release)],
                                  env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for(lambda: set(gpu_drivers(root).values()) == {"vfio-pci"}, "GPUs on vfio-pci", 60)
@@ -250,33 +279,39 @@ def test_a_watch_from_a_version_the_api_server_no_longer_has_is_410_gone(kube, r
         kube.kubectl("label", "node", NODE, "example.com/seen-")
 
 
-def test_the_uninstall_hook_reverts_the_node_and_deletes_our_classes(kube, release, node, tmp_path):
+def test_the_uninstall_hook_reverts_the_node_with_no_token_and_leaves_the_classes(
+        kube, release, node, tmp_path):
+    """The hook's katamgr revert calls no API (its pods get no token): it puts the node back
+    and leaves every RuntimeClass to Helm. Its waiting Job's account may read the revert
+    DaemonSet and nothing else."""
     root, config = node
     env = agent_env(kube, tmp_path, agent_account(release))
-    assert run_once(kube, node, env).returncode == 0
+    assert run_once(kube, node, env, chart_flags(release)).returncode == 0
     kube.apply([{"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
-                 "metadata": {"name": "someone-elses"}, "handler": "runc"}], manager="test")
+                 "metadata": {"name": "someone-elses", "labels": {
+                     "app.kubernetes.io/managed-by": "kata-sandbox-manager"}}, "handler": "runc"}],
+               manager="test")
 
     hook = next(o for o in release if o["kind"] == "DaemonSet" and is_hook(o))
     pod = hook["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
     container = next(c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == "revert")
     args = list(container["args"])
     # The hook's own arguments, the host root and config pointed at the simulated node.
     args[args.index("--host-root") + 1] = str(root)
     args[args.index("--config") + 1] = str(config)
-    account = hook["spec"]["template"]["spec"]["serviceAccountName"]
-    hook_env = agent_env(kube, tmp_path, account)
-    # The hook's Job waits on the DaemonSet with the same account: that read is allowed,
-    # and nothing else of the namespace is.
-    hook_kubeconfig = Path(hook_env["KUBECONFIG"])
-    assert kube.can_i("get", "daemonsets", kubeconfig=hook_kubeconfig, namespace=RELEASE,
+    # No token: no KUBECONFIG, no service account (a simulated node ignores ~/.kube/config).
+    hook_env = {k: v for k, v in os.environ.items() if k not in ("KUBECONFIG", "KUBERNETES_SERVICE_HOST")}
+    wait = next(o for o in release if o["kind"] == "Job" and is_hook(o))
+    wait_account = wait["spec"]["template"]["spec"]["serviceAccountName"]
+    wait_kubeconfig = Path(agent_env(kube, tmp_path, wait_account)["KUBECONFIG"])
+    assert kube.can_i("get", "daemonsets", kubeconfig=wait_kubeconfig, namespace=RELEASE,
                       name=hook["metadata"]["name"])
-    assert not kube.can_i("list", "secrets", kubeconfig=hook_kubeconfig, namespace=RELEASE)
-    assert not kube.can_i("get", "nodes", kubeconfig=hook_kubeconfig, name=NODE)
+    assert not kube.can_i("list", "secrets", kubeconfig=wait_kubeconfig, namespace=RELEASE)
+    assert not kube.can_i("get", "nodes", kubeconfig=wait_kubeconfig, name=NODE)
     result = subprocess.run([KATAMGR, *args], env=hook_env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert set(gpu_drivers(root).values()) == {"nvidia"}
     names = {rc["metadata"]["name"] for rc in kube.get("runtimeclasses")["items"]}
-    assert GPU not in names and SNP not in names
     assert "someone-elses" in names
     kube.kubectl("delete", "runtimeclass", "someone-elses")

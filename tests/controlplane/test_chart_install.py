@@ -102,10 +102,13 @@ def test_every_optional_part_is_admitted_and_the_policy_type_checks(kube, instal
     assert stored_binding["spec"]["policyName"] == name
     assert stored_binding["spec"]["validationActions"] == ["Deny"]
 
-    # The webhook makes no API call: its pods get no token at all, so it needs no RBAC.
+    # The webhook reads a pod's RuntimeClass (its handler) as its own ServiceAccount, which
+    # may do that and nothing else (tests/chart/test_rbac.py, test_identities.py).
     webhook = next(o for o in objects if o["kind"] == "Deployment")
     stored_webhook = kube.get("deployment", webhook["metadata"]["name"], "-n", "ksm-full")
-    assert stored_webhook["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    pod = stored_webhook["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "ksm-full-kata-sandbox-manager-webhook"
+    assert pod["automountServiceAccountToken"] is True
 
     # The webhook configurations point at the release's Service with the CA the chart
     # generated, which the API server stored as given.

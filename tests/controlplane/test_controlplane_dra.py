@@ -76,7 +76,9 @@ def test_slices_claims_and_the_scheduler_on_a_real_control_plane(kube, tmp_path)
     kubelet.start()
     drakubelet = DraKubelet(host, kube.client(), kubelet.record_pod, kubelet.remove_pod)
     drakubelet.start()
-    account = next(o for o in accounts if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    # The sandbox agent pod's own ServiceAccount (each workload of the chart has its own).
+    account = next(o for o in accounts if o["kind"] == "ServiceAccount"
+                   and o["metadata"]["name"].endswith("-sandbox-agent"))["metadata"]["name"]
     kubeconfig = kube.service_account_kubeconfig(RELEASE, account, tmp_path / "driver.kubeconfig")
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     env.pop("KUBERNETES_SERVICE_HOST", None)

@@ -49,7 +49,9 @@ def test_the_plugin_follows_its_node_through_the_real_api(kube, tmp_path):
     assert apply_host(host, build_plan(host, Naming(PciIds.find()))).ok
     kubelet = KubeletSimulator(host)
     kubelet.start()
-    account = next(o for o in accounts if o["kind"] == "ServiceAccount")["metadata"]["name"]
+    # The sandbox agent pod's own ServiceAccount (each workload of the chart has its own).
+    account = next(o for o in accounts if o["kind"] == "ServiceAccount"
+                   and o["metadata"]["name"].endswith("-sandbox-agent"))["metadata"]["name"]
     kubeconfig = kube.service_account_kubeconfig(RELEASE, account, tmp_path / "plugin.kubeconfig")
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     env.pop("KUBERNETES_SERVICE_HOST", None)

@@ -30,6 +30,25 @@ oci = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = oci
 _spec.loader.exec_module(oci)
 
+
+def image_module(name: str):
+    """hack/image/<name>.py, imported as the builder imports it: by its own name, with its
+    directory on sys.path only meanwhile (wheels.py imports recipe so). No installed package
+    has these names."""
+    sys.path.insert(0, str(BUILD.parent))
+    try:
+        module = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BUILD.parent))
+    assert Path(module.__file__).parent == BUILD.parent, f"{name} is {module.__file__}"
+    return module
+
+
+@pytest.fixture(scope="session")
+def hack_image():
+    """hack/image's modules by name (hack_image("wheels")), without building anything."""
+    return image_module
+
 COLD_BUILD_TIMEOUT = 3600  # a cold build takes minutes here; arm64's, under qemu-user, longer
 
 

@@ -94,6 +94,28 @@ def test_the_layer_is_deterministic_and_slim(images, chart_archive):
     assert not [n for n in names if n.startswith(site + "pip/")]
 
 
+def python_dists(images, arch: str) -> set[str]:
+    """`name==version` of every distribution in an image's virtualenv (the build's
+    packages-<arch>.txt, beside the archives)."""
+    listed = images.archives[images.chart_ref].parent / f"packages-{arch}.txt"
+    return {line for line in listed.read_text().splitlines() if "==" in line}
+
+
+def locked(hack_image, arch: str) -> set[str]:
+    wheels, recipe = hack_image("wheels"), hack_image("recipe")
+    return {f"{p.name}=={p.version}" for p in wheels.read_lock().values()
+            if p.applies(recipe.PLATFORMS[arch])}
+
+
+def test_the_virtualenv_holds_the_locked_versions_and_nothing_else(images, hack_image):
+    """Every distribution is one requirements/image.lock pins (installed by its hash), and
+    the package: no other, and not pip."""
+    for platform in images.build_info["images"][0]["platforms"]:
+        arch = platform["arch"]
+        assert python_dists(images, arch) == {*locked(hack_image, arch),
+                                              f"kata-sandbox-manager=={VERSION}"}
+
+
 def pyc_headers(archive) -> tuple[dict[str, tuple[int, int, int]], dict[str, tarfile.TarInfo]]:
     """For every .pyc in the chart image's layer: (flags, source mtime, source size) from its
     header; and the layer's members by name."""

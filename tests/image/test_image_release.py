@@ -67,6 +67,18 @@ def test_both_architectures_are_one_recipe(release, release_archive):
     assert debs(listed["amd64"]) == debs(listed["arm64"])
 
 
+@pytest.mark.parametrize("arch", ["amd64", "arm64"])
+def test_each_architecture_holds_the_locked_versions(release, hack_image, arch):
+    """requirements/image.lock's pins for the architecture, each installed by its hash, and
+    the package: the same list test_lock.py holds .venv to."""
+    listed = release.archives[release.chart_ref].parent / f"packages-{arch}.txt"
+    dists = {line for line in listed.read_text().splitlines() if "==" in line}
+    wheels, recipe = hack_image("wheels"), hack_image("recipe")
+    pins = {f"{p.name}=={p.version}" for p in wheels.read_lock().values()
+            if p.applies(recipe.PLATFORMS[arch])}
+    assert dists == {*pins, "kata-sandbox-manager==" + release.chart_ref.rsplit(":", 1)[1]}
+
+
 def test_this_machines_image_is_the_releases(images, release, chart_archive, release_archive):
     """`hack/image/build` (what the local node runs) and `--arch all` (what is published)
     hold the very same amd64 image: one manifest digest, whatever else was asked."""

@@ -44,9 +44,9 @@ def switch_chart(node, values: dict, tmp_path_factory) -> None:
 
     def rolled():
         if not values.get("ccManager"):
-            # Back to the node's own values, which name no -snp class: the agent would delete the
-            # class it made, which RBAC rendered without a lookup (hack/local-chart) no longer
-            # lets it; the test removes it, as an operator dropping a class would.
+            # Back to the node's own values, which name no -snp class: helm upgrade would delete
+            # the class (Helm owns the RuntimeClasses), but hack/local-chart applies and never
+            # prunes; the test removes it, as Helm would.
             node.cluster.kubectl("delete", "runtimeclass", SNP, "--ignore-not-found", check=False)
         pods = [p for p in node.pods(AGENT) if not p["metadata"].get("deletionTimestamp")]
         args = pods[0]["spec"]["containers"][0].get("args", []) if len(pods) == 1 else []

@@ -46,6 +46,7 @@ from support.nodekit import (
     IMAGE,
     KATA_CLASS,
     NVSWITCH_RESOURCE,
+    WEBHOOK_REPLICAS,
     WORKLOAD,
     metric,
     restart_count,
@@ -409,7 +410,7 @@ def test_a_chart_upgrade_during_a_switch(node, resident, tmp_path_factory):
     last = node.wait_ready(AGENT)[0]
     assert last["spec"]["containers"][0]["image"] == IMAGE
     resident.undisturbed()
-    node.wait_ready("app.kubernetes.io/component=webhook", count=2)
+    node.wait_ready("app.kubernetes.io/component=webhook", count=WEBHOOK_REPLICAS)
 
 
 def test_a_kata_pod_created_while_its_gpus_leave_never_gets_one(node, resident):

@@ -24,6 +24,7 @@ from support.paths import REPO
 NODE = "local-node"
 NAMESPACE = "gpu-sandbox"  # hack/local-chart's release namespace
 RELEASE = "kata-sandbox-manager"
+WEBHOOK_REPLICAS = 3  # the chart's isolation.webhook.replicas
 WORKLOAD = "nvidia.com/gpu.workload.config"
 GPU_RESOURCE = "nvidia.com/GH100H100_SXM5_80GB"
 NVSWITCH_RESOURCE = "nvidia.com/PCI_22a3"  # the dgx-h100 profile's NVSwitch, by PCI id
@@ -88,7 +89,7 @@ class Node:
 
     def wait_chart_ready(self) -> None:
         self.wait_ready("app.kubernetes.io/component=sandbox-agent")
-        self.wait_ready("app.kubernetes.io/component=webhook", count=2)
+        self.wait_ready("app.kubernetes.io/component=webhook", count=WEBHOOK_REPLICAS)
 
     def describe(self, selector: str, namespace: str = NAMESPACE) -> str:
         result = self.cluster.kubectl("describe", "pods", "-n", namespace, "-l", selector, check=False)

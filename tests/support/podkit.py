@@ -16,22 +16,50 @@ _API = k8s.ApiClient()
 
 
 def container(name: str = "app", *, limits: dict[str, str] | None = None,
-              env: dict[str, str] | None = None) -> k8s.V1Container:
+              env: dict[str, str] | None = None, claims: list[str] | None = None,
+              mounts: dict[str, str] | None = None) -> k8s.V1Container:
+    resources = None
+    if limits is not None or claims:
+        resources = k8s.V1ResourceRequirements(
+            limits=limits, claims=[k8s.CoreV1ResourceClaim(name=c) for c in claims] if claims else None)
     return k8s.V1Container(
-        name=name, image="nvcr.io/nvidia/k8s/cuda-sample:vectoradd-cuda12.5.0",
-        resources=k8s.V1ResourceRequirements(limits=limits) if limits is not None else None,
-        env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()] if env else None)
+        name=name, image="nvcr.io/nvidia/k8s/cuda-sample:vectoradd-cuda12.5.0", resources=resources,
+        env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()] if env else None,
+        volume_mounts=[k8s.V1VolumeMount(name=v, mount_path=p) for v, p in mounts.items()] if mounts else None)
 
 
 def pod(*containers: k8s.V1Container, init: list[k8s.V1Container] | None = None,
         runtime_class: str | None = None, name: str | None = "demo",
-        generate_name: str | None = None, namespace: str = "default") -> dict[str, Any]:
+        generate_name: str | None = None, namespace: str = "default",
+        annotations: dict[str, str] | None = None, host_paths: dict[str, str] | None = None,
+        empty_dirs: tuple[str, ...] = (), claims: tuple[str, ...] = ()) -> dict[str, Any]:
+    volumes = [k8s.V1Volume(name=v, host_path=k8s.V1HostPathVolumeSource(path=p))
+               for v, p in (host_paths or {}).items()]
+    volumes += [k8s.V1Volume(name=v, empty_dir=k8s.V1EmptyDirVolumeSource()) for v in empty_dirs]
     obj = k8s.V1Pod(
         api_version="v1", kind="Pod",
-        metadata=k8s.V1ObjectMeta(name=name, generate_name=generate_name, namespace=namespace),
+        metadata=k8s.V1ObjectMeta(name=name, generate_name=generate_name, namespace=namespace,
+                                  annotations=annotations),
         spec=k8s.V1PodSpec(containers=list(containers) or [container()], init_containers=init,
-                           runtime_class_name=runtime_class, restart_policy="OnFailure"))
+                           runtime_class_name=runtime_class, restart_policy="OnFailure",
+                           volumes=volumes or None,
+                           resource_claims=[k8s.V1PodResourceClaim(name=c, resource_claim_template_name=c)
+                                            for c in claims] or None))
     return serialise(obj)
+
+
+def ephemeral(obj: dict[str, Any], name: str = "debugger", *, env: dict[str, str] | None = None,
+              mounts: dict[str, str] | None = None) -> dict[str, Any]:
+    """``obj`` with an ephemeral container added, as ``kubectl debug`` adds one (through the
+    pods/ephemeralcontainers subresource; an ephemeral container takes no resources)."""
+    added = k8s.V1EphemeralContainer(
+        name=name, image="nvcr.io/nvidia/cuda:12.5.0-base-ubuntu22.04", stdin=True, tty=True,
+        target_container_name=obj["spec"]["containers"][0]["name"],
+        env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()] if env else None,
+        volume_mounts=[k8s.V1VolumeMount(name=v, mount_path=p) for v, p in mounts.items()] if mounts else None)
+    out = {**obj, "spec": {**obj["spec"]}}
+    out["spec"]["ephemeralContainers"] = [*obj["spec"].get("ephemeralContainers", []), serialise(added)]
+    return out
 
 
 def serialise(model: Any) -> dict[str, Any]:
@@ -63,10 +91,12 @@ def deployment_pod(*containers: k8s.V1Container, runtime_class: str | None = Non
 
 
 def review(obj: dict[str, Any], *, kind: dict[str, str] | None = None,
-           operation: str = "CREATE") -> dict[str, Any]:
-    """An AdmissionReview v1 request for ``obj``, as the API server posts it."""
+           operation: str = "CREATE", subresource: str | None = None,
+           old: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An AdmissionReview v1 request for ``obj``, as the API server posts it (``subResource``
+    only on a subresource's request, ``oldObject`` on an UPDATE)."""
     meta = obj.get("metadata") or {}
-    return {
+    sent = {
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
         "request": {
@@ -86,6 +116,12 @@ def review(obj: dict[str, Any], *, kind: dict[str, str] | None = None,
             "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
         },
     }
+    if subresource:
+        sent["request"]["subResource"] = sent["request"]["requestSubResource"] = subresource
+        sent["request"]["options"]["kind"] = "UpdateOptions"
+    if old is not None:
+        sent["request"]["oldObject"] = old
+    return sent
 
 
 # The named pod cases shared by the webhook and the policy tests: (pod, requests a GPU,
@@ -110,4 +146,25 @@ def cases() -> dict[str, dict[str, Any]]:
         "passthrough-runc": pod(container(limits={A10: "1"}), runtime_class="runc"),
         "passthrough-init": pod(container(), init=[container("loader", limits={"nvidia.com/pgpu": "1"})]),
         "deployment": deployment_pod(container()),
+        # Issue 33's cases: each container judged on its own, and the other ways to a GPU.
+        "gpu-and-sidecar": pod(container(limits={"nvidia.com/gpu": "1"}), container("sidecar")),
+        "gpu-init-only": pod(container(), init=[container("warmup", limits={"nvidia.com/gpu": "1"})]),
+        "gpu-user-all": pod(container(limits={"nvidia.com/gpu": "1"}, env={"NVIDIA_VISIBLE_DEVICES": "all"})),
+        "sidecar-user-all": pod(container(limits={"nvidia.com/gpu": "1"}),
+                                container("sidecar", env={"NVIDIA_VISIBLE_DEVICES": "all"})),
+        "kata-and-sidecar": pod(container(limits={A10: "1"}), container("sidecar"), runtime_class=KATA),
+        "dra-claim": pod(container(claims=["gpu"]), container("sidecar"), claims=("gpu",)),
+        "cdi-gpu-all": pod(container(), annotations={"cdi.k8s.io/gpu": "nvidia.com/gpu=all"}),
+        "cdi-pgpu-kata": pod(container(limits={A10: "1"}), runtime_class=KATA,
+                             annotations={"cdi.k8s.io/extra": "nvidia.com/pgpu=0"}),
+        "cdi-toolkit": pod(container(), annotations={"nvidia.cdi.k8s.io/x": "vendor.com/nic=0,nvidia.com/gpu=0"}),
+        "cdi-other-vendor": pod(container(), annotations={"cdi.k8s.io/nic": "vendor.com/nic=eth1"}),
+        "hostpath-nvidia0": pod(container(mounts={"dev": "/dev/nvidia0"}), host_paths={"dev": "/dev/nvidia0"}),
+        "hostpath-vfio": pod(container(mounts={"vfio": "/dev/vfio"}), host_paths={"vfio": "/dev/vfio/"}),
+        "hostpath-dev": pod(container(mounts={"dev": "/host-dev"}), host_paths={"dev": "//dev/./"}),
+        "hostpath-data": pod(container(mounts={"data": "/data"}), host_paths={"data": "/var/lib/data"}),
+        "hostpath-dev-shm": pod(container(mounts={"shm": "/dev/shm"}), host_paths={"shm": "/dev/shm"}),
+        "devlist-emptydir": pod(container(mounts={"all": "/var/run/nvidia-container-devices/all"}),
+                                empty_dirs=("all",)),
+        "devlist-run": pod(container(mounts={"x": "/run/nvidia-container-devices"}), empty_dirs=("x",)),
     }

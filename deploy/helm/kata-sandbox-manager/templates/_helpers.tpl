@@ -29,11 +29,22 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 
 {{/*
 The one image: it holds both katamgr and sandbox-device-plugin. Only the top-level image
-block names it; the GPU Operator's repository/image/version keys never do.
+block names it; the GPU Operator's repository/image/version keys never do. By tag
+(repository/name:tag, the appVersion when tag is empty), or with image.digest set by digest
+alone (repository/name@sha256:...): the tag is then not rendered, since the runtime would
+pull by the digest and ignore it, and a tag beside it could name another image than the one
+run. A bad digest fails here too, for a render that skipped the schema.
 */}}
 {{- define "ksm.image" -}}
 {{- $i := .Values.image -}}
+{{- if $i.digest -}}
+{{- if not (regexMatch "^sha256:[a-f0-9]{64}$" $i.digest) -}}
+{{- fail (printf "image.digest=%q is not an image digest: sha256: and 64 lowercase hex digits (the Digest skopeo inspect prints for the published tag)" $i.digest) -}}
+{{- end -}}
+{{- printf "%s/%s@%s" $i.repository $i.name $i.digest -}}
+{{- else -}}
 {{- printf "%s/%s:%s" $i.repository $i.name (default .Chart.AppVersion $i.tag) -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -410,14 +421,20 @@ mounts at one path are refused by the API server.
 {{- end -}}
 
 {{/*
-Pod-level settings every DaemonSet shares. Call with (list $ SECRETS [SERVICEACCOUNT]):
+Pod-level settings every DaemonSet shares. Call with (list $ SECRETS SERVICEACCOUNT TOKEN):
 SECRETS are the imagePullSecrets of the operands the pod runs, added to image.pullSecrets;
-SERVICEACCOUNT defaults to the release's (the uninstall hook brings its own).
+SERVICEACCOUNT is the workload's own (ksm.serviceAccountName: one per workload, each with
+only the rights its pods use); TOKEN false: the pod calls no API, so it is given no token
+at all (automountServiceAccountToken: false) and a process that takes the pod over has no
+identity to use either.
 */}}
 {{- define "ksm.podCommon" -}}
 {{- $root := index . 0 -}}
 {{- $secrets := concat ($root.Values.image.pullSecrets | default list) (index . 1) | uniq -}}
-serviceAccountName: {{ if gt (len .) 2 }}{{ index . 2 }}{{ else }}{{ include "ksm.fullname" $root }}{{ end }}
+serviceAccountName: {{ index . 2 }}
+{{- if not (index . 3) }}
+automountServiceAccountToken: false
+{{- end }}
 priorityClassName: {{ $root.Values.daemonsets.priorityClassName }}
 {{- with $root.Values.daemonsets.tolerations }}
 tolerations:
@@ -429,6 +446,21 @@ imagePullSecrets:
   - name: {{ . }}
   {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/*
+The ServiceAccount of one workload of the chart: <fullname>-<workload> (sandbox-agent,
+device-plugin, webhook, revert, revert-wait). Call with (list $ WORKLOAD). fullname is at
+most 40 characters, so every name stays within 63 characters.
+*/}}
+{{- define "ksm.serviceAccountName" -}}
+{{- printf "%s-%s" (include "ksm.fullname" (index . 0)) (index . 1) -}}
+{{- end -}}
+
+{{/* "true" when the sandbox-agent DaemonSet is rendered: katamgr run, the passthrough
+       device plugin or the DRA driver (sandbox-daemonset.yaml asks the same). */}}
+{{- define "ksm.sandboxAgentPod" -}}
+{{- if or (include "ksm.agent" .) (include "ksm.sandboxPlugin" .) (include "ksm.dra" .) }}true{{ end -}}
 {{- end -}}
 
 {{- define "ksm.updateStrategy" -}}
@@ -500,13 +532,15 @@ securityContext:
 
 {{/*
 The namespaceSelector of the isolation webhook and policy: the user's selector with the
-release namespace and isolation.excludedNamespaces (default kube-system) excluded.
+release namespace and isolation.excludedNamespaces (default kube-system, gpu-operator)
+excluded, and every namespace labeled isolation.kata-sandbox-manager.io/exempt=true.
 */}}
 {{- define "ksm.isolationNamespaceSelector" -}}
 {{- $root := index . 0 -}}
 {{- $selector := deepCopy (index . 1 | default dict) -}}
 {{- $excluded := concat (list $root.Release.Namespace) ($root.Values.isolation.excludedNamespaces | default list) | uniq -}}
-{{- $exprs := concat ($selector.matchExpressions | default list) (list (dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" $excluded)) -}}
+{{- $exempt := dict "key" "isolation.kata-sandbox-manager.io/exempt" "operator" "NotIn" "values" (list "true") -}}
+{{- $exprs := concat ($selector.matchExpressions | default list) (list (dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" $excluded) $exempt) -}}
 {{- $_ := set $selector "matchExpressions" $exprs -}}
 {{- toYaml $selector -}}
 {{- end -}}
@@ -536,6 +570,105 @@ true
 {{- end -}}
 {{- end -}}
 
+{{/*
+The admission requests both isolation layers look at: a Pod's CREATE, and the UPDATE of its
+pods/ephemeralcontainers subresource (kubectl debug). Never a plain Pod UPDATE: a container's
+env cannot change after create, so a pod made before the install must stay updatable.
+*/}}
+{{- define "ksm.podAdmissionRules" -}}
+resourceRules:
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["CREATE"]
+    resources: ["pods"]
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["UPDATE"]
+    resources: ["pods/ephemeralcontainers"]
+{{- end -}}
+
+{{/* An admission policy binding's matchResources (list: root, the policy's values). */}}
+{{- define "ksm.policyMatchResources" -}}
+{{- $p := index . 1 -}}
+namespaceSelector:
+  {{- include "ksm.isolationNamespaceSelector" (list (index . 0) $p.namespaceSelector) | nindent 2 }}
+objectSelector:
+  {{- toYaml ($p.objectSelector | default dict) | nindent 2 }}
+{{- end -}}
+
+{{/*
+CEL: whether the string variable named (list root NAME) is a GPU's resource name or CDI
+kind: nvidia.com/*, or a resource devices.include advertises (the webhook's is_gpu and
+names_gpu with its default patterns).
+*/}}
+{{- define "ksm.policyGpuKind" -}}
+{{- $v := index . 1 -}}
+{{- $included := include "ksm.includedResources" (index . 0) -}}
+{{- if eq $included "[]" -}}
+{{ $v }}.startsWith('nvidia.com/')
+{{- else -}}
+({{ $v }}.startsWith('nvidia.com/') || {{ $v }} in {{ $included }})
+{{- end -}}
+{{- end -}}
+
+{{/* CEL: params (a RuntimeClass) has a handler isolation.kataHandlers allows (a name, or a
+prefix ending in *). */}}
+{{- define "ksm.policyKataHandler" -}}
+{{- $out := list -}}
+{{- range .Values.isolation.kataHandlers -}}
+{{- if hasSuffix "*" . -}}
+{{- $out = append $out (printf "params.handler.startsWith(%s)" (trimSuffix "*" . | squote)) -}}
+{{- else -}}
+{{- $out = append $out (printf "params.handler == %s" (squote .)) -}}
+{{- end -}}
+{{- end -}}
+({{ join " || " $out | default "false" }})
+{{- end -}}
+
+{{/*
+The variables both admission policies share: which containers are looked at (all on a
+create; the ephemeral ones on pods/ephemeralcontainers), the passthrough requests, the
+runtime class, and the containers that ask for a GPU (a GPU resource, or a ResourceClaim).
+*/}}
+{{- define "ksm.policyVariables" -}}
+{{- $pt := printf "%s && !(k in ['nvidia.com/gpu', 'nvidia.com/gpu.shared']) && !k.startsWith('nvidia.com/mig-')" (include "ksm.policyGpuKind" (list . "k")) -}}
+{{- $gpu := include "ksm.policyGpuKind" (list . "k") -}}
+- name: ephemeral
+  expression: >-
+    has(request.subResource) && request.subResource == 'ephemeralcontainers'
+- name: initContainers
+  expression: >-
+    has(object.spec.initContainers) ? object.spec.initContainers : []
+- name: ephemeralContainers
+  expression: >-
+    has(object.spec.ephemeralContainers) ? object.spec.ephemeralContainers : []
+- name: containers
+  expression: >-
+    variables.ephemeral ? [] : variables.initContainers + object.spec.containers
+- name: scoped
+  expression: >-
+    variables.ephemeral ? variables.ephemeralContainers :
+    variables.initContainers + object.spec.containers + variables.ephemeralContainers
+- name: passthrough
+  expression: >-
+    variables.containers.filter(c, has(c.resources) &&
+    ((has(c.resources.limits) && c.resources.limits.exists(k, {{ $pt }} && string(c.resources.limits[k]) != '0')) ||
+    (has(c.resources.requests) && c.resources.requests.exists(k, {{ $pt }} && string(c.resources.requests[k]) != '0'))))
+- name: resources
+  expression: >-
+    size(variables.passthrough) == 0 ? [] :
+    (has(variables.passthrough[0].resources.limits) ? variables.passthrough[0].resources.limits.filter(k, {{ $pt }}) : []) +
+    (has(variables.passthrough[0].resources.requests) ? variables.passthrough[0].resources.requests.filter(k, {{ $pt }}) : [])
+- name: runtimeClass
+  expression: >-
+    has(object.spec.runtimeClassName) ? object.spec.runtimeClassName : ''
+- name: asking
+  expression: >-
+    variables.scoped.filter(c, has(c.resources) && ((has(c.resources.claims) && size(c.resources.claims) > 0) ||
+    (has(c.resources.limits) && c.resources.limits.exists(k, {{ $gpu }} && string(c.resources.limits[k]) != '0')) ||
+    (has(c.resources.requests) && c.resources.requests.exists(k, {{ $gpu }} && string(c.resources.requests[k]) != '0')))).map(c, c.name)
+{{- end -}}
+
 {{/* One webhook entry of the isolation webhook configurations (dict: root name ns caBundle path). */}}
 {{- define "ksm.webhookCommon" -}}
 {{- $root := .root -}}
@@ -559,6 +692,11 @@ rules:
     apiVersions: ["v1"]
     operations: ["CREATE"]
     resources: ["pods"]
+    scope: Namespaced
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["UPDATE"]
+    resources: ["pods/ephemeralcontainers"]
     scope: Namespaced
 namespaceSelector:
   {{- include "ksm.isolationNamespaceSelector" (list $root $w.namespaceSelector) | nindent 2 }}
@@ -640,26 +778,16 @@ resources:
 {{- end -}}
 
 {{/*
-The RuntimeClass names katamgr may patch and delete (a JSON list): the configured classes,
-plus the names this release's ClusterRole (named by the second argument) already granted
-delete on, found through lookup at install/upgrade time. katamgr deletes the classes it
-created that left the config, so a class removed by an upgrade must stay deletable; offline
-(helm template) lookup finds nothing and only the configured names are listed.
-Call with (list $ CLUSTERROLE-NAME).
+The RuntimeClass names kataManager.config configures (a JSON list, in config order): the
+classes runtimeclasses.yaml renders, which Helm creates, updates and deletes (no identity
+of the chart may write a RuntimeClass).
 */}}
 {{- define "ksm.runtimeClassNames" -}}
-{{- $root := index . 0 -}}
 {{- $names := list -}}
-{{- range $root.Values.kataManager.config.runtimeClasses -}}
+{{- range (.Values.kataManager.config.runtimeClasses | default list) -}}
 {{- $names = append $names .name -}}
 {{- end -}}
-{{- $live := lookup "rbac.authorization.k8s.io/v1" "ClusterRole" "" (index . 1) -}}
-{{- range ($live.rules | default list) -}}
-{{- if and (has "runtimeclasses" (.resources | default list)) (has "delete" (.verbs | default list)) -}}
-{{- $names = concat $names (.resourceNames | default list) -}}
-{{- end -}}
-{{- end -}}
-{{- $names | uniq | sortAlpha | toJson -}}
+{{- $names | toJson -}}
 {{- end -}}
 
 {{/*

@@ -1,0 +1,310 @@
+"""One client connection of the webhook, driven without blocking by the server's loop.
+
+A connection goes HANDSHAKE → HEAD → BODY → WORKING → WRITING, then IDLE (keep-alive)
+and HEAD again at the next request's first byte, or closed. It holds no thread: the loop
+calls ``step`` when its socket is ready and ``expire`` once its deadline has passed; a
+worker thread only ever sees a complete request's body (``job``), and its answer comes
+back through ``finish``. So a client that sends slowly holds a few kilobytes and a slot,
+never a thread, and only until its deadline:
+
+- from the accept, the TLS handshake, the head and the body together: ``request_timeout``;
+- a keep-alive request, from its first byte: ``request_timeout`` again;
+- an answer, from when it is ready until the client has taken it: ``request_timeout``;
+- between requests: ``idle_timeout``.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import selectors
+import socket
+import ssl
+
+from katamgr.admission import answers, httpio, review
+from katamgr.admission.limits import Limits
+
+log = logging.getLogger("katamgr.webhook")
+
+RECV_SIZE = 64 * 1024
+SEND_SIZE = 64 * 1024
+# A body over MAX_BODY but at most this is read and thrown away before the 413, so that a
+# client still writing it reads the answer instead of a reset.
+DRAIN_LIMIT = 4 * review.MAX_BODY
+
+
+class State(enum.Enum):
+    HANDSHAKE = "handshake"
+    IDLE = "idle"  # keep-alive, between requests
+    HEAD = "head"  # request line and headers
+    BODY = "body"  # a review's body
+    DRAIN = "drain"  # a body read only to be thrown away, then ``reply``
+    WORKING = "working"  # a worker has the review
+    WRITING = "writing"  # the answer going out
+    CLOSED = "closed"
+
+
+READING = (State.IDLE, State.HEAD, State.BODY, State.DRAIN)
+# Not being answered: what the server may close to make room for a new connection.
+UNANSWERED = (State.HANDSHAKE, *READING)
+_PEER_GONE = (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ENOTCONN)
+
+
+class Connection:
+    def __init__(self, sock: ssl.SSLSocket, peer: str, limits: Limits, now: float) -> None:
+        self.sock, self.peer, self.limits = sock, peer, limits
+        self.state = State.HANDSHAKE
+        self.since = now  # when the current phase began (the oldest is closed first)
+        self.deadline = now + limits.request_timeout
+        self.buf = bytearray()  # the head, then the body, as they come
+        self.pushback = b""  # bytes past the request (pipelined): read again after the answer
+        self.head: httpio.Head | None = None
+        self.left = 0  # body bytes still to come (BODY, DRAIN)
+        self.reply: httpio.Reply | None = None  # answered after DRAIN
+        self.close_after = False
+        self.out = b""  # what is being written, from ``sent``
+        self.sent = 0
+        # (path, body) for a worker, until one takes it (``take_job``, in the worker thread).
+        self.job: tuple[str, bytes | bytearray] | None = None
+        self.job_bytes = 0  # counted from the body's end until the answer is there
+        self.queued = False  # handed to the workers
+        self.running = False  # a worker took it: the bytes cannot be given back any more
+        self.ready = False  # more may be there without the socket saying so (pushback, TLS)
+        self._read_needs_write = self._write_needs_read = False
+        self._handshake_wants = selectors.EVENT_READ
+        self.why = ""  # why it was closed, for the server's tally and log
+
+    # What the server asks
+
+    @property
+    def closed(self) -> bool:
+        return self.state is State.CLOSED
+
+    @property
+    def held(self) -> int:
+        """Bytes this connection makes the server hold."""
+        return len(self.buf) + len(self.pushback) + len(self.out) - self.sent + self.job_bytes
+
+    def wants(self) -> int:
+        """The selector events to wait for (0: none, a worker has it)."""
+        if self.state is State.HANDSHAKE:
+            return self._handshake_wants
+        events = 0
+        if self.state in READING or self._write_needs_read:
+            events |= selectors.EVENT_READ
+        if self.sent < len(self.out) or self._read_needs_write:
+            events |= selectors.EVENT_WRITE
+        return events
+
+    def step(self, now: float) -> None:
+        """Make what progress the socket allows: at most one request read and answered."""
+        self.ready = False
+        if self.state is State.HANDSHAKE:
+            self._handshake()
+        if self.state in READING:
+            self._read(now)
+        if self.sent < len(self.out) and not self.closed:
+            self._flush(now)
+
+    def finish(self, reply: httpio.Reply, now: float) -> None:
+        """A worker's answer to ``job``."""
+        self.job_bytes, self.queued, self.running = 0, False, False
+        if not self.closed:
+            self._answer(reply, now, close=not self.head or not self.head.keep_alive)
+            self._flush(now)
+
+    def expire(self, now: float) -> None:
+        """The deadline passed: say so if a request was under way, and close."""
+        if self.state in (State.HEAD, State.BODY, State.DRAIN) and (self.buf or self.head):
+            data = httpio.encode(httpio.error(408, f"the request did not arrive within "
+                                                   f"{self.limits.request_timeout:g} s"), close=True)
+            try:  # one try: a client this slow may well not be reading either
+                self.sock.send(data)
+            except (OSError, ssl.SSLError):
+                pass
+        self.close(f"cut off at the deadline ({self.state.value})")
+
+    def close(self, why: str) -> None:
+        if self.closed:
+            return
+        self.state, self.why = State.CLOSED, why
+        self.buf, self.pushback, self.out, self.sent = bytearray(), b"", b"", 0
+        self.job, self.job_bytes = None, 0  # a queued body is let go at once
+        try:
+            # Bytes left unread make close() send a reset, which can overtake what was sent
+            # last (an answer, TLS's alert): read a little, then end our side with a FIN.
+            for _ in range(4):
+                if not socket.socket.recv(self.sock, 16384):
+                    break
+        except OSError:
+            pass
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def take_job(self) -> tuple[str, bytes | bytearray] | None:
+        """In a worker thread: the review to do; None when the connection was closed while
+        it waited (the body already let go)."""
+        job, self.job = self.job, None
+        self.running = job is not None
+        return job
+
+    # The phases
+
+    def _handshake(self) -> None:
+        try:
+            self.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self._handshake_wants = selectors.EVENT_READ
+            return
+        except ssl.SSLWantWriteError:
+            self._handshake_wants = selectors.EVENT_WRITE
+            return
+        except (OSError, ssl.SSLError) as exc:  # not TLS, an old version, no cipher in common
+            log.debug("TLS handshake with %s failed: %s", self.peer, exc)
+            self.close("failed the TLS handshake")
+            return
+        self.state = State.HEAD  # the deadline from the accept goes on
+
+    def _read(self, now: float) -> None:
+        if self.pushback:
+            data, self.pushback = self.pushback, b""
+            self._feed(data, now)
+        self._read_needs_write = False
+        while self.state in READING:
+            try:
+                data = self.sock.recv(RECV_SIZE)
+            except ssl.SSLWantReadError:
+                return
+            except ssl.SSLWantWriteError:  # TLS needs to send something first
+                self._read_needs_write = True
+                return
+            except (OSError, ssl.SSLError) as exc:
+                self._gone(exc)
+                return
+            if not data:
+                self.close("ended by the client")
+                return
+            self._feed(data, now)
+
+    def _feed(self, data: bytes, now: float) -> None:
+        if self.state is State.IDLE:
+            self.state, self.since, self.deadline = State.HEAD, now, now + self.limits.request_timeout
+        if self.state is State.HEAD:
+            start = max(0, len(self.buf) - 3)
+            self.buf += data
+            end = httpio.HEAD_END.search(self.buf, start)
+            if end is None or end.start() > self.limits.max_head:
+                if end is not None or len(self.buf) > self.limits.max_head:
+                    self._answer(httpio.error(431, f"the request head is over "
+                                                   f"{self.limits.max_head} bytes"), now, close=True)
+                return
+            raw, rest = bytes(self.buf[:end.start()]), bytes(self.buf[end.end():])
+            self.buf = bytearray()
+            self._start(raw, rest, now)
+        elif self.state is State.BODY:
+            self.buf += data
+            if len(self.buf) >= self.left:
+                self._body_done()
+        elif self.state is State.DRAIN:
+            self.left -= len(data)
+            if self.left <= 0:
+                self._after_drain(data[len(data) + self.left:] if self.left else b"", now)
+
+    def _start(self, raw: bytes, rest: bytes, now: float) -> None:
+        """A request's head is in: frame its body, or answer it."""
+        try:
+            head = httpio.parse_head(raw, self.limits.max_headers)
+            length = httpio.content_length(head)
+        except httpio.BadRequest as exc:
+            self._answer(httpio.error(exc.status, str(exc)), now, close=True)
+            return
+        self.head = head
+        log.debug("%s %s %s", self.peer, head.method, httpio.shorten(head.target))
+        early = answers.route(head)
+        if length is None:
+            if head.method == "POST":  # where this body ends is unknown: answer and close
+                reply = early or httpio.error(411, "send the AdmissionReview with a Content-Length")
+                self._answer(reply, now, close=True)
+                return
+            length = 0
+        if length > review.MAX_BODY:
+            too_big = httpio.error(413, f"the request body is {length} bytes, over the "
+                                        f"{review.MAX_BODY}-byte limit of an AdmissionReview")
+            if length > DRAIN_LIMIT:
+                self._answer(too_big, now, close=True)
+                return
+            # Never kept: a body up to a few times the limit is read and thrown away first,
+            # so that a client still writing it reads the answer rather than a reset.
+            self.reply, self.close_after = too_big, True
+        elif early is not None:
+            self.reply, self.close_after = early, not head.keep_alive
+        if length > len(rest) and head.headers.get("expect", "").lower() == "100-continue":
+            self.out, self.sent = httpio.CONTINUE, 0
+        if self.reply is not None:  # the body is not looked at
+            self.state, self.left = State.DRAIN, length
+            if rest:
+                self._feed(rest, now)
+            if self.state is State.DRAIN and self.left <= 0:
+                self._after_drain(b"", now)
+            return
+        self.state, self.left, self.buf = State.BODY, length, bytearray(rest)
+        if len(self.buf) >= length:
+            self._body_done()
+
+    def _after_drain(self, surplus: bytes, now: float) -> None:
+        reply, self.reply = self.reply, None
+        assert reply is not None
+        self.pushback = surplus + self.pushback
+        self._answer(reply, now, close=self.close_after)
+
+    def _body_done(self) -> None:
+        assert self.head is not None
+        if len(self.buf) == self.left:  # the usual case: no copy of up to 3 MiB
+            body: bytes | bytearray = self.buf
+        else:  # a pipelined request behind it
+            body, self.pushback = self.buf[:self.left], bytes(self.buf[self.left:]) + self.pushback
+        self.buf = bytearray()
+        self.state, self.deadline = State.WORKING, float("inf")
+        self.job, self.job_bytes = (self.head.path, body), len(body)
+
+    def _answer(self, reply: httpio.Reply, now: float, close: bool) -> None:
+        log.debug("%s answered %d", self.peer, reply.status)
+        self.out = self.out[self.sent:] + httpio.encode(reply, close)  # after a 100 Continue
+        self.sent, self.close_after, self.buf = 0, close, bytearray()
+        self.state, self.since, self.deadline = State.WRITING, now, now + self.limits.request_timeout
+
+    def _flush(self, now: float) -> None:
+        self._write_needs_read = False
+        view = memoryview(self.out)
+        while self.sent < len(self.out):
+            try:
+                # After SSLWantWriteError the same bytes are offered again, as OpenSSL needs.
+                self.sent += self.sock.send(view[self.sent:self.sent + SEND_SIZE])
+            except ssl.SSLWantWriteError:
+                return
+            except ssl.SSLWantReadError:
+                self._write_needs_read = True
+                return
+            except (OSError, ssl.SSLError) as exc:
+                self._gone(exc)
+                return
+        self.out, self.sent = b"", 0
+        if self.state is not State.WRITING:
+            return  # a 100 Continue went out
+        if self.close_after:
+            self.close("answered and closed")
+            return
+        # Keep-alive: the next request may already be here (pipelined, or in TLS's buffer),
+        # which the selector would not report; the server steps this connection again.
+        self.head, self.state = None, State.IDLE
+        self.since, self.deadline = now, now + self.limits.idle_timeout
+        self.ready = True
+
+    def _gone(self, exc: BaseException) -> None:
+        if not (isinstance(exc, OSError) and exc.errno in _PEER_GONE):
+            log.debug("connection from %s failed: %s", self.peer, exc)
+        self.close("reset by the client")

@@ -1,0 +1,118 @@
+"""Issue 33 on the real node: the chart's own webhook Deployment (its 3 replicas, started by
+the kubelet from our image) judges each container on its own, and the real kubelet runs an
+ephemeral container (``kubectl debug``) with ``NVIDIA_VISIBLE_DEVICES=void``. With every
+webhook replica gone, the cluster's own namespaces still create pods and tenants' do not.
+
+Facts from upstream: kubectl debug adds an ephemeral container by a PATCH of
+pods/ephemeralcontainers (staging/src/k8s.io/kubectl/pkg/cmd/debug/debug.go); the kubelet
+starts it in the running pod (pkg/kubelet/kuberuntime/kuberuntime_manager.go,
+computePodActions: ephemeral containers to start).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from support.kubecluster import wait_for
+from support.nodekit import IMAGE, NAMESPACE, RELEASE, WEBHOOK_REPLICAS
+
+TENANT = "node-isolation-tests"
+VISIBLE = "NVIDIA_VISIBLE_DEVICES"
+
+
+def container(name: str, gpu: bool = False, command: str = "env; sleep 3600") -> dict:
+    c = {"name": name, "image": IMAGE, "imagePullPolicy": "Never", "command": ["sh", "-c", command]}
+    if gpu:
+        c["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    return c
+
+
+def manifest(name: str, containers: list[dict], init: list[dict] | None = None) -> dict:
+    spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1, "containers": containers}
+    if init:
+        spec["initContainers"] = init
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def tenant(node):
+    node.wait_chart_ready()
+    node.cluster.namespace(TENANT)
+    yield TENANT
+    node.cluster.kubectl("delete", "namespace", TENANT, "--wait=false", check=False)
+
+
+def create(node, obj: dict, namespace: str):
+    return node.cluster.kubectl("create", "-n", namespace, "-f", "-", "-o", "json",
+                                input=yaml.safe_dump(obj), check=False)
+
+
+def stored_visible(pod: dict) -> dict[str, str | None]:
+    spec = pod["spec"]
+    every = spec.get("initContainers", []) + spec["containers"] + spec.get("ephemeralContainers", [])
+    return {c["name"]: next((e.get("value") for e in c.get("env", []) if e["name"] == VISIBLE), None)
+            for c in every}
+
+
+def test_each_container_that_asked_for_no_gpu_is_stored_with_void(node, tenant):
+    """A runc pod whose app asks for a GPU and whose sidecar does not, and a pod whose init
+    container alone asks: the chart's webhook voids exactly the containers that asked for
+    none (the pods stay Pending: this node offers passthrough GPUs, not nvidia.com/gpu)."""
+    cases = {
+        "gpu-and-sidecar": (manifest("gpu-and-sidecar", [container("app", gpu=True), container("sidecar")]),
+                            {"app": None, "sidecar": "void"}),
+        "init-only": (manifest("init-only", [container("app")], init=[container("warmup", gpu=True, command="true")]),
+                      {"warmup": None, "app": "void"}),
+    }
+    for name, (obj, want) in cases.items():
+        result = create(node, obj, tenant)
+        assert result.returncode == 0, (name, result.stderr)
+        assert stored_visible(json.loads(result.stdout)) == want, name
+        node.cluster.kubectl("delete", "pod", name, "-n", tenant, "--wait=false", check=False)
+
+
+def test_kubectl_debug_runs_its_container_with_void(node, tenant):
+    node.run({**manifest("target", [container("app", command="sleep 3600")]),
+              "metadata": {"name": "target", "namespace": tenant}})
+    node.wait_phase("target", tenant)
+    debug = node.cluster.kubectl(
+        "debug", "-n", tenant, "target", f"--image={IMAGE}", "--image-pull-policy=Never",
+        "--container=debugger", f"--env={VISIBLE}=all", "--", "sh", "-c", "env; sleep 3600", check=False)
+    assert debug.returncode == 0, debug.stderr
+    stored = node.pod("target", tenant)
+    assert stored_visible(stored)["debugger"] == "void"
+    # The kubelet ran it with that env: the container's own word.
+    log = wait_for(lambda: (text := node.logs("target", tenant, container="debugger")) and "PATH=" in text
+                   and text, "the debugger's env", 60, every=0.5)
+    assert f"{VISIBLE}=void" in log.splitlines(), log
+    node.delete_pod("target", tenant)
+
+
+def test_with_every_webhook_replica_gone_the_infrastructure_namespaces_still_create_pods(node, tenant):
+    deployment = f"{RELEASE}-webhook"
+    for namespace in ("gpu-operator",):
+        node.cluster.namespace(namespace)
+    node.cluster.kubectl("scale", "deployment", deployment, "-n", NAMESPACE, "--replicas=0")
+    try:
+        wait_for(lambda: not node.pods("app.kubernetes.io/component=webhook"), "every webhook replica gone",
+                 120, every=1)
+
+        def refused():
+            result = create(node, manifest("tenant-pod", [container("app")]), tenant)
+            if result.returncode == 0:
+                node.cluster.kubectl("delete", "pod", "tenant-pod", "-n", tenant, "--wait=false", check=False)
+                return None
+            return result.stderr
+
+        refusal = wait_for(refused, "a tenant pod refused with no webhook replica", 60, every=1)
+        assert "failed calling webhook" in refusal, refusal
+        for namespace in ("kube-system", "gpu-operator", NAMESPACE):
+            result = create(node, manifest("infra-pod", [container("app", command="true")]), namespace)
+            assert result.returncode == 0, (namespace, result.stderr)
+            node.cluster.kubectl("delete", "pod", "infra-pod", "-n", namespace, "--wait=false", check=False)
+    finally:
+        node.cluster.kubectl("scale", "deployment", deployment, "-n", NAMESPACE,
+                             f"--replicas={WEBHOOK_REPLICAS}")
+        node.wait_chart_ready()
