@@ -12,6 +12,9 @@ computePodActions: ephemeral containers to start).
 from __future__ import annotations
 
 import json
+import ssl
+import urllib.error
+import urllib.request
 
 import pytest
 import yaml
@@ -116,3 +119,53 @@ def test_with_every_webhook_replica_gone_the_infrastructure_namespaces_still_cre
         node.cluster.kubectl("scale", "deployment", deployment, "-n", NAMESPACE,
                              f"--replicas={WEBHOOK_REPLICAS}")
         node.wait_chart_ready()
+
+
+def _token_of(node, component: str, container: str) -> str:
+    """The token the kubelet projected into a chart pod (bound to that pod on this node)."""
+    pod = node.wait_ready(f"app.kubernetes.io/component={component}",
+                          count=WEBHOOK_REPLICAS if component == "webhook" else 1)[0]
+    return node.cluster.kubectl("exec", "-n", NAMESPACE, pod["metadata"]["name"], "-c", container, "--",
+                                "cat", "/var/run/secrets/kubernetes.io/serviceaccount/token").stdout.strip()
+
+
+def _as(node, token: str, *args: str):
+    return node.cluster.kubectl("--kubeconfig=/dev/null", f"--server={node.cluster.server}",
+                                f"--certificate-authority={node.cluster.ca}", f"--token={token}", *args,
+                                check=False)
+
+
+def test_the_tokens_the_kubelet_gives_the_chart_pods_cannot_change_isolation(node, tenant):
+    """The real projected tokens of the agent's and the webhook's pods (issue 33): neither may
+    delete the Kata RuntimeClass or make one with handler runc, and the agent's may not label
+    another node (local-node.yaml leaves ccManager off, so it may patch no Node at all)."""
+    tokens = {"sandbox-agent": _token_of(node, "sandbox-agent", "kata-manager"),
+              "webhook": _token_of(node, "webhook", "webhook")}
+    for who, token in tokens.items():
+        assert _as(node, token, "auth", "whoami").returncode == 0, who
+        deleted = _as(node, token, "delete", "runtimeclass", "kata-qemu-nvidia-gpu", "--dry-run=server")
+        assert deleted.returncode != 0 and "forbidden" in deleted.stderr.lower(), (who, deleted.stderr)
+        forged = node.cluster.kubectl(
+            "--kubeconfig=/dev/null", f"--server={node.cluster.server}",
+            f"--certificate-authority={node.cluster.ca}", f"--token={token}", "create", "-f", "-",
+            "--dry-run=server", input=yaml.safe_dump({
+                "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                "metadata": {"name": "forged-kata"}, "handler": "runc"}), check=False)
+        assert forged.returncode != 0 and "forbidden" in forged.stderr.lower(), (who, forged.stderr)
+    # Authorization comes before the object is looked up: no other Node need exist. (kubectl
+    # label would read the Node first, which the agent may.)
+    assert _patch_node(node, tokens["sandbox-agent"], "node-b") == 403
+    assert _patch_node(node, tokens["webhook"], "local-node") == 403
+
+
+def _patch_node(node, token: str, name: str) -> int:
+    context = ssl.create_default_context(cafile=str(node.cluster.ca))
+    request = urllib.request.Request(
+        f"{node.cluster.server}/api/v1/nodes/{name}", method="PATCH",
+        data=json.dumps({"metadata": {"labels": {"nvidia.com/gpu.workload.config": "vm-passthrough"}}}).encode(),
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
+    try:
+        with urllib.request.urlopen(request, context=context, timeout=10) as answer:
+            return answer.status
+    except urllib.error.HTTPError as e:
+        return e.code
