@@ -278,6 +278,40 @@ def naming_from(args: argparse.Namespace, config: KataManagerConfig | None = Non
         raise ConfigError(str(exc)) from exc
 
 
+def with_node_kata(naming: Naming, host: HostRoot, config: KataManagerConfig | None) -> Naming:
+    """``naming`` whose selection decides by the Kata release found on the node (its runtimes
+    in containerd's config, ``katamgr.host.katadetect``) where none was typed by hand."""
+    import dataclasses
+
+    from katamgr import kataclasses
+    from katamgr.host import katadetect
+    from katamgr.runtime.settings import DEFAULT_CONFIG_PATH
+
+    found = katadetect.detect(host, config.containerd.config_path if config else DEFAULT_CONFIG_PATH,
+                              artifacts_dir=config.artifacts_dir if config else "")
+    names = [rc.name for rc in config.runtime_classes] if config else kataclasses.DEFAULT_RUNTIME_CLASSES
+    for problem in found.problems:
+        log.info("%s", problem)
+    return dataclasses.replace(naming, selection=katadetect.with_found(naming.selection, found, names))
+
+
+def publish_kata_label(api: object, node_name: str, naming: Naming) -> None:
+    """The node label saying which Kata release its runtimes are (``katadetect.RELEASE_LABEL``),
+    on a node where containerd has Kata runtimes (removed where their release is unknown). A
+    refusal is logged, never fatal."""
+    from katamgr.cluster import set_node_labels
+    from katamgr.host import katadetect
+
+    found = naming.selection.kata_found
+    if found is None or not found.runtimes:
+        return
+    release = katadetect.release_json(found.release)
+    try:
+        set_node_labels(api, node_name, {katadetect.RELEASE_LABEL: release})
+    except KatamgrError as exc:
+        log.warning("%s", exc)
+
+
 @dataclass(frozen=True)
 class NodeSetup:
     """What a command acts with: the steps, the Kata context, the cluster (None: none
@@ -345,6 +379,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     with host_from(args) as host:
+        naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
         plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why)
@@ -359,6 +394,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     with host_from(args) as host:
+        naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
         report = reconcile(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                            wait=args.device_wait,
@@ -402,7 +438,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     with host_from(args) as host:
+        naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
+        if setup.api is not None and args.node_name:
+            publish_kata_label(setup.api, args.node_name, naming)
         events = None
         if setup.api is not None and args.node_name:
             from katamgr.cluster import EventRecorder

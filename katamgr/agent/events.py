@@ -68,3 +68,6 @@ class NodeEvents:
                          f"NVSwitches {', '.join(held)} stay on their drivers: {selection.nvswitch_held_back}")
         if inv.nvswitches and selection.nvswitch_warning:
             self._record("NVSwitchesFailKata", selection.nvswitch_warning, "Warning")
+        if selection.kata_warning:
+            # devices.kataVersion typed by hand, and not the release of the node's Kata runtimes.
+            self._record("KataVersionDisagrees", selection.kata_warning, "Warning")

@@ -169,7 +169,9 @@ class DevicesConfig(_Model):
     kata_version: Annotated[KataRelease, NULL_IS_DEFAULT] = Field(
         default="",
         description="The Kata Containers release the nodes run (containerd-shim-kata-v2 "
-                    "--version), e.g. 3.25.0; empty: unknown, taken as a release before 4.1.")
+                    "--version), e.g. 3.25.0; empty: the agent finds it on each node (its Kata "
+                    "runtimes in containerd's config), unknown to the device plugin and the DRA "
+                    "driver (taken as a release before 4.1). Set, it overrides what the agent finds.")
 
     @property
     def selection(self) -> device_selection.Selection:
