@@ -32,11 +32,18 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from katamgr.k8snames import NVIDIA_CONTAINER_RESOURCES
-from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES, confidential_by_name, not_cc_capable_model
+from katamgr.kataclasses import (
+    PASSTHROUGH_RUNTIME_CLASSES,
+    confidential_by_name,
+    not_cc_capable_model,
+)
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 VOID = "void"
 CONTAINER_GPU_RESOURCES = NVIDIA_CONTAINER_RESOURCES
+# The Kata GPU classes a passthrough pod may use when none are named: the agent's, and
+# kata-deploy's (TDX and runtime-rs included; katamgr.kataclasses).
+DEFAULT_RUNTIME_CLASSES = PASSTHROUGH_RUNTIME_CLASSES
 DEFAULT_PASSTHROUGH = ("nvidia.com/*",)
 
 CONTAINER_LISTS = ("initContainers", "containers")

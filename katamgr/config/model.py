@@ -27,6 +27,7 @@ from katamgr.config.fields import (
     ContainerdVersion,
     DeviceSource,
     ExcludedDevice,
+    KataDeployMode,
     KataRelease,
     NodeSelector,
     NvswitchMode,
@@ -217,6 +218,14 @@ class KataManagerConfig(_Model):
         default_factory=DevicesConfig,
         description="Which PCI devices are passed through (default: NVIDIA GPUs, and NVSwitches "
                     "where the node's Kata cold-plugs them).")
+    kata_deploy: Annotated[KataDeployMode, NULL_IS_DEFAULT] = Field(
+        default="auto",
+        description="Where kata-deploy installed Kata on a node and provides a configured runtime class "
+                    "(a containerd runtime of that name): auto (default) and true use its runtime, pulling "
+                    "no artifacts and registering nothing in containerd for that class, and write only the "
+                    "GPU settings (pcie_root_port, pod_resource_device_sources) as a drop-in in its "
+                    "config.d; true also fails a class kata-deploy does not provide; false always pulls "
+                    "katamgr's own artifacts.")
     pod_resource_device_sources: Annotated[
         tuple[DeviceSource, ...], NULL_IS_DEFAULT,
         Says(expect='it must be a list of "device-plugin" and "dra"'),

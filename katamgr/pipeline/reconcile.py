@@ -137,7 +137,7 @@ def _toolkit_isolation(host: HostRoot, plan: Plan) -> None:
 
 
 def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:
-    return replace(ctx, root_ports=_root_ports(plan))
+    return replace(ctx, root_ports=_root_ports(plan), kata_found=plan.inventory.selection.kata_found)
 
 
 def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
@@ -169,7 +169,8 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         return report
     checked = None
     if steps.kata and kata_ctx is not None:
-        checked = _kata_runtime().preflight(host, kata_ctx, enable_cdi=steps.cdi)
+        checked = _kata_runtime().preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
+                                            enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
     rescan = False
     if steps.vfio:

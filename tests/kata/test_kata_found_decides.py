@@ -60,3 +60,29 @@ def test_passed_through_anyway_the_release_found_fails_an_nvswitch_as_katamgr_wa
     assert any(f"Kata {release} takes an NVSwitch" in w and "will not start" in w for w in plan.warnings)
     switch = node.kata(release, node.admit({"nvidia.com/PCI_22a3": 1}))
     assert (switch.stage, switch.error) == ("sandbox", "unsupported device type")
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_kata_reads_katamgr_s_drop_in_over_kata_deploy_s_config(kata_node, tmp_path, release):
+    """kataDeploy auto: katamgr leaves kata-deploy's config as it is and writes the GPU settings
+    in config.d; Kata's own configuration loader (decodeConfig, which reads config.d after the
+    file) gives the VM as many root ports as the node has passthrough GPUs."""
+    from support.kataconfig import kata_manager_yaml
+
+    from katamgr.config import parse_config
+    from katamgr.pipeline.kata_runtime import KataContext
+    from katamgr.pipeline.reconcile import Steps, reconcile
+
+    profile = dataclasses.replace(find_profile("dgx-h100"), kata=KataInstall("kata-deploy", release, ("go",)))
+    naming = naming_found(profile, tmp_path)
+    node = kata_node(profile, naming)
+    config = parse_config(kata_manager_yaml(("kata-qemu-nvidia-gpu",)))
+    shipped = "/opt/kata/share/defaults/kata-containers/runtimes/qemu-nvidia-gpu/configuration-qemu-nvidia-gpu.toml"
+    before = node.host.path(shipped).read_text()
+    report = reconcile(node.host, naming, Steps(), KataContext(config))
+    assert report.ok, report.failures
+    assert node.host.path(shipped).read_text() == before
+    kata = node.kata(release, node.admit({"nvidia.com/GH100H100_SXM5_80GB": 8}), kata_config=node.host.path(shipped))
+    assert kata.ok, kata.error
+    assert kata.config["cold_plug_vfio"] == "root-port" and kata.config["pcie_root_port"] == 8
+    assert kata.root_ports == 8 and len(kata.plugged) == 8
