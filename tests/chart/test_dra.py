@@ -101,7 +101,8 @@ def test_rbac_is_what_the_driver_calls(chart):
     # The runtime class of the pods a claim is reserved for, read one by one.
     assert role["pods"] == {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}
     assert "pods" not in rules(render(chart, FULL).get("ClusterRole"))
-    assert role["nodes"]["verbs"] == ["get", "watch"]  # its node's workload label
+    # Its node's workload label; patch for the agent's GPU labels (gpuLabels.enabled, the default).
+    assert role["nodes"]["verbs"] == ["get", "watch", "patch"]
 
 
 def test_device_classes_select_this_drivers_devices_by_type(chart, tmp_path):

@@ -108,8 +108,9 @@ def test_rbac_is_least_privilege_for_the_full_agent(chart):
     cluster = granted(rendered.get("ClusterRole"))
     classes = ["kata-gpu", "kata-gpu-cc", "kata-gpu-test"]
     assert cluster == {
-        ("nodes", "get"): None,  # nothing writes the Node
+        ("nodes", "get"): None,
         ("nodes", "watch"): None,  # its own, by field selector: RBAC cannot name a DaemonSet's node
+        ("nodes", "patch"): None,  # its own Node's GPU labels (gpuLabels.enabled, on by default)
         ("runtimeclasses", "list"): None,
         ("runtimeclasses", "create"): None,  # RBAC cannot limit create by name
         ("runtimeclasses", "patch"): classes,
@@ -138,6 +139,19 @@ def test_rbac_is_least_privilege_for_the_full_agent(chart):
                                       "kind": role_kind, "name": RELEASE + suffix}
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE,
                                         "namespace": NAMESPACE}]
+
+
+@pytest.mark.integration
+def test_without_gpu_labels_or_cc_manager_nothing_writes_the_node(chart):
+    rendered = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}}))
+    cluster = granted(rendered.get("ClusterRole"))
+    assert {verb for resource, verb in cluster if resource == "nodes"} == {"get", "watch"}
+    agent = next(c for c in rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "kata-manager")
+    assert "--no-gpu-labels" in agent["args"]
+    default = render(chart, CUSTOM_CLASSES).get("DaemonSet", "-sandbox-agent")
+    agent = next(c for c in default["spec"]["template"]["spec"]["containers"] if c["name"] == "kata-manager")
+    assert "--no-gpu-labels" not in agent["args"]
 
 
 @pytest.mark.integration

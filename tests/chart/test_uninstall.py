@@ -25,7 +25,13 @@ def test_defaults_render_the_hook_objects_as_post_delete_hooks(chart):
     assert hooks == {("ServiceAccount", REVERT), ("ConfigMap", REVERT + "-config"),
                      ("ClusterRole", REVERT), ("ClusterRoleBinding", REVERT),
                      ("Role", REVERT), ("RoleBinding", REVERT),
+                     # gpuLabels.enabled (the default): the revert removes the agent's GPU labels.
+                     ("ClusterRole", REVERT + "-node-labels"), ("ClusterRoleBinding", REVERT + "-node-labels"),
                      ("DaemonSet", REVERT), ("Job", REVERT + "-wait")}
+    assert rendered.get("ClusterRole", "-revert-node-labels")["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    off = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}}))
+    assert not [o for o in off.hooks() if o["metadata"]["name"] == REVERT + "-node-labels"]
     for obj in rendered.hooks():
         annotations = obj["metadata"]["annotations"]
         assert annotations["helm.sh/hook"] == "post-delete"

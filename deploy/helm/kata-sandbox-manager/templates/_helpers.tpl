@@ -62,6 +62,11 @@ DEFAULT_CC_MODE from ccManager.env (NVIDIA's cc-manager reads that), else defaul
 {{- if and .Values.sandboxWorkloads.enabled $cc.enabled }}true{{ end -}}
 {{- end -}}
 
+{{/* The agent publishes the GPU labels (gpuLabels.enabled, on by default): "true" or "". */}}
+{{- define "ksm.gpuLabels" -}}
+{{- if and (include "ksm.agent" .) (dig "enabled" true (.Values.gpuLabels | default dict)) }}true{{ end -}}
+{{- end -}}
+
 {{- define "ksm.ccDefaultMode" -}}
 {{- $cc := include "ksm.block" (list . "ccManager") | fromJson -}}
 {{- $mode := $cc.defaultMode | default "on" -}}
