@@ -294,9 +294,8 @@ def with_node_kata(naming: Naming, host: HostRoot, config: KataManagerConfig | N
 
     from katamgr import kataclasses
     from katamgr.host import katadetect
-    from katamgr.runtime.settings import DEFAULT_CONFIG_PATH
 
-    found = katadetect.detect(host, config.containerd.config_path if config else DEFAULT_CONFIG_PATH,
+    found = katadetect.detect(host, config.containerd.config_path if config else katadetect.CONTAINERD_CONFIG,
                               artifacts_dir=config.artifacts_dir if config else "")
     names = [rc.name for rc in config.runtime_classes] if config else kataclasses.DEFAULT_RUNTIME_CLASSES
     for problem in found.problems:

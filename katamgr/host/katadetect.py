@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 # objects' release katacontainers.io/kata-version, helm-chart/kata-deploy/templates/_helpers.tpl,
 # and marks a node it installed katacontainers.io/kata-runtime=true, binary/src/main.rs).
 RELEASE_LABEL = "katacontainers.io/kata-version"
+# containerd's config where none is configured (katamgr.runtime.settings.DEFAULT_CONFIG_PATH, the
+# same: not imported here, so that a plan loads no TOML editor).
+CONTAINERD_CONFIG = "/etc/containerd/config.toml"
 KATA_DEPLOY_DIR = "/opt/kata"
 KATA_DEPLOY = "kata-deploy"
 KATAMGR = "katamgr"

@@ -226,3 +226,9 @@ def test_a_profile_says_how_kata_is_laid_out():
     for bad in ({"release": "latest"}, {"release": "3.29.0", "shims": ["java"]}, {"installed_by": "apt"}):
         with pytest.raises(ProfileError):
             parse_profile({**base, "kata": bad})
+
+
+def test_the_default_containerd_config_is_the_runtime_layer_s():
+    from katamgr.runtime.settings import DEFAULT_CONFIG_PATH
+
+    assert katadetect.CONTAINERD_CONFIG == DEFAULT_CONFIG_PATH
