@@ -842,6 +842,10 @@ layoutDirs).
 {{- with $kata.insecureRegistries }}
 {{- $_ := set $config "insecureRegistries" . }}
 {{- end }}
+{{- /* kataDeploy: auto (the default, left out), true or false; "with" would drop false. */}}
+{{- if and (hasKey $kata "kataDeploy") (not (kindIs "invalid" $kata.kataDeploy)) }}
+{{- $_ := set $config "kataDeploy" $kata.kataDeploy }}
+{{- end }}
 {{- toYaml $config }}
 {{- end -}}
 
