@@ -107,6 +107,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_log_format_argument(parser)
 
 
+def _gpu_labels_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-gpu-labels", action="store_true",
+                        help="do not publish the GPU labels on the Node (nvidia.com/gpu.product, gpu.family, "
+                             "gpu.count, gpu.memory, cc.capable, as GPU Feature Discovery names them, from pci.ids "
+                             "and sysfs; Helm: gpuLabels.enabled). Published with a node name and a cluster")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="katamgr", description=DESCRIPTION,
@@ -122,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     device_selection.add_arguments(p)
     p.add_argument("--output", choices=("text", "json"), default="text", help="output format (default text)")
     p.add_argument("--force", action="store_true", help="plan as if --force were given to apply")
+    _gpu_labels_argument(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("apply", help="bind GPUs to vfio-pci and write readiness files",
@@ -179,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cc-default-mode", choices=cc.MODES, default=cc.DEFAULT_MODE.value,
                    help="with --cc-manager, the mode of a node without the label (default on, as the GPU "
                         "Operator's ccManager.defaultMode; off on a host without SEV-SNP or TDX)")
+    _gpu_labels_argument(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("simulate", help="materialise a host profile as a host root",
@@ -289,6 +298,39 @@ def naming_from(args: argparse.Namespace, config: KataManagerConfig | None = Non
         raise ConfigError(str(exc)) from exc
 
 
+def with_node_kata(naming: Naming, host: HostRoot, config: KataManagerConfig | None) -> Naming:
+    """``naming`` whose selection decides by the Kata release found on the node (its runtimes
+    in containerd's config, ``katamgr.host.katadetect``) where none was typed by hand."""
+    import dataclasses
+
+    from katamgr import kataclasses
+    from katamgr.host import katadetect
+
+    found = katadetect.detect(host, config.containerd.config_path if config else katadetect.CONTAINERD_CONFIG,
+                              artifacts_dir=config.artifacts_dir if config else "")
+    names = [rc.name for rc in config.runtime_classes] if config else kataclasses.DEFAULT_RUNTIME_CLASSES
+    for problem in found.problems:
+        log.info("%s", problem)
+    return dataclasses.replace(naming, selection=katadetect.with_found(naming.selection, found, names))
+
+
+def publish_kata_label(api: object, node_name: str, naming: Naming) -> None:
+    """The node label saying which Kata release its runtimes are (``katadetect.RELEASE_LABEL``),
+    on a node where containerd has Kata runtimes (removed where their release is unknown). A
+    refusal is logged, never fatal."""
+    from katamgr.cluster import set_node_labels
+    from katamgr.host import katadetect
+
+    found = naming.selection.kata_found
+    if found is None or not found.runtimes:
+        return
+    release = katadetect.release_json(found.release)
+    try:
+        set_node_labels(api, node_name, {katadetect.RELEASE_LABEL: release})
+    except KatamgrError as exc:
+        log.warning("%s", exc)
+
+
 @dataclass(frozen=True)
 class NodeSetup:
     """What a command acts with: the steps, the Kata context, the cluster (None: none
@@ -357,9 +399,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     with host_from(args) as host:
+        naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
         plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
-                         workload_why=setup.workload_why)
+                         workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels)
         if args.output == "json":
             print(json.dumps(plan.to_json(), indent=2))
         else:
@@ -371,6 +414,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     with host_from(args) as host:
+        naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
         report = reconcile(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                            wait=args.device_wait,
@@ -397,9 +441,38 @@ def cmd_revert(args: argparse.Namespace) -> int:
     with host_from(args) as host:
         steps, ctx = steps_and_context(args, host)
         report = revert_all(host, steps, ctx, force=args.force,
-                            delete_runtime_classes=args.delete_runtimeclasses, lock_wait=args.wait)
+                            delete_runtime_classes=args.delete_runtimeclasses, lock_wait=args.wait,
+                            node_labels=_revert_node_labels(args, host, ctx))
         print_report(report, "nothing to revert: katamgr has no changes recorded on this node")
     return 0 if report.ok else 1
+
+
+def _node_labels(api: object, node_name: str, watch=None):
+    """Our Node's labels for the GPU labels: read (from the watch when there is one) and patched."""
+    from katamgr.cluster import set_node_labels
+    from katamgr.node.kube import read_node_labels
+    from katamgr.pipeline.gpulabels import NodeLabels
+
+    def fresh():
+        return read_node_labels(api, node_name)
+
+    return NodeLabels(watch.labels if watch is not None else fresh,
+                      lambda labels: set_node_labels(api, node_name, labels),
+                      fresh if watch is not None else None)
+
+
+def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataContext | None):
+    """The Node's labels to remove the GPU labels katamgr set from: only asked for when it set some."""
+    from katamgr.host import gpulabels
+
+    if not args.node_name or not gpulabels.recorded(host):
+        return None
+    api = ctx.api if ctx is not None and ctx.api is not None else None
+    if api is None:
+        from katamgr.node.apiclient import connect
+
+        api = connect(home_kubeconfig=open_node(host.root) is None)
+    return _node_labels(api, args.node_name) if api is not None else None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -417,7 +490,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     with host_from(args) as host:
+        naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
+        if setup.api is not None and args.node_name:
+            publish_kata_label(setup.api, args.node_name, naming)
         events = None
         if setup.api is not None and args.node_name:
             from katamgr.cluster import EventRecorder
@@ -436,6 +512,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                       events=events, metrics_address=args.metrics_address,
                       read_workload=follower.read if follower else None,
                       node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out,
+                      node_labels=None if args.no_gpu_labels or setup.api is None or not args.node_name
+                      else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
                       **_cc_options(args, setup.api, follower.watch if follower else None))
         return agent.run(once=args.once)
 

@@ -13,9 +13,23 @@ import re
 
 GPU = "kata-qemu-nvidia-gpu"
 GPU_SNP = "kata-qemu-nvidia-gpu-snp"
+GPU_TDX = "kata-qemu-nvidia-gpu-tdx"
 
 # In the order the GPU Operator lists them; the first is the one the webhook injects.
 DEFAULT_RUNTIME_CLASSES: tuple[str, ...] = (GPU, GPU_SNP)
+
+# kata-deploy's NVIDIA GPU runtime classes: its shims qemu-nvidia-gpu, -snp and -tdx, for the
+# Go shim and runtime-rs (the same with -runtime-rs), each registered as kata-<shim>
+# (kata-containers tools/packaging/kata-deploy/binary/src/config.rs shim_handler,
+# artifacts/install.rs ALL_SHIMS).
+KATA_DEPLOY_GPU_CLASSES: tuple[str, ...] = tuple(
+    f"{name}{flavour}" for flavour in ("", "-runtime-rs") for name in (GPU, GPU_SNP, GPU_TDX))
+
+# The classes a passthrough pod may use (admission) and whose pods' claims the DRA driver
+# prepares, where nothing names them: the agent's defaults first (the webhook injects the
+# first), then the rest of kata-deploy's GPU classes. The agent creates only its defaults.
+PASSTHROUGH_RUNTIME_CLASSES: tuple[str, ...] = (
+    *DEFAULT_RUNTIME_CLASSES, *(c for c in KATA_DEPLOY_GPU_CLASSES if c not in DEFAULT_RUNTIME_CLASSES))
 
 # Confidential classes: their VMs are AMD SEV-SNP or Intel TDX guests, which need their GPUs
 # in CC mode (kata-deploy's qemu-nvidia-gpu-snp and qemu-nvidia-gpu-tdx shims). A class the

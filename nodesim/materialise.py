@@ -17,7 +17,7 @@ from pathlib import Path
 
 from katamgr.errors import ConfigError
 from katamgr.host.root import HostRoot
-from nodesim import gpuregs, kernel, pcifiles, udev
+from nodesim import gpuregs, katadeploy, kernel, pcifiles, udev
 from nodesim.profile import HostProfile, ProfileDevice
 
 
@@ -85,6 +85,8 @@ def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bo
             kernel.on_vfio_bound(host, dev.bdf)
     _create_proc(host, profile)
     _create_kernel_files(host, profile)
+    if profile.kata is not None:
+        katadeploy.lay_out(host, profile.kata)
     if real_device_nodes:
         udev.sync(host)
     return host

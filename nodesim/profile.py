@@ -14,6 +14,7 @@ import yaml
 
 from katamgr.errors import ConfigError
 from katamgr.host.pci import BDF_RE
+from nodesim.katadeploy import GO, SHIMS, KataInstall
 
 VFIO_STATES = ("loaded", "loadable", "missing")
 
@@ -65,6 +66,8 @@ class HostProfile:
     modules_alias: tuple[tuple[str, str], ...] = ()
     # Whether the host CPU runs confidential VMs (kvm_amd sev_snp or kvm_intel tdx set).
     cc_host: str | None = None
+    # Kata as kata-deploy installs it (``nodesim.katadeploy``); None: no Kata on the node.
+    kata: KataInstall | None = None
 
 
 _DEVICE_KEYS = {
@@ -72,7 +75,9 @@ _DEVICE_KEYS = {
     "subsystem_vendor", "subsystem_device", "minor", "cc_mode", "ppcie_mode", "pcie",
 }
 _TOP_KEYS = {"name", "description", "iommu", "iommufd", "vfio_pci", "devices", "processes", "modules_alias",
-             "cc_host"}
+             "cc_host", "kata"}
+_KATA_KEYS = {"installed_by", "release", "shims"}
+KATA_INSTALLERS = ("kata-deploy",)
 CC_MODES = ("off", "on", "devtools")
 PPCIE_MODES = ("off", "on")
 CC_HOSTS = ("snp", "tdx")
@@ -127,7 +132,25 @@ def parse_profile(data: Any, source: str = "profile") -> HostProfile:
         processes=processes,
         modules_alias=aliases,
         cc_host=cc_host,
+        kata=None if data.get("kata") is None else _kata(data["kata"], f"{source}: kata"),
     )
+
+
+def _kata(raw: Any, where: str) -> KataInstall:
+    """``kata: {installed_by: kata-deploy, release: 3.29.0, shims: [go, runtime-rs]}``."""
+    if not isinstance(raw, dict) or set(raw) - _KATA_KEYS:
+        raise ProfileError(f"{where} must be a mapping of {', '.join(sorted(_KATA_KEYS))}")
+    installed_by = raw.get("installed_by", "kata-deploy")
+    if installed_by not in KATA_INSTALLERS:
+        raise ProfileError(f"{where}.installed_by {installed_by!r} must be one of {', '.join(KATA_INSTALLERS)}")
+    release = str(raw.get("release", ""))
+    parts = release.split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ProfileError(f"{where}.release {release!r} must be a Kata release such as 3.29.0")
+    shims = raw.get("shims", [GO])
+    if not isinstance(shims, list) or not shims or any(s not in SHIMS for s in shims):
+        raise ProfileError(f"{where}.shims must be a list of {', '.join(SHIMS)}")
+    return KataInstall(installed_by, release, tuple(dict.fromkeys(shims)))
 
 
 def _alias(raw: Any, where: str) -> tuple[str, str]:

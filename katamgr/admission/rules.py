@@ -53,9 +53,16 @@ from katamgr.admission.podparts import (
     spec_of,
 )
 from katamgr.k8snames import NVIDIA_CONTAINER_RESOURCES
-from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES, confidential_by_name, not_cc_capable_model
+from katamgr.kataclasses import (
+    PASSTHROUGH_RUNTIME_CLASSES,
+    confidential_by_name,
+    not_cc_capable_model,
+)
 
 CONTAINER_GPU_RESOURCES = NVIDIA_CONTAINER_RESOURCES
+# The Kata GPU classes a passthrough pod may use when none are named: the agent's, and
+# kata-deploy's (TDX and runtime-rs included; katamgr.kataclasses).
+DEFAULT_RUNTIME_CLASSES = PASSTHROUGH_RUNTIME_CLASSES
 DEFAULT_PASSTHROUGH = ("nvidia.com/*",)
 # The handlers of Kata's shims (containerd-shim-kata-v2's runtime names: kata, kata-qemu-*,
 # kata-clh, kata-qemu-nvidia-gpu-snp ...), as kata-deploy registers them with containerd.

@@ -57,6 +57,15 @@ class NodeEvents:
         self._record("CcModeSwitchFailed" if failed else "CcModeSwitched", summary,
                      "Warning" if failed else "Normal")
 
+    def gpu_labels(self, report: Report) -> None:
+        """The GPU labels set, or left to another writer (GFD, NFD) that set them otherwise."""
+        if report.changes:
+            self._record("GpuLabelsSet", "; ".join(report.changes))
+        if report.warnings:
+            self._record("GpuLabelsLeft", "; ".join(report.warnings), "Warning")
+        if report.failures:
+            self._record("GpuLabelsFailed", "; ".join(report.failures), "Warning")
+
     def nvswitches(self, inv: Inventory) -> None:
         """What the node does with its NVSwitches, where its Kata cannot cold-plug them:
         kept on the host (``--nvswitches auto``), or passed through at the operator's word."""
@@ -68,3 +77,6 @@ class NodeEvents:
                          f"NVSwitches {', '.join(held)} stay on their drivers: {selection.nvswitch_held_back}")
         if inv.nvswitches and selection.nvswitch_warning:
             self._record("NVSwitchesFailKata", selection.nvswitch_warning, "Warning")
+        if selection.kata_warning:
+            # devices.kataVersion typed by hand, and not the release of the node's Kata runtimes.
+            self._record("KataVersionDisagrees", selection.kata_warning, "Warning")

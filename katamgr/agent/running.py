@@ -10,6 +10,7 @@ from katamgr.agent import drift
 from katamgr.agent.ccmode import CcModes
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.giveback import GiveBacks
+from katamgr.agent.gpulabels import GpuLabels
 from katamgr.agent.health import Health, readiness
 from katamgr.agent.loop import keep
 from katamgr.agent.metrics import AgentMetrics
@@ -23,6 +24,7 @@ from katamgr.host.workload import Operand, Resolution, Workload
 from katamgr.node.metrics_server import MetricsServer
 from katamgr.node.process import stop_on_signals
 from katamgr.node.watching import Watcher
+from katamgr.pipeline.gpulabels import NodeLabels
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, revert_all
 from katamgr.pipeline.report import Report
@@ -35,7 +37,8 @@ class Agent:
     """``katamgr run``. ``events``: a ``katamgr.cluster.EventRecorder`` (None without a
     cluster); ``read_workload``: the node's workload and opt-outs now (None: not followed);
     ``node_watch``: a ``katamgr.node.kube.NodeLabelWatch`` that keeps the labels and wakes
-    the loop when they change (without one they are read every check)."""
+    the loop when they change (without one they are read every check); ``node_labels``: the
+    Node's labels, to publish the GPU labels on (None: not published)."""
 
     def __init__(self, host: HostRoot, naming: Naming, steps: Steps, ctx: KataContext | None, *,
                  force: bool = False, wait: float = 5.0, repull_interval: float = 3600.0,
@@ -46,7 +49,8 @@ class Agent:
                  node_watch=None, opted_out: frozenset[Operand] = frozenset(),
                  cc_default_mode: CcMode | None = None, read_labels: Callable[[], Mapping[str, str]] | None = None,
                  publish_labels: Callable[[dict[str, str | None]], None] | None = None,
-                 read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None):
+                 read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None,
+                 node_labels: NodeLabels | None = None):
         self.target = Target(host, naming, steps, ctx, opted_out, force=force, wait=wait, lock_wait=lock_wait)
         self.repull_interval = repull_interval
         self.check_interval = check_interval
@@ -64,6 +68,7 @@ class Agent:
                                self.reconcile, read_workload)
         self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=cc_default_mode,
                           read_labels=read_labels, publish=publish_labels, read_resources=read_resources)
+        self.gpu_labels = GpuLabels(self.target, self.events, node_labels)
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=retry_initial, retry_max=retry_max)
 
@@ -80,6 +85,9 @@ class Agent:
 
     def follow_cc(self) -> bool:
         return self.cc.follow()
+
+    def follow_gpu_labels(self) -> None:
+        self.gpu_labels.follow()
 
     def switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
         return self.switcher.switch(workload, out)
@@ -109,8 +117,10 @@ class Agent:
         try:
             first = self.reconcile("start", raise_errors=once)
             self.follow_cc()
+            labelled = self.gpu_labels.follow()
             if once:
-                return 0 if first.ok and (self.cc.last is None or self.cc.last.ok) else 1
+                return 0 if first.ok and (self.cc.last is None or self.cc.last.ok) \
+                    and (labelled is None or labelled.ok) else 1
             stop_on_signals(self.request_stop, log)
             self._loop_and_revert()
         finally:
@@ -128,7 +138,7 @@ class Agent:
                 log.info("reverting on exit (--revert-on-exit)")
                 t = self.target
                 log_report(revert_all(t.host, t.steps, t.ctx, lock_wait=t.lock_wait,
-                                      command="katamgr run --revert-on-exit"), log)
+                                      command="katamgr run --revert-on-exit", node_labels=self.gpu_labels.node), log)
 
     def loop(self) -> None:
         watcher = self._watcher = Watcher()

@@ -274,6 +274,8 @@ NvswitchMode = Annotated[
     bool | Literal["auto"], BeforeValidator(_nvswitches),
     WithJsonSchema({"anyOf": [{"type": "boolean"}, {"type": "string", "enum": ["auto"]}]}),
 ]
+# The same three values for "use the runtimes kata-deploy installed on a node" (kataDeploy).
+KataDeployMode = NvswitchMode
 KataRelease = Annotated[
     str, _text(_kata_release_problem),
     WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0},

@@ -27,6 +27,7 @@ from katamgr.config.fields import (
     ContainerdVersion,
     DeviceSource,
     ExcludedDevice,
+    KataDeployMode,
     KataRelease,
     NodeSelector,
     NvswitchMode,
@@ -169,7 +170,9 @@ class DevicesConfig(_Model):
     kata_version: Annotated[KataRelease, NULL_IS_DEFAULT] = Field(
         default="",
         description="The Kata Containers release the nodes run (containerd-shim-kata-v2 "
-                    "--version), e.g. 3.25.0; empty: unknown, taken as a release before 4.1.")
+                    "--version), e.g. 3.25.0; empty: the agent finds it on each node (its Kata "
+                    "runtimes in containerd's config), unknown to the device plugin and the DRA "
+                    "driver (taken as a release before 4.1). Set, it overrides what the agent finds.")
 
     @property
     def selection(self) -> device_selection.Selection:
@@ -215,6 +218,14 @@ class KataManagerConfig(_Model):
         default_factory=DevicesConfig,
         description="Which PCI devices are passed through (default: NVIDIA GPUs, and NVSwitches "
                     "where the node's Kata cold-plugs them).")
+    kata_deploy: Annotated[KataDeployMode, NULL_IS_DEFAULT] = Field(
+        default="auto",
+        description="Where kata-deploy installed Kata on a node and provides a configured runtime class "
+                    "(a containerd runtime of that name): auto (default) and true use its runtime, pulling "
+                    "no artifacts and registering nothing in containerd for that class, and write only the "
+                    "GPU settings (pcie_root_port, pod_resource_device_sources) as a drop-in in its "
+                    "config.d; true also fails a class kata-deploy does not provide; false always pulls "
+                    "katamgr's own artifacts.")
     pod_resource_device_sources: Annotated[
         tuple[DeviceSource, ...], NULL_IS_DEFAULT,
         Says(expect='it must be a list of "device-plugin" and "dra"'),

@@ -103,3 +103,8 @@ def left_out(inv: Inventory, group: int, head: Device) -> list[str]:
     if head.bdf not in given:
         return []
     return [d.bdf for d in inv.members(group) if d.on_vfio and not d.is_bridge and d.bdf not in given]
+
+
+def release_json(release: KataRelease) -> str | None:
+    """``3.29.0`` for a known release (JSON and node labels), None for an unknown one."""
+    return ".".join(map(str, release.version)) if release.version is not None else None

@@ -29,8 +29,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
+from typing import Any
 
 import cdi
 from katamgr import k8snames
@@ -121,6 +122,10 @@ class Selection:
     exclude: tuple[ExcludeRule, ...] = ()
     nvswitches: str = "auto"
     kata: KataRelease = UNKNOWN
+    # The Kata runtimes found on the node (``katamgr.host.katadetect.KataOnNode``; None: not
+    # looked for), and why the release typed by hand is not theirs ("": it is, or none typed).
+    kata_found: Any = field(default=None, compare=False)
+    kata_warning: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         # Two resources for one device would advertise it twice: refuse, naming both.
@@ -328,7 +333,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         KATA_VERSION_FLAG, default=None, metavar="RELEASE",
         help="the Kata Containers release the node runs (containerd-shim-kata-v2 --version), e.g. "
-             "3.25.0; what its cold-plug can take (default: unknown, taken as a release before 4.1)")
+             "3.25.0; what its cold-plug can take (default: katamgr finds it in containerd's config; the "
+             "device plugin takes it as a release before 4.1)")
 
 
 def from_arguments(args: argparse.Namespace, base: Selection = DEFAULT_SELECTION) -> Selection:

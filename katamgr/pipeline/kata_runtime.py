@@ -36,6 +36,7 @@ from katamgr.artifacts import (
 )
 from katamgr.config import KataManagerConfig, RuntimeClassConfig
 from katamgr.errors import ConfigError, KatamgrError
+from katamgr.host import katadetect
 from katamgr.host.files import remove_stale_temps
 from katamgr.host.root import HostRoot
 from katamgr.pipeline.plan import PlanSection
@@ -47,7 +48,13 @@ from katamgr.runtime import (
     revert_containerd,
     transform_kata_config,
 )
-from katamgr.runtime.kata_config import installed_cold_plug_gaps, rendered_config
+from katamgr.runtime.kata_config import (
+    drop_in_path,
+    installed_cold_plug_gaps,
+    remove_gpu_drop_ins,
+    rendered_config,
+    write_gpu_drop_in,
+)
 
 if TYPE_CHECKING:  # the client is imported only where a cluster is talked to
     from kubernetes.client import ApiClient
@@ -62,10 +69,31 @@ class KataContext:
     namespace: str = "default"
     root_ports: int = 0  # passthrough GPUs + NVSwitches on this node
     deadlines: Deadlines = DEFAULT_DEADLINES  # every registry transfer ends by these
+    # The Kata runtimes found on the node (katadetect.KataOnNode; None: not looked for).
+    kata_found: katadetect.KataOnNode | None = None
     # False (katamgr --no-runtime-classes): someone else owns the cluster's RuntimeClasses,
     # the chart (Helm) when the chart runs katamgr, so no step applies, updates or deletes
     # one and this identity needs no RuntimeClass rights.
     manage_runtime_classes: bool = True
+
+
+def kata_deploy_runtime(ctx: KataContext, name: str) -> katadetect.FoundRuntime | None:
+    """kata-deploy's runtime that serves runtime class ``name`` on this node, where the config
+    lets katamgr use it (``kataDeploy``: auto or true): its containerd runtime of that name,
+    its config under kata-deploy's /opt/kata (where katamgr may put a drop-in)."""
+    if ctx.config.kata_deploy is False or ctx.kata_found is None:
+        return None
+    return next((r for r in ctx.kata_found.runtimes
+                 if r.name == name and r.installed_by == katadetect.KATA_DEPLOY and r.config_path
+                 and r.config_path.startswith(katadetect.KATA_DEPLOY_DIR + "/")), None)
+
+
+def _kata_deploy_missing(ctx: KataContext, name: str) -> str | None:
+    """Why runtime class ``name`` fails with ``kataDeploy: true`` (kata-deploy does not provide it)."""
+    if ctx.config.kata_deploy is not True or kata_deploy_runtime(ctx, name) is not None:
+        return None
+    return (f"runtime class {name}: kataDeploy is true but kata-deploy registered no runtime {name} on this "
+            "node; install it with kata-deploy or set kataDeploy to auto")
 
 
 def class_dir(config: KataManagerConfig, name: str) -> str:
@@ -122,10 +150,23 @@ def runtimes(host: HostRoot, ctx: KataContext, names: list[str] | None = None) -
 def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> list[PlanSection]:
     config = ctx.config
     artifacts, lines = [], []
+    theirs = []
     for rc in config.runtime_classes:
         record = read_install(host.path(class_dir(config, rc.name)))
         entry = {"runtimeClass": rc.name, "ref": rc.artifacts.url, "dir": class_dir(config, rc.name)}
-        if record is None:
+        provided = kata_deploy_runtime(ctx, rc.name)
+        missing = _kata_deploy_missing(ctx, rc.name)
+        if provided is not None:
+            theirs.append(rc.name)
+            drop_in = host.host_path(drop_in_path(host, provided.config_path))
+            entry |= {"action": "kata-deploy", "installedDigest": None, "configPath": provided.config_path,
+                      "dropIn": drop_in}
+            lines.append(f"use kata-deploy's runtime {rc.name} ({provided.release}, {provided.flavour}): pull "
+                         f"nothing; write the GPU settings to {drop_in}")
+        elif missing:
+            entry |= {"action": "fail", "installedDigest": None}
+            lines.append(missing)
+        elif record is None:
             entry |= {"action": "pull", "installedDigest": None}
             lines.append(f"pull {rc.artifacts.url} into {entry['dir']}")
         else:
@@ -143,7 +184,8 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
                             pending=any(a["action"] == "pull" for a in artifacts))]
 
     entries = runtimes(host, ctx)
-    missing = [rc.name for rc in config.runtime_classes if rc.name not in {r.name for r in entries}]
+    missing = [rc.name for rc in config.runtime_classes
+               if rc.name not in {r.name for r in entries} and rc.name not in theirs]
     change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
                                   enable_cdi=enable_cdi, dry_run=True)
     data = {"path": change.path, "mode": change.mode, "version": change.version, "changed": change.changed,
@@ -152,6 +194,8 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
     lines += [f"  {line}" for line in change.diff.splitlines()]
     if missing:
         lines.append(f"runtimes added once their artifacts are installed: {', '.join(missing)}")
+    if theirs:
+        lines.append(f"runtimes kata-deploy registered, left as they are: {', '.join(theirs)}")
     sections.append(PlanSection("containerd", "containerd", data, lines, pending=change.changed or bool(missing)))
 
     sections.append(_runtime_classes_section(ctx))
@@ -211,6 +255,12 @@ def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> d
     needed: dict[Path, int] = {}
     checked: dict[str, Checked] = {}
     for rc in config.runtime_classes:
+        if kata_deploy_runtime(ctx, rc.name) is not None:
+            continue  # kata-deploy's: nothing to pull
+        missing = _kata_deploy_missing(ctx, rc.name)
+        if missing:
+            blocked.append(missing)
+            continue
         dest = host.path(class_dir(config, rc.name))
         try:
             pull = _pull(host, ctx, rc)
@@ -273,6 +323,14 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
     config = ctx.config
     ready: list[str] = []
     for rc in config.runtime_classes:
+        provided = kata_deploy_runtime(ctx, rc.name)
+        if provided is not None:
+            report.merge(_kata_deploy_settings(host, ctx, rc.name, provided))
+            continue
+        missing = _kata_deploy_missing(ctx, rc.name)
+        if missing:
+            report.failures.append(missing)
+            continue
         dest = host.path(class_dir(config, rc.name))
         try:
             found = (checked or {}).get(rc.name)
@@ -334,6 +392,23 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
     return report
 
 
+def _kata_deploy_settings(host: HostRoot, ctx: KataContext, name: str,
+                          provided: katadetect.FoundRuntime) -> Report:
+    """Runtime class ``name`` is kata-deploy's runtime: only our GPU settings, as a drop-in beside
+    its config (its files, its containerd entry and its shim stay as kata-deploy left them)."""
+    report = Report()
+    try:
+        kata = write_gpu_drop_in(host, provided.config_path, root_ports=ctx.root_ports,
+                                 device_sources=ctx.config.pod_resource_device_sources)
+    except (KatamgrError, OSError) as exc:
+        report.failures.append(f"runtime class {name} (kata-deploy's): {exc}")
+        return report
+    if kata.changed:
+        report.changes.append(f"{kata.config_path} (kata-deploy's {name}): " + "; ".join(kata.changes))
+        report.warnings += [f"runtime class {name}: {gap}" for gap in kata.cold_plug_gaps]
+    return report
+
+
 def _reload(host: HostRoot, config: KataManagerConfig, purpose: str) -> Report:
     report = Report()
     result = reload_containerd(host, config.containerd.restart_mode, socket_path=config.containerd.socket,
@@ -390,6 +465,8 @@ def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = F
     if change.changed:
         report.changes.append(f"restored {change.path}")
         report.merge(_reload(host, config, "drop the Kata runtimes"))
+    # Our GPU settings beside kata-deploy's configs (the drop-ins only: its own files stay).
+    report.changes += [f"removed {p}" for p in remove_gpu_drop_ins(host, katadetect.KATA_DEPLOY_DIR)]
     for rc in config.runtime_classes:
         # Only dirs holding our install record: never a dir someone else filled.
         if remove_install(host.path(class_dir(config, rc.name))):

@@ -168,8 +168,23 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
         decisions=decisions,
         inventory=inv,
         warnings=([w for decision in decisions for w in decision.warnings] + _selection_warnings(inv, decisions)
-                  + warnings),
+                  + warnings + ([inv.selection.kata_warning] if inv.selection.kata_warning else [])),
+        sections=_kata_found(inv),
     )
+
+
+def _kata_found(inv: Inventory) -> list[PlanSection]:
+    """The Kata runtimes found on the node (``katamgr.host.katadetect``), where they were looked for."""
+    found = inv.selection.kata_found
+    if found is None:
+        return []
+    lines = [f"deciding: {inv.selection.kata}" + (" (typed by hand)" if inv.selection.kata != found.release
+                                                   else "")]
+    lines += [r.line() for r in found.runtimes] or ["no Kata runtime is registered with containerd"]
+    lines += [f"note: {p}" for p in found.problems]
+    return [PlanSection("kata_found", "Kata found on the node", {**found.to_json(),
+                                                                 "deciding": kata.release_json(inv.selection.kata)},
+                        lines)]
 
 
 def _cc_modes(host: HostRoot, inv: Inventory, decisions: list[GroupDecision]) -> dict[str, cc.GpuMode]:

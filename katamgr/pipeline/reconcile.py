@@ -26,7 +26,7 @@ from katamgr.node.podresources import (
     wait_not_offered,
 )
 from katamgr.node.toolkit import isolation_problem, read_toolkit_config, toml_value
-from katamgr.pipeline import cdi_specs
+from katamgr.pipeline import cdi_specs, gpulabels
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import LeaveReport, Report
@@ -82,9 +82,13 @@ def _kata_runtime():
 
 
 def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None,
-              *, force: bool = False, workload_why: str = "") -> Plan:
+              *, force: bool = False, workload_why: str = "", gpu_labels: bool | None = None) -> Plan:
+    """``gpu_labels``: show the GPU labels the agent publishes (False: say they are off; None:
+    no section)."""
     plan = build_plan(host, naming, force=force)
     plan.workload = {"mode": steps.workload.value, "why": workload_why}
+    if gpu_labels is not None:
+        plan.sections.append(gpulabels.plan_section(host, plan.inventory, naming, enabled=gpu_labels))
     if not steps.passthrough:
         _not_passthrough(host, plan, steps.workload)
         return plan
@@ -137,7 +141,7 @@ def _toolkit_isolation(host: HostRoot, plan: Plan) -> None:
 
 
 def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:
-    return replace(ctx, root_ports=_root_ports(plan))
+    return replace(ctx, root_ports=_root_ports(plan), kata_found=plan.inventory.selection.kata_found)
 
 
 def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
@@ -169,7 +173,8 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         return report
     checked = None
     if steps.kata and kata_ctx is not None:
-        checked = _kata_runtime().preflight(host, kata_ctx, enable_cdi=steps.cdi)
+        checked = _kata_runtime().preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
+                                            enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
     rescan = False
     if steps.vfio:
@@ -189,12 +194,14 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
 
 def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool = False,
                delete_runtime_classes: bool = False, lock_wait: float = DEFAULT_LOCK_WAIT,
-               command: str = "katamgr revert") -> Report:
+               command: str = "katamgr revert", node_labels: gpulabels.NodeLabels | None = None) -> Report:
     """Undo in the reverse order, holding the node lock: cluster and containerd first,
-    devices last. A revert that leaves nothing recorded removes the lock file too."""
+    devices last. A revert that leaves nothing recorded removes the lock file too.
+    ``node_labels``: our Node's labels, to remove the GPU labels katamgr set."""
     with node_lock(host, command, lock_wait):
-        report = _revert_all(host, steps, kata_ctx, force=force,
-                             delete_runtime_classes=delete_runtime_classes)
+        report = gpulabels.revert(host, node_labels)
+        report.merge(_revert_all(host, steps, kata_ctx, force=force,
+                                 delete_runtime_classes=delete_runtime_classes))
         tidy_state_dir(host)
         return report
 

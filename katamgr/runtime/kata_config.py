@@ -204,3 +204,98 @@ def rendered_config(host: HostRoot, artifact_dir: Path) -> Path | None:
         return None
     rendered = Path(artifact_dir) / RENDERED_DIR / shipped.name
     return rendered if rendered.is_file() else None
+
+
+# ---- a runtime kata-deploy installed: our GPU settings as a drop-in ------------------
+
+# Kata reads every file of ``config.d`` beside its configuration after it, in name order, each
+# key overriding the file's (``src/runtime/pkg/katautils/config.go`` ``decodeDropIns``, Kata 3.x
+# and 4.x; runtime-rs: ``src/libs/kata-types/src/config/drop_in.rs``). kata-deploy writes its
+# own as 10- to 30-; ours comes after them, and is the only file katamgr writes there.
+DROP_IN_DIR = "config.d"
+DROP_IN_NAME = "90-kata-sandbox-manager.toml"
+
+
+def drop_in_path(host: HostRoot, config_path: str) -> Path:
+    """Where our drop-in for the Kata config ``config_path`` (a host path) goes."""
+    return host.path(config_path).parent / DROP_IN_DIR / DROP_IN_NAME
+
+
+def _effective(host: HostRoot, config_path: str) -> dict:
+    """The Kata config as Kata reads it, less our drop-in: the file, then its other drop-ins."""
+    local = host.path(config_path)
+    try:
+        doc = plain(tomlkit.parse(local.read_text()))
+    except OSError as exc:
+        raise KatamgrError(f"Kata config {config_path} cannot be read ({exc.strerror or exc})") from exc
+    except TOMLKitError as exc:
+        raise KatamgrError(f"Kata config {config_path} is not valid TOML ({exc})") from exc
+    directory = local.parent / DROP_IN_DIR
+    for drop_in in sorted(directory.iterdir()) if directory.is_dir() else ():
+        if drop_in.name == DROP_IN_NAME or not drop_in.is_file():
+            continue
+        try:
+            extra = plain(tomlkit.parse(drop_in.read_text()))
+        except (OSError, TOMLKitError):
+            continue  # Kata fails on it too; that is kata-deploy's to say
+        for section, table in extra.items():
+            if isinstance(table, dict) and isinstance(doc.get(section), dict):
+                for name, values in table.items():
+                    if isinstance(values, dict) and isinstance(doc[section].get(name), dict):
+                        doc[section][name] = {**doc[section][name], **values}
+                    else:
+                        doc[section][name] = values
+            else:
+                doc[section] = table
+    return doc
+
+
+def write_gpu_drop_in(host: HostRoot, config_path: str, root_ports: int = 0,
+                      device_sources: tuple[str, ...] = DEFAULT_SOURCES) -> KataConfigResult:
+    """The GPU settings ``transform_kata_config`` renders into our own configs, for a Kata config
+    someone else installed (``config_path``, a host path): written as our drop-in beside it,
+    never into its files. ``pcie_root_port`` is raised for each hypervisor that plugs VFIO on
+    root ports (never lowered); ``[runtime] pod_resource_device_sources`` set."""
+    doc = _effective(host, config_path)
+    hypervisors = doc.get("hypervisor")
+    if not isinstance(hypervisors, dict) or not hypervisors:
+        raise KatamgrError(f"Kata config {config_path} has no [hypervisor.*] table")
+    out = tomlkit.document()
+    out.add(tomlkit.comment(f"Written by kata-sandbox-manager for {config_path} (installed by another tool, left "
+                            "as it is): the GPU settings. Removed by katamgr revert."))
+    changes: list[str] = []
+    for name, table in hypervisors.items():
+        if not isinstance(table, dict) or not any(table.get(k) == ROOT_PORT for k in PLUG_KEYS):
+            continue
+        current = table.get("pcie_root_port", 0)
+        current = current if isinstance(current, int) else 0
+        if root_ports > current:
+            section = tomlkit.table()
+            section["pcie_root_port"] = root_ports
+            out.setdefault("hypervisor", tomlkit.table(is_super_table=True))[name] = section
+            changes.append(f"hypervisor.{name}.pcie_root_port: {current} -> {root_ports}")
+    runtime = doc.get("runtime") if isinstance(doc.get("runtime"), dict) else {}
+    wanted = list(device_sources)
+    if runtime.get(SOURCES_KEY) != wanted:
+        changes.append(f"runtime.{SOURCES_KEY}: {runtime.get(SOURCES_KEY)} -> {wanted}")
+    section = tomlkit.table()
+    section[SOURCES_KEY] = wanted
+    out["runtime"] = section
+    local = drop_in_path(host, config_path)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    changed = write_atomic(local, tomlkit.dumps(out))
+    where = host.host_path(local)
+    if changed:
+        log.info("Kata config drop-in %s (for %s): %s", where, config_path, "; ".join(changes) or "written")
+    gaps = tuple(cold_plug_gaps(doc, f"Kata config {config_path}"))
+    return KataConfigResult(where, changed, (tuple(changes) or ("GPU settings",)) if changed else (), gaps)
+
+
+def remove_gpu_drop_ins(host: HostRoot, under: str) -> list[str]:
+    """Remove every drop-in of ours below ``under`` (a host path); the host paths removed."""
+    base = host.path(under)
+    removed = []
+    for local in sorted(base.rglob(f"{DROP_IN_DIR}/{DROP_IN_NAME}")) if base.is_dir() else ():
+        local.unlink()
+        removed.append(host.host_path(local))
+    return removed

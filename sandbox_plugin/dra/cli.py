@@ -15,7 +15,7 @@ from katamgr.host import selection as device_selection
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import WORKLOADS, NoCluster, Workload, resolve_workload
 from katamgr.k8snames import is_dns1123_subdomain
-from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES
+from katamgr.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
 from katamgr.node.process import (
     add_log_format_argument,
     report_error,
@@ -51,7 +51,7 @@ out of the sandbox device plugin (nvidia.com/gpu.deploy.sandbox-device-plugin=fa
 otherwise it is deleted, and put back when the label asks again.
 
 A claim is prepared only for pods in a Kata runtime class (--kata-runtime-class,
-default {", ".join(DEFAULT_RUNTIME_CLASSES)}): a runc container given the CDI
+default {", ".join(PASSTHROUGH_RUNTIME_CLASSES)}): a runc container given the CDI
 names would get the raw VFIO device. --any-runtime-class turns the check off.
 
 Needs the Kubernetes API (in-cluster, else a kubeconfig): get on resourceclaims and
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{', '.join(WORKLOADS)} (default: what the host shows)")
     parser.add_argument("--kata-runtime-class", action="append", default=[], metavar="NAME",
                         help="a runtime class whose pods may be prepared claims of this driver "
-                             f"(repeatable; default: {', '.join(DEFAULT_RUNTIME_CLASSES)})")
+                             f"(repeatable; default: {', '.join(PASSTHROUGH_RUNTIME_CLASSES)})")
     parser.add_argument("--any-runtime-class", action="store_true",
                         help="prepare claims for pods of any runtime class (a runc pod then gets "
                              "the raw VFIO device)")
@@ -104,7 +104,7 @@ def runtime_classes_from(args: argparse.Namespace) -> frozenset[str] | None:
         if args.kata_runtime_class:
             raise UsageError("--any-runtime-class and --kata-runtime-class contradict each other; give one")
         return None
-    names = frozenset(args.kata_runtime_class or DEFAULT_RUNTIME_CLASSES)
+    names = frozenset(args.kata_runtime_class or PASSTHROUGH_RUNTIME_CLASSES)
     for name in sorted(names):
         if not is_dns1123_subdomain(name):
             raise UsageError(f"--kata-runtime-class {name!r} is not a RuntimeClass name (a DNS subdomain)")

@@ -28,7 +28,10 @@ def args(rendered) -> list[str]:
 def test_off_by_default_no_cc_arguments_and_no_node_patch(chart):
     rendered = render(chart, SANDBOX)
     assert "--cc-manager" not in args(rendered)
-    assert rules(rendered.get("ClusterRole", "-sandbox-agent"))["nodes"]["verbs"] == ["get", "watch"]
+    # The GPU labels (gpuLabels.enabled, on by default) patch the Node; off, nothing does.
+    assert rules(rendered.get("ClusterRole", "-sandbox-agent"))["nodes"]["verbs"] == ["get", "watch", "patch"]
+    no_labels = render(chart, merged(SANDBOX, {"gpuLabels": {"enabled": False}}))
+    assert rules(no_labels.get("ClusterRole", "-sandbox-agent"))["nodes"]["verbs"] == ["get", "watch"]
 
 
 def test_the_gpu_operators_block_is_honoured(chart):

@@ -64,3 +64,15 @@ def test_the_kata_config_reads_claims_exactly_when_the_dra_driver_serves_the_dev
 
     assert sources(FULL) == ["device-plugin"]
     assert sources({**FULL, "dra": {"enabled": True}}) == ["device-plugin", "dra"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("value", [False, True, "auto"])
+def test_kata_deploy_reaches_the_agent_s_config(chart, value):
+    """kataManager.config.kataDeploy (docs/devices.md#working-with-kata-deploy), false included."""
+    from katamgr.config import parse_config
+
+    text = render(chart, merged(FULL, {"kataManager": {"config": {"kataDeploy": value}}})) \
+        .get("ConfigMap", "-config")["data"]["config.yaml"]
+    assert yaml.safe_load(text)["kataDeploy"] == value
+    assert parse_config(text).kata_deploy == value

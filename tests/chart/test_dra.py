@@ -17,6 +17,8 @@ from support.chartkit import (
     rules,
 )
 
+from katamgr.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
+
 DRIVER = "passthrough.kata-sandbox-manager.io"
 DRA = merged(FULL, {"dra": {"enabled": True}})
 
@@ -43,8 +45,7 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
     assert driver["command"] == ["sandbox-dra-driver"]
     assert driver["args"] == ["--host-root", "/host", "--node-name", "$(NODE_NAME)",
                               "--driver-name", DRIVER, "--default-workload", "container",
-                              "--kata-runtime-class", "kata-qemu-nvidia-gpu",
-                              "--kata-runtime-class", "kata-qemu-nvidia-gpu-snp",
+                              *[a for c in PASSTHROUGH_RUNTIME_CLASSES for a in ("--kata-runtime-class", c)],
                               "--log-format", "text", "--resource-naming", "nvidia", "--nvswitches", "auto"]
     assert driver["securityContext"]["privileged"] is False
     assert driver["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -101,7 +102,8 @@ def test_rbac_is_what_the_driver_calls(chart):
     # The runtime class of the pods a claim is reserved for, read one by one.
     assert role["pods"] == {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}
     assert "pods" not in rules(render(chart, FULL).get("ClusterRole", "-sandbox-agent"))
-    assert role["nodes"]["verbs"] == ["get", "watch"]  # its node's workload label
+    # Its node's workload label; patch for the agent's GPU labels (gpuLabels.enabled, the default).
+    assert role["nodes"]["verbs"] == ["get", "watch", "patch"]
 
 
 def test_device_classes_select_this_drivers_devices_by_type(chart, tmp_path):

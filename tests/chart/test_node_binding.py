@@ -54,14 +54,19 @@ def test_the_policies_match_the_sandbox_agents_account_only(chart):
     assert nodes["spec"]["matchConstraints"]["resourceRules"] == [{
         "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
         "resources": ["nodes", "nodes/status"]}]
-    # The labels katamgr's CC room sets (katamgr.host.cc), and no other.
-    from katamgr.host import cc
+    # The labels katamgr's CC room sets (katamgr.host.cc), its GPU labels
+    # (katamgr.host.gpulabels, gpuLabels.enabled by default) and the Kata release it found
+    # (katamgr.host.katadetect), and no other.
+    import json
 
-    assert variable(nodes, "owned") == f'["{cc.MODE_STATE_LABEL}","{cc.READY_STATE_LABEL}"]'
+    from katamgr.host import cc, gpulabels, katadetect
+
+    assert json.loads(variable(nodes, "owned")) == [cc.MODE_STATE_LABEL, cc.READY_STATE_LABEL,
+                                                    *gpulabels.KEYS, katadetect.RELEASE_LABEL]
 
 
-def test_without_cc_manager_no_label_is_the_agents(chart):
-    rendered = render(chart, FULL)
+def test_without_cc_manager_and_gpu_labels_no_label_is_the_agents(chart):
+    rendered = render(chart, merged(FULL, {"gpuLabels": {"enabled": False}}))
     nodes = next(o for o in rendered.objects if o["kind"] == "ValidatingAdmissionPolicy"
                  and o["metadata"]["name"] == NODES)
     assert variable(nodes, "owned") == "[]"

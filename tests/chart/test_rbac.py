@@ -73,24 +73,32 @@ CC = {"ccManager": {"enabled": True}}
 DRA_ON = {"dra": {"enabled": True}}
 # Every value set of the brief, and what each identity may then do, in full. A release
 # with sandbox workloads on and katamgr running also has the uninstall hook's two.
-HOOK = {REVERT: set(), WAIT: READ_REVERT_DS}
+# The revert takes the agent's GPU labels off its Node (gpuLabels.enabled, the default).
+HOOK = {REVERT: {("", "nodes", "get", None, None), ("", "nodes", "patch", None, None)}, WAIT: READ_REVERT_DS}
+# The agent's Node labels: its GPU labels (gpuLabels.enabled, the default) and, with ccManager,
+# the CC state labels; one grant, bound to its own node and those labels by the policy.
+LABEL_PATCH = CC_PATCH
 ALWAYS = {PLUGIN: set(), WEBHOOK: READ_RUNTIME_CLASSES}
 EXPECTED: dict[str, tuple[dict[str, Any], dict[str, set[Grant]]]] = {
     "defaults": ({}, ALWAYS),
     "webhook-off": ({"isolation": {"webhook": {"enabled": False}}}, {PLUGIN: set()}),
-    "sandbox-kata-cdi": (FULL, {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
+    "sandbox-kata-cdi": (FULL, {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
+    "sandbox-kata-cdi-no-gpu-labels": (merged(FULL, {"gpuLabels": {"enabled": False}}), {
+        **ALWAYS, REVERT: set(), WAIT: READ_REVERT_DS, AGENT: NODE_READ | NODE_EVENTS}),
     "ccManager": (merged(FULL, CC), {**ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS}),
-    "dra": (merged(FULL, DRA_ON), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS | DRA}),
+    "dra": (merged(FULL, DRA_ON), {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | DRA}),
     "ccManager-dra-pull-secrets": (merged(CUSTOM_CLASSES, CC, DRA_ON), {
         **ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | DRA | pull_secrets("lab", "mirror")}),
     # Only the passthrough plugin in the pod: it reads and watches its Node, nothing else.
     "plugin-only": (VALUE_SETS["plugin-only-annotated"], {**ALWAYS, AGENT: NODE_READ}),
     "example-mixed-cluster": (example("mixed-cluster"), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS | pull_secrets("registry-mirror")}),
-    "example-air-gapped": (example("air-gapped"), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
-    "example-gpu-operator": (example("gpu-operator"), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
-    "example-local-cluster": (example("local-cluster"), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
-    "example-local-node": (example("local-node"), {**ALWAYS, **HOOK, AGENT: NODE_READ | NODE_EVENTS}),
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | pull_secrets("registry-mirror")}),
+    "example-air-gapped": (example("air-gapped"), {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
+    "example-gpu-operator": (example("gpu-operator"), {
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
+    "example-local-cluster": (example("local-cluster"), {
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
+    "example-local-node": (example("local-node"), {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
 }
 
 
@@ -147,7 +155,8 @@ def test_no_identity_may_change_the_clusters_isolation(chart, values):
             assert not (resource == "runtimeclasses" and verb != "get"), (account, resource, verb)
             assert resource != "*" and verb != "*" and group != "*", (account, group, resource, verb)
             if resource == "nodes" and verb not in ("get", "watch"):
-                assert (account, verb) == (AGENT, "patch"), (account, verb)
+                # The agent's labels, and the uninstall revert's taking its GPU labels off.
+                assert (account, verb) in ((AGENT, "patch"), (REVERT, "patch")), (account, verb)
     assert not [o for o in rendered.objects if o["kind"] == "ServiceAccount"
                 and o["metadata"]["name"] == RELEASE], "the old shared ServiceAccount is back"
 
@@ -168,7 +177,7 @@ def test_every_workload_runs_as_its_own_account_with_a_token_only_where_it_calls
         f"{RELEASE}-sandbox-agent": (AGENT, True),
         f"{RELEASE}-device-plugin": (PLUGIN, False),  # --mode container: no API call
         f"{RELEASE}-webhook": (WEBHOOK, True),  # reads a pod's RuntimeClass
-        f"{RELEASE}-revert": (REVERT, False),  # katamgr revert --no-runtime-classes: none
+        f"{RELEASE}-revert": (REVERT, True),  # takes the agent's GPU labels off its Node
         f"{RELEASE}-revert-wait": (WAIT, True),  # reads the revert DaemonSet
     }
     got = {}
@@ -254,6 +263,19 @@ def test_the_webhooks_grant_is_exactly_what_its_code_calls(chart):
     needed = api_calls(WEBHOOK_CALLERS)
     assert set(needed) == {("runtimeclasses", "get")}, needed
     assert identities(render(chart, {}))[WEBHOOK] == READ_RUNTIME_CLASSES
+
+
+@pytest.mark.integration
+def test_without_gpu_labels_or_cc_manager_nothing_writes_the_node(chart):
+    rendered = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}}))
+    assert {verb for _, resource, verb, _, _ in identities(rendered)[AGENT] if resource == "nodes"} == {
+        "get", "watch"}
+    agent = next(c for c in rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]["containers"]
+                 if c["name"] == "kata-manager")
+    assert "--no-gpu-labels" in agent["args"]
+    default = render(chart, CUSTOM_CLASSES).get("DaemonSet", "-sandbox-agent")
+    agent = next(c for c in default["spec"]["template"]["spec"]["containers"] if c["name"] == "kata-manager")
+    assert "--no-gpu-labels" not in agent["args"]
 
 
 @pytest.mark.integration

@@ -27,7 +27,13 @@ def test_defaults_render_the_hook_objects_as_post_delete_hooks(chart):
     assert hooks == {("ServiceAccount", REVERT), ("ServiceAccount", WAIT),
                      ("ConfigMap", REVERT + "-config"),
                      ("Role", WAIT), ("RoleBinding", WAIT),
+                     # gpuLabels.enabled (the default): the revert removes the agent's GPU labels.
+                     ("ClusterRole", REVERT + "-node-labels"), ("ClusterRoleBinding", REVERT + "-node-labels"),
                      ("DaemonSet", REVERT), ("Job", WAIT)}
+    assert rendered.get("ClusterRole", "-revert-node-labels")["rules"] == [
+        {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
+    off = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}}))
+    assert not [o for o in off.hooks() if o["metadata"]["name"] == REVERT + "-node-labels"]
     for obj in rendered.hooks():
         annotations = obj["metadata"]["annotations"]
         assert annotations["helm.sh/hook"] == "post-delete"
@@ -53,17 +59,21 @@ def test_no_hook_without_agent_or_with_revert_off(chart, values):
 
 @pytest.mark.integration
 def test_hook_rbac_is_what_revert_and_the_wait_need(chart):
-    """katamgr revert there calls no API (its workload is given, --no-runtime-classes): its
-    pods get no token and its ServiceAccount no role. The waiting Job reads the DaemonSet,
-    by name, with an identity of its own."""
-    rendered = render(chart, CUSTOM_CLASSES)
-    ds, init = revert_container(rendered)
-    pod = ds["spec"]["template"]["spec"]
-    assert pod["serviceAccountName"] == REVERT
-    assert pod["automountServiceAccountToken"] is False
-    assert rendered.get("ServiceAccount", "-revert")["automountServiceAccountToken"] is False
-    assert not [o for o in rendered.objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")
-                and any(s["name"] == REVERT for s in o["subjects"])]
+    """katamgr revert there calls the API only to take the agent's GPU labels off its Node
+    (gpuLabels.enabled, the default: nodes get and patch); without them its pods get no token
+    and its ServiceAccount no role. The waiting Job reads the DaemonSet, by name, with an
+    identity of its own."""
+    off = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}}))
+    for rendered, token in ((render(chart, CUSTOM_CLASSES), True), (off, False)):
+        ds, init = revert_container(rendered)
+        pod = ds["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == REVERT
+        assert pod.get("automountServiceAccountToken", True) is token
+        assert rendered.get("ServiceAccount", "-revert")["automountServiceAccountToken"] is token
+        bound = [o["roleRef"]["name"] for o in rendered.objects if o["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                 and any(s["name"] == REVERT for s in o["subjects"])]
+        assert bound == ([REVERT + "-node-labels"] if token else [])
+    rendered = off
     assert "--no-runtime-classes" in init["args"] and "--delete-runtimeclasses" not in init["args"]
     assert rendered.find("ClusterRole", "-revert") is None
     assert rendered.get("Role", "-revert-wait")["rules"] == [

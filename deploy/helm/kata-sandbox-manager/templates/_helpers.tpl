@@ -73,6 +73,11 @@ DEFAULT_CC_MODE from ccManager.env (NVIDIA's cc-manager reads that), else defaul
 {{- if and .Values.sandboxWorkloads.enabled $cc.enabled }}true{{ end -}}
 {{- end -}}
 
+{{/* The agent publishes the GPU labels (gpuLabels.enabled, on by default): "true" or "". */}}
+{{- define "ksm.gpuLabels" -}}
+{{- if and (include "ksm.agent" .) (dig "enabled" true (.Values.gpuLabels | default dict)) }}true{{ end -}}
+{{- end -}}
+
 {{- define "ksm.ccDefaultMode" -}}
 {{- $cc := include "ksm.block" (list . "ccManager") | fromJson -}}
 {{- $mode := $cc.defaultMode | default "on" -}}
@@ -964,6 +969,10 @@ layoutDirs).
 {{- end }}
 {{- with $kata.insecureRegistries }}
 {{- $_ := set $config "insecureRegistries" . }}
+{{- end }}
+{{- /* kataDeploy: auto (the default, left out), true or false; "with" would drop false. */}}
+{{- if and (hasKey $kata "kataDeploy") (not (kindIs "invalid" $kata.kataDeploy)) }}
+{{- $_ := set $config "kataDeploy" $kata.kataDeploy }}
 {{- end }}
 {{- toYaml $config }}
 {{- end -}}

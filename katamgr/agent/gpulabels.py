@@ -1,0 +1,42 @@
+"""The node's GPU labels (``nvidia.com/gpu.product``, ``.family``, ``.count``, ``.memory``,
+``nvidia.com/cc.capable``) kept on its Node at every check: one patch, only when something
+differs (``pipeline.gpulabels``); what it did or left to GFD/NFD is a log line and an Event,
+each said once until it changes."""
+
+from __future__ import annotations
+
+import logging
+
+from katamgr.agent.events import NodeEvents
+from katamgr.agent.target import Target
+from katamgr.errors import KatamgrError
+from katamgr.pipeline import gpulabels
+from katamgr.pipeline.report import Report
+from katamgr.render import log_report
+
+log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
+
+
+class GpuLabels:
+    """Publishes the GPU labels (None ``node``: off, or no node name and cluster)."""
+
+    def __init__(self, target: Target, events: NodeEvents, node: gpulabels.NodeLabels | None) -> None:
+        self.target = target
+        self.events = events
+        self.node = node
+        self._said: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+
+    def follow(self) -> Report | None:
+        if self.node is None:
+            return None
+        t = self.target
+        try:
+            report = gpulabels.publish(t.host, t.scan(), t.naming, self.node)
+        except (KatamgrError, OSError, ValueError) as exc:
+            report = Report(failures=[f"cannot work out the GPU labels: {exc}"])
+        said = (tuple(report.warnings), tuple(report.failures))
+        if report.changes or said != self._said:
+            log_report(report, log)
+            self.events.gpu_labels(report)
+        self._said = said
+        return report
