@@ -95,3 +95,14 @@ def test_no_classes_without_kata_manager(chart):
     for values in ({}, VALUE_SETS["kata-off"], VALUE_SETS["plugin-only-annotated"],
                    merged(FULL, {"sandboxWorkloads": {"enabled": False}})):
         assert helm_classes(render(chart, values)) == {}
+
+
+@pytest.mark.integration
+def test_with_kata_deploy_true_the_classes_are_kata_deploys(chart):
+    """kataDeploy: true: kata-deploy's chart creates RuntimeClasses of the same names, and two
+    Helm releases cannot own one object, so this chart renders none."""
+    values = merged(FULL, {"kataManager": {"config": {"kataDeploy": True}}})
+    assert not [o for o in render(chart, values).objects if o["kind"] == "RuntimeClass"]
+    for setting in ("auto", False):
+        values = merged(FULL, {"kataManager": {"config": {"kataDeploy": setting}}})
+        assert [o for o in render(chart, values).objects if o["kind"] == "RuntimeClass"]
