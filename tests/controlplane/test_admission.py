@@ -30,6 +30,8 @@ from support.kubecluster import wait_for
 from support.registry_server import free_port
 from support.tlskit import make_ca, write_server_pair
 
+from katamgr.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
+
 pytestmark = pytest.mark.integration
 
 RELEASE = "ksm-adm"
@@ -44,7 +46,7 @@ VALUES = {"sandboxWorkloads": {"enabled": True},
           "isolation": {"webhook": {"enabled": True}, "admissionPolicy": {"enabled": True}}}
 DENIAL = (f'requests the passthrough resource {A10}, but it sets no runtimeClassName; a '
           f"passthrough GPU is only given to a Kata VM: set spec.runtimeClassName to one of "
-          f"{KATA}, kata-qemu-nvidia-gpu-snp, or request nvidia.com/gpu for a container GPU")
+          f"{', '.join(PASSTHROUGH_RUNTIME_CLASSES)}, or request nvidia.com/gpu for a container GPU")
 
 
 

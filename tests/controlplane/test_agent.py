@@ -33,7 +33,10 @@ GPU, SNP = "kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"
 WORKLOAD = "nvidia.com/gpu.workload.config"
 KATAMGR = str(Path(sys.executable).parent / "katamgr")
 CONFIG = kata_manager_yaml((GPU, SNP), overhead={"cpu": "250m", "memory": "160Mi"})
-VALUES = {"sandboxWorkloads": {"enabled": True}, "kataManager": {"enabled": True}}
+# Without the GPU labels (tests/pipeline/test_gpu_labels_on_node.py has them): here the agent's
+# token may write no Node at all, and the uninstall hook's pods get no token.
+VALUES = {"sandboxWorkloads": {"enabled": True}, "kataManager": {"enabled": True},
+          "gpuLabels": {"enabled": False}}
 ACCOUNT_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 
 
@@ -105,7 +108,7 @@ def chart_flags(release) -> list[str]:
     agent = next(o for o in release if o["kind"] == "DaemonSet" and not is_hook(o)
                  and o["metadata"]["name"].endswith("-sandbox-agent"))
     args = next(c for c in agent["spec"]["template"]["spec"]["containers"] if c["name"] == "kata-manager")["args"]
-    return [a for a in args if a == "--no-runtime-classes"]
+    return [a for a in args if a in ("--no-runtime-classes", "--no-gpu-labels")]
 
 
 def run_once(kube, node, env, flags: list[str] = ()) -> subprocess.CompletedProcess:
@@ -123,7 +126,7 @@ def test_the_agent_leaves_runtime_classes_to_helm_and_records_events_with_its_ow
         kube, release, node, tmp_path):
     env = agent_env(kube, tmp_path, agent_account(release))
     flags = chart_flags(release)
-    assert flags == ["--no-runtime-classes"]
+    assert flags == ["--no-runtime-classes", "--no-gpu-labels"]  # VALUES: gpuLabels off
     first = run_once(kube, node, env, flags)
     assert first.returncode == 0, first.stderr
     assert set(gpu_drivers(node[0]).values()) == {"vfio-pci"}

@@ -160,10 +160,11 @@ def test_the_policies_type_check_without_warnings(kube, release):
 
 
 def test_the_agent_labels_only_its_own_node_and_only_its_labels(kube, bound):
-    # The policy is in force once the API server's policy informer has it: a refusal.
-    other = wait_for(lambda: (lambda r: r if refused(r) else None)(
-        as_(kube, bound, "label", "node", NODE_B, f"{cc.MODE_STATE_LABEL}=on", "--overwrite")),
-        "the node-binding policy in force")
+    # The policy is in force once the API server's policy informer has it: a refusal (of a
+    # probe label, so that an attempt made before then leaves no label the test looks at).
+    wait_for(lambda: refused(as_(kube, bound, "label", "node", NODE_B, "probe.example.com/race=1", "--overwrite")),
+             "the node-binding policy in force")
+    other = as_(kube, bound, "label", "node", NODE_B, f"{cc.MODE_STATE_LABEL}=on", "--overwrite")
     assert refused(other, f"may change only its own Node, not {NODE_B}"), other.stderr
     assert f"{cc.MODE_STATE_LABEL}" not in kube.get("node", NODE_B)["metadata"].get("labels", {})
 
@@ -253,11 +254,12 @@ def test_no_identity_of_the_chart_may_touch_a_runtime_class(kube, release, bound
 
 
 def test_only_the_workloads_that_call_the_api_get_a_token(kube, release):
-    """The pods the container plugin and the revert hook run, as the API server admits them:
-    no projected token volume; the sandbox agent's pod has one."""
+    """The pods the container plugin runs, as the API server admits them: no projected token
+    volume; the sandbox agent's pod and the revert hook's (GPU labels on) have one."""
     templates = {o["metadata"]["name"]: o["spec"]["template"] for o in release
                  if o["kind"] == "DaemonSet"}
-    pods = {f"{FULLNAME}-device-plugin": False, f"{FULLNAME}-revert": False}
+    # The revert hook takes the agent's GPU labels off its Node (gpuLabels.enabled, the default).
+    pods = {f"{FULLNAME}-device-plugin": False, f"{FULLNAME}-revert": True}
     for workload, gets_token in pods.items():
         template = templates[workload]
         pod = {"apiVersion": "v1", "kind": "Pod",
