@@ -137,8 +137,8 @@ def _as(node, token: str, *args: str):
 
 def test_the_tokens_the_kubelet_gives_the_chart_pods_cannot_change_isolation(node, tenant):
     """The real projected tokens of the agent's and the webhook's pods (issue 33): neither may
-    delete the Kata RuntimeClass or make one with handler runc, and the agent's may not label
-    another node (local-node.yaml leaves ccManager off, so it may patch no Node at all)."""
+    delete the Kata RuntimeClass or make one with handler runc, and the agent's may not change
+    its Node's workload label (the node-binding policy)."""
     tokens = {"sandbox-agent": _token_of(node, "sandbox-agent", "kata-manager"),
               "webhook": _token_of(node, "webhook", "webhook")}
     for who, token in tokens.items():
@@ -152,20 +152,22 @@ def test_the_tokens_the_kubelet_gives_the_chart_pods_cannot_change_isolation(nod
                 "apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
                 "metadata": {"name": "forged-kata"}, "handler": "runc"}), check=False)
         assert forged.returncode != 0 and "forbidden" in forged.stderr.lower(), (who, forged.stderr)
-    # Authorization comes before the object is looked up: no other Node need exist. (kubectl
-    # label would read the Node first, which the agent may.)
-    assert _patch_node(node, tokens["sandbox-agent"], "node-b") == 403
-    assert _patch_node(node, tokens["webhook"], "local-node") == 403
+    # The agent may label its own Node (its GPU labels), but no other label of it (the
+    # workload label would move the node's GPUs): the node-binding policy refuses it, on the
+    # token the kubelet bound to the agent's pod on this node. The webhook may patch no Node.
+    code, message = _patch_node(node, tokens["sandbox-agent"], "local-node")
+    assert code == 403 and "may not change the label(s) example.com/probe" in message, message
+    assert _patch_node(node, tokens["webhook"], "local-node")[0] == 403
 
 
-def _patch_node(node, token: str, name: str) -> int:
+def _patch_node(node, token: str, name: str) -> tuple[int, str]:
     context = ssl.create_default_context(cafile=str(node.cluster.ca))
     request = urllib.request.Request(
         f"{node.cluster.server}/api/v1/nodes/{name}", method="PATCH",
-        data=json.dumps({"metadata": {"labels": {"nvidia.com/gpu.workload.config": "vm-passthrough"}}}).encode(),
+        data=json.dumps({"metadata": {"labels": {"example.com/probe": "1"}}}).encode(),
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"})
     try:
         with urllib.request.urlopen(request, context=context, timeout=10) as answer:
-            return answer.status
+            return answer.status, ""
     except urllib.error.HTTPError as e:
-        return e.code
+        return e.code, e.read().decode(errors="replace")
