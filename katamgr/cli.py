@@ -10,7 +10,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -177,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often to check the registry for new artifacts (default 3600)")
     p.add_argument("--revert-on-exit", action="store_true", help="undo everything on SIGTERM/SIGINT")
     p.add_argument("--once", action="store_true", help="reconcile once and exit (like apply)")
+    p.add_argument("--plan-only", action="store_true",
+                   help="change nothing: work out the plan (as `katamgr plan`) at start and every minute, "
+                        "log it when it changes and publish it on /metrics and /readyz; no device is bound, "
+                        "no host file, Node label, RuntimeClass or Event written (Helm: kataManager.planOnly)")
     p.add_argument("--metrics-address", metavar="HOST:PORT",
                    help="serve /metrics (Prometheus), /healthz and /readyz there (default: off)")
     p.add_argument("--cc-manager", action="store_true",
@@ -480,6 +484,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     # A daemon's log is its only voice: say what changed even without -v.
     logging.getLogger().setLevel(logging.INFO)
+    if args.plan_only and (args.revert_on_exit or args.cc_manager):
+        raise ConfigError(f"--plan-only changes nothing, so it cannot be given with "
+                          f"{'--revert-on-exit' if args.revert_on_exit else '--cc-manager'}")
     config = config_from(args)
     naming = naming_from(args, config)
     if args.metrics_address:
@@ -492,6 +499,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     with host_from(args) as host:
         naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
+        if args.plan_only:
+            return _run_plan_only(args, host, naming, setup)
         if setup.api is not None and args.node_name:
             publish_kata_label(setup.api, args.node_name, naming)
         events = None
@@ -516,6 +525,32 @@ def cmd_run(args: argparse.Namespace) -> int:
                       else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
                       **_cc_options(args, setup.api, follower.watch if follower else None))
         return agent.run(once=args.once)
+
+
+def _run_plan_only(args: argparse.Namespace, host: HostRoot, naming: Naming, setup: NodeSetup) -> int:
+    """``katamgr run --plan-only``: the plan, kept up to date and published, never carried out.
+    The Node's labels are only read (by the watch when it follows them)."""
+    from katamgr.agent.following import node_follower
+    from katamgr.agent.planonly import PlanOnlyAgent
+
+    follower = None if args.once else node_follower(
+        setup.api, args.node_name, workload=args.workload,
+        default_workload=args.default_workload, fallback=_by_hand)
+    watch = follower.watch.start() if follower else None
+
+    def make_plan():
+        steps, out, why = setup.steps, setup.opted_out, setup.workload_why
+        if follower is not None:
+            resolved = follower.read()
+            steps, out, why = replace(steps, workload=resolved.workload), resolved.opted_out, resolved.why
+        return full_plan(host, naming, steps.without(out), setup.ctx, force=args.force, workload_why=why,
+                         gpu_labels=not args.no_gpu_labels)
+
+    try:
+        return PlanOnlyAgent(make_plan, metrics_address=args.metrics_address).run(once=args.once)
+    finally:
+        if watch is not None:
+            watch.stop()
 
 
 def _cc_options(args: argparse.Namespace, api: object | None, watch) -> dict:
