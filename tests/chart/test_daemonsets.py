@@ -76,8 +76,10 @@ def with_plugin(nodes: list[str]) -> dict[str, list[str]]:
           "container-no-device-plugin": [], "container-no-operands": [], "cpu-only": []}),
     (FULL, with_plugin(["unlabeled-gpu", "container"])),
     (merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-passthrough"}}), with_plugin(["container"])),
-    (merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-vgpu"}}), with_plugin(["container"])),
-], ids=["sandbox-off", "default-container", "default-vm-passthrough", "default-vm-vgpu"])
+    # kataManager.planOnly places the agents as they will run (vm-vgpu as defaultWorkload is
+    # refused at render: tests/chart/test_notes_warnings.py).
+    (merged(FULL, {"kataManager": {"planOnly": True}}), with_plugin(["unlabeled-gpu", "container"])),
+], ids=["sandbox-off", "default-container", "default-vm-passthrough", "plan-only"])
 @pytest.mark.integration
 def test_the_agent_runs_on_every_gpu_node_and_the_container_plugin_by_workload(chart, values, expected):
     rendered = render(chart, values)

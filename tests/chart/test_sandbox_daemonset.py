@@ -264,9 +264,9 @@ def _subcommands(parser) -> dict:
 @pytest.mark.parametrize("values", [FULL, VALUE_SETS["vfio-off"], VALUE_SETS["kata-off"],
                                     merged(FULL, {"cdi": {"enabled": False}}),
                                     VALUE_SETS["tolerations-rootfs-vm-default"],
-                                    merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-vgpu"}})],
+                                    merged(FULL, {"kataManager": {"planOnly": True}})],
                          ids=["full", "vfio-off", "kata-off", "cdi-off", "default-vm-passthrough",
-                              "default-vm-vgpu"])
+                              "plan-only"])
 def test_katamgr_understands_the_agent_arguments(chart, values):
     from katamgr import cli
 

@@ -181,6 +181,25 @@ GPU Operator values this chart accepts but does not apply, one "path" per line, 
 NOTES.txt. A key counts when set to anything but false, "", [] or {}; a key that another
 block overrides for the same container counts when it differs from the value used.
 */}}
+{{/*
+The image and artifact references that name a documentation placeholder host (RFC 2606:
+example.com, example.org, example.net and their subdomains, as the shipped examples do),
+one a line: no node can pull from them.
+*/}}
+{{- define "ksm.placeholderRefs" -}}
+{{- $host := "^([a-z0-9-]+[.])*example[.](com|org|net)([:/]|$)" -}}
+{{- $image := printf "%s/%s" .Values.image.repository .Values.image.name -}}
+{{- if regexMatch $host $image }}image (image.repository): {{ $image }}
+{{ end -}}
+{{- if include "ksm.kata" . -}}
+{{- range (.Values.kataManager.config.runtimeClasses | default list) -}}
+{{- $url := dig "artifacts" "url" "" . -}}
+{{- if regexMatch $host $url }}runtime class {{ .name }}'s artifacts: {{ $url }}
+{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "ksm.ignoredValues" -}}
 {{- $v := .Values -}}
 {{- $k := include "ksm.block" (list . "kataSandboxDevicePlugin") | fromJson -}}
@@ -243,6 +262,9 @@ block overrides for the same container counts when it differs from the value use
 {{- define "ksm.validate" -}}
 {{- if eq (toString .Values.sandboxWorkloads.mode) "kubevirt" -}}
 {{- fail "sandboxWorkloads.mode=kubevirt: this chart runs Kata Containers only; use the NVIDIA GPU Operator for KubeVirt, or set sandboxWorkloads.mode=kata (the default)" -}}
+{{- end -}}
+{{- if eq (toString .Values.sandboxWorkloads.defaultWorkload) "vm-vgpu" -}}
+{{- fail "sandboxWorkloads.defaultWorkload=vm-vgpu: this chart does not run NVIDIA vGPU, so every GPU node without a workload label would get nothing from it (no GPU bound, none advertised); serve vGPU nodes with the NVIDIA GPU Operator, and set defaultWorkload to container (the default) or vm-passthrough" -}}
 {{- end -}}
 {{- /* (| default: a release upgraded with --reuse-values from before these values existed) */ -}}
 {{- $m := .Values.metrics | default dict -}}
@@ -320,6 +342,12 @@ Which parts of the node agent run; the templates and the RBAC agree by asking he
 {{- define "ksm.agent" -}}
 {{- $v := .Values -}}
 {{- if and $v.sandboxWorkloads.enabled (or $v.kataManager.enabled $v.vfioManager.enabled $v.cdi.enabled) }}true{{ end -}}
+{{- end -}}
+
+{{/* kataManager.planOnly: the agent only works out and publishes the node's plan (katamgr run
+       --plan-only), on the host mounted read-only; nothing else of the sandbox agent runs. */}}
+{{- define "ksm.planOnly" -}}
+{{- if and (include "ksm.agent" .) .Values.kataManager.planOnly }}true{{ end -}}
 {{- end -}}
 
 {{/* Off when either sandboxDevicePlugin.enabled or the GPU Operator's kataSandboxDevicePlugin.enabled
