@@ -4,9 +4,11 @@
 #
 #   examples/label-node.sh <node> [vm-passthrough|container]
 #
-# The kata-sandbox-manager DaemonSets follow the label: the sandbox agent (katamgr and
-# the passthrough device plugin) runs on vm-passthrough nodes, the container device
-# plugin on the others. Nodes without the label run sandboxWorkloads.defaultWorkload.
+# The sandbox agent (katamgr and the passthrough device plugin) runs on every GPU node and
+# follows the label live: on a vm-passthrough node it binds the GPUs to vfio-pci and
+# advertises them, on a container node it gives them back and advertises nothing. The
+# container device plugin runs on container nodes only. Nodes without the label run
+# sandboxWorkloads.defaultWorkload. (vm-vgpu, NVIDIA vGPU, is not served by this chart.)
 set -euo pipefail
 
 node="${1:?usage: $0 <node> [vm-passthrough|container]}"
