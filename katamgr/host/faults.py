@@ -1,4 +1,4 @@
-"""Write points, for the crash-safety sweep (``bench/crash_sweep.py``).
+"""Write points, for the crash-safety sweep (``bench/reliability.py``, its crash points).
 
 Every step that changes the host calls ``write_point(label)`` just before it acts.
 In normal runs that is a no-op. With ``KATAMGR_CRASH_AT=N`` in the environment the

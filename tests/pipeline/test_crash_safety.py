@@ -5,7 +5,7 @@ at the N-th write point, see ``katamgr.host.faults``) on a simulated node with G
 two Kata runtime classes and a containerd config, then runs ``apply`` or ``revert``
 to the end and compares the node, file by file, with what an uninterrupted run
 leaves: no temp file, staging dir, lock file or half-removed install may remain.
-This runs a spread of points; ``bench/crash_sweep.py`` runs all of them.
+This runs a spread of points; ``bench/reliability.py`` (its crash points) runs all of them.
 """
 
 from __future__ import annotations

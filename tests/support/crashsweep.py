@@ -7,7 +7,8 @@ child with ``KATAMGR_CRASH_AT=N`` (``katamgr.host.faults``: SIGKILL at the N-th 
 as a power cut or an OOM kill would), and then either ``apply`` or ``revert`` runs
 uninterrupted. The node must then be exactly what an uninterrupted run gives: same
 files, same content, same drivers, nothing left over (temp files, staging dirs, lock
-files). ``bench/crash_sweep.py`` runs every point; the test suite runs a sample.
+files). ``bench/reliability.py`` (its crash points) runs every point; the test suite
+runs a sample.
 
 The child is forked rather than started afresh: a fork costs milliseconds where a new
 interpreter costs a second of imports, and the kill is the same real SIGKILL.
