@@ -17,6 +17,7 @@ One room per concern, each readable on its own:
 - ``drift``: containerd's config and the CDI specs, changed by someone else;
 - ``health``, ``metrics``, ``events``: ``/healthz`` and ``/readyz``, ``/metrics``, Node Events;
 - ``target``: what the node is kept at, the state the rooms share.
+- ``planonly``: ``katamgr run --plan-only``, the plan published and never carried out.
 """
 
 from katamgr.agent.metrics import AgentMetrics

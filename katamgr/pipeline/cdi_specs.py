@@ -178,7 +178,9 @@ def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision],
     for kind in USER_KINDS:
         members = [d for d in passthrough.devices if d.kind == kind]
         if members:
-            lines.append(f"For the cdi.k8s.io annotation ({kind}):")
+            # Kata without Kubernetes takes these; in a pod's cdi.k8s.io annotation both
+            # isolation layers refuse them (docs/isolation.md).
+            lines.append(f"Outside Kubernetes (nerdctl, ctr; refused in a pod's cdi.k8s.io annotation), {kind}:")
         for d in members:
             names = ", ".join(f"{kind}={n}" for n in d.names)
             lines.append(f"  {names:<48} {d.device.bdf}  {' '.join(d.nodes)}")

@@ -252,3 +252,19 @@ def test_pause_says_its_version(images, containerd):
     proc = containerd.run(images.pause_ref, "/pause", "-v")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[:2] == ["pause", images.pause_ref.rsplit(":", 1)[1]]
+
+
+def test_a_kubectl_debug_look_plans_a_read_only_host(images, containerd, tmp_path):
+    """What docs/operating.md's `kubectl debug node/<node> --image <this image> -- katamgr plan
+    --host-root /host` does: the node's / at /host (here a simulated node's, bind-mounted
+    read-only, so any write would fail with EROFS), katamgr found on the image's PATH."""
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
+
+    root = materialise(find_profile("a10-server"), tmp_path / "node").root
+    mount = f"type=bind,src={root},dst=/host,options=rbind:ro"
+    proc = containerd.run(images.chart_ref, "katamgr", "plan", "--host-root", "/host",
+                          options=("--mount", mount))
+    assert proc.returncode == 0, proc.stderr
+    assert "nvidia.com/GA102GL_A10: 4" in proc.stdout
+    assert "Host root: /host" in proc.stdout

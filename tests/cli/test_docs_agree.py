@@ -1,0 +1,55 @@
+"""What the shipped examples' comments and katamgr's own output tell an operator agrees with
+what katamgr and the isolation layers do (issue 35, item 7)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from support.paths import EXAMPLES, REPO
+
+KATAMGR = str(Path(sys.executable).parent / "katamgr")
+VALUES = [REPO / "deploy/helm/kata-sandbox-manager/values.yaml", *sorted((EXAMPLES / "values").glob("*.yaml"))]
+
+
+def plan(*args: str) -> str:
+    result = subprocess.run([KATAMGR, "plan", "--host", "a10-server", *args], capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_the_example_config_is_used_only_when_given():
+    """examples/configs/kata-manager.yaml spells out the defaults; without --config katamgr
+    reads no config and runs no Kata step, as its header says."""
+    header = (EXAMPLES / "configs" / "kata-manager.yaml").read_text().split("\n\n")[0]
+    assert "uses it when no config is given" not in header
+    assert "runs no Kata step" in header
+    assert "Kata artifacts:" not in plan()
+    assert "Kata artifacts:" in plan("--config", "examples/configs/kata-manager.yaml")
+
+
+def test_no_values_file_recommends_a_cdi_annotation_naming_a_gpu():
+    # Both isolation layers refuse a pod whose cdi.k8s.io annotation names an NVIDIA CDI
+    # device (docs/isolation.md); the values' cdi comments must say so, not suggest one.
+    for path in VALUES:
+        text = path.read_text()
+        assert "cdi.k8s.io/gpu" not in text, path.name
+        if "cdi.k8s.io" in text:
+            assert "refused" in text, path.name
+
+
+def test_plan_names_the_index_cdi_names_as_outside_kubernetes():
+    out = plan()
+    assert "nvidia.com/pgpu=0" in out
+    assert "Outside Kubernetes (nerdctl, ctr; refused in a pod's cdi.k8s.io annotation), nvidia.com/pgpu:" in out
+    assert "For the cdi.k8s.io annotation" not in out
+
+
+def test_the_label_script_says_the_agent_runs_on_every_gpu_node():
+    # The sandbox agent's DaemonSet selects GPU nodes only, whatever their workload
+    # (tests/chart/test_daemonsets.py); the script's comment must not say otherwise.
+    text = (EXAMPLES / "label-node.sh").read_text()
+    assert "runs on every GPU node" in text
+    assert "runs on vm-passthrough nodes" not in text
