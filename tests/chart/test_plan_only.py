@@ -6,7 +6,7 @@ nothing else of the sandbox agent runs and no RuntimeClass is offered."""
 from __future__ import annotations
 
 import pytest
-from support.chartkit import FULL, container, container_names, merged, notes, render
+from support.chartkit import FULL, cluster_at, container, container_names, merged, notes, render
 
 pytestmark = pytest.mark.integration
 
@@ -56,3 +56,10 @@ def test_off_by_default(chart):
     rendered = render(chart, FULL)
     assert "--plan-only" not in container(rendered, "-sandbox-agent", "kata-manager")["args"]
     assert "sandbox-device-plugin" in container_names(rendered, "-sandbox-agent")
+
+
+def test_the_plan_only_agent_is_a_valid_daemonset(chart, kube_validate):
+    for version in ("1.25.0", "1.35.0"):
+        for obj in render(chart, PLAN_ONLY, cluster_at(version)).objects:
+            if obj["kind"] == "DaemonSet":
+                kube_validate.validate(obj, version, strict=True)
