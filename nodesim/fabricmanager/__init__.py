@@ -46,12 +46,13 @@ class FabricManagerSpec:
     socket: str = SOCKET
 
 
-def build_library(dest: Path) -> Path:
-    """``dest`` holding the stand-in library, compiled once per source version (cached
-    beside it by the sources' hash)."""
+def build_library() -> Path:
+    """The stand-in library, compiled once per version of its sources into the user's cache
+    (``$XDG_CACHE_HOME/kata-sandbox-manager/nvfm/<hash>/``)."""
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:16]
-    stamp = dest.with_name(dest.name + ".src")
-    if dest.is_file() and stamp.is_file() and stamp.read_text() == digest:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    dest = cache / "kata-sandbox-manager" / "nvfm" / digest / "libnvfm.so.1"
+    if dest.is_file():
         return dest
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
@@ -61,17 +62,16 @@ def build_library(dest: Path) -> Path:
     subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", f"-Wl,-soname,{dest.name}", "-o", str(tmp),
                     str(HERE / "libnvfm.c")], check=True, capture_output=True, timeout=120)
     os.replace(tmp, dest)
-    stamp.write_text(digest)
     return dest
 
 
-def start(root: Path | str, spec: FabricManagerSpec, *, build: bool = True) -> Path:
+def start(root: Path | str, spec: FabricManagerSpec) -> Path:
     """FM started on the node under ``root``: its library in place, its socket and a fresh
     state (no partition active). Returns the library's path on this machine."""
     root = Path(root)
     library = root / LIBRARY.lstrip("/")
-    if build:
-        build_library(library)
+    library.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(build_library(), library)
     sock = root / spec.socket.lstrip("/")
     sock.parent.mkdir(parents=True, exist_ok=True)
     gpus = "".join(f"gpu {n} {_nvml_bus_id(bdf)} -\n" for n, bdf in sorted(spec.gpus.items()))
