@@ -10,7 +10,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,7 @@ from katamgr.host.workload import (
     describe_opt_outs,
     resolve_workload,
 )
+from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.process import TEXT, add_log_format_argument, report_error, setup_logging
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
@@ -395,6 +396,23 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
     return NodeSetup(steps, ctx, api, why, opted_out)
 
 
+def fabric_settings(host: HostRoot, config: KataManagerConfig | None) -> FabricSettings:
+    """The NVLink fabric settings of ``config`` (defaults without one); on a simulated node
+    whose Fabric Manager runs, where FM and its library are unless the config says."""
+    settings = FabricSettings()
+    if config is not None:
+        fm = config.devices.fabric_manager
+        settings = FabricSettings(config.devices.nvlink_fabric, fm.address, fm.library, fm.gpu_module_ids)
+    node = open_node(host.root)
+    simulated = node.fabric_manager() if node is not None else None
+    if simulated is not None and (settings.address, settings.library) == (FabricSettings.address,
+                                                                         FabricSettings.library):
+        library, socket, modules = simulated
+        settings = replace(settings, address=socket, library=library,
+                           gpu_module_ids=settings.gpu_module_ids or modules)
+    return settings
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
@@ -402,7 +420,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
         plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
-                         workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels)
+                         workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
+                         fabric=fabric_settings(host, config))
         if args.output == "json":
             print(json.dumps(plan.to_json(), indent=2))
         else:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from katamgr.errors import ConfigError
 from katamgr.host.root import HostRoot
-from nodesim import gpuregs, katadeploy, kernel, pcifiles, udev
+from nodesim import fabricmanager, gpuregs, katadeploy, kernel, pcifiles, udev
 from nodesim.profile import HostProfile, ProfileDevice
 
 
@@ -87,6 +87,8 @@ def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bo
     _create_kernel_files(host, profile)
     if profile.kata is not None:
         katadeploy.lay_out(host, profile.kata)
+    if profile.fabric_manager is not None:
+        fabricmanager.start(host.root, profile.fabric_manager)
     if real_device_nodes:
         udev.sync(host)
     return host

@@ -248,7 +248,7 @@ def load(library: str) -> ctypes.CDLL:
         except OSError as e:
             raise FabricManagerError(f"the Fabric Manager library {library} cannot be loaded ({e}); install "
                                      "NVIDIA's Fabric Manager development package (nvidia-fabricmanager-dev) or point "
-                                     "devices.nvlinkFabric.library at it") from None
+                                     "devices.fabricManager.library at it") from None
         for name, args in (("fmLibInit", []), ("fmLibShutdown", []),
                            ("fmConnect", [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
                            ("fmDisconnect", [ctypes.c_void_p]),

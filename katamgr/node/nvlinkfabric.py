@@ -24,7 +24,14 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from katamgr.node.fabricmanager import FmPartition
+from katamgr.host.root import HostRoot
+from katamgr.node.fabricmanager import (
+    DEFAULT_ADDRESS,
+    DEFAULT_LIBRARY,
+    FabricManager,
+    FabricManagerError,
+    FmPartition,
+)
 
 AUTO, SHARED, FULL, OFF = "auto", "sharedNvswitch", "fullPassthrough", "off"
 MODELS = (AUTO, SHARED, FULL, OFF)
@@ -141,8 +148,8 @@ def fabric_from(reported: Iterable[FmPartition], gpus: Iterable[str], module_ids
             address = bus_id(gpu.pci_bus_id) or module_ids.get(gpu.physical_id)
             if address is None:
                 unplaced[gpu.physical_id] = (f"Fabric Manager names GPU module {gpu.physical_id} without a PCI "
-                                             "address and no module ID maps it to one (devices.nvlinkFabric "
-                                             "gpuModuleIds)")
+                                             "address and no module ID maps it to one "
+                                             "(devices.fabricManager.gpuModuleIds)")
             elif address not in ours:
                 unplaced[gpu.physical_id] = (f"Fabric Manager's GPU module {gpu.physical_id} ({address}) is not a "
                                              "passthrough GPU of this node")
@@ -176,7 +183,7 @@ def choose(configured: str, *, nvswitches: int, fm: str | None, kata_takes_nvswi
         return ModelChoice(OFF, "devices.nvlinkFabric is off: multi-GPU pods on this NVSwitch board cannot "
                                 "run CUDA until FM sets the fabric up")
     shared_fix = ("start Fabric Manager in the Shared NVSwitch mode (FABRIC_MODE=1) and point "
-                  "devices.nvlinkFabric at its address")
+                  "devices.fabricManager.address at it")
     if configured == SHARED:
         if fm is None:
             return ModelChoice(SHARED, "devices.nvlinkFabric is sharedNvswitch and Fabric Manager answers")
@@ -198,3 +205,40 @@ def choose(configured: str, *, nvswitches: int, fm: str | None, kata_takes_nvswi
                        f"NVLink fabric: neither of NVIDIA's models holds on this NVSwitch board ({fm}; {kata} "
                        f"cannot cold-plug NVSwitches), so CUDA cannot start in a Kata pod given its GPUs: "
                        f"{shared_fix} (Fabric Manager User Guide §7), or {full_fix} (§6)")
+
+
+@dataclass(frozen=True)
+class FabricSettings:
+    """The node's configured model and how FM is reached (config ``devices.nvlinkFabric``,
+    ``devices.fabricManager``; the device plugin's flags of the same names)."""
+
+    model: str = AUTO
+    address: str = DEFAULT_ADDRESS
+    library: str = DEFAULT_LIBRARY
+    gpu_module_ids: str = ""
+    timeout: float = 5.0
+
+    @property
+    def module_ids(self) -> dict[int, str]:
+        return parse_module_ids(self.gpu_module_ids)
+
+
+def connect(host: HostRoot, settings: FabricSettings) -> FabricManager:
+    """FM reached from this process: a unix socket's path and the library's path (when
+    absolute and present there) are host paths, under the HostRoot."""
+    address = settings.address
+    if address.startswith("/"):
+        address = str(host.path(address))
+    library = settings.library
+    if library.startswith("/") and host.path(library).exists():
+        library = str(host.path(library))
+    return FabricManager.connect(address, library=library, timeout=settings.timeout)
+
+
+def read_fabric(host: HostRoot, settings: FabricSettings, gpus: Iterable[str]) -> tuple[Fabric | None, str | None]:
+    """(FM's partitions matched to ``gpus``, None), or (None, why FM did not answer)."""
+    try:
+        with connect(host, settings) as fm:
+            return fabric_from(fm.partitions(), gpus, settings.module_ids), None
+    except FabricManagerError as e:
+        return None, f"Fabric Manager did not answer: {e}"
