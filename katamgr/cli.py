@@ -30,6 +30,7 @@ from katamgr.host.workload import (
     describe_opt_outs,
     resolve_workload,
 )
+from katamgr.node import nvlinkfabric
 from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.process import TEXT, add_log_format_argument, report_error, setup_logging
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
@@ -128,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Show what `katamgr apply` would change on the node. Reads only.")
     _common(p)
     device_selection.add_arguments(p)
+    nvlinkfabric.add_arguments(p)
     p.add_argument("--output", choices=("text", "json"), default="text", help="output format (default text)")
     p.add_argument("--force", action="store_true", help="plan as if --force were given to apply")
     _gpu_labels_argument(p)
@@ -139,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Running it again changes nothing.")
     _common(p)
     device_selection.add_arguments(p)
+    nvlinkfabric.add_arguments(p)
     p.add_argument("--force", action="store_true",
                    help="unbind GPUs even while a process holds /dev/nvidiaN (that workload will crash)")
     _waits(p)
@@ -172,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "SIGTERM stops it; the node keeps its state unless --revert-on-exit is given.")
     _common(p)
     device_selection.add_arguments(p)
+    nvlinkfabric.add_arguments(p)
     p.add_argument("--force", action="store_true", help="as for apply")
     _waits(p)
     p.add_argument("--repull-interval", type=float, default=3600.0, metavar="SECONDS",
@@ -211,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="dgx-h100", help="host profile to simulate (default dgx-h100)")
     p.add_argument("--keep", metavar="DIR", help="simulate into DIR and leave it there to look at")
     device_selection.add_arguments(p)
+    nvlinkfabric.add_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true")
     add_log_format_argument(p)
     p.set_defaults(func=cmd_demo, host=None, host_root=None)
@@ -396,13 +401,17 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
     return NodeSetup(steps, ctx, api, why, opted_out)
 
 
-def fabric_settings(host: HostRoot, config: KataManagerConfig | None) -> FabricSettings:
-    """The NVLink fabric settings of ``config`` (defaults without one); on a simulated node
-    whose Fabric Manager runs, where FM and its library are unless the config says."""
+def fabric_settings(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None) -> FabricSettings:
+    """The NVLink fabric settings: the config's (defaults without one), then the flags'; on a
+    simulated node whose Fabric Manager runs, where FM and its library are unless told."""
     settings = FabricSettings()
     if config is not None:
         fm = config.devices.fabric_manager
         settings = FabricSettings(config.devices.nvlink_fabric, fm.address, fm.library, fm.gpu_module_ids)
+    try:
+        settings = nvlinkfabric.from_arguments(args, settings)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     node = open_node(host.root)
     simulated = node.fabric_manager() if node is not None else None
     if simulated is not None and (settings.address, settings.library) == (FabricSettings.address,
@@ -421,7 +430,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         setup = node_setup(args, host, config)
         plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
-                         fabric=fabric_settings(host, config))
+                         fabric=fabric_settings(args, host, config))
         if args.output == "json":
             print(json.dumps(plan.to_json(), indent=2))
         else:

@@ -137,17 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     resource_naming.add_arguments(parser)
     # The same selection as katamgr's (the chart passes both the same devices value).
     device_selection.add_arguments(parser)
-    # NVIDIA's Shared NVSwitch model (katamgr's devices.nvlinkFabric and devices.fabricManager).
-    parser.add_argument("--nvlink-fabric", default=nf.AUTO, choices=nf.MODELS,
-                        help="NVSwitch boards: sharedNvswitch gives each pod one Fabric Manager partition, "
-                             "activated at Allocate; auto (default) does where FM answers at start; "
-                             "fullPassthrough and off leave the GPUs to the kubelet's choice")
-    parser.add_argument("--fabric-manager-address", default=nf.DEFAULT_ADDRESS, metavar="ADDR",
-                        help="FM's API: host:port or the host path of its unix socket (default: %(default)s)")
-    parser.add_argument("--fabric-manager-library", default=nf.DEFAULT_LIBRARY, metavar="LIB",
-                        help="FM's SDK library, a soname or a host path (default: %(default)s)")
-    parser.add_argument("--gpu-module-ids", default="", metavar="N=BDF[,N=BDF]",
-                        help="each GPU's module ID (nvidia-smi -q) and PCI address: HGX H100 and later")
+    nf.add_arguments(parser)  # NVIDIA's NVLink fabric models, as katamgr takes them
     parser.add_argument("--device-list-strategy", action="append", default=[], metavar="S[,S]",
                         help="container mode: how Allocate names the GPUs, any of "
                              f"{', '.join(DEVICE_LIST_STRATEGIES)} (comma-separated or repeated; "
@@ -287,11 +277,9 @@ def _fabric_guard(args: argparse.Namespace, host: HostRoot, naming: Naming) -> F
     """The node's NVLink partitions where it follows the Shared NVSwitch model: asked for, or
     (auto) where Fabric Manager answers with partitions of this node's GPUs now."""
     try:
-        settings = nf.FabricSettings(args.nvlink_fabric, args.fabric_manager_address,
-                                     args.fabric_manager_library, args.gpu_module_ids)
-        settings.module_ids  # noqa: B018 - checked here, before anything is served
+        settings = nf.from_arguments(args)
     except ValueError as exc:
-        raise UsageError(f"--gpu-module-ids: {exc}") from None
+        raise UsageError(str(exc)) from None
     if settings.model == nf.SHARED:
         return FabricGuard(host, settings)
     if settings.model != nf.AUTO:

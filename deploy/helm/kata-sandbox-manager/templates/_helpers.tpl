@@ -158,6 +158,31 @@ the plugin advertises exactly the devices katamgr binds and writes CDI specs for
 {{- end -}}
 
 {{/*
+The NVLink fabric model and where Fabric Manager is (devices.nvlinkFabric, devices.fabricManager),
+for katamgr and the device plugin (the DRA driver does not take partitions yet).
+*/}}
+{{- define "ksm.fabricArgs" -}}
+{{- $devices := .Values.devices | default dict -}}
+{{- with $devices.nvlinkFabric }}
+- --nvlink-fabric
+- {{ . | quote }}
+{{- end }}
+{{- $fm := $devices.fabricManager | default dict }}
+{{- with $fm.address }}
+- --fabric-manager-address
+- {{ . | quote }}
+{{- end }}
+{{- with $fm.library }}
+- --fabric-manager-library
+- {{ . | quote }}
+{{- end }}
+{{- with $fm.gpuModuleIds }}
+- --gpu-module-ids
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
 The sandbox-device-plugin container's env: sandboxDevicePlugin.env, then the entries of
 kataSandboxDevicePlugin.env it does not name, less P_GPU_ALIAS and NVSWITCH_ALIAS
 (arguments instead, see ksm.aliases). As a JSON list.
