@@ -162,19 +162,20 @@ The NVLink fabric model and where Fabric Manager is (devices.nvlinkFabric, devic
 for katamgr and the device plugin (the DRA driver does not take partitions yet).
 */}}
 {{- define "ksm.fabricArgs" -}}
+{{- /* Only what differs from both programs' defaults (auto, 127.0.0.1:6666, libnvfm.so.1). */ -}}
 {{- $devices := .Values.devices | default dict -}}
-{{- with $devices.nvlinkFabric }}
+{{- $fm := $devices.fabricManager | default dict -}}
+{{- if and $devices.nvlinkFabric (ne $devices.nvlinkFabric "auto") }}
 - --nvlink-fabric
-- {{ . | quote }}
+- {{ $devices.nvlinkFabric | quote }}
 {{- end }}
-{{- $fm := $devices.fabricManager | default dict }}
-{{- with $fm.address }}
+{{- if and $fm.address (ne $fm.address "127.0.0.1:6666") }}
 - --fabric-manager-address
-- {{ . | quote }}
+- {{ $fm.address | quote }}
 {{- end }}
-{{- with $fm.library }}
+{{- if and $fm.library (ne $fm.library "libnvfm.so.1") }}
 - --fabric-manager-library
-- {{ . | quote }}
+- {{ $fm.library | quote }}
 {{- end }}
 {{- with $fm.gpuModuleIds }}
 - --gpu-module-ids
