@@ -59,8 +59,13 @@ def build_library() -> Path:
         raise FabricManagerStandInError("the Fabric Manager stand-in needs a C compiler (gcc); .ci/setup installs it")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
-    subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", f"-Wl,-soname,{dest.name}", "-o", str(tmp),
-                    str(HERE / "libnvfm.c")], check=True, capture_output=True, timeout=120)
+    try:
+        subprocess.run([cc, "-O2", "-Wall", "-shared", "-fPIC", f"-Wl,-soname,{dest.name}", "-o", str(tmp),
+                        str(HERE / "libnvfm.c")], check=True, capture_output=True, timeout=120)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        raise FabricManagerStandInError(f"the Fabric Manager stand-in did not compile with {cc}: "
+                                        f"{detail.decode(errors='replace').strip()[:300]}") from None
     os.replace(tmp, dest)
     return dest
 
