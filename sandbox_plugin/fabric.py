@@ -62,6 +62,7 @@ class FabricGuard:
         self._thread: threading.Thread | None = None
         self._fm: FabricManager | None = None
         self._activated: dict[str, float] = {}  # partition ID -> when this process activated it
+        self._unrecorded = False
 
     # -- what the plugin asks ---------------------------------------------------
 
@@ -227,13 +228,28 @@ class FabricGuard:
                  ", ".join(map(str, ids)) or "none")
 
     def _record(self) -> dict[str, list[str]]:
-        found = read_json(self.host.path(RECORD), {})
+        try:
+            found = read_json(self.host.path(RECORD), {})
+        except ValueError as e:  # unreadable: Allocate goes on, FM's own state still holds
+            if not self._unrecorded:
+                log.warning("NVLink fabric: %s", e)
+            self._unrecorded = True
+            return {}
         return {str(k): list(v) for k, v in found.items()} if isinstance(found, dict) else {}
 
     def _write(self, record: dict[str, list[str]]) -> None:
+        """The record kept; where it cannot be (a read-only state dir: the chart mounts it only
+        with devices.nvlinkFabric sharedNvswitch or FM at a unix socket) the partitions are
+        still activated and released, but a restarted FM cannot be told them: said once."""
         path = self.host.path(RECORD)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_json(path, record)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json(path, record)
+        except OSError as e:
+            if not self._unrecorded:
+                log.warning("NVLink fabric: the record of active partitions %s cannot be written (%s): after a "
+                            "Fabric Manager restart they cannot be restored", RECORD, e)
+            self._unrecorded = True
 
     def _ask_kubelet(self) -> set[str] | None:
         from katamgr.node.podresources import list_pod_devices

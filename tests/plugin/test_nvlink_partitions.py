@@ -162,3 +162,14 @@ def test_auto_follows_the_shared_model_only_where_fm_answers(sim_host):
 def args_of(args) -> list[str]:
     return ["--fabric-manager-address", args.fabric_manager_address,
             "--fabric-manager-library", args.fabric_manager_library, "--gpu-module-ids", args.gpu_module_ids]
+
+
+def test_a_record_that_cannot_be_written_does_not_stop_allocate(shared_node, caplog):
+    host, kubelet, start = shared_node
+    # Unwritable (the chart's read-only root filesystem, without the state dir's mount; a
+    # directory in the file's place fails the write for root too).
+    host.path(fabric.RECORD).mkdir(parents=True)
+    start()
+    kubelet.admit_pod("default", "two", {"c": {H100: 2}})
+    assert fmsim.active(host.root) == [3]
+    assert "nvlink-partitions.json" in caplog.text  # said, once
