@@ -540,6 +540,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       events=events, metrics_address=args.metrics_address,
                       read_workload=follower.read if follower else None,
                       node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out,
+                      fabric=fabric_settings(args, host, config),
                       node_labels=None if args.no_gpu_labels or setup.api is None or not args.node_name
                       else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
                       **_cc_options(args, setup.api, follower.watch if follower else None))
