@@ -71,8 +71,12 @@ class FabricGuard:
         """The unit IDs of the partition to give (``gpus_of``: each unit's GPU addresses);
         None when no free partition fits (the kubelet then picks, and Allocate says why not)."""
         units_of = {g: unit for unit, gpus in gpus_of.items() for g in gpus}
-        with self._lock:
-            fabric = self._fabric()
+        try:
+            with self._lock:
+                fabric = self._fabric()
+        except AllocationError as e:  # FM not answering: Allocate will refuse, saying so
+            log.warning("GetPreferredAllocation without partitions: %s", e.message)
+            return None
         part = fabric.prefer([g for u in available for g in gpus_of.get(u, ())],
                              [g for u in must_include for g in gpus_of.get(u, ())], size)
         if part is None:
