@@ -30,6 +30,8 @@ from katamgr.host.workload import (
     describe_opt_outs,
     resolve_workload,
 )
+from katamgr.node import nvlinkfabric
+from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.process import TEXT, add_log_format_argument, report_error, setup_logging
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
@@ -127,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Show what `katamgr apply` would change on the node. Reads only.")
     _common(p)
     device_selection.add_arguments(p)
+    nvlinkfabric.add_arguments(p)
     p.add_argument("--output", choices=("text", "json"), default="text", help="output format (default text)")
     p.add_argument("--force", action="store_true", help="plan as if --force were given to apply")
     _gpu_labels_argument(p)
@@ -138,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Running it again changes nothing.")
     _common(p)
     device_selection.add_arguments(p)
+    nvlinkfabric.add_arguments(p)
     p.add_argument("--force", action="store_true",
                    help="unbind GPUs even while a process holds /dev/nvidiaN (that workload will crash)")
     _waits(p)
@@ -171,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "SIGTERM stops it; the node keeps its state unless --revert-on-exit is given.")
     _common(p)
     device_selection.add_arguments(p)
+    nvlinkfabric.add_arguments(p)
     p.add_argument("--force", action="store_true", help="as for apply")
     _waits(p)
     p.add_argument("--repull-interval", type=float, default=3600.0, metavar="SECONDS",
@@ -214,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="dgx-h100", help="host profile to simulate (default dgx-h100)")
     p.add_argument("--keep", metavar="DIR", help="simulate into DIR and leave it there to look at")
     device_selection.add_arguments(p)
+    nvlinkfabric.add_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true")
     add_log_format_argument(p)
     p.set_defaults(func=cmd_demo, host=None, host_root=None)
@@ -399,6 +405,27 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
     return NodeSetup(steps, ctx, api, why, opted_out)
 
 
+def fabric_settings(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None) -> FabricSettings:
+    """The NVLink fabric settings: the config's (defaults without one), then the flags'; on a
+    simulated node whose Fabric Manager runs, where FM and its library are unless told."""
+    settings = FabricSettings()
+    if config is not None:
+        fm = config.devices.fabric_manager
+        settings = FabricSettings(config.devices.nvlink_fabric, fm.address, fm.library, fm.gpu_module_ids)
+    try:
+        settings = nvlinkfabric.from_arguments(args, settings)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    node = open_node(host.root)
+    simulated = node.fabric_manager() if node is not None else None
+    if simulated is not None and (settings.address, settings.library) == (FabricSettings.address,
+                                                                         FabricSettings.library):
+        library, socket, modules = simulated
+        settings = replace(settings, address=socket, library=library,
+                           gpu_module_ids=settings.gpu_module_ids or modules)
+    return settings
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
@@ -406,7 +433,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
         plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
-                         workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels)
+                         workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
+                         fabric=fabric_settings(args, host, config))
         if args.output == "json":
             print(json.dumps(plan.to_json(), indent=2))
         else:
@@ -521,6 +549,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       events=events, metrics_address=args.metrics_address,
                       read_workload=follower.read if follower else None,
                       node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out,
+                      fabric=fabric_settings(args, host, config),
                       node_labels=None if args.no_gpu_labels or setup.api is None or not args.node_name
                       else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
                       **_cc_options(args, setup.api, follower.watch if follower else None))

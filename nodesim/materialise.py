@@ -12,13 +12,16 @@ is how ``nodesim.node.open_node`` tells a simulated root from a real one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
 from katamgr.errors import ConfigError
 from katamgr.host.root import HostRoot
-from nodesim import gpuregs, katadeploy, kernel, pcifiles, udev
+from nodesim import fabricmanager, gpuregs, katadeploy, kernel, pcifiles, udev
 from nodesim.profile import HostProfile, ProfileDevice
+
+log = logging.getLogger(__name__)
 
 
 def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bool = False) -> HostRoot:
@@ -87,6 +90,13 @@ def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bo
     _create_kernel_files(host, profile)
     if profile.kata is not None:
         katadeploy.lay_out(host, profile.kata)
+    if profile.fabric_manager is not None:
+        try:
+            fabricmanager.start(host.root, profile.fabric_manager)
+        except fabricmanager.FabricManagerStandInError as e:
+            # A machine without a C compiler (the chart's image): the node runs without FM,
+            # and katamgr plan says what that means for its NVLink fabric.
+            log.warning("%s; the simulated %s runs without Fabric Manager", e, profile.name)
     if real_device_nodes:
         udev.sync(host)
     return host

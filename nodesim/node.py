@@ -36,6 +36,20 @@ class SimulatedNode:
 
         return FakeNvml.for_simulated_host(self.host)
 
+    def fabric_manager(self) -> tuple[str, str, str] | None:
+        """The node's Fabric Manager as an operator would point katamgr at it: (the SDK
+        library's path on this machine, FM's socket as a host path, the GPUs' module IDs as
+        nvidia-smi shows them); None where FM does not run here."""
+        from nodesim import fabricmanager
+
+        library = self.host.path(fabricmanager.LIBRARY)
+        state = fabricmanager.state_of(self.host.path(fabricmanager.SOCKET))
+        if not library.is_file() or not state.is_file():
+            return None
+        ids = [line.split()[1:3] for line in state.read_text().splitlines() if line.startswith("gpu ")]
+        modules = ",".join(f"{n}={bus.lower()[4:]}" for n, bus in ids)  # 00000000:03:00.0 -> 0000:03:00.0
+        return str(library), fabricmanager.SOCKET, modules
+
     @property
     def host_udev(self) -> bool:
         return kernel.host_udev(self.host)

@@ -14,6 +14,9 @@ import yaml
 
 from katamgr.errors import ConfigError
 from katamgr.host.pci import BDF_RE
+from nodesim.fabricmanager import MODES as FM_MODES
+from nodesim.fabricmanager import PLATFORMS as FM_PLATFORMS
+from nodesim.fabricmanager import FabricManagerSpec
 from nodesim.katadeploy import GO, SHIMS, KataInstall
 
 VFIO_STATES = ("loaded", "loadable", "missing")
@@ -68,6 +71,8 @@ class HostProfile:
     cc_host: str | None = None
     # Kata as kata-deploy installs it (``nodesim.katadeploy``); None: no Kata on the node.
     kata: KataInstall | None = None
+    # NVIDIA Fabric Manager running on the node (nodesim.fabricmanager); None: not running.
+    fabric_manager: FabricManagerSpec | None = None
 
 
 _DEVICE_KEYS = {
@@ -75,7 +80,7 @@ _DEVICE_KEYS = {
     "subsystem_vendor", "subsystem_device", "minor", "cc_mode", "ppcie_mode", "pcie",
 }
 _TOP_KEYS = {"name", "description", "iommu", "iommufd", "vfio_pci", "devices", "processes", "modules_alias",
-             "cc_host", "kata"}
+             "cc_host", "kata", "fabric_manager"}
 _KATA_KEYS = {"installed_by", "release", "shims"}
 KATA_INSTALLERS = ("kata-deploy",)
 CC_MODES = ("off", "on", "devtools")
@@ -133,7 +138,24 @@ def parse_profile(data: Any, source: str = "profile") -> HostProfile:
         modules_alias=aliases,
         cc_host=cc_host,
         kata=None if data.get("kata") is None else _kata(data["kata"], f"{source}: kata"),
+        fabric_manager=(None if data.get("fabric_manager") is None
+                        else _fabric_manager(data["fabric_manager"], seen, f"{source}: fabric_manager")),
     )
+
+
+def _fabric_manager(raw: Any, bdfs: set[str], where: str) -> FabricManagerSpec:
+    """``fabric_manager: {platform: hgx-h100, mode: shared, module_ids: {1: '0000:03:00.0', ...}}``."""
+    if not isinstance(raw, dict) or set(raw) - {"platform", "mode", "module_ids"}:
+        raise ProfileError(f"{where} must be a mapping of platform, mode and module_ids")
+    platform, mode = raw.get("platform", "hgx-h100"), raw.get("mode", "shared")
+    if platform not in FM_PLATFORMS or mode not in FM_MODES:
+        raise ProfileError(f"{where}: platform must be one of {', '.join(FM_PLATFORMS)} and mode one of "
+                           f"{', '.join(FM_MODES)}, got {platform!r} and {mode!r}")
+    ids = raw.get("module_ids") or {}
+    if not isinstance(ids, dict) or any(not isinstance(k, int) or not 1 <= k <= 16 or str(v).lower() not in bdfs
+                                        for k, v in ids.items()):
+        raise ProfileError(f"{where}.module_ids must map module IDs 1-16 to devices of this profile")
+    return FabricManagerSpec(platform, mode, {k: str(v).lower() for k, v in ids.items()})
 
 
 def _kata(raw: Any, where: str) -> KataInstall:

@@ -24,6 +24,7 @@ from katamgr.host.workload import (
     Workload,
     resolve_workload,
 )
+from katamgr.node import nvlinkfabric as nf
 from katamgr.node.process import (
     add_log_format_argument,
     report_error,
@@ -33,6 +34,7 @@ from katamgr.node.process import (
 from nodesim.node import open_node
 from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host, read_labels
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
+from sandbox_plugin.fabric import FabricGuard
 from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, holds_for, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.served import PluginServerError
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     resource_naming.add_arguments(parser)
     # The same selection as katamgr's (the chart passes both the same devices value).
     device_selection.add_arguments(parser)
+    nf.add_arguments(parser)  # NVIDIA's NVLink fabric models, as katamgr takes them
     parser.add_argument("--device-list-strategy", action="append", default=[], metavar="S[,S]",
                         help="container mode: how Allocate names the GPUs, any of "
                              f"{', '.join(DEVICE_LIST_STRATEGIES)} (comma-separated or repeated; "
@@ -224,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         # NVML, listing again only when started again: the driver watch does that).
         simulated = open_node(host.root)
         nvml = simulated.nvml() if simulated else None
+        fabric = _fabric_guard(args, host, naming)
         runner = PluginRunner(lambda m, metrics, held_only=False: PluginManager(
             host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml,
-            held_only=held_only))
+            held_only=held_only, fabric=fabric))
         held = False
         follower = None
         if args.mode != AUTO:
@@ -267,6 +271,32 @@ def main(argv: list[str] | None = None) -> int:
             watch.stop()
     log.info("stopped")
     return 0
+
+
+def _fabric_guard(args: argparse.Namespace, host: HostRoot, naming: Naming) -> FabricGuard | None:
+    """The node's NVLink partitions where it follows the Shared NVSwitch model: asked for, or
+    (auto) where Fabric Manager answers with partitions of this node's GPUs now."""
+    try:
+        settings = nf.from_arguments(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if settings.model == nf.SHARED:
+        return FabricGuard(host, settings)
+    if settings.model != nf.AUTO:
+        return None
+    from katamgr.host.inventory import discover
+
+    inv = discover(host, naming.selection)
+    if not any(d.is_nvswitch for d in inv.devices):
+        return None
+    fabric, why = nf.read_fabric(host, settings, [d.bdf for d in inv.devices if d.is_gpu])
+    if fabric is None or not fabric.partitions:
+        log.info("NVLink fabric: not the Shared NVSwitch model here (%s)",
+                 why or "Fabric Manager offers no partition of this node's GPUs")
+        return None
+    log.info("NVLink fabric: Shared NVSwitch model, Fabric Manager at %s offers %s-GPU partitions",
+             settings.address, fabric.sizes_text())
+    return FabricGuard(host, settings)
 
 
 def _label_watch(args: argparse.Namespace):

@@ -27,6 +27,7 @@ from sandbox_plugin.container import (
     DeviceListStrategy,
     NvmlResource,
 )
+from sandbox_plugin.fabric import FabricGuard
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import Resource
@@ -62,10 +63,13 @@ class PluginManager:
         device_list_strategies: Sequence[DeviceListStrategy | str] = DEFAULT_DEVICE_LIST_STRATEGIES,
         metrics: PluginMetrics | None = None,
         held_only: bool = False,
+        fabric: FabricGuard | None = None,
     ) -> None:
         """``held_only`` (vm-passthrough mode): the node left vm-passthrough; serve only the
         devices pods still hold, refusing every Allocate (``passthrough.PassthroughDiscovery``),
-        looking again every ``HELD_RESCAN`` s for pods that ended."""
+        looking again every ``HELD_RESCAN`` s for pods that ended. ``fabric``: the node's NVLink
+        partitions in the Shared NVSwitch model (``sandbox_plugin.fabric``), started and
+        stopped with the manager."""
         self.host = host
         self.mode = Mode(mode)
         self.held_only = held_only
@@ -83,7 +87,7 @@ class PluginManager:
         if self.mode is Mode.VM_PASSTHROUGH:
             if naming is None:
                 raise ValueError("vm-passthrough mode needs a Naming (pci.ids and aliases)")
-            self.discovery = PassthroughDiscovery(host, naming, held_only=held_only)
+            self.discovery = PassthroughDiscovery(host, naming, held_only=held_only, fabric=fabric)
             self._watcher = DeviceWatcher(host, self.refresh, on_node_gone=self.discovery.node_gone,
                                           rescan_interval=min(rescan_interval, HELD_RESCAN)
                                           if held_only else rescan_interval, polls=held_only)
@@ -99,6 +103,8 @@ class PluginManager:
     def start(self) -> None:
         self._started = True
         if self.discovery is not None:
+            if self.discovery.fabric is not None:
+                self.discovery.fabric.start()
             self.refresh()
             assert self._watcher is not None
             self._watcher.start()
@@ -194,6 +200,8 @@ class PluginManager:
             server.stop()
         if self.discovery is not None:
             self.discovery.close()
+            if self.discovery.fabric is not None:
+                self.discovery.fabric.stop()
 
     def __enter__(self) -> PluginManager:
         self.start()

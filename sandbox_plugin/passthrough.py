@@ -63,6 +63,7 @@ from katamgr.host.passthrough import PassthroughDevice, resource_units
 from katamgr.host.root import HostRoot
 from sandbox_plugin import topology
 from sandbox_plugin.cdinames import HostCdiSpecs
+from sandbox_plugin.fabric import FabricGuard, gpus_of_units
 from sandbox_plugin.resources import (
     HEALTHY,
     UNHEALTHY,
@@ -171,6 +172,8 @@ class PassthroughResource(Resource):
         super().__init__(resource_name)
         self.host = host
         self.refusal = refusal  # set: every Allocate is refused, saying this
+        # Set on a Shared NVSwitch node: one NVLink partition per pod, activated at Allocate.
+        self.fabric: FabricGuard | None = None
         self.cdi_specs = cdi_specs if cdi_specs is not None else HostCdiSpecs(host)
         self._lock = threading.Lock()
         self._units: dict[str, PassthroughUnit] = {}
@@ -259,6 +262,10 @@ class PassthroughResource(Resource):
         return [u.plugin_device() for u in self.units()]
 
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        if self.fabric is not None:
+            ids = self.fabric.preferred(gpus_of_units(self.units()), available, must_include, size)
+            if ids is not None:
+                return ids
         placements = [u.placement for u in self.units()]
         return topology.preferred(placements, available, must_include, size)
 
@@ -279,6 +286,8 @@ class PassthroughResource(Resource):
                 )
             self._recheck(unit)
             chosen.append(unit)
+        if self.fabric is not None and any(d.is_gpu for u in chosen for d in u.devices):
+            self.fabric.activate(gpus_of_units(chosen))  # before the VM starts: §7 of FM's guide
         specs = self.cdi_specs.current()  # one check of the spec files per Allocate
         key = tuple(device_ids)
         cached = self._answers.get(key)
@@ -385,7 +394,7 @@ class PassthroughDiscovery:
     """Keeps one ``PassthroughResource`` per resource name in step with the host."""
 
     def __init__(self, host: HostRoot, naming: Naming, *, held_only: bool = False,
-                 given=None) -> None:
+                 given=None, fabric: FabricGuard | None = None) -> None:
         """``held_only``: list only the units the kubelet gave pods, refuse every Allocate
         (a node that left vm-passthrough); ``given()``: the device IDs the kubelet gave
         pods, None when it cannot be asked (default: its PodResources ``List``)."""
@@ -397,6 +406,7 @@ class PassthroughDiscovery:
         self.held_only = held_only
         self._given = given or self._ask_kubelet
         self._kept: set[str] = set()  # the units listed last (a kubelet not answering keeps them)
+        self.fabric = fabric
 
     def _refusal(self) -> str | None:
         return (f"this node no longer runs {PASSTHROUGH}: its devices stay only with the pods "
@@ -449,6 +459,7 @@ class PassthroughDiscovery:
         with self._lock:
             for name in sorted(by_name.keys() - self.resources.keys()):
                 self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs, refusal)
+                self.resources[name].fabric = self.fabric
                 created.append(self.resources[name])
             resources = dict(self.resources)
         for name, resource in resources.items():

@@ -67,6 +67,10 @@ class NodeEvents:
         if report.failures:
             self._record("GpuLabelsFailed", "; ".join(report.failures), "Warning")
 
+    def nvlink_fabric(self, problem: str) -> None:
+        """Neither of NVIDIA's models holds on this NVSwitch board (docs/devices.md, "NVLink fabric")."""
+        self._record("NVLinkFabricUnavailable", problem, "Warning")
+
     def nvswitches(self, inv: Inventory) -> None:
         """What the node does with its NVSwitches, where its Kata cannot cold-plug them:
         kept on the host (``--nvswitches auto``), or passed through at the operator's word."""

@@ -44,6 +44,9 @@ class AgentMetrics:
         self.cc_switch_seconds = Histogram("katamgr_cc_mode_switch_duration_seconds",
                                            "How long a CC mode switch took (unbind, stage, reset, read back, "
                                            "bind back).", registry=r, buckets=(0.5, 1, 5, 10, 30, 60, 120, 300, 600))
+        self.nvlink_model = Gauge("katamgr_nvlink_fabric_model",
+                                  "1 for the NVLink fabric model an NVSwitch board follows (sharedNvswitch, "
+                                  "fullPassthrough, off; none: neither holds).", ["model"], registry=r)
         self.cc_state = Gauge("katamgr_cc_mode_state",
                               "1 for the node's CC mode state as last read (on, off, devtools, ppcie, failed).",
                               ["state"], registry=r)
@@ -51,6 +54,10 @@ class AgentMetrics:
     def observe_cc_state(self, state: str) -> None:
         for known in ("off", "on", "devtools", "ppcie", "failed"):
             self.cc_state.labels(known).set(int(known == state))
+
+    def observe_nvlink_model(self, model: str | None) -> None:
+        for name in ("sharedNvswitch", "fullPassthrough", "off", "none"):
+            self.nvlink_model.labels(name).set(1 if (model or "none") == name else 0)
 
     def observe_plan(self, plan: Plan) -> None:
         counts: dict[tuple[str, str, str], int] = {}

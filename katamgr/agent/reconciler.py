@@ -21,6 +21,7 @@ from katamgr.agent.target import Target
 from katamgr.errors import KatamgrError
 from katamgr.host.vfio import Action, SkipReason
 from katamgr.node.backoff import Backoff, Retries
+from katamgr.pipeline import nvlinkfabric
 from katamgr.pipeline.reconcile import reconcile
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report
@@ -117,11 +118,25 @@ class Reconciler:
             m.observe_plan(plan)
             if self.target.binds:
                 self.events.nvswitches(plan.inventory)
+                if self.target.fabric is not None:
+                    self._nvlink_fabric(plan)
             self.in_use = self.target.binds and any(
                 d.skipped_because is SkipReason.IN_USE for d in plan.decisions)
         except Exception as exc:  # noqa: BLE001 - the metrics never fail the loop
             log.debug("could not scan the devices for the metrics: %s", exc)
         self.events.reconciled(report, failed_before)
+
+    def _nvlink_fabric(self, plan) -> None:
+        """An NVSwitch board's model (``pipeline.nvlinkfabric``, asking FM, bounded): the
+        ``katamgr_nvlink_fabric_model`` metric, and a Warning Event where neither holds."""
+        before = len(plan.problems)
+        nvlinkfabric.add_section(self.target.host, plan, self.target.fabric)
+        section = next((s for s in plan.sections if s.key == "nvlink_fabric"), None)
+        if section is None:
+            return
+        self.metrics.observe_nvlink_model(section.data["model"])
+        for problem in plan.problems[before:]:
+            self.events.nvlink_fabric(problem)
 
     def bind_freed(self) -> None:
         """On a vm-passthrough node: bind a GPU the last reconcile skipped because a process

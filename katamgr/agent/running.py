@@ -22,6 +22,7 @@ from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import Operand, Resolution, Workload
 from katamgr.node.metrics_server import MetricsServer
+from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.process import stop_on_signals
 from katamgr.node.watching import Watcher
 from katamgr.pipeline.gpulabels import NodeLabels
@@ -50,8 +51,9 @@ class Agent:
                  cc_default_mode: CcMode | None = None, read_labels: Callable[[], Mapping[str, str]] | None = None,
                  publish_labels: Callable[[dict[str, str | None]], None] | None = None,
                  read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None,
-                 node_labels: NodeLabels | None = None):
-        self.target = Target(host, naming, steps, ctx, opted_out, force=force, wait=wait, lock_wait=lock_wait)
+                 node_labels: NodeLabels | None = None, fabric: FabricSettings | None = None):
+        self.target = Target(host, naming, steps, ctx, opted_out, force=force, wait=wait, lock_wait=lock_wait,
+                             fabric=fabric)
         self.repull_interval = repull_interval
         self.check_interval = check_interval
         self.revert_on_exit = revert_on_exit

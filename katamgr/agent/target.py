@@ -8,6 +8,7 @@ from katamgr.host.inventory import Inventory, discover
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import Operand
+from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.plan import Plan
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan
@@ -27,6 +28,8 @@ class Target:
     force: bool = False
     wait: float = 5.0
     lock_wait: float = DEFAULT_LOCK_WAIT
+    # The NVLink fabric settings (an NVSwitch board's model: docs/devices.md); None: not looked at.
+    fabric: FabricSettings | None = None
     steps: Steps = field(init=False)
     # Whether a reconcile or a switch of this agent's has set the node's GPUs: until then,
     # GPUs katamgr's records list against the node's wish were left by a relabel while no

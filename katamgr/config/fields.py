@@ -22,6 +22,7 @@ from katamgr.config.messages import Says, kind_of, quote
 from katamgr.errors import ConfigError
 from katamgr.host import kata
 from katamgr.host import selection as device_selection
+from katamgr.node import nvlinkfabric
 from katamgr.runtime.kata_config import POD_RESOURCE_SOURCES
 from katamgr.runtime.settings import CONFIGURABLE_VERSIONS, RestartMode
 
@@ -169,6 +170,20 @@ def _nvswitches(value: Any) -> bool | str:
     raise ValueError(f"{quote(value)} is not auto, true or false")
 
 
+def _nvlink_fabric(value: Any) -> str:
+    if value not in nvlinkfabric.MODELS:
+        raise ValueError(f"{quote(value)} is not an NVLink fabric model; use one of {', '.join(nvlinkfabric.MODELS)}")
+    return value
+
+
+def _module_ids_problem(value: str) -> str | None:
+    try:
+        nvlinkfabric.parse_module_ids(value)
+    except ValueError as e:
+        return f"has a bad entry: {e}"
+    return None
+
+
 def _kata_release_problem(value: str) -> str | None:
     try:
         kata.parse_release(value)
@@ -281,6 +296,10 @@ KataRelease = Annotated[
     WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0},
                               {"type": "string", "pattern": r"^v?[0-9]+\.[0-9]+(\.[0-9]+)?$"}]}),
 ]
+NvlinkFabricModel = Annotated[
+    str, BeforeValidator(_nvlink_fabric), WithJsonSchema({"type": "string", "enum": list(nvlinkfabric.MODELS)}),
+]
+GpuModuleIds = Annotated[str, _text(_module_ids_problem), WithJsonSchema({"type": "string"})]
 DeviceSource = Annotated[
     str, BeforeValidator(_device_source), WithJsonSchema({"type": "string", "enum": list(POD_RESOURCE_SOURCES)}),
 ]

@@ -27,9 +27,11 @@ from katamgr.config.fields import (
     ContainerdVersion,
     DeviceSource,
     ExcludedDevice,
+    GpuModuleIds,
     KataDeployMode,
     KataRelease,
     NodeSelector,
+    NvlinkFabricModel,
     NvswitchMode,
     PciIds,
     PodFixed,
@@ -43,6 +45,7 @@ from katamgr.config.messages import Says, quote
 from katamgr.host import kata
 from katamgr.host import selection as device_selection
 from katamgr.host.workload import WORKLOAD_LABEL, Workload
+from katamgr.node import fabricmanager
 from katamgr.runtime.settings import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_POD_ANNOTATIONS,
@@ -135,6 +138,23 @@ class IncludedDevice(_Model):
                     "kind of their spec.")
 
 
+class FabricManagerConfig(_Model):
+    """How katamgr and the device plugin reach NVIDIA Fabric Manager (Shared NVSwitch model)."""
+
+    address: Annotated[str, NULL_IS_DEFAULT] = Field(
+        default=fabricmanager.DEFAULT_ADDRESS,
+        description="FM's API address: host:port (FM's default 127.0.0.1:6666, its FM_CMD_BIND_INTERFACE "
+                    "and FM_CMD_PORT_NUMBER) or the host path of its unix socket (FM_CMD_UNIX_SOCKET_PATH).")
+    library: Annotated[str, NULL_IS_DEFAULT] = Field(
+        default=fabricmanager.DEFAULT_LIBRARY,
+        description="FM's SDK library: a soname the dynamic linker finds, or a host path.")
+    gpu_module_ids: Annotated[GpuModuleIds, NULL_IS_DEFAULT] = Field(
+        default="",
+        description="Each GPU's module ID (nvidia-smi -q, \"Module ID\": fixed by the baseboard) and PCI "
+                    "address, as 1=0000:1b:00.0,2=0000:43:00.0,...; needed on HGX H100 and later, where FM "
+                    "names a partition's GPUs by module ID only.")
+
+
 class DevicesConfig(_Model):
     """Which PCI devices are passthrough devices (``katamgr.host.selection``). By default
     NVIDIA GPUs and NVSwitches; the command line's --include-device and --exclude-device
@@ -167,6 +187,14 @@ class DevicesConfig(_Model):
         description="Pass NVIDIA NVSwitches through: auto where the node's Kata cold-plugs them "
                     "(kataVersion 4.1 or later), true always, false never. Kata before 4.1 fails "
                     "every sandbox given an NVSwitch.")
+    nvlink_fabric: Annotated[NvlinkFabricModel, NULL_IS_DEFAULT] = Field(
+        default="auto",
+        description="NVIDIA's virtualization model for NVSwitch boards (Fabric Manager User Guide §4): "
+                    "sharedNvswitch (FM on the host activates one GPU partition per pod, §7), "
+                    "fullPassthrough (GPUs with their NVSwitches, FM in the guest, §6), off, or auto "
+                    "(sharedNvswitch where FM answers, else fullPassthrough where Kata cold-plugs NVSwitches).")
+    fabric_manager: Annotated[FabricManagerConfig, NULL_IS_DEFAULT] = Field(
+        default_factory=FabricManagerConfig, description="Where Fabric Manager is (Shared NVSwitch model).")
     kata_version: Annotated[KataRelease, NULL_IS_DEFAULT] = Field(
         default="",
         description="The Kata Containers release the nodes run (containerd-shim-kata-v2 "

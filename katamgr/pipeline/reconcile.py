@@ -19,6 +19,7 @@ from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Operand, Workload
 from katamgr.node.lock import node_lock, tidy_state_dir
+from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.podresources import (
     PodDevices,
     assigned_functions,
@@ -26,7 +27,7 @@ from katamgr.node.podresources import (
     wait_not_offered,
 )
 from katamgr.node.toolkit import isolation_problem, read_toolkit_config, toml_value
-from katamgr.pipeline import cdi_specs, gpulabels
+from katamgr.pipeline import cdi_specs, gpulabels, nvlinkfabric
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import LeaveReport, Report
@@ -82,10 +83,13 @@ def _kata_runtime():
 
 
 def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None,
-              *, force: bool = False, workload_why: str = "", gpu_labels: bool | None = None) -> Plan:
+              *, force: bool = False, workload_why: str = "", gpu_labels: bool | None = None,
+              fabric: FabricSettings | None = None) -> Plan:
     """``gpu_labels``: show the GPU labels the agent publishes (False: say they are off; None:
-    no section)."""
+    no section); ``fabric``: the NVLink fabric section (an NVSwitch board's model, FM's partitions)."""
     plan = build_plan(host, naming, force=force)
+    if fabric is not None:
+        nvlinkfabric.add_section(host, plan, fabric)
     plan.workload = {"mode": steps.workload.value, "why": workload_why}
     if gpu_labels is not None:
         plan.sections.append(gpulabels.plan_section(host, plan.inventory, naming, enabled=gpu_labels))

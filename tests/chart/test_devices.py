@@ -4,7 +4,7 @@ sandbox device plugin alike as --include-device/--exclude-device, and checked at
 from __future__ import annotations
 
 import pytest
-from support.chartkit import FULL, NAMESPACE, RELEASE, container, merged, render
+from support.chartkit import FULL, NAMESPACE, RELEASE, container, host_mounts, merged, render
 
 from katamgr.cli import build_parser
 from sandbox_plugin.cli import parse_args
@@ -49,8 +49,34 @@ def test_the_default_selects_as_before(chart):
         args = container(rendered, "-sandbox-agent", name)["args"]
         assert not selection_flags(args)
         assert nvswitch_flags(args) == ["--nvswitches", "auto"]
-    assert chart.merge_values({})["devices"] == {"include": [], "exclude": [], "nvswitches": "auto",
-                                                 "kataVersion": ""}
+    assert chart.merge_values({})["devices"] == {
+        "include": [], "exclude": [], "nvswitches": "auto", "kataVersion": "", "nvlinkFabric": "auto",
+        "fabricManager": {"address": "127.0.0.1:6666", "library": "libnvfm.so.1", "gpuModuleIds": ""}}
+    assert "--nvlink-fabric" not in container(rendered, "-sandbox-agent", "kata-manager")["args"]  # the default
+
+
+def test_the_nvlink_fabric_reaches_katamgr_and_the_device_plugin(chart):
+    """Both decide the node's model alike (docs/devices.md, "NVLink fabric"); the DRA driver
+    takes no partitions yet, and is given no such flags."""
+    values = merged(FULL, {"devices": {"nvlinkFabric": "sharedNvswitch", "fabricManager": {
+        "address": "/run/nvidia-fabricmanager/fm.sock", "library": "/usr/lib/x86_64-linux-gnu/libnvfm.so.1",
+        "gpuModuleIds": "1=0000:1b:00.0"}}})
+    rendered = render(chart, values)
+    agent = build_parser().parse_args(container(rendered, "-sandbox-agent", "kata-manager")["args"])
+    plugin = parse_args(container(rendered, "-sandbox-agent", "sandbox-device-plugin")["args"])
+    for args in (agent, plugin):
+        assert (args.nvlink_fabric, args.fabric_manager_address, args.fabric_manager_library,
+                args.gpu_module_ids) == ("sharedNvswitch", "/run/nvidia-fabricmanager/fm.sock",
+                                         "/usr/lib/x86_64-linux-gnu/libnvfm.so.1", "1=0000:1b:00.0")
+    dra = container(render(chart, merged(values, {"dra": {"enabled": True}})), "-sandbox-agent", "dra-driver")
+    assert "--nvlink-fabric" not in dra["args"]
+    # The plugin reaches FM's socket and library, and keeps its record of active partitions.
+    mounts = host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin")
+    assert mounts["/host/var/lib/kata-sandbox-manager"] == ("/var/lib/kata-sandbox-manager", False)
+    assert mounts["/host/run/nvidia-fabricmanager"] == ("/run/nvidia-fabricmanager", True)
+    assert mounts["/host/usr/lib/x86_64-linux-gnu"] == ("/usr/lib/x86_64-linux-gnu", True)
+    assert not [m for m in host_mounts(render(chart, FULL), "-sandbox-agent", "sandbox-device-plugin")
+                if "fabricmanager" in m or "kata-sandbox-manager" in m]
 
 
 def nvswitch_flags(args: list[str]) -> list[str]:

@@ -195,6 +195,8 @@ def test_devices_are_normalised_and_quoted_by_origin():
         "exclude": ["0000:00:0a.0", "10de:1eb8"],
         "nvswitches": "auto",
         "kataVersion": "",
+        "nvlinkFabric": "auto",
+        "fabricManager": {"address": "127.0.0.1:6666", "library": "libnvfm.so.1", "gpuModuleIds": ""},
     }
     selection = config.devices.selection
     assert [str(r) for r in selection.include] == ["1234:11e8=example.com/edu"]

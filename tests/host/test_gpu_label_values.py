@@ -43,6 +43,9 @@ PCI_IDS = PciIds.find(DATA / "pciids" / "pci.ids")
 EXPECTED = {
     "dgx-h100": {PRODUCT: "NVIDIA-H100-80GB-HBM3", FAMILY: "hopper", COUNT: "8", MEMORY: "81559",
                  CC_CAPABLE: "true"},
+    # The same board in the full passthrough model (Kata 4.1, no Fabric Manager on the host).
+    "hgx-h100-passthrough": {PRODUCT: "NVIDIA-H100-80GB-HBM3", FAMILY: "hopper", COUNT: "8", MEMORY: "81559",
+                             CC_CAPABLE: "true"},
     "a10-server": {PRODUCT: "NVIDIA-A10", FAMILY: "ampere", COUNT: "4", MEMORY: "23028"},
     "no-iommu-t4": {PRODUCT: "Tesla-T4", FAMILY: "turing", COUNT: "2", MEMORY: "15360"},
     "workstation-a6000": {PRODUCT: "NVIDIA-RTX-A6000", FAMILY: "ampere", COUNT: "1", MEMORY: "49140"},

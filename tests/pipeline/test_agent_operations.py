@@ -235,3 +235,32 @@ def _answers(port: int) -> bool:
         return get(port, "/healthz")[0] == 200
     except OSError:
         return False
+
+
+def test_the_node_is_told_when_neither_nvlink_model_holds(tmp_path):
+    """An NVSwitch board whose Fabric Manager does not answer and whose Kata cannot take
+    NVSwitches cannot start CUDA in a Kata pod: a Warning Event and the model metric say so;
+    with FM answering (dgx-h100's, Shared NVSwitch) neither complains."""
+    from katamgr.host.kata import parse_release
+    from katamgr.host.selection import Selection
+    from katamgr.node.nvlinkfabric import SHARED, FabricSettings
+    from nodesim.materialise import materialise
+    from nodesim.node import open_node
+    from nodesim.profiles import find_profile
+
+    host = materialise(find_profile("dgx-h100"), tmp_path / "node")
+    library, socket, modules = open_node(host.root).fabric_manager()
+    naming = Naming(PciIds.find(), selection=Selection(kata=parse_release("3.25.0")))
+    for address, model, warned in ((socket, SHARED, False), ("/run/no-fm.sock", "none", True)):
+        with FakeApiServer() as api:
+            api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "dgx-1"}})
+            agent = Agent(host, naming, Steps(kata=False), None,
+                          events=EventRecorder(api.client(), "dgx-1", window=600),
+                          fabric=FabricSettings(address=address, library=library, gpu_module_ids=modules))
+            assert agent.reconcile("start").ok
+            events = {e["reason"]: e for e in (api.get("events", n, "default") for n in api.names("events"))}
+            assert ("NVLinkFabricUnavailable" in events) is warned
+            if warned:
+                assert events["NVLinkFabricUnavailable"]["type"] == "Warning"
+                assert "FABRIC_MODE=1" in events["NVLinkFabricUnavailable"]["message"]
+            assert agent.metrics.registry.get_sample_value("katamgr_nvlink_fabric_model", {"model": model}) == 1

@@ -97,7 +97,7 @@ def test_every_shipped_profile_gives_devices_the_api_accepts(tmp_path, profile_p
             "devices": [d.to_api() for d in described]}
     assert slice_problems({"spec": spec}, None) == []
     fabric = {d.attribute("nvswitchFabric") for d in described}
-    if profile_path.stem == "dgx-h100":
+    if profile_path.stem in ("dgx-h100", "hgx-h100-passthrough"):  # one HGX H100 board, two models
         assert fabric == {"nvswitch-0000:05:00.0"}
     else:  # no NVSwitch, no fabric (no-iommu-t4 has no unit at all: nothing is bound)
         assert fabric <= {None}

@@ -78,6 +78,7 @@ def test_bad_mode_exits_2_naming_it():
         (["--alias", "p gpu"], "p gpu"),
         (["--nvswitch-alias=-x-"], "-x-"),
         (["--pci-ids", "/no/such/pci.ids"], "/no/such/pci.ids"),
+        (["--gpu-module-ids", "17=0000:1b:00.0"], "17=0000:1b:00.0"),
     ],
 )
 def test_bad_values_exit_2_naming_them(capsys, args, named):

@@ -158,6 +158,51 @@ the plugin advertises exactly the devices katamgr binds and writes CDI specs for
 {{- end -}}
 
 {{/*
+The NVLink fabric model and where Fabric Manager is (devices.nvlinkFabric, devices.fabricManager),
+for katamgr and the device plugin (the DRA driver does not take partitions yet).
+*/}}
+{{- define "ksm.fabricArgs" -}}
+{{- /* Only what differs from both programs' defaults (auto, 127.0.0.1:6666, libnvfm.so.1). */ -}}
+{{- $devices := .Values.devices | default dict -}}
+{{- $fm := $devices.fabricManager | default dict -}}
+{{- if and $devices.nvlinkFabric (ne $devices.nvlinkFabric "auto") }}
+- --nvlink-fabric
+- {{ $devices.nvlinkFabric | quote }}
+{{- end }}
+{{- if and $fm.address (ne $fm.address "127.0.0.1:6666") }}
+- --fabric-manager-address
+- {{ $fm.address | quote }}
+{{- end }}
+{{- if and $fm.library (ne $fm.library "libnvfm.so.1") }}
+- --fabric-manager-library
+- {{ $fm.library | quote }}
+{{- end }}
+{{- with $fm.gpuModuleIds }}
+- --gpu-module-ids
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The host directories the device plugin needs in the Shared NVSwitch model (devices.nvlinkFabric:
+sharedNvswitch, or FM at a unix socket): katamgr's state dir, writable, for its record of the
+active partitions (restored into FM after a restart); FM's socket's dir and the SDK library's,
+read-only. As a JSON list; empty otherwise (FM over TCP needs the pod on the host's network).
+*/}}
+{{- define "ksm.fabricDirs" -}}
+{{- $devices := .Values.devices | default dict -}}
+{{- $fm := $devices.fabricManager | default dict -}}
+{{- $dirs := list -}}
+{{- $unix := hasPrefix "/" ($fm.address | default "") -}}
+{{- if or (eq ($devices.nvlinkFabric | default "auto") "sharedNvswitch") $unix -}}
+{{- $dirs = append $dirs "/var/lib/kata-sandbox-manager" -}}
+{{- if $unix }}{{ $dirs = append $dirs (dir $fm.address) }}{{ end -}}
+{{- if hasPrefix "/" ($fm.library | default "") }}{{ $dirs = append $dirs (dir $fm.library) }}{{ end -}}
+{{- end -}}
+{{- $dirs | uniq | toJson -}}
+{{- end -}}
+
+{{/*
 The sandbox-device-plugin container's env: sandboxDevicePlugin.env, then the entries of
 kataSandboxDevicePlugin.env it does not name, less P_GPU_ALIAS and NVSWITCH_ALIAS
 (arguments instead, see ksm.aliases). As a JSON list.

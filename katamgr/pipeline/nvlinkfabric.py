@@ -1,0 +1,39 @@
+"""The plan's NVLink fabric section: which of NVIDIA's models the node follows and why, and in
+the Shared NVSwitch model the partitions Fabric Manager offers (id, size, GPUs) and which are
+active (``katamgr.node.nvlinkfabric``; Fabric Manager User Guide §4, §6, §7). Read-only:
+``plan`` asks FM, it never activates anything."""
+
+from __future__ import annotations
+
+from katamgr.node import nvlinkfabric as nf
+from katamgr.pipeline.plan import Plan, PlanSection
+
+
+def add_section(host, plan: Plan, settings: nf.FabricSettings) -> None:
+    """The section, and a problem where neither model holds on an NVSwitch board."""
+    inv = plan.inventory
+    nvswitches = sum(1 for d in inv.devices if d.is_nvswitch)  # on the board, passed through or not
+    if nvswitches == 0:
+        return
+    gpus = sorted(d.bdf for d in inv.passthrough if d.is_gpu)
+    fabric, fm_problem = None, "devices.nvlinkFabric does not ask Fabric Manager"
+    if settings.model in (nf.AUTO, nf.SHARED):
+        fabric, fm_problem = nf.read_fabric(host, settings, gpus)
+        if fabric is not None and not fabric.partitions:
+            fm_problem = "Fabric Manager offers no partition of this node's GPUs"
+            fm_problem += f" ({'; '.join(fabric.unplaced)})" if fabric.unplaced else ""
+    kata = inv.selection.kata
+    choice = nf.choose(settings.model, nvswitches=nvswitches, fm=fm_problem if fabric is None or
+                       not fabric.partitions else None, kata_takes_nvswitches=kata.cold_plugs_nvswitches,
+                       kata=str(kata))
+    lines = [f"model: {nf.MODEL_TITLES.get(choice.model, 'none')}", f"why: {choice.reason}"]
+    data: dict = {"model": choice.model, "why": choice.reason, "configured": settings.model}
+    if choice.model == nf.SHARED and fabric is not None:
+        lines.append(f"Fabric Manager: {settings.address}; a Kata pod takes {fabric.sizes_text()} GPUs")
+        lines += [p.line() for p in fabric.partitions]
+        lines += [f"note: {u}" for u in fabric.unplaced]
+        data["partitions"] = [{"id": p.partition_id, "size": p.size, "gpus": list(p.gpus), "active": p.active,
+                               "moduleIds": list(p.physical_ids)} for p in fabric.partitions]
+    if choice.problem:
+        plan.problems.append(choice.problem)
+    plan.sections.append(PlanSection("nvlink_fabric", "NVLink fabric (NVSwitch board)", data, lines))

@@ -1,0 +1,58 @@
+"""``katamgr plan`` on NVSwitch boards: the NVLink fabric model chosen and why, Fabric Manager's
+partitions with which are active, and a problem naming the fix where neither of NVIDIA's
+models holds (docs/devices.md, "NVLink fabric")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from support.paths import REPO
+
+KATAMGR = str(Path(sys.executable).parent / "katamgr")
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([KATAMGR, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def fabric_of(*args: str) -> tuple[dict, list[str]]:
+    result = run("plan", *args, "--output", "json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    return plan["nvlink_fabric"], plan["problems"]
+
+
+def test_dgx_h100_follows_the_shared_nvswitch_model_with_the_guides_partitions():
+    fabric, problems = fabric_of("--host", "dgx-h100")
+    assert fabric["model"] == "sharedNvswitch"
+    assert [(p["id"], p["size"], p["active"]) for p in fabric["partitions"]][:4] == [
+        (0, 8, False), (1, 4, False), (2, 4, False), (3, 2, False)]
+    assert fabric["partitions"][3]["gpus"] == ["0000:03:00.0", "0000:13:00.0"]  # modules 1 and 3
+    assert len(fabric["partitions"]) == 15
+    assert not [p for p in problems if "NVLink" in p]
+
+
+def test_a_board_whose_kata_takes_nvswitches_follows_full_passthrough():
+    fabric, problems = fabric_of("--host", "hgx-h100-passthrough")
+    assert fabric["model"] == "fullPassthrough"
+    assert "Kata 4.1.0 cold-plugs NVSwitches" in fabric["why"]
+    assert not [p for p in problems if "NVLink" in p]
+
+
+def test_neither_model_is_a_problem_naming_both_fixes():
+    # The node's FM library, pointed at a socket where no FM listens.
+    fabric, problems = fabric_of("--host", "dgx-h100", "--fabric-manager-address", "/run/no-fm.sock",
+                                 "--fabric-manager-library", "/usr/lib/nvidia-fabricmanager/libnvfm.so.1")
+    assert fabric["model"] is None
+    [problem] = [p for p in problems if "NVLink" in p]
+    assert "FM_ST_CONNECTION_NOT_VALID" in problem
+    assert "FABRIC_MODE=1" in problem and "Kata 4.1 or later" in problem
+
+
+def test_a_bad_module_id_list_exits_2_naming_it():
+    result = run("plan", "--host", "dgx-h100", "--gpu-module-ids", "1=0000:03:00.0,x")
+    assert result.returncode == 2
+    assert "'x'" in result.stderr
