@@ -116,7 +116,7 @@ class Journal:
         if not self._writable or self.host is None:
             return
         try:
-            write_json(self.host.state_path(RUN_FILE), asdict(self.record))
+            write_json(self.host.state_path(RUN_FILE), asdict(self.record), marked=False)
         except OSError as exc:
             self._writable = False
             log.warning("the run journal %s cannot be written (%s); katamgr status will not show "
