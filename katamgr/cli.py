@@ -157,8 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("revert", help="put every device back on the driver it had",
                        description="Undo apply: every device katamgr moved goes back to its recorded driver; "
                                    "readiness files are removed. Devices that were on vfio-pci before stay there. "
-                                   "What katamgr recorded as bound is reverted whatever the device selection "
-                                   "is now, so revert takes no --include-device or --exclude-device.")
+                                   "What katamgr recorded is reverted whatever the device selection and the "
+                                   "config are now (`katamgr status` shows the record): revert takes no "
+                                   "--include-device or --exclude-device and needs no --config (a config given "
+                                   "adds the paths it names; it never hides what the record lists).")
     _common(p)
     p.add_argument("--force", action="store_true",
                    help="unbind devices even while a process (a Kata VM) holds their /dev/vfio nodes")
