@@ -6,12 +6,14 @@ import logging
 import sys
 import textwrap
 from collections.abc import Sequence
-from typing import NamedTuple, TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
 
 from katamgr.output import tables
 from katamgr.pipeline.plan import DevicePlan, Plan
 from katamgr.pipeline.report import Report
-from katamgr.pipeline.status import NodeStatus
+
+if TYPE_CHECKING:  # the records' reader brings containerd's TOML library: only for status
+    from katamgr.pipeline.status import NodeStatus
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

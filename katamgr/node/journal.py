@@ -79,18 +79,22 @@ class Journal:
         self.listener = listener
         self.record = RunRecord(command, __version__, os.getpid(), now())
         self._writable = host is not None
+        self._recording = False  # set by the first step that writes the host
 
     def begin(self) -> None:
+        """The run starts; nothing is written until its first step that writes the host, so a
+        run that stops in its checks leaves the node as it was (the last run's record too)."""
         if self.host is not None:
             before = read_run(self.host)
             self.record.installedSince = (before.installedSince or before.started) if before else self.record.started
-        self._save()
 
     @contextmanager
-    def step(self, what: str) -> Iterator[StepOutcome]:
+    def step(self, what: str, *, writes: bool = True) -> Iterator[StepOutcome]:
         """One step: said and recorded as it starts and as it ends; the caller marks a
-        step that failed without raising (``outcome.failed = True``)."""
+        step that failed without raising (``outcome.failed = True``). A step that only
+        reads (``writes=False``, the checks before the first write) is said, not recorded."""
         outcome = StepOutcome()
+        self._recording = self._recording or writes
         self.record.step = what
         self._save()
         self._tell("start", what)
@@ -105,6 +109,7 @@ class Journal:
         self._tell("failed" if outcome.failed else "done", what)
 
     def end(self, outcome: str) -> None:
+        self.record.step = None if outcome == "succeeded" else self.record.step
         self.record.finished, self.record.outcome = now(), outcome
         self._save()
 
@@ -113,7 +118,7 @@ class Journal:
             self.listener(event, what)
 
     def _save(self) -> None:
-        if not self._writable or self.host is None:
+        if not self._writable or not self._recording or self.host is None:
             return
         try:
             write_json(self.host.state_path(RUN_FILE), asdict(self.record), marked=False)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from katamgr.pipeline.plan import DevicePlan, Plan
 from katamgr.pipeline.report import Report
-from katamgr.pipeline.status import NodeStatus
 
 # The group the chart's own names use (passthrough.kata-sandbox-manager.io); v1alpha1
 # until the shape is promised to stay.
@@ -26,6 +25,9 @@ API_VERSION = "kata-sandbox-manager.io/v1alpha1"
 FORMATS = ("json", "yaml")
 
 _SNAKE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)+$")
+
+if TYPE_CHECKING:  # the records' reader brings containerd's TOML library: only for status
+    from katamgr.pipeline.status import NodeStatus
 
 
 def camel(name: str) -> str:

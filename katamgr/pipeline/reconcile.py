@@ -194,7 +194,7 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         return report
     checked = None
     if steps.kata and kata_ctx is not None:
-        with journal.step("check the Kata inputs (config, containerd, artifact sources)"):
+        with journal.step("check the Kata inputs (config, containerd, artifact sources)", writes=False):
             checked = _kata_runtime().preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
                                                 enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
