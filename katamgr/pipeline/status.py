@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from katamgr.errors import KatamgrError
 from katamgr.host import gpulabels, vfio
+from katamgr.host.errors import HostError
 from katamgr.host.root import STATE_DIR, HostRoot
 from katamgr.node import journal
 from katamgr.pipeline import cdi_specs, kata_record
@@ -71,22 +73,29 @@ def node_status(host: HostRoot) -> NodeStatus:
     try:
         status.devices = [BoundDevice(bdf, entry.get("driver"), entry.get("group"))
                           for bdf, entry in sorted(vfio.bound_by_us(host).items())]
-    except Exception as exc:  # noqa: BLE001 - a broken record is shown, not a crash
+    except HostError as exc:  # a broken record is shown, not a crash
         status.problems.append(str(exc))
     try:
         status.cdi_specs = [cdi_specs.spec_path(kind) for kind in cdi_specs.recorded(host)]
-    except Exception as exc:  # noqa: BLE001
+    except (KatamgrError, ValueError) as exc:
         status.problems.append(str(exc))
     record = kata_record.load(host)
     status.runtime_classes = list(record.runtime_classes)
     status.drop_ins = list(record.drop_ins)
     for edited in record.containerd:
-        state = containerd_state.load(host, edited.config_path)
+        try:
+            state = containerd_state.load(host, edited.config_path)
+        except ValueError as exc:
+            status.problems.append(str(exc))
+            continue
         if state is not None:
             status.containerd.append(ContainerdEdit(edited.config_path, state.target,
                                                     tuple(state.runtime_names()), edited.restart_mode,
                                                     edited.since))
-    status.gpu_labels = gpulabels.recorded(host)
+    try:
+        status.gpu_labels = gpulabels.recorded(host)
+    except ValueError as exc:
+        status.problems.append(str(exc))
     status.since, status.version = record.since, record.version
     run = journal.read_run(host)
     if run is not None:

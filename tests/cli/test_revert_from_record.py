@@ -120,3 +120,14 @@ def test_a_killed_apply_printed_what_it_had_done_and_status_names_the_step(tmp_p
     again = _cli(host.root, "apply")
     assert again.returncode == 0
     assert json.loads(_cli(host.root, "status", "-o", "json").stdout)["lastRun"]["outcome"] == "succeeded"
+
+
+def test_status_shows_a_record_it_cannot_read_as_a_problem(node, capsys):
+    root = str(node.root)
+    katamgr(capsys, "apply", "--host-root", root)
+    node.state_path("vfio.json").write_text("{not json")
+    code, out, _ = katamgr(capsys, "status", "--host-root", root, "-o", "json")
+    doc = json.loads(out)
+    assert code == 0 and doc["devices"] == []
+    assert any("vfio.json is not valid JSON" in p["message"] for p in doc["problems"])
+    assert doc["cdiSpecs"]  # the other records are still shown
