@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from katamgr.artifacts import read_install
 from katamgr.errors import KatamgrError
 from katamgr.host import gpulabels, vfio
 from katamgr.host.errors import HostError
@@ -80,7 +81,8 @@ def node_status(host: HostRoot) -> NodeStatus:
     except (KatamgrError, ValueError) as exc:
         status.problems.append(str(exc))
     record = kata_record.load(host)
-    status.runtime_classes = list(record.runtime_classes)
+    # Noted before each install: one whose install failed is listed in the record, not on disk.
+    status.runtime_classes = [c for c in record.runtime_classes if read_install(host.path(c.dir)) is not None]
     status.drop_ins = list(record.drop_ins)
     for edited in record.containerd:
         try:
