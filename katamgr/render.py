@@ -153,8 +153,9 @@ def log_report(report: Report, log: logging.Logger, nothing: str = "") -> None:
 # ---- status ------------------------------------------------------------------
 
 
-def status_text(status: NodeStatus) -> str:
-    """What katamgr installed on the node, from its records, for a person."""
+def status_text(status: NodeStatus, *, width: int | None = None) -> str:
+    """What katamgr installed on the node, from its records, for a person; each line wrapped
+    to ``width`` (default: the terminal's)."""
     run = status.last_run
     out: list[str] = []
     if status.installed:
@@ -193,4 +194,5 @@ def status_text(status: NodeStatus) -> str:
         out += [f"  done: {step}" for step in run.steps_done]
     if status.problems:
         out += ["", "Problems:", *[f"  - {p}" for p in status.problems]]
-    return "\n".join(out)
+    width = width or tables.terminal_width()
+    return "\n".join(wrap(line, width) for line in out)

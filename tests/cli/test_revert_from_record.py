@@ -74,11 +74,15 @@ def test_revert_without_a_config_undoes_the_whole_record(node, capsys):
     assert "Nothing installed" in katamgr(capsys, "status", "--host-root", root)[1]
 
 
-def test_status_text_says_what_is_installed_where_since_when_and_by_which_version(node, capsys):
+def test_status_text_says_what_is_installed_where_since_when_and_by_which_version(node, capsys, monkeypatch):
     from importlib.metadata import version
 
     root = str(node.root)
     katamgr(capsys, "apply", "--host-root", root, "--config", str(node.root.parent / "a.yaml"))
+    monkeypatch.setenv("COLUMNS", "80")
+    _, narrow, _ = katamgr(capsys, "status", "--host-root", root)
+    assert max(len(line) for line in narrow.splitlines()) <= 80
+    monkeypatch.setenv("COLUMNS", "300")  # every line whole, for the checks below
     _, text, _ = katamgr(capsys, "status", "--host-root", root)
     assert f"katamgr {version('kata-sandbox-manager')} installed this node's changes (since 20" in text
     assert "0000:01:00.0  IOMMU group 15  was on nvidia" in text
@@ -90,7 +94,7 @@ def test_status_text_says_what_is_installed_where_since_when_and_by_which_versio
 def _cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k not in (faults.CRASH_AT, faults.WRITE_LOG, "KUBECONFIG")}
     return subprocess.run([KATAMGR, *args, "--host-root", str(root)], capture_output=True, text=True,
-                          timeout=120, env=environ | (env or {}))
+                          timeout=120, env=environ | {"COLUMNS": "300"} | (env or {}))
 
 
 def test_a_killed_apply_printed_what_it_had_done_and_status_names_the_step(tmp_path):
