@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import sys
@@ -14,13 +13,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from katamgr import __version__
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import cc
 from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
+from katamgr.host.root import STATE_DIR, HostRoot
 from katamgr.host.workload import (
     AUTO,
     DEFAULT_WORKLOAD,
@@ -32,10 +30,18 @@ from katamgr.host.workload import (
 )
 from katamgr.node import nvlinkfabric
 from katamgr.node.nvlinkfabric import FabricSettings
-from katamgr.node.process import TEXT, add_log_format_argument, report_error, setup_logging
+from katamgr.node.process import (
+    TEXT,
+    add_log_format_argument,
+    add_version_argument,
+    report_error,
+    setup_logging,
+)
+from katamgr.output import documents
+from katamgr.output.documents import FORMATS
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
-from katamgr.render import plan_text, print_report
+from katamgr.render import plan_text, print_report, quiet, status_text
 from nodesim.materialise import materialise
 from nodesim.node import open_node, open_root
 from nodesim.profiles import find_profile, shipped_names
@@ -122,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG.format(profiles=", ".join(shipped_names())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"katamgr {__version__}")
+    add_version_argument(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plan", help="show what apply would change (read-only)",
@@ -130,7 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     device_selection.add_arguments(p)
     nvlinkfabric.add_arguments(p)
-    p.add_argument("--output", choices=("text", "json"), default="text", help="output format (default text)")
+    _output(p, ("text", "wide", *FORMATS),
+            "text (default: the device table fits the terminal, long cells cut with ...), wide (every "
+            "column and cell in full), or a versioned json or yaml document (kind Plan)")
+    p.add_argument("--no-headers", action="store_true", help="print the device table without its header line")
     p.add_argument("--force", action="store_true", help="plan as if --force were given to apply")
     _gpu_labels_argument(p)
     p.set_defaults(func=cmd_plan)
@@ -145,13 +154,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true",
                    help="unbind GPUs even while a process holds /dev/nvidiaN (that workload will crash)")
     _waits(p)
+    _output(p, ("text", *FORMATS), "text (default), or a versioned json or yaml document (kind ApplyReport); "
+                                   "the progress lines go to stderr either way")
     p.set_defaults(func=cmd_apply)
 
     p = sub.add_parser("revert", help="put every device back on the driver it had",
                        description="Undo apply: every device katamgr moved goes back to its recorded driver; "
                                    "readiness files are removed. Devices that were on vfio-pci before stay there. "
-                                   "What katamgr recorded as bound is reverted whatever the device selection "
-                                   "is now, so revert takes no --include-device or --exclude-device.")
+                                   "What katamgr recorded is reverted whatever the device selection and the "
+                                   "config are now (`katamgr status` shows the record): revert takes no "
+                                   "--include-device or --exclude-device and needs no --config (a config given "
+                                   "adds the paths it names; it never hides what the record lists).")
     _common(p)
     p.add_argument("--force", action="store_true",
                    help="unbind devices even while a process (a Kata VM) holds their /dev/vfio nodes")
@@ -159,7 +172,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also delete the RuntimeClasses katamgr manages; they serve every node, "
                         "so do this when reverting the last one")
     _waits(p)
+    _output(p, ("text", *FORMATS), "text (default), or a versioned json or yaml document (kind RevertReport)")
     p.set_defaults(func=cmd_revert)
+
+    p = sub.add_parser("status", help="show what katamgr installed on the node, from its records (read-only)",
+                       description="Show what katamgr installed on this node and where, as its records in "
+                                   f"{STATE_DIR} list it: the devices on VFIO and the driver each had, the CDI "
+                                   "specs, the Kata runtime class dirs and their artifact refs, the containerd "
+                                   "configs edited, the GPU labels set, since when and by which version; and "
+                                   "the last apply or revert, with the step an interrupted one reached. "
+                                   "Needs no --config: revert undoes exactly what this lists.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--host-root", default="/", metavar="DIR",
+                       help="where the node's filesystem is mounted (default /; /host in the DaemonSet)")
+    where.add_argument("--host", metavar="PROFILE", help="a fresh simulated node of PROFILE (shows nothing installed)")
+    _output(p, ("text", *FORMATS), "text (default), or a versioned json or yaml document (kind Status)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    add_log_format_argument(p)
+    p.set_defaults(func=cmd_status, runtime_root="/")
+
+    p = sub.add_parser("help", help="show the help of a command (katamgr help plan = katamgr plan --help)")
+    p.add_argument("topic", nargs="?", metavar="COMMAND", help="the command to explain")
+    p.set_defaults(func=None, verbose=False)
 
     p = sub.add_parser("run", help="the node agent: reconcile, then keep the node that way",
                        description="Reconcile, then watch: re-apply when the containerd config loses our runtimes "
@@ -226,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _webhook_parser(sub)
     return parser
+
+
+def _output(parser: argparse.ArgumentParser, choices: tuple[str, ...], help_text: str) -> None:
+    parser.add_argument("-o", "--output", choices=choices, default="text", help=help_text)
 
 
 def _webhook_parser(sub) -> None:
@@ -435,10 +473,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
                          fabric=fabric_settings(args, host, config))
-        if args.output == "json":
-            print(json.dumps(plan.to_json(), indent=2))
+        if args.output in FORMATS:
+            print(documents.dump(documents.plan_document(plan), args.output))
         else:
-            print(plan_text(plan))
+            print(plan_text(plan, wide=args.output == "wide", headers=not args.no_headers))
     return 0
 
 
@@ -450,10 +488,26 @@ def cmd_apply(args: argparse.Namespace) -> int:
         setup = node_setup(args, host, config)
         report = reconcile(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                            wait=args.device_wait,
-                           lock_wait=args.wait, command="katamgr apply")
-        print_report(report, "nothing to change: the node is already as planned")
+                           lock_wait=args.wait, command="katamgr apply", journal=_journal(host, "katamgr apply"))
+        _show_report(args, "ApplyReport", report, "nothing to change: the node is already as planned")
         _tell_how_to_undo(report, args)
     return 0 if report.ok else 1
+
+
+def _journal(host: HostRoot, command: str):
+    """The run journal of an apply or revert: recorded on the node, each step said on stderr."""
+    from katamgr.node.journal import Journal
+    from katamgr.output.progress import progress_printer
+
+    return Journal(host, command, progress_printer(command))
+
+
+def _show_report(args: argparse.Namespace, kind: str, report: Report, nothing: str) -> None:
+    if args.output in FORMATS:
+        summary = nothing if quiet(report) else ""
+        print(documents.dump(documents.report_document(kind, report, summary), args.output))
+    else:
+        print_report(report, nothing)
 
 
 def _tell_how_to_undo(report: Report, args: argparse.Namespace) -> None:
@@ -461,9 +515,9 @@ def _tell_how_to_undo(report: Report, args: argparse.Namespace) -> None:
     if report.ok or not report.changes:
         return
     where = f" --host-root {args.host_root}" if args.host_root not in (None, "/") else ""
-    config = f" --config {args.config}" if args.config else ""
     print(f"katamgr: apply failed after the changes listed above, which are still in place; "
-          f"`katamgr revert{where}{config}` undoes them", file=sys.stderr)
+          f"`katamgr revert{where}` undoes them (it follows the node's record: no --config needed)",
+          file=sys.stderr)
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
@@ -474,9 +528,23 @@ def cmd_revert(args: argparse.Namespace) -> int:
         steps, ctx = steps_and_context(args, host)
         report = revert_all(host, steps, ctx, force=args.force,
                             delete_runtime_classes=args.delete_runtimeclasses, lock_wait=args.wait,
-                            node_labels=_revert_node_labels(args, host, ctx))
-        print_report(report, "nothing to revert: katamgr has no changes recorded on this node")
+                            node_labels=_revert_node_labels(args, host, ctx),
+                            journal=_journal(host, "katamgr revert"))
+        _show_report(args, "RevertReport", report, "nothing to revert: katamgr has no changes recorded on this node")
     return 0 if report.ok else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from katamgr.pipeline.status import node_status
+
+    with host_from(args) as host:
+        status = node_status(host)
+    if args.output in FORMATS:
+        summary = "" if status.installed else "nothing installed: katamgr has no changes recorded on this node"
+        print(documents.dump(documents.status_document(status, summary), args.output))
+    else:
+        print(status_text(status))
+    return 0
 
 
 def _node_labels(api: object, node_name: str, watch=None):
@@ -667,6 +735,9 @@ def exit_code_of(exc: BaseException) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "help":
+        # `katamgr help plan` is `katamgr plan --help`; `katamgr help` is `katamgr --help`.
+        parser.parse_args([args.topic, "--help"] if args.topic else ["--help"])
     log_format = getattr(args, "log_format", TEXT)
     setup_logging(logging.INFO if args.verbose else logging.WARNING, log_format)
     try:

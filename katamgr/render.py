@@ -4,59 +4,96 @@ from __future__ import annotations
 
 import logging
 import sys
+import textwrap
 from collections.abc import Sequence
-from typing import NamedTuple, TextIO
+from typing import TYPE_CHECKING, NamedTuple, TextIO
 
-from katamgr.pipeline.plan import Plan
+from katamgr.output import tables
+from katamgr.pipeline.plan import DevicePlan, Plan
 from katamgr.pipeline.report import Report
+
+if TYPE_CHECKING:  # the records' reader brings containerd's TOML library: only for status
+    from katamgr.pipeline.status import NodeStatus
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[("-" if c is None else str(c)) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        for i, cell in enumerate(row[:-1]):
-            widths[i] = max(widths[i], len(cell))
-    def line(values: Sequence[str]) -> str:
-        head = "  ".join(v.ljust(widths[i]) for i, v in enumerate(values[:-1]))
-        return f"{head}  {values[-1]}".rstrip()
-    return "\n".join([line(list(headers)), *(line(r) for r in cells)])
+    """Rows under their headers, every cell in full (the plan's sections, the demo's story)."""
+    return tables.table([tables.Column(h) for h in headers], rows)
 
 
-def plan_text(plan: Plan) -> str:
-    out = [f"Host root: {plan.host_root}   IOMMU: {'on' if plan.iommu_enabled else 'OFF'}"
-           f"{' (iommufd)' if plan.iommufd else ''}   vfio-pci: {plan.vfio_module}"]
+# The plan's device table: the default columns fit an 80-100 column terminal (the prose
+# ones cut to fit); ``-o wide`` adds the rest and shows every cell in full.
+_DEFAULT = (tables.Column("BDF"), tables.Column("KIND"), tables.Column("MODEL", floor=10),
+            tables.Column("DRIVER", floor=8), tables.Column("GROUP"), tables.Column("CC MODE"),
+            tables.Column("ACTION"), tables.Column("REASON", floor=12))
+_WIDE = (*_DEFAULT[:4], tables.Column("VFIO DRIVER"), tables.Column("GROUP"), tables.Column("NUMA"),
+         tables.Column("CC MODE"), tables.Column("RESOURCE"), tables.Column("ACTION"),
+         tables.Column("REASON"), tables.Column("SELECTION"))
+
+
+def cc_mode_text(device: DevicePlan, *, wide: bool = False) -> str | None:
+    """A device's CC mode for the table: the mode read, "n/a" (not capable), "unread" (why, wide)."""
+    if device.cc_mode is not None:
+        return device.cc_mode
+    if device.cc_capable is None:
+        return None
+    if not device.cc_capable:
+        return "not capable" if wide else "n/a"
+    return f"unread ({device.cc_mode_message})" if wide and device.cc_mode_message else "unread"
+
+
+def device_table(plan: Plan, *, width: int | None = None, wide: bool = False, headers: bool = True) -> str:
+    """The plan's devices as a table; ``width`` (default: the terminal's) is ignored when ``wide``."""
+    if wide:
+        rows = [(d.bdf, d.kind, d.model or d.ids, d.driver, d.vfio_driver, d.iommu_group, d.numa_node,
+                 cc_mode_text(d, wide=True), d.resource, d.action, d.reason, d.selection) for d in plan.devices]
+        return tables.table(_WIDE, rows, headers=headers)
+    rows = [(d.bdf, d.kind, d.model or d.ids, d.driver, d.iommu_group, cc_mode_text(d), d.action, d.reason)
+            for d in plan.devices]
+    return tables.table(_DEFAULT, rows, width=width or tables.terminal_width(), headers=headers)
+
+
+def plan_text(plan: Plan, *, width: int | None = None, wide: bool = False, headers: bool = True) -> str:
+    """The plan for a person: every line fits ``width`` (default: the terminal's), prose
+    wrapped and the table's long cells cut, unless ``wide`` (every cell and line in full)."""
+    width = None if wide else (width or tables.terminal_width())
+    head = [f"Host root: {plan.host_root}   IOMMU: {'on' if plan.iommu_enabled else 'OFF'}"
+            f"{' (iommufd)' if plan.iommufd else ''}   vfio-pci: {plan.vfio_module}"]
     if plan.workload:
         why = f" ({plan.workload['why']})" if plan.workload.get("why") else ""
-        out.append(f"Workload: {plan.workload['mode']}{why}")
-    out.append("")
-    if plan.devices:
-        rows = [
-            (d.bdf, d.kind, d.model or d.ids, d.driver, d.vfio_driver, d.iommu_group, d.numa_node,
-             d.cc_mode, d.selection, d.action, d.reason)
-            for d in plan.devices
-        ]
-        out.append(table(("BDF", "KIND", "MODEL", "DRIVER", "VFIO DRIVER", "GROUP", "NUMA", "CC MODE",
-                          "SELECTION", "ACTION", "REASON"), rows))
-        variants = [d for d in plan.devices if d.vfio_driver and d.vfio_driver != "vfio-pci"
-                    and d.vfio_driver_why and d.action == "bind"]
-        out += [f"  {d.bdf}: {d.vfio_driver_why}" for d in variants]
-    else:
-        out.append("No passthrough devices found.")
-    out.append("")
+        head.append(f"Workload: {plan.workload['mode']}{why}")
+    head.append("")
+    body = [device_table(plan, width=width, wide=wide, headers=headers) if plan.devices
+            else "No passthrough devices found."]
+    tail = [f"  {d.bdf}: {d.vfio_driver_why}" for d in plan.devices
+            if d.vfio_driver and d.vfio_driver != "vfio-pci" and d.vfio_driver_why and d.action == "bind"]
+    tail.append("")
     if plan.resources:
-        out.append("Schedulable after apply (one unit per IOMMU group):")
-        out += [f"  {name}: {count}" for name, count in plan.resources.items()]
+        tail.append("Schedulable after apply (one unit per IOMMU group):")
+        tail += [f"  {name}: {count}" for name, count in plan.resources.items()]
     else:
-        out.append("Schedulable after apply: nothing.")
-    out += [f"  note: {n}" for n in plan.naming_notes]
+        tail.append("Schedulable after apply: nothing.")
+    tail += [f"  note: {n}" for n in plan.naming_notes]
     for section in plan.sections:
-        out += ["", f"{section.title}:", *[f"  {line}" for line in section.lines]]
+        tail += ["", f"{section.title}:", *[f"  {line}" for line in section.lines]]
     if plan.warnings:
-        out += ["", "Warnings:", *[f"  - {w}" for w in plan.warnings]]
+        tail += ["", "Warnings:", *[f"  - {w}" for w in plan.warnings]]
     if plan.problems:
-        out += ["", "Problems:", *[f"  - {p}" for p in plan.problems]]
-    return "\n".join(out)
+        tail += ["", "Problems:", *[f"  - {p}" for p in plan.problems]]
+    if width is not None:
+        head, tail = [wrap(line, width) for line in head], [wrap(line, width) for line in tail]
+    return "\n".join([*head, *body, *tail])
+
+
+def wrap(line: str, width: int) -> str:
+    """A line of prose in lines of at most ``width``, continued under its text ("  - a..." -> "    b")."""
+    if len(line) <= width:
+        return line
+    body = line.lstrip(" ")
+    indent = " " * (len(line) - len(body))
+    more = indent + ("  " if body.startswith("- ") else "  ")
+    return textwrap.fill(body, width, initial_indent=indent, subsequent_indent=more,
+                         break_long_words=True, break_on_hyphens=False)
 
 
 # ---- reports -----------------------------------------------------------------
@@ -79,7 +116,7 @@ def quiet(report: Report) -> bool:
     return not report.changes and not report.failures
 
 
-# How each kind of line starts: at the command line (failures go to stderr), and in
+# How each kind of line starts: at the command line (warnings and failures go to stderr), and in
 # the demo's story (indented under its step, all on stdout).
 COMMAND = {"changed": "changed: ", "warning": "warning: ", "error": "error: "}
 STORY = {"changed": "  changed: ", "warning": "  note:    ", "error": "  ERROR:   "}
@@ -87,12 +124,14 @@ STORY = {"changed": "  changed: ", "warning": "  note:    ", "error": "  ERROR: 
 
 def print_report(report: Report, nothing: str = "", *, prefixes: dict[str, str] = COMMAND,
                  out: TextIO | None = None, errors: TextIO | None = None) -> None:
-    """Print a report for a person: ``out`` (default stdout), failures to ``errors``
-    (default stderr); ``nothing`` (when given) says that a quiet report is good news."""
+    """Print a report for a person: changes to ``out`` (default stdout), warnings and
+    failures to ``errors`` (default stderr: a script reading stdout gets what changed, a
+    person at a terminal sees both); ``nothing`` (when given) says that a quiet report is
+    good news."""
     out = out or sys.stdout
     errors = errors or sys.stderr
     for line in report_lines(report):
-        print(prefixes[line.kind] + line.text, file=errors if line.kind == "error" else out)
+        print(prefixes[line.kind] + line.text, file=out if line.kind == "changed" else errors)
     if nothing and quiet(report):
         print(nothing, file=out)
 
@@ -109,3 +148,51 @@ def log_report(report: Report, log: logging.Logger, nothing: str = "") -> None:
             log.error("%s", line.text)
     if nothing and quiet(report):
         log.info("%s", nothing)
+
+
+# ---- status ------------------------------------------------------------------
+
+
+def status_text(status: NodeStatus, *, width: int | None = None) -> str:
+    """What katamgr installed on the node, from its records, for a person; each line wrapped
+    to ``width`` (default: the terminal's)."""
+    run = status.last_run
+    out: list[str] = []
+    if status.installed:
+        out.append(f"katamgr {status.version or '(version not recorded)'} installed this node's changes"
+                   + (f" (since {status.since})" if status.since else "") + f"; records in {status.state_dir}")
+    else:
+        out.append("Nothing installed: katamgr has no changes recorded on this node.")
+    if status.devices:
+        out += ["", "Devices on VFIO (revert gives each back to the driver it had):"]
+        out += [f"  {d.bdf}  IOMMU group {d.iommu_group if d.iommu_group is not None else '-'}  "
+                f"was on {d.driver_before or 'no driver'}" for d in status.devices]
+    if status.cdi_specs:
+        out += ["", "CDI specs:", *[f"  {p}" for p in status.cdi_specs]]
+    if status.runtime_classes:
+        out += ["", "Kata runtime classes (artifacts):"]
+        out += [f"  {c.name}: {c.dir} from {c.ref}" + (f" (since {c.since})" if c.since else "")
+                for c in status.runtime_classes]
+    if status.containerd:
+        out += ["", "containerd:"]
+        out += [f"  {c.target}: runtimes {', '.join(c.runtimes) or '(none)'}"
+                + (f" (in {c.config_path}'s drop-in)" if c.target != c.config_path else "")
+                + f"; reloaded by {c.restart_mode}" for c in status.containerd]
+    if status.drop_ins:
+        out += ["", "Drop-ins beside kata-deploy's configs:", *[f"  {p}" for p in status.drop_ins]]
+    if status.gpu_labels:
+        out += ["", "GPU labels set on the Node:", *[f"  {k}={v}" for k, v in status.gpu_labels.items()]]
+    if run is not None:
+        out += ["", f"Last run: {run.command} (katamgr {run.version}, pid {run.pid}), started {run.started}"]
+        if run.outcome == "interrupted":
+            out.append(f"  INTERRUPTED at: {run.step or 'between steps'} "
+                       f"(after {len(run.steps_done)} steps done); run it again, or katamgr revert")
+        elif run.outcome is None:
+            out.append(f"  under way: {run.step or 'between steps'}")
+        else:
+            out.append(f"  {run.outcome} at {run.finished}")
+        out += [f"  done: {step}" for step in run.steps_done]
+    if status.problems:
+        out += ["", "Problems:", *[f"  - {p}" for p in status.problems]]
+    width = width or tables.terminal_width()
+    return "\n".join(wrap(line, width) for line in out)

@@ -27,6 +27,7 @@ from katamgr.host.workload import (
 from katamgr.node import nvlinkfabric as nf
 from katamgr.node.process import (
     add_log_format_argument,
+    add_version_argument,
     report_error,
     setup_logging,
     stop_on_signals,
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_version_argument(parser)
     parser.add_argument("--host-root", default="/", metavar="DIR",
                         help="where the host's / is mounted (default: /; /host in a DaemonSet)")
     parser.add_argument("--runtime-root", default="/", metavar="DIR",

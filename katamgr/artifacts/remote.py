@@ -36,6 +36,7 @@ import urllib3.connection
 import urllib3.connectionpool
 import urllib3.exceptions
 
+from .causes import cause as _reason
 from .credentials import Credentials
 from .deadlines import DEFAULT_DEADLINES, Deadlines
 from .errors import ArtifactError
@@ -401,18 +402,3 @@ class RegistrySource:
             "check the network and the registry",
             unreachable=False,
         )
-
-
-def _reason(exc: BaseException) -> str:
-    """The gist of a requests/urllib3 error, e.g. 'Connection refused', not a nested repr."""
-    texts = []
-    current: BaseException | None = exc
-    while current is not None and len(texts) < 8:
-        texts.append(str(current))
-        current = current.__cause__ or current.__context__
-    text = " ".join(texts)
-    for marker in ("Connection refused", "timed out", "Remote end closed connection",
-                   "Connection reset", "Connection broken", "IncompleteRead"):
-        if marker in text:
-            return marker
-    return texts[0][:160] or type(exc).__name__

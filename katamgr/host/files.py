@@ -26,10 +26,12 @@ from typing import Any
 from katamgr.host.faults import write_point
 
 
-def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> bool:
+def write_atomic(path: Path, data: bytes | str, mode: int = 0o644, *, marked: bool = True) -> bool:
     """Write ``data`` to ``path`` atomically; return True when the file changed.
 
     ``mode`` applies to a new file only; an existing one keeps its own metadata.
+    ``marked=False``: not a write point of the crash sweep (a witness such as the run
+    journal, which changes nothing a later run must converge on).
     """
     if isinstance(data, str):
         data = data.encode()
@@ -45,7 +47,8 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> bool:
     except FileNotFoundError:
         before = None
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_point(f"write {path}")
+    if marked:
+        write_point(f"write {path}")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -56,7 +59,8 @@ def write_atomic(path: Path, data: bytes | str, mode: int = 0o644) -> bool:
             else:
                 _copy_identity(path, before, fh.fileno())
             os.fsync(fh.fileno())
-        write_point(f"rename into {path}")
+        if marked:
+            write_point(f"rename into {path}")
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -146,5 +150,5 @@ def read_json(path: Path, default: Any = None) -> Any:
         ) from exc
 
 
-def write_json(path: Path, value: Any) -> bool:
-    return write_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n", mode=0o600)
+def write_json(path: Path, value: Any, *, marked: bool = True) -> bool:
+    return write_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n", mode=0o600, marked=marked)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from katamgr.host.pci import Device
-from katamgr.host.pciids import PciIds
+from katamgr.host.pciids import PciIds, known_model
 from katamgr.host.selection import DEFAULT_SELECTION, Selection, select
 from katamgr.k8snames import QUALIFIED_NAME_MAX
 
@@ -171,9 +171,11 @@ class Naming:
     selection: Selection = DEFAULT_SELECTION
 
     def model(self, device: Device) -> str | None:
+        """The model name to show (pci.ids', else the one katamgr knows); resource names
+        come from pci.ids alone (``derive``), so every node names a resource alike."""
         if device.vendor is None or device.device is None:
             return None
-        return self.pci_ids.device_name(device.vendor, device.device)
+        return self.pci_ids.device_name(device.vendor, device.device) or known_model(device.vendor, device.device)
 
     def derive(self, device: Device) -> ResourceName | None:
         """The name a passthrough device is advertised under; None for any other device."""

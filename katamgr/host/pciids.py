@@ -9,6 +9,19 @@ from pathlib import Path
 DEFAULT_PCI_IDS = ("/usr/share/hwdata/pci.ids", "/usr/share/misc/pci.ids")
 
 
+# NVIDIA's NVSwitches, named as pci.ids (pci-ids.ucw.cz, vendor 10de) names them: a node's
+# hwdata older than the switch (Debian 12's is from 2023-04 and lacks 22a3) would show a
+# DGX's NVSwitches as bare ids beside named GPUs. Shown only; never part of a resource name.
+KNOWN_MODELS: dict[tuple[int, int], str] = {
+    (0x10DE, 0x1AF1): "GA100 [A100 NVSwitch]",
+    (0x10DE, 0x22A3): "GH100 [H100 NVSwitch]",
+}
+
+
+def known_model(vendor: int, device: int) -> str | None:
+    return KNOWN_MODELS.get((vendor, device))
+
+
 @dataclass
 class PciIds:
     """Device names of the vendors we were asked about, read lazily."""

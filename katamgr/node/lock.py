@@ -33,6 +33,8 @@ from katamgr.host.root import HostRoot
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "node.lock"
+# The run journal (katamgr.node.journal, which imports this module).
+RUN_FILE = "run.json"
 POLL_SECONDS = 0.05
 
 
@@ -94,6 +96,23 @@ def node_lock(host: HostRoot, command: str, wait: float,
         os.close(fd)  # closing drops the flock
 
 
+def lock_held(host: HostRoot) -> bool:
+    """Whether a katamgr process holds the node lock now (read-only: a missing file is free)."""
+    try:
+        fd = os.open(host.state_path(LOCK_FILE), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return True
+        raise
+    finally:
+        os.close(fd)  # closing drops a lock this took
+    return False
+
+
 def tidy_state_dir(host: HostRoot) -> None:
     """At the end of a revert, with the lock held: drop what killed runs left in the
     state dir (temp files, empty dirs) and, when no record is left, the lock file and
@@ -106,6 +125,11 @@ def tidy_state_dir(host: HostRoot) -> None:
         remove_stale_temps(directory, any_name=True)  # the whole dir is ours
         if directory != state and not any(directory.iterdir()):
             directory.rmdir()
+    left = {p.name for p in state.iterdir()}
+    if left <= {LOCK_FILE, RUN_FILE}:
+        # The run journal records a run, not a change: with nothing else left it goes too.
+        if RUN_FILE in left:
+            (state / RUN_FILE).unlink()
     if {p.name for p in state.iterdir()} == {LOCK_FILE}:
         (state / LOCK_FILE).unlink()  # a waiter holding the old inode retries (see node_lock)
         try:

@@ -49,6 +49,39 @@ class JsonFormatter(logging.Formatter):
         return f"{seconds}.{int(record.msecs):03d}Z"
 
 
+# The distribution all three programs ship in (katamgr, sandbox-device-plugin, sandbox-dra-driver).
+DISTRIBUTION = "kata-sandbox-manager"
+
+
+def package_version() -> str:
+    """The installed distribution's version (what pip or the image installed), or the
+    source tree's when it runs uninstalled."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        from katamgr import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    # argparse's own "version" action wants the text when the parser is built; this one
+    # reads the package metadata only when --version is asked for.
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):  # noqa: A002
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
+
+
+def add_version_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action=_VersionAction,
+                        help=f"print the program's name and the version of {DISTRIBUTION}, then exit")
+
+
 def add_log_format_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-format", choices=LOG_FORMATS, default=TEXT,
                         help="text (the default: time level logger: message) or json "

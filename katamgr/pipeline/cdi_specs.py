@@ -190,6 +190,11 @@ def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision],
     return PlanSection("cdi", "CDI specs", data, lines, pending=any(c.action != "keep" for c in found))
 
 
+def recorded(host: HostRoot) -> list[str]:
+    """The spec kinds katamgr wrote on this node, as its record lists them."""
+    return _written(host)
+
+
 def _written(host: HostRoot) -> list[str]:
     path = host.state_path(STATE_FILE)
     try:

@@ -9,6 +9,7 @@ from katamgr.host import vfio
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Workload
+from katamgr.node.journal import Journal, quiet
 from katamgr.pipeline.plan import Plan
 from katamgr.pipeline.report import Report
 
@@ -16,14 +17,19 @@ log = logging.getLogger(__name__)
 
 
 def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workload.VM_PASSTHROUGH,
-               wait: float = 5.0, readiness: bool = True) -> Report:
+               wait: float = 5.0, readiness: bool = True, journal: Journal | None = None) -> Report:
     """Bind what the plan says to bind, then write the readiness files (unless the node
-    opts out of them: ``nvidia.com/gpu.deploy.sandbox-validator=false``)."""
+    opts out of them: ``nvidia.com/gpu.deploy.sandbox-validator=false``); each group is a
+    step of ``journal``."""
+    journal = journal or quiet()
     report = Report()
     # One group at a time: a group moves whole or is rolled back, so a group
     # without a failure moved exactly the devices the plan said it would.
     for decision in (d for d in plan.decisions if d.to_move):
-        result = vfio.bind(host, [decision], wait=wait)
+        bdfs = ", ".join(d.bdf for d in decision.to_move)
+        with journal.step(f"bind IOMMU group {decision.group} ({bdfs}) to VFIO") as step:
+            result = vfio.bind(host, [decision], wait=wait)
+            step.failed = bool(result.failures)
         report.changes += result.changes
         report.failures += result.failures
         if not result.failures:
@@ -32,7 +38,8 @@ def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workloa
             log.info("%s", change)
     usable = any(d.action in (Action.BIND, Action.KEEP) for d in plan.decisions)
     if report.ok and usable and readiness:
-        report.changes += [f"wrote {p}" for p in readiness_files.mark_ready(host, workload)]
+        with journal.step("write the readiness files"):
+            report.changes += [f"wrote {p}" for p in readiness_files.mark_ready(host, workload)]
     return report
 
 

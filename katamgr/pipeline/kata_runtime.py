@@ -39,6 +39,7 @@ from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host import katadetect
 from katamgr.host.files import remove_stale_temps
 from katamgr.host.root import HostRoot
+from katamgr.pipeline import kata_record
 from katamgr.pipeline.plan import PlanSection
 from katamgr.pipeline.report import Report
 from katamgr.runtime import (
@@ -336,6 +337,9 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
             found = (checked or {}).get(rc.name)
             if found is None:
                 found = Checked(_pull(host, ctx, rc), Resolution(None, 0))
+            if not found.resolution.warning:
+                # Recorded before the install: revert finds the dir whatever config it is given.
+                kata_record.note_class(host, rc.name, class_dir(config, rc.name), rc.artifacts.url)
             result = None if found.resolution.warning else install_artifact(  # source down: keep
                 found.pull, dest, fetched=found.resolution.fetched)
         except NotOursError as exc:
@@ -371,6 +375,8 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
     entries = runtimes(host, ctx, ready)
     remove_stale_temps(host.path(config.containerd.config_path))  # a killed earlier write's
     try:
+        kata_record.note_containerd(host, config.containerd.config_path, str(config.containerd.restart_mode),
+                                    config.containerd.socket)
         change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
                                       enable_cdi=enable_cdi)
     except OSError as exc:
@@ -398,6 +404,7 @@ def _kata_deploy_settings(host: HostRoot, ctx: KataContext, name: str,
     its config (its files, its containerd entry and its shim stay as kata-deploy left them)."""
     report = Report()
     try:
+        kata_record.note_drop_in(host, host.host_path(drop_in_path(host, provided.config_path)))
         kata = write_gpu_drop_in(host, provided.config_path, root_ports=ctx.root_ports,
                                  device_sources=ctx.config.pod_resource_device_sources)
     except (KatamgrError, OSError) as exc:
@@ -410,9 +417,12 @@ def _kata_deploy_settings(host: HostRoot, ctx: KataContext, name: str,
 
 
 def _reload(host: HostRoot, config: KataManagerConfig, purpose: str) -> Report:
+    return _reload_with(host, config.containerd.restart_mode, config.containerd.socket, purpose)
+
+
+def _reload_with(host: HostRoot, restart_mode: str, socket: str, purpose: str) -> Report:
     report = Report()
-    result = reload_containerd(host, config.containerd.restart_mode, socket_path=config.containerd.socket,
-                               purpose=purpose)
+    result = reload_containerd(host, restart_mode, socket_path=socket, purpose=purpose)
     (report.changes if result.done else report.warnings).append(result.message)
     return report
 
@@ -440,37 +450,59 @@ def _cluster(ctx: KataContext, config: KataManagerConfig) -> Report:
 # ---- revert ------------------------------------------------------------------
 
 
-def revert(host: HostRoot, ctx: KataContext, *, delete_runtime_classes: bool = False) -> Report:
-    """Undo this node's Kata changes; the cluster-wide RuntimeClasses only when asked
-    (they serve every node: delete them when the last node is reverted)."""
+def revert(host: HostRoot, ctx: KataContext | None, *, delete_runtime_classes: bool = False) -> Report:
+    """Undo this node's Kata changes as its record lists them (``kata_record``), and those
+    the config in ``ctx`` names (None: the record alone); the cluster-wide RuntimeClasses
+    only when asked (they serve every node: delete them when the last node is reverted)."""
     report = Report()
-    config = ctx.config
-    if delete_runtime_classes and not ctx.manage_runtime_classes:
+    record = kata_record.load(host)
+    config = ctx.config if ctx is not None else None
+    if delete_runtime_classes:
+        report.merge(_delete_runtime_classes(ctx))
+    edited = {e.config_path: (e.restart_mode, e.socket) for e in record.containerd}
+    if config is not None:
+        edited.setdefault(config.containerd.config_path, (str(config.containerd.restart_mode),
+                                                          config.containerd.socket))
+    for path, (restart_mode, socket) in edited.items():
+        change = revert_containerd(host, path)
+        # A killed apply's temp file beside the config, when the revert had nothing to write.
+        remove_stale_temps(host.path(path))
+        remove_stale_temps(host.path(change.path))
+        if change.changed:
+            report.changes.append(f"restored {change.path}")
+            report.merge(_reload_with(host, restart_mode, socket, "drop the Kata runtimes"))
+    # Our GPU settings beside kata-deploy's configs (the drop-ins only: its own files stay).
+    report.changes += [f"removed {p}" for p in remove_gpu_drop_ins(host, katadetect.KATA_DEPLOY_DIR)]
+    dirs = [c.dir for c in record.runtime_classes]
+    if config is not None:
+        dirs += [class_dir(config, rc.name) for rc in config.runtime_classes if class_dir(config, rc.name) not in dirs]
+    for directory in dirs:
+        # Only dirs holding our install record: never a dir someone else filled.
+        if remove_install(host.path(directory)):
+            report.changes.append(f"removed {directory}")
+    if report.ok:
+        kata_record.forget(host)
+    return report
+
+
+def _delete_runtime_classes(ctx: KataContext | None) -> Report:
+    report = Report()
+    if ctx is not None and not ctx.manage_runtime_classes:
         # The CLI refuses the pair; a caller in code gets the same answer, not a delete.
         report.failures.append(f"not deleting the RuntimeClasses: they are {MANAGED_ELSEWHERE}")
-    elif delete_runtime_classes and ctx.api is not None:
+    elif ctx is None or ctx.api is None:
+        report.warnings.append("RuntimeClasses not deleted: no cluster reachable (pass --config with a "
+                               "cluster to reach, or delete them with kubectl)")
+    else:
         try:
             from katamgr import cluster
 
-            gone = cluster.delete_managed_runtime_classes(ctx.api, config)
+            gone = cluster.delete_managed_runtime_classes(ctx.api, ctx.config)
             report.changes += [f"deleted RuntimeClass {n}" for n in gone.deleted]
             report.warnings += [f"RuntimeClass {n} is labeled as katamgr's but this service account may not "
                                 "delete it (another release's, or created by hand): left it" for n in gone.refused]
         except KatamgrError as exc:
             report.failures.append(str(exc))
-    change = revert_containerd(host, config.containerd.config_path)
-    # A killed apply's temp file beside the config, when the revert had nothing to write.
-    remove_stale_temps(host.path(config.containerd.config_path))
-    remove_stale_temps(host.path(change.path))
-    if change.changed:
-        report.changes.append(f"restored {change.path}")
-        report.merge(_reload(host, config, "drop the Kata runtimes"))
-    # Our GPU settings beside kata-deploy's configs (the drop-ins only: its own files stay).
-    report.changes += [f"removed {p}" for p in remove_gpu_drop_ins(host, katadetect.KATA_DEPLOY_DIR)]
-    for rc in config.runtime_classes:
-        # Only dirs holding our install record: never a dir someone else filled.
-        if remove_install(host.path(class_dir(config, rc.name))):
-            report.changes.append(f"removed {class_dir(config, rc.name)}")
     return report
 
 

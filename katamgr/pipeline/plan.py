@@ -38,9 +38,12 @@ class DevicePlan:
     # The VFIO driver it is or will be bound to (vfio-pci or a variant driver), and why.
     vfio_driver: str | None = None
     vfio_driver_why: str = ""
-    # Its confidential-computing mode as NVIDIA's tool read it ("not capable", "off", "on",
-    # "devtools", "ppcie", or "unread (why)"); None for a device that has none.
+    # Its confidential-computing mode as NVIDIA's tool read it ("off", "on", "devtools",
+    # "ppcie"; None when not read), whether it is capable (None: a device without one), and
+    # why the mode was not read ("on nvidia": never under a running driver).
     cc_mode: str | None = None
+    cc_capable: bool | None = None
+    cc_mode_message: str = ""
 
 
 @dataclass
@@ -114,11 +117,10 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
             driver = decision.driver_for(device) if decision.action is not Action.SKIP else None
             current = device.driver if device.on_vfio else None
             plan = _device_plan(inv, naming, device, decision.action_for(device).value, decision.reason)
-            mode = modes.get(device.bdf)
             devices.append(replace(
                 plan, vfio_driver=current or (driver.name if driver else None),
                 vfio_driver_why=("already bound" if current else driver.why if driver else ""),
-                cc_mode=mode.shown if mode else None))
+                **_cc_fields(modes.get(device.bdf))))
         for device in inv.foreign(decision.group) if decision.group is not None else []:
             devices.append(_device_plan(inv, naming, device, Action.SKIP.value, _left_alone(inv, device, bound)))
         if decision.action in (Action.BIND, Action.KEEP):
@@ -186,6 +188,17 @@ def _kata_found(inv: Inventory) -> list[PlanSection]:
     return [PlanSection("kata_found", "Kata found on the node", {**found.to_json(),
                                                                  "deciding": kata.release_json(inv.selection.kata)},
                         lines)]
+
+
+def _cc_fields(mode: cc.GpuMode | None) -> dict[str, Any]:
+    if mode is None:
+        return {}
+    read = mode.reading.node_mode if mode.reading is not None else None
+    if mode.reading is not None:
+        why = "" if read else "NVIDIA's tool read no CC mode"
+    else:
+        why = mode.unread if mode.capable else ""
+    return {"cc_mode": read, "cc_capable": mode.capable, "cc_mode_message": why}
 
 
 def _cc_modes(host: HostRoot, inv: Inventory, decisions: list[GroupDecision]) -> dict[str, cc.GpuMode]:
@@ -265,9 +278,13 @@ def _nothing_selected(inv: Inventory) -> str:
 
 def _device_plan(inv: Inventory, naming: Naming, device: Device, action: str, reason: str) -> DevicePlan:
     kind = inv.kind(device)
+    if kind is Kind.BRIDGE:
+        kind = Kind.OTHER
+    elif kind is Kind.OTHER and device.is_nvswitch:
+        kind = Kind.NVSWITCH  # one left on its driver is still an NVSwitch, not a NIC
     return DevicePlan(
         bdf=device.bdf,
-        kind=(Kind.OTHER if kind is Kind.BRIDGE else kind).value,
+        kind=kind.value,
         model=naming.model(device),
         ids=device.id_string(),
         driver=device.driver,

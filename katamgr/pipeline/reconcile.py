@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from katamgr.host import gpulabels as host_gpulabels
 from katamgr.host import readiness, vfio
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
@@ -18,6 +19,7 @@ from katamgr.host.passthrough import resource_units
 from katamgr.host.root import HostRoot
 from katamgr.host.vfio import Action
 from katamgr.host.workload import Operand, Workload
+from katamgr.node.journal import Journal, quiet
 from katamgr.node.lock import node_lock, tidy_state_dir
 from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.podresources import (
@@ -27,7 +29,7 @@ from katamgr.node.podresources import (
     wait_not_offered,
 )
 from katamgr.node.toolkit import isolation_problem, read_toolkit_config, toml_value
-from katamgr.pipeline import cdi_specs, gpulabels, nvlinkfabric
+from katamgr.pipeline import cdi_specs, gpulabels, kata_record, nvlinkfabric
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import LeaveReport, Report
@@ -150,21 +152,40 @@ def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:
 
 def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
               force: bool = False, wait: float = 5.0, lock_wait: float = DEFAULT_LOCK_WAIT,
-              command: str = "katamgr apply", gives_back: bool = False) -> Report:
+              command: str = "katamgr apply", gives_back: bool = False,
+              journal: Journal | None = None) -> Report:
     """Bring the node to the plan, holding the node lock (NodeBusyError after ``lock_wait``).
 
     Every input is checked before the first write (``kata_runtime.preflight``): a
     ConfigError or KatamgrError out of here means nothing was changed. ``gives_back``:
     the caller gives the GPUs an earlier vm-passthrough left on vfio-pci back itself once
     nothing holds them (``katamgr run``, by ``leave_passthrough``), so a node that does
-    not run VMs does not send the operator to ``katamgr revert`` for them.
+    not run VMs does not send the operator to ``katamgr revert`` for them. ``journal``:
+    where each step is recorded and said as it starts and ends (``katamgr.node.journal``).
     """
+    journal = journal or quiet()
     with node_lock(host, command, lock_wait):
-        return _reconcile(host, naming, steps, kata_ctx, force=force, wait=wait, gives_back=gives_back)
+        return _journalled(journal, lambda: _reconcile(host, naming, steps, kata_ctx, force=force, wait=wait,
+                                                       gives_back=gives_back, journal=journal))
+
+
+def _journalled(journal: Journal, run: Callable[[], Report]) -> Report:
+    """``run()`` between the journal's begin and end (interrupted or failed when it raised)."""
+    journal.begin()
+    try:
+        report = run()
+    except KeyboardInterrupt:
+        journal.end("interrupted")
+        raise
+    except BaseException:
+        journal.end("failed")
+        raise
+    journal.end("succeeded" if report.ok else "failed")
+    return report
 
 
 def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
-               force: bool, wait: float, gives_back: bool) -> Report:
+               force: bool, wait: float, gives_back: bool, journal: Journal) -> Report:
     report = Report()
     if not steps.passthrough:
         report.warnings.append(f"node workload is {steps.workload.value!r}: nothing to do for VM passthrough here")
@@ -177,52 +198,81 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         return report
     checked = None
     if steps.kata and kata_ctx is not None:
-        checked = _kata_runtime().preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
-                                            enable_cdi=steps.cdi)
+        with journal.step("check the Kata inputs (config, containerd, artifact sources)", writes=False):
+            checked = _kata_runtime().preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
+                                                enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
     rescan = False
     if steps.vfio:
-        bound = apply_host(host, plan, workload=steps.workload, wait=wait, readiness=steps.readiness)
+        bound = apply_host(host, plan, workload=steps.workload, wait=wait, readiness=steps.readiness,
+                           journal=journal)
         # A failed group was rolled back, but maybe not all the way: look again.
         rescan = bool(bound.moved) or not bound.ok
         report.merge(bound)
     report.warnings += plan.warnings + plan.problems
     if steps.cdi:
-        # The plan's scan still holds unless devices just moved driver.
-        report.merge(cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory, naming))
+        with journal.step("write the CDI specs") as step:
+            # The plan's scan still holds unless devices just moved driver.
+            specs = cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory,
+                                          naming)
+            step.failed = not specs.ok
+        report.merge(specs)
     if steps.kata and kata_ctx is not None:
-        report.merge(_kata_runtime().apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
-                                        checked=checked))
+        with journal.step("install the Kata runtimes (artifacts, Kata config, containerd, RuntimeClasses)") as step:
+            kata = _kata_runtime().apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
+                                         checked=checked)
+            step.failed = not kata.ok
+        report.merge(kata)
     return report
 
 
 def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool = False,
                delete_runtime_classes: bool = False, lock_wait: float = DEFAULT_LOCK_WAIT,
-               command: str = "katamgr revert", node_labels: gpulabels.NodeLabels | None = None) -> Report:
+               command: str = "katamgr revert", node_labels: gpulabels.NodeLabels | None = None,
+               journal: Journal | None = None) -> Report:
     """Undo in the reverse order, holding the node lock: cluster and containerd first,
-    devices last. A revert that leaves nothing recorded removes the lock file too.
-    ``node_labels``: our Node's labels, to remove the GPU labels katamgr set."""
+    devices last; what the Kata step did is undone as its record lists it, whatever
+    ``kata_ctx``'s config names now. A revert that leaves nothing recorded removes the
+    lock file too. ``node_labels``: our Node's labels, to remove the GPU labels katamgr set."""
+    journal = journal or quiet()
     with node_lock(host, command, lock_wait):
-        report = gpulabels.revert(host, node_labels)
-        report.merge(_revert_all(host, steps, kata_ctx, force=force,
-                                 delete_runtime_classes=delete_runtime_classes))
+        def run() -> Report:
+            if not host_gpulabels.recorded(host):
+                report = gpulabels.revert(host, node_labels)  # nothing set: not a step to say
+            else:
+                with journal.step("remove the GPU labels katamgr set") as step:
+                    report = gpulabels.revert(host, node_labels)
+                    step.failed = not report.ok
+            return report.merge(_revert_all(host, steps, kata_ctx, force=force,
+                                            delete_runtime_classes=delete_runtime_classes, journal=journal))
+        report = _journalled(journal, run)
         tidy_state_dir(host)
         return report
 
 
 def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool,
-                delete_runtime_classes: bool) -> Report:
+                delete_runtime_classes: bool, journal: Journal) -> Report:
     report = Report()
-    if steps.kata and kata_ctx is not None:
-        report.merge(_kata_runtime().revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
+    if steps.kata and (kata_ctx is not None or kata_record.recorded(host)):
+        with journal.step("remove the Kata runtimes (containerd config, artifacts)") as step:
+            kata = _kata_runtime().revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes)
+            step.failed = not kata.ok
+        report.merge(kata)
     elif steps.kata and _kata_runtime().changes_recorded(host):
+        # Applied by a katamgr older than the Kata record: only its config names the paths.
         report.failures.append(
-            "katamgr has Kata changes recorded on this node (containerd config, artifacts); "
-            "pass the same --config FILE that applied them to revert them too")
+            "katamgr has Kata changes recorded on this node (containerd config, artifacts) by a release "
+            "that did not record their paths; pass the same --config FILE that applied them to revert them too")
     if steps.cdi:
-        report.merge(cdi_specs.remove_specs(host))
+        with journal.step("remove the CDI specs") as step:
+            specs = cdi_specs.remove_specs(host)
+            step.failed = not specs.ok
+        report.merge(specs)
     if steps.vfio:
-        report.merge(revert_host(host, force=force))
+        with journal.step("give the devices back to their drivers") as step:
+            devices = revert_host(host, force=force)
+            step.failed = not devices.ok
+        report.merge(devices)
     return report
 
 

@@ -18,6 +18,7 @@ from katamgr.k8snames import is_dns1123_subdomain
 from katamgr.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
 from katamgr.node.process import (
     add_log_format_argument,
+    add_version_argument,
     report_error,
     setup_logging,
     stop_on_signals,
@@ -63,6 +64,7 @@ Stops cleanly (sockets removed, exit 0) on SIGTERM or SIGINT.
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sandbox-dra-driver", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_version_argument(parser)
     parser.add_argument("--host-root", default="/", metavar="DIR",
                         help="where the host's / is mounted (default: /; /host in a DaemonSet)")
     parser.add_argument("--runtime-root", default="/", metavar="DIR",

@@ -27,8 +27,9 @@ def test_plan_json_for_each_shipped_profile(profile_path):
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert {"devices", "resources", "problems"} <= plan.keys()
+    assert (plan["apiVersion"], plan["kind"]) == ("kata-sandbox-manager.io/v1alpha1", "Plan")
     for device in plan["devices"]:
-        assert {"bdf", "kind", "driver", "iommu_group", "numa_node", "resource", "action", "reason"} <= device.keys()
+        assert {"bdf", "kind", "driver", "iommuGroup", "numaNode", "resource", "action", "message"} <= device.keys()
         assert device["kind"] in ("gpu", "nvswitch", "companion", "other")
         assert device["action"] in ("bind", "keep", "skip")
 
@@ -122,7 +123,7 @@ def test_run_once_on_a_container_node_gives_back_what_apply_bound(tmp_path):
     (root / "proc/4321/comm").write_text("qemu-system-x86\n")
     (fd / "9").symlink_to("/dev/vfio/15")  # a Kata VM holds the GPU's IOMMU group
     applied = run("apply", "--workload", "container", "--host-root", str(root))
-    assert applied.returncode == 0 and "run katamgr revert to give them back" in applied.stdout
+    assert applied.returncode == 0 and "run katamgr revert to give them back" in applied.stderr  # a warning
     held = run("run", "--once", "--workload", "container", "--host-root", str(root))
     assert held.returncode == 0, held.stderr
     assert "workload switch vm-passthrough -> container, found at start" in held.stderr

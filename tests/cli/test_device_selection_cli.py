@@ -33,10 +33,10 @@ def test_plan_says_why_each_device_is_in_or_out(node):
     result = run("plan", "--host-root", str(node), "--output", "json", *STANDINS)
     assert result.returncode == 0, result.stderr
     devices = {d["bdf"]: d for d in json.loads(result.stdout)["devices"]}
-    assert devices["0000:01:00.0"]["selection"] == "included by --include-device 1234:11e8 as example.com/edu"
-    assert devices["0000:00:01.0"]["selection"] == "excluded by --exclude-device 0000:00:01.0"
-    assert devices["0000:04:02.0"]["selection"] == "not an NVIDIA GPU, NVSwitch or included device"
-    text = run("plan", "--host-root", str(node), *STANDINS).stdout
+    assert devices["0000:01:00.0"]["selectionMessage"] == "included by --include-device 1234:11e8 as example.com/edu"
+    assert devices["0000:00:01.0"]["selectionMessage"] == "excluded by --exclude-device 0000:00:01.0"
+    assert devices["0000:04:02.0"]["selectionMessage"] == "not an NVIDIA GPU, NVSwitch or included device"
+    text = run("plan", "--host-root", str(node), "-o", "wide", *STANDINS).stdout
     assert "SELECTION" in text.splitlines()[3]
     assert "included by --include-device 1234:1111 as example.com/vga" in text
 
@@ -62,7 +62,7 @@ def test_the_config_devices_key_and_the_flags_add_up(node, tmp_path):
                  "--exclude-device", "0000:00:01.0")
     assert result.returncode == 0, result.stderr
     devices = {d["bdf"]: d for d in json.loads(result.stdout)["devices"]}
-    assert devices["0000:01:00.0"]["selection"] == (
+    assert devices["0000:01:00.0"]["selectionMessage"] == (
         "included by config devices.include 1234:11e8 as example.com/edu")
     assert devices["0000:00:01.0"]["kind"] == "excluded"
     assert "0000:02:00.0" not in devices  # the VGA stand-in is not included here

@@ -53,7 +53,8 @@ def test_plan_resources_are_valid_kubernetes_names(tmp_path, profile_path):
     host = materialise(load_profile(profile_path), tmp_path / "host")
     plan = build_plan(host, naming())
     for device in plan.devices:
-        if device.kind in ("gpu", "nvswitch"):
+        # An NVSwitch left on its driver (the node's Kata cannot take it) is advertised as nothing.
+        if device.kind == "gpu" or (device.kind == "nvswitch" and device.action != "skip"):
             assert RESOURCE_RE.match(device.resource), device.resource
     assert all(RESOURCE_RE.match(name) for name in plan.resources)
 

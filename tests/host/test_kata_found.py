@@ -205,17 +205,19 @@ def test_plan_shows_the_kata_found_as_text_and_json(tmp_path):
     result = subprocess.run([katamgr, "plan", "--host", str(profile), "--output", "json"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    found = json.loads(result.stdout)["kata_found"]
+    found = json.loads(result.stdout)["kataFound"]
     assert found["deciding"] == found["release"] == "3.29.0"
     gpu = next(r for r in found["runtimes"] if r["name"] == "kata-qemu-nvidia-gpu-runtime-rs")
     assert gpu == {"name": "kata-qemu-nvidia-gpu-runtime-rs",
                    "shim": "/opt/kata/runtime-rs/bin/containerd-shim-kata-v2",
-                   "config_path": "/opt/kata/share/defaults/kata-containers/runtime-rs/runtimes/"
-                                  "qemu-nvidia-gpu-runtime-rs/configuration-qemu-nvidia-gpu-runtime-rs.toml",
+                   "configPath": "/opt/kata/share/defaults/kata-containers/runtime-rs/runtimes/"
+                                 "qemu-nvidia-gpu-runtime-rs/configuration-qemu-nvidia-gpu-runtime-rs.toml",
                    "flavour": "runtime-rs", "release": "3.29.0",
-                   "release_from": "containerd-shim-kata-v2 --version", "installed_by": "kata-deploy",
-                   "defined_in": "/opt/kata/containerd/config.d/kata-deploy.toml"}
-    text = subprocess.run([katamgr, "plan", "--host", str(profile)], capture_output=True, text=True, timeout=120)
+                   "releaseFrom": "containerd-shim-kata-v2 --version", "installedBy": "kata-deploy",
+                   "definedIn": "/opt/kata/containerd/config.d/kata-deploy.toml"}
+    # -o wide: every line in full (the default wraps the long ones to the terminal)
+    text = subprocess.run([katamgr, "plan", "--host", str(profile), "-o", "wide"], capture_output=True, text=True,
+                          timeout=120)
     assert "Kata found on the node:\n  deciding: Kata 3.29.0\n  kata-qemu-nvidia-gpu: Kata 3.29.0 (go, " \
            "containerd-shim-kata-v2 --version), installed by kata-deploy" in text.stdout
 

@@ -193,8 +193,8 @@ def test_katamgr_plan_does_not_wait_for_the_pending_unbind(guest):
     # plan says the unbind is pending and skips the group, rather than offering a bind that
     # would wait behind it.
     assert held["driver"] is None and held["action"] == "skip", held
-    assert held["reason"].startswith("an unbind from vfio-pci is still pending for IOMMU group "), held
-    assert "qemu" in held["reason"], held
+    assert held["message"].startswith("an unbind from vfio-pci is still pending for IOMMU group "), held
+    assert "qemu" in held["message"], held
     unhindered = guest.step("plan")["work_s"]
     assert plan["work_s"] is not None and unhindered is not None, (plan["work_s"], show(guest.step("plan")))
     bound = unhindered * PLAN_WORK_FACTOR + PLAN_WORK_MARGIN_S

@@ -37,8 +37,8 @@ def test_plan_sees_the_kernels_iommu_groups(guest):
     rows = _plan_rows(guest)
     for name, bdf in _stand_ins(guest).items():
         assert bdf in rows, f"plan lists no row for the {name} stand-in {bdf}: {sorted(rows)}"
-        assert rows[bdf]["iommu_group"] == group_of(guest, bdf), (
-            f"plan puts {name} {bdf} in group {rows[bdf]['iommu_group']}, the kernel in {group_of(guest, bdf)}")
+        assert rows[bdf]["iommuGroup"] == group_of(guest, bdf), (
+            f"plan puts {name} {bdf} in group {rows[bdf]['iommuGroup']}, the kernel in {group_of(guest, bdf)}")
 
 
 def test_plan_binds_the_own_group_stand_ins_and_skips_the_shared_group(guest):

@@ -157,7 +157,7 @@ def test_plan_shows_the_labels_in_text_and_json(capsys):
     assert "GPU labels for the Node" in text
     assert "nvidia.com/gpu.product=NVIDIA-H100-80GB-HBM3" in text and "nvidia.com/cc.capable=true" in text
     assert cli.main(["plan", "--host", "a10-server", "--output", "json"]) == 0
-    section = json.loads(capsys.readouterr().out)["gpu_labels"]
+    section = json.loads(capsys.readouterr().out)["gpuLabels"]
     assert section["labels"] == {PRODUCT: "NVIDIA-A10", FAMILY: "ampere", COUNT: "4", MEMORY: "23028"}
     assert section["enabled"] is True and section["sources"][COUNT].startswith("sysfs")
     assert cli.main(["plan", "--host", "a10-server", "--no-gpu-labels"]) == 0

@@ -310,13 +310,29 @@ def test_cli_run_stops_on_sigterm_and_reverts_when_asked(tmp_path):
     assert host.path("/etc/containerd/config.toml").read_text() == ORIGINAL
 
 
-def test_revert_without_the_config_says_what_it_cannot_undo(tmp_path):
+def test_revert_without_the_config_undoes_what_the_record_lists(tmp_path):
     katamgr = str(Path(sys.executable).parent / "katamgr")
     host = node(tmp_path)
     good = tmp_path / "good.yaml"
     good.write_text(CONFIG.replace("signal", "none"))
     assert subprocess.run([katamgr, "apply", "--host-root", str(host.root), "--config", str(good)],
                           capture_output=True, timeout=60).returncode == 0
+    result = subprocess.run([katamgr, "revert", "--host-root", str(host.root)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert host.path("/etc/containerd/config.toml").read_text() == ORIGINAL
+
+
+def test_a_node_applied_before_the_kata_record_still_asks_for_its_config(tmp_path):
+    """A node an older katamgr set up has containerd edit state but no kata.json: only the
+    config that applied it names its paths, and revert says so rather than half-reverting."""
+    katamgr = str(Path(sys.executable).parent / "katamgr")
+    host = node(tmp_path)
+    good = tmp_path / "good.yaml"
+    good.write_text(CONFIG.replace("signal", "none"))
+    assert subprocess.run([katamgr, "apply", "--host-root", str(host.root), "--config", str(good)],
+                          capture_output=True, timeout=60).returncode == 0
+    host.state_path("kata.json").unlink()  # as an older release left the node
     result = subprocess.run([katamgr, "revert", "--host-root", str(host.root)], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 1

@@ -69,8 +69,11 @@ def test_the_dgx_h100_slice(node):
         "pciAddress": "0000:03:00.0", "iommuGroup": 6, "functions": 1, "numaNode": 0,
         "resource.kubernetes.io/pcieRoot": "pci0000:00", "pcieSwitch": "0000:01:00.0",
         "nvswitchFabric": "nvswitch-0000:05:00.0"}
+    # The resource name comes from pci.ids alone (this machine's lacks 10de:22a3); the product
+    # name is katamgr's own where pci.ids has none (katamgr.host.pciids.KNOWN_MODELS).
     assert devices["nvswitch-0000-95-00-0"] == {
         "type": "nvswitch", "model": "PCI_22a3", "resourceName": "nvidia.com/PCI_22a3",
+        "productName": "GH100 [H100 NVSwitch]",
         "vendorID": "10de", "deviceID": "22a3", "pciAddress": "0000:95:00.0", "iommuGroup": 40,
         "functions": 1, "numaNode": 1, "resource.kubernetes.io/pcieRoot": "pci0000:80",
         "pcieSwitch": "0000:91:00.0", "nvswitchFabric": "nvswitch-0000:05:00.0"}

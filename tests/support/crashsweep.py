@@ -41,7 +41,12 @@ LAYOUT = REPO / "examples" / "oci-layout"
 CONTAINERD = (REPO / "katamgr" / "data" / "demo" / "containerd-config.toml").read_bytes()
 CONFIG = kata_manager_yaml((GPU, GPU_SNP), selectors={})
 # Values that differ between two uninterrupted runs (file times, which pid): masked.
-_VOLATILE = (re.compile(rb'"mtime_ns": \d+'), re.compile(rb'"pid": \d+'))
+_VOLATILE = (re.compile(rb'"mtime_ns": \d+'), re.compile(rb'"pid": \d+'),
+             re.compile(rb'"since": "[^"]*"'))
+# The run journal records the last run's history (which steps it took), not the node's
+# state: a follow-up after a kill takes fewer steps than a run on a fresh node. Its
+# presence is compared, its content is not.
+_HISTORY = ("var/lib/kata-sandbox-manager/run.json",)
 
 
 @dataclass
@@ -105,6 +110,8 @@ def snapshot(root: Path) -> dict[str, bytes | str]:
                 continue
             if path.is_symlink():
                 state[rel] = "-> " + os.readlink(path)
+            elif rel in _HISTORY:
+                state[rel] = "<run journal>"
             elif path.is_file():
                 data = path.read_bytes()
                 for pattern in _VOLATILE:

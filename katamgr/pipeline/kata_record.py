@@ -1,0 +1,121 @@
+"""What the Kata step installed on this node, recorded where revert finds it without a config.
+
+``/var/lib/kata-sandbox-manager/kata.json`` lists each runtime class dir katamgr installed
+artifacts into (its ref, since when), each containerd config it edited (with how
+containerd is reloaded there) and each drop-in it wrote beside kata-deploy's configs. Each
+is noted BEFORE the write it names, the way the device and CDI records are, so a run
+killed mid-write leaves a record of what may be there; revert acts on what it finds (an
+artifacts dir without our install record in it is never removed, a containerd config
+with no edit state of ours is left). Revert then undoes exactly this, whatever config it
+is given: an apply with one ``artifactsDir`` and a revert with another still removes the
+first one's files.
+
+The other records stay where they were (``vfio.json``: each device's driver before;
+``cdi.json``: the spec kinds; ``containerd/*.json``: the edits, byte for byte); this one
+adds what only the Kata step knew.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from katamgr import __version__
+from katamgr.host.files import read_json, remove_file, write_json
+from katamgr.host.root import HostRoot
+from katamgr.node.journal import now
+
+STATE_FILE = "kata.json"
+
+
+@dataclass(frozen=True)
+class InstalledClass:
+    name: str
+    dir: str  # host path of the runtime class dir
+    ref: str  # the artifact reference it was installed from
+    since: str
+
+
+@dataclass(frozen=True)
+class EditedContainerd:
+    config_path: str
+    restart_mode: str
+    socket: str
+    since: str
+
+
+@dataclass(frozen=True)
+class KataRecord:
+    runtime_classes: tuple[InstalledClass, ...] = ()
+    containerd: tuple[EditedContainerd, ...] = ()
+    drop_ins: tuple[str, ...] = ()
+    since: str | None = None
+    version: str | None = None  # katamgr's version that last wrote the record
+
+    @property
+    def empty(self) -> bool:
+        return not (self.runtime_classes or self.containerd or self.drop_ins)
+
+
+def _read(host: HostRoot) -> dict[str, Any]:
+    try:
+        data = read_json(host.state_path(STATE_FILE), {})
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def load(host: HostRoot) -> KataRecord:
+    """The record (empty when there is none or it cannot be read: revert then falls back
+    to the config it is given)."""
+    data = _read(host)
+    try:
+        classes = tuple(InstalledClass(name, str(v["dir"]), str(v.get("ref", "")), str(v.get("since", "")))
+                        for name, v in sorted(data.get("runtimeClasses", {}).items()))
+        edited = tuple(EditedContainerd(path, str(v.get("restartMode", "")), str(v.get("socket", "")),
+                                        str(v.get("since", "")))
+                       for path, v in sorted(data.get("containerd", {}).items()))
+        drop_ins = tuple(str(p) for p in data.get("dropIns", []))
+    except (AttributeError, KeyError, TypeError):
+        return KataRecord()
+    return KataRecord(classes, edited, drop_ins, data.get("since"), data.get("version"))
+
+
+def _note(host: HostRoot, key: str, name: str, value: dict[str, Any] | None) -> None:
+    """Add ``name`` under ``key`` (keeping the first ``since``); a no-op write when unchanged."""
+    data = _read(host)
+    data.setdefault("since", now())
+    data["version"] = __version__
+    if value is None:
+        items = list(data.get(key, []))
+        if name not in items:
+            data[key] = sorted([*items, name])
+    else:
+        entries = dict(data.get(key, {}))
+        before = entries.get(name, {})
+        entries[name] = {**value, "since": before.get("since") or now()}
+        data[key] = entries
+    write_json(host.state_path(STATE_FILE), data)
+
+
+def note_class(host: HostRoot, name: str, directory: str, ref: str) -> None:
+    """Runtime class ``name``'s artifacts are about to be installed into ``directory``."""
+    _note(host, "runtimeClasses", name, {"dir": directory, "ref": ref})
+
+
+def note_containerd(host: HostRoot, config_path: str, restart_mode: str, socket: str) -> None:
+    """containerd's config ``config_path`` is about to be edited."""
+    _note(host, "containerd", config_path, {"restartMode": restart_mode, "socket": socket})
+
+
+def note_drop_in(host: HostRoot, path: str) -> None:
+    """A drop-in of ours is about to be written at host path ``path``."""
+    _note(host, "dropIns", path, None)
+
+
+def forget(host: HostRoot) -> None:
+    remove_file(host.state_path(STATE_FILE))
+
+
+def recorded(host: HostRoot) -> bool:
+    return host.state_path(STATE_FILE).is_file()

@@ -1,0 +1,109 @@
+"""What katamgr has installed on this node, read from its records (``katamgr status``).
+
+Read-only: the device record (``vfio.json``: each device moved and the driver it had),
+the CDI specs (``cdi.json``), the Kata record (``kata.json``: runtime class dirs,
+containerd configs, drop-ins), the containerd edit state (the runtimes in each config),
+the GPU labels set on the Node, and the run journal (``run.json``: the last apply or
+revert, and the step a killed one reached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from katamgr.artifacts import read_install
+from katamgr.errors import KatamgrError
+from katamgr.host import gpulabels, vfio
+from katamgr.host.errors import HostError
+from katamgr.host.root import STATE_DIR, HostRoot
+from katamgr.node import journal
+from katamgr.pipeline import cdi_specs, kata_record
+from katamgr.runtime import containerd_state
+
+
+@dataclass(frozen=True)
+class BoundDevice:
+    bdf: str
+    driver_before: str | None
+    iommu_group: int | None
+
+
+@dataclass(frozen=True)
+class ContainerdEdit:
+    config_path: str
+    target: str  # the file edited: the config itself, or our drop-in beside it
+    runtimes: tuple[str, ...]
+    restart_mode: str
+    since: str
+
+
+@dataclass
+class LastRun:
+    command: str
+    version: str
+    pid: int
+    started: str
+    finished: str | None
+    outcome: str | None  # succeeded, failed, interrupted; None: under way
+    step: str | None  # the step under way, or reached by an interrupted run
+    steps_done: list[str]
+
+
+@dataclass
+class NodeStatus:
+    state_dir: str
+    devices: list[BoundDevice] = field(default_factory=list)
+    cdi_specs: list[str] = field(default_factory=list)
+    runtime_classes: list[kata_record.InstalledClass] = field(default_factory=list)
+    containerd: list[ContainerdEdit] = field(default_factory=list)
+    drop_ins: list[str] = field(default_factory=list)
+    gpu_labels: dict[str, str] = field(default_factory=dict)
+    since: str | None = None
+    version: str | None = None
+    last_run: LastRun | None = None
+    problems: list[str] = field(default_factory=list)  # a record katamgr could not read
+
+    @property
+    def installed(self) -> bool:
+        return bool(self.devices or self.cdi_specs or self.runtime_classes or self.containerd
+                    or self.drop_ins or self.gpu_labels)
+
+
+def node_status(host: HostRoot) -> NodeStatus:
+    status = NodeStatus(STATE_DIR)
+    try:
+        status.devices = [BoundDevice(bdf, entry.get("driver"), entry.get("group"))
+                          for bdf, entry in sorted(vfio.bound_by_us(host).items())]
+    except HostError as exc:  # a broken record is shown, not a crash
+        status.problems.append(str(exc))
+    try:
+        status.cdi_specs = [cdi_specs.spec_path(kind) for kind in cdi_specs.recorded(host)]
+    except (KatamgrError, ValueError) as exc:
+        status.problems.append(str(exc))
+    record = kata_record.load(host)
+    # Noted before each install: one whose install failed is listed in the record, not on disk.
+    status.runtime_classes = [c for c in record.runtime_classes if read_install(host.path(c.dir)) is not None]
+    status.drop_ins = list(record.drop_ins)
+    for edited in record.containerd:
+        try:
+            state = containerd_state.load(host, edited.config_path)
+        except ValueError as exc:
+            status.problems.append(str(exc))
+            continue
+        if state is not None:
+            status.containerd.append(ContainerdEdit(edited.config_path, state.target,
+                                                    tuple(state.runtime_names()), edited.restart_mode,
+                                                    edited.since))
+    try:
+        status.gpu_labels = gpulabels.recorded(host)
+    except ValueError as exc:
+        status.problems.append(str(exc))
+    status.since, status.version = record.since, record.version
+    run = journal.read_run(host)
+    if run is not None:
+        outcome = "interrupted" if journal.interrupted(host, run) else run.outcome
+        status.last_run = LastRun(run.command, run.version, run.pid, run.started, run.finished, outcome,
+                                  run.step, list(run.stepsDone))
+        status.version = status.version or run.version
+        status.since = min(filter(None, [status.since, run.installedSince]), default=None)
+    return status
