@@ -31,10 +31,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from sandbox_plugin.wire import limits as _limits
-from sandbox_plugin.wire.connection import Call, ServerConnection, ServerStream
-from sandbox_plugin.wire.limits import Budget, Limits, QuietLog, shorten
-from sandbox_plugin.wire.status import RpcError, StatusCode, split_messages
+from grpcwire import limits as _limits
+from grpcwire.connection import Call, ServerConnection, ServerStream
+from grpcwire.limits import Budget, Limits, QuietLog, shorten
+from grpcwire.status import RpcError, StatusCode, split_messages
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import h2.events as ev
 import h2.exceptions
 from h2.settings import SettingCodes
 
-from sandbox_plugin.wire import status as st
-from sandbox_plugin.wire.limits import DEFAULT, Limits
-from sandbox_plugin.wire.status import RpcError, StatusCode
+from grpcwire import status as st
+from grpcwire.limits import DEFAULT, Limits
+from grpcwire.status import RpcError, StatusCode
 
 _CONFIG = h2.config.H2Configuration(client_side=True, header_encoding=None)
 

@@ -27,12 +27,12 @@ import h2.exceptions
 import h2.frame_buffer
 from h2.errors import ErrorCodes
 
-from sandbox_plugin.wire import status as st
-from sandbox_plugin.wire.limits import Budget, Limits, shorten
-from sandbox_plugin.wire.status import StatusCode
+from grpcwire import status as st
+from grpcwire.limits import Budget, Limits, shorten
+from grpcwire.status import StatusCode
 
 if TYPE_CHECKING:
-    from sandbox_plugin.wire.server import GrpcServer
+    from grpcwire.server import GrpcServer
 
 log = logging.getLogger(__name__)
 
