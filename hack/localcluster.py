@@ -37,9 +37,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-# Beside this script, not a package: localnode (the node), clusterstate (the processes and
-# their record), clusterpki, clusterflags, clusterready.
+# Beside this script, not a package: localnode (the node) and nodeconfig (its files),
+# clusterstate (the processes and their record), clusterpki, clusterflags, clusterready.
 import localnode  # noqa: E402
+import nodeconfig  # noqa: E402
 from clusterflags import processes  # noqa: E402
 from clusterpki import kubeconfig, make_pki  # noqa: E402
 from clusterready import readiness, wait_node_ready, wait_ready  # noqa: E402
@@ -138,7 +139,7 @@ def up(d: Path, node: bool = False, host: str = "dgx-h100") -> State:
     for user in users:
         kubeconfig(pki / f"{user}.kubeconfig", server, pki, user)
     if node:
-        localnode.write_configs(d, host_root, ports, node_ip)
+        nodeconfig.write_configs(d, host_root, ports, node_ip)
     try:
         for name in state.components:
             start_component(state, name)
