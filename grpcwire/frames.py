@@ -52,27 +52,41 @@ class FrameCheck:
         feed says so again (at offset 0)."""
         if self._bad is not None:
             return Violation(0, self._bad.code, self._bad.why)
-        pos, end = 0, len(data)
-        while pos < end:
-            if self._skip:
-                step = min(self._skip, end - pos)
-                self._skip -= step
-                pos += step
-                continue
-            start = max(0, pos - len(self._header))  # where this frame began, in ``data``
-            take = min(HEADER_LENGTH - len(self._header), end - pos)
-            self._header += data[pos:pos + take]
-            pos += take
+        end = len(data)
+        pos = self._skip  # where the next frame header starts, counted from data[0]
+        if self._header:  # a header begun in an earlier read: complete it first
+            take = min(HEADER_LENGTH - len(self._header), end)
+            self._header += data[:take]
             if len(self._header) < HEADER_LENGTH:
-                break
-            header, self._header = bytes(self._header), bytearray()
-            length = int.from_bytes(header[:3], "big")
-            bad = self._check(length, header[3], header[4])
+                return None
+            header, self._header = self._header, bytearray()
+            bad = self._frame(0, header, 0)
             if bad is not None:
-                self._bad = Violation(start, *bad)
-                return self._bad
-            self._skip = length
+                return bad
+            pos = take + int.from_bytes(header[:3], "big")
+        # The usual read: whole headers, read in place (once per frame, a few operations).
+        while pos + HEADER_LENGTH <= end:
+            bad = self._frame(pos, data, pos)
+            if bad is not None:
+                return bad
+            pos += HEADER_LENGTH + (data[pos] << 16 | data[pos + 1] << 8 | data[pos + 2])
+        if pos < end:
+            self._header = bytearray(data[pos:end])
+            self._skip = 0
+        else:
+            self._skip = pos - end
         return None
+
+    def _frame(self, start: int, data, at: int) -> Violation | None:
+        """Check the frame whose header is ``data[at:at + 9]`` and starts at ``start``."""
+        length = data[at] << 16 | data[at + 1] << 8 | data[at + 2]
+        if length <= self.max_frame_size and self._block is None and data[at + 3] != HEADERS:
+            return None  # the usual frame
+        bad = self._check(length, data[at + 3], data[at + 4])
+        if bad is None:
+            return None
+        self._bad = Violation(start, *bad)
+        return self._bad
 
     def _check(self, length: int, kind: int, flags: int) -> tuple[ErrorCodes, str] | None:
         if length > self.max_frame_size:
