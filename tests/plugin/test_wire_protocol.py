@@ -287,12 +287,14 @@ def test_the_protocol_half_imports_no_socket_lock_clock_or_logger():
     package = Path(grpcwire.__file__).parent
     for name in PROTOCOL_HALF:
         tree = ast.parse((package / f"{name}.py").read_text())
-        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                    for alias in node.names}
-        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                     if isinstance(node, ast.ImportFrom) and node.module}
-        assert not imported & IO, f"grpcwire/{name}.py imports {sorted(imported & IO)}"
-        assert "grpcwire" not in imported or all(
-            node.module.split(".")[1] in PROTOCOL_HALF for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("grpcwire.")
-        ), f"grpcwire/{name}.py imports the I/O half"
+        modules = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   for alias in node.names]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                modules.append(node.module)
+                if node.module == "grpcwire":  # from grpcwire import status
+                    modules += [f"grpcwire.{alias.name}" for alias in node.names]
+        io = {m for m in modules if m.split(".")[0] in IO}
+        assert not io, f"grpcwire/{name}.py imports {sorted(io)}"
+        ours = {m.split(".")[1] for m in modules if m.startswith("grpcwire.")}
+        assert ours <= set(PROTOCOL_HALF), f"grpcwire/{name}.py imports the I/O half: {sorted(ours)}"
