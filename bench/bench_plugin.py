@@ -237,8 +237,8 @@ class Kubelet:
     """Serves Registration on kubelet.sock and records when each Register came."""
 
     def __init__(self, host: HostRoot) -> None:
+        from grpcwire.server import GrpcServer
         from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
-        from sandbox_plugin.wire.server import GrpcServer
 
         directory = host.path(DEVICE_PLUGIN_DIR)
         directory.mkdir(parents=True, exist_ok=True)

@@ -29,373 +29,27 @@ standard library and the `openssl` command are needed.
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
-import os
 import shutil
-import signal
-import socket
-import ssl
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import localnode  # noqa: E402 - beside this script, not a package
+# Beside this script, not a package: localnode (the node) and nodeconfig (its files),
+# clusterstate (the processes and their record), clusterpki, clusterflags, clusterready.
+import localnode  # noqa: E402
+import nodeconfig  # noqa: E402
+from clusterflags import processes  # noqa: E402
+from clusterpki import kubeconfig, make_pki  # noqa: E402
+from clusterready import readiness, wait_node_ready, wait_ready  # noqa: E402
+from clusterstate import COMPONENTS, Refused, State, alive, free_port, start, stop  # noqa: E402
 
 REPO = HERE.parent
 IMAGE_BUILD = HERE / "image" / "build"
 BUILD = HERE / "kube" / "build"
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
-SERVICE_CIDR = "10.0.0.0/24"
-SERVICE_IP = "10.0.0.1"  # the first address of SERVICE_CIDR: the `kubernetes` Service
-ISSUER = "https://kubernetes.default.svc.cluster.local"
-START_TIMEOUT = 120.0  # a first API server start on a loaded 2-core machine takes ~20 s
-# kube-apiserver 1.35 logs its shutdown at once on SIGTERM and then lingers (seen for
-# well over 30 s here): a local cluster has nothing to drain, so it is killed after this.
-STOP_TIMEOUT = 5.0
 
-
-class Refused(Exception):
-    """Nothing was started or stopped; exit 2 with this message."""
-
-
-@dataclass
-class Process:
-    name: str
-    argv: list[str]
-    log: str
-    pid: int = 0
-    port: int = 0
-
-
-@dataclass
-class State:
-    dir: str
-    bin: str
-    kube_version: str
-    ports: dict[str, int] = field(default_factory=dict)
-    processes: dict[str, Process] = field(default_factory=dict)
-    node_ip: str = ""  # set when the cluster has a node
-    host_root: str = ""  # the node's simulated host root, if any
-    made: str = ""  # a dir `up` made outside DIR for the kubelet (removed by `down`)
-
-    @property
-    def components(self) -> tuple[str, ...]:
-        if not self.node_ip:
-            return COMPONENTS
-        return COMPONENTS + (("udev",) if self.host_root else ()) + localnode.NODE_COMPONENTS
-
-    @property
-    def path(self) -> Path:
-        return Path(self.dir) / "state.json"
-
-    def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, self.path)
-
-    @classmethod
-    def load(cls, directory: Path) -> State:
-        path = directory / "state.json"
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise Refused(f"{directory} holds no local cluster (no {path.name}); "
-                          f"start one with: hack/local-cluster up {directory}") from None
-        except (OSError, ValueError) as e:
-            raise Refused(f"{path} is unreadable ({e}); stop its processes by hand") from None
-        processes = {k: Process(**v) for k, v in raw.pop("processes").items()}
-        return cls(**raw, processes=processes)
-
-
-# --- processes ------------------------------------------------------------------------
-
-def alive(proc: Process) -> bool:
-    """The recorded pid still runs the recorded binary (a reused pid is not ours)."""
-    if proc.pid <= 0:
-        return False
-    try:
-        exe = os.readlink(f"/proc/{proc.pid}/exe")
-        stat = Path(f"/proc/{proc.pid}/stat").read_text()
-    except OSError:
-        return False
-    if stat.rsplit(")", 1)[1].split()[0] == "Z":
-        return False
-    return exe.removesuffix(" (deleted)") == proc.argv[0]
-
-
-def start(proc: Process, env: dict[str, str] | None = None) -> None:
-    log = open(proc.log, "ab")  # noqa: SIM115 - handed to the child, closed below
-    try:
-        child = subprocess.Popen(proc.argv, stdin=subprocess.DEVNULL, stdout=log, env=env,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-        log.close()
-    proc.pid = child.pid
-
-
-def stop(proc: Process, timeout: float = STOP_TIMEOUT) -> bool:
-    """SIGTERM, then SIGKILL after ``timeout``; False if it was not running."""
-    if not alive(proc):
-        return False
-    os.kill(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not alive(proc):
-            break
-        time.sleep(0.1)
-    else:
-        os.kill(proc.pid, signal.SIGKILL)
-        while alive(proc) and time.monotonic() < deadline + 5:
-            time.sleep(0.1)
-    _reap(proc.pid)
-    return True
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- certificates ---------------------------------------------------------------------
-
-def openssl(*args: str) -> None:
-    result = subprocess.run(["openssl", *args], capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"openssl {' '.join(args[:2])} failed: {result.stderr.strip()}")
-
-
-def make_pki(pki: Path, node_ip: str = "") -> None:
-    """A CA, the API server's serving cert, client certs for the admin and the two
-    controllers (names the default RBAC bindings know), and the service-account key; with
-    a node, the kubelet's (the Node authorizer's name for it) and kube-proxy's."""
-    pki.mkdir(mode=0o700, parents=True, exist_ok=True)
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    openssl("req", "-x509", *ec, "-keyout", str(pki / "ca.key"), "-out", str(pki / "ca.crt"),
-            "-subj", "/CN=local-cluster-ca", "-days", "3650",
-            "-addext", "basicConstraints=critical,CA:TRUE",
-            "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature")
-    leaves = {
-        "apiserver": ("/CN=kube-apiserver", "serverAuth",
-                      f"DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
-                      f"DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,"
-                      f"IP:127.0.0.1,IP:{SERVICE_IP}" + (f",IP:{node_ip}" if node_ip else "")),
-        "admin": ("/O=system:masters/CN=local-cluster-admin", "clientAuth", ""),
-        "controller-manager": ("/CN=system:kube-controller-manager", "clientAuth", ""),
-        "scheduler": ("/CN=system:kube-scheduler", "clientAuth", ""),
-        "apiserver-kubelet-client": ("/O=system:masters/CN=kube-apiserver-kubelet-client",
-                                     "clientAuth", ""),
-    }
-    if node_ip:
-        leaves["kubelet"] = (f"/O=system:nodes/CN=system:node:{localnode.NODE_NAME}",
-                             "clientAuth", "")
-        leaves["kube-proxy"] = ("/CN=system:kube-proxy", "clientAuth", "")
-    for name, (subject, usage, san) in leaves.items():
-        ext = pki / f"{name}.ext"
-        lines = ["basicConstraints=CA:FALSE", "keyUsage=critical,digitalSignature",
-                 f"extendedKeyUsage={usage}"]
-        if san:
-            lines.append(f"subjectAltName={san}")
-        ext.write_text("\n".join(lines) + "\n")
-        openssl("req", "-new", *ec, "-keyout", str(pki / f"{name}.key"),
-                "-out", str(pki / f"{name}.csr"), "-subj", subject)
-        openssl("x509", "-req", "-in", str(pki / f"{name}.csr"), "-CA", str(pki / "ca.crt"),
-                "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-days", "3650",
-                "-out", str(pki / f"{name}.crt"), "-extfile", str(ext))
-    openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048",
-            "-out", str(pki / "sa.key"))
-    openssl("pkey", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
-
-
-def kubeconfig(path: Path, server: str, pki: Path, user: str) -> None:
-    """A kubeconfig as JSON (valid YAML), certificates by path."""
-    config = {
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "local", "cluster": {
-            "server": server, "certificate-authority": str(pki / "ca.crt")}}],
-        "users": [{"name": user, "user": {
-            "client-certificate": str(pki / f"{user}.crt"),
-            "client-key": str(pki / f"{user}.key")}}],
-        "contexts": [{"name": "local", "context": {"cluster": "local", "user": user}}],
-        "current-context": "local",
-    }
-    path.write_text(json.dumps(config, indent=2) + "\n")
-    path.chmod(0o600)
-
-
-# --- readiness ------------------------------------------------------------------------
-
-def wait_ready(proc: Process, check, what: str, timeout: float = START_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    last = "no answer yet"
-    while time.monotonic() < deadline:
-        if not alive(proc):
-            raise RuntimeError(f"{proc.name} exited while starting; its log {proc.log} ends:\n"
-                               + tail(proc.log))
-        try:
-            ok, last = check()
-            if ok:
-                return
-        except (OSError, http.client.HTTPException) as e:
-            last = str(e)
-        time.sleep(0.25)
-    raise RuntimeError(f"{proc.name} not {what} after {timeout:g} s (last: {last}); "
-                       f"its log {proc.log} ends:\n" + tail(proc.log))
-
-
-def tail(path: str, lines: int = 15) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"
-
-
-def https_get(port: int, path: str, pki: Path | None = None) -> tuple[bool, str]:
-    if pki is None:
-        context = ssl._create_unverified_context()  # noqa: S323 - a health probe of our own loopback child
-    else:
-        context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-        context.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
-    return _get(http.client.HTTPSConnection("127.0.0.1", port, timeout=5, context=context), path)
-
-
-def http_get(port: int, path: str) -> tuple[bool, str]:
-    return _get(http.client.HTTPConnection("127.0.0.1", port, timeout=5), path)
-
-
-def _get(conn: http.client.HTTPConnection, path: str) -> tuple[bool, str]:
-    """(answered 200, the status and the start of the body) of one GET, the connection closed."""
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        body = response.read(2000).decode(errors="replace")
-        return response.status == 200, f"{response.status} {body.strip()[:300]}"
-    finally:
-        conn.close()
-
-
-def readiness(state: State, name: str):
-    port = state.processes[name].port
-    pki = Path(state.dir) / "pki"
-    if name == "etcd":
-        return lambda: http_get(port, "/health"), "healthy"
-    if name == "kube-apiserver":
-        return lambda: https_get(port, "/readyz", pki), "ready"
-    if name == "containerd":
-        bin_dir, d = Path(state.bin), Path(state.dir)
-        return lambda: localnode.containerd_ready(bin_dir, d), "serving"
-    if name in ("kubelet", "kube-proxy"):
-        return lambda: http_get(port, "/healthz"), "healthy"
-    if name == "udev":
-        log = Path(state.processes[name].log)
-        return lambda: (log.exists() and "keeping" in log.read_text(), "no line yet"), "running"
-    return lambda: https_get(port, "/healthz"), "healthy"
-
-
-# --- the components' flags ------------------------------------------------------------
-
-def processes(d: Path, bin_dir: Path, ports: dict[str, int], node_ip: str = "",
-              host_root: Path | None = None) -> dict[str, Process]:
-    procs = control_plane(d, bin_dir, ports, node_ip)
-    if node_ip:
-        if host_root:
-            # The simulated host's udev (nodesim.udev), from the repo's .venv.
-            python = os.path.realpath(REPO / ".venv" / "bin" / "python")
-            procs["udev"] = Process("udev", [python, "-m", "nodesim.udev", str(host_root)],
-                                    str(d / "logs" / "udev.log"))
-        procs.update(localnode.node_processes(d, bin_dir, ports, node_ip, host_root, Process))
-    return procs
-
-
-def control_plane(d: Path, bin_dir: Path, ports: dict[str, int], node_ip: str) -> dict[str, Process]:
-    pki, logs = d / "pki", d / "logs"
-    etcd_url = f"http://127.0.0.1:{ports['etcd']}"
-    if node_ip:
-        # Pods reach the API server through the `kubernetes` Service, whose endpoint is
-        # the advertised address (kept by the API server's lease reconciler).
-        listen = ["--bind-address", "0.0.0.0", "--advertise-address", node_ip]
-    else:
-        listen = ["--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1",
-                  # The `kubernetes` Service's Endpoints may not hold a loopback address
-                  # (the API server refuses its own write every 10 s): keep none.
-                  "--endpoint-reconciler-type", "none"]
-
-    def controller(name: str, kubeconfig: str) -> list[str]:
-        """The controller manager and the scheduler: one kubeconfig for the API and for
-        checking their own callers, serving on loopback only."""
-        config = str(pki / kubeconfig)
-        return [str(bin_dir / name), "--kubeconfig", config,
-                "--authentication-kubeconfig", config, "--authorization-kubeconfig", config,
-                "--bind-address", "127.0.0.1", "--secure-port", str(ports[name])]
-
-    return {
-        "etcd": Process("etcd", [
-            str(bin_dir / "etcd"), "--name", "local", "--data-dir", str(d / "etcd"),
-            "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-            "--listen-peer-urls", f"http://127.0.0.1:{ports['etcd-peer']}",
-            "--initial-advertise-peer-urls", f"http://127.0.0.1:{ports['etcd-peer']}",
-            "--initial-cluster", f"local=http://127.0.0.1:{ports['etcd-peer']}",
-            # A throwaway cluster: losing the last writes on a power cut is fine, and
-            # fsync per write makes every API write ~10x slower on this disk.
-            "--unsafe-no-fsync", "--log-level", "warn",
-        ], str(logs / "etcd.log"), port=ports["etcd"]),
-        "kube-apiserver": Process("kube-apiserver", [
-            str(bin_dir / "kube-apiserver"),
-            "--etcd-servers", etcd_url,
-            *listen,
-            "--secure-port", str(ports["kube-apiserver"]),
-            "--tls-cert-file", str(pki / "apiserver.crt"),
-            "--tls-private-key-file", str(pki / "apiserver.key"),
-            "--client-ca-file", str(pki / "ca.crt"),
-            "--kubelet-client-certificate", str(pki / "apiserver-kubelet-client.crt"),
-            "--kubelet-client-key", str(pki / "apiserver-kubelet-client.key"),
-            "--service-account-issuer", ISSUER,
-            "--service-account-key-file", str(pki / "sa.pub"),
-            "--service-account-signing-key-file", str(pki / "sa.key"),
-            "--service-cluster-ip-range", SERVICE_CIDR,
-            "--authorization-mode", "Node,RBAC",
-            # Logs, exec and port-forward reach the kubelet at the node's address (the
-            # node's name is in no DNS here).
-            "--kubelet-preferred-address-types", "InternalIP,Hostname",
-            # The default admission plugins (ServiceAccount, RuntimeClass, PodSecurity,
-            # MutatingAdmissionWebhook, ValidatingAdmissionPolicy, ValidatingAdmissionWebhook,
-            # ...) stay on; NodeRestriction is what a production cluster adds.
-            "--enable-admission-plugins", "NodeRestriction",
-            "--allow-privileged=true",
-            "--profiling=false",
-        ], str(logs / "kube-apiserver.log"), port=ports["kube-apiserver"]),
-        "kube-controller-manager": Process("kube-controller-manager", [
-            *controller("kube-controller-manager", "controller-manager.kubeconfig"),
-            "--service-account-private-key-file", str(pki / "sa.key"),
-            "--root-ca-file", str(pki / "ca.crt"),
-            "--cluster-signing-cert-file", str(pki / "ca.crt"),
-            "--cluster-signing-key-file", str(pki / "ca.key"),
-            "--service-cluster-ip-range", SERVICE_CIDR,
-            "--use-service-account-credentials=true",
-            "--leader-elect=false",
-            "--profiling=false",
-        ], str(logs / "kube-controller-manager.log"), port=ports["kube-controller-manager"]),
-        "kube-scheduler": Process("kube-scheduler", [
-            *controller("kube-scheduler", "scheduler.kubeconfig"),
-            "--leader-elect=false",
-            "--profiling=false",
-        ], str(logs / "kube-scheduler.log"), port=ports["kube-scheduler"]),
-    }
-
-
-# --- commands -------------------------------------------------------------------------
 
 def build(node: bool) -> tuple[Path, str]:
     args = ["--node"] if node else ["etcd", "kube-apiserver", "kube-controller-manager",
@@ -485,7 +139,7 @@ def up(d: Path, node: bool = False, host: str = "dgx-h100") -> State:
     for user in users:
         kubeconfig(pki / f"{user}.kubeconfig", server, pki, user)
     if node:
-        localnode.write_configs(d, host_root, ports, node_ip)
+        nodeconfig.write_configs(d, host_root, ports, node_ip)
     try:
         for name in state.components:
             start_component(state, name)
@@ -526,26 +180,6 @@ def start_component(state: State, name: str) -> None:
     state.save()  # every pid recorded before the next wait, so `down` finds it
     check, what = readiness(state, name)
     wait_ready(proc, check, what)
-
-
-def wait_node_ready(state: State, timeout: float = START_TIMEOUT) -> None:
-    """The kubelet registered its Node and reports it Ready (runtime and CNI ready)."""
-    kubectl = [str(Path(state.bin) / "kubectl"), "--kubeconfig", str(Path(state.dir) / "kubeconfig")]
-    deadline = time.monotonic() + timeout
-    last = "not registered yet"
-    while time.monotonic() < deadline:
-        result = subprocess.run([*kubectl, "get", "node", localnode.NODE_NAME, "-o", "json"],
-                                capture_output=True, text=True, timeout=30)
-        if result.returncode == 0:
-            conditions = {c["type"]: c for c in json.loads(result.stdout)["status"].get("conditions", [])}
-            ready = conditions.get("Ready", {})
-            if ready.get("status") == "True":
-                return
-            last = f"Ready={ready.get('status')} ({ready.get('message', '')})"
-        time.sleep(0.5)
-    raise RuntimeError(f"node {localnode.NODE_NAME} not Ready after {timeout:g} s (last: {last}); "
-                       f"the kubelet's log {state.processes['kubelet'].log} ends:\n"
-                       + tail(state.processes["kubelet"].log))
 
 
 def stop_all(state: State) -> list[str]:

@@ -3,7 +3,7 @@
 The kubelet reaches a device plugin on its socket in ``device-plugins/`` and a DRA
 driver on its registration socket and endpoint; none may silently vanish. A
 ``ServedSocket`` serves its handlers with the plugins' gRPC transport
-(``sandbox_plugin.wire``), knows the socket file it created (``FileId``) and
+(``grpcwire``), knows the socket file it created (``FileId``) and
 serves again when that file was removed or replaced, or when its serving loop
 died; on stop it removes only its own file, never a newer one at the same path.
 A loop that keeps dying (three times within ten minutes) makes the socket
@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox_plugin.wire.server import GrpcServer, Streaming, Unary
+from grpcwire.server import GrpcServer, Streaming, Unary
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ are retried with capped exponential backoff, and cut short as soon as a new
 ``kubelet.sock`` appears.
 
 Several resources run in one process as several PluginServer objects; each has
-its own gRPC server (one thread, ``sandbox_plugin.wire``) and supervisor thread.
+its own gRPC server (one thread, ``grpcwire``) and supervisor thread.
 
 The calls are answered from what the resource already holds: Allocate's answer
 for a set of device IDs is encoded once and reused while the resource hands out
@@ -33,6 +33,10 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 from inotify_simple import flags as inotify_flags
 
+from grpcwire.client import unary_call
+from grpcwire.connection import ServerStream
+from grpcwire.limits import shorten
+from grpcwire.status import RpcError, StatusCode
 from katamgr.host.root import HostRoot
 from katamgr.node.backoff import Backoff
 from katamgr.node.watching import Watcher
@@ -48,10 +52,6 @@ from sandbox_plugin.resources import (
     UnknownDeviceError,
 )
 from sandbox_plugin.served import FileId, PluginServerError, ServedSocket
-from sandbox_plugin.wire.client import unary_call
-from sandbox_plugin.wire.connection import ServerStream
-from sandbox_plugin.wire.limits import shorten
-from sandbox_plugin.wire.status import RpcError, StatusCode
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class _ListAndWatch:
 
 
 class _DevicePluginServicer:
-    """The DevicePlugin calls, bytes in and bytes out (``sandbox_plugin.wire``)."""
+    """The DevicePlugin calls, bytes in and bytes out (``grpcwire``)."""
 
     def __init__(self, resource: Resource, metrics: PluginMetrics | None = None) -> None:
         self.resource = resource

@@ -30,15 +30,14 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 VENV = REPO / ".venv"
 VENV_PYTHON = VENV / "bin" / "python"
-# importlib.metadata must read .venv's distributions (and build.py, imported below, would
-# re-exec itself otherwise): run under .venv's Python.
+# importlib.metadata must read .venv's distributions: run under .venv's Python.
 if VENV_PYTHON.exists() and Path(sys.prefix).resolve() != VENV.resolve():
     os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), str(Path(__file__)), *sys.argv[1:]])
 
 sys.path.insert(0, str(HERE))
 # hack/image's modules, after the re-exec
 import wheels  # noqa: E402
-from build import cache_root  # noqa: E402
+from buildenv import cache_root  # noqa: E402
 from recipe import GLIBC, PLATFORMS, PYTHON, Platform  # noqa: E402
 from wheels import LOCK, REQUIREMENTS, Failure, Pin  # noqa: E402
 

@@ -9,8 +9,8 @@ PodResources service on ``/var/lib/kubelet/pod-resources/kubelet.sock`` (the API
 and device IDs its device plugins handed out).
 
 Asking is always bounded: a missing socket is answered at once, a socket nobody serves
-fails on connect (gRPC does not wait for a channel that is not ready), and a kubelet
-that does not answer within ``timeout`` is given up on. Each of those comes back as
+fails on connect, and a kubelet that does not answer within ``timeout`` is given up on.
+The call is grpcwire's, the gRPC the device plugin serves on too. Each of those comes back as
 ``PodDevices.unknown``, a sentence saying why, for the caller to report; it never raises.
 """
 
@@ -51,30 +51,40 @@ class PodDevices:
     unknown: str | None = None
 
 
+# The PodResourcesLister service of kubeletapi/podresources.proto (package v1).
+_METHODS = {"List": "/v1.PodResourcesLister/List",
+            "GetAllocatableResources": "/v1.PodResourcesLister/GetAllocatableResources"}
+
+
 def _ask(host: HostRoot, method: str, timeout: float, socket: str):
     """(the answer, None) of one PodResources call, or (None, why) when the kubelet could not
     be asked (no socket, no answer within ``timeout``, an error)."""
     path = host.path(socket)
     if not path.exists():
         return None, f"the kubelet's PodResources socket {socket} does not exist"
-    # Imported here: the gRPC runtime costs a tenth of a second that `katamgr plan` and
-    # every other command not switching a workload should not pay.
-    import grpc
+    # Imported here: the generated messages load protobuf, which `katamgr plan` and every
+    # other command not switching a workload should not pay for.
+    from google.protobuf.message import DecodeError
 
+    from grpcwire.client import unary_call
+    from grpcwire.status import RpcError, StatusCode
     from kubeletapi import podresources_pb2 as pr
-    from kubeletapi import podresources_pb2_grpc as pr_grpc
 
-    request = {"List": pr.ListPodResourcesRequest,
-               "GetAllocatableResources": pr.AllocatableResourcesRequest}[method]()
+    request, answer = {
+        "List": (pr.ListPodResourcesRequest, pr.ListPodResourcesResponse),
+        "GetAllocatableResources": (pr.AllocatableResourcesRequest, pr.AllocatableResourcesResponse),
+    }[method]
     try:
-        with grpc.insecure_channel(f"unix://{path}") as channel:
-            return getattr(pr_grpc.PodResourcesListerStub(channel), method)(request, timeout=timeout), None
-    except grpc.RpcError as exc:
-        code = exc.code() if hasattr(exc, "code") else None
-        detail = exc.details() if hasattr(exc, "details") else str(exc)
-        why = (f"no answer within {timeout:g} s" if code is grpc.StatusCode.DEADLINE_EXCEEDED
-               else f"{code.name if code else 'error'}: {detail}")
-        return None, f"the kubelet's PodResources {method} on {socket} failed ({why})"
+        raw = unary_call(str(path), _METHODS[method], request().SerializeToString(), timeout)
+        return answer.FromString(raw), None
+    except RpcError as exc:
+        why = (f"no answer within {timeout:g} s" if exc.code is StatusCode.DEADLINE_EXCEEDED
+               else f"{exc.code.name}: {exc.details}")
+    except OSError as exc:  # nobody serves the socket: what gRPC calls UNAVAILABLE
+        why = f"UNAVAILABLE: {exc.strerror or exc}"
+    except DecodeError as exc:
+        why = f"an answer that is not a {answer.__name__}: {exc}"
+    return None, f"the kubelet's PodResources {method} on {socket} failed ({why})"
 
 
 def list_pod_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,

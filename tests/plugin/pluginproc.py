@@ -21,7 +21,7 @@ from support.registry_server import free_port
 
 LAUNCH = """
 import dataclasses, resource, sys
-from sandbox_plugin.wire import limits
+from grpcwire import limits
 limits.DEFAULT = dataclasses.replace(limits.DEFAULT, request_timeout=2.0, write_timeout=2.0,
                                      idle_timeout=3.0)
 if int(sys.argv[1]):

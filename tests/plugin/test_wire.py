@@ -1,4 +1,4 @@
-"""The plugins' gRPC transport (sandbox_plugin.wire, on h2) against grpcio, the reference.
+"""The plugins' gRPC transport (grpcwire, on h2) against grpcio, the reference.
 
 The server against grpcio's client and the client against grpcio's server, over
 real unix sockets, including what a long-lived kubelet connection meets: answers
@@ -27,10 +27,10 @@ import pytest
 from h2.settings import SettingCodes
 from support.paths import REPO
 
-from sandbox_plugin.wire.client import unary_call
-from sandbox_plugin.wire.limits import DEFAULT
-from sandbox_plugin.wire.server import GrpcServer
-from sandbox_plugin.wire.status import RpcError, StatusCode
+from grpcwire.client import unary_call
+from grpcwire.limits import DEFAULT
+from grpcwire.server import GrpcServer
+from grpcwire.status import RpcError, StatusCode
 
 ECHO = "/test.Echo/Echo"
 WATCH = "/test.Echo/Watch"

@@ -31,10 +31,12 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from sandbox_plugin.wire import limits as _limits
-from sandbox_plugin.wire.connection import Call, ServerConnection, ServerStream
-from sandbox_plugin.wire.limits import Budget, Limits, QuietLog, shorten
-from sandbox_plugin.wire.status import RpcError, StatusCode, split_messages
+from grpcwire import limits as _limits
+from grpcwire.connection import ServerConnection, ServerStream
+from grpcwire.guards import Budget, QuietLog
+from grpcwire.limits import Limits, shorten
+from grpcwire.protocol import Call, Held
+from grpcwire.status import RpcError, StatusCode, split_messages
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class GrpcServer:
         self.limits = limits or _limits.DEFAULT
         self.on_failure = on_failure
         self.quiet = QuietLog(log)
-        self.inbound = 0  # request bytes held by all connections (their loop thread counts)
+        self.held = Held()  # request bytes held by all connections (their loop thread counts)
         self.failure: str | None = None
         self._unary = {k.encode(): v for k, v in unary.items()}
         self._streaming = {k.encode(): v for k, v in (streaming or {}).items()}
