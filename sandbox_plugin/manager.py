@@ -27,6 +27,7 @@ from sandbox_plugin.container import (
     DeviceListStrategy,
     NvmlResource,
 )
+from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import Resource
@@ -62,6 +63,8 @@ class PluginManager:
         device_list_strategies: Sequence[DeviceListStrategy | str] = DEFAULT_DEVICE_LIST_STRATEGIES,
         metrics: PluginMetrics | None = None,
         held_only: bool = False,
+        link_policy: str = "degrade",
+        health_interval: float = HEALTH_INTERVAL,
     ) -> None:
         """``held_only`` (vm-passthrough mode): the node left vm-passthrough; serve only the
         devices pods still hold, refusing every Allocate (``passthrough.PassthroughDiscovery``),
@@ -79,12 +82,16 @@ class PluginManager:
         self.metrics = metrics if metrics is not None else PluginMetrics()
         self._watcher: DeviceWatcher | None = None
         self.discovery: PassthroughDiscovery | None = None
+        self._poller: HealthPoller | None = None
         self.nvml_resource: NvmlResource | None = None
         if self.mode is Mode.VM_PASSTHROUGH:
             if naming is None:
                 raise ValueError("vm-passthrough mode needs a Naming (pci.ids and aliases)")
-            self.discovery = PassthroughDiscovery(host, naming, held_only=held_only)
+            health = DeviceHealth(host, link_policy=link_policy, on_transition=self.metrics.health_changed)
+            self.discovery = PassthroughDiscovery(host, naming, held_only=held_only, health=health)
+            self._poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)
             self._watcher = DeviceWatcher(host, self.refresh, on_node_gone=self.discovery.node_gone,
+                                          on_uevent=health.heard,
                                           rescan_interval=min(rescan_interval, HELD_RESCAN)
                                           if held_only else rescan_interval, polls=held_only)
         else:
@@ -100,8 +107,9 @@ class PluginManager:
         self._started = True
         if self.discovery is not None:
             self.refresh()
-            assert self._watcher is not None
+            assert self._watcher is not None and self._poller is not None
             self._watcher.start()
+            self._poller.start()
             if self.held_only:
                 log.info("serving only the devices pods still hold (%s); every Allocate refused",
                          ", ".join(f"{name}: {len(r.units())}" for name, r in self.discovery.resources.items())
@@ -188,6 +196,8 @@ class PluginManager:
             servers = list(self.servers.values())
         if self._watcher is not None:
             self._watcher.stop()
+        if self._poller is not None:
+            self._poller.stop()
         if self.nvml_resource is not None:
             self.nvml_resource.stop()
         for server in servers:

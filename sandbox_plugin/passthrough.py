@@ -63,6 +63,7 @@ from katamgr.host.passthrough import PassthroughDevice, resource_units
 from katamgr.host.root import HostRoot
 from sandbox_plugin import topology
 from sandbox_plugin.cdinames import HostCdiSpecs
+from sandbox_plugin.devhealth import DeviceHealth
 from sandbox_plugin.resources import (
     HEALTHY,
     UNHEALTHY,
@@ -96,6 +97,7 @@ class PassthroughUnit:
     # The inode of each device's sysfs directory when scanned: a device unplugged and
     # replaced at the same address gets a new one (-1: unknown, always read in full).
     sysfs_inodes: tuple[int, ...] = field(default=(), compare=False)
+    pci_reason: str = field(default="", compare=False)  # the kernel's health facts' part of reason
 
     # The derived tuples are cached: Allocate uses them on every call. A frozen
     # dataclass still takes cached_property (it writes the instance dict), and
@@ -139,13 +141,15 @@ def _inode(directory: str) -> int:
         return -1
 
 
-def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
-    """Every passthrough unit of the host, in bus order (one PCI scan)."""
+def scan_units(host: HostRoot, naming: Naming, judge=None) -> list[PassthroughUnit]:
+    """Every passthrough unit of the host, in bus order (one PCI scan); ``judge(bdfs)``:
+    why the kernel's health facts make a unit unfit, or "" (``devhealth.DeviceHealth.reason``)."""
     inv = discover(host, naming.selection)
     devices_dir = str(host.path(sysfs.PCI_DEVICES))
     units = []
     for unit in resource_units(host, inv, naming):
-        reason = _health(host, inv, unit.group, unit.nodes)
+        pci_reason = judge(tuple(d.bdf for d in unit.devices)) if judge is not None else ""
+        reason = _health(host, inv, unit.group, unit.nodes) or pci_reason
         units.append(
             PassthroughUnit(
                 id=unit.id,
@@ -158,6 +162,7 @@ def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
                 reason=reason,
                 placement=topology.placement_of(unit.id, unit.head),
                 sysfs_inodes=tuple(_inode(f"{devices_dir}/{d.bdf}") for d in unit.devices),
+                pci_reason=pci_reason,
             )
         )
     return units
@@ -171,6 +176,7 @@ class PassthroughResource(Resource):
         super().__init__(resource_name)
         self.host = host
         self.refusal = refusal  # set: every Allocate is refused, saying this
+        self.held = None  # held(unit): a pod holds it (a unit gone from the host stays, Unhealthy)
         self.cdi_specs = cdi_specs if cdi_specs is not None else HostCdiSpecs(host)
         self._lock = threading.Lock()
         self._units: dict[str, PassthroughUnit] = {}
@@ -241,14 +247,17 @@ class PassthroughResource(Resource):
     def _departed(self, unit: PassthroughUnit) -> PassthroughUnit | None:
         """A unit the scan no longer finds: still listed, Unhealthy, while its device has
         no driver (someone unbound it behind our back, or an unbind waits for the VM
-        using it; a pod may hold it, so the kubelet must see it fail, not vanish);
-        dropped once it is unplugged or on another driver (given back on purpose by
+        using it; a pod may hold it, so the kubelet must see it fail, not vanish), or
+        gone from the host while a pod holds it; dropped once it is unplugged or on another driver (given back on purpose by
         katamgr's revert or a workload switch). Only lock-free attributes are read:
         ``driver_override`` would wait out a pending unbind."""
         now = pci.read_binding(self.host, unit.id)
-        if now.vendor is None or now.driver is not None:
+        if now.vendor is None and self.held is not None and self.held(unit):
+            reason = f"{unit.id} is gone from the host (off the bus, or hot-unplugged) while a pod holds it"
+        elif now.vendor is None or now.driver is not None:
             return None
-        reason = f"{unit.id} left vfio-pci (driver: {now.driver or 'none'})"
+        else:
+            reason = f"{unit.id} left vfio-pci (driver: {now.driver or 'none'})"
         if unit.health == UNHEALTHY and unit.reason == reason:
             return unit
         return dataclasses.replace(unit, health=UNHEALTHY, reason=reason)
@@ -277,6 +286,8 @@ class PassthroughResource(Resource):
                     f"device {device_id!r} is not a {self.resource_name} device on this node "
                     f"(known: {', '.join(sorted(units)) or 'none'})"
                 )
+            if unit.pci_reason:  # the kubelet picked it before it heard
+                raise AllocationError(f"device {unit.id} of {self.resource_name} is {UNHEALTHY}: {unit.pci_reason}")
             self._recheck(unit)
             chosen.append(unit)
         specs = self.cdi_specs.current()  # one check of the spec files per Allocate
@@ -385,7 +396,7 @@ class PassthroughDiscovery:
     """Keeps one ``PassthroughResource`` per resource name in step with the host."""
 
     def __init__(self, host: HostRoot, naming: Naming, *, held_only: bool = False,
-                 given=None) -> None:
+                 given=None, health: DeviceHealth | None = None) -> None:
         """``held_only``: list only the units the kubelet gave pods, refuse every Allocate
         (a node that left vm-passthrough); ``given()``: the device IDs the kubelet gave
         pods, None when it cannot be asked (default: its PodResources ``List``)."""
@@ -397,6 +408,8 @@ class PassthroughDiscovery:
         self.held_only = held_only
         self._given = given or self._ask_kubelet
         self._kept: set[str] = set()  # the units listed last (a kubelet not answering keeps them)
+        self.health = health or DeviceHealth(host)  # the kernel's health facts (devhealth)
+        self.scanned: dict[str, tuple[tuple[str, ...], str]] = {}  # unit id -> (BDFs, pci_reason)
 
     def _refusal(self) -> str | None:
         return (f"this node no longer runs {PASSTHROUGH}: its devices stay only with the pods "
@@ -418,6 +431,10 @@ class PassthroughDiscovery:
         asked = list_pod_devices(self.host, timeout=2.0)
         return None if asked.unknown else {a.device_id.lower() for a in asked.assignments}
 
+    def _held(self, unit: PassthroughUnit) -> bool:
+        given = self._given()
+        return given is not None and bool({unit.id, *unit.bdfs} & given)
+
     def node_gone(self, node: str) -> None:
         """A VFIO device node was removed (``sandbox_plugin.watch``): see ``PassthroughResource.node_gone``."""
         with self._lock:
@@ -435,7 +452,8 @@ class PassthroughDiscovery:
         A resource whose devices all left stays (advertising nothing), so a
         server already registered for it need not be torn down and rebuilt.
         """
-        units = scan_units(self.host, self.naming)
+        units = scan_units(self.host, self.naming, self.health.reason)
+        self.scanned = {u.id: (u.bdfs, u.pci_reason) for u in units}
         if self.held_only:  # (read once: set_held_only may change it meanwhile; the next refresh follows)
             given = self._given()
             if given is not None:  # else (a kubelet restarting): the units listed last
@@ -449,6 +467,7 @@ class PassthroughDiscovery:
         with self._lock:
             for name in sorted(by_name.keys() - self.resources.keys()):
                 self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs, refusal)
+                self.resources[name].held = self._held
                 created.append(self.resources[name])
             resources = dict(self.resources)
         for name, resource in resources.items():
