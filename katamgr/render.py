@@ -41,6 +41,11 @@ def plan_text(plan: Plan) -> str:
         variants = [d for d in plan.devices if d.vfio_driver and d.vfio_driver != "vfio-pci"
                     and d.vfio_driver_why and d.action == "bind"]
         out += [f"  {d.bdf}: {d.vfio_driver_why}" for d in variants]
+        health = [d for d in plan.devices if d.health is not None]
+        if health:
+            out += ["", "Health (what the host kernel shows):"]
+            out += [f"  {d.bdf}: {d.health}" for d in health]
+            out += [f"  {d.bdf}: unfit for a VM: {u}" for d in health for u in d.unfit]
     else:
         out.append("No passthrough devices found.")
     out.append("")

@@ -221,14 +221,16 @@ def _read_link(base) -> Link | None:
     if all(v is None for v in values.values()):
         return None
     return Link(values["current_link_speed"], _int(values["current_link_width"]),
-                values["max_link_speed"], _int(values["max_link_width"]))
+                values["max_link_speed"], _int(values["max_link_width"], unknown=255))
 
 
-def _int(text: str | None) -> int | None:
+def _int(text: str | None, unknown: int | None = None) -> int | None:
+    # The kernel writes 255 (PCIE_LNK_WIDTH_UNKNOWN) for a maximum width it cannot read.
     try:
-        return int(text) if text else None
+        value = int(text) if text else None
     except ValueError:
         return None
+    return None if value == unknown else value
 
 
 def problems(facts: PciHealth, baseline: AerCounts | None, *, link_policy: str = "degrade") -> list[Problem]:

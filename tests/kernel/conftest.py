@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import kataoracle, kernelvm
+from support import guestmonitor, kataoracle, kernelvm
 from support.paths import REPO, REQUIRE_INTEGRATION
 
 GUEST_SCRIPT = Path(__file__).with_name("guest_checks.py")
@@ -107,7 +107,9 @@ def guest(tmp_path_factory) -> GuestResults:
         argv=(sys.executable, str(GUEST_SCRIPT), str(out)), cwd=str(REPO), env=env, writable=(str(out),),
     )
     try:
-        run = kernelvm.boot(kernel, command, work, boot_timeout=BOOT_TIMEOUT, total_timeout=TOTAL_TIMEOUT)
+        # The guest's health checks ask for AER errors and a hot-unplug through the share.
+        with guestmonitor.MonitorRelay(out, kernelvm.monitor_socket(work)):
+            run = kernelvm.boot(kernel, command, work, boot_timeout=BOOT_TIMEOUT, total_timeout=TOTAL_TIMEOUT)
     except kernelvm.KernelVmError as exc:
         _unavailable(f"the guest could not be started: {exc}")
     results_file = out / "results.json"
