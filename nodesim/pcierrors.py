@@ -31,7 +31,8 @@ from nodesim.kernel import marker, save_marker
 CORRECTABLE = ("RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF")
 UNCORRECTABLE = ("Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF",
                  "MalfTLP", "ECRC", "UnsupReq", "ACSViol", "UncorrIntErr", "BlockedTLP", "AtomicOpBlocked",
-                 "TLPBlockedErr", "PoisonTLPBlocked")
+                 "TLPBlockedErr", "PoisonTLPBlocked", "DMWrReqBlocked", "IDECheck", "MisIDETLP", "PCRC_CHECK",
+                 "TLPXlatBlocked")  # Debian's 6.1.0-56 names these too (tests/data/kernel/aer)
 _FILES = {"correctable": ("aer_dev_correctable", CORRECTABLE, "TOTAL_ERR_COR"),
           "nonfatal": ("aer_dev_nonfatal", UNCORRECTABLE, "TOTAL_ERR_NONFATAL"),
           "fatal": ("aer_dev_fatal", UNCORRECTABLE, "TOTAL_ERR_FATAL")}

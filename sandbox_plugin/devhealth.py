@@ -7,6 +7,10 @@ method the kernel can use, failed its hand-back check between tenants (the agent
 ``katamgr.host.handback``), or reported fatal or non-fatal AER errors since its counts were
 last accepted. Correctable errors are only counted (the agent alerts on their rate).
 
+The kernel's error recovery is followed too (``heard``): between its BEGIN_RECOVERY and its
+SUCCESSFUL_RECOVERY on a device, the device is Unhealthy, and for good (until a hand-back
+reads it back sane) after a FAILED_RECOVERY on it or a port above it.
+
 AER counts never go down, so an AER trip ends only when the device is known sane again:
 the kernel said it recovered (its ``ERROR_EVENT=SUCCESSFUL_RECOVERY`` uevent on the device,
 sent by drivers/pci/pcie/err.c once every driver below the port resumed, after the port's
@@ -23,6 +27,7 @@ retrained link turns Unhealthy within a second.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -36,17 +41,20 @@ from katamgr.host.uevents import UEvent
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL = 0.5  # seconds between polls of the listed units' facts
-RECOVERED = "SUCCESSFUL_RECOVERY"
-HAND_BACK_FAILED = "HandBackFailed"  # include/linux/pci.h, pci_uevent_ers
+BEGUN, RECOVERED, FAILED = "BEGIN_RECOVERY", "SUCCESSFUL_RECOVERY", "FAILED_RECOVERY"
+HAND_BACK_FAILED = "HandBackFailed"
+RECOVERING = "AerRecovery"  # the kernel began recovering the device, and has not said it did  # include/linux/pci.h, pci_uevent_ers
 _AER = (pcihealth.AER_FATAL, pcihealth.AER_NONFATAL)
 
 
 @dataclass
 class _Device:
     baseline: AerCounts | None = None
-    accepted_at: float = 0.0  # monotonic time the baseline was accepted
-    tripped_at: float = 0.0  # wall time an AER problem was published; 0: none
-    recovered_at: float = 0.0  # monotonic time of the last recovery the kernel announced
+    accepted_at: float = 0.0  # when the baseline was accepted (wall times throughout: a
+    tripped_at: float = 0.0  # verdict file's time is one); an AER problem published; 0: none
+    recovered_at: float = 0.0  # the last SUCCESSFUL_RECOVERY the kernel announced for it
+    begun_at: float = 0.0  # the last BEGIN_RECOVERY
+    failed: bool = False  # a FAILED_RECOVERY on it or a bridge above it since then
     verdict: str = ""  # the last reason given ("" healthy)
     code: str = ""  # its code (katamgr.host.pcihealth's reasons, or HAND_BACK_FAILED)
 
@@ -65,17 +73,38 @@ class DeviceHealth:
         self._devices: dict[str, _Device] = {}
 
     def heard(self, event: UEvent) -> bool:
-        """A kernel uevent; True when it was a recovery of a device we follow."""
-        if event.error_event != RECOVERED:
+        """A kernel uevent; True when it was about the error recovery of a device we follow.
+
+        drivers/pci/pcie/err.c sends BEGIN_RECOVERY to every device below the port that
+        reported (vfio-pci answers that it can recover), SUCCESSFUL_RECOVERY to each once
+        they resumed, and FAILED_RECOVERY to the port alone when recovery failed; on a 6.1
+        kernel a fatal error of an endpoint is not counted in its own ``aer_dev_fatal``
+        (the kernel does not read a device whose link may be down: tests/kernel saw
+        "type=Inaccessible"), so these events are what says a fatal error happened."""
+        if event.error_event not in (BEGUN, RECOVERED, FAILED):
             return False
-        bdf = event.devpath.rsplit("/", 1)[-1]
+        name = event.devpath.rsplit("/", 1)[-1]
+        now = time.time()
+        hit = []
         with self._lock:
-            device = self._devices.get(bdf)
-            if device is None:
-                return False
-            device.recovered_at = time.monotonic()
-        log.info("the kernel says %s recovered from its PCIe error", bdf)
-        return True
+            for bdf, device in self._devices.items():
+                if bdf == name:
+                    if event.error_event == BEGUN:
+                        device.begun_at, device.failed = now, False
+                    elif event.error_event == RECOVERED:
+                        device.recovered_at = now
+                    else:
+                        device.failed = True
+                    hit.append(bdf)
+                elif event.error_event == FAILED and f"/{name}/" in self._sysfs_path(bdf):
+                    device.failed = True
+                    hit.append(bdf)
+        for bdf in hit:
+            log.info("the kernel says %s: %s", bdf, event.error_event)
+        return bool(hit)
+
+    def _sysfs_path(self, bdf: str) -> str:
+        return os.path.realpath(self.host.path(f"/sys/bus/pci/devices/{bdf}"))
 
     def reason(self, bdfs: Iterable[str], *, peek: bool = False) -> str:
         """Why the unit of ``bdfs`` is unfit for a VM now, or "" (``peek``: change nothing)."""
@@ -90,7 +119,7 @@ class DeviceHealth:
             if device is None:
                 # A plugin (re)started: the counts the last good hand-back saw, else today's.
                 device = _Device(baseline=(verdict.aer if verdict and verdict.ok else None) or facts.aer,
-                                 accepted_at=time.monotonic())
+                                 accepted_at=time.time())
                 if not peek:
                     self._devices[bdf] = device
             found = pcihealth.problems(facts, device.baseline, link_policy=self.link_policy)
@@ -99,13 +128,17 @@ class DeviceHealth:
             reason, code = (other.message, other.reason) if other else ("", "")
             if verdict is not None and not verdict.ok and not reason:
                 reason, code = f"{bdf} failed its hand-back check: {verdict.reason}", HAND_BACK_FAILED
+            ok_at = verdict.checked if verdict is not None and verdict.ok else 0.0
+            if not reason and device.begun_at > max(device.recovered_at, ok_at):
+                reason, code = (f"the kernel could not recover {bdf} from a PCIe error (FAILED_RECOVERY)"
+                                if device.failed else f"the kernel is recovering {bdf} from a PCIe error"), RECOVERING
             elif aer is not None and not reason:
                 recovered = device.tripped_at and (
                     device.recovered_at > device.accepted_at
                     or (verdict is not None and verdict.ok and verdict.checked > device.tripped_at))
                 if recovered:
                     if not peek:
-                        device.baseline, device.accepted_at, device.tripped_at = facts.aer, time.monotonic(), 0.0
+                        device.baseline, device.accepted_at, device.tripped_at = facts.aer, time.time(), 0.0
                 else:
                     reason, code = aer.message, aer.reason
                     if not peek and not device.tripped_at:

@@ -49,6 +49,7 @@ that now means another GPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import threading
@@ -388,6 +389,11 @@ class PassthroughResource(Resource):
         return local
 
 
+def _import_kubelet_client() -> None:
+    for module in ("katamgr.node.podresources", "kubeletapi.podresources_pb2_grpc"):
+        importlib.import_module(module)
+
+
 def _because(unit: PassthroughUnit) -> str:
     return f" ({unit.reason})" if unit.reason else ""
 
@@ -410,6 +416,9 @@ class PassthroughDiscovery:
         self._kept: set[str] = set()  # the units listed last (a kubelet not answering keeps them)
         self.health = health or DeviceHealth(host)  # the kernel's health facts (devhealth)
         self.scanned: dict[str, tuple[tuple[str, ...], str]] = {}  # unit id -> (BDFs, pci_reason)
+        # The kubelet client imported ahead (gRPC: seconds on a slow machine), so a unit gone
+        # from the host while a pod holds it turns Unhealthy without waiting for it.
+        threading.Thread(target=_import_kubelet_client, name="import-podresources", daemon=True).start()
 
     def _refusal(self) -> str | None:
         return (f"this node no longer runs {PASSTHROUGH}: its devices stay only with the pods "

@@ -246,13 +246,13 @@ def problems(facts: PciHealth, baseline: AerCounts | None, *, link_policy: str =
         cor, nonfatal, fatal = facts.aer.rise(baseline)
         if fatal:
             found.append(Problem(AER_FATAL, f"{bdf} reported {fatal} new fatal AER error(s) "
-                                 f"({facts.aer.names('fatal') or 'unnamed'})", True))
+                                 f"(the kernel's counts: {facts.aer.names('fatal') or 'unnamed'})", True))
         if nonfatal:
             found.append(Problem(AER_NONFATAL, f"{bdf} reported {nonfatal} new non-fatal AER error(s) "
-                                 f"({facts.aer.names('nonfatal') or 'unnamed'})", True))
+                                 f"(the kernel's counts: {facts.aer.names('nonfatal') or 'unnamed'})", True))
         if cor:
             found.append(Problem(AER_CORRECTABLE, f"{bdf} reported {cor} new correctable AER error(s) "
-                                 f"({facts.aer.names('correctable') or 'unnamed'})", False))
+                                 f"(the kernel's counts: {facts.aer.names('correctable') or 'unnamed'})", False))
     link = facts.link
     if link is not None and link.down:
         found.append(Problem(LINK_DOWN, f"{bdf}'s PCIe link is down ({link.describe()})", True))

@@ -145,9 +145,39 @@ def inject(out: Path, kubelet, bdf: str, kind: str, hmp: str) -> dict:
         entry["health_after"] = _health(kubelet, bdf)
     else:
         entry["unhealthy_s"] = _until(kubelet, bdf, "Unhealthy", started)
+        entry["reason"] = _reason(out, bdf)
+        if kind == "fatal":
+            # The kernel's own recovery fails here (the root port's reset: ENOTTY under QEMU);
+            # the hand-back check (a reset through sysfs, read back) is what brings it back.
+            time.sleep(0.5)
+            entry["hand_back"] = hand_back(bdf)
         entry["healthy_again_s"] = _until(kubelet, bdf, "Healthy", started)
     entry["total_after"] = _total(bdf, name)
     return entry
+
+
+def hand_back(bdf: str) -> dict:
+    """katamgr's hand-back check on the real kernel (what the agent runs), its verdict written
+    where the plugin reads it."""
+    from katamgr.host import handback
+    from katamgr.host.root import HostRoot
+
+    host = HostRoot.at("/")
+    verdict = handback.check(host, bdf, None)
+    if verdict is not None:
+        handback.write_verdict(host, verdict)
+    return None if verdict is None else {"ok": verdict.ok, "reason": verdict.reason, "reset": verdict.reset,
+                                         "seconds": round(verdict.seconds, 3)}
+
+
+def _reason(out: Path, bdf: str) -> str | None:
+    """The reason the plugin logged for the device's last turn to Unhealthy."""
+    try:
+        lines = (out / "health-plugin.log").read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.split("is now Unhealthy", 1)[1].strip(" ()") for line in reversed(lines)
+                 if f"device {bdf} is now Unhealthy" in line), None)
 
 
 def step_health(out: Path, record, katamgr, plugin_bin: str, stand_ins: dict) -> None:
@@ -182,6 +212,8 @@ def step_health(out: Path, record, katamgr, plugin_bin: str, stand_ins: dict) ->
                        for _ in range(3)]
         injections += [inject(out, kubelet, aer_dev, "fatal", f"pcie_aer_inject_error {AER_DEVICE} DLP")
                        for _ in range(2)]
+        data["rootport_fatal"] = (PCI / "devices" / aer_dev / ".." / "aer_rootport_total_err_fatal").read_text().strip() \
+            if (PCI / "devices" / aer_dev / ".." / "aer_rootport_total_err_fatal").exists() else None
         data["injections"] = injections
         times = [i["unhealthy_s"] for i in injections if i.get("unhealthy_s") is not None]
         data["unhealthy_p50_s"] = statistics.median(times) if times else None

@@ -112,7 +112,7 @@ def test_new_aer_errors_are_events_and_the_counts_metrics(node):
     pcierrors.inject_aer(host, gpu, "nonfatal", "CmpltTO")
     pcierrors.inject_aer(host, gpu, "correctable", "BadTLP", 3)  # below the rate: no Event
     agent.follow_gpu_health()
-    assert events(api) == [("Warning", "GpuAerErrors", f"{gpu} reported 1 new non-fatal AER error(s) (CmpltTO 1)")]
+    assert events(api) == [("Warning", "GpuAerErrors", f"{gpu} reported 1 new non-fatal AER error(s) (the kernel's counts: CmpltTO 1)")]
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for m in agent.metrics.registry.collect() for s in m.samples}
     assert samples[("katamgr_gpu_aer_errors", (("device", gpu), ("severity", "correctable")))] == 3

@@ -9,6 +9,7 @@ kubelet (the simulator, over real gRPC) or the API server's ResourceSlice gets.
 
 from __future__ import annotations
 
+import os
 import time
 
 import grpc
@@ -60,7 +61,7 @@ def test_a_fatal_aer_error_makes_the_gpu_unhealthy_until_a_hand_back_reset_reads
     host, kubelet, manager = a10()
     pcierrors.inject_aer(host, GPU, "fatal", "DLP")
     turns(kubelet, UNHEALTHY)
-    assert unit(manager).reason == f"{GPU} reported 1 new fatal AER error(s) (DLP 1)"
+    assert unit(manager).reason == f"{GPU} reported 1 new fatal AER error(s) (the kernel's counts: DLP 1)"
     with pytest.raises(grpc.RpcError) as refused:
         kubelet.allocate(A10, [GPU])
     assert "new fatal AER" in refused.value.details()
@@ -76,7 +77,7 @@ def test_a_non_fatal_error_ends_when_the_kernel_says_the_device_recovered(a10):
     host, kubelet, manager = a10()
     pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO", 2)
     turns(kubelet, UNHEALTHY)
-    assert unit(manager).reason == f"{GPU} reported 2 new non-fatal AER error(s) (CmpltTO 2)"
+    assert unit(manager).reason == f"{GPU} reported 2 new non-fatal AER error(s) (the kernel's counts: CmpltTO 2)"
     # drivers/pci/pcie/err.c sends this on the device once its drivers resumed.
     heard = manager.discovery.health.heard(UEvent("change", "pci", f"/devices/pci0000:00/0000:30:00.0/{GPU}",
                                                   "vfio-pci", "SUCCESSFUL_RECOVERY"))
@@ -180,3 +181,26 @@ def test_the_dra_driver_takes_an_unhealthy_gpu_out_of_the_slice():
         assert name in node.device_names()
     finally:
         cleanup()
+
+
+def test_the_kernels_error_recovery_events_are_followed(a10):
+    """drivers/pci/pcie/err.c: BEGIN_RECOVERY on the device, then SUCCESSFUL_RECOVERY on it,
+    or FAILED_RECOVERY on the port above it (a 6.1 kernel does not count an endpoint's fatal
+    error in its own aer_dev_fatal: tests/kernel)."""
+    host, kubelet, manager = a10()
+    path = os.path.realpath(host.path(f"/sys/bus/pci/devices/{GPU}"))
+    devpath = path[path.index("/devices/"):]
+    port = devpath.rsplit("/", 2)[-2]
+    health = manager.discovery.health
+    assert health.heard(UEvent("change", "pci", devpath, "vfio-pci", "BEGIN_RECOVERY"))
+    turns(kubelet, UNHEALTHY)
+    assert unit(manager).reason == f"the kernel is recovering {GPU} from a PCIe error"
+    assert health.heard(UEvent("change", "pci", devpath.rsplit("/", 1)[0], "pcieport", "FAILED_RECOVERY"))
+    kubelet.wait_for(lambda s: "could not recover" in unit(manager).reason, timeout=1)
+    assert port in devpath
+    handback.write_verdict(host, handback.check(host, GPU, None))  # a reset that reads back sane
+    turns(kubelet, HEALTHY)
+    health.heard(UEvent("change", "pci", devpath, "vfio-pci", "BEGIN_RECOVERY"))
+    turns(kubelet, UNHEALTHY)
+    health.heard(UEvent("change", "pci", devpath, "vfio-pci", "SUCCESSFUL_RECOVERY"))
+    turns(kubelet, HEALTHY)
