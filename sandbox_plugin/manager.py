@@ -91,7 +91,7 @@ class PluginManager:
             self.discovery = PassthroughDiscovery(host, naming, held_only=held_only, health=health)
             self._poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)
             self._watcher = DeviceWatcher(host, self.refresh, on_node_gone=self.discovery.node_gone,
-                                          on_uevent=health.heard,
+                                          on_uevent=self.discovery.heard,
                                           rescan_interval=min(rescan_interval, HELD_RESCAN)
                                           if held_only else rescan_interval, polls=held_only)
         else:

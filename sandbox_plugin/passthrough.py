@@ -64,7 +64,8 @@ from katamgr.host.passthrough import PassthroughDevice, resource_units
 from katamgr.host.root import HostRoot
 from sandbox_plugin import topology
 from sandbox_plugin.cdinames import HostCdiSpecs
-from sandbox_plugin.devhealth import DeviceHealth
+from sandbox_plugin.devhealth import BEGUN, DeviceHealth
+from sandbox_plugin.recheck import recheck
 from sandbox_plugin.resources import (
     HEALTHY,
     UNHEALTHY,
@@ -184,7 +185,7 @@ class PassthroughResource(Resource):
         self._announced = False
         # host path -> local path of device nodes, for the per-Allocate check
         self._local_paths: dict[str, str] = {}
-        self._devices_dir = str(host.path(sysfs.PCI_DEVICES))
+        self.devices_dir = str(host.path(sysfs.PCI_DEVICES))
         # device IDs -> (the units and CDI specs it was built from, the allocation)
         self._answers: dict[tuple[str, ...], tuple[object, object, ContainerAllocation]] = {}
 
@@ -231,17 +232,21 @@ class PassthroughResource(Resource):
     def node_gone(self, node: str) -> bool:
         """The device node ``node`` (a host path) was removed: the units that need it are
         Unhealthy now, ahead of the rescan that will say the same. True if any was."""
-        reason = f"{node} is missing"
+        return self.mark_unhealthy(lambda u: node in u.nodes, f"{node} is missing")
+
+    def mark_unhealthy(self, hit, reason: str) -> bool:
+        """The Healthy units ``hit(unit)`` picks are Unhealthy now, for ``reason``, without
+        reading sysfs (which a device's reset keeps waiting): ahead of the rescan."""
         with self._lock:
-            hit = [u for u in self._units.values() if u.health == HEALTHY and node in u.nodes]
-            if not hit:
+            hits = [u for u in self._units.values() if u.health == HEALTHY and hit(u)]
+            if not hits:
                 return False
             new = dict(self._units)
-            for unit in hit:
+            for unit in hits:
                 new[unit.id] = dataclasses.replace(unit, health=UNHEALTHY, reason=reason)
             self._units = new
         self.changes.notify()
-        for unit in hit:
+        for unit in hits:
             log.info("%s: device %s is now %s (%s)", self.resource_name, unit.id, UNHEALTHY, reason)
         return True
 
@@ -289,7 +294,7 @@ class PassthroughResource(Resource):
                 )
             if unit.pci_reason:  # the kubelet picked it before it heard
                 raise AllocationError(f"device {unit.id} of {self.resource_name} is {UNHEALTHY}: {unit.pci_reason}")
-            self._recheck(unit)
+            recheck(self, unit)
             chosen.append(unit)
         specs = self.cdi_specs.current()  # one check of the spec files per Allocate
         key = tuple(device_ids)
@@ -320,7 +325,7 @@ class PassthroughResource(Resource):
             raise UnknownDeviceError(f"device {unit_id!r} is not a {self.resource_name} device on this node")
         if unit.health != HEALTHY:
             raise AllocationError(f"device {unit.id} of {self.resource_name} is {unit.health}: {unit.reason}")
-        self._recheck(unit)
+        recheck(self, unit)
         return unit
 
     def _cdi_names(self, chosen: list[PassthroughUnit], specs) -> list[str]:
@@ -330,59 +335,7 @@ class PassthroughResource(Resource):
         plain = [u.cdi_name for u in chosen if not u.members]
         return names + (self.cdi_specs.defined(plain, specs) if plain else [])
 
-    def _recheck(self, unit: PassthroughUnit) -> None:
-        """Look at sysfs and /dev again: the snapshot may be a few milliseconds old.
-
-        Each function must still be the one scanned (its sysfs directory's inode),
-        on vfio-pci and in the group; each node must exist. Anything else, or
-        anything that cannot be read, sends the unit through ``_recheck_in_full``,
-        which names the problem (or finds none: a device replaced by the same model).
-        """
-        base = self._devices_dir
-        group = str(unit.group)
-        try:
-            for device, inode in zip(unit.devices, unit.sysfs_inodes, strict=True):
-                path = f"{base}/{device.bdf}"
-                if (os.stat(path).st_ino != inode
-                        or not pci.is_vfio_driver(os.readlink(path + "/driver").rpartition("/")[2])
-                        or os.readlink(path + "/iommu_group").rpartition("/")[2] != group):
-                    break
-            else:
-                for node in unit.nodes:
-                    os.stat(self._local_path(node))
-                return
-        except (OSError, ValueError):
-            pass
-        self._recheck_in_full(unit)
-
-    def _recheck_in_full(self, unit: PassthroughUnit) -> None:
-        name = self.resource_name
-        for expected in unit.devices:
-            now = pci.read_binding(self.host, expected.bdf)  # all the checks below need
-            if now.vendor is None:
-                problem = "is gone from the host"
-            elif not pci.is_vfio_driver(now.driver):
-                problem = f"is no longer on vfio-pci (driver: {now.driver or 'none'})"
-            elif now.iommu_group != unit.group:
-                problem = f"moved from IOMMU group {unit.group} to {now.iommu_group}"
-            elif (now.vendor, now.device) != (expected.vendor, expected.device):
-                problem = f"is now a different device ({now.id_string()}, was {expected.id_string()})"
-            else:
-                problem = ""
-            if problem:
-                raise AllocationError(
-                    f"device {unit.id} of {name}: {expected.bdf} {problem}; "
-                    "the kubelet will be told, pick another device"
-                )
-        for node in unit.nodes:
-            if not os.path.exists(self._local_path(node)):
-                raise AllocationError(
-                    f"device {unit.id} of {name}: {node} is missing on the host; "
-                    "check that vfio-pci is loaded and udev created the node"
-                )
-
-
-    def _local_path(self, host_path: str) -> str:
+    def local_path(self, host_path: str) -> str:
         local = self._local_paths.get(host_path)
         if local is None:
             local = self._local_paths[host_path] = str(self.host.path(host_path))
@@ -450,6 +403,18 @@ class PassthroughDiscovery:
             resources = list(self.resources.values())
         for resource in resources:
             resource.node_gone(node)
+
+    def heard(self, event) -> None:
+        """A kernel uevent (``sandbox_plugin.watch``): the kernel beginning to recover a device
+        from a PCIe error turns its unit Unhealthy at once (the rescan that follows reads sysfs,
+        which the device's reset keeps waiting)."""
+        if not self.health.heard(event) or event.error_event != BEGUN:
+            return
+        bdf = event.devpath.rsplit("/", 1)[-1]
+        with self._lock:
+            resources = list(self.resources.values())
+        for resource in resources:
+            resource.mark_unhealthy(lambda u: bdf in u.bdfs, f"the kernel is recovering {bdf} from a PCIe error")
 
     def close(self) -> None:
         """Let go of the CDI specs' inotify watch (the resources keep answering, reading the specs each time)."""

@@ -11,9 +11,10 @@ trained at its maximum, no new fatal AER error since just before the reset
 Unhealthy, the DRA driver leaves it out of the slice) with the reason, until a later check
 passes.
 
-The verdict is a small JSON file per device under ``VERDICTS`` (``/run``: a reboot resets
-every device, and forgets the verdicts with it), written atomically by the agent and read by
-the device plugin and the DRA driver on every health judgement.
+The verdict is a small JSON file per device under ``VERDICTS`` (the agent's state dir, which
+the chart mounts read-only into the device plugin's and the DRA driver's containers), written
+atomically by the agent and read by both plugins on every health judgement. It names the boot it
+was written in: a reboot resets every device, so a verdict of an earlier boot is ignored.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from katamgr.host import files, pcihealth, sysfs, vfio
 from katamgr.host.errors import HostError
 from katamgr.host.pcihealth import AerCounts
 from katamgr.host.root import HostRoot
 
-VERDICTS = "/run/kata-sandbox-manager/handback"
+VERDICTS = "/var/lib/kata-sandbox-manager/handback"
+# The kernel's id of this boot: the same in every container of the host. A reboot resets every
+# device, so a verdict from another boot is no verdict.
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,8 @@ def read_verdict(host: HostRoot, bdf: str) -> Verdict | None:
     """The last verdict for ``bdf``, or None (none yet, or unreadable: no verdict)."""
     try:
         raw = json.loads(_path(host, bdf).read_text())
+        if raw.get("boot") != _boot_id():
+            return None
         aer = raw.get("aer")
         return Verdict(bdf, bool(raw["ok"]), str(raw.get("reason", "")), float(raw["checked"]),
                        AerCounts(**aer) if isinstance(aer, dict) else None, str(raw.get("reset", "")),
@@ -59,11 +66,18 @@ def read_verdict(host: HostRoot, bdf: str) -> Verdict | None:
 
 def write_verdict(host: HostRoot, verdict: Verdict) -> None:
     aer = verdict.aer
-    body = {"ok": verdict.ok, "reason": verdict.reason, "checked": verdict.checked, "reset": verdict.reset,
+    body = {"boot": _boot_id(), "ok": verdict.ok, "reason": verdict.reason, "checked": verdict.checked, "reset": verdict.reset,
             "seconds": round(verdict.seconds, 4),
             "aer": None if aer is None else {"correctable": aer.correctable, "nonfatal": aer.nonfatal,
                                               "fatal": aer.fatal}}
     files.write_atomic(_path(host, verdict.bdf), json.dumps(body, sort_keys=True) + "\n")
+
+
+def _boot_id() -> str | None:
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return None
 
 
 def clear_verdict(host: HostRoot, bdf: str) -> None:

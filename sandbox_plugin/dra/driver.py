@@ -74,7 +74,7 @@ class DraDriver:
         health = DeviceHealth(host, link_policy=link_policy)
         self.discovery = PassthroughDiscovery(host, naming, health=health)
         self.watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval,
-                                     on_node_gone=self.discovery.node_gone, on_uevent=health.heard)
+                                     on_node_gone=self.discovery.node_gone, on_uevent=self.discovery.heard)
         self.poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)
         self.publisher = SlicePublisher(api, driver, node)
         self.checkpoint = Checkpoint(host.path(self.layout.checkpoint))

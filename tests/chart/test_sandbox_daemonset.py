@@ -71,6 +71,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
         "/host/sys": ("/sys", True),
         "/host/dev/vfio": ("/dev/vfio", True),
         "/host/var/run/cdi": ("/var/run/cdi", True),
+        # The agent's hand-back verdicts (katamgr.host.handback): a GPU that failed stays Unhealthy.
+        "/host/var/lib/kata-sandbox-manager/handback": ("/var/lib/kata-sandbox-manager/handback", True),
     }
 
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]

@@ -192,7 +192,9 @@ def test_the_kernels_error_recovery_events_are_followed(a10):
     devpath = path[path.index("/devices/"):]
     port = devpath.rsplit("/", 2)[-2]
     health = manager.discovery.health
-    assert health.heard(UEvent("change", "pci", devpath, "vfio-pci", "BEGIN_RECOVERY"))
+    # The watcher's call: Unhealthy at once, before any sysfs read (a reset keeps those waiting).
+    manager.discovery.heard(UEvent("change", "pci", devpath, "vfio-pci", "BEGIN_RECOVERY"))
+    assert unit(manager).health == UNHEALTHY  # already, in the caller's thread
     turns(kubelet, UNHEALTHY)
     assert unit(manager).reason == f"the kernel is recovering {GPU} from a PCIe error"
     assert health.heard(UEvent("change", "pci", devpath.rsplit("/", 1)[0], "pcieport", "FAILED_RECOVERY"))
