@@ -116,12 +116,16 @@ def _health(kubelet, bdf: str) -> str | None:
 
 
 def _until(kubelet, bdf: str, value: str | None, started: float, timeout: float = 10.0) -> float | None:
+    """Seconds from ``started`` to the first ListAndWatch update listing ``bdf`` as ``value``
+    (the simulator's history: a short Unhealthy is one the kubelet acts on too)."""
+    def seen(state) -> float | None:
+        return next((at for at, name, devices in state.history
+                     if at >= started and name == RNG_RESOURCE and (bdf, value) in devices), None)
     try:
-        kubelet.wait_for(lambda s: next((d.health for d in s.devices.get(RNG_RESOURCE, []) if d.id == bdf),
-                                        None) == value, timeout=timeout)
+        state = kubelet.wait_for(lambda s: seen(s) is not None, timeout=timeout)
     except TimeoutError:
         return None
-    return round(time.monotonic() - started, 3)
+    return round(seen(state) - started, 3)
 
 
 def _total(bdf: str, name: str) -> int | None:
@@ -151,7 +155,10 @@ def inject(out: Path, kubelet, bdf: str, kind: str, hmp: str) -> dict:
             # the hand-back check (a reset through sysfs, read back) is what brings it back.
             time.sleep(0.5)
             entry["hand_back"] = hand_back(bdf)
-        entry["healthy_again_s"] = _until(kubelet, bdf, "Healthy", started)
+        # Healthy again after that Unhealthy (an update listing it Healthy before it does not count).
+        turned = started + (entry["unhealthy_s"] or 0.0)
+        again = _until(kubelet, bdf, "Healthy", turned)
+        entry["healthy_again_s"] = None if again is None else round(again + (entry["unhealthy_s"] or 0.0), 3)
     entry["total_after"] = _total(bdf, name)
     return entry
 
