@@ -67,6 +67,11 @@ def plan_text(plan: Plan, *, width: int | None = None, wide: bool = False, heade
             else "No passthrough devices found."]
     tail = [f"  {d.bdf}: {d.vfio_driver_why}" for d in plan.devices
             if d.vfio_driver and d.vfio_driver != "vfio-pci" and d.vfio_driver_why and d.action == "bind"]
+    health = [d for d in plan.devices if d.health is not None]
+    if health:
+        tail += ["", "Health (what the host kernel shows):"]
+        tail += [f"  {d.bdf}: {d.health}" for d in health]
+        tail += [f"  {d.bdf}: unfit for a VM: {u}" for d in health for u in d.unfit]
     tail.append("")
     if plan.resources:
         tail.append("Schedulable after apply (one unit per IOMMU group):")

@@ -249,9 +249,10 @@ def handle_change(host: HostRoot, host_path: str, value: str) -> None:
         (_device_dir(host, parts[4]) / "driver_override").write_text((text or "(null)") + "\n")
         return
     if parts[:4] == ["sys", "bus", "pci", "devices"] and len(parts) == 6 and parts[5] == "reset":
-        from nodesim import gpu
+        from nodesim import gpu, pcierrors
 
         _device_dir(host, parts[4])
+        pcierrors.on_reset(host, parts[4])
         gpu.on_reset(host, parts[4])
         return
     if parts == ["sys", "bus", "pci", "drivers_probe"]:

@@ -88,6 +88,9 @@ class Registration:
     at: float  # time.monotonic() when it arrived
 
 
+HISTORY = 1000
+
+
 @dataclass
 class KubeletState:
     """What the simulated kubelet knows; tests read copies of it."""
@@ -108,6 +111,9 @@ class KubeletState:
     pods: list[PodRecord] = field(default_factory=list)
     # pods a restart's re-admission ended, with the kubelet's reason ("OutOf<resource>")
     ended: list[tuple[PodRecord, str]] = field(default_factory=list)
+    # every ListAndWatch update as it arrived: (monotonic time, resource, ((id, health), ...)),
+    # the last HISTORY of them; the kubelet acts on each, so a test may not miss a short one
+    history: list[tuple[float, str, tuple[tuple[str, str], ...]]] = field(default_factory=list)
 
     def registrations_for(self, resource_name: str) -> list[Registration]:
         return [r for r in self.registrations if r.resource_name == resource_name]
@@ -474,6 +480,8 @@ class KubeletSimulator:
                 return  # a stale connection replaced by a newer registration
             self._state.devices[name] = devices
             self._state.updates[name] = self._state.updates.get(name, 0) + 1
+            self._state.history.append((time.monotonic(), name, tuple((d.id, d.health) for d in devices)))
+            del self._state.history[:-HISTORY]
             self._state.connected.add(name)
             self._cond.notify_all()
 

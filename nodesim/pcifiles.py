@@ -1,5 +1,5 @@
 """The PCI files of a simulated device beyond its attributes: ``config``, ``resource``,
-``resourceN``, ``modalias``, ``reset``, ``power/control``.
+``resourceN``, ``modalias``, ``reset``, ``power/control``, and a PCIe function's health files (``nodesim.pcierrors``).
 
 Tools that talk to a device rather than to its driver open these: NVIDIA's gpu-admin-tools
 reads the config space (capability list, BAR registers), parses ``resource`` for the BARs
@@ -19,6 +19,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+from nodesim import pcierrors
 from nodesim.profile import ProfileDevice
 
 CONFIG_SIZE = 4096
@@ -98,6 +99,8 @@ def write_files(directory: Path, dev: ProfileDevice, by_bdf: dict[str, ProfileDe
     (directory / "resource").write_text(resource_lines(dev, with_bars=bars))
     (directory / "modalias").write_text(modalias(dev) + "\n")
     (directory / "reset").write_text("")
+    if dev.pcie:
+        pcierrors.write_health_files(directory, dev)
     (directory / "power").mkdir(exist_ok=True)
     (directory / "power" / "control").write_text("on\n")
     if bars:

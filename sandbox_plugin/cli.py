@@ -15,6 +15,7 @@ from katamgr.errors import KatamgrError
 from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
+from katamgr.host.pcihealth import LINK_POLICIES
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import (
     AUTO,
@@ -144,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="container mode: how Allocate names the GPUs, any of "
                              f"{', '.join(DEVICE_LIST_STRATEGIES)} (comma-separated or repeated; "
                              "default: envvar,cdi-cri; toolkit settings each needs: above)")
+    parser.add_argument("--link-policy", choices=LINK_POLICIES, default="degrade",
+                        help="vm-passthrough: a GPU whose PCIe link trained below its maximum is "
+                             "Unhealthy (degrade, the default) or only logged and counted (warn)")
     parser.add_argument("--metrics-address", metavar="HOST:PORT",
                         help="serve /metrics (Prometheus), /healthz and /readyz there (default: off)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         fabric = _fabric_guard(args, host, naming)
         runner = PluginRunner(lambda m, metrics, held_only=False: PluginManager(
             host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml,
-            held_only=held_only, fabric=fabric))
+            held_only=held_only, fabric=fabric, link_policy=args.link_policy))
         held = False
         follower = None
         if args.mode != AUTO:

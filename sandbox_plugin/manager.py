@@ -27,6 +27,7 @@ from sandbox_plugin.container import (
     DeviceListStrategy,
     NvmlResource,
 )
+from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
 from sandbox_plugin.fabric import FabricGuard
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.passthrough import PassthroughDiscovery
@@ -64,6 +65,8 @@ class PluginManager:
         metrics: PluginMetrics | None = None,
         held_only: bool = False,
         fabric: FabricGuard | None = None,
+        link_policy: str = "degrade",
+        health_interval: float = HEALTH_INTERVAL,
     ) -> None:
         """``held_only`` (vm-passthrough mode): the node left vm-passthrough; serve only the
         devices pods still hold, refusing every Allocate (``passthrough.PassthroughDiscovery``),
@@ -83,12 +86,16 @@ class PluginManager:
         self.metrics = metrics if metrics is not None else PluginMetrics()
         self._watcher: DeviceWatcher | None = None
         self.discovery: PassthroughDiscovery | None = None
+        self._poller: HealthPoller | None = None
         self.nvml_resource: NvmlResource | None = None
         if self.mode is Mode.VM_PASSTHROUGH:
             if naming is None:
                 raise ValueError("vm-passthrough mode needs a Naming (pci.ids and aliases)")
-            self.discovery = PassthroughDiscovery(host, naming, held_only=held_only, fabric=fabric)
+            health = DeviceHealth(host, link_policy=link_policy, on_transition=self.metrics.health_changed)
+            self.discovery = PassthroughDiscovery(host, naming, held_only=held_only, fabric=fabric, health=health)
+            self._poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)
             self._watcher = DeviceWatcher(host, self.refresh, on_node_gone=self.discovery.node_gone,
+                                          on_uevent=self.discovery.heard,
                                           rescan_interval=min(rescan_interval, HELD_RESCAN)
                                           if held_only else rescan_interval, polls=held_only)
         else:
@@ -106,8 +113,9 @@ class PluginManager:
             if self.discovery.fabric is not None:
                 self.discovery.fabric.start()
             self.refresh()
-            assert self._watcher is not None
+            assert self._watcher is not None and self._poller is not None
             self._watcher.start()
+            self._poller.start()
             if self.held_only:
                 log.info("serving only the devices pods still hold (%s); every Allocate refused",
                          ", ".join(f"{name}: {len(r.units())}" for name, r in self.discovery.resources.items())
@@ -194,6 +202,8 @@ class PluginManager:
             servers = list(self.servers.values())
         if self._watcher is not None:
             self._watcher.stop()
+        if self._poller is not None:
+            self._poller.stop()
         if self.nvml_resource is not None:
             self.nvml_resource.stop()
         for server in servers:

@@ -91,8 +91,18 @@ class PluginMetrics:
         self.registration_failures = _Family(
             "sandbox_device_plugin_kubelet_registration_failures", "Failed registration attempts.",
             ("resource",), _CounterChild)
+        self.health_transitions = _Family(
+            "sandbox_device_plugin_device_health_transitions",
+            "A passthrough device turning Unhealthy (by reason) or Healthy again, from the host "
+            "kernel's facts: AER, link, config space, reset method, hand-back.",
+            ("device", "health", "reason"), _CounterChild)
         self._registry = None
         self._lock = threading.Lock()
+
+    def health_changed(self, bdf: str, code: str, message: str) -> None:
+        """``devhealth.DeviceHealth``'s transition: ``code`` (``katamgr.host.pcihealth``'s
+        reasons) "" when Healthy again."""
+        self.health_transitions.labels(bdf, "Unhealthy" if code else "Healthy", code).inc()
 
     @property
     def registry(self):
@@ -129,7 +139,7 @@ class _Collector:
                 histogram.add_metric(list(labels), buckets, total)
             yield histogram
         for family in (m.allocate_errors, m.preferred_allocations, m.registrations,
-                       m.registration_failures):
+                       m.registration_failures, m.health_transitions):
             counter = CounterMetricFamily(family.name, family.documentation, labels=family.labelnames)
             for labels, child in family.snapshot():
                 counter.add_metric(list(labels), child.value)
@@ -138,3 +148,4 @@ class _Collector:
 
 def _bound(value: float) -> str:
     return "+Inf" if value == float("inf") else repr(float(value))
+

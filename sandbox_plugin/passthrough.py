@@ -49,6 +49,7 @@ that now means another GPU.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import os
 import threading
@@ -63,7 +64,9 @@ from katamgr.host.passthrough import PassthroughDevice, resource_units
 from katamgr.host.root import HostRoot
 from sandbox_plugin import topology
 from sandbox_plugin.cdinames import HostCdiSpecs
+from sandbox_plugin.devhealth import BEGUN, DeviceHealth
 from sandbox_plugin.fabric import FabricGuard, gpus_of_units
+from sandbox_plugin.recheck import recheck
 from sandbox_plugin.resources import (
     HEALTHY,
     UNHEALTHY,
@@ -97,6 +100,7 @@ class PassthroughUnit:
     # The inode of each device's sysfs directory when scanned: a device unplugged and
     # replaced at the same address gets a new one (-1: unknown, always read in full).
     sysfs_inodes: tuple[int, ...] = field(default=(), compare=False)
+    pci_reason: str = field(default="", compare=False)  # the kernel's health facts' part of reason
 
     # The derived tuples are cached: Allocate uses them on every call. A frozen
     # dataclass still takes cached_property (it writes the instance dict), and
@@ -140,13 +144,15 @@ def _inode(directory: str) -> int:
         return -1
 
 
-def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
-    """Every passthrough unit of the host, in bus order (one PCI scan)."""
+def scan_units(host: HostRoot, naming: Naming, judge=None) -> list[PassthroughUnit]:
+    """Every passthrough unit of the host, in bus order (one PCI scan); ``judge(bdfs)``:
+    why the kernel's health facts make a unit unfit, or "" (``devhealth.DeviceHealth.reason``)."""
     inv = discover(host, naming.selection)
     devices_dir = str(host.path(sysfs.PCI_DEVICES))
     units = []
     for unit in resource_units(host, inv, naming):
-        reason = _health(host, inv, unit.group, unit.nodes)
+        pci_reason = judge(tuple(d.bdf for d in unit.devices)) if judge is not None else ""
+        reason = _health(host, inv, unit.group, unit.nodes) or pci_reason
         units.append(
             PassthroughUnit(
                 id=unit.id,
@@ -159,6 +165,7 @@ def scan_units(host: HostRoot, naming: Naming) -> list[PassthroughUnit]:
                 reason=reason,
                 placement=topology.placement_of(unit.id, unit.head),
                 sysfs_inodes=tuple(_inode(f"{devices_dir}/{d.bdf}") for d in unit.devices),
+                pci_reason=pci_reason,
             )
         )
     return units
@@ -174,13 +181,14 @@ class PassthroughResource(Resource):
         self.refusal = refusal  # set: every Allocate is refused, saying this
         # Set on a Shared NVSwitch node: one NVLink partition per pod, activated at Allocate.
         self.fabric: FabricGuard | None = None
+        self.held = None  # held(unit): a pod holds it (a unit gone from the host stays, Unhealthy)
         self.cdi_specs = cdi_specs if cdi_specs is not None else HostCdiSpecs(host)
         self._lock = threading.Lock()
         self._units: dict[str, PassthroughUnit] = {}
         self._announced = False
         # host path -> local path of device nodes, for the per-Allocate check
         self._local_paths: dict[str, str] = {}
-        self._devices_dir = str(host.path(sysfs.PCI_DEVICES))
+        self.devices_dir = str(host.path(sysfs.PCI_DEVICES))
         # device IDs -> (the units and CDI specs it was built from, the allocation)
         self._answers: dict[tuple[str, ...], tuple[object, object, ContainerAllocation]] = {}
 
@@ -227,31 +235,38 @@ class PassthroughResource(Resource):
     def node_gone(self, node: str) -> bool:
         """The device node ``node`` (a host path) was removed: the units that need it are
         Unhealthy now, ahead of the rescan that will say the same. True if any was."""
-        reason = f"{node} is missing"
+        return self.mark_unhealthy(lambda u: node in u.nodes, f"{node} is missing")
+
+    def mark_unhealthy(self, hit, reason: str) -> bool:
+        """The Healthy units ``hit(unit)`` picks are Unhealthy now, for ``reason``, without
+        reading sysfs (which a device's reset keeps waiting): ahead of the rescan."""
         with self._lock:
-            hit = [u for u in self._units.values() if u.health == HEALTHY and node in u.nodes]
-            if not hit:
+            hits = [u for u in self._units.values() if u.health == HEALTHY and hit(u)]
+            if not hits:
                 return False
             new = dict(self._units)
-            for unit in hit:
+            for unit in hits:
                 new[unit.id] = dataclasses.replace(unit, health=UNHEALTHY, reason=reason)
             self._units = new
         self.changes.notify()
-        for unit in hit:
+        for unit in hits:
             log.info("%s: device %s is now %s (%s)", self.resource_name, unit.id, UNHEALTHY, reason)
         return True
 
     def _departed(self, unit: PassthroughUnit) -> PassthroughUnit | None:
         """A unit the scan no longer finds: still listed, Unhealthy, while its device has
         no driver (someone unbound it behind our back, or an unbind waits for the VM
-        using it; a pod may hold it, so the kubelet must see it fail, not vanish);
-        dropped once it is unplugged or on another driver (given back on purpose by
+        using it; a pod may hold it, so the kubelet must see it fail, not vanish), or
+        gone from the host while a pod holds it; dropped once it is unplugged or on another driver (given back on purpose by
         katamgr's revert or a workload switch). Only lock-free attributes are read:
         ``driver_override`` would wait out a pending unbind."""
         now = pci.read_binding(self.host, unit.id)
-        if now.vendor is None or now.driver is not None:
+        if now.vendor is None and self.held is not None and self.held(unit):
+            reason = f"{unit.id} is gone from the host (off the bus, or hot-unplugged) while a pod holds it"
+        elif now.vendor is None or now.driver is not None:
             return None
-        reason = f"{unit.id} left vfio-pci (driver: {now.driver or 'none'})"
+        else:
+            reason = f"{unit.id} left vfio-pci (driver: {now.driver or 'none'})"
         if unit.health == UNHEALTHY and unit.reason == reason:
             return unit
         return dataclasses.replace(unit, health=UNHEALTHY, reason=reason)
@@ -284,7 +299,9 @@ class PassthroughResource(Resource):
                     f"device {device_id!r} is not a {self.resource_name} device on this node "
                     f"(known: {', '.join(sorted(units)) or 'none'})"
                 )
-            self._recheck(unit)
+            if unit.pci_reason:  # the kubelet picked it before it heard
+                raise AllocationError(f"device {unit.id} of {self.resource_name} is {UNHEALTHY}: {unit.pci_reason}")
+            recheck(self, unit)
             chosen.append(unit)
         if self.fabric is not None and any(d.is_gpu for u in chosen for d in u.devices):
             self.fabric.activate(gpus_of_units(chosen))  # before the VM starts: §7 of FM's guide
@@ -317,7 +334,7 @@ class PassthroughResource(Resource):
             raise UnknownDeviceError(f"device {unit_id!r} is not a {self.resource_name} device on this node")
         if unit.health != HEALTHY:
             raise AllocationError(f"device {unit.id} of {self.resource_name} is {unit.health}: {unit.reason}")
-        self._recheck(unit)
+        recheck(self, unit)
         return unit
 
     def _cdi_names(self, chosen: list[PassthroughUnit], specs) -> list[str]:
@@ -327,63 +344,15 @@ class PassthroughResource(Resource):
         plain = [u.cdi_name for u in chosen if not u.members]
         return names + (self.cdi_specs.defined(plain, specs) if plain else [])
 
-    def _recheck(self, unit: PassthroughUnit) -> None:
-        """Look at sysfs and /dev again: the snapshot may be a few milliseconds old.
-
-        Each function must still be the one scanned (its sysfs directory's inode),
-        on vfio-pci and in the group; each node must exist. Anything else, or
-        anything that cannot be read, sends the unit through ``_recheck_in_full``,
-        which names the problem (or finds none: a device replaced by the same model).
-        """
-        base = self._devices_dir
-        group = str(unit.group)
-        try:
-            for device, inode in zip(unit.devices, unit.sysfs_inodes, strict=True):
-                path = f"{base}/{device.bdf}"
-                if (os.stat(path).st_ino != inode
-                        or not pci.is_vfio_driver(os.readlink(path + "/driver").rpartition("/")[2])
-                        or os.readlink(path + "/iommu_group").rpartition("/")[2] != group):
-                    break
-            else:
-                for node in unit.nodes:
-                    os.stat(self._local_path(node))
-                return
-        except (OSError, ValueError):
-            pass
-        self._recheck_in_full(unit)
-
-    def _recheck_in_full(self, unit: PassthroughUnit) -> None:
-        name = self.resource_name
-        for expected in unit.devices:
-            now = pci.read_binding(self.host, expected.bdf)  # all the checks below need
-            if now.vendor is None:
-                problem = "is gone from the host"
-            elif not pci.is_vfio_driver(now.driver):
-                problem = f"is no longer on vfio-pci (driver: {now.driver or 'none'})"
-            elif now.iommu_group != unit.group:
-                problem = f"moved from IOMMU group {unit.group} to {now.iommu_group}"
-            elif (now.vendor, now.device) != (expected.vendor, expected.device):
-                problem = f"is now a different device ({now.id_string()}, was {expected.id_string()})"
-            else:
-                problem = ""
-            if problem:
-                raise AllocationError(
-                    f"device {unit.id} of {name}: {expected.bdf} {problem}; "
-                    "the kubelet will be told, pick another device"
-                )
-        for node in unit.nodes:
-            if not os.path.exists(self._local_path(node)):
-                raise AllocationError(
-                    f"device {unit.id} of {name}: {node} is missing on the host; "
-                    "check that vfio-pci is loaded and udev created the node"
-                )
-
-
-    def _local_path(self, host_path: str) -> str:
+    def local_path(self, host_path: str) -> str:
         local = self._local_paths.get(host_path)
         if local is None:
             local = self._local_paths[host_path] = str(self.host.path(host_path))
         return local
+
+
+def _import_kubelet_client() -> None:
+    importlib.import_module("katamgr.node.podresources")
 
 
 def _because(unit: PassthroughUnit) -> str:
@@ -394,7 +363,8 @@ class PassthroughDiscovery:
     """Keeps one ``PassthroughResource`` per resource name in step with the host."""
 
     def __init__(self, host: HostRoot, naming: Naming, *, held_only: bool = False,
-                 given=None, fabric: FabricGuard | None = None) -> None:
+                 given=None, fabric: FabricGuard | None = None,
+                 health: DeviceHealth | None = None) -> None:
         """``held_only``: list only the units the kubelet gave pods, refuse every Allocate
         (a node that left vm-passthrough); ``given()``: the device IDs the kubelet gave
         pods, None when it cannot be asked (default: its PodResources ``List``)."""
@@ -407,6 +377,11 @@ class PassthroughDiscovery:
         self._given = given or self._ask_kubelet
         self._kept: set[str] = set()  # the units listed last (a kubelet not answering keeps them)
         self.fabric = fabric
+        self.health = health or DeviceHealth(host)  # the kernel's health facts (devhealth)
+        self.scanned: dict[str, tuple[tuple[str, ...], str]] = {}  # unit id -> (BDFs, pci_reason)
+        # The kubelet client imported ahead (protobuf: up to seconds on a slow machine), so a unit gone
+        # from the host while a pod holds it turns Unhealthy without waiting for it.
+        threading.Thread(target=_import_kubelet_client, name="import-podresources", daemon=True).start()
 
     def _refusal(self) -> str | None:
         return (f"this node no longer runs {PASSTHROUGH}: its devices stay only with the pods "
@@ -428,12 +403,28 @@ class PassthroughDiscovery:
         asked = list_pod_devices(self.host, timeout=2.0)
         return None if asked.unknown else {a.device_id.lower() for a in asked.assignments}
 
+    def _held(self, unit: PassthroughUnit) -> bool:
+        given = self._given()
+        return given is not None and bool({unit.id, *unit.bdfs} & given)
+
     def node_gone(self, node: str) -> None:
         """A VFIO device node was removed (``sandbox_plugin.watch``): see ``PassthroughResource.node_gone``."""
         with self._lock:
             resources = list(self.resources.values())
         for resource in resources:
             resource.node_gone(node)
+
+    def heard(self, event) -> None:
+        """A kernel uevent (``sandbox_plugin.watch``): the kernel beginning to recover a device
+        from a PCIe error turns its unit Unhealthy at once (the rescan that follows reads sysfs,
+        which the device's reset keeps waiting)."""
+        if not self.health.heard(event) or event.error_event != BEGUN:
+            return
+        bdf = event.devpath.rsplit("/", 1)[-1]
+        with self._lock:
+            resources = list(self.resources.values())
+        for resource in resources:
+            resource.mark_unhealthy(lambda u: bdf in u.bdfs, f"the kernel is recovering {bdf} from a PCIe error")
 
     def close(self) -> None:
         """Let go of the CDI specs' inotify watch (the resources keep answering, reading the specs each time)."""
@@ -445,7 +436,8 @@ class PassthroughDiscovery:
         A resource whose devices all left stays (advertising nothing), so a
         server already registered for it need not be torn down and rebuilt.
         """
-        units = scan_units(self.host, self.naming)
+        units = scan_units(self.host, self.naming, self.health.reason)
+        self.scanned = {u.id: (u.bdfs, u.pci_reason) for u in units}
         if self.held_only:  # (read once: set_held_only may change it meanwhile; the next refresh follows)
             given = self._given()
             if given is not None:  # else (a kubelet restarting): the units listed last
@@ -460,6 +452,7 @@ class PassthroughDiscovery:
             for name in sorted(by_name.keys() - self.resources.keys()):
                 self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs, refusal)
                 self.resources[name].fabric = self.fabric
+                self.resources[name].held = self._held
                 created.append(self.resources[name])
             resources = dict(self.resources)
         for name, resource in resources.items():

@@ -44,7 +44,7 @@ from inotify_simple import flags as inotify_flags
 
 from katamgr.host.kernel import LinuxKernel
 from katamgr.host.root import HostRoot
-from katamgr.host.uevents import DEVICE_SUBSYSTEMS, KernelEvents, open_kernel_events
+from katamgr.host.uevents import DEVICE_SUBSYSTEMS, KernelEvents, UEvent, open_kernel_events
 from katamgr.node.watching import Watcher
 
 log = logging.getLogger(__name__)
@@ -86,14 +86,17 @@ class DeviceWatcher:
         uevents: bool | None = None, uevent_subsystems: frozenset[str] = DEVICE_SUBSYSTEMS,
         on_node_gone: Callable[[str], None] | None = None, watched: tuple[str, ...] = WATCHED,
         name: str = "device-watcher", polls: bool = False,
+        on_uevent: Callable[[UEvent], None] | None = None,
     ) -> None:
         """``uevents``: listen to the kernel's device events (default: when the
         host root is the real kernel's, not a simulated one). ``on_node_gone``: called
         with the host path of a VFIO device node as soon as it is seen gone. ``watched``:
         the host dirs watched with inotify (default: the passthrough side's). ``polls``:
         ``rescan_interval`` is a poll the caller needs (for what no device event tells),
-        kept even when uevents would stretch the safety rescan."""
+        kept even when uevents would stretch the safety rescan. ``on_uevent``: called with
+        each kernel uevent as it is read, before the rescan (AER recoveries)."""
         self.polls = polls
+        self.on_uevent = on_uevent
         self.host = host
         self.watched = watched
         self.name = name
@@ -168,7 +171,9 @@ class DeviceWatcher:
                 continue  # only uevents of other subsystems
             if events:
                 self._nodes_gone(events)
-                self._forget_gone(events + self._watcher.settle(_SETTLE, _MAX_SETTLE))
+                events += self._watcher.settle(_SETTLE, _MAX_SETTLE)
+                self._tell_uevents(events)
+                self._forget_gone(events)
             deadline = time.monotonic() + self.rescan_interval
             self._add_watches()  # a watched dir may have just been created
             self.rescans += 1
@@ -193,6 +198,16 @@ class DeviceWatcher:
                 self.on_node_gone(f"{directory}/{event.name}")
             except Exception:  # the rescan that follows still corrects the state
                 log.exception("marking the users of %s/%s unhealthy failed", directory, event.name)
+
+    def _tell_uevents(self, events: list) -> None:
+        if self.on_uevent is None:
+            return
+        for event in events:
+            if isinstance(event, UEvent):
+                try:
+                    self.on_uevent(event)
+                except Exception:  # the rescan that follows still runs
+                    log.exception("%s: handling the uevent %s failed", self.name, event)
 
     def _forget_gone(self, events: list) -> None:
         for event in events:

@@ -7,7 +7,8 @@ from katamgr.host.inventory import Inventory
 from katamgr.pipeline.report import Report
 
 _ONCE_PER_ACTION = frozenset({"WorkloadSwitched", "OptOutsChanged", "GpusGivenBack", "WorkloadLabelInvalid",
-                              "CcModeSwitched", "CcModeSwitchFailed"})
+                              "CcModeSwitched", "CcModeSwitchFailed", "GpuUnhealthy", "GpuHealthy",
+                              "GpuAerErrors", "GpuHandBackChecked", "GpuHandBackFailed"})
 
 
 class NodeEvents:
@@ -70,6 +71,22 @@ class NodeEvents:
     def nvlink_fabric(self, problem: str) -> None:
         """Neither of NVIDIA's models holds on this NVSwitch board (docs/devices.md, "NVLink fabric")."""
         self._record("NVLinkFabricUnavailable", problem, "Warning")
+    def gpu_unhealthy(self, message: str) -> None:
+        """A passthrough GPU the host kernel shows unfit for a VM (off the bus, its link, no reset)."""
+        self._record("GpuUnhealthy", message, "Warning")
+
+    def gpu_healthy(self, message: str) -> None:
+        self._record("GpuHealthy", message)
+
+    def gpu_aer(self, message: str, *, warning: bool) -> None:
+        """New AER errors the kernel counted for a GPU (correctable ones only past a rate)."""
+        self._record("GpuAerErrors" if warning else "GpuAerCorrectable", message, "Warning" if warning else "Normal")
+
+    def gpu_handed_back(self, message: str) -> None:
+        self._record("GpuHandBackChecked", message)
+
+    def gpu_hand_back_failed(self, message: str) -> None:
+        self._record("GpuHandBackFailed", message, "Warning")
 
     def nvswitches(self, inv: Inventory) -> None:
         """What the node does with its NVSwitches, where its Kata cannot cold-plug them:

@@ -96,6 +96,7 @@ def _check(agent: Agent) -> bool:
     if agent.follow_cc():
         return True
     agent.follow_gpu_labels()
+    agent.follow_gpu_health()
     # Held GPUs before drift: a GPU given back or bound changes what the CDI specs should say.
     agent.release_freed()
     agent.bind_freed()

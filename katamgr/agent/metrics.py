@@ -51,6 +51,20 @@ class AgentMetrics:
                               "1 for the node's CC mode state as last read (on, off, devtools, ppcie, failed).",
                               ["state"], registry=r)
 
+        self.aer_errors = Gauge("katamgr_gpu_aer_errors",
+                                "AER errors the host kernel counted for a passthrough device since boot "
+                                "(aer_dev_*'s TOTAL_ERR_*), by severity.", ["device", "severity"], registry=r)
+        self.gpu_health_transitions = Counter(
+            "katamgr_gpu_health_transitions",
+            "A passthrough device turning unfit for a VM (by reason: OffTheBus, LinkDown, LinkDegraded, "
+            "NoResetMethod, Gone) or fit again.", ["device", "health", "reason"], registry=r)
+        self.handbacks = Counter("katamgr_gpu_handbacks",
+                                 "Hand-back checks between tenants (reset, read back sane), by result.",
+                                 ["result"], registry=r)
+        self.handback_seconds = Histogram("katamgr_gpu_handback_duration_seconds",
+                                          "How long one GPU's hand-back check took.", registry=r,
+                                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+
     def observe_cc_state(self, state: str) -> None:
         for known in ("off", "on", "devtools", "ppcie", "failed"):
             self.cc_state.labels(known).set(int(known == state))

@@ -10,6 +10,7 @@ from katamgr.agent import drift
 from katamgr.agent.ccmode import CcModes
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.giveback import GiveBacks
+from katamgr.agent.gpuhealth import GpuHealth
 from katamgr.agent.gpulabels import GpuLabels
 from katamgr.agent.health import Health, readiness
 from katamgr.agent.loop import keep
@@ -71,6 +72,7 @@ class Agent:
         self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=cc_default_mode,
                           read_labels=read_labels, publish=publish_labels, read_resources=read_resources)
         self.gpu_labels = GpuLabels(self.target, self.events, node_labels)
+        self.gpu_health = GpuHealth(self.target, self.metrics, self.events)
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=retry_initial, retry_max=retry_max)
 
@@ -90,6 +92,9 @@ class Agent:
 
     def follow_gpu_labels(self) -> None:
         self.gpu_labels.follow()
+
+    def follow_gpu_health(self) -> None:
+        self.gpu_health.follow()
 
     def switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
         return self.switcher.switch(workload, out)

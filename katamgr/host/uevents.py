@@ -30,6 +30,9 @@ class UEvent:
     subsystem: str
     devpath: str  # /devices/pci0000:00/0000:00:01.0/0000:01:00.0
     driver: str | None
+    # ERROR_EVENT of a PCI device's "change" during AER recovery: BEGIN_RECOVERY,
+    # SUCCESSFUL_RECOVERY, FAILED_RECOVERY (drivers/pci/pci-driver.c, pci_uevent_ers)
+    error_event: str | None = None
 
 
 class KernelEvents:
@@ -54,7 +57,8 @@ class KernelEvents:
             if device is None:
                 return found
             if device.subsystem in self.subsystems:
-                found.append(UEvent(device.action or "", device.subsystem, device.device_path, device.driver))
+                found.append(UEvent(device.action or "", device.subsystem, device.device_path, device.driver,
+                                    device.properties.get("ERROR_EVENT")))
 
     def close(self) -> None:
         # libudev closes the socket when its last reference goes.

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from katamgr.host import cc, kata, katadetect, vfio
+from katamgr.host import cc, kata, katadetect, pcihealth, vfio
 from katamgr.host.inventory import Inventory, Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import unit_head
@@ -44,6 +44,10 @@ class DevicePlan:
     cc_mode: str | None = None
     cc_capable: bool | None = None
     cc_mode_message: str = ""
+    # What the host kernel shows of its health (katamgr.host.pcihealth: AER counts, link,
+    # reset methods), and what would make it unfit for a VM now; None for an unselected device.
+    health: str | None = None
+    unfit: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -117,9 +121,12 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
             driver = decision.driver_for(device) if decision.action is not Action.SKIP else None
             current = device.driver if device.on_vfio else None
             plan = _device_plan(inv, naming, device, decision.action_for(device).value, decision.reason)
+            facts = pcihealth.read_health(host, device.bdf) if inv.selected(device) else None
             devices.append(replace(
                 plan, vfio_driver=current or (driver.name if driver else None),
                 vfio_driver_why=("already bound" if current else driver.why if driver else ""),
+                health=facts.summary() if facts else None,
+                unfit=[p.message for p in pcihealth.problems(facts, None) if p.fatal] if facts else [],
                 **_cc_fields(modes.get(device.bdf))))
         for device in inv.foreign(decision.group) if decision.group is not None else []:
             devices.append(_device_plan(inv, naming, device, Action.SKIP.value, _left_alone(inv, device, bound)))

@@ -35,6 +35,7 @@ from katamgr.errors import KatamgrError
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.node.backoff import Backoff, Retries
+from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
 from sandbox_plugin.dra import devices as dra_devices
 from sandbox_plugin.dra.checkpoint import Checkpoint
 from sandbox_plugin.dra.devices import DraDevice
@@ -59,7 +60,8 @@ class DraDriver:
     def __init__(self, host: HostRoot, naming: Naming, api: ApiClient, *, driver: str, node: str,
                  kubelet_dir: str = KUBELET_DIR, rescan_interval: float = 30.0,
                  resync_interval: float = RESYNC_INTERVAL, recheck_interval: float = 1.0,
-                 runtime_classes: frozenset[str] | None = None) -> None:
+                 runtime_classes: frozenset[str] | None = None, link_policy: str = "degrade",
+                 health_interval: float = HEALTH_INTERVAL) -> None:
         self.host = host
         self.naming = naming
         self.driver = driver
@@ -67,9 +69,13 @@ class DraDriver:
         self.layout = Layout(kubelet_dir.rstrip("/") or "/", driver)
         self.resync_interval = resync_interval
         self.recheck_interval = recheck_interval
-        self.discovery = PassthroughDiscovery(host, naming)
+        # An Unhealthy unit leaves the slice (devices.DraDevice.healthy): the kernel's health
+        # facts (devhealth) taken out the same way as a unit whose binding went wrong.
+        health = DeviceHealth(host, link_policy=link_policy)
+        self.discovery = PassthroughDiscovery(host, naming, health=health)
         self.watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval,
-                                     on_node_gone=self.discovery.node_gone)
+                                     on_node_gone=self.discovery.node_gone, on_uevent=self.discovery.heard)
+        self.poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)
         self.publisher = SlicePublisher(api, driver, node)
         self.checkpoint = Checkpoint(host.path(self.layout.checkpoint))
         self.preparer = ClaimPreparer(api, driver, node, self.checkpoint, self.cdi_ids, runtime_classes)
@@ -118,6 +124,7 @@ class DraDriver:
     def start(self) -> None:
         self.refresh()
         self.watcher.start()
+        self.poller.start()
         self._serve_sockets()
         self._thread = threading.Thread(target=self._run, name=f"dra-{self.driver}", daemon=True)
         self._thread.start()
@@ -128,6 +135,7 @@ class DraDriver:
         if self._thread is not None:
             self._thread.join(10)
         self.watcher.stop()
+        self.poller.stop()
         self.registration.socket.stop()
         self.service.stop()
         self.discovery.close()

@@ -56,6 +56,8 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
         "/host/sys": ("/sys", True),
         "/host/dev/vfio": ("/dev/vfio", True),
         "/host/var/run/cdi": ("/var/run/cdi", True),
+        # The agent's hand-back verdicts: a GPU that failed its check stays out of the slice.
+        "/host/var/lib/kata-sandbox-manager/handback": ("/var/lib/kata-sandbox-manager/handback", True),
     }
     assert driver["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "192Mi"}}
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]

@@ -71,6 +71,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
         "/host/sys": ("/sys", True),
         "/host/dev/vfio": ("/dev/vfio", True),
         "/host/var/run/cdi": ("/var/run/cdi", True),
+        # The agent's hand-back verdicts (katamgr.host.handback): a GPU that failed stays Unhealthy.
+        "/host/var/lib/kata-sandbox-manager/handback": ("/var/lib/kata-sandbox-manager/handback", True),
     }
 
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
@@ -209,7 +211,7 @@ def test_air_gapped_layouts_are_mounted_read_only_where_katamgr_reads_them(chart
         "registry.local:5000/kata-sandbox-manager/kata-sandbox-manager"}
     # The device plugin never reads artifacts.
     plugin = host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin")
-    assert not any("kata" in path for path in plugin)
+    assert not set(plugin) & set(mounts) and not any("artifacts" in path for path in plugin), plugin
 
 
 @pytest.mark.parametrize(("values", "expected"), [

@@ -136,3 +136,27 @@ def test_run_once_on_a_container_node_gives_back_what_apply_bound(tmp_path):
     assert "gave 0000:01:00.0, 0000:01:00.1 back to their drivers" in freed.stderr
     assert driver.resolve().name == "nvidia"
     assert not list((root / "var/run/cdi").glob("*"))
+
+
+def test_plan_shows_each_gpus_health_as_the_host_kernel_sees_it(tmp_path):
+    """AER counts, link and reset methods per GPU, and what would keep one from a VM."""
+    from katamgr.host.root import HostRoot
+    from nodesim import pcierrors
+
+    root = tmp_path / "node"
+    assert run("simulate", "a10-server", "--into", str(root)).returncode == 0
+    host = HostRoot.at(root)
+    pcierrors.inject_aer(host, "0000:31:00.0", "fatal", "DLP")
+    pcierrors.train_link(host, "0000:ca:00.0", "8.0 GT/s PCIe", 16)
+    pcierrors.set_reset_methods(host, "0000:e3:00.0", None)
+    result = run("plan", "--host-root", str(root))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert ("  0000:31:00.0: AER fatal 1, non-fatal 0, correctable 0; link 16.0 GT/s PCIe x16 "
+            "(max 16.0 GT/s PCIe x16); reset flr bus") in text
+    assert ("  0000:ca:00.0: unfit for a VM: 0000:ca:00.0's PCIe link trained below its maximum: "
+            "8.0 GT/s PCIe x16 (max 16.0 GT/s PCIe x16)") in text
+    assert "  0000:e3:00.0: unfit for a VM: 0000:e3:00.0 has no reset method the kernel can use" in text
+    plan = json.loads(run("plan", "--host-root", str(root), "--output", "json").stdout)
+    gpu = next(d for d in plan["devices"] if d["bdf"] == "0000:17:00.0")
+    assert gpu["health"].startswith("AER fatal 0") and gpu["unfit"] == []

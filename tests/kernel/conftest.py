@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import kataoracle, kernelvm
+from support import guestmonitor, kataoracle, kernelvm
 from support.paths import REPO, REQUIRE_INTEGRATION
 
 GUEST_SCRIPT = Path(__file__).with_name("guest_checks.py")
@@ -107,7 +107,9 @@ def guest(tmp_path_factory) -> GuestResults:
         argv=(sys.executable, str(GUEST_SCRIPT), str(out)), cwd=str(REPO), env=env, writable=(str(out),),
     )
     try:
-        run = kernelvm.boot(kernel, command, work, boot_timeout=BOOT_TIMEOUT, total_timeout=TOTAL_TIMEOUT)
+        # The guest's health checks ask for AER errors and a hot-unplug through the share.
+        with guestmonitor.MonitorRelay(out, kernelvm.monitor_socket(work)):
+            run = kernelvm.boot(kernel, command, work, boot_timeout=BOOT_TIMEOUT, total_timeout=TOTAL_TIMEOUT)
     except kernelvm.KernelVmError as exc:
         _unavailable(f"the guest could not be started: {exc}")
     results_file = out / "results.json"
@@ -115,12 +117,25 @@ def guest(tmp_path_factory) -> GuestResults:
     _timing.update(total=time.monotonic() - started, fetch=fetched, boot=run.boot_s, guest=run.total_s,
                    accel=run.accel.name, why=run.accel.why, kernel=kernel.release, steps=data.get("seconds"),
                    commands={name: (step.get("startup_s"), step.get("work_s"))
-                             for name, step in data.get("steps", {}).items() if "work_s" in step})
+                             for name, step in data.get("steps", {}).items() if "work_s" in step},
+                   health=_health_figures(data.get("steps", {}).get("health", {})))
     result = GuestResults(run, kernel, data)
     if not data.get("finished"):
         # Every test would fail on its own; say once, up front, why.
         sys.stderr.write(f"\nreal-kernel suite: the guest did not finish its steps.\n{result.why_incomplete()}\n")
     return result
+
+
+def _health_figures(step: dict) -> str | None:
+    """Fault to Unhealthy at ListAndWatch in the guest (guest_health.py), as a line."""
+    times = [(i["kind"], i.get("unhealthy_s")) for i in step.get("injections", []) if "unhealthy_s" in i]
+    unplug = step.get("unplug", {}).get("unhealthy_after_removal_s")
+    if not times and unplug is None:
+        return None
+    known = sorted(t for _, t in times if t is not None)
+    p50 = f"{known[len(known) // 2]:.2f} s" if known else "-"
+    each = ", ".join(f"{kind} {'-' if t is None else f'{t:.2f}'}" for kind, t in times)
+    return f"AER error to Unhealthy p50 {p50} ({each}); hot-unplug to Unhealthy {unplug} s"
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
@@ -133,6 +148,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
         f"{'-' if boot is None else f'{boot:.0f} s'}, guest steps {_timing['steps'] or '-'} s, "
         f"guest run {_timing['guest']:.0f} s)"
     )
+    if _timing.get("health"):
+        terminalreporter.write_line(f"real-kernel suite: health at ListAndWatch: {_timing['health']}")
     commands = ", ".join(f"{name} {start}+{work}" for name, (start, work) in _timing["commands"].items())
     if commands:
         terminalreporter.write_line(f"real-kernel suite: katamgr in the guest, start-up+work seconds: {commands}")

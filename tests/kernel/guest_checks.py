@@ -33,6 +33,8 @@ import time
 import traceback
 from pathlib import Path
 
+import guest_health  # beside this script (its directory is first on sys.path)
+
 OUT = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("/tmp")
 RESULTS = OUT / "results.json"
 BIN = Path(sys.executable).parent  # the .venv's console scripts beside its python
@@ -648,7 +650,8 @@ class _AllEvents:
         found = []
         while (device := self.monitor.poll(timeout=0)) is not None:
             found.append({"action": device.action, "subsystem": device.subsystem,
-                          "devpath": device.device_path, "driver": device.driver})
+                          "devpath": device.device_path, "driver": device.driver,
+                          "error_event": device.properties.get("ERROR_EVENT")})
         return found
 
 
@@ -993,6 +996,7 @@ def main() -> int:
     if holder is not None:
         holder.stop()
     _guarded(lambda: katamgr("revert", ["revert"]))
+    _guarded(lambda: guest_health.step_health(OUT, record, katamgr, PLUGIN, STAND_INS))
     results["dmesg"] = dmesg_tail(200)
     results["finished"] = True
     results["seconds"] = round(time.time() - results["started"], 1)

@@ -370,12 +370,18 @@ def choose_accel() -> Accel:
     return Accel("kvm", "/dev/kvm is usable")
 
 
+# The QEMU ids the guest's health checks name in their monitor requests.
+AER_DEVICE = "aer-rng"
+UNPLUGGED_DEVICE = "unplugged-rng"
+
+
 @dataclass(frozen=True)
 class Topology:
     """The stand-in PCI devices: QEMU's ``edu`` (1234:11e8, no Linux driver) and
     ``VGA`` (1234:1111, Linux's ``bochs``) each behind its own ``pcie-root-port``
     (own IOMMU group), and an ``edu`` with an ``e1000`` NIC (8086:100e, Linux's
-    ``e1000``) behind a ``pcie-pci-bridge`` (one group shared with the NIC)."""
+    ``e1000``) behind a ``pcie-pci-bridge`` (one group shared with the NIC); two ``virtio-rng``
+    devices (1af4:1044, PCIe with AER, the second without FLR) behind root ports of their own."""
 
     def argv(self) -> list[str]:
         return [
@@ -389,6 +395,15 @@ class Topology:
             # No option ROM: the guest boots with -kernel, and the ipxe ROMs are a
             # recommends-only package.
             "-device", "e1000,bus=br3,addr=2,romfile=",
+            # Two virtio-rng devices (1af4:1044), each behind its own root port, with an
+            # AER capability (virtio-pci's "aer" property; hw/virtio/virtio-pci.c also makes
+            # Device Control's error reporting enables writable, pcie_cap_deverr_init, which
+            # QEMU sends an error message by: hw/pci/pcie_aer.c, pcie_aer_msg_alldev). The
+            # second one is hot-unplugged (device_del) by the health checks.
+            "-device", "pcie-root-port,id=rp4,chassis=4,slot=4",
+            "-device", f"virtio-rng-pci,id={AER_DEVICE},bus=rp4,aer=on",
+            "-device", "pcie-root-port,id=rp5,chassis=5,slot=5",
+            "-device", f"virtio-rng-pci,id={UNPLUGGED_DEVICE},bus=rp5,aer=on,x-pcie-flr-init=off",
         ]
 
 
@@ -410,6 +425,11 @@ class GuestRun:
         return "\n".join(text.splitlines()[-lines:])
 
 
+def monitor_socket(workdir: Path) -> Path:
+    """QEMU's QMP socket for a run in ``workdir`` (``guestmonitor.MonitorRelay`` talks to it)."""
+    return workdir / "qmp.sock"
+
+
 def qemu_argv(tree: KernelTree, initramfs: Path, command: GuestCommand, accel: Accel, console: Path,
               topology: Topology, *, memory_mb: int = 1536, cpus: int = 2) -> list[str]:
     argv = [
@@ -427,6 +447,7 @@ def qemu_argv(tree: KernelTree, initramfs: Path, command: GuestCommand, accel: A
         ]),
         "-fsdev", "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",
         "-device", "virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot",
+        "-qmp", f"unix:{monitor_socket(console.parent)},server=on,wait=off",
     ]
     for index, path in enumerate(command.writable):
         argv += [
