@@ -23,6 +23,12 @@ def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workloa
     # One group at a time: a group moves whole or is rolled back, so a group
     # without a failure moved exactly the devices the plan said it would.
     for decision in (d for d in plan.decisions if d.to_move):
+        if decision.forced:
+            # Named before the unbind: each of these processes loses its device now.
+            taken = [f"--force: {device.bdf} is taken from {holder}" for device in decision.to_move
+                     for holder in vfio.in_use(host, [device])]
+            report.forced += taken
+            report.warnings += taken
         result = vfio.bind(host, [decision], wait=wait)
         report.changes += result.changes
         report.failures += result.failures

@@ -82,9 +82,11 @@ def _kata_runtime():
 
 
 def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None,
-              *, force: bool = False, workload_why: str = "", gpu_labels: bool | None = None) -> Plan:
+              *, force: bool = False, workload_why: str = "", gpu_labels: bool | None = None,
+              check_sources: bool = True) -> Plan:
     """``gpu_labels``: show the GPU labels the agent publishes (False: say they are off; None:
-    no section)."""
+    no section). ``check_sources``: ask each runtime class's artifact source for its manifest
+    (reads only) and list a class that would fail among the problems."""
     plan = build_plan(host, naming, force=force)
     plan.workload = {"mode": steps.workload.value, "why": workload_why}
     if gpu_labels is not None:
@@ -96,8 +98,14 @@ def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
         plan.sections.append(cdi_specs.plan_section(host, plan.inventory, plan.decisions if steps.vfio else [],
                                                    naming))
     if steps.kata and kata_ctx is not None:
+        from katamgr.pipeline import kata_checks
+
         ctx = _with_root_ports(kata_ctx, plan)
         plan.sections += _kata_runtime().plan_sections(host, ctx, enable_cdi=steps.cdi)
+        if check_sources:
+            # Each source asked for its manifest, as apply will: a class that would fail is named.
+            plan.problems += [f"{why}: it would not be installed or offered on this node"
+                              for why in kata_checks.class_problems(host, ctx).values()]
     return plan
 
 
@@ -173,8 +181,10 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         return report
     checked = None
     if steps.kata and kata_ctx is not None:
-        checked = _kata_runtime().preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
-                                            enable_cdi=steps.cdi)
+        from katamgr.pipeline import kata_checks
+
+        checked = kata_checks.preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
+                                        enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
     rescan = False
     if steps.vfio:
@@ -183,6 +193,7 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         rescan = bool(bound.moved) or not bound.ok
         report.merge(bound)
     report.warnings += plan.warnings + plan.problems
+    report.problems += plan.problems
     if steps.cdi:
         # The plan's scan still holds unless devices just moved driver.
         report.merge(cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory, naming))

@@ -71,9 +71,14 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
         assert get(server.port, "/readyz")[0] == 503  # nothing reconciled yet
         assert get(server.port, "/healthz")[0] == 200
         first = agent.reconcile("start")
-        assert not first.ok and "late" in first.failures[0]
+        # Only the class failed: the GPUs are bound and the CDI spec written all the same.
+        assert first.partly and first.failures == [] and "late" in first.classes_failed["kata-qemu-nvidia-gpu"]
+        assert sorted(first.moved) == ["0000:01:00.0", "0000:02:00.0"]
+        assert host.path("/var/run/cdi").is_dir()
         status, body = get(server.port, "/readyz")
-        assert status == 503 and "the last reconcile failed" in body
+        assert status == 503 and "runtime class(es) kata-qemu-nvidia-gpu failed and are not offered" in body
+        assert value(scrape(server.port)["katamgr_runtime_class_ready"], "katamgr_runtime_class_ready",
+                     runtime_class="kata-qemu-nvidia-gpu") == 0
         assert agent.reconciler.retry_delay == 0.1
         thread = threading.Thread(target=agent.loop, daemon=True)
         thread.start()
@@ -82,7 +87,7 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
             assert wait_for(lambda: agent.reconciler.reconciles >= 4)
             assert agent.reconciler.retry_delay == 0.4
             metrics = scrape(server.port)
-            assert value(metrics["katamgr_reconciles"], "katamgr_reconciles_total", result="failure") >= 4
+            assert value(metrics["katamgr_reconciles"], "katamgr_reconciles_total", result="partial") >= 4
             assert value(metrics["katamgr_reconcile_errors"], "katamgr_reconcile_errors_total") >= 4
             publish_layout(host)
             assert wait_for(lambda: agent.reconciler.last_result is not None and agent.reconciler.last_result.ok)
@@ -109,6 +114,8 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
     assert value(metrics["katamgr_artifact_pulled_bytes"], "katamgr_artifact_pulled_bytes_total") > 0
     assert value(metrics["katamgr_devices"], "katamgr_devices", kind="gpu", driver="vfio-pci", action="keep") == 2
     assert metrics["katamgr_iommu_groups_skipped"] == []
+    assert value(metrics["katamgr_runtime_class_ready"], "katamgr_runtime_class_ready",
+                 runtime_class="kata-qemu-nvidia-gpu") == 1
 
 
 def test_healthz_fails_when_the_loop_stops_ticking(tmp_path):
