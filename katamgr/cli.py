@@ -454,11 +454,17 @@ def _offer(setup: NodeSetup, steps: Steps, args: argparse.Namespace, report: Rep
 
 
 def _tell_how_to_undo(report: Report, args: argparse.Namespace) -> None:
-    """A failed apply that changed something says so, and how to undo it (exit 1)."""
-    if report.ok or not report.changes:
-        return
+    """A failed apply that changed something says so, and how to undo it (exit 1); a partly
+    done one names the runtime classes that are not offered (exit 3)."""
     where = f" --host-root {args.host_root}" if args.host_root not in (None, "/") else ""
     config = f" --config {args.config}" if args.config else ""
+    if report.partly:
+        print(f"katamgr: partly done: runtime class(es) {', '.join(sorted(report.classes_failed))} failed and "
+              "are not offered on this node; the rest is in place (`katamgr run` retries them, or run apply "
+              "again once the cause is fixed)", file=sys.stderr)
+        return
+    if not report.failures or not report.changes:
+        return
     print(f"katamgr: apply failed after the changes listed above, which are still in place; "
           f"`katamgr revert{where}{config}` undoes them", file=sys.stderr)
 
