@@ -14,7 +14,6 @@ import time
 
 from support.apiserver import FakeApiServer
 
-from katamgr.kataclasses import OFFER_LABEL_PREFIX
 from katamgr.agent import Agent
 from katamgr.agent.following import node_follower
 from katamgr.cluster import EventRecorder, set_node_labels
@@ -26,6 +25,7 @@ from katamgr.host.pci import scan
 from katamgr.host.pciids import PciIds
 from katamgr.host.selection import Selection
 from katamgr.host.workload import WORKLOAD_LABEL, Workload
+from katamgr.kataclasses import OFFER_LABEL_PREFIX
 from katamgr.pipeline import ccmode
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim.kernel import MARKER

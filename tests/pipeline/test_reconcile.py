@@ -20,7 +20,6 @@ from support.paths import REPO, require_binary
 
 from katamgr.agent import Agent
 from katamgr.config import parse_config
-from katamgr.errors import KatamgrError
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.kataclasses import GPU, GPU_SNP
