@@ -44,7 +44,11 @@ def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workloa
 
 def revert_host(host: HostRoot, *, force: bool = False) -> Report:
     report = Report()
-    report.changes += [f"removed {p}" for p in readiness_files.clear_ready(host)]
+    try:
+        report.changes += [f"removed {p}" for p in readiness_files.clear_ready(host)]
+    except OSError as exc:  # a read-only /run/nvidia: the GPUs are given back all the same
+        report.failures.append(f"the readiness files in {readiness_files.VALIDATIONS} were not removed "
+                               f"({exc.strerror or exc}); left as they are")
     result = vfio.unbind_all(host, force=force)
     report.changes += result.changes
     report.failures += result.failures

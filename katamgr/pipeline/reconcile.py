@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from katamgr.errors import KatamgrError
 from katamgr.host import readiness, vfio
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
@@ -26,7 +27,7 @@ from katamgr.node.podresources import (
     wait_not_offered,
 )
 from katamgr.node.toolkit import isolation_problem, read_toolkit_config, toml_value
-from katamgr.pipeline import cdi_specs, gpulabels
+from katamgr.pipeline import cdi_specs, gpulabels, hostpaths
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import LeaveReport, Report
@@ -179,6 +180,11 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
                 f"{', '.join(earlier)} stay on vfio-pci from when this node ran {PASSTHROUGH}; "
                 "run katamgr revert to give them back to their drivers")
         return report
+    kata_dirs = (kata_ctx.config.artifacts_dir,) if steps.kata and kata_ctx is not None else ()
+    blocked = hostpaths.problems(host, hostpaths.written(vfio_step=steps.vfio, cdi=steps.cdi,
+                                                         readiness_files=steps.readiness, kata_dirs=kata_dirs))
+    if blocked:
+        raise KatamgrError("nothing was changed: " + "; ".join(blocked))
     checked = None
     if steps.kata and kata_ctx is not None:
         from katamgr.pipeline import kata_checks
@@ -186,20 +192,30 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         checked = kata_checks.preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
                                         enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
-    rescan = False
-    if steps.vfio:
-        bound = apply_host(host, plan, workload=steps.workload, wait=wait, readiness=steps.readiness)
-        # A failed group was rolled back, but maybe not all the way: look again.
-        rescan = bool(bound.moved) or not bound.ok
-        report.merge(bound)
-    report.warnings += plan.warnings + plan.problems
-    report.problems += plan.problems
-    if steps.cdi:
-        # The plan's scan still holds unless devices just moved driver.
-        report.merge(cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory, naming))
-    if steps.kata and kata_ctx is not None:
-        report.merge(_kata_runtime().apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
-                                        checked=checked))
+    doing = "binding the GPUs"
+    try:
+        rescan = False
+        if steps.vfio:
+            bound = apply_host(host, plan, workload=steps.workload, wait=wait, readiness=steps.readiness)
+            # A failed group was rolled back, but maybe not all the way: look again.
+            rescan = bool(bound.moved) or not bound.ok
+            report.merge(bound)
+        report.warnings += plan.warnings + plan.problems
+        report.problems += plan.problems
+        if steps.cdi:
+            doing = "writing the CDI specs"
+            # The plan's scan still holds unless devices just moved driver.
+            report.merge(cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory,
+                                               naming))
+        if steps.kata and kata_ctx is not None:
+            doing = "setting up the Kata runtimes"
+            report.merge(_kata_runtime().apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
+                                               checked=checked))
+    except OSError as exc:
+        # A write that failed after the checks: the step rolled back what it had started;
+        # what is still in place is named, for the `katamgr revert` that undoes it.
+        report.failures.append(hostpaths.failed_write(host, exc, doing))
+        report.changes += [k for k in hostpaths.kept(host, kata_dirs) if k not in report.changes]
     return report
 
 
@@ -213,24 +229,37 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
         report = gpulabels.revert(host, node_labels)
         report.merge(_revert_all(host, steps, kata_ctx, force=force,
                                  delete_runtime_classes=delete_runtime_classes))
-        tidy_state_dir(host)
+        try:
+            tidy_state_dir(host)
+        except OSError:
+            pass  # a read-only state dir keeps the lock file: the failures above say why
         return report
 
 
 def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool,
                 delete_runtime_classes: bool) -> Report:
+    """Each step as far as it goes: a write that fails (a read-only dir) is named with its
+    cause, and the steps after it still run (exit 1: what was left is said)."""
     report = Report()
     if steps.kata and kata_ctx is not None:
-        report.merge(_kata_runtime().revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
+        _undo(report, host, "undoing the Kata runtimes (containerd, artifacts)", lambda: _kata_runtime().revert(
+            host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
     elif steps.kata and _kata_runtime().changes_recorded(host):
         report.failures.append(
             "katamgr has Kata changes recorded on this node (containerd config, artifacts); "
             "pass the same --config FILE that applied them to revert them too")
     if steps.cdi:
-        report.merge(cdi_specs.remove_specs(host))
+        _undo(report, host, "removing the CDI specs", lambda: cdi_specs.remove_specs(host))
     if steps.vfio:
-        report.merge(revert_host(host, force=force))
+        _undo(report, host, "giving the GPUs back", lambda: revert_host(host, force=force))
     return report
+
+
+def _undo(report: Report, host: HostRoot, doing: str, step: Callable[[], Report]) -> None:
+    try:
+        report.merge(step())
+    except OSError as exc:
+        report.failures.append(hostpaths.failed_write(host, exc, doing) + "; left as it is")
 
 
 def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: bool | None = None,

@@ -25,6 +25,8 @@ from support.kubecluster import wait_for
 from support.paths import REPO
 from support.registry_server import free_port
 
+from katamgr.kataclasses import offer_label
+
 pytestmark = pytest.mark.integration
 
 RELEASE = "ksm-agent"
@@ -151,12 +153,13 @@ def test_katamgr_by_hand_applies_runtime_classes_once(kube, release, node, tmp_p
         assert first.returncode == 0, first.stderr
         gpu = kube.get("runtimeclass", GPU)
         assert gpu["handler"] == GPU
-        assert gpu["scheduling"]["nodeSelector"] == {WORKLOAD: "vm-passthrough"}
+        assert gpu["scheduling"]["nodeSelector"] == {WORKLOAD: "vm-passthrough", offer_label(GPU): "true"}
         assert gpu["overhead"]["podFixed"] == {"cpu": "250m", "memory": "160Mi"}
         assert gpu["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kata-sandbox-manager"
         snp = kube.get("runtimeclass", SNP)
         assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true",
-                                                     "nvidia.com/cc.ready.state": "true"}
+                                                     "nvidia.com/cc.ready.state": "true",
+                                                     offer_label(SNP): "true"}
         # Server-side apply under our field manager: the API server records it as such.
         entries = [(e["manager"], e["operation"]) for e in gpu["metadata"]["managedFields"]]
         assert entries == [("kata-sandbox-manager", "Apply")]
@@ -284,9 +287,10 @@ def test_a_watch_from_a_version_the_api_server_no_longer_has_is_410_gone(kube, r
 
 def test_the_uninstall_hook_reverts_the_node_with_no_token_and_leaves_the_classes(
         kube, release, node, tmp_path):
-    """The hook's katamgr revert calls no API (its pods get no token): it puts the node back
-    and leaves every RuntimeClass to Helm. Its waiting Job's account may read the revert
-    DaemonSet and nothing else."""
+    """The hook's katamgr revert calls the API only to take the agent's offer labels off its
+    Node (kataManager on: its pods get a token for that); without a token it still puts the
+    node back and leaves every RuntimeClass to Helm. Its waiting Job's account may read the
+    revert DaemonSet and nothing else."""
     root, config = node
     env = agent_env(kube, tmp_path, agent_account(release))
     assert run_once(kube, node, env, chart_flags(release)).returncode == 0
@@ -297,7 +301,7 @@ def test_the_uninstall_hook_reverts_the_node_with_no_token_and_leaves_the_classe
 
     hook = next(o for o in release if o["kind"] == "DaemonSet" and is_hook(o))
     pod = hook["spec"]["template"]["spec"]
-    assert pod["automountServiceAccountToken"] is False
+    assert pod["automountServiceAccountToken"] is True  # for the offer labels (katamgr.pipeline.offers)
     container = next(c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == "revert")
     args = list(container["args"])
     # The hook's own arguments, the host root and config pointed at the simulated node.
