@@ -6,8 +6,8 @@ that class's failure, named, and the rest of the node goes ahead: the GPUs are b
 specs written, every other class installed and registered (``Preflight.failed``; the class is
 then not offered on the node, ``pipeline.offers``). What is wrong for the whole node stops
 everything before any write: a containerd config that does not parse or cannot be written, an
-artifacts dir that is not ours, a pull secret the config names with no cluster to read it
-(ConfigError, exit 2), too little room for the artifacts (KatamgrError, exit 1).
+artifacts dir that is not ours (ConfigError, exit 2), too little room for the artifacts
+(KatamgrError, exit 1).
 """
 
 from __future__ import annotations
@@ -113,11 +113,11 @@ def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> P
         try:
             pull = pull_of(host, ctx, rc)
             resolution = resolve_artifact(pull, dest)
-        except NotOursError as exc:
+        except NotOursError as exc:  # someone else's files where ours would go: stop, touch nothing
             bad.append(not_ours(rc, config, exc))
-        except ConfigError as exc:
-            bad.append(f"runtime class {rc.name}: {exc}")
         except (ArtifactError, KatamgrError) as exc:
+            # This class's own source: unreachable, a bad manifest, its pull secret missing or
+            # unreadable (ConfigError included): that class fails, the rest goes ahead.
             found.failed[rc.name] = f"runtime class {rc.name}: {exc}"
         else:
             found.checked[rc.name] = Checked(pull, resolution)

@@ -111,3 +111,28 @@ def test_apply_labels_the_node_it_set_up_and_revert_takes_the_labels_off(tmp_pat
         assert reverted.returncode == 0, reverted.stderr
         assert f"stopped offering runtime class {GPU} on this node" in reverted.stdout
         assert labels(api) == {}
+
+
+def test_a_node_installed_from_the_mixed_cluster_example_gets_its_gpus_and_the_other_class(tmp_path):
+    """examples/values/mixed-cluster.yaml (the README's) names a placeholder mirror and a pull
+    secret not created yet for the -snp class: that class alone fails, by name."""
+    import yaml
+    from support.paths import REPO
+
+    values = yaml.safe_load((REPO / "examples/values/mixed-cluster.yaml").read_text())
+    config = values["kataManager"]["config"]
+    gpu = next(rc for rc in config["runtimeClasses"] if rc["name"] == GPU)
+    # nvcr.io is not reachable from the test machine: the shipped layout stands in for it.
+    gpu["artifacts"]["url"] = f"oci-layout:///opt/kata-artifacts/layout:{GPU}"
+    host = node(tmp_path)
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
+        ctx = KataContext(parse_config(yaml.safe_dump(config)), api.client(), "kata-sandbox-manager",
+                          manage_runtime_classes=False)
+        agent = Agent(host, NAMING, Steps(), ctx, offer_labels=_node_labels(api.client(), NODE))
+        report = agent.reconcile("start")
+        assert report.failures == [] and list(report.classes_failed) == [GPU_SNP]
+        assert "pull secret kata-sandbox-manager/registry-mirror does not exist" in report.classes_failed[GPU_SNP]
+        assert sorted(report.moved) == ["0000:01:00.0", "0000:02:00.0"]
+        assert report.classes_ready == [GPU]
+        assert labels(api) == {offer_label(GPU): "true"}
