@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from katamgr.errors import ConfigError, KatamgrError
+from katamgr.exitcodes import Exit
 from katamgr.host import cc
 from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
@@ -65,10 +66,17 @@ machine is touched), then `katamgr plan --host dgx-h100`.
 """
 
 EPILOG = """\
-exit codes: 0 success, 1 failure (the host is left as it was or rolled back),
-2 bad usage or configuration (nothing was changed).
+exit codes:
+{exit_codes}
 shipped host profiles: {profiles}
 """
+
+
+def exit_code_table() -> str:
+    """The exit codes as --help lists them (docs/operating.md prints the same table)."""
+    from katamgr.exitcodes import MEANING
+
+    return "\n".join(f"  {int(code):>3}  {meaning}" for code, meaning in MEANING.items())
 
 
 def _waits(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +133,7 @@ def _gpu_labels_argument(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="katamgr", description=DESCRIPTION,
-        epilog=EPILOG.format(profiles=", ".join(shipped_names())),
+        epilog=EPILOG.format(profiles=", ".join(shipped_names()), exit_codes=exit_code_table()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_version_argument(parser)
@@ -477,7 +485,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print(documents.dump(documents.plan_document(plan), args.output))
         else:
             print(plan_text(plan, wide=args.output == "wide", headers=not args.no_headers))
-    return 0
+    return Exit.PROBLEMS if plan.problems else Exit.OK
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
@@ -486,12 +494,34 @@ def cmd_apply(args: argparse.Namespace) -> int:
     with host_from(args) as host:
         naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
-        report = reconcile(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
+        steps = setup.steps.without(setup.opted_out)
+        report = reconcile(host, naming, steps, setup.ctx, force=args.force,
                            wait=args.device_wait,
                            lock_wait=args.wait, command="katamgr apply", journal=_journal(host, "katamgr apply"))
-        _show_report(args, "ApplyReport", report, "nothing to change: the node is already as planned")
+        report.merge(_offer(setup, steps, args, report))
+        # "Nothing to change" only where nothing was left out either.
+        _show_report(args, "ApplyReport", report,
+                     "" if report.problems else "nothing to change: the node is already as planned")
         _tell_how_to_undo(report, args)
-    return 0 if report.ok else 1
+    return report.exit_code()
+
+
+def _offer(setup: NodeSetup, steps: Steps, args: argparse.Namespace, report: Report) -> Report:
+    """The runtime classes this node offers, on its Node (``pipeline.offers``), where a node name
+    and a cluster are known; without them, say which label the classes need."""
+    if setup.ctx is None or report.classes_ready is None:
+        return Report()
+    from katamgr.kataclasses import offer_label
+    from katamgr.pipeline import offers
+
+    configured = [rc.name for rc in setup.ctx.config.runtime_classes]
+    if setup.api is None or not args.node_name:
+        labels = ", ".join(f"{offer_label(n)}=true" for n in report.classes_ready)
+        return Report(warnings=[f"the RuntimeClasses run only on nodes labeled {labels or 'for them'}; pass "
+                                "--node-name (or NODE_NAME) with a cluster and katamgr labels this node"]
+                      if report.classes_ready else [])
+    ready = report.classes_ready if steps.passthrough and steps.kata else []
+    return offers.publish(_node_labels(setup.api, args.node_name), offers.wanted(configured, ready))
 
 
 def _journal(host: HostRoot, command: str):
@@ -511,10 +541,16 @@ def _show_report(args: argparse.Namespace, kind: str, report: Report, nothing: s
 
 
 def _tell_how_to_undo(report: Report, args: argparse.Namespace) -> None:
-    """A failed apply that changed something says so, and how to undo it (exit 1)."""
-    if report.ok or not report.changes:
-        return
+    """A failed apply that changed something says so, and how to undo it (exit 1); a partly
+    done one names the runtime classes that are not offered (exit 3)."""
     where = f" --host-root {args.host_root}" if args.host_root not in (None, "/") else ""
+    if report.partly:
+        print(f"katamgr: partly done: runtime class(es) {', '.join(sorted(report.classes_failed))} failed and "
+              "are not offered on this node; the rest is in place (`katamgr run` retries them, or run apply "
+              "again once the cause is fixed)", file=sys.stderr)
+        return
+    if not report.failures or not report.changes:
+        return
     print(f"katamgr: apply failed after the changes listed above, which are still in place; "
           f"`katamgr revert{where}` undoes them (it follows the node's record: no --config needed)",
           file=sys.stderr)
@@ -530,6 +566,10 @@ def cmd_revert(args: argparse.Namespace) -> int:
                             delete_runtime_classes=args.delete_runtimeclasses, lock_wait=args.wait,
                             node_labels=_revert_node_labels(args, host, ctx),
                             journal=_journal(host, "katamgr revert"))
+        if steps.kata and ctx is not None and ctx.api is not None and args.node_name:
+            from katamgr.pipeline import offers
+
+            report.merge(offers.withdraw(_node_labels(ctx.api, args.node_name)))
         _show_report(args, "RevertReport", report, "nothing to revert: katamgr has no changes recorded on this node")
     return 0 if report.ok else 1
 
@@ -619,6 +659,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                       node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out,
                       fabric=fabric_settings(args, host, config),
                       node_labels=None if args.no_gpu_labels or setup.api is None or not args.node_name
+                      else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
+                      offer_labels=None if setup.api is None or not args.node_name or setup.ctx is None
                       else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
                       **_cc_options(args, setup.api, follower.watch if follower else None))
         return agent.run(once=args.once)

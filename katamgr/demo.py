@@ -21,6 +21,7 @@ from pathlib import Path
 
 from katamgr.config import load_config
 from katamgr.errors import ConfigError
+from katamgr.exitcodes import Exit
 from katamgr.host import selection as device_selection
 from katamgr.host.files import write_atomic
 from katamgr.host.inventory import discover
@@ -76,7 +77,8 @@ def run_demo(args: argparse.Namespace) -> int:
         print("  Kata artifacts come from an OCI layout on the simulated node, and the kubelet is simulated.")
 
         _step("1. Plan (katamgr plan --config kata-manager.yaml)")
-        print(plan_text(full_plan(host, naming, steps, ctx)))
+        plan = full_plan(host, naming, steps, ctx)
+        print(plan_text(plan))
 
         _step("2. Apply (katamgr apply --config kata-manager.yaml)")
         report = reconcile(host, naming, steps, ctx)
@@ -103,7 +105,24 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"  containerd config byte-identical to before: {'yes' if same else 'NO'}")
         if args.keep:
             print(f"\nThe simulated node is kept in {host.root}; try: katamgr plan --host-root {host.root}")
-        return 0 if (undone.ok and same and plugin_ok) else 1
+        return _verdict(plan.problems, plugin_ok=plugin_ok, reverted=undone.ok, same=same)
+
+
+def _verdict(problems: list[str], *, plugin_ok: bool, reverted: bool, same: bool) -> Exit:
+    """The demo's exit code, and why it is not 0 in one line on stderr (katamgr.exitcodes)."""
+    why = []
+    if not reverted:
+        why.append("the revert failed (its errors are above)")
+    if not same:
+        why.append("the revert did not restore containerd's config byte for byte")
+    if why:
+        print(f"katamgr demo: {'; '.join(why)}", file=sys.stderr)
+        return Exit.FAILED
+    if not plugin_ok:
+        cause = f": {' '.join(problems)}" if problems else " (the plugin's output is above)"
+        print(f"katamgr demo: no GPU of the simulated node could be offered to a pod{cause}", file=sys.stderr)
+        return Exit.PROBLEMS if problems else Exit.FAILED
+    return Exit.OK
 
 
 def _device_plugin(host: HostRoot, naming: Naming, args: argparse.Namespace, *, gpus: int = 2) -> bool:

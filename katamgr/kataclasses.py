@@ -40,6 +40,20 @@ CONFIDENTIAL_SUFFIXES: tuple[str, ...] = ("-snp", "-tdx")
 CC_READY_LABEL = "nvidia.com/cc.ready.state"
 
 
+# The node label that offers runtime class NAME on a node: ``runtimeclass.katacontainers.io/NAME
+# = "true"``, set by the agent once the class is installed and registered with containerd there,
+# removed when it is not (its artifacts failed, the node left vm-passthrough, a revert). Every
+# RuntimeClass's scheduling.nodeSelector requires it (``RuntimeClassConfig.scheduling_node_selector``
+# and the chart's runtimeclasses.yaml), so no pod is scheduled to a node that cannot start it. In
+# the style of kata-deploy's katacontainers.io/kata-runtime=true (a node that runs Kata), one key
+# per class: a RuntimeClass name is a DNS label (at most 63), which fits a label's name part whole.
+OFFER_LABEL_PREFIX = "runtimeclass.katacontainers.io/"
+
+
+def offer_label(name: str) -> str:
+    return OFFER_LABEL_PREFIX + name
+
+
 def confidential_by_name(name: str) -> bool:
     return name.endswith(CONFIDENTIAL_SUFFIXES)
 

@@ -113,12 +113,13 @@ def report_lines(report: Report) -> list[ReportLine]:
     """A report as lines, in the order every output shows them: changes, warnings, failures."""
     return [*(ReportLine("changed", c) for c in report.changes),
             *(ReportLine("warning", w) for w in report.warnings),
-            *(ReportLine("error", f) for f in report.failures)]
+            *(ReportLine("error", f) for f in report.failures),
+            *(ReportLine("error", why) for why in report.classes_failed.values())]
 
 
 def quiet(report: Report) -> bool:
     """Nothing changed and nothing failed: the node already was as wanted."""
-    return not report.changes and not report.failures
+    return not report.changes and report.ok
 
 
 # How each kind of line starts: at the command line (warnings and failures go to stderr), and in

@@ -28,6 +28,10 @@ class NodeEvents:
     def reconciled(self, report: Report, failed_before: bool) -> None:
         if report.failures:
             self._record("ReconcileFailed", "; ".join(report.failures), "Warning")
+        for name, why in sorted(report.classes_failed.items()):
+            # One Event per class, so `kubectl get events --field-selector reason=RuntimeClassFailed` names each.
+            self._record("RuntimeClassFailed", f"{why}; RuntimeClass {name} is not offered on this node "
+                                                "until it is installed", "Warning")
         if report.changes:
             self._record("Reconciled", "; ".join(report.changes))
         elif report.ok and failed_before:

@@ -55,9 +55,13 @@ class Health:
 
 
 def readiness(last: Report | None, retry_at: float | None) -> tuple[bool, str]:
-    """/readyz: the last reconcile succeeded."""
+    """/readyz: the last reconcile succeeded; the runtime classes that failed are named."""
     if last is None:
         return False, "no reconcile has finished yet"
+    if last.partly:
+        retry = f"; retrying in {max(0.0, retry_at - time.monotonic()):.0f} s" if retry_at else ""
+        return False, (f"runtime class(es) {', '.join(sorted(last.classes_failed))} failed and are not offered "
+                       f"on this node: {'; '.join(last.classes_failed.values())}{retry}")
     if not last.ok:
         retry = f"; retrying in {max(0.0, retry_at - time.monotonic()):.0f} s" if retry_at else ""
         return False, f"the last reconcile failed: {'; '.join(last.failures)}{retry}"

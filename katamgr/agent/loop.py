@@ -63,7 +63,7 @@ def keep(agent: Agent, watcher: Watcher) -> None:
         # (otherwise what woke it does not matter: the checks look at the files themselves)
         next_check = time.monotonic() + agent.check_interval
         if agent.reconciler.retry_at is not None and time.monotonic() >= agent.reconciler.retry_at:
-            agent.reconcile(f"retry after a failure (backoff {agent.reconciler.retry_delay:g} s)")
+            agent.reconcile(f"retry after a failure (backoff {agent.reconciler.retry_delay:g} s)", retry=True)
             continue
         try:
             if _check(agent):

@@ -38,6 +38,12 @@ class AgentMetrics:
                                "1 for each GPU Operator operand the node opts out of "
                                "(nvidia.com/gpu.deploy.<operand>=false).", ["operand"], registry=r)
 
+        self.runtime_class_ready = Gauge(
+            "katamgr_runtime_class_ready",
+            "1 for each runtime class installed, registered with containerd and offered on this node; "
+            "0 for one that failed (the Event RuntimeClassFailed and /readyz say why).",
+            ["runtime_class"], registry=r)
+
         self.cc_switches = Counter("katamgr_cc_mode_switches",
                                    "CC mode switches of the node's GPUs, by wanted mode and result.",
                                    ["mode", "result"], registry=r)
@@ -89,6 +95,14 @@ class AgentMetrics:
         self.groups_skipped.clear()
         for code, n in skipped.items():
             self.groups_skipped.labels(code).set(n)
+
+    def observe_classes(self, configured: list[str], ready: list[str] | None) -> None:
+        """Each configured runtime class's state after a reconcile (``ready`` None: not known, kept)."""
+        if ready is None:
+            return
+        self.runtime_class_ready.clear()  # a class dropped from the config leaves no sample
+        for name in configured:
+            self.runtime_class_ready.labels(name).set(int(name in ready))
 
     def observe_opt_outs(self, out: frozenset[Operand]) -> None:
         # Every operand gets a sample, so a lifted opt-out reads 0 rather than vanishing.

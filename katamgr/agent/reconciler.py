@@ -21,7 +21,8 @@ from katamgr.agent.target import Target
 from katamgr.errors import KatamgrError
 from katamgr.host.vfio import Action, SkipReason
 from katamgr.node.backoff import Backoff, Retries
-from katamgr.pipeline import nvlinkfabric
+from katamgr.pipeline import nvlinkfabric, offers
+from katamgr.pipeline.gpulabels import NodeLabels
 from katamgr.pipeline.reconcile import reconcile
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report
@@ -39,7 +40,7 @@ class Reconciler:
 
     def __init__(self, target: Target, health: Health, metrics: AgentMetrics, events: NodeEvents,
                  catch_up: Callable[[], tuple[Report, bool]], *, retry_initial: float = RETRY_INITIAL,
-                 retry_max: float = RETRY_MAX) -> None:
+                 retry_max: float = RETRY_MAX, offer_labels: NodeLabels | None = None) -> None:
         self.target = target
         self.health = health
         self.metrics = metrics
@@ -50,21 +51,25 @@ class Reconciler:
         self.last_result: Report | None = None
         self.retry_at: float | None = None  # monotonic time of the next retry
         self.in_use = False  # the last reconcile skipped a GPU a process held: bind it once free
+        self.offer_labels = offer_labels  # the Node's labels, for the classes offered (None: no cluster)
 
     @property
     def retry_delay(self) -> float | None:
         """The backoff now pending after failures (None: the last reconcile succeeded)."""
         return self.retries.delay
 
-    def run(self, why: str, *, raise_errors: bool = False) -> Report:
+    def run(self, why: str, *, raise_errors: bool = False, retry: bool = False) -> Report:
         """One reconcile under the node lock; an error that stopped it before any
-        change (a busy lock, a bad input) is logged and tried again later."""
+        change (a busy lock, a bad input) is logged and tried again later. ``retry``: the
+        backoff's retry, which after a partial success looks up only the classes that failed."""
         log.info("reconciling: %s", why)
         started = time.monotonic()
         told = False
+        last = self.last_result
+        only = frozenset(last.classes_failed) if retry and last is not None and last.partly else None
         with self.health.busy("reconciling"):
             try:
-                report, told = self._reconcile_node()
+                report, told = self._reconcile_node(only)
             except KatamgrError as exc:
                 if raise_errors:
                     raise
@@ -79,24 +84,41 @@ class Reconciler:
         self._after(report, time.monotonic() - started)
         return report
 
-    def _reconcile_node(self) -> tuple[Report, bool]:
+    def _reconcile_node(self, only: frozenset[str] | None = None) -> tuple[Report, bool]:
         """The pipeline's reconcile, after giving back what the node no longer wants bound;
-        and whether that give-back was told in a line of its own."""
+        and whether that give-back was told in a line of its own. ``only``: the runtime classes
+        to look up again (the others are installed and left as they are)."""
         t = self.target
+        ctx = replace(t.ctx, retry_classes=only) if t.ctx is not None and only is not None else t.ctx
         report, told = Report(), False
         gives_back = t.gives_back
         if gives_back:
             caught_up, told = self.catch_up()
             report.merge(caught_up)
-        report.merge(reconcile(t.host, t.naming, t.steps, t.ctx, force=t.force, wait=t.wait,
+        report.merge(reconcile(t.host, t.naming, t.steps, ctx, force=t.force, wait=t.wait,
                                lock_wait=t.lock_wait, command="katamgr run", gives_back=gives_back))
         t.settled = True
+        report.merge(self._offer(report))
         return report, told
+
+    def _offer(self, report: Report) -> Report:
+        """The Node's offer labels after a reconcile: the classes ready here, none where the node
+        runs no Kata of ours (another workload, kata-manager opted out), the metric per class."""
+        t = self.target
+        if t.ctx is None:
+            return Report()
+        configured = [rc.name for rc in t.ctx.config.runtime_classes]
+        kata = t.steps.passthrough and t.steps.kata
+        ready = report.classes_ready if kata else []  # None: the Kata step did not get to run
+        self.metrics.observe_classes(configured, ready)
+        if self.offer_labels is None or ready is None:
+            return Report()
+        return offers.publish(self.offer_labels, offers.wanted(configured, ready))
 
     def _after(self, report: Report, seconds: float) -> None:
         """Metrics, Events and the retry schedule after one reconcile."""
         m = self.metrics
-        result = "success" if report.ok else "failure"
+        result = "success" if report.ok else "partial" if report.partly else "failure"
         m.reconcile_seconds.labels(result).observe(seconds)
         m.reconciles.labels(result).inc()
         m.artifact_bytes.inc(report.bytes_pulled)
@@ -108,11 +130,12 @@ class Reconciler:
             self.retry_at = None
             m.retry_delay.set(0)
         else:
-            m.reconcile_errors.inc(len(report.failures))
+            m.reconcile_errors.inc(len(report.failures) + len(report.classes_failed))
             delay = self.retries.failed()
             self.retry_at = time.monotonic() + delay
             m.retry_delay.set(delay)
-            log.warning("reconcile failed; retrying in %.0f s", delay)
+            log.warning("%s; retrying in %.0f s", "runtime class(es) " + ", ".join(sorted(report.classes_failed))
+                        + " failed" if report.partly else "reconcile failed", delay)
         try:
             plan = self.target.plan()
             m.observe_plan(plan)

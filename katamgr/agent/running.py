@@ -18,6 +18,7 @@ from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.reconciler import RETRY_INITIAL, RETRY_MAX, Reconciler
 from katamgr.agent.switch import Switch
 from katamgr.agent.target import Target
+from katamgr.exitcodes import Exit
 from katamgr.host.cc import CcMode
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
@@ -26,6 +27,7 @@ from katamgr.node.metrics_server import MetricsServer
 from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.process import stop_on_signals
 from katamgr.node.watching import Watcher
+from katamgr.pipeline import offers
 from katamgr.pipeline.gpulabels import NodeLabels
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, revert_all
@@ -40,7 +42,8 @@ class Agent:
     cluster); ``read_workload``: the node's workload and opt-outs now (None: not followed);
     ``node_watch``: a ``katamgr.node.kube.NodeLabelWatch`` that keeps the labels and wakes
     the loop when they change (without one they are read every check); ``node_labels``: the
-    Node's labels, to publish the GPU labels on (None: not published)."""
+    Node's labels, to publish the GPU labels on (None: not published); ``offer_labels``: the
+    same, for the runtime classes offered on the node (``pipeline.offers``; None: no cluster)."""
 
     def __init__(self, host: HostRoot, naming: Naming, steps: Steps, ctx: KataContext | None, *,
                  force: bool = False, wait: float = 5.0, repull_interval: float = 3600.0,
@@ -52,7 +55,8 @@ class Agent:
                  cc_default_mode: CcMode | None = None, read_labels: Callable[[], Mapping[str, str]] | None = None,
                  publish_labels: Callable[[dict[str, str | None]], None] | None = None,
                  read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None,
-                 node_labels: NodeLabels | None = None, fabric: FabricSettings | None = None):
+                 node_labels: NodeLabels | None = None, fabric: FabricSettings | None = None,
+                 offer_labels: NodeLabels | None = None):
         self.target = Target(host, naming, steps, ctx, opted_out, force=force, wait=wait, lock_wait=lock_wait,
                              fabric=fabric)
         self.repull_interval = repull_interval
@@ -74,12 +78,13 @@ class Agent:
         self.gpu_labels = GpuLabels(self.target, self.events, node_labels)
         self.gpu_health = GpuHealth(self.target, self.metrics, self.events)
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
-                                     retry_initial=retry_initial, retry_max=retry_max)
+                                     retry_initial=retry_initial, retry_max=retry_max,
+                                     offer_labels=offer_labels)
 
     # -- the work, each piece in its room -----------------------------------------
 
-    def reconcile(self, why: str, *, raise_errors: bool = False) -> Report:
-        return self.reconciler.run(why, raise_errors=raise_errors)
+    def reconcile(self, why: str, *, raise_errors: bool = False, retry: bool = False) -> Report:
+        return self.reconciler.run(why, raise_errors=raise_errors, retry=retry)
 
     def bind_freed(self) -> None:
         self.reconciler.bind_freed()
@@ -126,8 +131,9 @@ class Agent:
             self.follow_cc()
             labelled = self.gpu_labels.follow()
             if once:
-                return 0 if first.ok and (self.cc.last is None or self.cc.last.ok) \
-                    and (labelled is None or labelled.ok) else 1
+                if (self.cc.last is not None and not self.cc.last.ok) or (labelled is not None and not labelled.ok):
+                    return Exit.FAILED
+                return first.exit_code()
             stop_on_signals(self.request_stop, log)
             self._loop_and_revert()
         finally:
@@ -144,8 +150,11 @@ class Agent:
             if self.revert_on_exit:
                 log.info("reverting on exit (--revert-on-exit)")
                 t = self.target
-                log_report(revert_all(t.host, t.steps, t.ctx, lock_wait=t.lock_wait,
-                                      command="katamgr run --revert-on-exit", node_labels=self.gpu_labels.node), log)
+                report = revert_all(t.host, t.steps, t.ctx, lock_wait=t.lock_wait,
+                                    command="katamgr run --revert-on-exit", node_labels=self.gpu_labels.node)
+                if self.reconciler.offer_labels is not None:
+                    report.merge(offers.withdraw(self.reconciler.offer_labels))
+                log_report(report, log)
 
     def loop(self) -> None:
         watcher = self._watcher = Watcher()

@@ -128,7 +128,10 @@ class Switch:
                                     f"{describe_opt_outs(out)}")
             bound = f"bound {', '.join(report.moved)} to vfio-pci" if report.moved else "no GPU to bind"
             what.append(bound if new.vfio else "binding is opted out (vfio-manager)")
-            if not report.ok:
+            if report.partly:
+                what.append(f"runtime class(es) {', '.join(sorted(report.classes_failed))} failed, not offered "
+                            "here and retried with backoff")
+            elif not report.ok:
                 what.append(f"the reconcile failed, retried with backoff: {'; '.join(report.failures)}")
         if new.passthrough and old.kata and not new.kata:
             what.append("katamgr stands down on the Kata runtime: no artifact pulls or containerd edits; "

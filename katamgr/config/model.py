@@ -110,8 +110,10 @@ class RuntimeClassConfig(_Model):
     @property
     def scheduling_node_selector(self) -> dict[str, str]:
         """The RuntimeClass's scheduling.nodeSelector: the configured one or the default; a
-        confidential class also selects nodes whose GPUs are CC-ready (cc.ready.state=true)."""
+        confidential class also selects nodes whose GPUs are CC-ready (cc.ready.state=true); every
+        class only nodes where the agent installed it (``kataclasses.offer_label``)."""
         selector = dict(self.node_selector or DEFAULT_NODE_SELECTOR)
+        selector[kataclasses.offer_label(self.name)] = "true"
         if self.is_confidential:
             selector[kataclasses.CC_READY_LABEL] = "true"
         return selector

@@ -331,10 +331,12 @@ def _bind_group(host: HostRoot, decision: GroupDecision, wait: float) -> list[De
             f"binding IOMMU group {decision.group} stopped: {exc}; {stuck.bdf} stays recorded as moved by "
             f"katamgr, and 'katamgr revert' returns it to {stuck.driver or 'no driver'} once that write "
             f"has completed{extra}") from exc
-    except HostError as exc:
+    except (HostError, OSError) as exc:
+        # An OSError: a write that failed after the checks (a read-only remount, a full disk).
+        why = exc if isinstance(exc, HostError) else f"{exc.filename or 'a write'}: {exc.strerror or exc}"
         undo_errors = _roll_back(host, moved, state["devices"])
         extra = f" (roll-back problems: {'; '.join(undo_errors)})" if undo_errors else ""
-        raise HostError(f"binding IOMMU group {decision.group} failed and was rolled back: {exc}{extra}") from exc
+        raise HostError(f"binding IOMMU group {decision.group} failed and was rolled back: {why}{extra}") from exc
     return moved
 
 
@@ -416,7 +418,12 @@ def _roll_back(host: HostRoot, moved: list[Device], recorded: dict[str, dict]) -
             state["devices"].pop(device.bdf, None)
         except HostError as exc:
             errors.append(str(exc))
-    write_json(host.state_path(STATE_FILE), state)
+        except OSError as exc:
+            errors.append(f"{device.bdf}: {exc.filename or 'a write'}: {exc.strerror or exc}")
+    try:
+        write_json(host.state_path(STATE_FILE), state)
+    except OSError as exc:  # the record keeps the devices: a revert still finds them
+        errors.append(f"{STATE_FILE} not updated: {exc.strerror or exc}")
     return errors
 
 
@@ -462,6 +469,10 @@ def unbind_all(host: HostRoot, *, force: bool = False, keep: Collection[str] = (
             continue
         except HostError as exc:
             report.failures.append(str(exc))
+            continue
+        except OSError as exc:  # a write that failed (read-only, full): the record stays for next time
+            report.failures.append(f"{bdf} was not given back to {original or 'no driver'}: "
+                                   f"{exc.filename or 'a write'}: {exc.strerror or exc}; left on vfio-pci")
             continue
         state["devices"].pop(bdf)
         report.changes.append(f"restored {bdf} to {original or 'no driver'}")

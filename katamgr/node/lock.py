@@ -62,8 +62,13 @@ def node_lock(host: HostRoot, command: str, wait: float,
     deadline = time.monotonic() + max(0.0, wait)
     told = False
     while True:
-        path.parent.mkdir(parents=True, exist_ok=True)  # again: a finished revert removes it
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # again: a finished revert removes it
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:  # a read-only or full /var/lib: before any change, said as such
+            raise KatamgrError(f"cannot take the node lock {host.host_path(path)} ({exc.strerror or exc}): "
+                               f"katamgr keeps its records there, so it must be writable; nothing was "
+                               "changed") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

@@ -255,6 +255,11 @@ def write_specs(host: HostRoot, inv: Inventory, naming: Naming) -> Report:
     return report
 
 
+def written_kinds(host: HostRoot) -> list[str]:
+    """The CDI kinds whose specs katamgr recorded writing."""
+    return _written(host)
+
+
 def remove_specs(host: HostRoot) -> Report:
     report = Report()
     for kind in _written(host):

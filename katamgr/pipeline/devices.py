@@ -26,6 +26,12 @@ def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workloa
     # One group at a time: a group moves whole or is rolled back, so a group
     # without a failure moved exactly the devices the plan said it would.
     for decision in (d for d in plan.decisions if d.to_move):
+        if decision.forced:
+            # Named before the unbind: each of these processes loses its device now.
+            taken = [f"--force: {device.bdf} is taken from {holder}" for device in decision.to_move
+                     for holder in vfio.in_use(host, [device])]
+            report.forced += taken
+            report.warnings += taken
         bdfs = ", ".join(d.bdf for d in decision.to_move)
         with journal.step(f"bind IOMMU group {decision.group} ({bdfs}) to VFIO") as step:
             result = vfio.bind(host, [decision], wait=wait)
@@ -45,7 +51,11 @@ def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workloa
 
 def revert_host(host: HostRoot, *, force: bool = False) -> Report:
     report = Report()
-    report.changes += [f"removed {p}" for p in readiness_files.clear_ready(host)]
+    try:
+        report.changes += [f"removed {p}" for p in readiness_files.clear_ready(host)]
+    except OSError as exc:  # a read-only /run/nvidia: the GPUs are given back all the same
+        report.failures.append(f"the readiness files in {readiness_files.VALIDATIONS} were not removed "
+                               f"({exc.strerror or exc}); left as they are")
     result = vfio.unbind_all(host, force=force)
     report.changes += result.changes
     report.failures += result.failures

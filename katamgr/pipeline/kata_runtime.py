@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from katamgr.artifacts import (
@@ -32,7 +29,6 @@ from katamgr.artifacts import (
     install_artifact,
     read_install,
     remove_install,
-    resolve_artifact,
 )
 from katamgr.config import KataManagerConfig, RuntimeClassConfig
 from katamgr.errors import ConfigError, KatamgrError
@@ -60,6 +56,8 @@ from katamgr.runtime.kata_config import (
 if TYPE_CHECKING:  # the client is imported only where a cluster is talked to
     from kubernetes.client import ApiClient
 
+    from katamgr.pipeline.kata_checks import Preflight
+
 log = logging.getLogger(__name__)
 
 
@@ -76,6 +74,9 @@ class KataContext:
     # the chart (Helm) when the chart runs katamgr, so no step applies, updates or deletes
     # one and this identity needs no RuntimeClass rights.
     manage_runtime_classes: bool = True
+    # A retry of the runtime classes that failed (the agent's, ``Reconciler``): the other
+    # classes, installed, are not looked up again. None: every class is checked.
+    retry_classes: frozenset[str] | None = None
 
 
 def kata_deploy_runtime(ctx: KataContext, name: str) -> katadetect.FoundRuntime | None:
@@ -89,7 +90,7 @@ def kata_deploy_runtime(ctx: KataContext, name: str) -> katadetect.FoundRuntime 
                  and r.config_path.startswith(katadetect.KATA_DEPLOY_DIR + "/")), None)
 
 
-def _kata_deploy_missing(ctx: KataContext, name: str) -> str | None:
+def kata_deploy_missing(ctx: KataContext, name: str) -> str | None:
     """Why runtime class ``name`` fails with ``kataDeploy: true`` (kata-deploy does not provide it)."""
     if ctx.config.kata_deploy is not True or kata_deploy_runtime(ctx, name) is not None:
         return None
@@ -97,11 +98,16 @@ def _kata_deploy_missing(ctx: KataContext, name: str) -> str | None:
             "node; install it with kata-deploy or set kataDeploy to auto")
 
 
+def not_ours(rc: RuntimeClassConfig, config: KataManagerConfig, exc: NotOursError) -> str:
+    return (f"runtime class {rc.name}: {exc}; choose another kataManager.config.artifactsDir "
+            f"({config.artifacts_dir}) or runtime class name, or move that directory aside")
+
+
 def class_dir(config: KataManagerConfig, name: str) -> str:
     return f"{config.artifacts_dir.rstrip('/')}/{name}"
 
 
-def _pull(host: HostRoot, ctx: KataContext, rc: RuntimeClassConfig) -> Pull:
+def pull_of(host: HostRoot, ctx: KataContext, rc: RuntimeClassConfig) -> Pull:
     """How this runtime class's artifact is pulled, for both the preflight and the install."""
     ref = rc.artifacts.source
     if isinstance(ref, LayoutRef):
@@ -156,7 +162,7 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
         record = read_install(host.path(class_dir(config, rc.name)))
         entry = {"runtimeClass": rc.name, "ref": rc.artifacts.url, "dir": class_dir(config, rc.name)}
         provided = kata_deploy_runtime(ctx, rc.name)
-        missing = _kata_deploy_missing(ctx, rc.name)
+        missing = kata_deploy_missing(ctx, rc.name)
         if provided is not None:
             theirs.append(rc.name)
             drop_in = host.host_path(drop_in_path(host, provided.config_path))
@@ -223,149 +229,36 @@ def _runtime_classes_section(ctx: KataContext) -> PlanSection:
 # ---- apply -------------------------------------------------------------------
 
 
-# ---- preflight (read-only) ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Checked:
-    """One runtime class's artifact as ``preflight`` found it, for ``apply`` to install."""
-
-    pull: Pull
-    resolution: Resolution
-
-
-def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> dict[str, Checked]:
-    """Check everything this step needs before the node's first write; what was found,
-    by runtime class name (``apply`` installs exactly that, reading nothing twice).
-
-    Raises ConfigError (exit 2) listing every bad input (containerd config that does
-    not parse or cannot be written, a pull secret that cannot be read, an artifacts
-    dir that is not ours), or KatamgrError (exit 1) when the inputs are fine but the
-    node cannot take the change now (a registry down with nothing installed, no room).
-    Either way nothing was changed yet.
-    """
-    config = ctx.config
-    bad: list[str] = []
-    blocked: list[str] = []
-    try:
-        configure_containerd(host, runtimes(host, ctx), config.containerd.config_path,
-                             config.containerd.version, enable_cdi=enable_cdi, dry_run=True)
-    except KatamgrError as exc:
-        bad.append(str(exc))
-    bad += _not_writable(host, config.containerd.config_path)
-    needed: dict[Path, int] = {}
-    checked: dict[str, Checked] = {}
-    for rc in config.runtime_classes:
-        if kata_deploy_runtime(ctx, rc.name) is not None:
-            continue  # kata-deploy's: nothing to pull
-        missing = _kata_deploy_missing(ctx, rc.name)
-        if missing:
-            blocked.append(missing)
-            continue
-        dest = host.path(class_dir(config, rc.name))
-        try:
-            pull = _pull(host, ctx, rc)
-            found = resolve_artifact(pull, dest)
-            checked[rc.name] = Checked(pull, found)
-        except NotOursError as exc:
-            bad.append(_not_ours(rc, config, exc))
-        except ConfigError as exc:
-            bad.append(f"runtime class {rc.name}: {exc}")
-        except (ArtifactError, KatamgrError) as exc:
-            blocked.append(f"runtime class {rc.name}: {exc}")
-        else:
-            if found.bytes_needed:
-                volume = _existing(dest.parent)
-                needed[volume] = needed.get(volume, 0) + found.bytes_needed
-    for volume, size in needed.items():
-        free = shutil.disk_usage(volume).free
-        if size > free:
-            blocked.append(f"{host.host_path(volume)} has {free} bytes free, the artifacts need {size}; "
-                           "free some space or choose another kataManager.config.artifactsDir")
-    if bad:
-        raise ConfigError("nothing was changed: " + "; ".join(bad + blocked))
-    if blocked:
-        raise KatamgrError("nothing was changed: " + "; ".join(blocked))
-    return checked
-
-
-def _not_ours(rc: RuntimeClassConfig, config: KataManagerConfig, exc: NotOursError) -> str:
-    return (f"runtime class {rc.name}: {exc}; choose another kataManager.config.artifactsDir "
-            f"({config.artifacts_dir}) or runtime class name, or move that directory aside")
-
-
-def _not_writable(host: HostRoot, config_path: str) -> list[str]:
-    local = host.path(config_path)
-    target = Path(os.path.realpath(local)) if local.is_symlink() else local
-    if target.exists():
-        if not os.access(target, os.W_OK):
-            return [f"{host.host_path(target)} cannot be written (read-only, immutable or not ours to "
-                    "write); make it writable for katamgr or turn kataManager off on this node"]
-        parent = target.parent
-    else:
-        parent = _existing(target.parent)
-    if not os.access(parent, os.W_OK):
-        return [f"{host.host_path(parent)} cannot be written, so containerd's config beside it cannot be "
-                "replaced atomically; make it writable for katamgr"]
-    return []
-
-
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
-          checked: dict[str, Checked] | None = None) -> Report:
-    """Install, render and register; ``checked`` is what ``preflight`` found (else each
-    source is read here)."""
+          checked: Preflight | None = None) -> Report:
+    """Install, render and register; ``checked`` is what ``kata_checks.preflight`` found (else
+    each source is read here). A runtime class that fails is named in ``classes_failed`` and
+    left out of containerd; the others go ahead (``classes_ready``: those containerd runs)."""
     report = Report()
     config = ctx.config
     ready: list[str] = []
+    theirs: list[str] = []
     for rc in config.runtime_classes:
         provided = kata_deploy_runtime(ctx, rc.name)
         if provided is not None:
-            report.merge(_kata_deploy_settings(host, ctx, rc.name, provided))
+            done = _kata_deploy_settings(host, ctx, rc.name, provided)
+            report.merge(done)
+            if done.ok:
+                theirs.append(rc.name)
             continue
-        missing = _kata_deploy_missing(ctx, rc.name)
-        if missing:
-            report.failures.append(missing)
+        why = checked.failed.get(rc.name) if checked is not None else kata_deploy_missing(ctx, rc.name)
+        if why:
+            report.classes_failed[rc.name] = why
+            continue
+        installed = _install(host, ctx, rc, checked, report)
+        if not installed:
             continue
         dest = host.path(class_dir(config, rc.name))
-        try:
-            found = (checked or {}).get(rc.name)
-            if found is None:
-                found = Checked(_pull(host, ctx, rc), Resolution(None, 0))
-            if not found.resolution.warning:
-                # Recorded before the install: revert finds the dir whatever config it is given.
-                kata_record.note_class(host, rc.name, class_dir(config, rc.name), rc.artifacts.url)
-            result = None if found.resolution.warning else install_artifact(  # source down: keep
-                found.pull, dest, fetched=found.resolution.fetched)
-        except NotOursError as exc:
-            report.failures.append(_not_ours(rc, config, exc))
-            continue
-        except (ArtifactError, ConfigError) as exc:
-            report.failures.append(f"runtime class {rc.name}: {exc}")
-            if read_install(dest) is None:
-                continue
-            report.warnings.append(f"runtime class {rc.name}: keeping the artifacts already installed")
-        else:
-            if result is None:
-                report.warnings.append(f"runtime class {rc.name}: {found.resolution.warning}")
-            elif result.warning:
-                report.warnings.append(f"runtime class {rc.name}: {result.warning}")
-            if result is not None and result.changed:
-                report.bytes_pulled += result.bytes_transferred
-                report.changes.append(
-                    f"installed {rc.artifacts.url} ({result.digest[:19]}..., {result.bytes_transferred} bytes) "
-                    f"into {class_dir(config, rc.name)}"
-                )
         try:
             kata = transform_kata_config(host, dest, root_ports=ctx.root_ports,
                                          device_sources=config.pod_resource_device_sources)
         except KatamgrError as exc:
-            report.failures.append(f"runtime class {rc.name}: {exc}")
+            report.classes_failed[rc.name] = f"runtime class {rc.name}: {exc}"
             continue
         report.changes += [f"{kata.config_path}: {c}" for c in kata.changes] if kata.changed else []
         if kata.changed:  # said once, when the config is rendered, not on every reconcile
@@ -383,6 +276,7 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
         report.failures.append(f"containerd config {config.containerd.config_path} was not written: "
                                f"{exc.strerror or exc}")
         return report.merge(_cluster(ctx, config))
+    report.classes_ready = sorted({e.name for e in entries} | set(theirs))
     remove_stale_temps(host.path(change.path))  # the drop-in's, where that is the target
     if change.changed:
         what = ", ".join(filter(None, [
@@ -396,6 +290,45 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
     # delete a class the other nodes serve, so the whole config is applied.
     report.merge(_cluster(ctx, config))
     return report
+
+
+def _install(host: HostRoot, ctx: KataContext, rc: RuntimeClassConfig, checked: Preflight | None,
+             report: Report) -> bool:
+    """Install ``rc``'s artifact as the preflight found it; whether the class has artifacts to
+    run now (a failure with an earlier install kept still has)."""
+    config = ctx.config
+    dest = host.path(class_dir(config, rc.name))
+    if checked is not None and rc.name in checked.kept:
+        return True
+    try:
+        found = checked.checked.get(rc.name) if checked is not None else None
+        pull = found.pull if found is not None else pull_of(host, ctx, rc)
+        resolution = found.resolution if found is not None else Resolution(None, 0)
+        if not resolution.warning:
+            # Recorded before the install: revert finds the dir whatever config it is given.
+            kata_record.note_class(host, rc.name, class_dir(config, rc.name), rc.artifacts.url)
+        result = None if resolution.warning else install_artifact(  # source down: keep
+            pull, dest, fetched=resolution.fetched)
+    except NotOursError as exc:
+        report.classes_failed[rc.name] = not_ours(rc, config, exc)
+        return False
+    except (ArtifactError, ConfigError) as exc:
+        if read_install(dest) is None:
+            report.classes_failed[rc.name] = f"runtime class {rc.name}: {exc}"
+            return False
+        report.warnings.append(f"runtime class {rc.name}: {exc}; keeping the artifacts already installed")
+        return True
+    if result is None:
+        report.warnings.append(f"runtime class {rc.name}: {resolution.warning}")
+    elif result.warning:
+        report.warnings.append(f"runtime class {rc.name}: {result.warning}")
+    if result is not None and result.changed:
+        report.bytes_pulled += result.bytes_transferred
+        report.changes.append(
+            f"installed {rc.artifacts.url} ({result.digest[:19]}..., {result.bytes_transferred} bytes) "
+            f"into {class_dir(config, rc.name)}"
+        )
+    return True
 
 
 def _kata_deploy_settings(host: HostRoot, ctx: KataContext, name: str,

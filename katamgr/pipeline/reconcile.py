@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from katamgr.errors import KatamgrError
 from katamgr.host import gpulabels as host_gpulabels
 from katamgr.host import readiness, vfio
 from katamgr.host.inventory import discover
@@ -29,7 +30,7 @@ from katamgr.node.podresources import (
     wait_not_offered,
 )
 from katamgr.node.toolkit import isolation_problem, read_toolkit_config, toml_value
-from katamgr.pipeline import cdi_specs, gpulabels, kata_record, nvlinkfabric
+from katamgr.pipeline import cdi_specs, gpulabels, hostpaths, kata_record, nvlinkfabric
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import LeaveReport, Report
@@ -86,9 +87,11 @@ def _kata_runtime():
 
 def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None,
               *, force: bool = False, workload_why: str = "", gpu_labels: bool | None = None,
-              fabric: FabricSettings | None = None) -> Plan:
+              fabric: FabricSettings | None = None, check_sources: bool = True) -> Plan:
     """``gpu_labels``: show the GPU labels the agent publishes (False: say they are off; None:
-    no section); ``fabric``: the NVLink fabric section (an NVSwitch board's model, FM's partitions)."""
+    no section); ``fabric``: the NVLink fabric section (an NVSwitch board's model, FM's partitions).
+    ``check_sources``: ask each runtime class's artifact source for its manifest (reads only) and
+    list a class that would fail among the problems."""
     plan = build_plan(host, naming, force=force)
     if fabric is not None:
         nvlinkfabric.add_section(host, plan, fabric)
@@ -102,8 +105,14 @@ def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
         plan.sections.append(cdi_specs.plan_section(host, plan.inventory, plan.decisions if steps.vfio else [],
                                                    naming))
     if steps.kata and kata_ctx is not None:
+        from katamgr.pipeline import kata_checks
+
         ctx = _with_root_ports(kata_ctx, plan)
         plan.sections += _kata_runtime().plan_sections(host, ctx, enable_cdi=steps.cdi)
+        if check_sources:
+            # Each source asked for its manifest, as apply will: a class that would fail is named.
+            plan.problems += [f"{why}: it would not be installed or offered on this node"
+                              for why in kata_checks.class_problems(host, ctx).values()]
     return plan
 
 
@@ -156,7 +165,7 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
               journal: Journal | None = None) -> Report:
     """Bring the node to the plan, holding the node lock (NodeBusyError after ``lock_wait``).
 
-    Every input is checked before the first write (``kata_runtime.preflight``): a
+    Every input is checked before the first write (``kata_checks.preflight``, ``hostpaths``): a
     ConfigError or KatamgrError out of here means nothing was changed. ``gives_back``:
     the caller gives the GPUs an earlier vm-passthrough left on vfio-pci back itself once
     nothing holds them (``katamgr run``, by ``leave_passthrough``), so a node that does
@@ -196,33 +205,51 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
                 f"{', '.join(earlier)} stay on vfio-pci from when this node ran {PASSTHROUGH}; "
                 "run katamgr revert to give them back to their drivers")
         return report
+    kata_dirs = (kata_ctx.config.artifacts_dir,) if steps.kata and kata_ctx is not None else ()
+    blocked = hostpaths.problems(host, hostpaths.written(vfio_step=steps.vfio, cdi=steps.cdi,
+                                                         readiness_files=steps.readiness, kata_dirs=kata_dirs))
+    if blocked:
+        raise KatamgrError("nothing was changed: " + "; ".join(blocked))
     checked = None
     if steps.kata and kata_ctx is not None:
+        from katamgr.pipeline import kata_checks
+
         with journal.step("check the Kata inputs (config, containerd, artifact sources)", writes=False):
-            checked = _kata_runtime().preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
-                                                enable_cdi=steps.cdi)
+            checked = kata_checks.preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
+                                            enable_cdi=steps.cdi)
     plan = build_plan(host, naming, force=force)
-    rescan = False
-    if steps.vfio:
-        bound = apply_host(host, plan, workload=steps.workload, wait=wait, readiness=steps.readiness,
-                           journal=journal)
-        # A failed group was rolled back, but maybe not all the way: look again.
-        rescan = bool(bound.moved) or not bound.ok
-        report.merge(bound)
-    report.warnings += plan.warnings + plan.problems
-    if steps.cdi:
-        with journal.step("write the CDI specs") as step:
-            # The plan's scan still holds unless devices just moved driver.
-            specs = cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory,
-                                          naming)
-            step.failed = not specs.ok
-        report.merge(specs)
-    if steps.kata and kata_ctx is not None:
-        with journal.step("install the Kata runtimes (artifacts, Kata config, containerd, RuntimeClasses)") as step:
-            kata = _kata_runtime().apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
-                                         checked=checked)
-            step.failed = not kata.ok
-        report.merge(kata)
+    doing = "binding the GPUs"
+    try:
+        rescan = False
+        if steps.vfio:
+            bound = apply_host(host, plan, workload=steps.workload, wait=wait, readiness=steps.readiness,
+                               journal=journal)
+            # A failed group was rolled back, but maybe not all the way: look again.
+            rescan = bool(bound.moved) or not bound.ok
+            report.merge(bound)
+        report.warnings += plan.warnings + plan.problems
+        report.problems += plan.problems
+        if steps.cdi:
+            doing = "writing the CDI specs"
+            with journal.step("write the CDI specs") as step:
+                # The plan's scan still holds unless devices just moved driver.
+                specs = cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory,
+                                              naming)
+                step.failed = not specs.ok
+            report.merge(specs)
+        if steps.kata and kata_ctx is not None:
+            doing = "setting up the Kata runtimes"
+            with journal.step("install the Kata runtimes (artifacts, Kata config, containerd, RuntimeClasses)") \
+                    as step:
+                kata = _kata_runtime().apply(host, _with_root_ports(kata_ctx, plan), enable_cdi=steps.cdi,
+                                             checked=checked)
+                step.failed = not kata.ok
+            report.merge(kata)
+    except OSError as exc:
+        # A write that failed after the checks: the step rolled back what it had started;
+        # what is still in place is named, for the `katamgr revert` that undoes it.
+        report.failures.append(hostpaths.failed_write(host, exc, doing))
+        report.changes += [k for k in hostpaths.kept(host, kata_dirs) if k not in report.changes]
     return report
 
 
@@ -246,34 +273,47 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
             return report.merge(_revert_all(host, steps, kata_ctx, force=force,
                                             delete_runtime_classes=delete_runtime_classes, journal=journal))
         report = _journalled(journal, run)
-        tidy_state_dir(host)
+        try:
+            tidy_state_dir(host)
+        except OSError:
+            pass  # a read-only state dir keeps the lock file: the failures above say why
         return report
 
 
 def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool,
                 delete_runtime_classes: bool, journal: Journal) -> Report:
+    """Each step as far as it goes: a write that fails (a read-only dir) is named with its
+    cause, and the steps after it still run (exit 1: what was left is said)."""
     report = Report()
     if steps.kata and (kata_ctx is not None or kata_record.recorded(host)):
-        with journal.step("remove the Kata runtimes (containerd config, artifacts)") as step:
-            kata = _kata_runtime().revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes)
-            step.failed = not kata.ok
-        report.merge(kata)
+        _undo(report, host, journal, "remove the Kata runtimes (containerd config, artifacts)",
+              "undoing the Kata runtimes (containerd, artifacts)",
+              lambda: _kata_runtime().revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
     elif steps.kata and _kata_runtime().changes_recorded(host):
         # Applied by a katamgr older than the Kata record: only its config names the paths.
         report.failures.append(
             "katamgr has Kata changes recorded on this node (containerd config, artifacts) by a release "
             "that did not record their paths; pass the same --config FILE that applied them to revert them too")
     if steps.cdi:
-        with journal.step("remove the CDI specs") as step:
-            specs = cdi_specs.remove_specs(host)
-            step.failed = not specs.ok
-        report.merge(specs)
+        _undo(report, host, journal, "remove the CDI specs", "removing the CDI specs",
+              lambda: cdi_specs.remove_specs(host))
     if steps.vfio:
-        with journal.step("give the devices back to their drivers") as step:
-            devices = revert_host(host, force=force)
-            step.failed = not devices.ok
-        report.merge(devices)
+        _undo(report, host, journal, "give the devices back to their drivers", "giving the GPUs back",
+              lambda: revert_host(host, force=force))
     return report
+
+
+def _undo(report: Report, host: HostRoot, journal: Journal, title: str, doing: str,
+          step: Callable[[], Report]) -> None:
+    """``step()`` as the journal step ``title``; a write that fails is named (``doing``) and
+    the revert goes on."""
+    with journal.step(title) as outcome:
+        try:
+            done = step()
+        except OSError as exc:
+            done = Report(failures=[hostpaths.failed_write(host, exc, doing) + "; left as it is"])
+        outcome.failed = not done.ok
+    report.merge(done)
 
 
 def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: bool | None = None,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from katamgr.exitcodes import Exit, most_serious
+
 
 @dataclass
 class Report:
@@ -17,10 +19,35 @@ class Report:
     failures: list[str] = field(default_factory=list)
     bytes_pulled: int = 0  # artifact blob bytes read from their sources (for the metrics)
     moved: list[str] = field(default_factory=list)  # BDFs moved to vfio-pci by this step
+    # Runtime classes that failed on this node (name -> why, one sentence naming it): the rest
+    # of the node is in place, and these are not offered here (``pipeline.offers``).
+    classes_failed: dict[str, str] = field(default_factory=dict)
+    # Runtime classes installed and registered with containerd on this node (None: the Kata
+    # step did not run, so what is offered is not known here).
+    classes_ready: list[str] | None = None
+    # What the plan listed as problems (a device left out: held, its group not viable; the
+    # IOMMU off; no GPU), also among the warnings: the run is "done with problems".
+    problems: list[str] = field(default_factory=list)
+    # Processes that lost a device to --force, one sentence each (PID, command, device).
+    forced: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.failures
+        """Nothing failed, a runtime class included."""
+        return not self.failures and not self.classes_failed
+
+    @property
+    def partly(self) -> bool:
+        """Done, but some runtime classes failed (named in ``classes_failed``); nothing else did."""
+        return not self.failures and bool(self.classes_failed)
+
+    def exit_code(self) -> Exit:
+        """What a run that did this ends with (``katamgr.exitcodes``): failed, partly done,
+        done with problems, done with --force, or done."""
+        return most_serious([Exit.FAILED if self.failures else Exit.OK,
+                             Exit.PARTLY if self.classes_failed else Exit.OK,
+                             Exit.PROBLEMS if self.problems else Exit.OK,
+                             Exit.FORCED if self.forced else Exit.OK])
 
     def merge(self, other: Report) -> Report:
         self.changes += other.changes
@@ -28,6 +55,11 @@ class Report:
         self.failures += other.failures
         self.bytes_pulled += other.bytes_pulled
         self.moved += other.moved
+        self.classes_failed.update(other.classes_failed)
+        self.problems += other.problems
+        self.forced += other.forced
+        if other.classes_ready is not None:
+            self.classes_ready = [*(self.classes_ready or []), *other.classes_ready]
         return self
 
 

@@ -60,13 +60,24 @@ def test_the_policies_match_the_sandbox_agents_account_only(chart):
     import json
 
     from katamgr.host import cc, gpulabels, katadetect
+    from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES, offer_label
 
     assert json.loads(variable(nodes, "owned")) == [cc.MODE_STATE_LABEL, cc.READY_STATE_LABEL,
-                                                    *gpulabels.KEYS, katadetect.RELEASE_LABEL]
+                                                    *gpulabels.KEYS, katadetect.RELEASE_LABEL,
+                                                    *map(offer_label, DEFAULT_RUNTIME_CLASSES)]
 
 
-def test_without_cc_manager_and_gpu_labels_no_label_is_the_agents(chart):
+def test_without_cc_manager_and_gpu_labels_the_agent_owns_only_the_offer_labels(chart):
+    import json
+
+    from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES, offer_label
+
     rendered = render(chart, merged(FULL, {"gpuLabels": {"enabled": False}}))
+    nodes = next(o for o in rendered.objects if o["kind"] == "ValidatingAdmissionPolicy"
+                 and o["metadata"]["name"] == NODES)
+    # Each runtime class is offered on a node by its label (katamgr.pipeline.offers).
+    assert json.loads(variable(nodes, "owned")) == list(map(offer_label, DEFAULT_RUNTIME_CLASSES))
+    rendered = render(chart, merged(FULL, {"gpuLabels": {"enabled": False}, "kataManager": {"enabled": False}}))
     nodes = next(o for o in rendered.objects if o["kind"] == "ValidatingAdmissionPolicy"
                  and o["metadata"]["name"] == NODES)
     assert variable(nodes, "owned") == "[]"

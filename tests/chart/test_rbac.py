@@ -83,8 +83,9 @@ EXPECTED: dict[str, tuple[dict[str, Any], dict[str, set[Grant]]]] = {
     "defaults": ({}, ALWAYS),
     "webhook-off": ({"isolation": {"webhook": {"enabled": False}}}, {PLUGIN: set()}),
     "sandbox-kata-cdi": (FULL, {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
+    # The agent still labels its Node with the runtime classes it offers (katamgr.pipeline.offers).
     "sandbox-kata-cdi-no-gpu-labels": (merged(FULL, {"gpuLabels": {"enabled": False}}), {
-        **ALWAYS, REVERT: set(), WAIT: READ_REVERT_DS, AGENT: NODE_READ | NODE_EVENTS}),
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
     "ccManager": (merged(FULL, CC), {**ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS}),
     "dra": (merged(FULL, DRA_ON), {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | DRA}),
     "ccManager-dra-pull-secrets": (merged(CUSTOM_CLASSES, CC, DRA_ON), {
@@ -266,10 +267,13 @@ def test_the_webhooks_grant_is_exactly_what_its_code_calls(chart):
 
 
 @pytest.mark.integration
-def test_without_gpu_labels_or_cc_manager_nothing_writes_the_node(chart):
+def test_without_gpu_labels_cc_manager_or_kata_manager_nothing_writes_the_node(chart):
+    # kataManager on: the agent labels its Node with the classes it offers (only those labels).
     rendered = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}}))
     assert {verb for _, resource, verb, _, _ in identities(rendered)[AGENT] if resource == "nodes"} == {
-        "get", "watch"}
+        "get", "watch", "patch"}
+    off = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}, "kataManager": {"enabled": False}}))
+    assert {verb for _, resource, verb, _, _ in identities(off)[AGENT] if resource == "nodes"} == {"get", "watch"}
     agent = next(c for c in rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]["containers"]
                  if c["name"] == "kata-manager")
     assert "--no-gpu-labels" in agent["args"]

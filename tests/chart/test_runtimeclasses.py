@@ -81,10 +81,13 @@ def test_helms_runtime_classes_are_the_ones_katamgr_builds(chart, values):
 def test_the_edge_cases_come_out_as_katamgrs_rules_say(chart):
     classes = helm_classes(render(chart, EDGE_SETS["confidential-either-way"]))
     selectors = {name: c["scheduling"]["nodeSelector"] for name, c in classes.items()}
+    # Each class also requires its own offer label (katamgr.kataclasses.offer_label).
+    offered = "runtimeclass.katacontainers.io/"
     assert selectors == {
-        "kata-cc": {"nvidia.com/gpu.workload.config": "vm-passthrough", "nvidia.com/cc.ready.state": "true"},
-        "kata-plain-snp": {"nvidia.com/gpu.workload.config": "vm-passthrough"},
-        "kata-tdx": {"example.com/pool": "tdx", "nvidia.com/cc.ready.state": "true"},
+        "kata-cc": {"nvidia.com/gpu.workload.config": "vm-passthrough", "nvidia.com/cc.ready.state": "true",
+                    offered + "kata-cc": "true"},
+        "kata-plain-snp": {"nvidia.com/gpu.workload.config": "vm-passthrough", offered + "kata-plain-snp": "true"},
+        "kata-tdx": {"example.com/pool": "tdx", "nvidia.com/cc.ready.state": "true", offered + "kata-tdx": "true"},
     }
     assert {c["overhead"]["podFixed"]["cpu"] for c in classes.values()} == {"1"}
     assert helm_classes(render(chart, CUSTOM_CLASSES))["kata-gpu"]["overhead"] == {

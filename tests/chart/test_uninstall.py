@@ -32,7 +32,9 @@ def test_defaults_render_the_hook_objects_as_post_delete_hooks(chart):
                      ("DaemonSet", REVERT), ("Job", WAIT)}
     assert rendered.get("ClusterRole", "-revert-node-labels")["rules"] == [
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
-    off = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}}))
+    # Without the GPU labels the revert still takes the runtime classes' offer labels off; with
+    # neither (kataManager off too) it writes no Node.
+    off = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}, "kataManager": {"enabled": False}}))
     assert not [o for o in off.hooks() if o["metadata"]["name"] == REVERT + "-node-labels"]
     for obj in rendered.hooks():
         annotations = obj["metadata"]["annotations"]
@@ -59,11 +61,12 @@ def test_no_hook_without_agent_or_with_revert_off(chart, values):
 
 @pytest.mark.integration
 def test_hook_rbac_is_what_revert_and_the_wait_need(chart):
-    """katamgr revert there calls the API only to take the agent's GPU labels off its Node
-    (gpuLabels.enabled, the default: nodes get and patch); without them its pods get no token
+    """katamgr revert there calls the API only to take the agent's labels off its Node (the GPU
+    labels, gpuLabels.enabled by default; the runtime classes' offer labels, kataManager: nodes
+    get and patch); without either its pods get no token
     and its ServiceAccount no role. The waiting Job reads the DaemonSet, by name, with an
     identity of its own."""
-    off = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}}))
+    off = render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}, "kataManager": {"enabled": False}}))
     for rendered, token in ((render(chart, CUSTOM_CLASSES), True), (off, False)):
         ds, init = revert_container(rendered)
         pod = ds["spec"]["template"]["spec"]

@@ -31,7 +31,9 @@ def node(tmp_path) -> Path:
 
 def test_plan_says_why_each_device_is_in_or_out(node):
     result = run("plan", "--host-root", str(node), "--output", "json", *STANDINS)
-    assert result.returncode == 0, result.stderr
+    # 4: the plan lists a problem, the NIC's group that is not viable (0000:04:01.0 stays out).
+    assert result.returncode == 4, result.stderr
+    assert json.loads(result.stdout)["problems"][0].startswith("0000:04:01.0: IOMMU group 7 is not viable")
     devices = {d["bdf"]: d for d in json.loads(result.stdout)["devices"]}
     assert devices["0000:01:00.0"]["selectionMessage"] == "included by --include-device 1234:11e8 as example.com/edu"
     assert devices["0000:00:01.0"]["selectionMessage"] == "excluded by --exclude-device 0000:00:01.0"
@@ -43,10 +45,13 @@ def test_plan_says_why_each_device_is_in_or_out(node):
 
 def test_apply_binds_the_stand_ins_and_revert_needs_no_flags(node):
     applied = run("apply", "--host-root", str(node), *STANDINS)
-    assert applied.returncode == 0, applied.stderr
+    assert applied.returncode == 4, applied.stderr  # done, with a device left out (its group is not viable)
     assert "changed: bound 0000:01:00.0 (1234:11e8) to vfio-pci" in applied.stdout
     assert "changed: wrote /var/run/cdi/example.com-edu.yaml" in applied.stdout
-    assert "nothing to change" in run("apply", "--host-root", str(node), *STANDINS).stdout
+    again = run("apply", "--host-root", str(node), *STANDINS)
+    # Nothing changed, but a device is still left out: not "already as planned".
+    assert again.returncode == 4 and "0000:04:01.0: IOMMU group 7 is not viable" in again.stdout
+    assert "nothing to change" not in again.stdout
     reverted = run("revert", "--host-root", str(node))
     assert reverted.returncode == 0, reverted.stderr
     assert "restored 0000:02:00.0 to bochs-drm" in reverted.stdout
@@ -60,7 +65,7 @@ def test_the_config_devices_key_and_the_flags_add_up(node, tmp_path):
     config.write_text("runtimeClasses: []\ndevices:\n  include: [{ids: '1234:11e8', resource: example.com/edu}]\n")
     result = run("plan", "--host-root", str(node), "--config", str(config), "--no-kata", "--output", "json",
                  "--exclude-device", "0000:00:01.0")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 4, result.stderr  # the NIC's group is not viable (a problem listed)
     devices = {d["bdf"]: d for d in json.loads(result.stdout)["devices"]}
     assert devices["0000:01:00.0"]["selectionMessage"] == (
         "included by config devices.include 1234:11e8 as example.com/edu")

@@ -23,6 +23,7 @@ from katamgr.config import (
     default_config,
 )
 from katamgr.errors import KatamgrError
+from katamgr.kataclasses import offer_label
 
 GPU, SNP = "kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"
 
@@ -56,11 +57,13 @@ def test_first_reconcile_creates_each_class_by_server_side_apply(server, api):
     assert changes.changed
     gpu = server.get("runtimeclasses", GPU)
     assert gpu["handler"] == GPU
-    assert gpu["scheduling"]["nodeSelector"] == {"nvidia.com/gpu.workload.config": "vm-passthrough"}
+    assert gpu["scheduling"]["nodeSelector"] == {"nvidia.com/gpu.workload.config": "vm-passthrough",
+                                                 offer_label(GPU): "true"}
     assert gpu["metadata"]["labels"] == {MANAGED_BY_LABEL: MANAGED_BY_VALUE}
     assert "overhead" not in gpu
     snp = server.get("runtimeclasses", SNP)
-    assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true", "nvidia.com/cc.ready.state": "true"}
+    assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true", "nvidia.com/cc.ready.state": "true",
+                                                 offer_label(SNP): "true"}
     writes = server.writes()
     assert [(w.method, w.path) for w in writes] == [
         ("PATCH", f"/apis/node.k8s.io/v1/runtimeclasses/{GPU}"),
@@ -101,7 +104,7 @@ def test_changed_node_selector_updates_only_that_class_and_drops_the_old_key(ser
     assert [w.path.rsplit("/", 1)[1] for w in server.writes()] == [GPU]
     # The default selector we applied before is gone, not merged with the new one.
     assert server.get("runtimeclasses", GPU)["scheduling"]["nodeSelector"] == {
-        "example.com/kata": "yes"}
+        "example.com/kata": "yes", offer_label(GPU): "true"}
     assert not reconcile_runtime_classes(api, config).changed
 
 
@@ -122,7 +125,8 @@ def test_overhead_is_applied_and_removed_with_the_config(server, api):
 def test_quantities_the_server_canonicalised_count_as_unchanged(server, api):
     server.seed(runtime_class(
         GPU, labels={MANAGED_BY_LABEL: MANAGED_BY_VALUE},
-        scheduling={"nodeSelector": {"nvidia.com/gpu.workload.config": "vm-passthrough"}},
+        scheduling={"nodeSelector": {"nvidia.com/gpu.workload.config": "vm-passthrough",
+                                     offer_label(GPU): "true"}},
         overhead={"podFixed": {"cpu": "0.25", "memory": "160Mi"}}))
     config = replace(default_config(), runtime_classes=default_config().runtime_classes[:1],
                      overhead_pod_fixed={"cpu": "250m", "memory": "160Mi"})

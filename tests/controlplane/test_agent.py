@@ -25,6 +25,8 @@ from support.kubecluster import wait_for
 from support.paths import REPO
 from support.registry_server import free_port
 
+from katamgr.kataclasses import offer_label
+
 pytestmark = pytest.mark.integration
 
 RELEASE = "ksm-agent"
@@ -151,12 +153,13 @@ def test_katamgr_by_hand_applies_runtime_classes_once(kube, release, node, tmp_p
         assert first.returncode == 0, first.stderr
         gpu = kube.get("runtimeclass", GPU)
         assert gpu["handler"] == GPU
-        assert gpu["scheduling"]["nodeSelector"] == {WORKLOAD: "vm-passthrough"}
+        assert gpu["scheduling"]["nodeSelector"] == {WORKLOAD: "vm-passthrough", offer_label(GPU): "true"}
         assert gpu["overhead"]["podFixed"] == {"cpu": "250m", "memory": "160Mi"}
         assert gpu["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "kata-sandbox-manager"
         snp = kube.get("runtimeclass", SNP)
         assert snp["scheduling"]["nodeSelector"] == {"nvidia.com/cc.capable": "true",
-                                                     "nvidia.com/cc.ready.state": "true"}
+                                                     "nvidia.com/cc.ready.state": "true",
+                                                     offer_label(SNP): "true"}
         # Server-side apply under our field manager: the API server records it as such.
         entries = [(e["manager"], e["operation"]) for e in gpu["metadata"]["managedFields"]]
         assert entries == [("kata-sandbox-manager", "Apply")]
@@ -174,7 +177,6 @@ def test_the_agent_token_is_refused_what_the_agent_never_does(kube, release, tmp
                                                  tmp_path / "agent.kubeconfig")
     kube.namespace("other")
     refused = [
-        ("patch", "nodes", None, NODE),
         ("delete", "nodes", None, NODE),
         ("list", "secrets", RELEASE, None),
         ("list", "secrets", "other", None),
@@ -188,6 +190,10 @@ def test_the_agent_token_is_refused_what_the_agent_never_does(kube, release, tmp
         ("list", "runtimeclasses", None, None),
     ]
     allowed = [
+        # kataManager on: the agent labels its Node with the runtime classes it offers
+        # (katamgr.pipeline.offers); the node-binding policy, not applied here, holds that patch
+        # to those labels of its own Node (the node suite sends the real refused patch).
+        ("patch", "nodes", None, NODE),
         ("get", "nodes", None, NODE),
         ("watch", "nodes", None, None),
         ("create", "events", "default", None),  # Node events live there
@@ -198,8 +204,8 @@ def test_the_agent_token_is_refused_what_the_agent_never_does(kube, release, tmp
     for verb, resource, namespace, name in allowed:
         assert kube.can_i(verb, resource, kubeconfig=kubeconfig, namespace=namespace, name=name), \
             (verb, resource, namespace, name)
-    # And the real call, not only the review: a label patch is forbidden.
-    patch = kube.kubectl("label", "node", NODE, "x=y", kubeconfig=kubeconfig, check=False)
+    # And the real call, not only the review: deleting its Node is forbidden.
+    patch = kube.kubectl("delete", "node", NODE, kubeconfig=kubeconfig, check=False)
     assert patch.returncode != 0 and "forbidden" in patch.stderr.lower(), patch.stderr
 
 
@@ -282,11 +288,12 @@ def test_a_watch_from_a_version_the_api_server_no_longer_has_is_410_gone(kube, r
         kube.kubectl("label", "node", NODE, "example.com/seen-")
 
 
-def test_the_uninstall_hook_reverts_the_node_with_no_token_and_leaves_the_classes(
+def test_the_uninstall_hook_reverts_the_node_even_without_a_token_and_leaves_the_classes(
         kube, release, node, tmp_path):
-    """The hook's katamgr revert calls no API (its pods get no token): it puts the node back
-    and leaves every RuntimeClass to Helm. Its waiting Job's account may read the revert
-    DaemonSet and nothing else."""
+    """The hook's katamgr revert calls the API only to take the agent's offer labels off its
+    Node (kataManager on: its pods get a token for that); without a token it still puts the
+    node back and leaves every RuntimeClass to Helm. Its waiting Job's account may read the
+    revert DaemonSet and nothing else."""
     root, config = node
     env = agent_env(kube, tmp_path, agent_account(release))
     assert run_once(kube, node, env, chart_flags(release)).returncode == 0
@@ -297,7 +304,7 @@ def test_the_uninstall_hook_reverts_the_node_with_no_token_and_leaves_the_classe
 
     hook = next(o for o in release if o["kind"] == "DaemonSet" and is_hook(o))
     pod = hook["spec"]["template"]["spec"]
-    assert pod["automountServiceAccountToken"] is False
+    assert pod.get("automountServiceAccountToken", True) is True  # for the offer labels (pipeline.offers)
     container = next(c for c in pod.get("initContainers", []) + pod["containers"] if c["name"] == "revert")
     args = list(container["args"])
     # The hook's own arguments, the host root and config pointed at the simulated node.

@@ -71,9 +71,14 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
         assert get(server.port, "/readyz")[0] == 503  # nothing reconciled yet
         assert get(server.port, "/healthz")[0] == 200
         first = agent.reconcile("start")
-        assert not first.ok and "late" in first.failures[0]
+        # Only the class failed: the GPUs are bound and the CDI spec written all the same.
+        assert first.partly and first.failures == [] and "late" in first.classes_failed["kata-qemu-nvidia-gpu"]
+        assert sorted(first.moved) == ["0000:01:00.0", "0000:02:00.0"]
+        assert host.path("/var/run/cdi").is_dir()
         status, body = get(server.port, "/readyz")
-        assert status == 503 and "the last reconcile failed" in body
+        assert status == 503 and "runtime class(es) kata-qemu-nvidia-gpu failed and are not offered" in body
+        assert value(scrape(server.port)["katamgr_runtime_class_ready"], "katamgr_runtime_class_ready",
+                     runtime_class="kata-qemu-nvidia-gpu") == 0
         assert agent.reconciler.retry_delay == 0.1
         thread = threading.Thread(target=agent.loop, daemon=True)
         thread.start()
@@ -82,7 +87,7 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
             assert wait_for(lambda: agent.reconciler.reconciles >= 4)
             assert agent.reconciler.retry_delay == 0.4
             metrics = scrape(server.port)
-            assert value(metrics["katamgr_reconciles"], "katamgr_reconciles_total", result="failure") >= 4
+            assert value(metrics["katamgr_reconciles"], "katamgr_reconciles_total", result="partial") >= 4
             assert value(metrics["katamgr_reconcile_errors"], "katamgr_reconcile_errors_total") >= 4
             publish_layout(host)
             assert wait_for(lambda: agent.reconciler.last_result is not None and agent.reconciler.last_result.ok)
@@ -109,6 +114,8 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
     assert value(metrics["katamgr_artifact_pulled_bytes"], "katamgr_artifact_pulled_bytes_total") > 0
     assert value(metrics["katamgr_devices"], "katamgr_devices", kind="gpu", driver="vfio-pci", action="keep") == 2
     assert metrics["katamgr_iommu_groups_skipped"] == []
+    assert value(metrics["katamgr_runtime_class_ready"], "katamgr_runtime_class_ready",
+                 runtime_class="kata-qemu-nvidia-gpu") == 1
 
 
 def test_healthz_fails_when_the_loop_stops_ticking(tmp_path):
@@ -131,23 +138,27 @@ def test_events_on_the_node_for_changes_and_failures_deduplicated(tmp_path):
         agent = Agent(host, NAMING, Steps(), KataContext(parse_config(LATE)), events=recorder,
                       retry_initial=0.01, retry_max=0.01)
         for _ in range(3):  # the same failure three times: one Event
-            assert not agent.reconcile("start").ok
+            assert agent.reconcile("start").partly
         events = [api.get("events", n, "default") for n in api.names("events")]
-        assert [(e["type"], e["reason"]) for e in events] == [("Warning", "ReconcileFailed")]
-        failed = events[0]
+        # The GPUs were bound (Reconciled); the class that failed has an Event of its own, by name.
+        assert sorted((e["type"], e["reason"]) for e in events) == [("Normal", "Reconciled"),
+                                                                   ("Warning", "RuntimeClassFailed")]
+        failed = next(e for e in events if e["reason"] == "RuntimeClassFailed")
         # One Event, seen three times: its count raised, as client-go's EventCorrelator does.
         assert failed["count"] == 3 and failed["lastTimestamp"] >= failed["firstTimestamp"]
         assert failed["involvedObject"]["kind"] == "Node" and failed["involvedObject"]["name"] == "gpu-node-1"
-        assert "late" in failed["message"]
+        assert failed["message"].startswith("runtime class kata-qemu-nvidia-gpu: ") and "late" in failed["message"]
+        assert "RuntimeClass kata-qemu-nvidia-gpu is not offered on this node" in failed["message"]
+        bound = next(e for e in events if e["reason"] == "Reconciled")
+        assert "bound 0000:01:00.0" in bound["message"]
         publish_layout(host)
         assert agent.reconcile("retry").ok
         events = [api.get("events", n, "default") for n in api.names("events")]
-        reasons = sorted((e["type"], e["reason"]) for e in events)
-        assert reasons == [("Normal", "Reconciled"), ("Warning", "ReconcileFailed")]
-        changed = next(e for e in events if e["reason"] == "Reconciled")
-        assert "bound 0000:01:00.0" in changed["message"] or "vfio-pci" in changed["message"]
+        installed = [e for e in events if e["reason"] == "Reconciled" and "installed" in e["message"]]
+        assert len(installed) == 1 and "kata-qemu-nvidia-gpu" in installed[0]["message"]
+        count = len(api.names("events"))
         assert agent.reconcile("again").changes == []  # nothing changed: no Event
-        assert len(api.names("events")) == 2
+        assert len(api.names("events")) == count
 
 
 def test_the_node_is_told_what_becomes_of_its_nvswitches(tmp_path):

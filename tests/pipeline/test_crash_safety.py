@@ -5,7 +5,9 @@ at the N-th write point, see ``katamgr.host.faults``) on a simulated node with G
 two Kata runtime classes and a containerd config, then runs ``apply`` or ``revert``
 to the end and compares the node, file by file, with what an uninterrupted run
 leaves: no temp file, staging dir, lock file or half-removed install may remain.
-This runs a spread of points; ``bench/reliability.py`` (its crash points) runs all of them.
+This runs a spread of points; ``bench/reliability.py`` (its crash points) runs all of them. The same points
+fail with EROFS and ENOSPC instead (``KATAMGR_FAIL_AT``): said, never a crash, and undone
+by a revert.
 """
 
 from __future__ import annotations
@@ -25,6 +27,19 @@ def test_a_kill_at_any_sampled_write_point_converges(command):
     result = crashsweep.sweep(command, points)
     assert result.failures == []
     assert result.figure("apply") == result.figure("revert") == f"{len(points)}/{len(points)}"
+
+
+@pytest.mark.parametrize("error", ["EROFS", "ENOSPC"])
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_a_write_that_fails_at_any_sampled_point_is_said_and_undone(command, error):
+    """A directory made read-only, or a disk that fills, after the checks: the run says what
+    failed and what it kept (and the revert that undoes it), and that revert converges."""
+    with crashsweep.workspace() as base:
+        total = len(crashsweep.write_points(base, command))
+    points = crashsweep.spread(total, SAMPLE)
+    result = crashsweep.fault_sweep(command, error, points)
+    assert result.failures == []
+    assert result.figure("revert") == f"{len(points)}/{len(points)}"
 
 
 def test_the_sweep_notices_litter():

@@ -20,7 +20,6 @@ from support.paths import REPO, require_binary
 
 from katamgr.agent import Agent
 from katamgr.config import parse_config
-from katamgr.errors import KatamgrError
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.kataclasses import GPU, GPU_SNP
@@ -167,7 +166,8 @@ def test_runtime_classes_follow_the_config_through_the_official_client(tmp_path)
         assert "created RuntimeClass kata-qemu-nvidia-gpu" in report.changes
         gpu = api.get("runtimeclasses", "kata-qemu-nvidia-gpu")
         assert gpu["handler"] == "kata-qemu-nvidia-gpu"
-        assert gpu["scheduling"]["nodeSelector"] == {"nvidia.com/gpu.workload.config": "vm-passthrough"}
+        assert gpu["scheduling"]["nodeSelector"] == {"nvidia.com/gpu.workload.config": "vm-passthrough",
+                                                     "runtimeclass.katacontainers.io/kata-qemu-nvidia-gpu": "true"}
         assert gpu["overhead"]["podFixed"] == {"memory": "160Mi", "cpu": "250m"}
         api.clear_log()
         assert reconcile(host, NAMING, Steps(), ctx).changes == []
@@ -187,22 +187,33 @@ def test_one_nodes_failed_pull_keeps_the_cluster_wide_class(tmp_path):
         # Other nodes set the classes up; this one cannot pull one of its artifacts.
         reconcile(node(tmp_path / "other"), NAMING, Steps(),
                   KataContext(parse_config(CONFIG.replace("signal", "none")), api.client(), "gpu-operator"))
-        with pytest.raises(KatamgrError, match="no-such-tag"):
-            reconcile(host, NAMING, Steps(), KataContext(parse_config(broken), api.client(), "gpu-operator"))
+        report = reconcile(host, NAMING, Steps(), KataContext(parse_config(broken), api.client(), "gpu-operator"))
+        assert report.partly and "no-such-tag" in report.classes_failed[GPU_SNP]
         assert sorted(api.names("runtimeclasses")) == ["kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"]
 
 
-def test_a_failed_pull_changes_nothing_on_the_node(tmp_path):
+def test_a_failed_pull_fails_its_class_alone(tmp_path):
     host = node(tmp_path)
     broken = CONFIG.replace("layout:kata-qemu-nvidia-gpu-snp", "layout:no-such-tag").replace("signal", "none")
-    # The artifact source is resolved before the first write: no GPU bound, no file touched.
-    with pytest.raises(KatamgrError) as failed:
-        reconcile(host, NAMING, Steps(), KataContext(parse_config(broken)))
-    assert "kata-qemu-nvidia-gpu-snp" in str(failed.value) and "no-such-tag" in str(failed.value)
-    assert "nothing was changed" in str(failed.value)
-    assert host.path("/etc/containerd/config.toml").read_text() == ORIGINAL
-    assert not host.path("/var/run/cdi").exists()
-    assert not host.path("/opt/nvidia-gpu-operator").exists()
+    report = reconcile(host, NAMING, Steps(), KataContext(parse_config(broken)))
+    # The class is named, with its cause; nothing else failed.
+    assert report.failures == [] and list(report.classes_failed) == [GPU_SNP]
+    assert "no-such-tag" in report.classes_failed[GPU_SNP]
+    # The GPUs are bound, the CDI spec written, the other class installed and registered.
+    assert sorted(report.moved) == ["0000:01:00.0", "0000:02:00.0"]
+    assert host.path("/var/run/cdi/nvidia.com-GA102GL_A10.yaml").is_file()
+    assert report.classes_ready == [GPU]
+    assert [r.name for r in runtimes(host, KataContext(parse_config(broken)))] == [GPU]
+    containerd = host.path("/etc/containerd/config.toml").read_text()
+    assert f"runtimes.{GPU}]" in containerd and GPU_SNP not in containerd
+    assert not host.path(f"/opt/nvidia-gpu-operator/artifacts/runtimeclasses/{GPU_SNP}").exists()
+    # A retry of that class alone (the agent's) leaves the installed one unasked and succeeds once
+    # the source is right.
+    fixed = KataContext(parse_config(CONFIG.replace("signal", "none")), retry_classes=frozenset({GPU_SNP}))
+    again = reconcile(host, NAMING, Steps(), fixed)
+    assert again.ok and again.classes_ready == [GPU, GPU_SNP]
+    assert [c.split(" (")[0] for c in again.changes if c.startswith("installed")] == [
+        f"installed oci-layout:///opt/kata-artifacts/layout:{GPU_SNP}"]
 
 
 def test_workload_container_binds_nothing(tmp_path):

@@ -79,5 +79,8 @@ def test_the_command_refuses_the_contradiction_and_plans_with_the_flag(tmp_path)
     plan = subprocess.run([KATAMGR, "plan", "--host", "a10-server", "--config", str(config),
                            "--no-runtime-classes", "--output", "json"],
                           capture_output=True, text=True, timeout=120)
-    assert plan.returncode == 0, plan.stderr
-    assert json.loads(plan.stdout)["runtimeClasses"]["managed"] is False
+    # 4: the profile's node holds no artifact layout, so plan's manifest check names both classes.
+    assert plan.returncode == 4, plan.stderr
+    planned = json.loads(plan.stdout)
+    assert planned["runtimeClasses"]["managed"] is False
+    assert [p.split(":")[0] for p in planned["problems"]] == [f"runtime class {GPU}", f"runtime class {GPU_SNP}"]

@@ -69,8 +69,11 @@ def new_node(directory: Path, profile: str = "workstation-a6000") -> Path:
     return host.root
 
 
-def run(root: Path, command: str, crash_at: int | None = None, log: Path | None = None) -> int:
-    """``katamgr COMMAND`` on the node in a forked child; its exit status (-9: killed)."""
+def run(root: Path, command: str, crash_at: int | None = None, log: Path | None = None,
+        fail_at: str | None = None, output: Path | None = None) -> int:
+    """``katamgr COMMAND`` on the node in a forked child; its exit status (-9: killed).
+    ``fail_at``: ``N:EROFS`` or ``N:ENOSPC``, the N-th write fails so; ``output``: where its
+    stdout and stderr go (else nowhere)."""
     args = [command, "--host-root", str(root), "--config", str(root.parent / "kata-manager.yaml")]
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -78,15 +81,18 @@ def run(root: Path, command: str, crash_at: int | None = None, log: Path | None 
         try:
             os.environ.pop(faults.CRASH_AT, None)
             os.environ.pop(faults.WRITE_LOG, None)
+            os.environ.pop(faults.FAIL_AT, None)
+            if fail_at is not None:
+                os.environ[faults.FAIL_AT] = fail_at
             if crash_at is not None:
                 os.environ[faults.CRASH_AT] = str(crash_at)
             if log is not None:
                 os.environ[faults.WRITE_LOG] = str(log)
             os.environ["KUBECONFIG"] = "/nonexistent"
             faults._seen = 0
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
+            sink = os.open(output if output is not None else os.devnull, os.O_WRONLY | os.O_CREAT, 0o600)
+            os.dup2(sink, 1)
+            os.dup2(sink, 2)
             code = katamgr_main(args)
         finally:
             os._exit(code)
@@ -198,6 +204,42 @@ def sweep(command: str, points: list[int] | None = None,
                 shutil.rmtree(directory, ignore_errors=True)
         if points is not None:
             result.points = [result.points[n - 1] for n in chosen]
+        return result
+
+
+def fault_sweep(command: str, error: str, points: list[int]) -> Sweep:
+    """Fail the write at each of ``points`` of ``command`` with ``error`` (EROFS, ENOSPC),
+    then revert with nothing failing. The failed run must exit 1 (or 3: a runtime class alone
+    failed) with its failure said in a sentence, never an unexpected error, and name the
+    ``katamgr revert`` that undoes what it kept; the revert then leaves the node exactly as
+    an uninterrupted apply and revert do."""
+    with workspace() as base:
+        want = references(base)
+        result = Sweep(command, write_points(base, command))
+        for n in points:
+            directory = base / f"{command}-{error}-{n}"
+            directory.mkdir()
+            root = new_node(directory)
+            if command == "revert":
+                assert run(root, "apply") == 0
+            output = directory / "output"
+            status = run(root, command, fail_at=f"{n}:{error}", output=output)
+            said = output.read_text() if output.exists() else ""
+            where = f"{error} at {command} point {n} ({result.points[n - 1]})"
+            if status not in (1, 3) or "unexpected" in said or "Traceback" in said:
+                result.failures.append(f"{where}: exit {status}: {said[-600:]}")
+                continue
+            if command == "apply" and status == 1 and "changed:" in said and "katamgr revert" not in said:
+                result.failures.append(f"{where}: changes kept but no `katamgr revert` named: {said[-600:]}")
+                continue
+            follow = run(root, "revert")
+            problem = diff(snapshot(root), want["revert"]) if follow == 0 else f"exit {follow}"
+            if problem:
+                result.failures.append(f"{where}, then revert: {problem}")
+            else:
+                result.survived.setdefault("revert", []).append(n)
+            shutil.rmtree(directory, ignore_errors=True)
+        result.points = [result.points[n - 1] for n in points]
         return result
 
 

@@ -78,6 +78,12 @@ DEFAULT_CC_MODE from ccManager.env (NVIDIA's cc-manager reads that), else defaul
 {{- if and (include "ksm.agent" .) (dig "enabled" true (.Values.gpuLabels | default dict)) }}true{{ end -}}
 {{- end -}}
 
+{{/* The uninstall hook's katamgr revert takes labels the agent set off its Node: the GPU
+labels (gpuLabels.enabled) and the runtime classes' offer labels (kataManager): "true" or "". */}}
+{{- define "ksm.revertWritesNode" -}}
+{{- if or (include "ksm.gpuLabels" .) (and (include "ksm.agent" .) (include "ksm.kata" .)) }}true{{ end -}}
+{{- end -}}
+
 {{- define "ksm.ccDefaultMode" -}}
 {{- $cc := include "ksm.block" (list . "ccManager") | fromJson -}}
 {{- $mode := $cc.defaultMode | default "on" -}}

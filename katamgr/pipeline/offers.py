@@ -1,0 +1,53 @@
+"""Which runtime classes this node offers: the per-class node label the RuntimeClasses select.
+
+A RuntimeClass is cluster-wide, but a class can fail on one node (its registry unreachable from
+there, say) while the others run. Every class's ``scheduling.nodeSelector`` requires
+``kataclasses.offer_label(NAME)=true``, which is set here on the Node where the class is
+installed and registered with containerd, and removed where it is not, so the scheduler never
+places a pod of that class on a node that cannot start it. One patch, only when a label differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from katamgr.errors import KatamgrError
+from katamgr.kataclasses import OFFER_LABEL_PREFIX, offer_label
+from katamgr.pipeline.gpulabels import NodeLabels
+from katamgr.pipeline.report import Report
+
+
+def wanted(configured: Iterable[str], ready: Iterable[str]) -> dict[str, str | None]:
+    """Each configured class's label: "true" where it is ready on this node, else removed."""
+    ready = set(ready)
+    return {offer_label(name): "true" if name in ready else None for name in configured}
+
+
+def publish(node: NodeLabels, labels: dict[str, str | None]) -> Report:
+    """Bring the Node's offer labels to ``labels`` (None removes): one patch, only when needed."""
+    report = Report()
+    try:
+        current = node.read()
+        patch = {k: v for k, v in labels.items() if current.get(k) != v}
+        if patch and node.read_fresh is not None:  # a watch's copy may lag: ask before writing
+            current = node.read_fresh()
+            patch = {k: v for k, v in labels.items() if current.get(k) != v}
+        if patch:
+            node.patch(patch)
+    except KatamgrError as exc:
+        report.failures.append(f"{exc}; the runtime classes offered on this node are not up to date")
+        return report
+    report.changes += [f"offered runtime class {k.removeprefix(OFFER_LABEL_PREFIX)} on this node ({k}=true)"
+                       for k, v in sorted(patch.items()) if v is not None]
+    report.changes += [f"stopped offering runtime class {k.removeprefix(OFFER_LABEL_PREFIX)} on this node "
+                       f"(removed {k})" for k, v in sorted(patch.items()) if v is None]
+    return report
+
+
+def withdraw(node: NodeLabels) -> Report:
+    """Remove every offer label from the Node (a revert: no class is installed any more)."""
+    try:
+        current = node.read()
+    except KatamgrError as exc:
+        return Report(failures=[f"{exc}; the node's {OFFER_LABEL_PREFIX}* labels were left"])
+    return publish(node, {k: None for k in current if k.startswith(OFFER_LABEL_PREFIX)})
