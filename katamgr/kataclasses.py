@@ -40,14 +40,16 @@ CONFIDENTIAL_SUFFIXES: tuple[str, ...] = ("-snp", "-tdx")
 CC_READY_LABEL = "nvidia.com/cc.ready.state"
 
 
-# The node label that offers runtime class NAME on a node: ``runtimeclass.katacontainers.io/NAME
+# The node label that offers runtime class NAME on a node: ``runtimeclass.kata-sandbox-manager.io/NAME
 # = "true"``, set by the agent once the class is installed and registered with containerd there,
 # removed when it is not (its artifacts failed, the node left vm-passthrough, a revert). Every
 # RuntimeClass's scheduling.nodeSelector requires it (``RuntimeClassConfig.scheduling_node_selector``
 # and the chart's runtimeclasses.yaml), so no pod is scheduled to a node that cannot start it. In
-# the style of kata-deploy's katacontainers.io/kata-runtime=true (a node that runs Kata), one key
-# per class: a RuntimeClass name is a DNS label (at most 63), which fits a label's name part whole.
-OFFER_LABEL_PREFIX = "runtimeclass.katacontainers.io/"
+# the style of kata-deploy's katacontainers.io/kata-runtime=true (a node that runs Kata), but under
+# our own domain, as our other labels (isolation.kata-sandbox-manager.io/exempt): katacontainers.io
+# is the Kata project's. One key per class: a RuntimeClass name is a DNS label (at most 63), which
+# fits a label's name part whole.
+OFFER_LABEL_PREFIX = "runtimeclass.kata-sandbox-manager.io/"
 
 
 def offer_label(name: str) -> str:

@@ -82,7 +82,7 @@ def test_the_edge_cases_come_out_as_katamgrs_rules_say(chart):
     classes = helm_classes(render(chart, EDGE_SETS["confidential-either-way"]))
     selectors = {name: c["scheduling"]["nodeSelector"] for name, c in classes.items()}
     # Each class also requires its own offer label (katamgr.kataclasses.offer_label).
-    offered = "runtimeclass.katacontainers.io/"
+    offered = "runtimeclass.kata-sandbox-manager.io/"
     assert selectors == {
         "kata-cc": {"nvidia.com/gpu.workload.config": "vm-passthrough", "nvidia.com/cc.ready.state": "true",
                     offered + "kata-cc": "true"},

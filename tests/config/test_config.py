@@ -41,10 +41,10 @@ def test_default_config_matches_the_gpu_operator_defaults():
     assert snp.artifacts.url == DEFAULT_SNP_ARTIFACTS
     # Every class schedules only where the agent installed it (its offer label, kataclasses.offer_label).
     assert gpu.scheduling_node_selector == {"nvidia.com/gpu.workload.config": "vm-passthrough",
-                                            "runtimeclass.katacontainers.io/kata-qemu-nvidia-gpu": "true"}
+                                            "runtimeclass.kata-sandbox-manager.io/kata-qemu-nvidia-gpu": "true"}
     # A confidential class (-snp) schedules only where the GPUs are CC-ready too.
     assert snp.scheduling_node_selector == {"nvidia.com/cc.capable": "true", "nvidia.com/cc.ready.state": "true",
-                                            "runtimeclass.katacontainers.io/kata-qemu-nvidia-gpu-snp": "true"}
+                                            "runtimeclass.kata-sandbox-manager.io/kata-qemu-nvidia-gpu-snp": "true"}
     assert config.containerd.restart_mode == "signal"
     assert config.containerd.pod_annotations == ("io.katacontainers.*",)
     assert load_config(None) == config
@@ -225,7 +225,7 @@ runtimeClasses:
   - {name: kata-qemu-nvidia-gpu, artifacts: {url: "registry.example.com/a:1"}}
 """)
     tdx, mine, not_cc, plain = config.runtime_classes
-    offered = "runtimeclass.katacontainers.io/"
+    offered = "runtimeclass.kata-sandbox-manager.io/"
     assert tdx.scheduling_node_selector == {"nvidia.com/gpu.workload.config": "vm-passthrough",
                                             "nvidia.com/cc.ready.state": "true", offered + tdx.name: "true"}
     assert mine.scheduling_node_selector == {"team": "ml", "nvidia.com/cc.ready.state": "true",

@@ -238,7 +238,7 @@ def test_an_injected_runtime_class_brings_its_overhead_and_scheduling(kube, laye
     # (the pod had no class when it first ran).
     assert spec["overhead"] == {"cpu": "250m", "memory": "160Mi"}
     assert spec["nodeSelector"] == {"nvidia.com/gpu.workload.config": "vm-passthrough",
-                                    f"runtimeclass.katacontainers.io/{KATA}": "true"}
+                                    f"runtimeclass.kata-sandbox-manager.io/{KATA}": "true"}
 
 
 def test_excluded_namespaces_are_left_alone(kube, layer):

@@ -250,7 +250,7 @@ def test_no_identity_of_the_chart_may_touch_a_runtime_class(kube, release, bound
     kept = kube.get("runtimeclass", GPU)
     assert kept["handler"] == GPU
     assert kept["scheduling"]["nodeSelector"] == {"nvidia.com/gpu.workload.config": "vm-passthrough",
-                                                  f"runtimeclass.katacontainers.io/{GPU}": "true"}
+                                                  f"runtimeclass.kata-sandbox-manager.io/{GPU}": "true"}
     assert kube.kubectl("get", "runtimeclass", "identity-runc", check=False).returncode != 0
 
 

@@ -1,7 +1,7 @@
 """One runtime class that cannot be installed does not hold the node back, and is not offered.
 
 The node's Kata classes are cluster-wide RuntimeClasses; each one's scheduling.nodeSelector
-requires the offer label ``runtimeclass.katacontainers.io/<class>=true`` (``kataclasses``),
+requires the offer label ``runtimeclass.kata-sandbox-manager.io/<class>=true`` (``kataclasses``),
 which the agent sets on its Node for the classes installed and registered with containerd
 there, and removes for one that failed. The API server's RuntimeClass admission copies a
 class's nodeSelector into each pod that names it (Kubernetes plugin/pkg/admission/runtimeclass),

@@ -167,7 +167,7 @@ def test_runtime_classes_follow_the_config_through_the_official_client(tmp_path)
         gpu = api.get("runtimeclasses", "kata-qemu-nvidia-gpu")
         assert gpu["handler"] == "kata-qemu-nvidia-gpu"
         assert gpu["scheduling"]["nodeSelector"] == {"nvidia.com/gpu.workload.config": "vm-passthrough",
-                                                     "runtimeclass.katacontainers.io/kata-qemu-nvidia-gpu": "true"}
+                                                     "runtimeclass.kata-sandbox-manager.io/kata-qemu-nvidia-gpu": "true"}
         assert gpu["overhead"]["podFixed"] == {"memory": "160Mi", "cpu": "250m"}
         api.clear_log()
         assert reconcile(host, NAMING, Steps(), ctx).changes == []
