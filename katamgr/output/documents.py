@@ -91,7 +91,7 @@ def plan_document(plan: Plan) -> dict[str, Any]:
 
 
 def report_document(kind: str, report: Report, summary: str = "") -> dict[str, Any]:
-    """An apply's or revert's report: ``succeeded``, ``changed`` and the lists of what happened."""
+    """An apply's or revert's report: ``succeeded``, ``changed``, ``exitCode`` and the lists of what happened."""
     return document(kind, {
         "succeeded": report.ok,
         "changed": bool(report.changes),
@@ -101,6 +101,12 @@ def report_document(kind: str, report: Report, summary: str = "") -> dict[str, A
         "failures": _messages(report.failures),
         "boundDevices": list(report.moved),
         "bytesPulled": report.bytes_pulled,
+        # Partial success: the classes containerd runs here (null: the Kata step did not run),
+        # those that failed, the plan's problems, and the exit code these add up to.
+        "classesReady": None if report.classes_ready is None else list(report.classes_ready),
+        "classesFailed": [{"name": name, "message": why} for name, why in sorted(report.classes_failed.items())],
+        "problems": _messages(report.problems),
+        "exitCode": int(report.exit_code()),
     })
 
 

@@ -12,6 +12,7 @@ them (exit 3, partly done).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -107,6 +108,12 @@ def test_apply_labels_the_node_it_set_up_and_revert_takes_the_labels_off(tmp_pat
         assert applied.returncode == 3, applied.stderr
         assert f"changed: offered runtime class {GPU} on this node ({offer_label(GPU)}=true)" in applied.stdout
         assert labels(api) == {offer_label(GPU): "true"}
+        # The same facts as fields of the -o json document, the exit code among them.
+        again = katamgr("apply", *where, "-o", "json", kubeconfig=kubeconfig)
+        doc = json.loads(again.stdout)
+        assert (again.returncode, doc["exitCode"], doc["succeeded"]) == (3, 3, False)
+        assert doc["classesReady"] == [GPU] and [c["name"] for c in doc["classesFailed"]] == [GPU_SNP]
+        assert GPU_SNP in doc["classesFailed"][0]["message"]
         reverted = katamgr("revert", *where, kubeconfig=kubeconfig)
         assert reverted.returncode == 0, reverted.stderr
         assert f"stopped offering runtime class {GPU} on this node" in reverted.stdout
