@@ -68,6 +68,7 @@ def _device(d: DevicePlan) -> dict[str, Any]:
         "resource": d.resource, "action": d.action, "ccMode": d.cc_mode, "ccCapable": d.cc_capable,
         "message": d.reason, "selectionMessage": d.selection, "vfioDriverMessage": d.vfio_driver_why,
         "ccModeMessage": d.cc_mode_message,
+        "healthMessage": d.health, "unfitMessages": list(d.unfit),
     }
 
 

@@ -150,7 +150,7 @@ def test_plan_shows_each_gpus_health_as_the_host_kernel_sees_it(tmp_path):
     pcierrors.inject_aer(host, "0000:31:00.0", "fatal", "DLP")
     pcierrors.train_link(host, "0000:ca:00.0", "8.0 GT/s PCIe", 16)
     pcierrors.set_reset_methods(host, "0000:e3:00.0", None)
-    result = run("plan", "--host-root", str(root))
+    result = run("plan", "--host-root", str(root), "-o", "wide")  # every line in full
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert ("  0000:31:00.0: AER fatal 1, non-fatal 0, correctable 0; link 16.0 GT/s PCIe x16 "
@@ -160,4 +160,4 @@ def test_plan_shows_each_gpus_health_as_the_host_kernel_sees_it(tmp_path):
     assert "  0000:e3:00.0: unfit for a VM: 0000:e3:00.0 has no reset method the kernel can use" in text
     plan = json.loads(run("plan", "--host-root", str(root), "--output", "json").stdout)
     gpu = next(d for d in plan["devices"] if d["bdf"] == "0000:17:00.0")
-    assert gpu["health"].startswith("AER fatal 0") and gpu["unfit"] == []
+    assert gpu["healthMessage"].startswith("AER fatal 0") and gpu["unfitMessages"] == []
