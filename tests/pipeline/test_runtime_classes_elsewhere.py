@@ -83,4 +83,4 @@ def test_the_command_refuses_the_contradiction_and_plans_with_the_flag(tmp_path)
     assert plan.returncode == 4, plan.stderr
     planned = json.loads(plan.stdout)
     assert planned["runtimeClasses"]["managed"] is False
-    assert [p.split(":")[0] for p in planned["problems"]] == [f"runtime class {GPU}", f"runtime class {GPU_SNP}"]
+    assert [p["message"].split(":")[0] for p in planned["problems"]] == [f"runtime class {GPU}", f"runtime class {GPU_SNP}"]
