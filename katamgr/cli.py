@@ -248,10 +248,15 @@ def _webhook_parser(sub) -> None:
     p.add_argument("--kata-handler", action="append", metavar="PATTERN",
                    help="a RuntimeClass handler (glob) that runs Kata VMs (repeatable; default "
                         f"{', '.join(rules.DEFAULT_KATA_HANDLERS)}); with --check-handlers")
+    p.add_argument("--kata-gpu-handler", action="append", metavar="PATTERN",
+                   help="a RuntimeClass handler (glob) of a Kata GPU runtime: a class with one takes "
+                        "passthrough pods whatever its name (repeatable; default "
+                        f"{', '.join(rules.DEFAULT_GPU_HANDLERS)}); judged by the class's name "
+                        "without --check-handlers")
     p.add_argument("--check-handlers", action="store_true",
                    help="on /validate, read a passthrough pod's RuntimeClass from the API server (in-cluster "
                         "service account or KUBECONFIG; it needs get on runtimeclasses) and deny it unless its "
-                        "handler is a --kata-handler")
+                        "handler is a --kata-gpu-handler, or, for a --runtime-class, a --kata-handler")
     limits.add_arguments(p)  # --max-connections, --workers, --request-timeout, --idle-timeout
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     add_log_format_argument(p)
@@ -554,6 +559,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_webhook(args: argparse.Namespace) -> int:
     from katamgr.admission.limits import from_args
     from katamgr.admission.rules import (
+        DEFAULT_GPU_HANDLERS,
         DEFAULT_KATA_HANDLERS,
         DEFAULT_PASSTHROUGH,
         DEFAULT_RUNTIME_CLASSES,
@@ -567,6 +573,7 @@ def cmd_webhook(args: argparse.Namespace) -> int:
                     inject_runtime_class=args.inject_runtime_class,
                     confidential_classes=tuple(args.confidential_runtime_class or ()),
                     kata_handlers=tuple(args.kata_handler or DEFAULT_KATA_HANDLERS),
+                    gpu_handlers=tuple(args.kata_gpu_handler or DEFAULT_GPU_HANDLERS),
                     handler_of=_handler_lookup() if args.check_handlers else None)
     server = make_server(args.listen, args.tls_cert_file, args.tls_private_key_file, policy,
                          from_args(args))

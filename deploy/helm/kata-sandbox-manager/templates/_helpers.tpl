@@ -616,11 +616,11 @@ names_gpu with its default patterns).
 {{- end -}}
 {{- end -}}
 
-{{/* CEL: params (a RuntimeClass) has a handler isolation.kataHandlers allows (a name, or a
-prefix ending in *). */}}
-{{- define "ksm.policyKataHandler" -}}
+{{/* CEL: params (a RuntimeClass) has a handler one of the patterns given allows (a name,
+or a prefix ending in *): isolation.kataHandlers or isolation.kataGpuHandlers. */}}
+{{- define "ksm.policyHandlerIn" -}}
 {{- $out := list -}}
-{{- range .Values.isolation.kataHandlers -}}
+{{- range . -}}
 {{- if hasSuffix "*" . -}}
 {{- $out = append $out (printf "params.handler.startsWith(%s)" (trimSuffix "*" . | squote)) -}}
 {{- else -}}
