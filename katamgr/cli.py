@@ -308,32 +308,23 @@ def with_node_kata(naming: Naming, host: HostRoot, config: KataManagerConfig | N
     in containerd's config, ``katamgr.host.katadetect``) where none was typed by hand."""
     import dataclasses
 
+    from katamgr.host import katadetect
+
+    containerd, artifacts_dir, names = node_kata_inputs(config)
+    return dataclasses.replace(naming, selection=katadetect.node_selection(
+        naming.selection, host, containerd, artifacts_dir=artifacts_dir, names=names))
+
+
+def node_kata_inputs(config: KataManagerConfig | None) -> tuple[str, str, tuple[str, ...]]:
+    """Where the node's Kata is found and whose release decides: containerd's config, katamgr's
+    artifacts dir and the configured runtime classes."""
     from katamgr import kataclasses
     from katamgr.host import katadetect
 
-    found = katadetect.detect(host, config.containerd.config_path if config else katadetect.CONTAINERD_CONFIG,
-                              artifacts_dir=config.artifacts_dir if config else "")
-    names = [rc.name for rc in config.runtime_classes] if config else kataclasses.DEFAULT_RUNTIME_CLASSES
-    for problem in found.problems:
-        log.info("%s", problem)
-    return dataclasses.replace(naming, selection=katadetect.with_found(naming.selection, found, names))
-
-
-def publish_kata_label(api: object, node_name: str, naming: Naming) -> None:
-    """The node label saying which Kata release its runtimes are (``katadetect.RELEASE_LABEL``),
-    on a node where containerd has Kata runtimes (removed where their release is unknown). A
-    refusal is logged, never fatal."""
-    from katamgr.cluster import set_node_labels
-    from katamgr.host import katadetect
-
-    found = naming.selection.kata_found
-    if found is None or not found.runtimes:
-        return
-    release = katadetect.release_json(found.release)
-    try:
-        set_node_labels(api, node_name, {katadetect.RELEASE_LABEL: release})
-    except KatamgrError as exc:
-        log.warning("%s", exc)
+    if config is None:
+        return katadetect.CONTAINERD_CONFIG, "", kataclasses.DEFAULT_RUNTIME_CLASSES
+    return (config.containerd.config_path, config.artifacts_dir,
+            tuple(rc.name for rc in config.runtime_classes))
 
 
 @dataclass(frozen=True)
@@ -482,6 +473,7 @@ def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataConte
 
 def cmd_run(args: argparse.Namespace) -> int:
     from katamgr.agent import Agent
+    from katamgr.agent.katafound import KataFound
 
     # A daemon's log is its only voice: say what changed even without -v.
     logging.getLogger().setLevel(logging.INFO)
@@ -495,10 +487,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     with host_from(args) as host:
+        given = naming
         naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
-        if setup.api is not None and args.node_name:
-            publish_kata_label(setup.api, args.node_name, naming)
         events = None
         if setup.api is not None and args.node_name:
             from katamgr.cluster import EventRecorder
@@ -517,8 +508,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                       events=events, metrics_address=args.metrics_address,
                       read_workload=follower.read if follower else None,
                       node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out,
-                      node_labels=None if args.no_gpu_labels or setup.api is None or not args.node_name
+                      node_labels=None if setup.api is None or not args.node_name
                       else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
+                      gpu_labels=not args.no_gpu_labels,
+                      kata_found=KataFound(given.selection, *node_kata_inputs(config)),
                       **_cc_options(args, setup.api, follower.watch if follower else None))
         return agent.run(once=args.once)
 

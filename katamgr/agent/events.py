@@ -67,6 +67,10 @@ class NodeEvents:
         if report.failures:
             self._record("GpuLabelsFailed", "; ".join(report.failures), "Warning")
 
+    def kata_changed(self, message: str) -> None:
+        """The node's Kata installed, upgraded or removed while the agent ran."""
+        self._record("KataChanged", message)
+
     def nvswitches(self, inv: Inventory) -> None:
         """What the node does with its NVSwitches, where its Kata cannot cold-plug them:
         kept on the host (``--nvswitches auto``), or passed through at the operator's word."""

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from katamgr import cli
 from katamgr.agent.events import NodeEvents
 from katamgr.host import katadetect
 from katamgr.host.kata import KataRelease, parse_release
@@ -218,20 +217,6 @@ def test_plan_shows_the_kata_found_as_text_and_json(tmp_path):
     text = subprocess.run([katamgr, "plan", "--host", str(profile)], capture_output=True, text=True, timeout=120)
     assert "Kata found on the node:\n  deciding: Kata 3.29.0\n  kata-qemu-nvidia-gpu: Kata 3.29.0 (go, " \
            "containerd-shim-kata-v2 --version), installed by kata-deploy" in text.stdout
-
-
-def test_the_agent_publishes_the_release_found(tmp_path, monkeypatch):
-    from katamgr import cluster
-
-    patched = []
-    monkeypatch.setattr(cluster, "set_node_labels", lambda api, name, labels: patched.append((name, labels)))
-    host = node(tmp_path, "3.25.0")
-    naming = cli.with_node_kata(NAMING, host, None)
-    cli.publish_kata_label(object(), "node-a", naming)
-    assert patched == [("node-a", {"katacontainers.io/kata-version": "3.25.0"})]
-    patched.clear()
-    cli.publish_kata_label(object(), "node-a", cli.with_node_kata(NAMING, HostRoot.at(tmp_path / "empty"), None))
-    assert patched == []  # no Kata runtime: the label is not katamgr's business
 
 
 def test_a_profile_says_how_kata_is_laid_out():
