@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from katamgr.host import katadetect
 from katamgr.host.inventory import Inventory
 from katamgr.pipeline.report import Report
 
@@ -85,6 +84,3 @@ class NodeEvents:
         if selection.kata_warning:
             # devices.kataVersion typed by hand, and not the release of the node's Kata runtimes.
             self._record("KataVersionDisagrees", selection.kata_warning, "Warning")
-        unseen = katadetect.nvswitches_unseen(selection, len(inv.nvswitches))
-        if unseen:
-            self._record("NVSwitchesNotAdvertised", unseen, "Warning")

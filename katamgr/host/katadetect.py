@@ -349,17 +349,3 @@ def with_found(selection: Selection, found: KataOnNode, names: Iterable[str] = (
                    f"Kata runtimes {runtimes} are {detected}: {selection.kata} decides what Kata can "
                    f"cold-plug (NVSwitches) until the typed release is corrected or removed")
     return dataclasses.replace(selection, kata_found=found, kata_warning=warning)
-
-
-def nvswitches_unseen(selection: Selection, nvswitches: int) -> str | None:
-    """Where the release found (not typed) passes the node's NVSwitches through: the device
-    plugin and the DRA driver do not read containerd's config, so they take the release as
-    unknown and do not advertise them until ``devices.kataVersion`` says it."""
-    found = selection.kata_found
-    if not nvswitches or found is None or not found.decides or not selection.takes_nvswitches:
-        return None
-    if selection.nvswitches != "auto":
-        return None
-    return (f"NVSwitches are passed through for {selection.kata} found on the node, but the device plugin and "
-            f"the DRA driver do not read the node's Kata runtimes: set devices.kataVersion "
-            f"({KATA_VERSION_FLAG}) to {release_json(selection.kata)} for them to advertise the NVSwitches")
