@@ -508,9 +508,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                       events=events, metrics_address=args.metrics_address,
                       read_workload=follower.read if follower else None,
                       node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out,
-                      node_labels=None if setup.api is None or not args.node_name
+                      node_labels=None if args.no_gpu_labels or setup.api is None or not args.node_name
                       else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
-                      gpu_labels=not args.no_gpu_labels,
                       kata_found=KataFound(given.selection, *node_kata_inputs(config)),
                       **_cc_options(args, setup.api, follower.watch if follower else None))
         return agent.run(once=args.once)

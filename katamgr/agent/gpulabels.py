@@ -1,6 +1,6 @@
 """The node labels the agent keeps on its Node at every check: the GPU labels
-(``nvidia.com/gpu.product``, ``.family``, ``.count``, ``.memory``, ``nvidia.com/cc.capable``;
-unless ``--no-gpu-labels``) and the Kata release found (``katacontainers.io/kata-version``): one
+(``nvidia.com/gpu.product``, ``.family``, ``.count``, ``.memory``, ``nvidia.com/cc.capable``)
+and the Kata release found (``katacontainers.io/kata-version``): one
 patch, only when something differs (``pipeline.gpulabels``); what it did or left to GFD/NFD is a
 log line and an Event, each said once until it changes."""
 
@@ -19,15 +19,12 @@ log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 
 
 class GpuLabels:
-    """Publishes the node labels (None ``node``: no node name and cluster); ``gpu``: the GPU
-    labels too."""
+    """Publishes the node labels (None ``node``: off, or no node name and cluster)."""
 
-    def __init__(self, target: Target, events: NodeEvents, node: gpulabels.NodeLabels | None,
-                 gpu: bool = True) -> None:
+    def __init__(self, target: Target, events: NodeEvents, node: gpulabels.NodeLabels | None) -> None:
         self.target = target
         self.events = events
         self.node = node
-        self.gpu = gpu
         self._said: tuple[tuple[str, ...], tuple[str, ...]] | None = None
 
     def follow(self) -> Report | None:
@@ -35,7 +32,7 @@ class GpuLabels:
             return None
         t = self.target
         try:
-            report = gpulabels.publish(t.host, t.scan(), t.naming, self.node, gpu=self.gpu)
+            report = gpulabels.publish(t.host, t.scan(), t.naming, self.node)
         except (KatamgrError, OSError, ValueError) as exc:
             report = Report(failures=[f"cannot work out the node labels: {exc}"])
         said = (tuple(report.warnings), tuple(report.failures))

@@ -51,8 +51,7 @@ class Agent:
                  cc_default_mode: CcMode | None = None, read_labels: Callable[[], Mapping[str, str]] | None = None,
                  publish_labels: Callable[[dict[str, str | None]], None] | None = None,
                  read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None,
-                 node_labels: NodeLabels | None = None, gpu_labels: bool = True,
-                 kata_found: KataFound | None = None):
+                 node_labels: NodeLabels | None = None, kata_found: KataFound | None = None):
         self.target = Target(host, naming, steps, ctx, opted_out, force=force, wait=wait, lock_wait=lock_wait)
         self.repull_interval = repull_interval
         self.check_interval = check_interval
@@ -70,7 +69,7 @@ class Agent:
                                self.reconcile, read_workload)
         self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=cc_default_mode,
                           read_labels=read_labels, publish=publish_labels, read_resources=read_resources)
-        self.gpu_labels = GpuLabels(self.target, self.events, node_labels, gpu=gpu_labels)
+        self.gpu_labels = GpuLabels(self.target, self.events, node_labels)
         self.kata_found = kata_found
         if kata_found is not None:
             kata_found.remember(self.target)

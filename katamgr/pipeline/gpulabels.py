@@ -78,14 +78,12 @@ def kata_label(naming: Naming) -> dict[str, str]:
     return {gpulabels.KATA_RELEASE: release} if release else {}
 
 
-def publish(host: HostRoot, inventory: Inventory, naming: Naming, node: NodeLabels, *,
-            gpu: bool = True) -> Report:
-    """Make the Node carry the Kata release label and (``gpu``) the GPU labels; one patch, and
-    only when something differs. Without ``gpu`` the GPU labels katamgr set stay until a revert."""
+def publish(host: HostRoot, inventory: Inventory, naming: Naming, node: NodeLabels) -> Report:
+    """Make the Node carry the GPU labels and the Kata release label; one patch, and only
+    when something differs."""
     report = Report()
-    wanted = {**(gpulabels.node_gpu_labels(host, inventory, naming.pci_ids).labels if gpu else {}),
-              **kata_label(naming)}
-    keys = (*(gpulabels.KEYS if gpu else ()), gpulabels.KATA_RELEASE)
+    wanted = {**gpulabels.node_gpu_labels(host, inventory, naming.pci_ids).labels, **kata_label(naming)}
+    keys = gpulabels.RECORDED_KEYS
     owned = gpulabels.recorded(host)
     try:
         patch, keep, warnings = _decide(wanted, node.read(), owned, keys)
