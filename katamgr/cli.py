@@ -304,10 +304,15 @@ def _webhook_parser(sub) -> None:
     p.add_argument("--kata-handler", action="append", metavar="PATTERN",
                    help="a RuntimeClass handler (glob) that runs Kata VMs (repeatable; default "
                         f"{', '.join(rules.DEFAULT_KATA_HANDLERS)}); with --check-handlers")
+    p.add_argument("--kata-gpu-handler", action="append", metavar="PATTERN",
+                   help="a RuntimeClass handler (glob) of a Kata GPU runtime: a class with one takes "
+                        "passthrough pods whatever its name (repeatable; default "
+                        f"{', '.join(rules.DEFAULT_GPU_HANDLERS)}); judged by the class's name "
+                        "without --check-handlers")
     p.add_argument("--check-handlers", action="store_true",
                    help="on /validate, read a passthrough pod's RuntimeClass from the API server (in-cluster "
                         "service account or KUBECONFIG; it needs get on runtimeclasses) and deny it unless its "
-                        "handler is a --kata-handler")
+                        "handler is a --kata-gpu-handler, or, for a --runtime-class, a --kata-handler")
     limits.add_arguments(p)  # --max-connections, --workers, --request-timeout, --idle-timeout
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     add_log_format_argument(p)
@@ -359,32 +364,23 @@ def with_node_kata(naming: Naming, host: HostRoot, config: KataManagerConfig | N
     in containerd's config, ``katamgr.host.katadetect``) where none was typed by hand."""
     import dataclasses
 
+    from katamgr.host import katadetect
+
+    containerd, artifacts_dir, names = node_kata_inputs(config)
+    return dataclasses.replace(naming, selection=katadetect.node_selection(
+        naming.selection, host, containerd, artifacts_dir=artifacts_dir, names=names))
+
+
+def node_kata_inputs(config: KataManagerConfig | None) -> tuple[str, str, tuple[str, ...]]:
+    """Where the node's Kata is found and whose release decides: containerd's config, katamgr's
+    artifacts dir and the configured runtime classes."""
     from katamgr import kataclasses
     from katamgr.host import katadetect
 
-    found = katadetect.detect(host, config.containerd.config_path if config else katadetect.CONTAINERD_CONFIG,
-                              artifacts_dir=config.artifacts_dir if config else "")
-    names = [rc.name for rc in config.runtime_classes] if config else kataclasses.DEFAULT_RUNTIME_CLASSES
-    for problem in found.problems:
-        log.info("%s", problem)
-    return dataclasses.replace(naming, selection=katadetect.with_found(naming.selection, found, names))
-
-
-def publish_kata_label(api: object, node_name: str, naming: Naming) -> None:
-    """The node label saying which Kata release its runtimes are (``katadetect.RELEASE_LABEL``),
-    on a node where containerd has Kata runtimes (removed where their release is unknown). A
-    refusal is logged, never fatal."""
-    from katamgr.cluster import set_node_labels
-    from katamgr.host import katadetect
-
-    found = naming.selection.kata_found
-    if found is None or not found.runtimes:
-        return
-    release = katadetect.release_json(found.release)
-    try:
-        set_node_labels(api, node_name, {katadetect.RELEASE_LABEL: release})
-    except KatamgrError as exc:
-        log.warning("%s", exc)
+    if config is None:
+        return katadetect.CONTAINERD_CONFIG, "", kataclasses.DEFAULT_RUNTIME_CLASSES
+    return (config.containerd.config_path, config.artifacts_dir,
+            tuple(rc.name for rc in config.runtime_classes))
 
 
 @dataclass(frozen=True)
@@ -617,6 +613,7 @@ def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataConte
 
 def cmd_run(args: argparse.Namespace) -> int:
     from katamgr.agent import Agent
+    from katamgr.agent.katafound import KataFound
 
     # A daemon's log is its only voice: say what changed even without -v.
     logging.getLogger().setLevel(logging.INFO)
@@ -633,12 +630,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     with host_from(args) as host:
+        given = naming
         naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config)
         if args.plan_only:
             return _run_plan_only(args, host, naming, setup)
-        if setup.api is not None and args.node_name:
-            publish_kata_label(setup.api, args.node_name, naming)
         events = None
         if setup.api is not None and args.node_name:
             from katamgr.cluster import EventRecorder
@@ -662,6 +658,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
                       offer_labels=None if setup.api is None or not args.node_name or setup.ctx is None
                       else _node_labels(setup.api, args.node_name, follower.watch if follower else None),
+                      kata_found=KataFound(given.selection, *node_kata_inputs(config)),
                       **_cc_options(args, setup.api, follower.watch if follower else None))
         return agent.run(once=args.once)
 
@@ -728,6 +725,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_webhook(args: argparse.Namespace) -> int:
     from katamgr.admission.limits import from_args
     from katamgr.admission.rules import (
+        DEFAULT_GPU_HANDLERS,
         DEFAULT_KATA_HANDLERS,
         DEFAULT_PASSTHROUGH,
         DEFAULT_RUNTIME_CLASSES,
@@ -741,6 +739,7 @@ def cmd_webhook(args: argparse.Namespace) -> int:
                     inject_runtime_class=args.inject_runtime_class,
                     confidential_classes=tuple(args.confidential_runtime_class or ()),
                     kata_handlers=tuple(args.kata_handler or DEFAULT_KATA_HANDLERS),
+                    gpu_handlers=tuple(args.kata_gpu_handler or DEFAULT_GPU_HANDLERS),
                     handler_of=_handler_lookup() if args.check_handlers else None)
     server = make_server(args.listen, args.tls_cert_file, args.tls_private_key_file, policy,
                          from_args(args))

@@ -4,7 +4,8 @@ Three parts of the product need the same answer to "which runtime classes are Ka
 the agent creates these classes by default (``katamgr.config``), the admission layers let a
 pod that asks for a passthrough GPU use only them (``katamgr.admission``), and the DRA driver
 prepares a claim only for their pods (``sandbox_plugin.dra``). One list here, at the base of
-both programs, so that the three cannot drift apart.
+both programs, so that the three cannot drift apart. Admission also takes any class whose
+handler is a Kata GPU runtime's (``KATA_GPU_HANDLERS``), whatever its name.
 """
 
 from __future__ import annotations
@@ -31,10 +32,22 @@ KATA_DEPLOY_GPU_CLASSES: tuple[str, ...] = tuple(
 PASSTHROUGH_RUNTIME_CLASSES: tuple[str, ...] = (
     *DEFAULT_RUNTIME_CLASSES, *(c for c in KATA_DEPLOY_GPU_CLASSES if c not in DEFAULT_RUNTIME_CLASSES))
 
+# The handlers of Kata's NVIDIA GPU runtimes, as globs: kata-deploy registers each of its GPU
+# shims (qemu-nvidia-gpu, -snp, -tdx and their -runtime-rs twins) with containerd as
+# kata-<shim>, kata-<shim>-<multiInstallSuffix> on a second install and kata-<shim>-debug or
+# -devkit for its debug variants, and its RuntimeClasses name that handler (kata-containers
+# tools/packaging/kata-deploy/helm-chart/kata-deploy/templates/runtimeclasses.yaml); katamgr's
+# own classes have handler = name. Every one starts kata-qemu-nvidia-gpu, and no other shim of
+# kata-deploy's does (its CPU one is qemu-nvidia-cpu). A passthrough pod may use any
+# RuntimeClass whose handler matches, whatever the class is called.
+KATA_GPU_HANDLERS: tuple[str, ...] = (f"{GPU}*",)
+
 # Confidential classes: their VMs are AMD SEV-SNP or Intel TDX guests, which need their GPUs
-# in CC mode (kata-deploy's qemu-nvidia-gpu-snp and qemu-nvidia-gpu-tdx shims). A class the
-# config marks ``confidential`` is one too, whatever its name.
-CONFIDENTIAL_SUFFIXES: tuple[str, ...] = ("-snp", "-tdx")
+# in CC mode (kata-deploy's qemu-nvidia-gpu-snp and qemu-nvidia-gpu-tdx shims, and their
+# -runtime-rs, -debug and multiInstallSuffix variants, which add a part after -snp or -tdx).
+# A class the config marks ``confidential`` is one too, whatever its name.
+CONFIDENTIAL_PATTERN = r"-(snp|tdx)(-|$)"
+_CONFIDENTIAL = re.compile(CONFIDENTIAL_PATTERN)
 # The node label NVIDIA's k8s-cc-manager (and katamgr's CC room) sets "true" once the
 # node's GPUs run a confidential mode: what a confidential class schedules by.
 CC_READY_LABEL = "nvidia.com/cc.ready.state"
@@ -57,7 +70,7 @@ def offer_label(name: str) -> str:
 
 
 def confidential_by_name(name: str) -> bool:
-    return name.endswith(CONFIDENTIAL_SUFFIXES)
+    return bool(_CONFIDENTIAL.search(name))
 
 
 # A passthrough resource named after a GPU model of an architecture with no confidential

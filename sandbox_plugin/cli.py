@@ -34,7 +34,14 @@ from katamgr.node.process import (
     stop_on_signals,
 )
 from nodesim.node import open_node
-from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host, read_labels
+from sandbox_plugin.commands import (
+    UsageError,
+    add_containerd_argument,
+    cluster_client,
+    mode_from_host,
+    read_labels,
+    with_node_kata,
+)
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
 from sandbox_plugin.fabric import FabricGuard
 from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, holds_for, mode_for
@@ -141,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The same selection as katamgr's (the chart passes both the same devices value).
     device_selection.add_arguments(parser)
     nf.add_arguments(parser)  # NVIDIA's NVLink fabric models, as katamgr takes them
+    add_containerd_argument(parser)
     parser.add_argument("--device-list-strategy", action="append", default=[], metavar="S[,S]",
                         help="container mode: how Allocate names the GPUs, any of "
                              f"{', '.join(DEVICE_LIST_STRATEGIES)} (comma-separated or repeated; "
@@ -207,10 +215,13 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
     try:
         if not args.runtime_root.startswith("/"):
             raise ValueError(f"--runtime-root {args.runtime_root!r} is not an absolute path")
-        return (HostRoot.at(root, runtime_root=args.runtime_root),
-                resource_naming.from_arguments(args, device_selection.from_arguments(args)))
+        if not args.containerd_config.startswith("/"):
+            raise ValueError(f"--containerd-config {args.containerd_config!r} is not an absolute host path")
+        host = HostRoot.at(root, runtime_root=args.runtime_root)
+        naming = resource_naming.from_arguments(args, device_selection.from_arguments(args))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    return host, with_node_kata(naming, host, args.containerd_config)
 
 
 def _device_list_strategies(args: argparse.Namespace):

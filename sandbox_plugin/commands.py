@@ -1,13 +1,17 @@
 """What both plugin commands share (``sandbox-device-plugin`` and ``sandbox-dra-driver``):
-their usage error, how they reach the cluster, and the mode the host alone suggests."""
+their usage error, how they reach the cluster, the node's Kata release, and the mode the host
+alone suggests."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from pathlib import Path
 
 from katamgr.errors import ConfigError
-from katamgr.host import inventory
+from katamgr.host import inventory, katadetect
 from katamgr.host import selection as device_selection
+from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from nodesim.node import open_node
 from sandbox_plugin.manager import Mode
@@ -32,6 +36,21 @@ def read_labels(node_name: str, host_root: str | Path = "/") -> dict[str, str]:
     from katamgr.node.kube import read_node_labels
 
     return read_node_labels(cluster_client(host_root), node_name)
+
+
+def add_containerd_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--containerd-config", default=katadetect.CONTAINERD_CONFIG, metavar="PATH",
+                        help="containerd's config on the host, where the node's Kata runtimes are found "
+                             "(their release decides, where --kata-version gives none, whether NVSwitches "
+                             f"are advertised; default: {katadetect.CONTAINERD_CONFIG})")
+
+
+def with_node_kata(naming: Naming, host: HostRoot, containerd_config: str) -> Naming:
+    """``naming`` deciding by the Kata release found on the node, as katamgr decides
+    (``katadetect.node_selection``: the release of its Kata GPU runtimes, where --kata-version
+    gives none; a typed one stays the override)."""
+    return dataclasses.replace(naming, selection=katadetect.node_selection(naming.selection, host,
+                                                                           containerd_config))
 
 
 def mode_from_host(

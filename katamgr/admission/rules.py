@@ -18,9 +18,12 @@ sends), the subresource under review and a ``Policy``. Each container is judged 
   ``kubelet_pods.go`` GenerateRunContainerOptions). With ``inject_runtime_class``, a pod
   requesting a passthrough resource and no runtime class gets the first Kata class.
 - **validate**, in this order (the first problem is the answer, as the admission policy's
-  first failing validation is): a passthrough resource outside a Kata runtime class; a
-  confidential class asking for a GPU model with no CC mode; a Kata class whose handler is
-  not Kata's (where the webhook can read RuntimeClasses); a CDI annotation naming a GPU
+  first failing validation is): a passthrough resource without a runtime class; a
+  confidential class asking for a GPU model with no CC mode; a class that is neither one of
+  the policy's named classes with a Kata handler nor any class whose handler is a Kata GPU
+  runtime's (``kata-qemu-nvidia-gpu*``: kata-deploy's and katamgr's, TDX and runtime-rs
+  included), judged by its handler where the webhook can read RuntimeClasses (by its name
+  otherwise); a CDI annotation naming a GPU
   (``cdi.k8s.io/*``, ``nvidia.cdi.k8s.io/*``); a hostPath volume showing GPU device nodes
   (``/dev/nvidia*``, ``/dev/vfio``, or ``/dev``, ``/``); a mount where the toolkit reads its
   device list (``/var/run/nvidia-container-devices``); a container's own
@@ -54,6 +57,7 @@ from katamgr.admission.podparts import (
 )
 from katamgr.k8snames import NVIDIA_CONTAINER_RESOURCES
 from katamgr.kataclasses import (
+    KATA_GPU_HANDLERS,
     PASSTHROUGH_RUNTIME_CLASSES,
     confidential_by_name,
     not_cc_capable_model,
@@ -67,12 +71,15 @@ DEFAULT_PASSTHROUGH = ("nvidia.com/*",)
 # The handlers of Kata's shims (containerd-shim-kata-v2's runtime names: kata, kata-qemu-*,
 # kata-clh, kata-qemu-nvidia-gpu-snp ...), as kata-deploy registers them with containerd.
 DEFAULT_KATA_HANDLERS = ("kata", "kata-*")
+# The handlers of Kata's NVIDIA GPU runtimes (katamgr.kataclasses): a RuntimeClass with one of
+# them takes a passthrough pod whatever its name.
+DEFAULT_GPU_HANDLERS = KATA_GPU_HANDLERS
 EPHEMERAL_SUBRESOURCE = "ephemeralcontainers"
 # Every device kind of NVIDIA's CDI specs (nvidia.com/gpu, nvidia.com/pgpu, nvidia.com/nvswitch,
 # a passthrough resource's kind) whatever the policy's passthrough patterns say.
 NVIDIA_CDI_VENDOR = "nvidia.com/"
 
-__all__ = ["DEFAULT_PASSTHROUGH", "DEFAULT_RUNTIME_CLASSES", "Policy", "mutate", "pod_name", "validate"]
+__all__ = ["DEFAULT_GPU_HANDLERS", "DEFAULT_PASSTHROUGH", "DEFAULT_RUNTIME_CLASSES", "Policy", "mutate", "pod_name", "validate"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class Policy:
     # Classes marked confidential besides those named *-snp and *-tdx.
     confidential_classes: tuple[str, ...] = ()
     kata_handlers: tuple[str, ...] = DEFAULT_KATA_HANDLERS  # fnmatch patterns
+    # A class not in runtime_classes is taken when its handler matches one of these.
+    gpu_handlers: tuple[str, ...] = DEFAULT_GPU_HANDLERS  # fnmatch patterns
     # The handler of a RuntimeClass by name (None: no such class), where the webhook can read
     # them; without it the handler rule is the admission policy's alone.
     handler_of: Callable[[str], str | None] | None = None
@@ -109,6 +118,14 @@ class Policy:
 
     def is_kata_handler(self, handler: str) -> bool:
         return any(fnmatchcase(handler, p) for p in self.kata_handlers)
+
+    def is_gpu_handler(self, handler: str) -> bool:
+        return any(fnmatchcase(handler, p) for p in self.gpu_handlers)
+
+    def kata_classes(self) -> str:
+        """The classes a passthrough pod may use, in a sentence."""
+        named = f", or one of {', '.join(self.runtime_classes)}" if self.runtime_classes else ""
+        return f"a Kata GPU class (its handler {' or '.join(self.gpu_handlers)}{named})"
 
 
 def _scope(subresource: str) -> tuple[str, ...]:
@@ -169,20 +186,34 @@ def validate(pod: dict[str, Any], policy: Policy, *, subresource: str = "") -> s
 
 
 def _kata_problem(pod: dict[str, Any], policy: Policy) -> str | None:
+    """A passthrough pod's class must be one of the named classes with a Kata handler, or any
+    class whose handler is a Kata GPU runtime's (the classes kata-deploy or katamgr made on
+    this cluster, whatever their names). Without the handlers (no --check-handlers) a class
+    is taken by its name: kata-deploy names each class after its handler."""
     passthrough = _passthrough(pod, policy)
     if not passthrough:
         return None
     runtime_class = spec_of(pod).get("runtimeClassName")
-    if runtime_class in policy.runtime_classes:
-        return (_confidential_problem(runtime_class, passthrough, policy)
-                or _handler_problem(runtime_class, policy))
     first, resource = passthrough[0]
     more = f" (and {len(passthrough) - 1} more passthrough request(s))" if len(passthrough) > 1 else ""
-    has = f'runtimeClassName is "{runtime_class}"' if runtime_class else "it sets no runtimeClassName"
-    classes = ", ".join(policy.runtime_classes)
-    return (f"{first.where} requests the passthrough resource {resource}{more}, but {has}; a "
-            f"passthrough GPU is only given to a Kata VM: set spec.runtimeClassName to one of "
-            f"{classes}, or request nvidia.com/gpu for a container GPU")
+    asks = f"{first.where} requests the passthrough resource {resource}{more}, but "
+    use = (f"; a passthrough GPU is only given to a Kata VM: set spec.runtimeClassName to "
+           f"{policy.kata_classes()}, or request nvidia.com/gpu for a container GPU")
+    if not runtime_class:
+        return asks + "it sets no runtimeClassName" + use
+    if not isinstance(runtime_class, str):  # never from the API server, whose decoding refuses it
+        return asks + "its runtimeClassName is not a string" + use
+    problem = _confidential_problem(runtime_class, passthrough, policy)
+    if problem or runtime_class in policy.runtime_classes:
+        return problem or _handler_problem(runtime_class, policy)
+    if policy.handler_of is None:
+        return None if policy.is_gpu_handler(runtime_class) else (
+            asks + f'runtimeClassName is "{runtime_class}"' + use)
+    handler = policy.handler_of(runtime_class)
+    if handler is None or policy.is_gpu_handler(handler):
+        return None  # no such class: the API server's RuntimeClass admission refuses the pod
+    return (asks + f'runtimeClassName "{runtime_class}" has handler "{handler}", which is not a '
+            f"Kata GPU runtime" + use)
 
 
 def _confidential_problem(runtime_class: str, passthrough: list[tuple[Container, str]],

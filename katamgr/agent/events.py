@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from katamgr.host import katadetect
 from katamgr.host.inventory import Inventory
 from katamgr.pipeline.report import Report
 
@@ -75,6 +74,7 @@ class NodeEvents:
     def nvlink_fabric(self, problem: str) -> None:
         """Neither of NVIDIA's models holds on this NVSwitch board (docs/devices.md, "NVLink fabric")."""
         self._record("NVLinkFabricUnavailable", problem, "Warning")
+
     def gpu_unhealthy(self, message: str) -> None:
         """A passthrough GPU the host kernel shows unfit for a VM (off the bus, its link, no reset)."""
         self._record("GpuUnhealthy", message, "Warning")
@@ -92,6 +92,10 @@ class NodeEvents:
     def gpu_hand_back_failed(self, message: str) -> None:
         self._record("GpuHandBackFailed", message, "Warning")
 
+    def kata_changed(self, message: str) -> None:
+        """The node's Kata installed, upgraded or removed while the agent ran."""
+        self._record("KataChanged", message)
+
     def nvswitches(self, inv: Inventory) -> None:
         """What the node does with its NVSwitches, where its Kata cannot cold-plug them:
         kept on the host (``--nvswitches auto``), or passed through at the operator's word."""
@@ -106,6 +110,3 @@ class NodeEvents:
         if selection.kata_warning:
             # devices.kataVersion typed by hand, and not the release of the node's Kata runtimes.
             self._record("KataVersionDisagrees", selection.kata_warning, "Warning")
-        unseen = katadetect.nvswitches_unseen(selection, len(inv.nvswitches))
-        if unseen:
-            self._record("NVSwitchesNotAdvertised", unseen, "Warning")

@@ -1,7 +1,8 @@
-"""The node's GPU labels (``nvidia.com/gpu.product``, ``.family``, ``.count``, ``.memory``,
-``nvidia.com/cc.capable``) kept on its Node at every check: one patch, only when something
-differs (``pipeline.gpulabels``); what it did or left to GFD/NFD is a log line and an Event,
-each said once until it changes."""
+"""The node labels the agent keeps on its Node at every check: the GPU labels
+(``nvidia.com/gpu.product``, ``.family``, ``.count``, ``.memory``, ``nvidia.com/cc.capable``)
+and the Kata release found (``katacontainers.io/kata-version``): one
+patch, only when something differs (``pipeline.gpulabels``); what it did or left to GFD/NFD is a
+log line and an Event, each said once until it changes."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 
 
 class GpuLabels:
-    """Publishes the GPU labels (None ``node``: off, or no node name and cluster)."""
+    """Publishes the node labels (None ``node``: off, or no node name and cluster)."""
 
     def __init__(self, target: Target, events: NodeEvents, node: gpulabels.NodeLabels | None) -> None:
         self.target = target
@@ -33,7 +34,7 @@ class GpuLabels:
         try:
             report = gpulabels.publish(t.host, t.scan(), t.naming, self.node)
         except (KatamgrError, OSError, ValueError) as exc:
-            report = Report(failures=[f"cannot work out the GPU labels: {exc}"])
+            report = Report(failures=[f"cannot work out the node labels: {exc}"])
         said = (tuple(report.warnings), tuple(report.failures))
         if report.changes or said != self._said:
             log_report(report, log)

@@ -95,6 +95,8 @@ def _check(agent: Agent) -> bool:
         return True
     if agent.follow_cc():
         return True
+    # Before the labels: a Kata installed or upgraded since changes the release label.
+    agent.follow_kata()
     agent.follow_gpu_labels()
     agent.follow_gpu_health()
     # Held GPUs before drift: a GPU given back or bound changes what the CDI specs should say.

@@ -13,6 +13,7 @@ from katamgr.agent.giveback import GiveBacks
 from katamgr.agent.gpuhealth import GpuHealth
 from katamgr.agent.gpulabels import GpuLabels
 from katamgr.agent.health import Health, readiness
+from katamgr.agent.katafound import KataFound
 from katamgr.agent.loop import keep
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.reconciler import RETRY_INITIAL, RETRY_MAX, Reconciler
@@ -56,7 +57,7 @@ class Agent:
                  publish_labels: Callable[[dict[str, str | None]], None] | None = None,
                  read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None,
                  node_labels: NodeLabels | None = None, fabric: FabricSettings | None = None,
-                 offer_labels: NodeLabels | None = None):
+                 offer_labels: NodeLabels | None = None, kata_found: KataFound | None = None):
         self.target = Target(host, naming, steps, ctx, opted_out, force=force, wait=wait, lock_wait=lock_wait,
                              fabric=fabric)
         self.repull_interval = repull_interval
@@ -77,6 +78,9 @@ class Agent:
                           read_labels=read_labels, publish=publish_labels, read_resources=read_resources)
         self.gpu_labels = GpuLabels(self.target, self.events, node_labels)
         self.gpu_health = GpuHealth(self.target, self.metrics, self.events)
+        self.kata_found = kata_found
+        if kata_found is not None:
+            kata_found.remember(self.target)
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=retry_initial, retry_max=retry_max,
                                      offer_labels=offer_labels)
@@ -100,6 +104,16 @@ class Agent:
 
     def follow_gpu_health(self) -> None:
         self.gpu_health.follow()
+
+    def follow_kata(self) -> bool:
+        """Look at the node's Kata again; where it changed, reconcile to what its release
+        decides (True: reconciled)."""
+        why = self.kata_found.follow(self.target) if self.kata_found is not None else None
+        if why is None:
+            return False
+        self.events.kata_changed(why)
+        self.reconcile(why)
+        return True
 
     def switch(self, workload: Workload, out: frozenset[Operand]) -> bool:
         return self.switcher.switch(workload, out)

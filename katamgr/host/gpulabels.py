@@ -210,11 +210,18 @@ def node_gpu_labels(host: HostRoot, inventory: Inventory, pci_ids: PciIds) -> No
 # ---- what the agent set ------------------------------------------------------------
 
 
+# The labels the agent publishes on its Node and records here: the GPU labels and the Kata
+# release found (``katadetect.RELEASE_LABEL``, the same name: not imported, so that this module
+# needs no TOML reader); revert removes each one the record lists.
+KATA_RELEASE = "katacontainers.io/kata-version"
+RECORDED_KEYS: tuple[str, ...] = (*KEYS, KATA_RELEASE)
+
+
 def recorded(host: HostRoot) -> dict[str, str]:
     """The labels katamgr set on its Node (key -> the value it set)."""
     data = read_json(host.state_path(STATE_FILE), {})
     labels = data.get("labels", {}) if isinstance(data, dict) else {}
-    return {k: v for k, v in labels.items() if k in KEYS and isinstance(v, str)}
+    return {k: v for k, v in labels.items() if k in RECORDED_KEYS and isinstance(v, str)}
 
 
 def record(host: HostRoot, labels: dict[str, str]) -> None:

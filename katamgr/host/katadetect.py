@@ -35,6 +35,7 @@ that has ``containerd.runtimes`` (config versions 2, 3 and 4 alike).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import glob
 import logging
 import posixpath
@@ -49,6 +50,7 @@ from typing import Any
 from katamgr.host.kata import UNKNOWN, KataRelease, parse_release, release_json
 from katamgr.host.root import HostRoot
 from katamgr.host.selection import KATA_VERSION_FLAG, Selection
+from katamgr.kataclasses import KATA_GPU_HANDLERS
 
 log = logging.getLogger(__name__)
 
@@ -288,6 +290,46 @@ def _installed_by(shim: str | None, config: str | None, defined_in: str, artifac
     return UNKNOWN_SOURCE
 
 
+def gpu_runtimes(found: KataOnNode) -> tuple[str, ...]:
+    """The Kata GPU runtimes found (named as Kata GPU handlers: kata-deploy's and katamgr's)."""
+    return tuple(r.name for r in found.runtimes
+                 if any(fnmatch.fnmatchcase(r.name, p) for p in KATA_GPU_HANDLERS))
+
+
+def node_selection(selection: Selection, host: HostRoot, containerd_config: str, *,
+                   artifacts_dir: str = "", names: Iterable[str] | None = None,
+                   read_version: VersionReader = run_version) -> Selection:
+    """``selection`` deciding by the Kata found on the node now (``detect``, then
+    ``with_found``): the one way katamgr's plan and agent, the device plugin and the DRA driver
+    learn the node's Kata. ``selection`` is the one the operator gave (a typed release stays the
+    override); ``names``: the runtimes whose release decides (None: the Kata GPU runtimes found,
+    as the device plugin and the DRA driver know no runtime classes)."""
+    found = detect(host, containerd_config, artifacts_dir=artifacts_dir, read_version=read_version)
+    for problem in found.problems:
+        log.info("%s", problem)
+    return with_found(selection, found, gpu_runtimes(found) if names is None else names)
+
+
+def inputs(host: HostRoot, containerd_config: str, found: KataOnNode | None) -> tuple[tuple, ...]:
+    """What ``detect`` read, each file as (host path, mtime, size, inode; None where it is
+    missing): containerd's config files and each runtime's shim, ConfigPath and VERSION files.
+    kata-deploy installing or upgrading Kata changes one of them (it writes its containerd
+    drop-in and replaces the shim and VERSION under /opt/kata), so a caller that keeps these
+    detects again only when they differ, without running a shim every time it looks."""
+    paths = _config_files(host, containerd_config, [])
+    for runtime in found.runtimes if found is not None else ():
+        for path in (runtime.shim, runtime.config_path, *(_version_files(runtime.shim) if runtime.shim else ())):
+            if path:
+                paths.append(path)
+    out = []
+    for path in [containerd_config, *paths]:
+        try:
+            st = host.path(path).stat()
+        except OSError:
+            out.append((path, None))
+        else:
+            out.append((path, st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(out)
 
 
 def with_found(selection: Selection, found: KataOnNode, names: Iterable[str] = ()) -> Selection:
@@ -307,17 +349,3 @@ def with_found(selection: Selection, found: KataOnNode, names: Iterable[str] = (
                    f"Kata runtimes {runtimes} are {detected}: {selection.kata} decides what Kata can "
                    f"cold-plug (NVSwitches) until the typed release is corrected or removed")
     return dataclasses.replace(selection, kata_found=found, kata_warning=warning)
-
-
-def nvswitches_unseen(selection: Selection, nvswitches: int) -> str | None:
-    """Where the release found (not typed) passes the node's NVSwitches through: the device
-    plugin and the DRA driver do not read containerd's config, so they take the release as
-    unknown and do not advertise them until ``devices.kataVersion`` says it."""
-    found = selection.kata_found
-    if not nvswitches or found is None or not found.decides or not selection.takes_nvswitches:
-        return None
-    if selection.nvswitches != "auto":
-        return None
-    return (f"NVSwitches are passed through for {selection.kata} found on the node, but the device plugin and "
-            f"the DRA driver do not read the node's Kata runtimes: set devices.kataVersion "
-            f"({KATA_VERSION_FLAG}) to {release_json(selection.kata)} for them to advertise the NVSwitches")

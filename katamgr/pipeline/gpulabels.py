@@ -1,6 +1,8 @@
-"""The node's GPU labels kept on its Node (``katamgr.host.gpulabels`` says what they are).
+"""The node labels the agent keeps on its Node: the GPU labels (``katamgr.host.gpulabels``
+says what they are) and the Kata release found (``katacontainers.io/kata-version``,
+``katamgr.host.katadetect``), both by the same rules and in the same record.
 
-GFD and NFD own these labels where they run: a label some other writer set is never
+GFD and NFD own the GPU labels where they run: a label some other writer set is never
 overwritten, even with a different value (``publish`` warns instead, and the agent records
 an Event); a label the agent set and someone changed since is given up to them. Only what
 the agent set is recorded, and a revert removes a recorded label only while it still holds
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from katamgr.errors import KatamgrError
 from katamgr.host import gpulabels
 from katamgr.host.inventory import Inventory
+from katamgr.host.kata import release_json
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.pipeline.plan import PlanSection
@@ -33,12 +36,14 @@ class NodeLabels:
 
 
 def _decide(wanted: Mapping[str, str], current: Mapping[str, str], owned: Mapping[str, str],
+            keys: tuple[str, ...] = gpulabels.RECORDED_KEYS,
             ) -> tuple[dict[str, str | None], dict[str, str], list[str]]:
-    """(the patch, what katamgr owns after it, warnings) for one look at the Node."""
+    """(the patch, what katamgr owns after it, warnings) for one look at the Node at ``keys``
+    (what katamgr owns of the others is left as it is)."""
     patch: dict[str, str | None] = {}
     keep = dict(owned)
     warnings: list[str] = []
-    for key in gpulabels.KEYS:
+    for key in keys:
         want, have = wanted.get(key), current.get(key)
         if key in owned:
             if have is not None and have != owned[key]:
@@ -54,22 +59,37 @@ def _decide(wanted: Mapping[str, str], current: Mapping[str, str], owned: Mappin
         elif want is not None:
             if have is None:
                 patch[key] = keep[key] = want
+            elif key == gpulabels.KATA_RELEASE and have == want:
+                # katamgr's own label, set before it kept a record of it: no other writer puts
+                # it on a Node (kata-deploy labels its objects with it), so it is adopted.
+                keep[key] = want
             elif have != want:
-                warnings.append(f"node label {key}={have} is set by someone else (GFD or NFD?); katamgr "
+                who = "GFD or NFD?" if key in gpulabels.KEYS else "not katamgr"
+                warnings.append(f"node label {key}={have} is set by someone else ({who}); katamgr "
                                 f"finds {want} and leaves it")
     return patch, keep, warnings
 
 
+def kata_label(naming: Naming) -> dict[str, str]:
+    """The Kata release label where containerd has Kata runtimes and their release is known
+    (none otherwise: a label katamgr set comes off)."""
+    found = naming.selection.kata_found
+    release = release_json(found.release) if found is not None and found.runtimes else None
+    return {gpulabels.KATA_RELEASE: release} if release else {}
+
+
 def publish(host: HostRoot, inventory: Inventory, naming: Naming, node: NodeLabels) -> Report:
-    """Make the Node carry the GPU labels; one patch, and only when something differs."""
+    """Make the Node carry the GPU labels and the Kata release label; one patch, and only
+    when something differs."""
     report = Report()
-    wanted = gpulabels.node_gpu_labels(host, inventory, naming.pci_ids).labels
+    wanted = {**gpulabels.node_gpu_labels(host, inventory, naming.pci_ids).labels, **kata_label(naming)}
+    keys = gpulabels.RECORDED_KEYS
     owned = gpulabels.recorded(host)
     try:
-        patch, keep, warnings = _decide(wanted, node.read(), owned)
+        patch, keep, warnings = _decide(wanted, node.read(), owned, keys)
         if (patch or keep != owned) and node.read_fresh is not None:
             # Something to do by the watch's copy: decide on the Node as it is now.
-            patch, keep, warnings = _decide(wanted, node.read_fresh(), owned)
+            patch, keep, warnings = _decide(wanted, node.read_fresh(), owned, keys)
     except KatamgrError as exc:
         report.failures.append(f"cannot read the node's labels for the GPU labels: {exc}")
         return report
@@ -81,7 +101,7 @@ def publish(host: HostRoot, inventory: Inventory, naming: Naming, node: NodeLabe
         try:
             node.patch(patch)
         except KatamgrError as exc:
-            report.failures.append(f"cannot set the GPU labels: {exc}")
+            report.failures.append(f"cannot set the node labels: {exc}")
             return report
         report.changes.append("node labels " + ", ".join(
             f"{k}={v}" if v is not None else f"{k} removed" for k, v in patch.items()))
@@ -90,7 +110,8 @@ def publish(host: HostRoot, inventory: Inventory, naming: Naming, node: NodeLabe
 
 
 def revert(host: HostRoot, node: NodeLabels | None) -> Report:
-    """Remove the GPU labels katamgr set (those still holding its value). Without a cluster
+    """Remove the node labels katamgr set (the GPU labels, the Kata release; those still holding
+    its value). Without a cluster
     to ask, or when the API refuses, a warning (a label never holds back the devices'
     revert) and the record stays for the next revert."""
     report = Report()

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from katamgr.host import cc, kata, katadetect, pcihealth, vfio
+from katamgr.host import cc, kata, pcihealth, vfio
 from katamgr.host.inventory import Inventory, Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import unit_head
@@ -177,8 +177,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
         decisions=decisions,
         inventory=inv,
         warnings=([w for decision in decisions for w in decision.warnings] + _selection_warnings(inv, decisions)
-                  + warnings + ([inv.selection.kata_warning] if inv.selection.kata_warning else [])
-                  + list(filter(None, [katadetect.nvswitches_unseen(inv.selection, len(inv.nvswitches))]))),
+                  + warnings + ([inv.selection.kata_warning] if inv.selection.kata_warning else [])),
         sections=_kata_found(inv),
     )
 

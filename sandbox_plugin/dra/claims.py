@@ -16,19 +16,22 @@ pkg/kubelet/cm/dra/manager.go ``prepareResources``).
 The pods a claim is for are its ``status.reservedFor`` entries of resource ``pods``
 (the scheduler reserves the claim for the pod before binding it; the kubelet refuses
 to prepare a claim not reserved for the pod). ``check_runtime_classes`` reads each
-and refuses a pod outside the Kata runtime classes: the claim's CDI names would put
-the raw VFIO device into a runc container.
+and refuses a pod outside the Kata runtime classes (those named, or any whose handler is a
+Kata GPU runtime's, read from its RuntimeClass, as the admission layers take them): the
+claim's CDI names would put the raw VFIO device into a runc container.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
-from kubernetes.client import ApiClient, CoreV1Api, ResourceV1Api
+from kubernetes.client import ApiClient, CoreV1Api, NodeV1Api, ResourceV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from katamgr.kataclasses import KATA_GPU_HANDLERS
 from katamgr.node.kube import api_error_message
 
 READ_TIMEOUT = 10.0  # seconds for one read of a claim
@@ -113,8 +116,22 @@ def check_runtime_classes(api: ApiClient, claim: dict, ref: ClaimRef, allowed: f
                              f"unreachable ({e})") from e
         spec = json.loads(pod.data).get("spec") or {}
         runtime_class = spec.get("runtimeClassName")
-        if runtime_class not in allowed:
+        if runtime_class not in allowed and not _kata_gpu_class(api, runtime_class, timeout):
             raise ClaimError(
                 f"{ref}: pod {ref.namespace}/{name} runs in runtime class {runtime_class or '(none: runc)'}, "
                 f"not a Kata one ({', '.join(sorted(allowed))}): its containers would get the GPU's raw "
-                "VFIO device; set runtimeClassName to a Kata runtime class")
+                "VFIO device; set runtimeClassName to a Kata runtime class (one of those, or one whose "
+                f"handler is a Kata GPU runtime's: {', '.join(KATA_GPU_HANDLERS)})")
+
+
+def _kata_gpu_class(api: ApiClient, name: str | None, timeout: float) -> bool:
+    """Whether the RuntimeClass ``name`` has a Kata GPU runtime's handler (kata-deploy's
+    classes under any name, as the admission layers take them: ``katamgr.kataclasses``).
+    A class that cannot be read is not one: the claim is refused, and the kubelet asks again."""
+    if not name:
+        return False
+    try:
+        handler = NodeV1Api(api).read_runtime_class(name, _request_timeout=timeout).handler
+    except (ApiException, HTTPError):
+        return False
+    return any(fnmatchcase(handler or "", p) for p in KATA_GPU_HANDLERS)

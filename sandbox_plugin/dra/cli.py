@@ -23,7 +23,13 @@ from katamgr.node.process import (
     setup_logging,
     stop_on_signals,
 )
-from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host
+from sandbox_plugin.commands import (
+    UsageError,
+    add_containerd_argument,
+    cluster_client,
+    mode_from_host,
+    with_node_kata,
+)
 from sandbox_plugin.dra.registration import KUBELET_DIR
 from sandbox_plugin.follow import mode_for
 from sandbox_plugin.manager import Mode
@@ -88,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the raw VFIO device)")
     resource_naming.add_arguments(parser)
     device_selection.add_arguments(parser)
+    add_containerd_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     add_log_format_argument(parser)
     return parser
@@ -131,11 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--kubelet-dir {args.kubelet_dir!r} is not an absolute host path")
         if not args.runtime_root.startswith("/"):
             raise UsageError(f"--runtime-root {args.runtime_root!r} is not an absolute path")
+        if not args.containerd_config.startswith("/"):
+            raise UsageError(f"--containerd-config {args.containerd_config!r} is not an absolute host path")
         try:
             host = HostRoot.at(Path(args.host_root), runtime_root=args.runtime_root)
             naming = resource_naming.from_arguments(args, device_selection.from_arguments(args))
         except ValueError as exc:
             raise UsageError(str(exc)) from None
+        naming = with_node_kata(naming, host, args.containerd_config)
         try:
             api = cluster_client(args.host_root)
         except NoCluster as exc:

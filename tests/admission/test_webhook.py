@@ -141,7 +141,8 @@ def test_validate_denies_passthrough_outside_kata_naming_container_resource_and_
     message = status["message"]
     assert where in message and has in message
     assert (A10 in message) or ("nvidia.com/pgpu" in message)
-    assert "set spec.runtimeClassName to one of kata-qemu-nvidia-gpu, kata-qemu-nvidia-gpu-snp" in message
+    assert ("set spec.runtimeClassName to a Kata GPU class (its handler kata-qemu-nvidia-gpu*, or one of "
+            "kata-qemu-nvidia-gpu, kata-qemu-nvidia-gpu-snp, ") in message
 
 
 def test_a_deployment_pod_is_named_by_its_generate_name(webhook):
@@ -157,7 +158,8 @@ def test_runtime_classes_and_passthrough_patterns_are_configurable(start_webhook
     _, client = start_webhook(Policy(runtime_classes=("my-kata",), passthrough=("example.com/*",)))
     assert client.review("/validate", review(pod(container(limits={A10: "1"}))))["response"]["allowed"]
     denied = client.review("/validate", review(pod(container(limits={"example.com/fpga": "1"}))))
-    assert "set spec.runtimeClassName to one of my-kata" in denied["response"]["status"]["message"]
+    assert "set spec.runtimeClassName to a Kata GPU class (its handler kata-qemu-nvidia-gpu*, or one of my-kata)" \
+        in denied["response"]["status"]["message"]
     allowed = client.review("/validate", review(pod(container(limits={"example.com/fpga": "1"}),
                                                     runtime_class="my-kata")))
     assert allowed["response"]["allowed"]

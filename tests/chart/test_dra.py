@@ -46,7 +46,8 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
     assert driver["args"] == ["--host-root", "/host", "--node-name", "$(NODE_NAME)",
                               "--driver-name", DRIVER, "--default-workload", "container",
                               *[a for c in PASSTHROUGH_RUNTIME_CLASSES for a in ("--kata-runtime-class", c)],
-                              "--log-format", "text", "--resource-naming", "nvidia", "--nvswitches", "auto"]
+                              "--log-format", "text", "--resource-naming", "nvidia", "--nvswitches", "auto",
+                              "--containerd-config", "/etc/containerd/config.toml"]
     assert driver["securityContext"]["privileged"] is False
     assert driver["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert driver["securityContext"]["readOnlyRootFilesystem"] is True
@@ -58,6 +59,9 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
         "/host/var/run/cdi": ("/var/run/cdi", True),
         # The agent's hand-back verdicts: a GPU that failed its check stays out of the slice.
         "/host/var/lib/kata-sandbox-manager/handback": ("/var/lib/kata-sandbox-manager/handback", True),
+        # The node's Kata, read-only: its release decides as the agent's does.
+        "/host/etc/containerd": ("/etc/containerd", True),
+        "/host/opt/kata": ("/opt/kata", True),
     }
     assert driver["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"memory": "192Mi"}}
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]

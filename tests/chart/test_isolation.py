@@ -279,16 +279,103 @@ def evaluate_policy(policy: dict, pod: dict, *, subresource: str = "",
     return True, None
 
 
-@pytest.mark.parametrize("case", sorted(podkit.cases()))
-def test_the_policy_cel_agrees_with_the_webhook(chart, case):
-    policy = render(chart, POLICY).get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
-    obj = podkit.cases()[case]
-    ok, message = evaluate_policy(policy, obj)
-    denial = validate(obj, Policy())
-    assert ok == (denial is None), (case, message, denial)
+def rc(name: str, handler: str) -> dict:
+    return {"metadata": {"name": name}, "handler": handler}
+
+
+# The cluster's RuntimeClasses both layers read: katamgr's two; kata-deploy's, each named after
+# its handler kata-<shim> (runtime-rs TDX and SNP here); kata-deploy's default class
+# (runtimeClasses.createDefault: named "kata", the handler of its default shim, an NVIDIA GPU one
+# in its try-kata-nvidia-gpu values: kata-deploy's templates/runtimeclasses.yaml, nameOverride);
+# a Kata class that runs no GPU (kata-deploy's plain QEMU shim); runc.
+GPU_RS = {"tdx": "kata-qemu-nvidia-gpu-tdx-runtime-rs", "snp": "kata-qemu-nvidia-gpu-snp-runtime-rs"}
+CLUSTER = [rc(podkit.KATA, podkit.KATA), rc("kata-qemu-nvidia-gpu-snp", "kata-qemu-nvidia-gpu-snp"),
+           rc(GPU_RS["tdx"], GPU_RS["tdx"]), rc(GPU_RS["snp"], GPU_RS["snp"]),
+           rc("kata", podkit.KATA), rc("kata-qemu", "kata-qemu"), rc("runc", "runc")]
+HANDLERS = {c["metadata"]["name"]: c["handler"] for c in CLUSTER}
+
+
+def class_cases() -> dict[str, dict]:
+    c, pod = podkit.container, podkit.pod
+    return {**podkit.cases(),
+            "kata-deploy-default": pod(c(limits={podkit.A10: "1"}), runtime_class="kata"),
+            "tdx-runtime-rs": pod(c(limits={podkit.H100: "1"}), runtime_class=GPU_RS["tdx"]),
+            "snp-runtime-rs-a10": pod(c(limits={podkit.A10: "1"}), runtime_class=GPU_RS["snp"]),
+            "kata-without-gpu": pod(c(limits={podkit.A10: "1"}), runtime_class="kata-qemu"),
+            "kata-without-gpu-no-request": pod(c(), runtime_class="kata-qemu")}
+
+
+def admission(rendered, pod: dict, cluster: list[dict], *, subresource: str = "") -> list[str]:
+    """The chart's two policies on a pod, as the API server runs them: the first refusal of
+    each (the second once per RuntimeClass, each a param). The API server answers with one."""
+    plain = rendered.get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
+    handler = rendered.get("ValidatingAdmissionPolicy", "-kata-handler")
+    denials = []
+    ok, message = evaluate_policy(plain, pod, subresource=subresource)
     if not ok:
+        denials.append(message)
+    for param in cluster:
+        ok, message = evaluate_policy(handler, pod, subresource=subresource, params=param)
+        if not ok:
+            denials.append(message)
+            break
+    return denials
+
+
+@pytest.mark.parametrize("case", sorted(class_cases()))
+def test_the_policies_agree_with_the_webhook(chart, case):
+    """The webhook as the chart runs it (--check-handlers: it reads the pod's RuntimeClass)
+    and the two policies on the same cluster's RuntimeClasses: both admit, or both refuse
+    and the webhook's sentence is one the policies give."""
+    rendered = render(chart, POLICY)
+    obj = class_cases()[case]
+    denials = admission(rendered, obj, CLUSTER)
+    denial = validate(obj, Policy(handler_of=HANDLERS.get))
+    assert bool(denials) == (denial is not None), (case, denials, denial)
+    if denial:
         # The same sentence as the webhook, less the pod name the policy's status already gives.
-        assert message == denial.split(": ", 1)[1]
+        assert denial.split(": ", 1)[1] in denials, (case, denials, denial)
+
+
+def test_any_class_with_a_kata_gpu_handler_takes_a_passthrough_pod(chart):
+    """The allow-list follows the Kata GPU classes present: kata-deploy's default class
+    "kata" (handler kata-qemu-nvidia-gpu) and its runtime-rs TDX class are in no list, and
+    take a passthrough GPU by their handlers; a Kata class without the GPU runtime does not."""
+    rendered = render(chart, POLICY)
+    cases = class_cases()
+    for case in ("kata-deploy-default", "tdx-runtime-rs", "kata-without-gpu-no-request"):
+        assert admission(rendered, cases[case], CLUSTER) == [], case
+        assert validate(cases[case], Policy(handler_of=HANDLERS.get)) is None, case
+    (refusal,) = admission(rendered, cases["kata-without-gpu"], CLUSTER)
+    assert ('container "app" requests the passthrough resource nvidia.com/GA102GL_A10, but runtimeClassName '
+            '"kata-qemu" has handler "kata-qemu", which is not a Kata GPU runtime; a passthrough GPU is only '
+            "given to a Kata VM: set spec.runtimeClassName to a Kata GPU class (its handler "
+            "kata-qemu-nvidia-gpu*, or one of kata-qemu-nvidia-gpu, ") in refusal
+    # A runtime-rs SNP class is confidential (kata-deploy adds -runtime-rs after -snp).
+    (refusal,) = admission(rendered, cases["snp-runtime-rs-a10"], CLUSTER)
+    assert f'runtimeClassName "{GPU_RS["snp"]}" runs confidential VMs and the GPU model GA102GL_A10' in refusal
+    # The class kata-deploy renamed, recreated with runc: refused by its handler.
+    forged = [*(c for c in CLUSTER if c["metadata"]["name"] != "kata"), rc("kata", "runc")]
+    (refusal,) = admission(rendered, cases["kata-deploy-default"], forged)
+    assert 'runtimeClassName "kata" has handler "runc", which is not a Kata GPU runtime' in refusal
+    assert refusal in validate(cases["kata-deploy-default"],
+                               Policy(handler_of={"kata": "runc"}.get))
+
+
+def test_a_kata_gpu_handler_of_your_own_is_a_value(chart):
+    """kata-deploy's customRuntimes register a handler of the operator's choosing on its
+    qemu-nvidia-gpu base (kata-my-gpu-runtime in its values' example)."""
+    values = merged(POLICY, WEBHOOK, {"isolation": {"kataGpuHandlers": ["kata-qemu-nvidia-gpu*", "kata-my-gpu-*"]}})
+    rendered = render(chart, values)
+    mine = [*CLUSTER, rc("my-gpu", "kata-my-gpu-runtime")]
+    obj = podkit.pod(podkit.container(limits={podkit.A10: "1"}), runtime_class="my-gpu")
+    assert admission(rendered, obj, mine) == []
+    policy = webhook_policy(rendered, handler_of={"my-gpu": "kata-my-gpu-runtime"}.get)
+    assert policy.gpu_handlers == ("kata-qemu-nvidia-gpu*", "kata-my-gpu-*")
+    assert validate(obj, policy) is None
+    # With the chart's defaults it is refused by both.
+    assert admission(render(chart, POLICY), obj, mine)
+    assert validate(obj, Policy(handler_of={"my-gpu": "kata-my-gpu-runtime"}.get))
 
 
 # --- devices.include resources are passthrough resources, whatever their domain ----------
@@ -299,17 +386,27 @@ INCLUDED = {"devices": {"include": [{"ids": "1234:11e8", "resource": "example.co
 EDU = "example.com/edu"
 
 
-def webhook_policy(rendered) -> Policy:
-    """The Policy katamgr webhook builds from the rendered Deployment's arguments (cmd_webhook)."""
-    from katamgr.admission.rules import DEFAULT_PASSTHROUGH, DEFAULT_RUNTIME_CLASSES
+def webhook_policy(rendered, handler_of=HANDLERS.get) -> Policy:
+    """The Policy katamgr webhook builds from the rendered Deployment's arguments (cmd_webhook),
+    reading RuntimeClasses (--check-handlers) from ``handler_of``."""
+    from katamgr.admission.rules import (
+        DEFAULT_GPU_HANDLERS,
+        DEFAULT_KATA_HANDLERS,
+        DEFAULT_PASSTHROUGH,
+        DEFAULT_RUNTIME_CLASSES,
+    )
     from katamgr.cli import build_parser
 
     (c,) = rendered.get("Deployment", "-webhook")["spec"]["template"]["spec"]["containers"]
     args = build_parser().parse_args([*c["command"][1:], *c["args"]])
+    assert args.check_handlers
     return Policy(runtime_classes=tuple(args.runtime_class or DEFAULT_RUNTIME_CLASSES),
                   passthrough=tuple(args.passthrough_resource or DEFAULT_PASSTHROUGH),
                   inject_runtime_class=args.inject_runtime_class,
-                  confidential_classes=tuple(args.confidential_runtime_class or ()))
+                  confidential_classes=tuple(args.confidential_runtime_class or ()),
+                  kata_handlers=tuple(args.kata_handler or DEFAULT_KATA_HANDLERS),
+                  gpu_handlers=tuple(args.kata_gpu_handler or DEFAULT_GPU_HANDLERS),
+                  handler_of=handler_of)
 
 
 def included_cases() -> dict[str, dict]:
@@ -340,15 +437,15 @@ def test_included_resources_become_the_webhooks_passthrough_resources(chart):
 @pytest.mark.parametrize("case", sorted(included_cases()))
 def test_the_policy_cel_denies_an_included_resource_outside_kata(chart, case):
     rendered = render(chart, merged(WEBHOOK, POLICY, INCLUDED))
-    policy = rendered.get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
     obj = included_cases()[case]
-    ok, message = evaluate_policy(policy, obj)
+    denials = admission(rendered, obj, CLUSTER)
+    ok = not denials
     denial = validate(obj, webhook_policy(rendered))
-    assert ok == (denial is None), (case, message, denial)
+    assert ok == (denial is None), (case, denials, denial)
     if case in ("included-none", "included-runc", "included-init"):
         assert not ok
-        assert message == denial.split(": ", 1)[1]
-        assert "requests the passthrough resource example.com/" in message
+        assert denials == [denial.split(": ", 1)[1]]
+        assert "requests the passthrough resource example.com/" in denials[0]
     if case in ("included-0", "included-kata", "other-domain"):
         assert ok
 

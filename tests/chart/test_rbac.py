@@ -56,7 +56,9 @@ CC_PATCH: set[Grant] = {("", "nodes", "patch", None, None)}
 NODE_EVENTS: set[Grant] = {("", "events", v, None, "default") for v in ("create", "patch")}
 DRA: set[Grant] = ({("resource.k8s.io", "resourceslices", v, None, None)
                     for v in ("list", "create", "update", "delete")}
-                   | {("resource.k8s.io", "resourceclaims", "get", None, None), ("", "pods", "get", None, None)})
+                   | {("resource.k8s.io", "resourceclaims", "get", None, None), ("", "pods", "get", None, None),
+                      # A pod's class not named: its handler, a Kata GPU runtime's or not.
+                      ("node.k8s.io", "runtimeclasses", "get", None, None)})
 READ_RUNTIME_CLASSES: set[Grant] = {("node.k8s.io", "runtimeclasses", "get", None, None)}
 READ_REVERT_DS: set[Grant] = {("apps", "daemonsets", "get", (REVERT,), NAMESPACE)}
 
@@ -232,16 +234,18 @@ def test_the_call_scan_finds_the_calls_we_know_of():
     assert set(needed) == {("nodes", "get"), ("nodes", "watch"), ("nodes", "patch"), ("events", "create"),
                            ("events", "patch"), ("secrets", "get"),
                            ("runtimeclasses", "list"), ("runtimeclasses", "patch"),
-                           ("runtimeclasses", "create"), ("runtimeclasses", "delete"),
+                           ("runtimeclasses", "create"), ("runtimeclasses", "delete"), ("runtimeclasses", "get"),
                            ("resourceslices", "list"), ("resourceslices", "create"),
                            ("resourceslices", "update"), ("resourceslices", "delete"),
                            ("resourceclaims", "get"), ("pods", "get")}
     assert any("katamgr/node/kube.py" in w for w in needed[("nodes", "get")])
     assert any("katamgr/node/kube.py" in w for w in needed[("nodes", "watch")])
-    # Every RuntimeClass call is in the one module the chart's agent skips.
-    for (resource, _), where in needed.items():
-        if resource == "runtimeclasses":
+    # Every RuntimeClass call is in the one module the chart's agent skips, but the DRA
+    # driver's read of a pod's class (its handler).
+    for (resource, verb), where in needed.items():
+        if resource == "runtimeclasses" and verb != "get":
             assert all(w.startswith(str(RUNTIME_CLASS_CALLS.relative_to(REPO))) for w in where), where
+    assert all(w.startswith("sandbox_plugin/dra/claims.py") for w in needed[("runtimeclasses", "get")])
 
 
 @pytest.mark.integration
@@ -252,7 +256,9 @@ def test_the_sandbox_agents_grants_are_exactly_what_its_code_calls(chart):
     assert "--no-runtime-classes" in next(
         c for c in pods(rendered)[AGENT]["containers"] if c["name"] == "kata-manager")["args"]
     have = {(resource, verb) for _, resource, verb, _, _ in identities(rendered)[AGENT]}
-    needed = {k: v for k, v in api_calls(API_CALLERS).items() if k[0] != "runtimeclasses"}
+    rc_module = str(RUNTIME_CLASS_CALLS.relative_to(REPO))
+    needed = {k: v for k, v in api_calls(API_CALLERS).items()
+              if not (k[0] == "runtimeclasses" and all(w.startswith(rc_module) for w in v))}
     missing = {k: v for k, v in needed.items() if k not in have}
     assert not missing, f"calls the sandbox agent's roles do not allow: {missing}"
     unused = have - set(needed)

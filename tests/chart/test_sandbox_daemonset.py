@@ -46,6 +46,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
         # Which GPUs the kubelet gave pods (PodResources): kept on a switch away from passthrough.
         "/host/var/lib/kubelet/pod-resources": ("/var/lib/kubelet/pod-resources", True),
         "/host/etc/containerd": ("/etc/containerd", False),
+        # kata-deploy's install: its release found, katamgr's GPU drop-in beside its config.
+        "/host/opt/kata": ("/opt/kata", False),
         "/host/run/containerd": ("/run/containerd", False),
         "/host/opt/nvidia-gpu-operator/artifacts/runtimeclasses":
             ("/opt/nvidia-gpu-operator/artifacts/runtimeclasses", False),
@@ -62,7 +64,7 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
                               "--default-workload", "container",
                               "--node-name", "$(NODE_NAME)", "--log-format", "text",
                               "--metrics-address", "0.0.0.0:9411", "--resource-naming", "nvidia",
-                              "--nvswitches", "auto"]
+                              "--nvswitches", "auto", "--containerd-config", "/etc/containerd/config.toml"]
     assert plugin["securityContext"]["privileged"] is False
     assert plugin["securityContext"]["allowPrivilegeEscalation"] is False
     assert host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin") == {
@@ -73,6 +75,9 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
         "/host/var/run/cdi": ("/var/run/cdi", True),
         # The agent's hand-back verdicts (katamgr.host.handback): a GPU that failed stays Unhealthy.
         "/host/var/lib/kata-sandbox-manager/handback": ("/var/lib/kata-sandbox-manager/handback", True),
+        # The node's Kata, read-only: the release that decides is the agent's (--containerd-config).
+        "/host/etc/containerd": ("/etc/containerd", True),
+        "/host/opt/kata": ("/opt/kata", True),
     }
 
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]
@@ -104,7 +109,10 @@ def test_kata_manager_off_drops_runtime_class_rights_and_containerd_mounts(chart
     agent = container(rendered, "-sandbox-agent", "kata-manager")
     assert agent["args"][-1:] == ["--no-kata"]
     mounts = host_mounts(rendered, "-sandbox-agent", "kata-manager")
-    assert not {"/host/etc/containerd", "/host/run/containerd"} & set(mounts)
+    assert "/host/run/containerd" not in mounts
+    # Where the node's Kata is found (its release decides NVSwitches): read only, nothing written.
+    assert mounts["/host/etc/containerd"] == ("/etc/containerd", True)
+    assert mounts["/host/opt/kata"] == ("/opt/kata", True)
     assert not any("artifacts" in path for path in mounts)
     assert set(rules(rendered.get("ClusterRole", "-sandbox-agent"))) == {"nodes"}
     assert set(rules(rendered.get("Role", "-sandbox-agent-node-events"))) == {"events"}
@@ -211,7 +219,7 @@ def test_air_gapped_layouts_are_mounted_read_only_where_katamgr_reads_them(chart
         "registry.local:5000/kata-sandbox-manager/kata-sandbox-manager"}
     # The device plugin never reads artifacts.
     plugin = host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin")
-    assert not set(plugin) & set(mounts) and not any("artifacts" in path for path in plugin), plugin
+    assert not any("artifacts" in path or "layouts" in path for path in plugin)
 
 
 @pytest.mark.parametrize(("values", "expected"), [

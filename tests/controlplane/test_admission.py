@@ -44,9 +44,11 @@ CONFIDENTIAL_DENIAL = (f'requests {A10}, but runtimeClassName "{SNP}" runs confi
                        "GA102GL_A10 has no confidential-computing mode (Hopper and later only)")
 VALUES = {"sandboxWorkloads": {"enabled": True},
           "isolation": {"webhook": {"enabled": True}, "admissionPolicy": {"enabled": True}}}
+KATA_CLASSES = (f"a Kata GPU class (its handler kata-qemu-nvidia-gpu*, or one of "
+                f"{', '.join(PASSTHROUGH_RUNTIME_CLASSES)})")
 DENIAL = (f'requests the passthrough resource {A10}, but it sets no runtimeClassName; a '
-          f"passthrough GPU is only given to a Kata VM: set spec.runtimeClassName to one of "
-          f"{', '.join(PASSTHROUGH_RUNTIME_CLASSES)}, or request nvidia.com/gpu for a container GPU")
+          f"passthrough GPU is only given to a Kata VM: set spec.runtimeClassName to "
+          f"{KATA_CLASSES}, or request nvidia.com/gpu for a container GPU")
 
 
 
@@ -379,6 +381,34 @@ def test_a_kata_class_with_a_runc_handler_gets_no_passthrough_gpu(kube, layer, r
     assert f'runtimeClassName "{KATA}" has handler "runc", which is not a Kata runtime' in refusal, refusal
     # A pod asking for no passthrough GPU is not this rule's business.
     assert create(kube, pod("plain-kata", runtime_class=KATA), TENANT).returncode == 0
+
+
+@pytest.fixture
+def kata_deploy_classes(kube):
+    """RuntimeClasses as kata-deploy's chart makes them beside ours: its default class
+    (runtimeClasses.createDefault, named "kata", the handler of its default shim, an NVIDIA GPU
+    one in its try-kata-nvidia-gpu values: kata-deploy's templates/runtimeclasses.yaml) and
+    its plain QEMU class, a Kata runtime with no GPU."""
+    classes = [{"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": name},
+                "handler": handler} for name, handler in (("kata", KATA), ("kata-qemu", "kata-qemu"))]
+    kube.apply(classes, manager="kata-deploy")
+    yield
+    kube.delete(classes)
+
+
+@pytest.mark.parametrize("which", ["webhook", "policy"])
+def test_any_class_with_a_kata_gpu_handler_takes_a_passthrough_gpu(kube, layer, kata_deploy_classes, which):
+    """The allow-list follows the classes present: "kata" is in no list, but its handler is
+    Kata's GPU runtime; "kata-qemu" is a Kata runtime without the GPU one. The policy reads
+    both as params, the webhook with its own client (--check-handlers)."""
+    layer(which, check_handlers=True)
+    refusal = refused_until_in_force(kube, "no-gpu-vm", pod("no-gpu-vm", resources={A10: 1},
+                                                            runtime_class="kata-qemu"))
+    assert (f'container "main" requests the passthrough resource {A10}, but runtimeClassName "kata-qemu" has '
+            f'handler "kata-qemu", which is not a Kata GPU runtime; a passthrough GPU is only given to a Kata '
+            f"VM: set spec.runtimeClassName to {KATA_CLASSES}") in refusal, refusal
+    admitted = create(kube, pod("renamed", resources={A10: 1}, runtime_class="kata"), TENANT)
+    assert admitted.returncode == 0, admitted.stderr
 
 
 def test_with_every_webhook_replica_gone_only_the_excluded_namespaces_create_pods(kube, objects):

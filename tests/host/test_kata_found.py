@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from katamgr import cli
 from katamgr.agent.events import NodeEvents
 from katamgr.host import katadetect
 from katamgr.host.kata import KataRelease, parse_release
@@ -177,23 +176,7 @@ def test_the_nvswitch_decision_follows_the_release_found(tmp_path, release, pass
     assert held is not passed
     section = next(s for s in plan.sections if s.key == "kata_found")
     assert section.data["deciding"] == release and section.lines[0] == f"deciding: Kata {release}"
-    # The device plugin and the DRA driver do not read the node's Kata: the plan says to type it.
-    unseen = [w for w in plan.warnings if "the device plugin and the DRA driver do not read" in w]
-    assert unseen == ([f"NVSwitches are passed through for Kata {release} found on the node, but the device "
-                       "plugin and the DRA driver do not read the node's Kata runtimes: set devices.kataVersion "
-                       f"(--kata-version) to {release} for them to advertise the NVSwitches"] if passed else [])
-    recorded = []
-
-    class Recorder:
-        def record(self, reason, message, type_, limited):
-            recorded.append((reason, type_, message))
-
-    NodeEvents(Recorder()).nvswitches(plan.inventory)
-    assert [(r, t) for r, t, _ in recorded if r == "NVSwitchesNotAdvertised"] == (
-        [("NVSwitchesNotAdvertised", "Warning")] if passed else [])
-    typed = dataclasses.replace(NAMING, selection=katadetect.with_found(
-        Selection(kata=parse_release(release)), katadetect.detect(host, CONTAINERD), GPU_CLASSES))
-    assert not [w for w in build_plan(host, typed, cc_modes=False).warnings if "do not read" in w]
+    # The device plugin and the DRA driver find the same release (tests/plugin/test_node_kata.py).
 
 
 def test_plan_shows_the_kata_found_as_text_and_json(tmp_path):
@@ -220,20 +203,6 @@ def test_plan_shows_the_kata_found_as_text_and_json(tmp_path):
                           timeout=120)
     assert "Kata found on the node:\n  deciding: Kata 3.29.0\n  kata-qemu-nvidia-gpu: Kata 3.29.0 (go, " \
            "containerd-shim-kata-v2 --version), installed by kata-deploy" in text.stdout
-
-
-def test_the_agent_publishes_the_release_found(tmp_path, monkeypatch):
-    from katamgr import cluster
-
-    patched = []
-    monkeypatch.setattr(cluster, "set_node_labels", lambda api, name, labels: patched.append((name, labels)))
-    host = node(tmp_path, "3.25.0")
-    naming = cli.with_node_kata(NAMING, host, None)
-    cli.publish_kata_label(object(), "node-a", naming)
-    assert patched == [("node-a", {"katacontainers.io/kata-version": "3.25.0"})]
-    patched.clear()
-    cli.publish_kata_label(object(), "node-a", cli.with_node_kata(NAMING, HostRoot.at(tmp_path / "empty"), None))
-    assert patched == []  # no Kata runtime: the label is not katamgr's business
 
 
 def test_a_profile_says_how_kata_is_laid_out():

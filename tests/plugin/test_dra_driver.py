@@ -270,16 +270,31 @@ def test_claims_go_only_to_pods_in_a_kata_runtime_class(node):
     kata = node.pod("vm", "kata-qemu-nvidia-gpu")
     runc = node.pod("plain", None)
     other = node.pod("other", "gvisor")
+    # kata-deploy's default class (runtimeClasses.createDefault): named "kata", the handler of its
+    # NVIDIA GPU shim; in no list, taken by its handler as the admission layers take it. A
+    # class "kata-qemu" is a Kata runtime without the GPU one.
+    for name, handler in (("kata", "kata-qemu-nvidia-gpu"), ("kata-qemu", "kata-qemu")):
+        node.server.seed({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                          "metadata": {"name": name}, "handler": handler})
+    renamed = node.pod("renamed", "kata")
+    plain_kata = node.pod("plain-kata", "kata-qemu")
     claims = [node.claim("for-vm", ["gpu-0000-83-00-0"], pod_name="vm", pod_uid=kata["metadata"]["uid"]),
               node.claim("for-runc", ["gpu-0000-84-00-0"], pod_name="plain", pod_uid=runc["metadata"]["uid"]),
               node.claim("for-gvisor", ["gpu-0000-93-00-0"], pod_name="other", pod_uid=other["metadata"]["uid"]),
-              node.claim("for-nobody", ["gpu-0000-94-00-0"], pod_name="ghost")]
+              node.claim("for-nobody", ["gpu-0000-94-00-0"], pod_name="ghost"),
+              node.claim("for-renamed", ["gpu-0000-13-00-0"], pod_name="renamed",
+                         pod_uid=renamed["metadata"]["uid"]),
+              node.claim("for-plain-kata", ["gpu-0000-14-00-0"], pod_name="plain-kata",
+                         pod_uid=plain_kata["metadata"]["uid"])]
     answer = node.dra.call_prepare(DRIVER, [node.ref(c) for c in claims])
     errors = [answer.claims[c["metadata"]["uid"]].error for c in claims]
     assert errors[0] == ""
     assert errors[1] == (
         "ResourceClaim default/for-runc: pod default/plain runs in runtime class (none: runc), not a "
         "Kata one (kata-qemu-nvidia-gpu): its containers would get the GPU's raw VFIO device; set "
-        "runtimeClassName to a Kata runtime class")
+        "runtimeClassName to a Kata runtime class (one of those, or one whose handler is a Kata GPU "
+        "runtime's: kata-qemu-nvidia-gpu*)")
     assert "pod default/other runs in runtime class gvisor, not a Kata one" in errors[2]
     assert errors[3].startswith("ResourceClaim default/for-nobody: cannot read its pod default/ghost: HTTP 404")
+    assert errors[4] == ""
+    assert "pod default/plain-kata runs in runtime class kata-qemu, not a Kata one" in errors[5]

@@ -695,11 +695,11 @@ names_gpu with its default patterns).
 {{- end -}}
 {{- end -}}
 
-{{/* CEL: params (a RuntimeClass) has a handler isolation.kataHandlers allows (a name, or a
-prefix ending in *). */}}
-{{- define "ksm.policyKataHandler" -}}
+{{/* CEL: params (a RuntimeClass) has a handler one of the patterns given allows (a name,
+or a prefix ending in *): isolation.kataHandlers or isolation.kataGpuHandlers. */}}
+{{- define "ksm.policyHandlerIn" -}}
 {{- $out := list -}}
-{{- range .Values.isolation.kataHandlers -}}
+{{- range . -}}
 {{- if hasSuffix "*" . -}}
 {{- $out = append $out (printf "params.handler.startsWith(%s)" (trimSuffix "*" . | squote)) -}}
 {{- else -}}
@@ -940,9 +940,19 @@ layoutDirs).
   mountPath: {{ include "ksm.inHost" "/var/lib/kubelet/pod-resources" }}
   readOnly: true
 {{- end }}
-{{- if $kata }}
+# The node's Kata (katamgr.host.katadetect): containerd's config and kata-deploy's install,
+# where katamgr writes its GPU drop-in beside kata-deploy's config; read-only without Kata.
 - name: containerd-config
   mountPath: {{ include "ksm.inHost" $containerdConfigDir }}
+  {{- if not $kata }}
+  readOnly: true
+  {{- end }}
+- name: kata-deploy
+  mountPath: {{ include "ksm.inHost" "/opt/kata" }}
+  {{- if not $kata }}
+  readOnly: true
+  {{- end }}
+{{- if $kata }}
 - name: containerd-socket
   mountPath: {{ include "ksm.inHost" $containerdSocketDir }}
 - name: artifacts
@@ -957,6 +967,31 @@ layoutDirs).
 - name: cdi
   mountPath: {{ include "ksm.inHost" "/var/run/cdi" }}
 {{- end }}
+{{- end -}}
+
+{{/* Where the node's Kata is found (katamgr.host.katadetect): containerd's config dir and
+kata-deploy's install dir (/opt/kata: its shims, VERSION and configs; created empty on a node
+without it, as the container runtime would). */}}
+{{- define "ksm.nodeKataVolumes" -}}
+- name: containerd-config
+  hostPath:
+    path: {{ include "ksm.hostPath" (list . (dir .Values.containerd.configPath)) }}
+    type: Directory
+- name: kata-deploy
+  hostPath:
+    path: {{ include "ksm.hostPath" (list . "/opt/kata") }}
+    type: DirectoryOrCreate
+{{- end -}}
+
+{{/* The device plugin's and the DRA driver's view of the node's Kata: read-only, with the
+config the agent reads (--containerd-config), so that all three decide by one release. */}}
+{{- define "ksm.nodeKataMounts" -}}
+- name: containerd-config
+  mountPath: {{ include "ksm.inHost" (dir .Values.containerd.configPath) }}
+  readOnly: true
+- name: kata-deploy
+  mountPath: {{ include "ksm.inHost" "/opt/kata" }}
+  readOnly: true
 {{- end -}}
 
 {{/* The volumes of ksm.agentMounts. Call with (list $ CONFIGMAP-NAME). */}}
@@ -998,11 +1033,8 @@ layoutDirs).
     type: Directory
 {{ include "ksm.podResourcesVolume" $root }}
 {{- end }}
+{{ include "ksm.nodeKataVolumes" $root }}
 {{- if $h.kata }}
-- name: containerd-config
-  hostPath:
-    path: {{ include "ksm.hostPath" (list $root $h.containerdConfigDir) }}
-    type: Directory
 - name: containerd-socket
   hostPath:
     path: {{ include "ksm.hostPath" (list $root $h.containerdSocketDir) }}

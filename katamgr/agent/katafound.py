@@ -1,0 +1,74 @@
+"""The Kata found on the node, looked at again while the agent runs.
+
+kata-deploy may install or upgrade Kata after the agent started: it writes its containerd
+drop-in (``kata-deploy.toml``) and replaces the shims and the ``VERSION`` file under
+``/opt/kata``. Each check compares the files detection read (``katadetect.inputs``: a stat
+each, no shim run); where one changed, the node's Kata is detected again
+(``katadetect.node_selection``, the one way every part learns it) and the target's selection
+follows: the release label (the labels room reads the target), the plan, and, through the
+reconcile the loop then runs, what the release decides (NVSwitches passed through on 4.1 and
+later, or kept back before it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from katamgr.agent.target import Target
+from katamgr.host import katadetect
+from katamgr.host.kata import release_json
+from katamgr.host.selection import Selection
+
+log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
+
+
+def _summary(found: katadetect.KataOnNode | None) -> tuple[tuple[str, str | None, str], ...]:
+    runtimes = found.runtimes if found is not None else ()
+    return tuple((r.name, release_json(r.release), r.installed_by) for r in runtimes)
+
+
+def _said(found: katadetect.KataOnNode | None, deciding: Selection) -> str:
+    runtimes = found.runtimes if found is not None else ()
+    if not runtimes:
+        return "no Kata runtime in containerd's config"
+    releases = sorted({str(r.release) for r in runtimes})
+    return f"{len(runtimes)} Kata runtime(s), {', '.join(releases)}; deciding: {deciding.kata}"
+
+
+@dataclass
+class KataFound:
+    """``given``: the selection the operator gave (before detection: a typed release stays the
+    override); where and for which runtime classes the node's Kata is found."""
+
+    given: Selection
+    containerd_config: str
+    artifacts_dir: str = ""
+    names: tuple[str, ...] = ()
+    read_version: katadetect.VersionReader = katadetect.run_version
+    _inputs: tuple | None = field(default=None, init=False)
+
+    def remember(self, target: Target) -> None:
+        """What detection read for the target's selection (at start)."""
+        self._inputs = katadetect.inputs(target.host, self.containerd_config, target.naming.selection.kata_found)
+
+    def follow(self, target: Target) -> str | None:
+        """Why the node's Kata changed, with the target's naming following it; None when the
+        files detection reads are as they were, or say the same after a look."""
+        before = target.naming.selection
+        now = katadetect.inputs(target.host, self.containerd_config, before.kata_found)
+        if self._inputs is None or now == self._inputs:
+            self._inputs = now
+            return None
+        after = katadetect.node_selection(self.given, target.host, self.containerd_config,
+                                          artifacts_dir=self.artifacts_dir, names=self.names,
+                                          read_version=self.read_version)
+        target.naming = dataclasses.replace(target.naming, selection=after)
+        self._inputs = katadetect.inputs(target.host, self.containerd_config, after.kata_found)
+        if _summary(before.kata_found) == _summary(after.kata_found) and before.kata == after.kata:
+            return None
+        why = (f"the node's Kata changed (kata-deploy installed or upgraded it?): "
+               f"{_said(before.kata_found, before)} before, {_said(after.kata_found, after)} now")
+        log.info("%s", why)
+        return why

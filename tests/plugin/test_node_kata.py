@@ -1,0 +1,60 @@
+"""The device plugin and the DRA driver learn the node's Kata release as katamgr does
+(``katadetect.node_selection``, through ``sandbox_plugin.commands.with_node_kata``) where
+--kata-version gives none: on a node where kata-deploy installed Kata 4.1 (whose shims
+cold-plug NVSwitches), the NVSwitches katamgr bound to vfio-pci are advertised without a typed
+release; on 3.29 katamgr keeps them on the host and nothing advertises them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from katamgr import cli
+from katamgr.host.naming import Naming
+from katamgr.host.pciids import PciIds
+from katamgr.pipeline.reconcile import Steps, reconcile
+from nodesim.katadeploy import KataInstall
+from nodesim.materialise import materialise
+from nodesim.profiles import find_profile
+from sandbox_plugin import cli as plugin_cli
+from sandbox_plugin.dra import cli as dra_cli
+from sandbox_plugin.passthrough import scan_units
+
+NVSWITCHES = {"0000:05:00.0", "0000:15:00.0", "0000:85:00.0", "0000:95:00.0"}  # dgx-h100's
+
+
+def _node(tmp_path, release: str):
+    profile = dataclasses.replace(find_profile("dgx-h100"), kata=KataInstall("kata-deploy", release, ("go",)))
+    host = materialise(profile, tmp_path / "root")
+    # katamgr binds what the release found lets it (NVSwitches on 4.1 and later).
+    naming = cli.with_node_kata(Naming(PciIds.find()), host, None)
+    assert reconcile(host, naming, Steps(kata=False, cdi=False), None).ok
+    return host
+
+
+def _advertised_nvswitches(host, *extra: str) -> set[str]:
+    _, naming = plugin_cli._build(plugin_cli.parse_args(["--host-root", str(host.root), *extra]))
+    return {d.bdf for unit in scan_units(host, naming) for d in unit.devices if d.bdf in NVSWITCHES}
+
+
+@pytest.mark.parametrize(("release", "advertised"), [("3.29.0", False), ("4.1.0", True)])
+def test_the_plugin_advertises_the_nvswitches_the_release_found_lets_through(tmp_path, release, advertised):
+    host = _node(tmp_path, release)
+    assert _advertised_nvswitches(host) == (NVSWITCHES if advertised else set())
+
+
+def test_a_typed_release_stays_the_plugin_s_override(tmp_path):
+    host = _node(tmp_path, "4.1.0")
+    assert _advertised_nvswitches(host, "--kata-version", "3.29.0") == set()
+
+
+def test_containerd_s_config_is_a_host_path_for_both_programs(tmp_path):
+    host = _node(tmp_path, "4.1.0")
+    # Elsewhere (no Kata runtime in that config) the release is unknown: none advertised.
+    assert _advertised_nvswitches(host, "--containerd-config", "/etc/elsewhere.toml") == set()
+    with pytest.raises(plugin_cli.UsageError, match="--containerd-config 'etc/x.toml' is not an absolute"):
+        plugin_cli._build(plugin_cli.parse_args(["--host-root", str(host.root), "--containerd-config", "etc/x.toml"]))
+    args = dra_cli.build_parser().parse_args(["--node-name", "n"])
+    assert args.containerd_config == "/etc/containerd/config.toml"
+    assert dra_cli.main(["--node-name", "n", "--host-root", str(host.root), "--containerd-config", "x.toml"]) == 2
