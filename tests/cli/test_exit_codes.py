@@ -64,9 +64,9 @@ def test_a_held_gpu_is_a_problem_for_plan_and_apply_and_force_names_who_loses_it
     again = run("apply", *root)
     # Nothing changed, but a GPU was left out: said, and never "already as planned".
     assert again.returncode == Exit.PROBLEMS, again.stderr
-    assert "warning: 0000:01:00.0: in use by PID 4242 (python3)" in again.stdout
+    assert "warning: 0000:01:00.0: in use by PID 4242 (python3)" in again.stderr  # warnings: stderr
     assert "nothing to change" not in again.stdout + again.stderr
     forced = run("apply", *root, "--force")
     assert forced.returncode == Exit.FORCED, forced.stderr
-    assert "--force: 0000:01:00.0 is taken from PID 4242 (python3) holding /dev/nvidia0" in forced.stdout
+    assert "--force: 0000:01:00.0 is taken from PID 4242 (python3) holding /dev/nvidia0" in forced.stderr
     assert driver_of(host, "0000:01:00.0") == "vfio-pci"
