@@ -139,6 +139,7 @@ class FabricGuard:
     # -- the release loop ----------------------------------------------------------
 
     def start(self) -> None:
+        self._stop.clear()  # started again after a relabel swapped the plugin managers
         try:
             with self._lock:
                 self._fabric()  # restores the record if FM restarted meanwhile
@@ -164,6 +165,16 @@ class FabricGuard:
                 log.exception("NVLink fabric: releasing partitions failed")
 
     # -- FM, under self._lock -------------------------------------------------------
+
+    def ask(self, gpus: Sequence[str]) -> tuple[nf.Fabric | None, str | None]:
+        """``nvlinkfabric.read_fabric``'s answer, but an FM waiting after its restart is given
+        our record first (§5.10): it answers then, where a plain read would find it not ready."""
+        try:
+            with self._lock:
+                reported = self._call(lambda fm: fm.partitions())
+        except FabricManagerError as e:
+            return None, f"Fabric Manager did not answer: {e}"
+        return nf.fabric_from(reported, gpus, self.module_ids), None
 
     def _fabric(self) -> nf.Fabric:
         """FM's partitions matched to the node's GPUs; AllocationError where FM does not answer."""

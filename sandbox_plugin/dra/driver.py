@@ -43,6 +43,7 @@ from sandbox_plugin.dra.preparing import ClaimPreparer, DeviceError
 from sandbox_plugin.dra.registration import KUBELET_DIR, Layout, Registration
 from sandbox_plugin.dra.service import dra_socket
 from sandbox_plugin.dra.slices import SlicePublisher
+from sandbox_plugin.fabricgate import FabricGate
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import AllocationError
 from sandbox_plugin.watch import DeviceWatcher
@@ -61,7 +62,7 @@ class DraDriver:
                  kubelet_dir: str = KUBELET_DIR, rescan_interval: float = 30.0,
                  resync_interval: float = RESYNC_INTERVAL, recheck_interval: float = 1.0,
                  runtime_classes: frozenset[str] | None = None, link_policy: str = "degrade",
-                 health_interval: float = HEALTH_INTERVAL) -> None:
+                 health_interval: float = HEALTH_INTERVAL, fabric: FabricGate | None = None) -> None:
         self.host = host
         self.naming = naming
         self.driver = driver
@@ -72,7 +73,9 @@ class DraDriver:
         # An Unhealthy unit leaves the slice (devices.DraDevice.healthy): the kernel's health
         # facts (devhealth) taken out the same way as a unit whose binding went wrong.
         health = DeviceHealth(host, link_policy=link_policy)
-        self.discovery = PassthroughDiscovery(host, naming, health=health)
+        # fabric: the NVSwitch board's model (sandbox_plugin.fabricgate): while neither of
+        # NVIDIA's models holds, the board's GPUs are not published.
+        self.discovery = PassthroughDiscovery(host, naming, health=health, fabric=fabric)
         self.watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval,
                                      on_node_gone=self.discovery.node_gone, on_uevent=self.discovery.heard)
         self.poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)
@@ -122,6 +125,8 @@ class DraDriver:
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.discovery.gate is not None:
+            self.discovery.gate.start(self.refresh)
         self.refresh()
         self.watcher.start()
         self.poller.start()
@@ -136,6 +141,8 @@ class DraDriver:
             self._thread.join(10)
         self.watcher.stop()
         self.poller.stop()
+        if self.discovery.gate is not None:
+            self.discovery.gate.stop()
         self.registration.socket.stop()
         self.service.stop()
         self.discovery.close()

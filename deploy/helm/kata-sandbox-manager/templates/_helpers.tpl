@@ -159,7 +159,8 @@ the plugin advertises exactly the devices katamgr binds and writes CDI specs for
 
 {{/*
 The NVLink fabric model and where Fabric Manager is (devices.nvlinkFabric, devices.fabricManager),
-for katamgr and the device plugin (the DRA driver does not take partitions yet).
+for katamgr, the device plugin and the DRA driver (where neither model holds, the plugins
+advertise none of the board's GPUs).
 */}}
 {{- define "ksm.fabricArgs" -}}
 {{- /* Only what differs from both programs' defaults (auto, 127.0.0.1:6666, libnvfm.so.1). */ -}}
