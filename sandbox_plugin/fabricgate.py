@@ -37,14 +37,15 @@ class FabricGate:
     None for a gate fixed on ``guard`` (``sharedNvswitch`` configured, or a test's guard)."""
 
     def __init__(self, host: HostRoot, settings: nf.FabricSettings, decide: Decide | None = None,
-                 guard: FabricGuard | None = None) -> None:
+                 guard: FabricGuard | None = None, make_guard: Callable[[], FabricGuard] | None = None) -> None:
         self.host = host
         self.settings = settings
+        self._make_guard = make_guard or (lambda: FabricGuard(host, settings))
         self._decide = decide
         self.choice = decide() if decide is not None else nf.ModelChoice(nf.SHARED, "given")
         self.guard = guard
         if self.choice.model == nf.SHARED and self.guard is None:
-            self.guard = FabricGuard(host, settings)
+            self.guard = self._make_guard()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -105,7 +106,7 @@ class FabricGate:
             return False
         with self._lock:
             if choice.model == nf.SHARED and self.guard is None:
-                self.guard = FabricGuard(self.host, self.settings)
+                self.guard = self._make_guard()
                 self.guard.start()
             self.choice = choice
         if self._metrics is not None:
@@ -124,7 +125,8 @@ class FabricGate:
                 log.exception("NVLink fabric: asking Fabric Manager again failed")
 
 
-def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory) -> FabricGate | None:
+def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory,
+             make_guard: Callable[[], FabricGuard] | None = None) -> FabricGate | None:
     """The gate of the node's NVSwitch board (``inventory``: ``katamgr.host.inventory``'s,
     with the Kata release its selection found); None without NVSwitches, with
     ``devices.nvlinkFabric: off`` (the operator's documented opt-out), or full passthrough
@@ -133,7 +135,7 @@ def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory) -> FabricGa
     if nvswitches == 0 or settings.model == nf.OFF:
         return None
     if settings.model == nf.SHARED:  # asked for: Allocate says why when FM does not answer
-        return FabricGate(host, settings, None, FabricGuard(host, settings))
+        return FabricGate(host, settings, None, (make_guard or (lambda: FabricGuard(host, settings)))())
     kata = inventory.selection.kata
     gpus = [d.bdf for d in inventory.devices if d.is_gpu]
 
@@ -146,5 +148,5 @@ def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory) -> FabricGa
         finally:
             asking.stop()
 
-    gate = FabricGate(host, settings, decide)
+    gate = FabricGate(host, settings, decide, make_guard=make_guard)
     return None if gate.choice.model == nf.FULL else gate

@@ -150,10 +150,13 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(str(exc)) from None
         naming = with_node_kata(naming, host, args.containerd_config)
         from katamgr.host.inventory import discover
+        from sandbox_plugin.fabric import DRA_RECORD, FabricGuard
         from sandbox_plugin.fabricgate import gate_for
 
         # Where neither of NVIDIA's models holds, the board's GPUs stay out of the slice.
-        gate = gate_for(host, fabric_settings, discover(host, naming.selection))
+        # Its own record, released at NodeUnprepareResources (not by PodResources).
+        gate = gate_for(host, fabric_settings, discover(host, naming.selection), lambda: FabricGuard(
+            host, fabric_settings, given=lambda: None, record=DRA_RECORD))
         try:
             api = cluster_client(args.host_root)
         except NoCluster as exc:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from drakit import make_node
+from drakit import DRIVER, make_node
 from prometheus_client import generate_latest
 
 from katamgr.host.inventory import discover
@@ -106,7 +106,7 @@ def test_the_dra_driver_publishes_no_gpu_of_the_board_until_fm_answers(monkeypat
         fmsim.stop(node.host.root)
         gate = fabricgate.gate_for(node.host, settings, discover(node.host, node.naming.selection))
         node.start_driver(fabric=gate)
-        node.dra.wait_for(lambda s: s.current("passthrough.kata-sandbox-manager.io") is not None, timeout=30)
+        node.dra.wait_for(lambda s: s.current(DRIVER) is not None, timeout=30)
         node.driver.wait_synced(0)
         assert node.device_names("gpu-") == []
         assert len(node.device_names("nvswitch-")) == 4  # NVSwitches are no CUDA device: kept
@@ -118,5 +118,43 @@ def test_the_dra_driver_publishes_no_gpu_of_the_board_until_fm_answers(monkeypat
             node.driver.wait_synced(deadline_syncs)
             deadline_syncs = node.driver.syncs
         assert len(node.device_names("gpu-")) == 8
+    finally:
+        cleanup()
+
+
+def test_the_dra_driver_publishes_partitions_and_activates_one_per_claim(tmp_path):
+    """A claim for N GPUs that matchAttributes on nvlinkPartitionN gets one partition: the
+    scheduler's side is Kubernetes' (every device of the claim has the same value); ours is
+    the attribute, the activation at NodePrepareResources and the release at Unprepare."""
+    node, cleanup = make_node(start=False)
+    try:
+        library, socket, modules = open_node(node.host.root).fabric_manager()
+        settings = nf.FabricSettings(nf.AUTO, socket, library, modules)
+        record = "/var/lib/kata-sandbox-manager/nvlink-partitions-dra.json"
+        gate = fabricgate.gate_for(node.host, settings, discover(node.host, node.naming.selection),
+                                   lambda: fabric.FabricGuard(node.host, settings, given=lambda: None, record=record))
+        node.start_driver(fabric=gate)
+        node.dra.wait_for(lambda s: s.current(DRIVER) is not None, timeout=30)
+        node.driver.wait_synced(0)
+        attrs = {d["name"]: d["attributes"] for d in node.slice()["spec"]["devices"]}
+        # Module 1 (0000:03:00.0) in the guide's HGX H100 table: partitions 0 (8), 1 (4), 3 (2), 7 (1).
+        first = attrs["gpu-0000-03-00-0"]
+        assert {k: v["int"] for k, v in first.items() if k.startswith("nvlinkPartition")} == {
+            "nvlinkPartition8": 0, "nvlinkPartition4": 1, "nvlinkPartition2": 3, "nvlinkPartition1": 7}
+        pair = [n for n, a in attrs.items() if a.get("nvlinkPartition2") == {"int": 3}]
+        assert pair == ["gpu-0000-03-00-0", "gpu-0000-13-00-0"]  # modules 1 and 3
+
+        claim = node.claim("pair", pair)
+        uid = claim["metadata"]["uid"]
+        assert node.dra.call_prepare(DRIVER, [node.ref(claim)]).claims[uid].error == ""
+        assert fmsim.active(node.host.root) == [3]  # before the VM starts
+        assert node.dra.unprepare(DRIVER, [node.ref(claim)]).claims[uid].error == ""
+        assert fmsim.active(node.host.root) == []
+
+        odd = node.claim("odd", ["gpu-0000-03-00-0", "gpu-0000-04-00-0"], pod_uid="pod-2")
+        error = node.dra.call_prepare(DRIVER, [node.ref(odd)]).claims[odd["metadata"]["uid"]].error
+        assert error.startswith("ResourceClaim default/odd: GPUs 0000:03:00.0, 0000:04:00.0 are not one NVLink "
+                                "partition") and "takes 1, 2, 4 or 8 GPUs" in error
+        assert fmsim.active(node.host.root) == []
     finally:
         cleanup()
