@@ -185,7 +185,7 @@ advertise none of the board's GPUs).
 {{- end -}}
 
 {{/*
-The host directories the device plugin needs in the Shared NVSwitch model (devices.nvlinkFabric:
+The host directories the device plugin and the DRA driver need in the Shared NVSwitch model (devices.nvlinkFabric:
 sharedNvswitch, or FM at a unix socket): katamgr's state dir, writable, for its record of the
 active partitions (restored into FM after a restart); FM's socket's dir and the SDK library's,
 read-only. As a JSON list; empty otherwise (FM over TCP needs the pod on the host's network).
