@@ -12,8 +12,11 @@ stopped (socket gone, as when FM's daemon is not running) and started again with
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from pathlib import Path
 
 import pytest
+import yaml
 from drakit import DRIVER, make_node
 from prometheus_client import generate_latest
 
@@ -32,6 +35,7 @@ from sandbox_plugin.manager import Mode, PluginManager
 
 PCI_IDS = PciIds.find()
 H100 = resource_name(PCI_IDS, 0x10DE, 0x2330)
+PARTITION_EXAMPLE = Path(__file__).parents[2] / "examples" / "dra" / "nvlink-partition-kata.yaml"
 NEITHER = "neither of NVIDIA's models holds on this NVSwitch board"
 
 
@@ -143,6 +147,15 @@ def test_the_dra_driver_publishes_partitions_and_activates_one_per_claim(tmp_pat
             "nvlinkPartition8": 0, "nvlinkPartition4": 1, "nvlinkPartition2": 3, "nvlinkPartition1": 7}
         pair = [n for n, a in attrs.items() if a.get("nvlinkPartition2") == {"int": 3}]
         assert pair == ["gpu-0000-03-00-0", "gpu-0000-13-00-0"]  # modules 1 and 3
+        # The example claim's constraint: every value of the attribute it matches on is held
+        # by exactly `count` GPUs, so any set the scheduler may give it is one partition.
+        template = next(d for d in yaml.safe_load_all(PARTITION_EXAMPLE.read_text()) if d["kind"] == "ResourceClaimTemplate")
+        devices = template["spec"]["spec"]["devices"]
+        (constraint,) = devices["constraints"]
+        assert constraint["matchAttribute"].startswith(f"{DRIVER}/")
+        name, count = constraint["matchAttribute"].partition("/")[2], devices["requests"][0]["exactly"]["count"]
+        holders = Counter(a[name]["int"] for a in attrs.values() if name in a)
+        assert len(holders) == 4 and set(holders.values()) == {count}
 
         claim = node.claim("pair", pair)
         uid = claim["metadata"]["uid"]
