@@ -38,6 +38,7 @@ from sandbox_plugin.commands import (
     UsageError,
     add_containerd_argument,
     cluster_client,
+    fabric_settings,
     mode_from_host,
     read_labels,
     with_node_kata,
@@ -294,7 +295,7 @@ def _fabric_gate(args: argparse.Namespace, host: HostRoot, naming: Naming) -> Fa
     """The NVSwitch board's model (``sandbox_plugin.fabricgate``): None without NVSwitches or
     with ``--nvlink-fabric off``; a gate withholding the board's GPUs where neither model holds."""
     try:
-        settings = nf.from_arguments(args)
+        settings = fabric_settings(args, host)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     from katamgr.host.inventory import discover

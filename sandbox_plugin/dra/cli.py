@@ -28,6 +28,7 @@ from sandbox_plugin.commands import (
     UsageError,
     add_containerd_argument,
     cluster_client,
+    fabric_settings,
     mode_from_host,
     with_node_kata,
 )
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             host = HostRoot.at(Path(args.host_root), runtime_root=args.runtime_root)
             naming = resource_naming.from_arguments(args, device_selection.from_arguments(args))
-            fabric_settings = nf.from_arguments(args)
+            fabric = fabric_settings(args, host)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         naming = with_node_kata(naming, host, args.containerd_config)
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # Where neither of NVIDIA's models holds, the board's GPUs stay out of the slice.
         # Its own record, released at NodeUnprepareResources (not by PodResources).
-        gate = gate_for(host, fabric_settings, discover(host, naming.selection), lambda: FabricGuard(
-            host, fabric_settings, given=lambda: None, record=DRA_RECORD))
+        gate = gate_for(host, fabric, discover(host, naming.selection), lambda: FabricGuard(
+            host, fabric, given=lambda: None, record=DRA_RECORD))
         try:
             api = cluster_client(args.host_root)
         except NoCluster as exc:

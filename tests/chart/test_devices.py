@@ -81,7 +81,7 @@ def test_the_nvlink_fabric_reaches_katamgr_the_device_plugin_and_the_dra_driver(
     assert mounts["/host/run/nvidia-fabricmanager"] == ("/run/nvidia-fabricmanager", True)
     assert mounts["/host/usr/lib/x86_64-linux-gnu"] == ("/usr/lib/x86_64-linux-gnu", True)
     assert not [m for m in host_mounts(render(chart, FULL), "-sandbox-agent", "sandbox-device-plugin")
-                if "fabricmanager" in m or m == "/host/var/lib/kata-sandbox-manager"]  # (handback/ is issue 37's)
+                if "fabricmanager" in m or m == "/host/var/lib/kata-sandbox-manager"]  # handback/ stays
 
 
 def nvswitch_flags(args: list[str]) -> list[str]:

@@ -22,7 +22,7 @@ def fabric_of(*args: str) -> tuple[dict, list[str]]:
     result = run("plan", *args, "--output", "json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    return plan["nvlink_fabric"], plan["problems"]
+    return plan["nvlinkFabric"], [p["message"] if isinstance(p, dict) else p for p in plan["problems"]]
 
 
 def test_dgx_h100_follows_the_shared_nvswitch_model_with_the_guides_partitions():
