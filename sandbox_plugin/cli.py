@@ -38,12 +38,13 @@ from sandbox_plugin.commands import (
     UsageError,
     add_containerd_argument,
     cluster_client,
+    fabric_settings,
     mode_from_host,
     read_labels,
     with_node_kata,
 )
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
-from sandbox_plugin.fabric import FabricGuard
+from sandbox_plugin.fabricgate import FabricGate, gate_for
 from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, holds_for, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.served import PluginServerError
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         # NVML, listing again only when started again: the driver watch does that).
         simulated = open_node(host.root)
         nvml = simulated.nvml() if simulated else None
-        fabric = _fabric_guard(args, host, naming)
+        fabric = _fabric_gate(args, host, naming)
         runner = PluginRunner(lambda m, metrics, held_only=False: PluginManager(
             host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml,
             held_only=held_only, fabric=fabric, link_policy=args.link_policy))
@@ -290,30 +291,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _fabric_guard(args: argparse.Namespace, host: HostRoot, naming: Naming) -> FabricGuard | None:
-    """The node's NVLink partitions where it follows the Shared NVSwitch model: asked for, or
-    (auto) where Fabric Manager answers with partitions of this node's GPUs now."""
+def _fabric_gate(args: argparse.Namespace, host: HostRoot, naming: Naming) -> FabricGate | None:
+    """The NVSwitch board's model (``sandbox_plugin.fabricgate``): None without NVSwitches or
+    with ``--nvlink-fabric off``; a gate withholding the board's GPUs where neither model holds."""
     try:
-        settings = nf.from_arguments(args)
+        settings = fabric_settings(args, host)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    if settings.model == nf.SHARED:
-        return FabricGuard(host, settings)
-    if settings.model != nf.AUTO:
-        return None
     from katamgr.host.inventory import discover
 
-    inv = discover(host, naming.selection)
-    if not any(d.is_nvswitch for d in inv.devices):
-        return None
-    fabric, why = nf.read_fabric(host, settings, [d.bdf for d in inv.devices if d.is_gpu])
-    if fabric is None or not fabric.partitions:
-        log.info("NVLink fabric: not the Shared NVSwitch model here (%s)",
-                 why or "Fabric Manager offers no partition of this node's GPUs")
-        return None
-    log.info("NVLink fabric: Shared NVSwitch model, Fabric Manager at %s offers %s-GPU partitions",
-             settings.address, fabric.sizes_text())
-    return FabricGuard(host, settings)
+    return gate_for(host, settings, discover(host, naming.selection))
 
 
 def _label_watch(args: argparse.Namespace):

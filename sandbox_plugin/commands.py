@@ -63,3 +63,23 @@ def mode_from_host(
     if selection.is_default:
         return Mode.CONTAINER, "no NVIDIA GPU is bound to vfio-pci"
     return Mode.CONTAINER, "no passthrough device (as --include-device/--exclude-device select) is bound to vfio-pci"
+
+
+def fabric_settings(args, host: HostRoot):
+    """The NVLink fabric flags (``nvlinkfabric.from_arguments``; ValueError naming a bad one);
+    on a simulated node whose Fabric Manager runs, where FM and its library are unless told,
+    as ``katamgr plan`` finds them (``katamgr.cli.fabric_settings``)."""
+    import dataclasses as dc
+
+    from katamgr.node import nvlinkfabric as nf
+    from nodesim.node import open_node
+
+    settings = nf.from_arguments(args)
+    node = open_node(host.root)
+    simulated = node.fabric_manager() if node is not None else None
+    default = nf.FabricSettings()
+    if simulated is not None and (settings.address, settings.library) == (default.address, default.library):
+        library, socket, modules = simulated
+        settings = dc.replace(settings, address=socket, library=library,
+                              gpu_module_ids=settings.gpu_module_ids or modules)
+    return settings

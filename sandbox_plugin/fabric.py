@@ -40,6 +40,7 @@ from sandbox_plugin.resources import AllocationError
 log = logging.getLogger(__name__)
 
 RECORD = f"{STATE_DIR}/nvlink-partitions.json"
+DRA_RECORD = f"{STATE_DIR}/nvlink-partitions-dra.json"  # the DRA driver's claims' partitions
 RELEASE_INTERVAL = 1.0
 # The kubelet lists a pod's devices in PodResources only after Allocate answered (its device
 # manager records them then: pkg/kubelet/cm/devicemanager/manager.go, allocateContainerResources),
@@ -52,8 +53,11 @@ class FabricGuard:
     the kubelet gave pods (None when it cannot be asked: nothing is deactivated then)."""
 
     def __init__(self, host: HostRoot, settings: nf.FabricSettings,
-                 given: Callable[[], set[str] | None] | None = None) -> None:
+                 given: Callable[[], set[str] | None] | None = None, record: str = RECORD) -> None:
+        """``record``: the host path of this process's record (the DRA driver keeps its own,
+        releasing at NodeUnprepareResources rather than by PodResources)."""
         self.host = host
+        self.record_path = record
         self.settings = settings
         self.module_ids = settings.module_ids
         self._given = given or self._ask_kubelet
@@ -103,6 +107,15 @@ class FabricGuard:
                  ", ".join(sorted(units)))
         return part.partition_id
 
+    def deactivate(self, units: Iterable[str]) -> list[int]:
+        """Deactivate the recorded partitions activated for any of ``units`` (§5.9; a claim
+        unprepared); their IDs."""
+        units = {u.lower() for u in units}
+        with self._lock:
+            held = {u.lower() for pid, us in self._record().items() for u in us if not units & {x.lower() for x in us}}
+            self._activated.clear()  # asked by name: no grace
+            return self._release(held)
+
     def release_unheld(self) -> list[int]:
         """Deactivate the recorded partitions none of whose devices a pod holds; their IDs."""
         given = self._given()
@@ -139,6 +152,7 @@ class FabricGuard:
     # -- the release loop ----------------------------------------------------------
 
     def start(self) -> None:
+        self._stop.clear()  # started again after a relabel swapped the plugin managers
         try:
             with self._lock:
                 self._fabric()  # restores the record if FM restarted meanwhile
@@ -164,6 +178,16 @@ class FabricGuard:
                 log.exception("NVLink fabric: releasing partitions failed")
 
     # -- FM, under self._lock -------------------------------------------------------
+
+    def ask(self, gpus: Sequence[str]) -> tuple[nf.Fabric | None, str | None]:
+        """``nvlinkfabric.read_fabric``'s answer, but an FM waiting after its restart is given
+        our record first (§5.10): it answers then, where a plain read would find it not ready."""
+        try:
+            with self._lock:
+                reported = self._call(lambda fm: fm.partitions())
+        except FabricManagerError as e:
+            return None, f"Fabric Manager did not answer: {e}"
+        return nf.fabric_from(reported, gpus, self.module_ids), None
 
     def _fabric(self) -> nf.Fabric:
         """FM's partitions matched to the node's GPUs; AllocationError where FM does not answer."""
@@ -233,7 +257,7 @@ class FabricGuard:
 
     def _record(self) -> dict[str, list[str]]:
         try:
-            found = read_json(self.host.path(RECORD), {})
+            found = read_json(self.host.path(self.record_path), {})
         except ValueError as e:  # unreadable: Allocate goes on, FM's own state still holds
             if not self._unrecorded:
                 log.warning("NVLink fabric: %s", e)
@@ -245,14 +269,14 @@ class FabricGuard:
         """The record kept; where it cannot be (a read-only state dir: the chart mounts it only
         with devices.nvlinkFabric sharedNvswitch or FM at a unix socket) the partitions are
         still activated and released, but a restarted FM cannot be told them: said once."""
-        path = self.host.path(RECORD)
+        path = self.host.path(self.record_path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_json(path, record)
         except OSError as e:
             if not self._unrecorded:
                 log.warning("NVLink fabric: the record of active partitions %s cannot be written (%s): after a "
-                            "Fabric Manager restart they cannot be restored", RECORD, e)
+                            "Fabric Manager restart they cannot be restored", self.record_path, e)
             self._unrecorded = True
 
     def _ask_kubelet(self) -> set[str] | None:

@@ -29,6 +29,7 @@ from sandbox_plugin.container import (
 )
 from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
 from sandbox_plugin.fabric import FabricGuard
+from sandbox_plugin.fabricgate import FabricGate
 from sandbox_plugin.metrics import PluginMetrics
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import Resource
@@ -64,7 +65,7 @@ class PluginManager:
         device_list_strategies: Sequence[DeviceListStrategy | str] = DEFAULT_DEVICE_LIST_STRATEGIES,
         metrics: PluginMetrics | None = None,
         held_only: bool = False,
-        fabric: FabricGuard | None = None,
+        fabric: FabricGate | FabricGuard | None = None,
         link_policy: str = "degrade",
         health_interval: float = HEALTH_INTERVAL,
     ) -> None:
@@ -110,8 +111,8 @@ class PluginManager:
     def start(self) -> None:
         self._started = True
         if self.discovery is not None:
-            if self.discovery.fabric is not None:
-                self.discovery.fabric.start()
+            if self.discovery.gate is not None:
+                self.discovery.gate.start(self.refresh, self.metrics)
             self.refresh()
             assert self._watcher is not None and self._poller is not None
             self._watcher.start()
@@ -210,8 +211,8 @@ class PluginManager:
             server.stop()
         if self.discovery is not None:
             self.discovery.close()
-            if self.discovery.fabric is not None:
-                self.discovery.fabric.stop()
+            if self.discovery.gate is not None:
+                self.discovery.gate.stop()
 
     def __enter__(self) -> PluginManager:
         self.start()

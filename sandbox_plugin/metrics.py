@@ -96,6 +96,9 @@ class PluginMetrics:
             "A passthrough device turning Unhealthy (by reason) or Healthy again, from the host "
             "kernel's facts: AER, link, config space, reset method, hand-back.",
             ("device", "health", "reason"), _CounterChild)
+        # The NVSwitch board's model (sandbox_plugin.fabricgate): "none" while its GPUs are
+        # withheld; None on a node without NVSwitches (no series).
+        self.nvlink_model: str | None = None
         self._registry = None
         self._lock = threading.Lock()
 
@@ -124,7 +127,11 @@ class _Collector:
         return []  # unchecked collector: the names are ours alone in this registry
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         m = self.metrics
         for family in (m.allocate_seconds, m.preferred_seconds):
@@ -144,6 +151,13 @@ class _Collector:
             for labels, child in family.snapshot():
                 counter.add_metric(list(labels), child.value)
             yield counter
+        if m.nvlink_model is not None:
+            gauge = GaugeMetricFamily(
+                "sandbox_device_plugin_nvlink_fabric_model",
+                "1 for the NVLink fabric model the NVSwitch board follows (none: neither of NVIDIA's "
+                "models holds, and its GPUs are not advertised).", labels=("model",))
+            gauge.add_metric([m.nvlink_model], 1)
+            yield gauge
 
 
 def _bound(value: float) -> str:

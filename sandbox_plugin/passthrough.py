@@ -66,6 +66,7 @@ from sandbox_plugin import topology
 from sandbox_plugin.cdinames import HostCdiSpecs
 from sandbox_plugin.devhealth import BEGUN, DeviceHealth
 from sandbox_plugin.fabric import FabricGuard, gpus_of_units
+from sandbox_plugin.fabricgate import FabricGate
 from sandbox_plugin.recheck import recheck
 from sandbox_plugin.resources import (
     HEALTHY,
@@ -363,11 +364,13 @@ class PassthroughDiscovery:
     """Keeps one ``PassthroughResource`` per resource name in step with the host."""
 
     def __init__(self, host: HostRoot, naming: Naming, *, held_only: bool = False,
-                 given=None, fabric: FabricGuard | None = None,
+                 given=None, fabric: FabricGate | FabricGuard | None = None,
                  health: DeviceHealth | None = None) -> None:
         """``held_only``: list only the units the kubelet gave pods, refuse every Allocate
         (a node that left vm-passthrough); ``given()``: the device IDs the kubelet gave
-        pods, None when it cannot be asked (default: its PodResources ``List``)."""
+        pods, None when it cannot be asked (default: its PodResources ``List``). ``fabric``: the
+        NVSwitch board's model (``sandbox_plugin.fabricgate``): while it withholds the board,
+        no GPU unit is listed."""
         self.host = host
         self.naming = naming
         self.cdi_specs = HostCdiSpecs(host)  # one cache for every resource
@@ -376,12 +379,17 @@ class PassthroughDiscovery:
         self.held_only = held_only
         self._given = given or self._ask_kubelet
         self._kept: set[str] = set()  # the units listed last (a kubelet not answering keeps them)
-        self.fabric = fabric
+        self.gate = FabricGate.fixed(fabric) if isinstance(fabric, FabricGuard) else fabric
         self.health = health or DeviceHealth(host)  # the kernel's health facts (devhealth)
         self.scanned: dict[str, tuple[tuple[str, ...], str]] = {}  # unit id -> (BDFs, pci_reason)
         # The kubelet client imported ahead (protobuf: up to seconds on a slow machine), so a unit gone
         # from the host while a pod holds it turns Unhealthy without waiting for it.
         threading.Thread(target=_import_kubelet_client, name="import-podresources", daemon=True).start()
+
+    @property
+    def fabric(self) -> FabricGuard | None:
+        """The Shared NVSwitch partitions' guard, once the board follows that model."""
+        return self.gate.guard if self.gate is not None else None
 
     def _refusal(self) -> str | None:
         return (f"this node no longer runs {PASSTHROUGH}: its devices stay only with the pods "
@@ -443,6 +451,8 @@ class PassthroughDiscovery:
             if given is not None:  # else (a kubelet restarting): the units listed last
                 self._kept = {u.id for u in units if {u.id, *u.bdfs} & given}
             units = [u for u in units if u.id in self._kept]
+        if self.gate is not None and self.gate.withheld:  # CUDA could not start on them in a VM
+            units = [u for u in units if not any(d.is_gpu for d in u.devices)]
         by_name: dict[str, list[PassthroughUnit]] = {}
         for unit in units:
             by_name.setdefault(unit.resource_name, []).append(unit)
@@ -451,10 +461,11 @@ class PassthroughDiscovery:
         with self._lock:
             for name in sorted(by_name.keys() - self.resources.keys()):
                 self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs, refusal)
-                self.resources[name].fabric = self.fabric
                 self.resources[name].held = self._held
                 created.append(self.resources[name])
             resources = dict(self.resources)
+            for resource in resources.values():  # a guard comes once FM answers (fabricgate)
+                resource.fabric = self.fabric
         for name, resource in resources.items():
             resource.update(by_name.get(name, []))
         return created

@@ -21,7 +21,7 @@ configuration: ``gpu_module_ids``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from katamgr.host.root import HostRoot
@@ -242,6 +242,24 @@ def read_fabric(host: HostRoot, settings: FabricSettings, gpus: Iterable[str]) -
             return fabric_from(fm.partitions(), gpus, settings.module_ids), None
     except FabricManagerError as e:
         return None, f"Fabric Manager did not answer: {e}"
+
+
+def decide(host: HostRoot, settings: FabricSettings, *, nvswitches: int, gpus: Iterable[str],
+           kata_takes_nvswitches: bool, kata: str,
+           ask: Callable[[], tuple[Fabric | None, str | None]] | None = None) -> tuple[ModelChoice, Fabric | None]:
+    """The board's model as ``plan``, the agent and the plugins all decide it: FM asked (bounded
+    by ``settings.timeout``; ``ask``: how, default ``read_fabric``) where the setting lets it
+    answer, then ``choose``; with FM's partitions matched to ``gpus`` where it answered."""
+    fabric, fm_problem = None, "devices.nvlinkFabric does not ask Fabric Manager"
+    if nvswitches and settings.model in (AUTO, SHARED):
+        fabric, fm_problem = ask() if ask is not None else read_fabric(host, settings, gpus)
+        if fabric is not None and not fabric.partitions:
+            fm_problem = "Fabric Manager offers no partition of this node's GPUs"
+            fm_problem += f" ({'; '.join(fabric.unplaced)})" if fabric.unplaced else ""
+    answered = fabric is not None and bool(fabric.partitions)
+    choice = choose(settings.model, nvswitches=nvswitches, fm=None if answered else fm_problem,
+                    kata_takes_nvswitches=kata_takes_nvswitches, kata=kata)
+    return choice, fabric
 
 
 def add_arguments(parser) -> None:

@@ -16,16 +16,9 @@ def add_section(host, plan: Plan, settings: nf.FabricSettings) -> None:
     if nvswitches == 0:
         return
     gpus = sorted(d.bdf for d in inv.passthrough if d.is_gpu)
-    fabric, fm_problem = None, "devices.nvlinkFabric does not ask Fabric Manager"
-    if settings.model in (nf.AUTO, nf.SHARED):
-        fabric, fm_problem = nf.read_fabric(host, settings, gpus)
-        if fabric is not None and not fabric.partitions:
-            fm_problem = "Fabric Manager offers no partition of this node's GPUs"
-            fm_problem += f" ({'; '.join(fabric.unplaced)})" if fabric.unplaced else ""
     kata = inv.selection.kata
-    choice = nf.choose(settings.model, nvswitches=nvswitches, fm=fm_problem if fabric is None or
-                       not fabric.partitions else None, kata_takes_nvswitches=kata.cold_plugs_nvswitches,
-                       kata=str(kata))
+    choice, fabric = nf.decide(host, settings, nvswitches=nvswitches, gpus=gpus,
+                               kata_takes_nvswitches=kata.cold_plugs_nvswitches, kata=str(kata))
     lines = [f"model: {nf.MODEL_TITLES.get(choice.model, 'none')}", f"why: {choice.reason}"]
     data: dict = {"model": choice.model, "why": choice.reason, "configured": settings.model}
     if choice.model == nf.SHARED and fabric is not None:

@@ -16,6 +16,7 @@ from katamgr.host.root import HostRoot
 from katamgr.host.workload import WORKLOADS, NoCluster, Workload, resolve_workload
 from katamgr.k8snames import is_dns1123_subdomain
 from katamgr.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
+from katamgr.node import nvlinkfabric as nf
 from katamgr.node.process import (
     add_log_format_argument,
     add_version_argument,
@@ -27,6 +28,7 @@ from sandbox_plugin.commands import (
     UsageError,
     add_containerd_argument,
     cluster_client,
+    fabric_settings,
     mode_from_host,
     with_node_kata,
 )
@@ -94,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the raw VFIO device)")
     resource_naming.add_arguments(parser)
     device_selection.add_arguments(parser)
+    nf.add_arguments(parser)  # the NVSwitch board's model, as the device plugin decides it
     add_containerd_argument(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     add_log_format_argument(parser)
@@ -143,9 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         try:
             host = HostRoot.at(Path(args.host_root), runtime_root=args.runtime_root)
             naming = resource_naming.from_arguments(args, device_selection.from_arguments(args))
+            fabric = fabric_settings(args, host)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         naming = with_node_kata(naming, host, args.containerd_config)
+        from katamgr.host.inventory import discover
+        from sandbox_plugin.fabric import DRA_RECORD, FabricGuard
+        from sandbox_plugin.fabricgate import gate_for
+
+        # Where neither of NVIDIA's models holds, the board's GPUs stay out of the slice.
+        # Its own record, released at NodeUnprepareResources (not by PodResources).
+        gate = gate_for(host, fabric, discover(host, naming.selection), lambda: FabricGuard(
+            host, fabric, given=lambda: None, record=DRA_RECORD))
         try:
             api = cluster_client(args.host_root)
         except NoCluster as exc:
@@ -167,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             driver.publishing(mode is not None, why)
 
         driver = DraDriver(host, naming, api, driver=args.driver_name, node=args.node_name,
-                           kubelet_dir=args.kubelet_dir, runtime_classes=runtime_classes)
+                           kubelet_dir=args.kubelet_dir, runtime_classes=runtime_classes, fabric=gate)
         decide()  # at start a bad label or an unreadable Node is an error, as for the plugin
         stop_on_signals(stop.set, log)
         changed = threading.Event()

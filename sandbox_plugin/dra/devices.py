@@ -22,7 +22,13 @@ attributes, unqualified names being the driver's own (ResourceSlice v1
   (``sandbox_plugin.topology``);
 - ``nvswitchFabric``: on a node with NVSwitches, the NVLink fabric they make
   (``topology.nvswitch_fabric``), on every GPU and NVSwitch; absent elsewhere, so a
-  ``matchAttribute`` on it asks for GPUs that share an NVSwitch fabric.
+  ``matchAttribute`` on it asks for GPUs that share an NVSwitch fabric;
+- ``nvlinkPartition<N>`` (``nvlinkPartition1``, ``2``, ``4``, ``8`` on HGX H100): on a board
+  in NVIDIA's Shared NVSwitch model (Fabric Manager User Guide §7), the ID of the
+  ``N``-GPU Fabric Manager partition the GPU is in (the lowest, were it in two of one
+  size). A claim for ``N`` GPUs with ``matchAttribute: <driver>/nvlinkPartition<N>`` gets
+  exactly one partition's GPUs, the only sets on which CUDA starts in the VM; the driver
+  refuses any other set at NodePrepareResources, naming the sizes the node offers.
 
 No capacity: a unit is handed out whole, and what it holds (the GPU's memory) is
 not readable from sysfs without NVIDIA's driver, which a passthrough GPU does not
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import NVSWITCH_CLASS
+from katamgr.node.nvlinkfabric import Fabric
 from sandbox_plugin import topology
 from sandbox_plugin.passthrough import PassthroughUnit
 from sandbox_plugin.resources import HEALTHY
@@ -106,7 +113,8 @@ def _head(unit: PassthroughUnit):
     return next((d for d in unit.devices if d.is_gpu), unit.devices[0])
 
 
-def attributes(unit: PassthroughUnit, naming: Naming, fabric: str | None) -> dict[str, AttributeValue]:
+def attributes(unit: PassthroughUnit, naming: Naming, fabric: str | None,
+               partitions: Fabric | None = None) -> dict[str, AttributeValue]:
     head = _head(unit)
     kind = device_type(unit)
     out: dict[str, AttributeValue] = {
@@ -131,17 +139,23 @@ def attributes(unit: PassthroughUnit, naming: Naming, fabric: str | None) -> dic
         out["pcieSwitch"] = unit.placement.switch
     if fabric is not None and kind in (GPU, NVSWITCH):
         out["nvswitchFabric"] = fabric
+    if partitions is not None and kind == GPU:
+        gpus = {d.bdf for d in unit.devices if d.is_gpu}
+        for part in sorted(partitions.partitions, key=lambda p: -p.partition_id):  # the lowest ID last, kept
+            if gpus <= set(part.gpus):
+                out[f"nvlinkPartition{part.size}"] = part.partition_id
     return out
 
 
-def describe(units: Iterable[PassthroughUnit], naming: Naming) -> list[DraDevice]:
+def describe(units: Iterable[PassthroughUnit], naming: Naming, partitions: Fabric | None = None) -> list[DraDevice]:
     """Every unit as a DRA device, in unit order (healthy or not: the caller decides
-    what to publish; a claim naming an unhealthy one is told why)."""
+    what to publish; a claim naming an unhealthy one is told why); ``partitions``: Fabric
+    Manager's, in the Shared NVSwitch model."""
     units = list(units)
     fabric = topology.nvswitch_fabric(
         u.id for u in units if device_type(u) == NVSWITCH)
     return [
         DraDevice(device_name(u), u.id, u.resource_name, u.health == HEALTHY,
-                  tuple(sorted(attributes(u, naming, fabric).items())))
+                  tuple(sorted(attributes(u, naming, fabric, partitions).items())))
         for u in units
     ]

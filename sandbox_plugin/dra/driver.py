@@ -43,6 +43,8 @@ from sandbox_plugin.dra.preparing import ClaimPreparer, DeviceError
 from sandbox_plugin.dra.registration import KUBELET_DIR, Layout, Registration
 from sandbox_plugin.dra.service import dra_socket
 from sandbox_plugin.dra.slices import SlicePublisher
+from sandbox_plugin.fabric import gpus_of_units
+from sandbox_plugin.fabricgate import FabricGate
 from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import AllocationError
 from sandbox_plugin.watch import DeviceWatcher
@@ -61,7 +63,7 @@ class DraDriver:
                  kubelet_dir: str = KUBELET_DIR, rescan_interval: float = 30.0,
                  resync_interval: float = RESYNC_INTERVAL, recheck_interval: float = 1.0,
                  runtime_classes: frozenset[str] | None = None, link_policy: str = "degrade",
-                 health_interval: float = HEALTH_INTERVAL) -> None:
+                 health_interval: float = HEALTH_INTERVAL, fabric: FabricGate | None = None) -> None:
         self.host = host
         self.naming = naming
         self.driver = driver
@@ -72,13 +74,16 @@ class DraDriver:
         # An Unhealthy unit leaves the slice (devices.DraDevice.healthy): the kernel's health
         # facts (devhealth) taken out the same way as a unit whose binding went wrong.
         health = DeviceHealth(host, link_policy=link_policy)
-        self.discovery = PassthroughDiscovery(host, naming, health=health)
+        # fabric: the NVSwitch board's model (sandbox_plugin.fabricgate): while neither of
+        # NVIDIA's models holds, the board's GPUs are not published.
+        self.discovery = PassthroughDiscovery(host, naming, health=health, fabric=fabric)
         self.watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval,
                                      on_node_gone=self.discovery.node_gone, on_uevent=self.discovery.heard)
         self.poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)
         self.publisher = SlicePublisher(api, driver, node)
         self.checkpoint = Checkpoint(host.path(self.layout.checkpoint))
-        self.preparer = ClaimPreparer(api, driver, node, self.checkpoint, self.cdi_ids, runtime_classes)
+        self.preparer = ClaimPreparer(api, driver, node, self.checkpoint, self.cdi_ids, runtime_classes,
+                                      activate=self._activate, release=self._release)
         self._wake = threading.Event()
         # A serving loop that died wakes the driver's thread, which serves again.
         self.registration = Registration(host, self.layout, on_failure=self._wake.set)
@@ -86,6 +91,8 @@ class DraDriver:
                                   on_failure=self._wake.set)
         self._lock = threading.Lock()
         self._devices: dict[str, DraDevice] = {}
+        self._unit_of: dict[str, str] = {}  # device name -> unit ID, kept after it left (release)
+        self._partitions = None  # Fabric Manager's, read once the board follows the Shared model
         self._publishing = True
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -119,9 +126,31 @@ class DraDriver:
                 "the runtime could not hand it to the VM (katamgr writes it with cdi enabled)")
         return tuple(names)
 
+    def _activate(self, names: list[str]) -> None:
+        """The NVLink partition of exactly these devices' GPUs active (Shared NVSwitch model)."""
+        guard = self.discovery.fabric
+        if guard is None:
+            return
+        wanted = {self._unit_of.get(n) for n in names}
+        units = [u for r in self.discovery.resources.values() for u in r.units() if u.id in wanted]
+        gpus = {uid: gs for uid, gs in gpus_of_units(units).items() if gs}
+        if not gpus:
+            return
+        try:
+            guard.activate(gpus)
+        except AllocationError as exc:
+            raise DeviceError(exc.message) from exc
+
+    def _release(self, names: list[str]) -> None:
+        guard = self.discovery.fabric
+        if guard is not None:
+            guard.deactivate([self._unit_of[n] for n in names if n in self._unit_of])
+
     # -- lifecycle -------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.discovery.gate is not None:
+            self.discovery.gate.start(self.refresh)
         self.refresh()
         self.watcher.start()
         self.poller.start()
@@ -136,6 +165,8 @@ class DraDriver:
             self._thread.join(10)
         self.watcher.stop()
         self.poller.stop()
+        if self.discovery.gate is not None:
+            self.discovery.gate.stop()
         self.registration.socket.stop()
         self.service.stop()
         self.discovery.close()
@@ -157,11 +188,15 @@ class DraDriver:
 
     def _changed(self) -> None:
         units = [u for r in self.discovery.resources.values() for u in r.units()]
+        guard = self.discovery.fabric
+        if guard is not None and self._partitions is None:  # the table is the board's: read once
+            self._partitions = guard.ask([d.bdf for u in units for d in u.devices if d.is_gpu])[0]
         described = {d.name: d for d in dra_devices.describe(sorted(units, key=lambda u: u.id),
-                                                              self.naming)}
+                                                              self.naming, self._partitions)}
         with self._lock:
             same = described == self._devices
             self._devices = described
+            self._unit_of.update({d.name: d.unit_id for d in described.values()})
         if not same:
             self._wake.set()
 

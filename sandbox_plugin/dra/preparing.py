@@ -49,7 +49,14 @@ Resolve = Callable[[str], tuple[str, ...]]
 
 class ClaimPreparer:
     def __init__(self, api: ApiClient, driver: str, node: str, checkpoint: Checkpoint,
-                 resolve: Resolve, runtime_classes: frozenset[str] | None = None) -> None:
+                 resolve: Resolve, runtime_classes: frozenset[str] | None = None,
+                 activate: Callable[[list[str]], None] | None = None,
+                 release: Callable[[list[str]], None] | None = None) -> None:
+        """``activate(devices)``: the NVLink partition of exactly these devices made active
+        (DeviceError saying why not), before the claim is checkpointed and answered;
+        ``release(devices)``: it deactivated once the claim is unprepared."""
+        self.activate = activate
+        self.release = release
         self.api = api
         self.runtime_classes = runtime_classes  # None: any pod may have the devices
         self.driver = driver
@@ -82,12 +89,20 @@ class ClaimPreparer:
                 requests, allocated.pool, allocated.device,
                 earlier.cdi_ids if earlier else self._resolve(ref, allocated.device))
         prepared = PreparedClaim(ref.uid, ref.namespace, ref.name, tuple(devices.values()))
+        if self.activate is not None:  # before the VM starts (Fabric Manager User Guide §7)
+            try:
+                self.activate(sorted(devices))
+            except DeviceError as exc:
+                raise ClaimError(f"{ref}: {exc}") from exc
         self.checkpoint.add(prepared)
         log.info("prepared %s (UID %s): %s", ref, ref.uid, ", ".join(
             f"{d.device} as {' '.join(d.cdi_ids)}" for d in prepared.devices))
         return prepared
 
     def unprepare(self, ref: ClaimRef) -> None:
+        held = self.checkpoint.get(ref.uid)
+        if held is not None and self.release is not None:
+            self.release([d.device for d in held.devices])
         if self.checkpoint.remove(ref.uid):
             log.info("unprepared %s (UID %s)", ref, ref.uid)
 

@@ -8,6 +8,7 @@ from support.chartkit import FULL, NAMESPACE, RELEASE, container, host_mounts, m
 
 from katamgr.cli import build_parser
 from sandbox_plugin.cli import parse_args
+from sandbox_plugin.dra.cli import build_parser as dra_parser
 
 DEVICES = {"devices": {
     "include": [{"ids": "1234:11e8", "resource": "example.com/edu"},
@@ -55,9 +56,8 @@ def test_the_default_selects_as_before(chart):
     assert "--nvlink-fabric" not in container(rendered, "-sandbox-agent", "kata-manager")["args"]  # the default
 
 
-def test_the_nvlink_fabric_reaches_katamgr_and_the_device_plugin(chart):
-    """Both decide the node's model alike (docs/devices.md, "NVLink fabric"); the DRA driver
-    takes no partitions yet, and is given no such flags."""
+def test_the_nvlink_fabric_reaches_katamgr_the_device_plugin_and_the_dra_driver(chart):
+    """All three decide the node's model alike (docs/devices.md, "NVLink fabric")."""
     values = merged(FULL, {"devices": {"nvlinkFabric": "sharedNvswitch", "fabricManager": {
         "address": "/run/nvidia-fabricmanager/fm.sock", "library": "/usr/lib/x86_64-linux-gnu/libnvfm.so.1",
         "gpuModuleIds": "1=0000:1b:00.0"}}})
@@ -68,8 +68,13 @@ def test_the_nvlink_fabric_reaches_katamgr_and_the_device_plugin(chart):
         assert (args.nvlink_fabric, args.fabric_manager_address, args.fabric_manager_library,
                 args.gpu_module_ids) == ("sharedNvswitch", "/run/nvidia-fabricmanager/fm.sock",
                                          "/usr/lib/x86_64-linux-gnu/libnvfm.so.1", "1=0000:1b:00.0")
-    dra = container(render(chart, merged(values, {"dra": {"enabled": True}})), "-sandbox-agent", "dra-driver")
-    assert "--nvlink-fabric" not in dra["args"]
+    with_dra = render(chart, merged(values, {"dra": {"enabled": True}}))
+    driver = dra_parser().parse_args(container(with_dra, "-sandbox-agent", "dra-driver")["args"])
+    assert (driver.nvlink_fabric, driver.fabric_manager_address) == ("sharedNvswitch", "/run/nvidia-fabricmanager/fm.sock")
+    # The DRA driver activates partitions at NodePrepareResources: it reaches FM and keeps its record too.
+    dra_mounts = host_mounts(with_dra, "-sandbox-agent", "dra-driver")
+    assert dra_mounts["/host/var/lib/kata-sandbox-manager"] == ("/var/lib/kata-sandbox-manager", False)
+    assert dra_mounts["/host/run/nvidia-fabricmanager"] == ("/run/nvidia-fabricmanager", True)
     # The plugin reaches FM's socket and library, and keeps its record of active partitions.
     mounts = host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin")
     assert mounts["/host/var/lib/kata-sandbox-manager"] == ("/var/lib/kata-sandbox-manager", False)

@@ -9,11 +9,12 @@ import yaml
 from support.paths import EXAMPLES, REPO, REQUIRE_INTEGRATION
 
 EXAMPLE = EXAMPLES / "dra" / "two-gpus-kata.yaml"
+PARTITION = EXAMPLES / "dra" / "nvlink-partition-kata.yaml"  # tests/plugin/test_nvlink_gate.py runs its claim
 DRIVER = "passthrough.kata-sandbox-manager.io"
 
 
-def objects() -> dict[str, dict]:
-    return {d["kind"]: d for d in yaml.safe_load_all(EXAMPLE.read_text()) if d}
+def objects(example=EXAMPLE) -> dict[str, dict]:
+    return {d["kind"]: d for d in yaml.safe_load_all(example.read_text()) if d}
 
 
 @pytest.mark.integration
@@ -24,8 +25,9 @@ def test_the_example_is_valid_for_kubernetes_1_35():
         if REQUIRE_INTEGRATION:
             pytest.fail(f"kubernetes-validate is not installed ({exc})")
         pytest.skip(f"kubernetes-validate is not installed ({exc})")
-    for obj in objects().values():
-        kubernetes_validate.validate(obj, "1.35.0", strict=True)
+    for example in (EXAMPLE, PARTITION):
+        for obj in objects(example).values():
+            kubernetes_validate.validate(obj, "1.35.0", strict=True)
 
 
 def test_two_gpus_of_the_charts_class_aligned_for_a_kata_pod():

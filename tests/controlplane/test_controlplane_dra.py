@@ -84,7 +84,10 @@ def test_slices_claims_and_the_scheduler_on_a_real_control_plane(kube, tmp_path)
     env.pop("KUBERNETES_SERVICE_HOST", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "sandbox_plugin.dra.cli", "--host-root", str(host.root),
-         "--node-name", NODE, "--driver-name", DRIVER, "--kata-runtime-class", RUNTIME_CLASS],
+         "--node-name", NODE, "--driver-name", DRIVER, "--kata-runtime-class", RUNTIME_CLASS,
+         # The example claim aligns on pcieRoot, not on an NVLink partition: no fabric here (with
+         # auto and no FM at its default address, the board's GPUs would not be published).
+         "--nvlink-fabric", "off"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
     started = time.monotonic()
     template, pod = example_objects()

@@ -41,7 +41,9 @@ class Plugin:
     def launch(cls, host_root: Path, socket: Path, log: Path, nofile: int = 0) -> Plugin:
         with log.open("wb") as output:
             process = subprocess.Popen(
-                [sys.executable, "-c", LAUNCH, str(nofile), "--mode", "vm-passthrough",
+                # --nvlink-fabric off: these tests are about the gRPC server; on the dgx-h100
+                # board with auto and no FM at the default address no GPU would be advertised.
+                [sys.executable, "-c", LAUNCH, str(nofile), "--mode", "vm-passthrough", "--nvlink-fabric", "off",
                  "--host-root", str(host_root), "--metrics-address", f"127.0.0.1:{free_port()}"],
                 cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
         return cls(process, socket, log)

@@ -64,10 +64,12 @@ def test_the_command_publishes_and_follows_its_node_label(tmp_path):
         kubeconfig = node.server.write_kubeconfig(tmp_path / "kubeconfig")
         env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
         env.pop("KUBERNETES_SERVICE_HOST", None)
+        # --nvlink-fabric off: this test is about the label; the board's model is
+        # test_nvlink_gate's (with auto and no FM answering its GPUs would stay out).
         process = subprocess.Popen(
             [sys.executable, "-m", "sandbox_plugin.dra.cli", "--host-root", str(node.host.root),
-             "--node-name", NODE, "--nvswitches", "yes"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=REPO, env=env)
+             "--node-name", NODE, "--nvswitches", "yes", "--nvlink-fabric", "off"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
         try:
             node.dra.wait_for(lambda s: s.current(DRIVER) is not None, timeout=30)
             wait(lambda: node.slices(), "the slice")

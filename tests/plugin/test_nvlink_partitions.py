@@ -144,26 +144,6 @@ def test_fm_not_running_refuses_allocate_naming_it(shared_node):
     assert "FM_ST_CONNECTION_NOT_VALID" in err.value.details()
 
 
-def test_auto_follows_the_shared_model_only_where_fm_answers(sim_host):
-    from sandbox_plugin.cli import _fabric_guard, parse_args
-
-    host, _ = sim_host("dgx-h100")
-    library, socket, modules = open_node(host.root).fabric_manager()
-    naming = Naming(PCI_IDS)
-    args = parse_args(["--fabric-manager-address", socket, "--fabric-manager-library", library,
-                       "--gpu-module-ids", modules])
-    assert _fabric_guard(args, host, naming) is not None
-    fmsim.stop(host.root)
-    assert _fabric_guard(args, host, naming) is None
-    assert _fabric_guard(parse_args([*args_of(args), "--nvlink-fabric", "sharedNvswitch"]), host, naming)
-    assert _fabric_guard(parse_args(["--nvlink-fabric", "off"]), host, naming) is None
-
-
-def args_of(args) -> list[str]:
-    return ["--fabric-manager-address", args.fabric_manager_address,
-            "--fabric-manager-library", args.fabric_manager_library, "--gpu-module-ids", args.gpu_module_ids]
-
-
 def test_a_record_that_cannot_be_written_does_not_stop_allocate(shared_node, caplog):
     host, kubelet, start = shared_node
     # Unwritable (the chart's read-only root filesystem, without the state dir's mount; a

@@ -165,7 +165,8 @@ the plugin advertises exactly the devices katamgr binds and writes CDI specs for
 
 {{/*
 The NVLink fabric model and where Fabric Manager is (devices.nvlinkFabric, devices.fabricManager),
-for katamgr and the device plugin (the DRA driver does not take partitions yet).
+for katamgr, the device plugin and the DRA driver (where neither model holds, the plugins
+advertise none of the board's GPUs).
 */}}
 {{- define "ksm.fabricArgs" -}}
 {{- /* Only what differs from both programs' defaults (auto, 127.0.0.1:6666, libnvfm.so.1). */ -}}
@@ -190,7 +191,7 @@ for katamgr and the device plugin (the DRA driver does not take partitions yet).
 {{- end -}}
 
 {{/*
-The host directories the device plugin needs in the Shared NVSwitch model (devices.nvlinkFabric:
+The host directories the device plugin and the DRA driver need in the Shared NVSwitch model (devices.nvlinkFabric:
 sharedNvswitch, or FM at a unix socket): katamgr's state dir, writable, for its record of the
 active partitions (restored into FM after a restart); FM's socket's dir and the SDK library's,
 read-only. As a JSON list; empty otherwise (FM over TCP needs the pod on the host's network).
