@@ -303,7 +303,8 @@ def katamgr(name: str, args: list[str], timeout: float = 180) -> dict:
     started_at = time.time()
     result = run([KATAMGR, *args, *LOGGING], timeout)
     result.update(timing(started_at, result["stderr"]), after=snapshot())
-    if args[:1] == ["plan"] and "--output" in args and result["rc"] == 0:
+    # plan exits 4 when it lists problems (katamgr/exitcodes.py), its document printed all the same
+    if args[:1] == ["plan"] and "--output" in args and result["rc"] in (0, 4):
         with contextlib.suppress(ValueError):
             result["json"] = json.loads(result["stdout"])
     return record(name, **result)

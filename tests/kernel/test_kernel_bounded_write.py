@@ -185,7 +185,7 @@ def test_katamgr_plan_does_not_wait_for_the_pending_unbind(guest):
         f"katamgr plan was still running when QEMU was killed, {plan['released_after_s']} s after it started "
         f"(it ended {plan['ended_after_release_s']} s after that); its threads' last samples: "
         f"{plan['threads'][-3:]}\nits Python stacks:\n{plan.get('traceback')}")
-    assert plan["rc"] == 0, show(plan)
+    assert plan["rc"] == 4, show(plan)  # the pending unbind is among its problems (exit 4)
     assert "json" in plan, f"katamgr plan printed no JSON:\n{show(plan, 'stdout', 'stderr')}"
     held = {d["bdf"]: d for d in plan["json"]["devices"]}.get(step["holder_bdf"])
     assert held is not None, [d["bdf"] for d in plan["json"]["devices"]]
