@@ -67,6 +67,7 @@ from sandbox_plugin.cdinames import HostCdiSpecs
 from sandbox_plugin.devhealth import BEGUN, DeviceHealth
 from sandbox_plugin.fabric import FabricGuard, gpus_of_units
 from sandbox_plugin.fabricgate import FabricGate
+from sandbox_plugin.fullpassthrough import BoardGuard, BoardWatch
 from sandbox_plugin.recheck import recheck
 from sandbox_plugin.resources import (
     HEALTHY,
@@ -127,11 +128,13 @@ def env_name(resource_name: str) -> str:
     return "PCI_RESOURCE_" + resource_name.upper().translate(str.maketrans("./-", "___"))
 
 
-def _health(host: HostRoot, inv: Inventory, group: int, nodes: tuple[str, ...]) -> str:
-    """Why the group cannot be used by a VM right now, or "" when it can."""
-    for other in inv.members(group):
-        if vfio.blocks_group(other):
-            return f"IOMMU group {group} is not viable: {other.bdf} is on {other.driver}"
+def _health(host: HostRoot, inv: Inventory, groups: Sequence[int], nodes: tuple[str, ...]) -> str:
+    """Why the unit's groups (one, or a full passthrough board's) cannot be used by a VM right
+    now, or "" when they can."""
+    for group in groups:
+        for other in inv.members(group):
+            if vfio.blocks_group(other):
+                return f"IOMMU group {group} is not viable: {other.bdf} is on {other.driver}"
     for node in nodes:
         if not host.path(node).exists():
             return f"{node} is missing"
@@ -153,7 +156,8 @@ def scan_units(host: HostRoot, naming: Naming, judge=None) -> list[PassthroughUn
     units = []
     for unit in resource_units(host, inv, naming):
         pci_reason = judge(tuple(d.bdf for d in unit.devices)) if judge is not None else ""
-        reason = _health(host, inv, unit.group, unit.nodes) or pci_reason
+        groups = dict.fromkeys(d.iommu_group for d in unit.devices if d.iommu_group is not None)
+        reason = _health(host, inv, tuple(groups) or (unit.group,), unit.nodes) or pci_reason
         units.append(
             PassthroughUnit(
                 id=unit.id,
@@ -182,6 +186,8 @@ class PassthroughResource(Resource):
         self.refusal = refusal  # set: every Allocate is refused, saying this
         # Set on a Shared NVSwitch node: one NVLink partition per pod, activated at Allocate.
         self.fabric: FabricGuard | None = None
+        # Set on a full passthrough board: §6.1's configurations, the board unit and its GPUs kept apart.
+        self.board: BoardGuard | None = None
         self.held = None  # held(unit): a pod holds it (a unit gone from the host stays, Unhealthy)
         self.cdi_specs = cdi_specs if cdi_specs is not None else HostCdiSpecs(host)
         self._lock = threading.Lock()
@@ -304,6 +310,8 @@ class PassthroughResource(Resource):
                 raise AllocationError(f"device {unit.id} of {self.resource_name} is {UNHEALTHY}: {unit.pci_reason}")
             recheck(self, unit)
             chosen.append(unit)
+        if self.board is not None:
+            self.board.check(self.resource_name, [u.id for u in chosen])
         if self.fabric is not None and any(d.is_gpu for u in chosen for d in u.devices):
             self.fabric.activate(gpus_of_units(chosen))  # before the VM starts: §7 of FM's guide
         specs = self.cdi_specs.current()  # one check of the spec files per Allocate
@@ -382,6 +390,7 @@ class PassthroughDiscovery:
         self.gate = FabricGate.fixed(fabric) if isinstance(fabric, FabricGuard) else fabric
         self.health = health or DeviceHealth(host)  # the kernel's health facts (devhealth)
         self.scanned: dict[str, tuple[tuple[str, ...], str]] = {}  # unit id -> (BDFs, pci_reason)
+        self.boards = BoardWatch(self._given, self.refresh)  # a full passthrough board's units kept apart
         # The kubelet client imported ahead (protobuf: up to seconds on a slow machine), so a unit gone
         # from the host while a pod holds it turns Unhealthy without waiting for it.
         threading.Thread(target=_import_kubelet_client, name="import-podresources", daemon=True).start()
@@ -436,6 +445,7 @@ class PassthroughDiscovery:
 
     def close(self) -> None:
         """Let go of the CDI specs' inotify watch (the resources keep answering, reading the specs each time)."""
+        self.boards.stop()
         self.cdi_specs.close()
 
     def refresh(self) -> list[PassthroughResource]:
@@ -453,6 +463,7 @@ class PassthroughDiscovery:
             units = [u for u in units if u.id in self._kept]
         if self.gate is not None and self.gate.withheld:  # CUDA could not start on them in a VM
             units = [u for u in units if not any(d.is_gpu for d in u.devices)]
+        units = self.boards.units(units)
         by_name: dict[str, list[PassthroughUnit]] = {}
         for unit in units:
             by_name.setdefault(unit.resource_name, []).append(unit)
@@ -466,6 +477,8 @@ class PassthroughDiscovery:
             resources = dict(self.resources)
             for resource in resources.values():  # a guard comes once FM answers (fabricgate)
                 resource.fabric = self.fabric
+                resource.board = self.boards.guard
         for name, resource in resources.items():
             resource.update(by_name.get(name, []))
         return created
+

@@ -23,10 +23,10 @@ def recheck(resource: PassthroughResource, unit: PassthroughUnit) -> None:
     which names the problem (or finds none: a device replaced by the same model).
     """
     base = resource.devices_dir
-    group = str(unit.group)
     try:
         for device, inode in zip(unit.devices, unit.sysfs_inodes, strict=True):
             path = f"{base}/{device.bdf}"
+            group = str(device.iommu_group if device.iommu_group is not None else unit.group)
             if (os.stat(path).st_ino != inode
                     or not pci.is_vfio_driver(os.readlink(path + "/driver").rpartition("/")[2])
                     or os.readlink(path + "/iommu_group").rpartition("/")[2] != group):
@@ -43,12 +43,13 @@ def _recheck_in_full(resource: PassthroughResource, unit: PassthroughUnit) -> No
     name = resource.resource_name
     for expected in unit.devices:
         now = pci.read_binding(resource.host, expected.bdf)  # all the checks below need
+        group = expected.iommu_group if expected.iommu_group is not None else unit.group  # a board unit has several
         if now.vendor is None:
             problem = "is gone from the host"
         elif not pci.is_vfio_driver(now.driver):
             problem = f"is no longer on vfio-pci (driver: {now.driver or 'none'})"
-        elif now.iommu_group != unit.group:
-            problem = f"moved from IOMMU group {unit.group} to {now.iommu_group}"
+        elif now.iommu_group != group:
+            problem = f"moved from IOMMU group {group} to {now.iommu_group}"
         elif (now.vendor, now.device) != (expected.vendor, expected.device):
             problem = f"is now a different device ({now.id_string()}, was {expected.id_string()})"
         else:

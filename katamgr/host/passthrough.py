@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from katamgr.host import iommu, kata
+from katamgr.host import iommu, kata, nvlinkunits
 from katamgr.host.inventory import Inventory
 from katamgr.host.naming import Naming
 from katamgr.host.pci import Device
@@ -149,4 +149,26 @@ def resource_units(
         named = tuple(indexed[d.bdf] for d in members if d.bdf in indexed)
         units.append(ResourceUnit(members[0].bdf.lower(), name, group, tuple(members), named,
                                   functions, nodes, kata.plugged(inv, group)))
+    board = nvlinkunits.board_of(inv)
+    if board is not None:
+        units = _with_board_unit(board, units, naming)
     return sorted(units, key=lambda u: u.id)
+
+
+def _with_board_unit(board: nvlinkunits.Board, units: list[ResourceUnit], naming: Naming) -> list[ResourceUnit]:
+    """A full passthrough board (``katamgr.host.nvlinkunits``): its NVSwitches leave their own
+    units for one unit of the whole board, every GPU and NVSwitch (§6.1's 8-GPU VM); the GPU
+    units stay (its 1-GPU VM). Unchanged where a device of the board is not a unit."""
+    by_head = {u.head.bdf: u for u in units}
+    parts = [by_head.get(d.bdf) for d in (*board.gpus, *board.nvswitches)]
+    gpu_resource = naming.resource(board.gpus[0])
+    if gpu_resource is None or any(p is None for p in parts):
+        return units
+    parts = sorted((p for p in parts if p is not None), key=lambda u: u.id)
+    switches = {d.bdf for d in board.nvswitches}
+    whole = ResourceUnit(
+        board.unit_id(), nvlinkunits.unit_resource(gpu_resource, board.size), parts[0].group,
+        tuple(d for p in parts for d in p.devices), tuple(m for p in parts for m in p.members),
+        tuple(f for p in parts for f in p.functions), tuple(dict.fromkeys(n for p in parts for n in p.nodes)),
+        tuple(f for p in parts for f in p.plugged))
+    return [u for u in units if u.head.bdf not in switches] + [whole]

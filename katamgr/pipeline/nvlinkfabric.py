@@ -5,11 +5,12 @@ active (``katamgr.node.nvlinkfabric``; Fabric Manager User Guide §4, §6, §7).
 
 from __future__ import annotations
 
+from katamgr.host import nvlinkunits
 from katamgr.node import nvlinkfabric as nf
 from katamgr.pipeline.plan import Plan, PlanSection
 
 
-def add_section(host, plan: Plan, settings: nf.FabricSettings) -> None:
+def add_section(host, plan: Plan, settings: nf.FabricSettings, naming=None) -> None:
     """The section, and a problem where neither model holds on an NVSwitch board."""
     inv = plan.inventory
     nvswitches = sum(1 for d in inv.devices if d.is_nvswitch)  # on the board, passed through or not
@@ -27,6 +28,18 @@ def add_section(host, plan: Plan, settings: nf.FabricSettings) -> None:
         lines += [f"note: {u}" for u in fabric.unplaced]
         data["partitions"] = [{"id": p.partition_id, "size": p.size, "gpus": list(p.gpus), "active": p.active,
                                "moduleIds": list(p.physical_ids)} for p in fabric.partitions]
+    board = nvlinkunits.board_of(inv, once_bound=True) if choice.model == nf.FULL else None
+    if board is not None:
+        gpu_resource = naming.resource(board.gpus[0]) if naming is not None else None
+        unit = nvlinkunits.unit_resource(gpu_resource, board.size) if gpu_resource else None
+        lines.append(f"units ({board.model.name}, {nvlinkunits.GUIDE}): a Kata pod takes {board.sizes_text()} GPUs")
+        lines += board.lines(gpu_resource, unit)
+        data["units"] = [{"gpus": c.gpus, "nvswitches": c.nvswitches, "offered": c.offered,
+                          "resource": (unit if c.gpus == board.size else gpu_resource) if c.offered else None}
+                         for c in board.model.configurations]
+    elif choice.model == nf.FULL:
+        lines.append(f"units: no VM configuration of {nvlinkunits.GUIDE} fits the GPUs and NVSwitches passed "
+                     "through here (a board's 8 GPUs with all of its NVSwitches)")
     if choice.problem:
         plan.problems.append(choice.problem)
     plan.sections.append(PlanSection("nvlink_fabric", "NVLink fabric (NVSwitch board)", data, lines))

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from katamgr.host import cc, kata, pcihealth, vfio
+from katamgr.host import cc, kata, nvlinkunits, pcihealth, vfio
 from katamgr.host.inventory import Inventory, Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import unit_head
@@ -141,6 +141,8 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
                 resources[naming.resource(unit_head(selected))] += 1
         elif decision.group is not None or inv.iommu_enabled:
             problems.append(f"{', '.join(d.bdf for d in decision.devices)}: {decision.reason}")
+
+    _board_unit(inv, naming, resources)
 
     # An excluded device in no group of ours is listed too: the plan says why each is out.
     listed = {d.bdf for d in devices}
@@ -301,3 +303,17 @@ def _device_plan(inv: Inventory, naming: Naming, device: Device, action: str, re
         reason=reason,
         selection=inv.why(device),
     )
+
+
+def _board_unit(inv: Inventory, naming: Naming, resources: Counter[str]) -> None:
+    """A full passthrough board once bound (``katamgr.host.nvlinkunits``): its NVSwitches are
+    advertised only in the board's unit, the whole board as one device."""
+    board = nvlinkunits.board_of(inv, once_bound=True)
+    gpu_resource = naming.resource(board.gpus[0]) if board is not None else None
+    switches = naming.resource(board.nvswitches[0]) if board is not None else None
+    if board is None or gpu_resource not in resources or switches not in resources:
+        return
+    resources[switches] -= len(board.nvswitches)
+    if resources[switches] <= 0:
+        del resources[switches]
+    resources[nvlinkunits.unit_resource(gpu_resource, board.size)] = 1

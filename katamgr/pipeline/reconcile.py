@@ -94,7 +94,7 @@ def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
     list a class that would fail among the problems."""
     plan = build_plan(host, naming, force=force)
     if fabric is not None:
-        nvlinkfabric.add_section(host, plan, fabric)
+        nvlinkfabric.add_section(host, plan, fabric, naming)
     plan.workload = {"mode": steps.workload.value, "why": workload_why}
     if gpu_labels is not None:
         plan.sections.append(gpulabels.plan_section(host, plan.inventory, naming, enabled=gpu_labels))
