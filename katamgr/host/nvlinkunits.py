@@ -16,10 +16,11 @@ with them:
   blocked per partition), which neither Kata nor QEMU does, and the guide does not list which
   GPUs and NVSwitches form each subset, so only 8 and 1 are offered.
 
-A board is in this model where its NVSwitches are passthrough devices on vfio-pci: in the
-Shared NVSwitch model (§7) they stay with FM on the host's driver, so on vfio-pci their only
-use is a VM, which §6.1 allows only with all of the board's GPUs. The board's 8-GPU
-configuration is then one unit (``board_unit``): its own resource, one device whose CDI entry
+A board is in this model where its Kata cold-plugs NVSwitches (4.1 and later) and they are
+passthrough devices on vfio-pci: in the Shared NVSwitch model (§7) they stay with FM on the
+host's driver, so on vfio-pci their only use is a VM, which §6.1 allows only with all of the
+board's GPUs. The board's 8-GPU configuration is then one unit (``board_of``, and the unit
+``katamgr.host.passthrough.resource_units`` makes of it): its own resource, one device whose CDI entry
 holds every GPU's and NVSwitch's VFIO nodes, so the pod that asks for it gets them all; the
 NVSwitches are advertised only inside it. The 1-GPU configuration is the GPU resource's units.
 """
@@ -121,10 +122,14 @@ class Board:
 
 
 def board_of(inv: Inventory, *, once_bound: bool = False) -> Board | None:
-    """The node's board in the full passthrough model, or None: every NVSwitch of a board
-    §6.1 knows, and its 8 GPUs, are passthrough devices on vfio-pci (``once_bound``: or will
-    be, after ``apply``; a second baseboard, or a board missing a device, is none: no
-    configuration of §6.1 fits it)."""
+    """The node's board in the full passthrough model, or None: the node's Kata cold-plugs
+    NVSwitches (4.1 and later; an older one fails a sandbox given one, ``katamgr.host.kata``),
+    and every NVSwitch of a board §6.1 knows, and its 8 GPUs, are passthrough devices on
+    vfio-pci (``once_bound``: or will be, after ``apply``; a second baseboard, or a board
+    missing a device, is none: no configuration of §6.1 fits it)."""
+    if not inv.selection.kata.cold_plugs_nvswitches:  # §6 needs the NVSwitches in the VM
+        return None
+
     def usable(d: Device) -> bool:
         return (once_bound or d.on_vfio) and d.iommu_group is not None
 

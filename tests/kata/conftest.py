@@ -69,14 +69,18 @@ def oracle_bin():
 def kata_node(oracle_bin) -> Iterator:
     made: list[tuple[str, KubeletSimulator, PluginManager]] = []
 
-    def make(profile: HostProfile | str, naming: Naming = NAMING, steps: Steps | None = None) -> KataNode:
+    def make(profile: HostProfile | str, naming: Naming = NAMING, steps: Steps | None = None,
+             fabric=None) -> KataNode:
+        """``fabric(host)``: the plugin's NVLink fabric guard (``sandbox_plugin.fabric.FabricGuard``)
+        on a Shared NVSwitch node."""
         if not isinstance(profile, HostProfile):
             profile = find_profile(profile)
         directory = tempfile.mkdtemp(prefix="kk-")
         host = materialise(profile, directory)
         kubelet = KubeletSimulator(host)
         kubelet.start()
-        manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=naming)
+        manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=naming,
+                                fabric=fabric(host) if fabric is not None else None)
         made.append((directory, kubelet, manager))
         report = reconcile(host, naming, steps or Steps(kata=False), None)
         assert report.ok, report.failures
