@@ -43,6 +43,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from katamgr.host import nvlinkunits
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import NVSWITCH_CLASS
 from katamgr.node.nvlinkfabric import Fabric
@@ -151,7 +152,9 @@ def describe(units: Iterable[PassthroughUnit], naming: Naming, partitions: Fabri
     """Every unit as a DRA device, in unit order (healthy or not: the caller decides
     what to publish; a claim naming an unhealthy one is told why); ``partitions``: Fabric
     Manager's, in the Shared NVSwitch model."""
-    units = list(units)
+    # A full passthrough board's unit (katamgr.host.nvlinkunits) is the device plugin's alone for
+    # now: nothing here would keep a claim for it and one for its GPUs apart (docs/devices.md).
+    units = [u for u in units if not u.id.startswith(nvlinkunits.UNIT_ID_PREFIX)]
     fabric = topology.nvswitch_fabric(
         u.id for u in units if device_type(u) == NVSWITCH)
     return [

@@ -43,6 +43,21 @@ def test_a_board_whose_kata_takes_nvswitches_follows_full_passthrough():
     assert not [p for p in problems if "NVLink" in p]
 
 
+def test_full_passthrough_shows_the_guides_units_each_with_its_nvswitches():
+    # Fabric Manager User Guide §6.1, HGX H100: 8 GPUs with all 4 NVSwitches, or 1 GPU with none.
+    result = run("plan", "--host", "hgx-h100-passthrough", "--output", "json")
+    plan = json.loads(result.stdout)
+    assert plan["resources"] == {"nvidia.com/GH100H100_SXM5_80GB": 8, "nvidia.com/GH100H100_SXM5_80GB_x8": 1}
+    assert plan["nvlinkFabric"]["units"] == [
+        {"gpus": 8, "nvswitches": 4, "offered": True, "resource": "nvidia.com/GH100H100_SXM5_80GB_x8"},
+        {"gpus": 1, "nvswitches": 0, "offered": True, "resource": "nvidia.com/GH100H100_SXM5_80GB"}]
+    # The board unit's one CDI entry holds every GPU's and NVSwitch's VFIO group node.
+    text = " ".join(run("plan", "--host", "hgx-h100-passthrough").stdout.split())  # lines cut to the width
+    assert "units (HGX H100/H200 8-GPU, Fabric Manager User Guide §6.1): a Kata pod takes 1 or 8 GPUs" in text
+    assert "NVSwitches 0000:05:00.0, 0000:15:00.0, 0000:85:00.0, 0000:95:00.0)" in text
+    assert "nvidia.com/GH100H100_SXM5_80GB_x8=x8-0000:03:00.0 /dev/vfio/vfio /dev/vfio/6 /dev/vfio/8 /dev/vfio/10" in text
+
+
 def test_neither_model_is_a_problem_naming_both_fixes():
     # The node's FM library, pointed at a socket where no FM listens.
     fabric, problems = fabric_of("--host", "dgx-h100", "--fabric-manager-address", "/run/no-fm.sock",
