@@ -80,7 +80,11 @@ def test_nvswitches_follow_the_node_s_kata_and_the_operator(tmp_path, mode, kata
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     chosen = Naming(PCI_IDS, selection=Selection(nvswitches=mode, kata=parse_release(kata)))
     plan = full_plan(host, chosen, Steps(), None)
-    assert ("nvidia.com/PCI_22a3" in plan.resources) is taken
+    board = "nvidia.com/GH100H100_SXM5_80GB_x8"
+    assert bool({"nvidia.com/PCI_22a3", board} & set(plan.resources)) is taken
+    # Kata 4.1 takes them in the full passthrough model: only with the whole board, as one unit
+    # (Fabric Manager User Guide §6.1; katamgr.host.nvlinkunits).
+    assert (board in plan.resources) is (taken and kata == "4.1.0")
     assert any("a pod given an NVSwitch will not start" in w for w in plan.warnings) is warned
     if mode == "no":
         assert rows(plan)["0000:05:00.0"]["selection"] == "NVIDIA NVSwitch, not passed through (--nvswitches no)"
