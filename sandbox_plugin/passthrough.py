@@ -8,7 +8,9 @@ and so the schedulable unit (two GPUs in one group are one plugin device; two
 pods can never share a group). Each unit goes to the resource ``Naming``
 gives its first device: one resource per model (``nvidia.com/GA102GL_A10``), or
 one alias resource (``nvidia.com/pgpu``) when configured, or an include rule's
-resource (``example.com/edu``).
+resource (``example.com/edu``). On an NVSwitch board in NVIDIA's full passthrough model one
+unit spans groups: the whole board, every GPU and NVSwitch (``katamgr.host.nvlinkunits``),
+kept apart from its GPUs' own units by ``sandbox_plugin.fullpassthrough``.
 
 A unit's ID is its first PCI address (lowercased), so it is stable across
 plugin restarts and reboots. It is Healthy while every endpoint of the group

@@ -94,7 +94,9 @@ def unit_head(devices: list[Device] | tuple[Device, ...]) -> Device:
 
 @dataclass(frozen=True)
 class ResourceUnit:
-    """One schedulable device: the passthrough devices of one IOMMU group on vfio-pci.
+    """One schedulable device: the passthrough devices of one IOMMU group on vfio-pci (or, for
+    a full passthrough NVSwitch board, of all its GPUs' and NVSwitches' groups: ``group`` is
+    then its first GPU's, ``katamgr.host.nvlinkunits``).
 
     The group is what VFIO hands to a VM, so two GPUs sharing one are one unit.
     ``id`` is the plugin's device ID and, under the kind ``resource_name``, the
