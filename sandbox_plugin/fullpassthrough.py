@@ -125,6 +125,11 @@ class BoardWatch:
     def units(self, units: list) -> list:
         guard = guard_for(units, self._given)
         if guard is None or self.guard is None or not self.guard.same(guard):
+            if guard is not None:
+                log.info("NVLink fabric: full passthrough (%s, %s): a Kata pod takes 1 GPU of %s, or the whole "
+                         "board (%d GPUs, %d NVSwitches) as %s=%s", guard.board.model.name, nvlinkunits.GUIDE,
+                         guard.gpu_resource, guard.board.size, len(guard.board.nvswitches), guard.unit_resource,
+                         guard.board_id)
             self.guard = guard
         if self.guard is None:
             return units
