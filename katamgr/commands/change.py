@@ -20,12 +20,12 @@ from katamgr.commands.setup import (
 from katamgr.errors import ConfigError
 from katamgr.exitcodes import Exit
 from katamgr.host.root import HostRoot
+from katamgr.node.simulator import NodeExtras
 from katamgr.output import documents
 from katamgr.output.documents import FORMATS
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import plan_text, print_report, quiet, status_text
-from nodesim.node import open_node
 
 if TYPE_CHECKING:
     from katamgr.pipeline.kata_runtime import KataContext
@@ -35,12 +35,12 @@ if TYPE_CHECKING:
 def cmd_plan(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
-    with host_from(args) as host:
+    with host_from(args) as (host, extras):
         naming = with_node_kata(naming, host, config)
-        setup = node_setup(args, host, config)
+        setup = node_setup(args, host, config, extras=extras)
         plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
-                         fabric=fabric_settings(args, host, config))
+                         fabric=fabric_settings(args, config, extras))
         if args.output in FORMATS:
             print(documents.dump(documents.plan_document(plan), args.output))
         else:
@@ -51,9 +51,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_apply(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
-    with host_from(args) as host:
+    with host_from(args) as (host, extras):
         naming = with_node_kata(naming, host, config)
-        setup = node_setup(args, host, config)
+        setup = node_setup(args, host, config, extras=extras)
         steps = setup.steps.without(setup.opted_out)
         report = reconcile(host, naming, steps, setup.ctx, force=args.force,
                            wait=args.device_wait,
@@ -120,11 +120,11 @@ def cmd_revert(args: argparse.Namespace) -> int:
     if args.delete_runtimeclasses and args.no_runtime_classes:
         raise ConfigError("--delete-runtimeclasses and --no-runtime-classes contradict each other: "
                           "RuntimeClasses left to the chart are deleted by helm uninstall")
-    with host_from(args) as host:
-        steps, ctx = steps_and_context(args, host)
+    with host_from(args) as (host, extras):
+        steps, ctx = steps_and_context(args, host, extras=extras)
         report = revert_all(host, steps, ctx, force=args.force,
                             delete_runtime_classes=args.delete_runtimeclasses, lock_wait=args.wait,
-                            node_labels=_revert_node_labels(args, host, ctx),
+                            node_labels=_revert_node_labels(args, host, ctx, extras),
                             journal=_journal(host, "katamgr revert"))
         if steps.kata and ctx is not None and ctx.api is not None and args.node_name:
             from katamgr.pipeline import offers
@@ -137,7 +137,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from katamgr.pipeline.status import node_status
 
-    with host_from(args) as host:
+    with host_from(args) as (host, _):
         status = node_status(host)
     if args.output in FORMATS:
         summary = "" if status.installed else "nothing installed: katamgr has no changes recorded on this node"
@@ -147,7 +147,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataContext | None):
+def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataContext | None,
+                        extras: NodeExtras):
     """The Node's labels to remove the GPU labels katamgr set from: only asked for when it set some."""
     from katamgr.host import gpulabels
 
@@ -157,5 +158,5 @@ def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataConte
     if api is None:
         from katamgr.node.apiclient import connect
 
-        api = connect(home_kubeconfig=open_node(host.root) is None)
+        api = connect(home_kubeconfig=extras.home_kubeconfig)
     return node_labels(api, args.node_name) if api is not None else None

@@ -10,6 +10,7 @@ from katamgr.commands.run import cmd_run
 from katamgr.commands.setup import runtime_root
 from katamgr.commands.simulated import cmd_demo, cmd_simulate
 from katamgr.commands.webhook import cmd_webhook
+from katamgr.errors import ConfigError
 from katamgr.host import cc
 from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
@@ -19,14 +20,13 @@ from katamgr.host.workload import (
     DEFAULT_WORKLOAD,
     WORKLOADS,
 )
-from katamgr.node import nvlinkfabric
+from katamgr.node import nvlinkfabric, simulator
 from katamgr.node.process import (
     add_log_format_argument,
     add_version_argument,
 )
 from katamgr.output.documents import FORMATS
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT
-from nodesim.profiles import shipped_names
 
 DESCRIPTION = """\
 Turn a Kubernetes GPU node into a safe host for Kata Containers with whole GPUs
@@ -105,10 +105,19 @@ def _gpu_labels_argument(parser: argparse.ArgumentParser) -> None:
                              "and sysfs; Helm: gpuLabels.enabled). Published with a node name and a cluster")
 
 
+def _profile_names() -> str:
+    """The shipped host profiles, as --help lists them (none without the simulated node)."""
+    try:
+        sim = simulator.installed()
+    except ConfigError:  # a broken KATAMGR_SIMULATOR: the command that needs it says so
+        return "none (the simulated node cannot be loaded)"
+    return ", ".join(sim.profile_names()) if sim is not None else "none (the simulated node is not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="katamgr", description=DESCRIPTION,
-        epilog=EPILOG.format(profiles=", ".join(shipped_names()), exit_codes=exit_code_table()),
+        epilog=EPILOG.format(profiles=_profile_names(), exit_codes=exit_code_table()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_version_argument(parser)
@@ -219,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="materialise a host profile as a host root",
                        description="Write a simulated node (sysfs shape, /dev/vfio, /proc) for PROFILE into DIR; "
                                    "use it with --host-root DIR. Binding writes there are answered by an emulated kernel.")
-    p.add_argument("profile", metavar="PROFILE", help=f"a profile file or one of: {', '.join(shipped_names())}")
+    p.add_argument("profile", metavar="PROFILE", help=f"a profile file or one of: {_profile_names()}")
     p.add_argument("--into", required=True, metavar="DIR", help="a new or empty directory")
     p.add_argument("--real-device-nodes", action="store_true",
                    help="make /dev/vfio nodes character devices that reach no device, named "

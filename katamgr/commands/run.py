@@ -43,10 +43,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             parse_address(args.metrics_address)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    with host_from(args) as host:
+    with host_from(args) as (host, extras):
         given = naming
         naming = with_node_kata(naming, host, config)
-        setup = node_setup(args, host, config)
+        setup = node_setup(args, host, config, extras=extras)
         if args.plan_only:
             return _run_plan_only(args, host, naming, setup)
         events = None
@@ -67,7 +67,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                       events=events, metrics_address=args.metrics_address,
                       read_workload=follower.read if follower else None,
                       node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out,
-                      fabric=fabric_settings(args, host, config),
+                      fabric=fabric_settings(args, config, extras),
                       node_labels=None if args.no_gpu_labels or setup.api is None or not args.node_name
                       else node_labels(setup.api, args.node_name, follower.watch if follower else None),
                       offer_labels=None if setup.api is None or not args.node_name or setup.ctx is None

@@ -24,12 +24,10 @@ from katamgr.host.workload import (
     describe_opt_outs,
     resolve_workload,
 )
-from katamgr.node import nvlinkfabric
+from katamgr.node import nvlinkfabric, simulator
 from katamgr.node.nvlinkfabric import FabricSettings
+from katamgr.node.simulator import REAL_NODE, NodeExtras
 from katamgr.pipeline.reconcile import Steps
-from nodesim.materialise import materialise
-from nodesim.node import open_node, open_root
-from nodesim.profiles import find_profile
 
 if TYPE_CHECKING:
     from katamgr.config import KataManagerConfig
@@ -39,18 +37,22 @@ log = logging.getLogger("katamgr")
 
 
 @contextlib.contextmanager
-def host_from(args: argparse.Namespace) -> Iterator[HostRoot]:
+def host_from(args: argparse.Namespace) -> Iterator[tuple[HostRoot, NodeExtras]]:
+    """The host root the command acts on and what its node brings (``katamgr.node.simulator``):
+    a simulated node of the --host profile in a temp dir, or the --host-root."""
     if getattr(args, "host", None):
-        profile = find_profile(args.host)
+        sim = simulator.required(f"--host {args.host}")
+        profile = sim.profile(args.host)
         with tempfile.TemporaryDirectory(prefix=f"katamgr-{profile.name}-") as tmp:
             log.info("simulating host profile %s in %s", profile.name, tmp)
-            yield materialise(profile, Path(tmp) / "host")
+            made = sim.materialise(args.host, Path(tmp) / "host")
+            yield simulator.open_host(made.root, made.runtime_root)
         return
     root = Path(args.host_root)
     if not root.is_dir():
         raise ConfigError(f"--host-root {root} is not a directory; pass the path where the node's / is mounted")
     # A dir `katamgr simulate` made gets its emulated kernel back; any other root the real one.
-    yield open_root(root, getattr(args, "runtime_root", "/"))
+    yield simulator.open_host(root, getattr(args, "runtime_root", "/"))
 
 
 def runtime_root(value: str) -> str:
@@ -115,9 +117,9 @@ class NodeSetup:
     opted_out: frozenset[Operand] = frozenset()
 
 
-def steps_and_context(args: argparse.Namespace, host: HostRoot,
-                      config: KataManagerConfig | None = None) -> tuple[Steps, KataContext | None]:
-    setup = node_setup(args, host, config)
+def steps_and_context(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None = None, *,
+                      extras: NodeExtras = REAL_NODE) -> tuple[Steps, KataContext | None]:
+    setup = node_setup(args, host, config, extras=extras)
     return setup.steps, setup.ctx
 
 
@@ -126,17 +128,17 @@ def by_hand() -> tuple[Workload, str]:
     return Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"
 
 
-def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None = None) -> NodeSetup:
-    """``config``: the --config file already loaded (else it is loaded here)."""
+def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None = None, *,
+               extras: NodeExtras = REAL_NODE) -> NodeSetup:
+    """``config``: the --config file already loaded (else it is loaded here); ``extras``: what
+    the node brings (``host_from``), here the kubeconfig rule."""
     if config is None:
         config = config_from(args)
     wants_cluster = (config is not None and not args.no_kata) or (args.workload == AUTO and args.node_name)
     if wants_cluster or config is not None:
         from katamgr import cluster  # the Kubernetes client costs a second: only when it is used
         from katamgr.node.apiclient import connect
-    # A simulated node talks to a cluster only when one is named (KUBECONFIG or the
-    # pod's service account, as the chart's DaemonSets on a simulated node do).
-    api = connect(home_kubeconfig=open_node(host.root) is None) if wants_cluster else None
+    api = connect(home_kubeconfig=extras.home_kubeconfig) if wants_cluster else None
     if args.workload == AUTO:
         def read_labels(node: str):
             from katamgr.node.kube import read_node_labels  # the Kubernetes client: only to ask
@@ -166,9 +168,10 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
     return NodeSetup(steps, ctx, api, why, opted_out)
 
 
-def fabric_settings(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None) -> FabricSettings:
-    """The NVLink fabric settings: the config's (defaults without one), then the flags'; on a
-    simulated node whose Fabric Manager runs, where FM and its library are unless told."""
+def fabric_settings(args: argparse.Namespace, config: KataManagerConfig | None,
+                    extras: NodeExtras = REAL_NODE) -> FabricSettings:
+    """The NVLink fabric settings: the config's (defaults without one), then the flags'; where
+    the node brings its own Fabric Manager (a simulated node's), FM and its library unless told."""
     settings = FabricSettings()
     if config is not None:
         fm = config.devices.fabric_manager
@@ -177,11 +180,10 @@ def fabric_settings(args: argparse.Namespace, host: HostRoot, config: KataManage
         settings = nvlinkfabric.from_arguments(args, settings)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    node = open_node(host.root)
-    simulated = node.fabric_manager() if node is not None else None
-    if simulated is not None and (settings.address, settings.library) == (FabricSettings.address,
+    brought = extras.fabric_manager() if extras.fabric_manager is not None else None
+    if brought is not None and (settings.address, settings.library) == (FabricSettings.address,
                                                                          FabricSettings.library):
-        library, socket, modules = simulated
+        library, socket, modules = brought
         settings = replace(settings, address=socket, library=library,
                            gpu_module_ids=settings.gpu_module_ids or modules)
     return settings

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from nodesim.materialise import materialise
-from nodesim.profiles import find_profile
+from katamgr.node import simulator
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    profile = find_profile(args.profile)
-    host = materialise(profile, args.into, real_device_nodes=args.real_device_nodes)
-    print(f"simulated {profile.name} ({len(profile.devices)} PCI devices) in {host.root}")
+    sim = simulator.required("katamgr simulate")
+    profile = sim.profile(args.profile)
+    host = sim.materialise(args.profile, args.into, real_device_nodes=args.real_device_nodes)
+    print(f"simulated {profile.name} ({profile.devices} PCI devices) in {host.root}")
     print(f"try: katamgr plan --host-root {host.root}")
     return 0
 
@@ -23,4 +23,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.verbose:
         # The demo tells its own story; library warnings would repeat it.
         logging.getLogger().setLevel(logging.ERROR)
-    return run_demo(args)
+    return run_demo(args, simulator.required("katamgr demo"))
