@@ -14,7 +14,6 @@ from katamgr.commands.setup import (
     host_from,
     naming_from,
     node_kata_inputs,
-    node_labels,
     node_setup,
     with_node_kata,
 )
@@ -26,8 +25,9 @@ from katamgr.pipeline.reconcile import full_plan
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from katamgr.agent import Agent
+    from katamgr.agent.build import build
     from katamgr.agent.katafound import KataFound
+    from katamgr.agent.settings import AgentSettings
 
     # A daemon's log is its only voice: say what changed even without -v.
     logging.getLogger().setLevel(logging.INFO)
@@ -49,31 +49,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         setup = node_setup(args, host, config, extras=extras)
         if args.plan_only:
             return _run_plan_only(args, host, naming, setup)
-        events = None
-        if setup.api is not None and args.node_name:
-            from katamgr.cluster import EventRecorder
-
-            # In "default", the one namespace the API server accepts a Node's Events in
-            # (the chart's <release>-node-events Role there lets the agent create them).
-            events = EventRecorder(setup.api, args.node_name)
-        from katamgr.agent.following import node_follower
-
-        follower = None if args.once else node_follower(
-            setup.api, args.node_name, workload=args.workload,
-            default_workload=args.default_workload, fallback=by_hand)
-        agent = Agent(host, naming, setup.steps, setup.ctx, force=args.force, wait=args.device_wait,
-                      lock_wait=args.wait,
-                      repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
-                      events=events, metrics_address=args.metrics_address,
-                      read_workload=follower.read if follower else None,
-                      node_watch=follower.watch.start() if follower else None, opted_out=setup.opted_out,
-                      fabric=fabric_settings(args, config, extras),
-                      node_labels=None if args.no_gpu_labels or setup.api is None or not args.node_name
-                      else node_labels(setup.api, args.node_name, follower.watch if follower else None),
-                      offer_labels=None if setup.api is None or not args.node_name or setup.ctx is None
-                      else node_labels(setup.api, args.node_name, follower.watch if follower else None),
-                      kata_found=KataFound(given.selection, *node_kata_inputs(config)),
-                      **_cc_options(args, setup.api, follower.watch if follower else None))
+        settings = AgentSettings(
+            host, naming, setup.steps, setup.ctx, setup.opted_out, force=args.force, wait=args.device_wait,
+            lock_wait=args.wait, repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
+            metrics_address=args.metrics_address, fabric=fabric_settings(args, config, extras),
+            kata_found=KataFound(given.selection, *node_kata_inputs(config)),
+            cc_default_mode=cc.CcMode(args.cc_default_mode) if args.cc_manager else None,
+            node_name=args.node_name, workload=args.workload, default_workload=args.default_workload,
+            follow=not args.once, gpu_labels=not args.no_gpu_labels)
+        agent = build(settings, setup.api)
         return agent.run(once=args.once)
 
 
@@ -101,19 +85,3 @@ def _run_plan_only(args: argparse.Namespace, host: HostRoot, naming: Naming, set
     finally:
         if watch is not None:
             watch.stop()
-
-
-def _cc_options(args: argparse.Namespace, api: object | None, watch) -> dict:
-    """What the agent's CC room needs: the default mode (None: off), the labels, a labeller."""
-    if not args.cc_manager:
-        return {}
-    if api is None or not args.node_name:
-        raise ConfigError("--cc-manager follows the node label nvidia.com/cc.mode: it needs --node-name "
-                          "(or NODE_NAME) and a cluster to ask")
-    from katamgr.cluster import node_resources, set_node_labels
-    from katamgr.node.kube import read_node_labels
-
-    read = watch.labels if watch is not None else (lambda: read_node_labels(api, args.node_name))
-    return {"cc_default_mode": cc.CcMode(args.cc_default_mode), "read_labels": read,
-            "publish_labels": lambda labels: set_node_labels(api, args.node_name, labels),
-            "read_resources": lambda: node_resources(api, args.node_name)}

@@ -21,12 +21,14 @@ from katamgr.host.workload import (
     AUTO,
     Operand,
     Workload,
+    by_hand,
     describe_opt_outs,
     resolve_workload,
 )
 from katamgr.node import nvlinkfabric, simulator
 from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.simulator import REAL_NODE, NodeExtras
+from katamgr.pipeline.gpulabels import node_labels
 from katamgr.pipeline.reconcile import Steps
 
 if TYPE_CHECKING:
@@ -123,11 +125,6 @@ def steps_and_context(args: argparse.Namespace, host: HostRoot, config: KataMana
     return setup.steps, setup.ctx
 
 
-def by_hand() -> tuple[Workload, str]:
-    # Run by hand with no cluster to ask: the operator is here to set the node up.
-    return Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"
-
-
 def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None = None, *,
                extras: NodeExtras = REAL_NODE) -> NodeSetup:
     """``config``: the --config file already loaded (else it is loaded here); ``extras``: what
@@ -182,22 +179,13 @@ def fabric_settings(args: argparse.Namespace, config: KataManagerConfig | None,
         raise ConfigError(str(exc)) from exc
     brought = extras.fabric_manager() if extras.fabric_manager is not None else None
     if brought is not None and (settings.address, settings.library) == (FabricSettings.address,
-                                                                         FabricSettings.library):
+                                                                      FabricSettings.library):
         library, socket, modules = brought
         settings = replace(settings, address=socket, library=library,
                            gpu_module_ids=settings.gpu_module_ids or modules)
     return settings
 
 
-def node_labels(api: object, node_name: str, watch=None):
-    """Our Node's labels for the GPU labels: read (from the watch when there is one) and patched."""
-    from katamgr.cluster import set_node_labels
-    from katamgr.node.kube import read_node_labels
-    from katamgr.pipeline.gpulabels import NodeLabels
-
-    def fresh():
-        return read_node_labels(api, node_name)
-
-    return NodeLabels(watch.labels if watch is not None else fresh,
-                      lambda labels: set_node_labels(api, node_name, labels),
-                      fresh if watch is not None else None)
+__all__ = ["NodeSetup", "by_hand", "config_from", "fabric_settings", "host_from", "naming_from",
+           "node_kata_inputs", "node_labels", "node_setup", "runtime_root", "steps_and_context",
+           "with_node_kata"]

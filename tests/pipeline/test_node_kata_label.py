@@ -4,10 +4,10 @@ or upgrading Kata after it started: the label, the plan and the NVSwitch decisio
 
 from __future__ import annotations
 
+from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 
 from katamgr import cli
-from katamgr.agent import Agent
 from katamgr.agent.katafound import KataFound
 from katamgr.cluster import EventRecorder
 from katamgr.commands import setup as cli_setup
@@ -99,7 +99,7 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
         client = api.client()
         naming = cli_setup.with_node_kata(NAMING, host, None)  # no Kata yet
         assert naming.selection.kata_found.runtimes == ()
-        agent = Agent(host, naming, Steps(kata=False), None, events=EventRecorder(client, NODE),
+        agent = make_agent(host, naming, Steps(kata=False), None, events=EventRecorder(client, NODE),
                       node_labels=cli_setup.node_labels(client, NODE),
                       kata_found=KataFound(NAMING.selection, CONTAINERD, names=GPU_CLASSES))
         assert agent.run(once=True) == 0
@@ -134,7 +134,7 @@ def test_a_typed_release_stays_the_override_when_kata_changes(tmp_path):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.29.0", ("go",)))
     typed = Naming(NAMING.pci_ids, selection=Selection(kata=parse_release("3.29.0")))
-    agent = Agent(host, cli_setup.with_node_kata(typed, host, None), Steps(kata=False), None,
+    agent = make_agent(host, cli_setup.with_node_kata(typed, host, None), Steps(kata=False), None,
                   kata_found=KataFound(typed.selection, CONTAINERD, names=GPU_CLASSES))
     lay_out(host, KataInstall("kata-deploy", "4.1.0", ("go",)))
     assert agent.follow_kata()
