@@ -1,11 +1,12 @@
 """``katamgr demo``: the whole job on a simulated node, told as a short story.
 
 Nothing on the machine running it is touched: the node is a temp dir made by the
-simulated node (``nodesim``) whose sysfs writes are answered by its emulated kernel, the
-Kata artifacts come from an OCI layout shipped with katamgr, and the kubelet is a
-simulator speaking the real device-plugin gRPC. The demo stands above both programs: it
-runs katamgr's pipeline here and ``sandbox-device-plugin`` as the separate program it is on
-a node (``python -m sandbox_plugin``), against that kubelet and Kata's cold-plug stand-in.
+simulated node (``nodesim``, handed in as ``katamgr.node.simulator`` finds it, never
+imported) whose sysfs writes are answered by its emulated kernel, the Kata artifacts come
+from an OCI layout shipped with katamgr, and the kubelet is a simulator speaking the real
+device-plugin gRPC. The demo stands above both programs: it runs katamgr's pipeline here
+and ``sandbox-device-plugin`` as the separate program it is on a node (``python -m
+sandbox_plugin``), against that kubelet and Kata's cold-plug stand-in.
 """
 from __future__ import annotations
 
@@ -29,14 +30,11 @@ from katamgr.host.naming import Naming
 from katamgr.host.passthrough import resource_units
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
+from katamgr.node.simulator import Simulator
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import STORY, plan_text, print_report
-from nodesim import kata_shim
-from nodesim.kubelet import KubeletSimulator
-from nodesim.materialise import materialise
-from nodesim.profiles import find_profile
 
 DATA = Path(__file__).parent / "data"
 LAYOUT_ON_NODE = "/opt/kata-artifacts/layout"
@@ -56,8 +54,9 @@ def prepare_node(host: HostRoot) -> None:
     shutil.copytree(DATA / "oci-layout", host.path(LAYOUT_ON_NODE))
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    profile = find_profile(args.profile)
+def run_demo(args: argparse.Namespace, sim: Simulator) -> int:
+    """The demo on ``sim``, the simulated node (``katamgr.node.simulator``) the command found."""
+    profile = sim.profile(args.profile)
     try:
         naming = Naming(PciIds.find(), selection=device_selection.from_arguments(args))
     except ValueError as exc:
@@ -67,7 +66,7 @@ def run_demo(args: argparse.Namespace) -> int:
             root = Path(args.keep)
         else:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kdemo-"))) / "host"
-        host = materialise(profile, root)
+        host = sim.materialise(args.profile, root)
         prepare_node(host)
         steps = Steps()
         ctx = KataContext(load_config(DATA / "demo" / "kata-manager.yaml"))
@@ -96,7 +95,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print("  " + ("no changes, as expected" if not again.changes else f"UNEXPECTED: {again.changes}"))
 
         _step("4. The device plugin, as the kubelet sees it")
-        plugin_ok = _device_plugin(host, naming, args)
+        plugin_ok = _device_plugin(sim, host, naming, args)
 
         _step("5. Revert (katamgr revert --config kata-manager.yaml)")
         undone = revert_all(host, steps, ctx)
@@ -125,12 +124,13 @@ def _verdict(problems: list[str], *, plugin_ok: bool, reverted: bool, same: bool
     return Exit.OK
 
 
-def _device_plugin(host: HostRoot, naming: Naming, args: argparse.Namespace, *, gpus: int = 2) -> bool:
+def _device_plugin(sim: Simulator, host: HostRoot, naming: Naming, args: argparse.Namespace, *,
+                   gpus: int = 2) -> bool:
     """What a kubelet sees of the node: the plugin's registrations, the devices it lists,
     an allocation for a pod, and what Kata's cold-plug makes of it."""
     units = resource_units(host, discover(host, naming.selection), naming)
     names = sorted({u.resource_name for u in units})
-    with tempfile.TemporaryFile("w+") as output, KubeletSimulator(host) as kubelet, \
+    with tempfile.TemporaryFile("w+") as output, sim.kubelet(host) as kubelet, \
             _plugin_program(host, args, output):
         try:
             state = kubelet.wait_for(
@@ -163,9 +163,8 @@ def _device_plugin(host: HostRoot, naming: Naming, args: argparse.Namespace, *, 
             print(f"    CDI device {device.name}")
         print("  Kata cold-plug at sandbox creation (PodResources Get -> CDI names -> VFIO nodes -> QEMU):")
         try:
-            plug = kata_shim.cold_plug(host, kubelet.pod_resources_socket,
-                                       kata_shim.sandbox_annotations("default", "cuda-vectoradd-kata"))
-        except kata_shim.ColdPlugError as exc:
+            plug = sim.cold_plug(host, kubelet.pod_resources_socket, "default", "cuda-vectoradd-kata")
+        except sim.cold_plug_error as exc:
             print(f"    FAILED: {exc}")
             return False
         for name in plug.cdi_names:

@@ -18,6 +18,7 @@ docstring cites, for the tests and ``katamgr demo``:
   and ``drakubelet`` (the DRA side);
 - ``kata_shim``: Kata's cold-plug at sandbox creation.
 
-Nothing that serves imports this package (contracts in ``pyproject.toml``): only the
-programs' entry points open a simulated node, and the code below them is handed its parts.
+Neither program imports this package (a contract in ``pyproject.toml``): they find it,
+when installed, through the entry point ``launch.SIMULATOR`` is declared as
+(``katamgr.node.simulator``), and the code below their entry points is handed its parts.
 """

@@ -12,8 +12,8 @@ simulator writes into it, ``kernel.MARKER``) and gives back the ``SimulatedNode`
 - ``host_udev``: whether its ``/dev/vfio`` is kept by the machine's udev stand-in (``udev``)
   rather than by the emulated kernel.
 
-Only the programs' entry points open a node this way (``katamgr.cli``, ``katamgr.demo``,
-``sandbox_plugin.cli``); the code that serves never imports this package, a contract in
+The programs reach it only through ``nodesim.launch`` (the entry point they find it by,
+``katamgr.node.simulator``); they never import this package, a contract in
 ``pyproject.toml`` says so, and a real node's root never becomes a simulated one.
 """
 

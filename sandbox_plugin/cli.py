@@ -33,7 +33,7 @@ from katamgr.node.process import (
     setup_logging,
     stop_on_signals,
 )
-from nodesim.node import open_node
+from katamgr.node.simulator import NodeExtras, node_extras
 from sandbox_plugin.commands import (
     UsageError,
     add_containerd_argument,
@@ -241,11 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         host, naming = _build(args)
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
-        # A simulated node brings its own NVML (answering from the node's sysfs and, as
-        # NVML, listing again only when started again: the driver watch does that).
-        simulated = open_node(host.root)
-        nvml = simulated.nvml() if simulated else None
-        fabric = _fabric_gate(args, host, naming)
+        # What the node brings (katamgr.node.simulator): a simulated node its own NVML
+        # (answering from the node's sysfs and, as NVML, listing again only when started
+        # again: the driver watch does that), its Fabric Manager and its kubeconfig rule.
+        extras = node_extras(host.root, args.runtime_root)
+        nvml = extras.nvml() if extras.nvml is not None else None
+        fabric = _fabric_gate(args, host, naming, extras)
         runner = PluginRunner(lambda m, metrics, held_only=False: PluginManager(
             host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml,
             held_only=held_only, fabric=fabric, link_policy=args.link_policy))
@@ -254,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode != AUTO:
             mode, why = Mode(args.mode), "chosen with --mode"
         else:
-            watch = _label_watch(args)
+            watch = _label_watch(args, extras)
             if watch is None:
                 mode, why = decide_mode(host, args.node_name,
-                                        lambda node: read_labels(node, args.host_root),
+                                        lambda node: read_labels(node, extras),
                                         default=args.default_workload,
                                         selection=naming.selection, modes=args.auto_modes)
             else:
@@ -291,11 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _fabric_gate(args: argparse.Namespace, host: HostRoot, naming: Naming) -> FabricGate | None:
+def _fabric_gate(args: argparse.Namespace, host: HostRoot, naming: Naming,
+                 extras: NodeExtras) -> FabricGate | None:
     """The NVSwitch board's model (``sandbox_plugin.fabricgate``): None without NVSwitches or
     with ``--nvlink-fabric off``; a gate withholding the board's GPUs where neither model holds."""
     try:
-        settings = fabric_settings(args, host)
+        settings = fabric_settings(args, extras)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     from katamgr.host.inventory import discover
@@ -303,12 +305,12 @@ def _fabric_gate(args: argparse.Namespace, host: HostRoot, naming: Naming) -> Fa
     return gate_for(host, settings, discover(host, naming.selection))
 
 
-def _label_watch(args: argparse.Namespace):
+def _label_watch(args: argparse.Namespace, extras: NodeExtras):
     """A started watch on this node's labels, or None without a node name or a cluster."""
     if not args.node_name:
         return None
     try:
-        api = cluster_client(args.host_root)
+        api = cluster_client(extras)
     except NoCluster:
         return None
     from katamgr.node.kube import NodeLabelWatch

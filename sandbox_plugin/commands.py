@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 from katamgr.errors import ConfigError
 from katamgr.host import inventory, katadetect
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
-from nodesim.node import open_node
+from katamgr.node.simulator import REAL_NODE, NodeExtras
 from sandbox_plugin.manager import Mode
 
 
@@ -21,21 +20,21 @@ class UsageError(ConfigError):
     """Bad command-line input; exit code 2."""
 
 
-def cluster_client(host_root: str | Path = "/"):
-    """The cluster as both programs find it (``katamgr.node.apiclient``; on a simulated node
-    only one named by KUBECONFIG or a service account); NoCluster without one."""
+def cluster_client(extras: NodeExtras = REAL_NODE):
+    """The cluster as both programs find it (``katamgr.node.apiclient``, with the node's
+    kubeconfig rule, ``extras``); NoCluster without one."""
     from katamgr.node.apiclient import required
 
-    return required(home_kubeconfig=open_node(host_root) is None)
+    return required(home_kubeconfig=extras.home_kubeconfig)
 
 
-def read_labels(node_name: str, host_root: str | Path = "/") -> dict[str, str]:
+def read_labels(node_name: str, extras: NodeExtras = REAL_NODE) -> dict[str, str]:
     """The node's labels through the Kubernetes API, read as katamgr reads them
     (``katamgr.node.kube``). Raises NoCluster without credentials and KatamgrError
     when the API does not answer (unreachable, 403, no such node)."""
     from katamgr.node.kube import read_node_labels
 
-    return read_node_labels(cluster_client(host_root), node_name)
+    return read_node_labels(cluster_client(extras), node_name)
 
 
 def add_containerd_argument(parser: argparse.ArgumentParser) -> None:
@@ -65,21 +64,19 @@ def mode_from_host(
     return Mode.CONTAINER, "no passthrough device (as --include-device/--exclude-device select) is bound to vfio-pci"
 
 
-def fabric_settings(args, host: HostRoot):
+def fabric_settings(args, extras: NodeExtras = REAL_NODE):
     """The NVLink fabric flags (``nvlinkfabric.from_arguments``; ValueError naming a bad one);
-    on a simulated node whose Fabric Manager runs, where FM and its library are unless told,
-    as ``katamgr plan`` finds them (``katamgr.cli.fabric_settings``)."""
+    where the node brings its own Fabric Manager (``extras``, a simulated node's), FM and its
+    library unless told, as ``katamgr plan`` finds them (``katamgr.commands.setup``)."""
     import dataclasses as dc
 
     from katamgr.node import nvlinkfabric as nf
-    from nodesim.node import open_node
 
     settings = nf.from_arguments(args)
-    node = open_node(host.root)
-    simulated = node.fabric_manager() if node is not None else None
+    brought = extras.fabric_manager() if extras.fabric_manager is not None else None
     default = nf.FabricSettings()
-    if simulated is not None and (settings.address, settings.library) == (default.address, default.library):
-        library, socket, modules = simulated
+    if brought is not None and (settings.address, settings.library) == (default.address, default.library):
+        library, socket, modules = brought
         settings = dc.replace(settings, address=socket, library=library,
                               gpu_module_ids=settings.gpu_module_ids or modules)
     return settings

@@ -11,9 +11,19 @@ share is in tests/support (imported as ``support.<module>``).
 from __future__ import annotations
 
 import logging
+import os
+from importlib.metadata import entry_points
 
 import pytest
 from support.paths import REQUIRE_INTEGRATION
+
+from katamgr.node import simulator
+
+# The programs find the simulated node by its entry point (pyproject.toml); an editable
+# install made before that entry point existed has none registered, so name the same object
+# the way katamgr.node.simulator reads it (the commands' subprocesses inherit it).
+if not entry_points(group=simulator.GROUP, name=simulator.NAME):
+    os.environ.setdefault(simulator.ENV, "nodesim.launch:SIMULATOR")
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -9,8 +9,10 @@ Node and follows the Node's labels (the workload and the GPU Operator's opt-outs
 
 One room per concern, each readable on its own:
 
+- ``build``: ``build(settings, api)``, the ``Agent`` of ``katamgr run`` linked to the cluster;
+- ``settings``: ``AgentSettings`` (what ``katamgr run`` is told) and ``NodeLinks`` (what it reaches);
 - ``running``: the ``Agent``, the rooms wired together; run once or kept running, stopped;
-- ``loop``: what runs when, and nothing else;
+- ``loop``: what runs when, and nothing else (the agent is its ``Kept`` Protocol);
 - ``reconciler``: one reconcile (the pipeline's) and its outcome: metrics, Events, backoff;
 - ``switch``: the workload switch on a relabel, and a relabel found at start;
 - ``giveback``: the GPUs a switch kept on vfio-pci for a VM or pod, given back once free;
@@ -22,5 +24,6 @@ One room per concern, each readable on its own:
 
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.running import Agent
+from katamgr.agent.settings import AgentSettings, NodeLinks
 
-__all__ = ["Agent", "AgentMetrics"]
+__all__ = ["Agent", "AgentMetrics", "AgentSettings", "NodeLinks"]

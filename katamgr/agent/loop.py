@@ -10,17 +10,15 @@ reconcile is retried when its backoff is up; the artifacts are re-checked on a t
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Any, Protocol
 
 from inotify_simple import flags as inflags
 
-from katamgr.agent.drift import containerd_dirs
 from katamgr.errors import KatamgrError
 from katamgr.node.watching import Watcher
-
-if TYPE_CHECKING:
-    from katamgr.agent.running import Agent
 
 log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 
@@ -30,40 +28,89 @@ HELD_POLL = 1.0
 _WATCH = inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE | inflags.DELETE | inflags.MOVED_FROM
 
 
-def keep(agent: Agent, watcher: Watcher) -> None:
+class Kept(Protocol):
+    """What the loop needs of the agent it runs (``running.Agent``): its timers, its stop
+    flag, and each piece of work by name; how a piece is done is the agent's rooms' business."""
+
+    stop: threading.Event
+    check_interval: float
+    repull_interval: float
+    node_watch: Any  # a NodeLabelWatch whose on_change wakes the loop, or None
+
+    def config_dirs(self) -> list[tuple[Path, str]]:
+        """The directories whose changes may drop our runtimes: (where to watch, the host's name)."""
+        ...
+
+    def tick(self) -> None:
+        """Tell /healthz the loop is alive."""
+        ...
+
+    def retry_at(self) -> float | None:
+        """When a failed reconcile is retried (time.monotonic), or None."""
+        ...
+
+    def retry(self) -> None: ...
+
+    def holding(self) -> bool:
+        """Whether GPUs wait on vfio-pci for their VMs to let go."""
+        ...
+
+    def reconcile(self, why: str) -> object: ...
+
+    def release_freed(self) -> bool: ...
+
+    def bind_freed(self) -> None: ...
+
+    def follow_workload(self) -> bool: ...
+
+    def follow_cc(self) -> bool: ...
+
+    def follow_kata(self) -> bool: ...
+
+    def follow_gpu_labels(self) -> None: ...
+
+    def follow_gpu_health(self) -> None: ...
+
+    def containerd_drift(self) -> str | None: ...
+
+    def sync_cdi(self) -> object: ...
+
+
+def keep(agent: Kept, watcher: Watcher) -> None:
     """Keep the node as reconciled until the agent is asked to stop."""
     if agent.node_watch is not None:
         # The labels are read from the watch, not the API. One look now covers a change
         # that came before this hook was set.
         agent.node_watch.on_change = watcher.wake
         watcher.wake()
-    for directory in containerd_dirs(agent.target):
+    for directory, shown in agent.config_dirs():
         try:
             watcher.add_watch(directory, _WATCH)
-            log.info("watching %s for changes to containerd's config", agent.target.host.host_path(directory))
+            log.info("watching %s for changes to containerd's config", shown)
         except OSError as exc:
             log.warning("cannot watch %s (%s); checking every 10 s instead", directory, exc.strerror)
     next_pull = time.monotonic() + agent.repull_interval
     next_check = time.monotonic()
     while not agent.stop.is_set():
-        agent.probes.tick()
-        retry_at = agent.reconciler.retry_at
+        agent.tick()
+        retry_at = agent.retry_at()
         due = min(next_pull, retry_at if retry_at is not None else next_pull, next_check)
         # A VM letting go of its GPUs sends no event (its /dev/vfio fds close in /proc):
         # while GPUs wait for their VMs, those alone are looked at every HELD_POLL seconds.
-        polling = bool(agent.give_backs.held)
+        polling = agent.holding()
         if polling:
             due = min(due, time.monotonic() + HELD_POLL)
         events = watcher.wait(max(0.0, due - time.monotonic()))
         if agent.stop.is_set():
             break
-        agent.probes.tick()
+        agent.tick()
         if polling and events == [] and _only_poll(agent, next_check, next_pull):
             continue  # the held GPUs' poll, and none let go
         # (otherwise what woke it does not matter: the checks look at the files themselves)
         next_check = time.monotonic() + agent.check_interval
-        if agent.reconciler.retry_at is not None and time.monotonic() >= agent.reconciler.retry_at:
-            agent.reconcile(f"retry after a failure (backoff {agent.reconciler.retry_delay:g} s)", retry=True)
+        retry_at = agent.retry_at()
+        if retry_at is not None and time.monotonic() >= retry_at:
+            agent.retry()
             continue
         try:
             if _check(agent):
@@ -75,11 +122,11 @@ def keep(agent: Agent, watcher: Watcher) -> None:
             next_pull = time.monotonic() + agent.repull_interval
 
 
-def _only_poll(agent: Agent, next_check: float, next_pull: float) -> bool:
+def _only_poll(agent: Kept, next_check: float, next_pull: float) -> bool:
     """Between checks, with nothing else due: give back what its VM let go (False when that
     gave something back, so the whole check follows)."""
     now = time.monotonic()
-    retry_at = agent.reconciler.retry_at
+    retry_at = agent.retry_at()
     if now >= min(next_check, next_pull, retry_at if retry_at is not None else next_pull):
         return False
     try:
@@ -89,7 +136,7 @@ def _only_poll(agent: Agent, next_check: float, next_pull: float) -> bool:
         return True
 
 
-def _check(agent: Agent) -> bool:
+def _check(agent: Kept) -> bool:
     """One check; True when it switched the workload, which is a whole tick's work."""
     if agent.follow_workload():
         return True

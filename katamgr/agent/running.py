@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from pathlib import Path
 
 from katamgr.agent import drift
 from katamgr.agent.ccmode import CcModes
@@ -13,25 +13,19 @@ from katamgr.agent.giveback import GiveBacks
 from katamgr.agent.gpuhealth import GpuHealth
 from katamgr.agent.gpulabels import GpuLabels
 from katamgr.agent.health import Health, readiness
-from katamgr.agent.katafound import KataFound
 from katamgr.agent.loop import keep
 from katamgr.agent.metrics import AgentMetrics
-from katamgr.agent.reconciler import RETRY_INITIAL, RETRY_MAX, Reconciler
+from katamgr.agent.reconciler import Reconciler
+from katamgr.agent.settings import NO_CLUSTER, AgentSettings, NodeLinks
 from katamgr.agent.switch import Switch
 from katamgr.agent.target import Target
 from katamgr.exitcodes import Exit
-from katamgr.host.cc import CcMode
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
-from katamgr.host.workload import Operand, Resolution, Workload
+from katamgr.host.workload import Operand, Workload
 from katamgr.node.metrics_server import MetricsServer
-from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.process import stop_on_signals
 from katamgr.node.watching import Watcher
 from katamgr.pipeline import offers
-from katamgr.pipeline.gpulabels import NodeLabels
-from katamgr.pipeline.kata_runtime import KataContext
-from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, revert_all
+from katamgr.pipeline.reconcile import revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report
 
@@ -39,51 +33,40 @@ log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 
 
 class Agent:
-    """``katamgr run``. ``events``: a ``katamgr.cluster.EventRecorder`` (None without a
-    cluster); ``read_workload``: the node's workload and opt-outs now (None: not followed);
-    ``node_watch``: a ``katamgr.node.kube.NodeLabelWatch`` that keeps the labels and wakes
-    the loop when they change (without one they are read every check); ``node_labels``: the
-    Node's labels, to publish the GPU labels on (None: not published); ``offer_labels``: the
-    same, for the runtime classes offered on the node (``pipeline.offers``; None: no cluster)."""
+    """``katamgr run``: the rooms wired together for ``settings``, reaching the cluster
+    through ``links`` (``agent.settings``; ``agent.build`` makes both from the command line
+    and an API client)."""
 
-    def __init__(self, host: HostRoot, naming: Naming, steps: Steps, ctx: KataContext | None, *,
-                 force: bool = False, wait: float = 5.0, repull_interval: float = 3600.0,
-                 revert_on_exit: bool = False, check_interval: float = 10.0,
-                 lock_wait: float = DEFAULT_LOCK_WAIT, retry_initial: float = RETRY_INITIAL,
-                 retry_max: float = RETRY_MAX, events=None, metrics_address: str | None = None,
-                 read_workload: Callable[[], Resolution | Workload | str] | None = None,
-                 node_watch=None, opted_out: frozenset[Operand] = frozenset(),
-                 cc_default_mode: CcMode | None = None, read_labels: Callable[[], Mapping[str, str]] | None = None,
-                 publish_labels: Callable[[dict[str, str | None]], None] | None = None,
-                 read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None,
-                 node_labels: NodeLabels | None = None, fabric: FabricSettings | None = None,
-                 offer_labels: NodeLabels | None = None, kata_found: KataFound | None = None):
-        self.target = Target(host, naming, steps, ctx, opted_out, force=force, wait=wait, lock_wait=lock_wait,
-                             fabric=fabric)
-        self.repull_interval = repull_interval
-        self.check_interval = check_interval
-        self.revert_on_exit = revert_on_exit
-        self.metrics_address = metrics_address
-        self.node_watch = node_watch
+    def __init__(self, settings: AgentSettings, links: NodeLinks = NO_CLUSTER):
+        s = settings
+        self.settings = settings
+        self.target = Target(s.host, s.naming, s.steps, s.ctx, s.opted_out, force=s.force, wait=s.wait,
+                             lock_wait=s.lock_wait, fabric=s.fabric)
+        self.repull_interval = s.repull_interval
+        self.check_interval = s.check_interval
+        self.revert_on_exit = s.revert_on_exit
+        self.metrics_address = s.metrics_address
+        self.node_watch = links.node_watch
         self.stop = threading.Event()
         self._watcher: Watcher | None = None  # loop()'s, woken by request_stop()
         self.metrics = AgentMetrics()
         self.metrics.observe_opt_outs(self.target.opted_out)
-        self.probes = Health(check_interval)
-        self.events = NodeEvents(events)
+        self.probes = Health(s.check_interval)
+        self.events = NodeEvents(links.events)
         self.give_backs = GiveBacks(self.target, self.probes, self.events)
         self.switcher = Switch(self.target, self.give_backs, self.probes, self.metrics, self.events,
-                               self.reconcile, read_workload)
-        self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=cc_default_mode,
-                          read_labels=read_labels, publish=publish_labels, read_resources=read_resources)
-        self.gpu_labels = GpuLabels(self.target, self.events, node_labels)
+                               self.reconcile, links.read_workload)
+        self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=s.cc_default_mode,
+                          read_labels=links.read_labels, publish=links.publish_labels,
+                          read_resources=links.read_resources)
+        self.gpu_labels = GpuLabels(self.target, self.events, links.node_labels)
         self.gpu_health = GpuHealth(self.target, self.metrics, self.events)
-        self.kata_found = kata_found
-        if kata_found is not None:
-            kata_found.remember(self.target)
+        self.kata_found = s.kata_found
+        if s.kata_found is not None:
+            s.kata_found.remember(self.target)
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
-                                     retry_initial=retry_initial, retry_max=retry_max,
-                                     offer_labels=offer_labels)
+                                     retry_initial=s.retry_initial, retry_max=s.retry_max,
+                                     offer_labels=links.offer_labels)
 
     # -- the work, each piece in its room -----------------------------------------
 
@@ -126,6 +109,23 @@ class Agent:
 
     def sync_cdi(self) -> Report | None:
         return drift.sync_cdi(self.target, self.metrics, self.events)
+
+    # -- what the loop asks (loop.Kept) -------------------------------------------
+
+    def config_dirs(self) -> list[tuple[Path, str]]:
+        return [(d, str(self.target.host.host_path(d))) for d in drift.containerd_dirs(self.target)]
+
+    def tick(self) -> None:
+        self.probes.tick()
+
+    def retry_at(self) -> float | None:
+        return self.reconciler.retry_at
+
+    def retry(self) -> None:
+        self.reconcile(f"retry after a failure (backoff {self.reconciler.retry_delay:g} s)", retry=True)
+
+    def holding(self) -> bool:
+        return bool(self.give_backs.held)
 
     def health(self) -> tuple[bool, str]:
         return self.probes.healthy()

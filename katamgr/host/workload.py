@@ -180,3 +180,9 @@ def resolve_workload(
 def _fall_back(fallback: Callable[[], tuple[Workload, str]], why: str) -> Resolution:
     workload, how = fallback()
     return Resolution(workload, f"{why}; {how}")
+
+
+def by_hand() -> tuple[Workload, str]:
+    """The workload of a node with no cluster to ask: katamgr run by hand, the operator is
+    there to set the node up (a ``resolve_workload`` fallback)."""
+    return Workload.VM_PASSTHROUGH, "katamgr run by hand sets the node up for it"

@@ -35,6 +35,20 @@ class NodeLabels:
     read_fresh: Callable[[], Mapping[str, str]] | None = None
 
 
+def node_labels(api: object, node_name: str, watch=None) -> NodeLabels:
+    """Our Node's labels through the API: read (from ``watch``, a ``NodeLabelWatch``, when
+    there is one) and patched."""
+    from katamgr.cluster import set_node_labels  # the Kubernetes client: only with a cluster
+    from katamgr.node.kube import read_node_labels
+
+    def fresh():
+        return read_node_labels(api, node_name)
+
+    return NodeLabels(watch.labels if watch is not None else fresh,
+                      lambda labels: set_node_labels(api, node_name, labels),
+                      fresh if watch is not None else None)
+
+
 def _decide(wanted: Mapping[str, str], current: Mapping[str, str], owned: Mapping[str, str],
             keys: tuple[str, ...] = gpulabels.RECORDED_KEYS,
             ) -> tuple[dict[str, str | None], dict[str, str], list[str]]:

@@ -24,6 +24,7 @@ from katamgr.node.process import (
     setup_logging,
     stop_on_signals,
 )
+from katamgr.node.simulator import node_extras
 from sandbox_plugin.commands import (
     UsageError,
     add_containerd_argument,
@@ -146,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             host = HostRoot.at(Path(args.host_root), runtime_root=args.runtime_root)
             naming = resource_naming.from_arguments(args, device_selection.from_arguments(args))
-            fabric = fabric_settings(args, host)
+            extras = node_extras(host.root, args.runtime_root)
+            fabric = fabric_settings(args, extras)
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         naming = with_node_kata(naming, host, args.containerd_config)
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         gate = gate_for(host, fabric, discover(host, naming.selection), lambda: FabricGuard(
             host, fabric, given=lambda: None, record=DRA_RECORD))
         try:
-            api = cluster_client(args.host_root)
+            api = cluster_client(extras)
         except NoCluster as exc:
             raise KatamgrError(f"no Kubernetes API to read claims from and publish to ({exc}); run "
                                "in a pod with a service account, or set KUBECONFIG") from None

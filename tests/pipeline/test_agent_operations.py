@@ -11,13 +11,13 @@ import urllib.error
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
+from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, make_host
 from support.kataconfig import kata_manager_yaml, prepare_node
 from support.paths import REPO
 from support.waiting import wait_for
 
-from katamgr.agent import Agent
 from katamgr.agent.events import NodeEvents
 from katamgr.cluster import EventRecorder
 from katamgr.config import parse_config
@@ -64,7 +64,7 @@ def value(samples, name: str, **labels) -> float:
 def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
     host = node(tmp_path)
     # The artifact timer is an hour away: only the retry backoff can bring the pull back.
-    agent = Agent(host, NAMING, Steps(), KataContext(parse_config(LATE)), repull_interval=3600,
+    agent = make_agent(host, NAMING, Steps(), KataContext(parse_config(LATE)), repull_interval=3600,
                   retry_initial=0.1, retry_max=0.4)
     server = agent.serve_metrics("127.0.0.1:0")
     try:
@@ -120,7 +120,7 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
 
 def test_healthz_fails_when_the_loop_stops_ticking(tmp_path):
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)])
-    agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05)
+    agent = make_agent(host, NAMING, Steps(kata=False), None, check_interval=0.05)
     agent.reconcile("start")
     with agent.serve_metrics("127.0.0.1:0") as server:
         assert get(server.port, "/healthz")[0] == 200
@@ -135,7 +135,7 @@ def test_events_on_the_node_for_changes_and_failures_deduplicated(tmp_path):
     with FakeApiServer() as api:
         api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
         recorder = EventRecorder(api.client(), "gpu-node-1", window=600)
-        agent = Agent(host, NAMING, Steps(), KataContext(parse_config(LATE)), events=recorder,
+        agent = make_agent(host, NAMING, Steps(), KataContext(parse_config(LATE)), events=recorder,
                       retry_initial=0.01, retry_max=0.01)
         for _ in range(3):  # the same failure three times: one Event
             assert agent.reconcile("start").partly
@@ -176,7 +176,7 @@ def test_the_node_is_told_what_becomes_of_its_nvswitches(tmp_path):
         naming = Naming(PciIds.find(), selection=Selection(nvswitches=mode, kata=parse_release("3.25.0")))
         with FakeApiServer() as api:
             api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "dgx-1"}})
-            agent = Agent(host, naming, Steps(kata=False), None,
+            agent = make_agent(host, naming, Steps(kata=False), None,
                           events=EventRecorder(api.client(), "dgx-1", window=600))
             assert agent.reconcile("start").ok
             events = {e["reason"]: e for e in (api.get("events", n, "default") for n in api.names("events"))}
@@ -265,7 +265,7 @@ def test_the_node_is_told_when_neither_nvlink_model_holds(tmp_path):
     for address, model, warned in ((socket, SHARED, False), ("/run/no-fm.sock", "none", True)):
         with FakeApiServer() as api:
             api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "dgx-1"}})
-            agent = Agent(host, naming, Steps(kata=False), None,
+            agent = make_agent(host, naming, Steps(kata=False), None,
                           events=EventRecorder(api.client(), "dgx-1", window=600),
                           fabric=FabricSettings(address=address, library=library, gpu_module_ids=modules))
             assert agent.reconcile("start").ok

@@ -12,9 +12,9 @@ import json
 import threading
 import time
 
+from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 
-from katamgr.agent import Agent
 from katamgr.agent.following import node_follower
 from katamgr.cluster import EventRecorder, set_node_labels
 from katamgr.cluster.runtimeclasses import desired_runtime_classes
@@ -168,7 +168,7 @@ def test_the_agent_follows_the_label_publishes_state_and_waits_for_held_gpus(tmp
         followed = node_follower(client, NODE, workload="auto", default_workload="container",
                                  fallback=lambda: (Workload.VM_PASSTHROUGH, "by hand"))
         read, watch = followed.read, followed.watch.start()
-        agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
+        agent = make_agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
                       events=EventRecorder(client, NODE), read_workload=read, node_watch=watch,
                       cc_default_mode=CcMode.OFF, read_labels=watch.labels,
                       publish_labels=lambda labels: set_node_labels(client, NODE, labels))
@@ -273,7 +273,7 @@ def test_cc_ready_waits_until_the_kubelet_advertises_the_gpus_again(tmp_path):
         published.append(dict(change))
         labels.update(change)
 
-    agent = Agent(host, NAMING, Steps(kata=False), None, cc_default_mode=CcMode.OFF,
+    agent = make_agent(host, NAMING, Steps(kata=False), None, cc_default_mode=CcMode.OFF,
                   read_labels=lambda: labels, publish_labels=publish,
                   read_resources=lambda: (status["capacity"], status["allocatable"]))
     assert agent.follow_cc() is True
@@ -305,7 +305,7 @@ def test_cc_ready_waits_for_the_kubelets_own_view_when_the_node_status_is_behind
         [], {gpu: [ListedDevice(bdf, health[bdf]) for bdf in GPUS]}))
     server.start()
     try:
-        agent = Agent(host, NAMING, Steps(kata=False), None, cc_default_mode=CcMode.OFF,
+        agent = make_agent(host, NAMING, Steps(kata=False), None, cc_default_mode=CcMode.OFF,
                       read_labels=lambda: labels, publish_labels=labels.update,
                       read_resources=lambda: (status["capacity"], status["allocatable"]))
         assert agent.follow_cc() is True

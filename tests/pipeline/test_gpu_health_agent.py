@@ -9,9 +9,9 @@ simulator with its PodResources service, and the API stand-in for the Events.
 from __future__ import annotations
 
 import pytest
+from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 
-from katamgr.agent import Agent
 from katamgr.cluster import EventRecorder
 from katamgr.host import handback
 from katamgr.host.naming import Naming
@@ -40,7 +40,7 @@ def node(tmp_path_factory):
     kubelet.start()
     with FakeApiServer() as api:
         api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-node-1"}})
-        agent = Agent(host, NAMING, Steps(kata=False, cdi=False), None,
+        agent = make_agent(host, NAMING, Steps(kata=False, cdi=False), None,
                       events=EventRecorder(api.client(), "gpu-node-1", window=600))
         assert agent.reconcile("start").ok
         plugin = PluginManager(host, Mode.VM_PASSTHROUGH, naming=NAMING, health_interval=0.05)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 
 from katamgr import cli
-from katamgr.agent import Agent
 from katamgr.cluster import EventRecorder
+from katamgr.commands import setup as cli_setup
 from katamgr.host import gpulabels as facts
 from katamgr.host.gpulabels import CC_CAPABLE, COUNT, FAMILY, KEYS, MEMORY, PRODUCT
 from katamgr.host.inventory import discover
@@ -39,7 +40,7 @@ def _patches(api) -> int:
 
 
 def _node_labels(client) -> gpulabels.NodeLabels:
-    return cli._node_labels(client, NODE)
+    return cli_setup.node_labels(client, NODE)
 
 
 def _events(api, reason):
@@ -105,7 +106,7 @@ def test_the_agent_publishes_records_an_event_and_reverts_on_exit(tmp_path):
     with FakeApiServer() as api:
         _node(api, {PRODUCT: "something-else"})
         client = api.client()
-        agent = Agent(host, NAMING, Steps(kata=False), None, events=EventRecorder(client, NODE),
+        agent = make_agent(host, NAMING, Steps(kata=False), None, events=EventRecorder(client, NODE),
                       revert_on_exit=True, node_labels=_node_labels(client))
         assert agent.run(once=True) == 0
         assert {k: _labels(api).get(k) for k in KEYS} == {**DGX, PRODUCT: "something-else"}
@@ -135,7 +136,7 @@ def test_a_revert_that_cannot_reach_the_node_warns_and_keeps_the_record(tmp_path
 
 def test_without_a_node_the_agent_publishes_nothing(tmp_path):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
-    agent = Agent(host, NAMING, Steps(kata=False), None)
+    agent = make_agent(host, NAMING, Steps(kata=False), None)
     assert agent.run(once=True) == 0
     assert facts.recorded(host) == {}
 

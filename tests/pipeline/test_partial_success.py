@@ -18,13 +18,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, make_host
 from support.kataconfig import kata_manager_yaml, prepare_node
 
-from katamgr.agent import Agent
-from katamgr.cli import _node_labels
 from katamgr.cluster import desired_runtime_classes
+from katamgr.commands.setup import node_labels as _node_labels
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
@@ -61,7 +61,7 @@ def test_the_agent_offers_the_classes_it_installed_and_retries_the_one_that_fail
     with FakeApiServer() as api:
         api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {"keep": "me"}}})
         ctx = KataContext(parse_config(BROKEN), manage_runtime_classes=False)
-        agent = Agent(host, NAMING, Steps(), ctx, retry_initial=0.01, retry_max=0.01,
+        agent = make_agent(host, NAMING, Steps(), ctx, retry_initial=0.01, retry_max=0.01,
                       offer_labels=_node_labels(api.client(), NODE))
         first = agent.reconcile("start")
         assert first.partly and list(first.classes_failed) == [GPU_SNP]
@@ -136,7 +136,7 @@ def test_a_node_installed_from_the_mixed_cluster_example_gets_its_gpus_and_the_o
         api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
         ctx = KataContext(parse_config(yaml.safe_dump(config)), api.client(), "kata-sandbox-manager",
                           manage_runtime_classes=False)
-        agent = Agent(host, NAMING, Steps(), ctx, offer_labels=_node_labels(api.client(), NODE))
+        agent = make_agent(host, NAMING, Steps(), ctx, offer_labels=_node_labels(api.client(), NODE))
         report = agent.reconcile("start")
         assert report.failures == [] and list(report.classes_failed) == [GPU_SNP]
         assert "pull secret kata-sandbox-manager/registry-mirror does not exist" in report.classes_failed[GPU_SNP]

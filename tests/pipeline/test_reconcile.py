@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, make_host
 from support.kataconfig import kata_manager_yaml, prepare_node
 from support.paths import REPO, require_binary
 
-from katamgr.agent import Agent
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
@@ -231,7 +231,7 @@ def test_workload_container_binds_nothing(tmp_path):
 def test_agent_reapplies_when_someone_drops_our_entries(tmp_path, containerd_proc):
     host = node(tmp_path, containerd_proc)
     ctx = KataContext(parse_config(CONFIG))
-    agent = Agent(host, NAMING, Steps(), ctx, repull_interval=3600)
+    agent = make_agent(host, NAMING, Steps(), ctx, repull_interval=3600)
     agent.reconcile("start")
     thread = threading.Thread(target=agent.loop, daemon=True)
     thread.start()
@@ -261,7 +261,7 @@ def test_agent_keeps_the_cdi_specs_in_step_with_rebinds_and_hotplug(tmp_path):
     from nodesim import kernel
 
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
-    agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.1)
+    agent = make_agent(host, NAMING, Steps(kata=False), None, check_interval=0.1)
     agent.reconcile("start")
     spec = host.path("/var/run/cdi/nvidia.com-GA102GL_A10.yaml")
     assert [d.name for d in cdi.read_spec(spec).devices] == ["0000:01:00.0", "0000:02:00.0"]
@@ -362,7 +362,7 @@ def test_agent_carries_an_edit_into_its_drop_in(tmp_path):
     main.write_text('imports = ["/etc/containerd/conf.d/*.toml"]\n' + ORIGINAL)
     host.path("/etc/containerd/conf.d").mkdir()
     ctx = KataContext(parse_config(CONFIG.replace("signal", "none")))
-    agent = Agent(host, NAMING, Steps(), ctx)
+    agent = make_agent(host, NAMING, Steps(), ctx)
     agent.reconcile("start")
     drop_in = next(host.path("/etc/containerd/conf.d").glob("*.toml"))
     assert 'default_runtime_name = "nvidia"' in drop_in.read_text()

@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, driver_of, make_host
 from support.paths import REPO
@@ -95,7 +96,7 @@ def followed_node(host, steps: Steps, *, ctx=None, label: str = "vm-passthrough"
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: label}}})
         read, watch = follower(api)
-        agent = Agent(host, NAMING, steps, ctx, check_interval=check_interval,
+        agent = make_agent(host, NAMING, steps, ctx, check_interval=check_interval,
                       events=EventRecorder(api.client(), NODE) if events else None,
                       read_workload=read, node_watch=watch)
         yield api, agent, watch
@@ -202,7 +203,7 @@ def test_a_bad_label_value_keeps_the_workload_and_is_logged_once(tmp_path, caplo
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
         read, watch = follower(api)
-        agent = Agent(host, NAMING, Steps(kata=False), None, read_workload=read, node_watch=watch,
+        agent = make_agent(host, NAMING, Steps(kata=False), None, read_workload=read, node_watch=watch,
                       events=EventRecorder(api.client(), NODE))
         assert agent.reconcile("start").ok
         relabel(api, "vm-typo")
@@ -268,7 +269,7 @@ def test_a_relabel_is_acted_on_within_seconds_with_a_long_check_interval(tmp_pat
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
         read, watch = follower(api)
         # An hour between checks: only the watch can bring the relabel in time.
-        agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=3600, repull_interval=7200,
+        agent = make_agent(host, NAMING, Steps(kata=False), None, check_interval=3600, repull_interval=7200,
                       read_workload=read, node_watch=watch)
         assert agent.reconcile("start").ok and driver_of(host, FREE) == "vfio-pci"
         thread = run_loop(agent)
@@ -532,7 +533,7 @@ def test_a_gpu_busy_at_the_switch_to_passthrough_is_bound_once_its_process_lets_
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "container"}}})
         read, watch = follower(api)
-        agent = Agent(host, NAMING, Steps(kata=False, workload=Workload.CONTAINER), None, check_interval=0.05,
+        agent = make_agent(host, NAMING, Steps(kata=False, workload=Workload.CONTAINER), None, check_interval=0.05,
                       repull_interval=3600, read_workload=read, node_watch=watch)
         thread = run_loop(agent)
         try:
@@ -554,7 +555,7 @@ def agent_at_start(api, host, steps: Steps, ctx=None, **kw) -> tuple[Agent, obje
     the workload and opt-outs resolved from the labels at start, as cmd_run does."""
     read, watch = follower(api)
     now = read()
-    agent = Agent(host, NAMING, replace(steps, workload=now.workload), ctx, check_interval=0.05,
+    agent = make_agent(host, NAMING, replace(steps, workload=now.workload), ctx, check_interval=0.05,
                   events=EventRecorder(api.client(), NODE), read_workload=read, node_watch=watch,
                   opted_out=now.opted_out, **kw)
     return agent, watch
@@ -668,7 +669,7 @@ def test_a_switch_and_a_give_back_keep_the_agent_healthy_however_long(tmp_path, 
     from katamgr.agent import giveback, health
 
     host = make_host(tmp_path, [dev(HELD, GPU_A10, "nvidia", 4), dev(FREE, GPU_A10, "nvidia", 5)])
-    agent = Agent(host, NAMING, Steps(kata=False), None, check_interval=0.05)
+    agent = make_agent(host, NAMING, Steps(kata=False), None, check_interval=0.05)
     assert agent.reconcile("start").ok
     seen: list[tuple[bool, str]] = []
     real = giveback.leave_passthrough

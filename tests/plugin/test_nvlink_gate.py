@@ -24,6 +24,7 @@ from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming, resource_name
 from katamgr.host.pciids import PciIds
 from katamgr.node import nvlinkfabric as nf
+from katamgr.node.simulator import node_extras
 from katamgr.pipeline import nvlinkfabric as plan_section
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
@@ -83,22 +84,27 @@ def test_no_gpu_is_advertised_until_fabric_manager_answers(board, caplog):
         manager.stop()
 
 
+def _gate(args, host, naming):
+    """The plugin command's gate, as its main() makes it: with what the node brings."""
+    return _fabric_gate(args, host, naming, node_extras(host.root))
+
+
 def test_the_plugin_command_decides_as_plan_and_off_opts_out(board):
     host, _, naming, settings = board
     args = parse_args(["--fabric-manager-address", settings.address, "--fabric-manager-library",
                        settings.library, "--gpu-module-ids", settings.gpu_module_ids])
-    answering = _fabric_gate(args, host, naming)
+    answering = _gate(args, host, naming)
     assert answering.withheld is None and answering.guard is not None
     fmsim.stop(host.root)
-    withheld = _fabric_gate(args, host, naming)
+    withheld = _gate(args, host, naming)
     assert NEITHER in withheld.withheld and withheld.guard is None
     # The same sentence katamgr plan lists as its problem.
     plan = build_plan(host, naming)
     plan_section.add_section(host, plan, settings)
     assert withheld.withheld in plan.problems
     # Asked for, the Shared model holds (Allocate says why while FM does not answer).
-    assert _fabric_gate(parse_args(["--nvlink-fabric", "sharedNvswitch"]), host, naming).withheld is None
-    assert _fabric_gate(parse_args(["--nvlink-fabric", "off"]), host, naming) is None
+    assert _gate(parse_args(["--nvlink-fabric", "sharedNvswitch"]), host, naming).withheld is None
+    assert _gate(parse_args(["--nvlink-fabric", "off"]), host, naming) is None
 
 
 def test_the_dra_driver_publishes_no_gpu_of_the_board_until_fm_answers(monkeypatch):

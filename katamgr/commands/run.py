@@ -1,0 +1,87 @@
+"""``katamgr run``: the node agent, and its --plan-only form."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import replace
+
+from katamgr.commands.setup import (
+    NodeSetup,
+    by_hand,
+    config_from,
+    fabric_settings,
+    host_from,
+    naming_from,
+    node_kata_inputs,
+    node_setup,
+    with_node_kata,
+)
+from katamgr.errors import ConfigError
+from katamgr.host import cc
+from katamgr.host.naming import Naming
+from katamgr.host.root import HostRoot
+from katamgr.pipeline.reconcile import full_plan
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from katamgr.agent.build import build
+    from katamgr.agent.katafound import KataFound
+    from katamgr.agent.settings import AgentSettings
+
+    # A daemon's log is its only voice: say what changed even without -v.
+    logging.getLogger().setLevel(logging.INFO)
+    if args.plan_only and (args.revert_on_exit or args.cc_manager):
+        raise ConfigError(f"--plan-only changes nothing, so it cannot be given with "
+                          f"{'--revert-on-exit' if args.revert_on_exit else '--cc-manager'}")
+    config = config_from(args)
+    naming = naming_from(args, config)
+    if args.metrics_address:
+        from katamgr.node.metrics_server import parse_address
+
+        try:
+            parse_address(args.metrics_address)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    with host_from(args) as (host, extras):
+        given = naming
+        naming = with_node_kata(naming, host, config)
+        setup = node_setup(args, host, config, extras=extras)
+        if args.plan_only:
+            return _run_plan_only(args, host, naming, setup)
+        settings = AgentSettings(
+            host, naming, setup.steps, setup.ctx, setup.opted_out, force=args.force, wait=args.device_wait,
+            lock_wait=args.wait, repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
+            metrics_address=args.metrics_address, fabric=fabric_settings(args, config, extras),
+            kata_found=KataFound(given.selection, *node_kata_inputs(config)),
+            cc_default_mode=cc.CcMode(args.cc_default_mode) if args.cc_manager else None,
+            node_name=args.node_name, workload=args.workload, default_workload=args.default_workload,
+            follow=not args.once, gpu_labels=not args.no_gpu_labels)
+        agent = build(settings, setup.api)
+        return agent.run(once=args.once)
+
+
+def _run_plan_only(args: argparse.Namespace, host: HostRoot, naming: Naming, setup: NodeSetup) -> int:
+    """``katamgr run --plan-only``: the plan, kept up to date and published, never carried out.
+    The Node's labels are only read (by the watch when it follows them)."""
+    from katamgr.agent.following import node_follower
+    from katamgr.agent.planonly import PlanOnlyAgent
+
+    follower = None if args.once else node_follower(
+        setup.api, args.node_name, workload=args.workload,
+        default_workload=args.default_workload, fallback=by_hand)
+    watch = follower.watch.start() if follower else None
+
+    def make_plan():
+        steps, out, why = setup.steps, setup.opted_out, setup.workload_why
+        if follower is not None:
+            resolved = follower.read()
+            steps, out, why = replace(steps, workload=resolved.workload), resolved.opted_out, resolved.why
+        return full_plan(host, naming, steps.without(out), setup.ctx, force=args.force, workload_why=why,
+                         gpu_labels=not args.no_gpu_labels)
+
+    try:
+        return PlanOnlyAgent(make_plan, metrics_address=args.metrics_address).run(once=args.once)
+    finally:
+        if watch is not None:
+            watch.stop()
