@@ -39,6 +39,7 @@ from support.nodekit import (
     GPU_RESOURCE,
     IMAGE,
     KATA_CLASS,
+    NVSWITCH_RESOURCE,
     is_ready,
     metric,
     restart_count,
@@ -67,8 +68,10 @@ def fm_values(root: Path) -> dict:
     assert found is not None, f"the simulated node at {root} runs no Fabric Manager (is gcc installed?)"
     _, socket, modules = found
     values = yaml.safe_load(NODE_VALUES.read_text())
-    values["devices"] = {**values["devices"], "nvlinkFabric": "sharedNvswitch", "fabricManager": {
-        "address": socket, "library": fmsim.LIBRARY, "gpuModuleIds": modules}}
+    # The NVSwitches are FM's in this model (§7): not offered to pods (local-node.yaml passes
+    # them through for the suite's NVSwitch test; auto keeps them from pods under its Kata 3.29).
+    values["devices"] = {**values["devices"], "nvswitches": "auto", "nvlinkFabric": "sharedNvswitch",
+                         "fabricManager": {"address": socket, "library": fmsim.LIBRARY, "gpuModuleIds": modules}}
     return values
 
 
@@ -131,6 +134,7 @@ def fabric(node, tmp_path_factory):
             wait_for(lambda: not fm.active(), "every partition deactivated", 30, every=0.5)
         finally:
             switch_chart(node, yaml.safe_load(NODE_VALUES.read_text()), tmp_path_factory)
+            node.wait_resource(NVSWITCH_RESOURCE, 4, timeout=90)
 
 
 @pytest.fixture
@@ -193,6 +197,8 @@ def test_the_agent_and_the_plugin_reach_fm_from_their_pod(node, fabric):
     assert metric(node.scrape(agent, PLUGIN_PORT), "sandbox_device_plugin_nvlink_fabric_model",
                   model="sharedNvswitch") == 1
     assert node.events("NVLinkFabricUnavailable") == []
+    # The NVSwitches stay with FM: the plugin offers none of them.
+    wait_for(lambda: node.resources().get(NVSWITCH_RESOURCE, "0") == "0", "no NVSwitch offered", 60, every=1)
 
 
 @pytest.mark.parametrize("size", [1, 2, 4, 8])
