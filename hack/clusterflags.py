@@ -21,6 +21,11 @@ def processes(d: Path, bin_dir: Path, ports: dict[str, int], node_ip: str = "",
             python = os.path.realpath(REPO / ".venv" / "bin" / "python")
             procs["udev"] = Process("udev", [python, "-m", "nodesim.udev", str(host_root)],
                                     str(d / "logs" / "udev.log"))
+            # Its Fabric Manager's socket (nodesim.fabricmanager.daemon), which a pod given FM's
+            # directory read-only (the chart's mount) reaches as it would reach FM's.
+            procs["fabricmanager"] = Process(
+                "fabricmanager", [python, "-m", "nodesim.fabricmanager.daemon", str(host_root)],
+                str(d / "logs" / "fabricmanager.log"))
         procs.update(localnode.node_processes(d, bin_dir, ports, node_ip, host_root, Process))
     return procs
 

@@ -78,6 +78,9 @@ def readiness(state: State, name: str):
     if name == "udev":
         log = Path(state.processes[name].log)
         return lambda: (log.exists() and "keeping" in log.read_text(), "no line yet"), "running"
+    if name == "fabricmanager":
+        log = Path(state.processes[name].log)
+        return lambda: (log.exists() and "serving" in log.read_text(), "no line yet"), "running"
     return lambda: https_get(port, "/healthz"), "healthy"
 
 

@@ -15,6 +15,9 @@ from pathlib import Path
 import localnode
 
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+# The simulated host's own services, run on the machine beside its node: its udev
+# (nodesim.udev) and its Fabric Manager's socket (nodesim.fabricmanager.daemon).
+HOST_COMPONENTS = ("udev", "fabricmanager")
 SERVICE_CIDR = "10.0.0.0/24"
 SERVICE_IP = "10.0.0.1"  # the first address of SERVICE_CIDR: the `kubernetes` Service
 ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -52,7 +55,7 @@ class State:
     def components(self) -> tuple[str, ...]:
         if not self.node_ip:
             return COMPONENTS
-        return COMPONENTS + (("udev",) if self.host_root else ()) + localnode.NODE_COMPONENTS
+        return COMPONENTS + (HOST_COMPONENTS if self.host_root else ()) + localnode.NODE_COMPONENTS
 
     @property
     def path(self) -> Path:

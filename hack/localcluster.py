@@ -44,7 +44,7 @@ import nodeconfig  # noqa: E402
 from clusterflags import processes  # noqa: E402
 from clusterpki import kubeconfig, make_pki  # noqa: E402
 from clusterready import readiness, wait_node_ready, wait_ready  # noqa: E402
-from clusterstate import COMPONENTS, Refused, State, alive, free_port, start, stop  # noqa: E402
+from clusterstate import COMPONENTS, HOST_COMPONENTS, Refused, State, alive, free_port, start, stop  # noqa: E402
 
 REPO = HERE.parent
 IMAGE_BUILD = HERE / "image" / "build"
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     for command in ("stop", "start", "restart"):
         p = sub.add_parser(command)
         p.add_argument("dir", type=Path)
-        p.add_argument("component", choices=COMPONENTS + ("udev",) + localnode.NODE_COMPONENTS)
+        p.add_argument("component", choices=COMPONENTS + HOST_COMPONENTS + localnode.NODE_COMPONENTS)
     args = parser.parse_args(argv)
     d = args.dir.resolve()
     try:

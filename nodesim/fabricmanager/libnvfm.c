@@ -6,7 +6,10 @@
  * connects sees the same partitions. Here the "daemon" is a state file beside the socket
  * path (<socket>.state; NVFM_STANDIN_STATE names it for a TCP address) that every call reads
  * and writes under flock(2), so the device plugin, katamgr and the tests share one fabric.
- * The socket path existing is FM running.
+ * The socket path existing is FM running. Where it is a listening socket (the simulated node's
+ * FM daemon, nodesim.fabricmanager.daemon) every call connects to it and is handed the state
+ * file's descriptor (SCM_RIGHTS): a process that sees FM's directory read-only, as a pod does
+ * through the chart's mount, reaches FM through its socket alone, as it reaches the real one.
  *
  * The partition tables are the guide's "GPU Partitions" chapter (default Shared NVSwitch
  * partitions): HGX H100 8-GPU (also H200, H800, H20) and HGX A100 8-GPU (one baseboard strapped
@@ -22,6 +25,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -133,10 +139,44 @@ static void write_state(FILE *f, const State *s) {
     fflush(f);
 }
 
+static int is_listening_socket(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISSOCK(st.st_mode);
+}
+
+/* The state's descriptor from the FM daemon at ``path`` (SCM_RIGHTS), or -1. */
+static int state_from_daemon(const char *path) {
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof addr.sun_path) return -1;
+    strcpy(addr.sun_path, path);
+    int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (sock < 0) return -1;
+    struct timeval tv = {5, 0};  /* bounded, as FM's own calls are */
+    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    int fd = -1;
+    char byte;
+    union { struct cmsghdr h; char buf[CMSG_SPACE(sizeof(int))]; } control;
+    struct iovec iov = {&byte, 1};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    if (connect(sock, (struct sockaddr *)&addr, sizeof addr) == 0 && recvmsg(sock, &msg, 0) > 0) {
+        struct cmsghdr *h = CMSG_FIRSTHDR(&msg);
+        if (h && h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_RIGHTS) memcpy(&fd, CMSG_DATA(h), sizeof fd);
+    }
+    close(sock);
+    return fd;
+}
+
 /* Opens FM's state under an exclusive lock: FM answers one request at a time. */
 static fmReturn_t open_fm(const Conn *c, FILE **f, State *s) {
     if (c->unix_socket && access(c->socket, F_OK) != 0) return FM_ST_CONNECTION_NOT_VALID;
-    *f = fopen(c->state, "r+");
+    if (c->unix_socket && !getenv("NVFM_STANDIN_STATE") && is_listening_socket(c->socket)) {
+        int fd = state_from_daemon(c->socket);
+        *f = fd < 0 ? NULL : fdopen(fd, "r+");
+        if (!*f && fd >= 0) close(fd);
+    } else {
+        *f = fopen(c->state, "r+");
+    }
     if (!*f) return FM_ST_CONNECTION_NOT_VALID;
     flock(fileno(*f), LOCK_EX);
     read_state(*f, s);
@@ -180,7 +220,8 @@ fmReturn_t fmConnect(void *params, fmHandle_t *handle) {
     const char *env = getenv("NVFM_STANDIN_STATE");
     if (env && *env) snprintf(c->state, sizeof c->state, "%s", env);
     else if (c->unix_socket) snprintf(c->state, sizeof c->state, "%s.state", c->socket);
-    if (!c->state[0] || access(c->state, F_OK) != 0 || (c->unix_socket && access(c->socket, F_OK) != 0)) {
+    int daemon = c->unix_socket && !(env && *env) && is_listening_socket(c->socket);
+    if (!c->state[0] || (!daemon && access(c->state, F_OK) != 0) || (c->unix_socket && access(c->socket, F_OK) != 0)) {
         free(c);
         return FM_ST_CONNECTION_NOT_VALID;
     }

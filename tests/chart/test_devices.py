@@ -82,6 +82,16 @@ def test_the_nvlink_fabric_reaches_katamgr_the_device_plugin_and_the_dra_driver(
     assert mounts["/host/usr/lib/x86_64-linux-gnu"] == ("/usr/lib/x86_64-linux-gnu", True)
     assert not [m for m in host_mounts(render(chart, FULL), "-sandbox-agent", "sandbox-device-plugin")
                 if "fabricmanager" in m or m == "/host/var/lib/kata-sandbox-manager"]  # handback/ stays
+    # katamgr's plan asks FM too (the model, the partitions, the Event where neither model
+    # holds): read-only, its own state dir mounted as before. (Without these the agent finds no
+    # FM and warns NVLinkFabricUnavailable on a node whose plugin uses it: tests/node/test_node_nvlink.py.)
+    agent_mounts = host_mounts(rendered, "-sandbox-agent", "kata-manager")
+    assert agent_mounts["/host/run/nvidia-fabricmanager"] == ("/run/nvidia-fabricmanager", True)
+    assert agent_mounts["/host/usr/lib/x86_64-linux-gnu"] == ("/usr/lib/x86_64-linux-gnu", True)
+    assert agent_mounts["/host/var/lib/kata-sandbox-manager"] == ("/var/lib/kata-sandbox-manager", False)
+    agent_only = render(chart, merged(values, {"sandboxDevicePlugin": {"enabled": False}}))
+    assert host_mounts(agent_only, "-sandbox-agent", "kata-manager")["/host/run/nvidia-fabricmanager"] \
+        == ("/run/nvidia-fabricmanager", True)
 
 
 def nvswitch_flags(args: list[str]) -> list[str]:

@@ -3,6 +3,10 @@ compiled by the machine's gcc) and its state, under a temporary root."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from nodesim import fabricmanager as fmsim
@@ -42,3 +46,13 @@ def h100_fm(tmp_path) -> FmNode:
 @pytest.fixture
 def a100_fm(tmp_path) -> FmNode:
     return FmNode(tmp_path, fmsim.FabricManagerSpec("hgx-a100", "shared", H100_MODULES))
+
+
+@pytest.fixture
+def short_fm():
+    """FM under a short root: a unix socket's path holds 107 bytes, pytest's tmp_path is long."""
+    root = Path(tempfile.mkdtemp(prefix="fm-", dir="/tmp"))
+    try:
+        yield FmNode(root, fmsim.FabricManagerSpec("hgx-h100", "shared", H100_MODULES))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

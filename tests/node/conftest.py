@@ -28,6 +28,7 @@ from support.nodekit import WORKLOAD, Node, started_processes
 from support.paths import REQUIRE_INTEGRATION
 
 _timing: dict[str, float] = {"tests": 0.0}
+_figures: list[str] = []  # lines the modules measured (issue figures), printed, never asserted
 
 
 def pytest_collection_modifyitems(items):
@@ -91,6 +92,12 @@ def _start_time(pid: int) -> str:
         return ""
 
 
+@pytest.fixture(scope="session")
+def node_figures() -> list[str]:
+    """Lines for the terminal summary: a figure a test measured on the real node."""
+    return _figures
+
+
 def pytest_runtest_logreport(report) -> None:
     if "/node/" in "/" + report.nodeid:
         _timing["tests"] += report.duration
@@ -101,3 +108,5 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(
             f"node suite: {_timing['tests']:.0f} s "
             f"(hack/local-cluster up --node {_timing['start']:.1f} s)")
+    for line in _figures:
+        terminalreporter.write_line(line)

@@ -968,6 +968,14 @@ layoutDirs).
 - name: cdi
   mountPath: {{ include "ksm.inHost" "/var/run/cdi" }}
 {{- end }}
+{{- /* The plan's NVLink fabric section asks FM (read-only; the state dir is mounted above). */}}
+{{- range $i, $dir := include "ksm.fabricDirs" . | fromJsonArray }}
+{{- if ne $dir "/var/lib/kata-sandbox-manager" }}
+- name: fabric-{{ $i }}
+  mountPath: {{ include "ksm.inHost" $dir }}
+  readOnly: true
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* Where the node's Kata is found (katamgr.host.katadetect): containerd's config dir and
