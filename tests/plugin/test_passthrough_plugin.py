@@ -27,9 +27,10 @@ from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from nodesim.kernel import handle_write
 from nodesim.profile import parse_profile
+from sandbox_plugin.discovery import PassthroughDiscovery
 from sandbox_plugin.manager import Mode, PluginManager
-from sandbox_plugin.passthrough import PassthroughDiscovery, env_name
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY, AllocationError, UnknownDeviceError
+from sandbox_plugin.units import env_name
 
 PCI_IDS = PciIds.find()
 # The NVSwitches opted in (--nvswitches yes), so that the dgx-h100 node serves two resources;
