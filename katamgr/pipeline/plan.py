@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from katamgr.host import cc, kata, pcihealth, vfio, vfiogroups
+from katamgr.host import cc, kata, pcihealth, vfio, vfiodecide, vfiogroups
 from katamgr.host.inventory import Inventory, Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import unit_head
@@ -107,7 +107,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
     """The plan; with ``cc_modes`` each NVIDIA GPU's and NVSwitch's CC mode is read with
     NVIDIA's tool (never from a device a VM or process holds)."""
     inv = discover(host, naming.selection)
-    decisions = vfiogroups.decide(host, inv, force=force)
+    decisions = vfiodecide.decide(host, inv, force=force)
     module = vfiogroups.vfio_module(host)
     devices: list[DevicePlan] = []
     resources: Counter[str] = Counter()

@@ -19,13 +19,10 @@ import katamgr.runtime.containerd as containerd_module
 from katamgr.errors import ConfigError
 from katamgr.host import root as root_module
 from katamgr.host.root import HostRoot
-from katamgr.runtime.containerd import (
-    KataRuntime,
-    check_entries,
-    configure_containerd,
-    revert_containerd,
-)
+from katamgr.runtime.containerd import configure_containerd
+from katamgr.runtime.containerd_files import KataRuntime
 from katamgr.runtime.containerd_imports import DROP_IN_NAME
+from katamgr.runtime.containerd_revert import check_entries, revert_containerd
 from katamgr.runtime.reload import CommandResult, reload_containerd
 
 CONFIG = "/etc/containerd/config.toml"
