@@ -39,7 +39,9 @@ from sandbox_plugin.resources import (
     Resource,
     UnknownDeviceError,
 )
-from sandbox_plugin.units import PassthroughUnit, env_name
+
+# PASSTHROUGH, scan_units: importers from before sandbox_plugin.units (other branches) still find them here.
+from sandbox_plugin.units import PASSTHROUGH, PassthroughUnit, env_name, scan_units  # noqa: F401
 
 log = logging.getLogger(__name__)
 

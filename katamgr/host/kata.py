@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from katamgr.host.katarelease import UNKNOWN, KataRelease
+# parse_release: importers from before the release had its own module (other branches of issue 36).
+from katamgr.host.katarelease import UNKNOWN, KataRelease, parse_release  # noqa: F401
 from katamgr.host.pci import Device
 
 if TYPE_CHECKING:  # the inventory's selection asks this module about releases

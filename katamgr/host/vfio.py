@@ -28,9 +28,18 @@ from katamgr.host.pci import VFIO_DRIVER, Device, is_vfio_driver
 from katamgr.host.root import HostRoot
 from katamgr.host.variants import VfioDriver
 
-# Action and SkipReason: katamgr.agent still imports them from here (its modules are another
-# branch's); the core's move (issue 36) points them at vfiogroups.
-from katamgr.host.vfiogroups import Action, GroupDecision, SkipReason, in_use  # noqa: F401
+# Action, SkipReason, VfioModule, vfio_module, users_visible, blocks_group: importers from before
+# vfiogroups had them (katamgr.agent, other branches of issue 36) still find them here.
+from katamgr.host.vfiogroups import (  # noqa: F401
+    Action,
+    GroupDecision,
+    SkipReason,
+    VfioModule,
+    blocks_group,
+    in_use,
+    users_visible,
+    vfio_module,
+)
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,9 @@ from katamgr.runtime.containerd_imports import (
     effective_plugin_section,
     read_toml,
 )
-from katamgr.runtime.containerd_revert import revert_containerd, undo
+
+# check_entries: importers from before containerd_revert still find it here.
+from katamgr.runtime.containerd_revert import check_entries, revert_containerd, undo  # noqa: F401
 from katamgr.runtime.containerd_schema import (
     CDI_SPEC_DIRS,
     Layout,
