@@ -1,7 +1,7 @@
 """The simulated node's GPUs as NVIDIA's gpu-admin-tools sees them: ``EmulatedGpuAdmin``.
 
 A simulated Hopper GPU (a profile device with ``cc_mode``; an NVSwitch or GPU with
-``ppcie_mode``) keeps its modes in the emulated kernel's settings (``kernel.MARKER``, key
+``ppcie_mode``) keeps its modes in the emulated kernel's settings (``nodesim.marker.MARKER``, key
 ``cc``), mirrored into the BAR0 registers the real tool reads (``gpuregs``). As on a GPU, a
 mode is first staged and takes effect only at the device's reset, which the emulated
 kernel carries out on a write to its ``reset`` file; the mode is then read back from what
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from katamgr.host.cc import CcMode, Reading
+from katamgr.host.ccmodes import CcMode, Reading
 from katamgr.host.errors import HostError
 from katamgr.host.root import HostRoot
 from nodesim import gpuregs
-from nodesim.kernel import current_driver, marker, save_marker
+from nodesim.marker import current_driver, marker, save_marker
 
 
 def _state(host: HostRoot, bdf: str) -> dict | None:
@@ -47,7 +47,7 @@ def on_reset(host: HostRoot, bdf: str) -> None:
 
 @dataclass(frozen=True)
 class EmulatedGpuAdmin:
-    """``katamgr.host.cc.GpuAdmin`` on a simulated node."""
+    """``katamgr.host.ccmodes.GpuAdmin`` on a simulated node."""
 
     def query(self, host: HostRoot, bdf: str) -> Reading:
         if not host.path(f"/sys/bus/pci/devices/{bdf}").exists():

@@ -10,12 +10,11 @@ It implements ``katamgr.host.kernel.Kernel``; ``nodesim.materialise``
 installs it on the roots it makes (``host.kernel``). Its settings and state (the
 profile's native drivers, vfio-pci's state, ``fail_probe``, ``udev_delay_ms``,
 ``driver_write_ms``: how long a bind or unbind holds its writer)
-live in the root's ``MARKER`` file, which tests may tune.
+live in the root's ``nodesim.marker.MARKER`` file, which tests may tune.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
@@ -27,12 +26,11 @@ from katamgr.host.errors import HostError
 from katamgr.host.pci import VFIO_DRIVER as VFIO
 from katamgr.host.pci import is_vfio_driver
 from katamgr.host.root import HostRoot
+from nodesim import gpu, pcierrors
 
-# The emulated kernel's settings and state; its presence is how a root `katamgr simulate`
-# made is told from a real one (nodesim.node.open_node). In /sys: the one host dir every
-# container of the chart mounts (so a simulated node is one inside the pods too), and one
-# where a real node can hold no such file.
-MARKER = "sys/katamgr-simulated-host"
+# MARKER: importers from before nodesim.marker (other branches of issue 36) still find it here.
+from nodesim.marker import MARKER, current_driver, device_dir, marker, save_marker  # noqa: F401
+
 # The vfio-dev cdev region's major: the kernel allocates it at boot (alloc_chrdev_region), and
 # simulated nodes take the one in the example of Kata's GetDeviceFromVFIODev (drivers/utils.go).
 VFIO_DEV_MAJOR = 237
@@ -43,14 +41,6 @@ def relative_link(target: Path, link: Path) -> None:
     if link.is_symlink():
         link.unlink()
     os.symlink(os.path.relpath(target, link.parent), link)
-
-
-def marker(host: HostRoot) -> dict:
-    return json.loads((host.root / MARKER).read_text())
-
-
-def save_marker(host: HostRoot, data: dict) -> None:
-    (host.root / MARKER).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def make_node(host: HostRoot, path: Path) -> None:
@@ -71,20 +61,6 @@ def create_driver_dir(host: HostRoot, name: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for control in ("bind", "unbind", "new_id", "remove_id"):
         (directory / control).touch()
-
-
-def _device_dir(host: HostRoot, bdf: str) -> Path:
-    link = host.path(f"/sys/bus/pci/devices/{bdf}")
-    if not link.exists():
-        raise HostError(f"no such device {bdf} (write failed with ENODEV)")
-    return link.resolve()
-
-
-def current_driver(host: HostRoot, bdf: str) -> str | None:
-    link = _device_dir(host, bdf) / "driver"
-    if not link.is_symlink() or not link.exists():
-        return None
-    return Path(os.readlink(link)).name
 
 
 def write_uevent(directory: Path, bdf: str, vendor: int, device: int, class_code: int,
@@ -111,7 +87,7 @@ def _set_uevent_driver(device: Path, driver: str | None) -> None:
 
 
 def link_driver(host: HostRoot, bdf: str, driver: str) -> None:
-    device = _device_dir(host, bdf)
+    device = device_dir(host, bdf)
     driver_dir = host.path(f"/sys/bus/pci/drivers/{driver}")
     relative_link(driver_dir, device / "driver")
     relative_link(device, driver_dir / bdf)
@@ -119,7 +95,7 @@ def link_driver(host: HostRoot, bdf: str, driver: str) -> None:
 
 
 def _group(host: HostRoot, bdf: str) -> int | None:
-    link = _device_dir(host, bdf) / "iommu_group"
+    link = device_dir(host, bdf) / "iommu_group"
     if not link.is_symlink():
         return None
     return int(Path(os.readlink(link)).name)
@@ -148,7 +124,7 @@ def on_vfio_bound(host: HostRoot, bdf: str) -> None:
         make_node(host, node)
     if marker(host).get("iommufd"):
         number = _next_cdev(host)
-        cdev = _device_dir(host, bdf) / "vfio-dev" / f"vfio{number}"
+        cdev = device_dir(host, bdf) / "vfio-dev" / f"vfio{number}"
         cdev.mkdir(parents=True)
         # The cdev's numbers, where the kernel publishes them: its dev and uevent attributes
         # and /sys/dev/char/MAJOR:MINOR, which a runtime follows from the node back to the
@@ -176,7 +152,7 @@ def _next_cdev(host: HostRoot) -> int:
 def _on_vfio_unbound(host: HostRoot, bdf: str) -> None:
     if host_udev(host):
         return
-    cdev_dir = _device_dir(host, bdf) / "vfio-dev"
+    cdev_dir = device_dir(host, bdf) / "vfio-dev"
     if cdev_dir.is_dir():
         for name in os.listdir(cdev_dir):
             host.path(f"/dev/vfio/devices/{name}").unlink(missing_ok=True)
@@ -193,7 +169,7 @@ def _on_vfio_unbound(host: HostRoot, bdf: str) -> None:
 def _unbind(host: HostRoot, driver: str, bdf: str) -> None:
     if current_driver(host, bdf) != driver:
         raise HostError(f"writing {bdf} to /sys/bus/pci/drivers/{driver}/unbind failed: device not bound to {driver} (ENODEV)")
-    device = _device_dir(host, bdf)
+    device = device_dir(host, bdf)
     (device / "driver").unlink()
     host.path(f"/sys/bus/pci/drivers/{driver}/{bdf}").unlink(missing_ok=True)
     _set_uevent_driver(device, None)
@@ -219,14 +195,14 @@ def _variant_ids(host: HostRoot, bdf: str) -> set[str]:
     """The variant drivers whose modules.alias entries match the device."""
     import fnmatch
 
-    alias = (_device_dir(host, bdf) / "modalias").read_text().strip()
+    alias = (device_dir(host, bdf) / "modalias").read_text().strip()
     wanted = "vfio_pci:" + alias[len("pci:"):]
     return {module for pattern, module in marker(host).get("modules_alias", [])
             if fnmatch.fnmatchcase(wanted, pattern)}
 
 
 def _override(host: HostRoot, bdf: str) -> str | None:
-    text = (_device_dir(host, bdf) / "driver_override").read_text().strip()
+    text = (device_dir(host, bdf) / "driver_override").read_text().strip()
     return None if text in ("", "(null)") else text
 
 
@@ -246,12 +222,10 @@ def handle_change(host: HostRoot, host_path: str, value: str) -> None:
     parts = host_path.strip("/").split("/")
     text = value.strip()
     if parts[:4] == ["sys", "bus", "pci", "devices"] and len(parts) == 6 and parts[5] == "driver_override":
-        (_device_dir(host, parts[4]) / "driver_override").write_text((text or "(null)") + "\n")
+        (device_dir(host, parts[4]) / "driver_override").write_text((text or "(null)") + "\n")
         return
     if parts[:4] == ["sys", "bus", "pci", "devices"] and len(parts) == 6 and parts[5] == "reset":
-        from nodesim import gpu, pcierrors
-
-        _device_dir(host, parts[4])
+        device_dir(host, parts[4])
         pcierrors.on_reset(host, parts[4])
         gpu.on_reset(host, parts[4])
         return
@@ -293,9 +267,7 @@ class EmulatedKernel:
         return module == VFIO and marker(host).get("vfio_pci") != "missing"
 
     def gpu_admin(self):
-        from nodesim.gpu import EMULATED_GPU_ADMIN
-
-        return EMULATED_GPU_ADMIN
+        return gpu.EMULATED_GPU_ADMIN
 
     def modprobe(self, host: HostRoot, module: str) -> str | None:
         """``modprobe vfio-pci``: the driver dir and ``/dev/vfio/vfio`` appear; a variant

@@ -40,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -50,6 +50,7 @@ from katamgr.k8snames import is_extended_resource_name
 from kubeletapi import deviceplugin_pb2 as pb
 from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 from kubeletapi.deviceplugin_paths import API_VERSION, DEVICE_PLUGIN_DIR, KUBELET_SOCKET
+from nodesim.kubeletstate import HISTORY, AdmissionError, KubeletState, PluginOptions, Registration
 from nodesim.podresources import (
     POD_RESOURCES_SOCKET,
     ContainerRecord,
@@ -62,64 +63,6 @@ from nodesim.podresources import (
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = (API_VERSION,)
-
-
-
-@dataclass(frozen=True)
-class PluginOptions:
-    """A plugin's DevicePluginOptions as the kubelet keeps them (from Register, then from
-    GetDevicePluginOptions); until it has them, it asks for a preferred allocation."""
-
-    get_preferred_allocation_available: bool = True
-    pre_start_required: bool = False
-
-class AdmissionError(Exception):
-    """The simulated kubelet would not admit the pod (UnexpectedAdmissionError)."""
-
-
-@dataclass(frozen=True)
-class Registration:
-    """One accepted Register call."""
-
-    version: str
-    endpoint: str
-    resource_name: str
-    options: PluginOptions
-    at: float  # time.monotonic() when it arrived
-
-
-HISTORY = 1000
-
-
-@dataclass
-class KubeletState:
-    """What the simulated kubelet knows; tests read copies of it."""
-
-    registrations: list[Registration] = field(default_factory=list)
-    # (version, endpoint, resource_name, error message) of refused calls
-    rejections: list[tuple[str, str, str, str]] = field(default_factory=list)
-    # latest ListAndWatch list per resource (cleared for all by restart())
-    devices: dict[str, list[ListedDevice]] = field(default_factory=dict)
-    # how many ListAndWatch responses arrived per resource
-    updates: dict[str, int] = field(default_factory=dict)
-    # GetDevicePluginOptions answers per resource
-    options: dict[str, PluginOptions] = field(default_factory=dict)
-    # resources whose ListAndWatch stream is open right now
-    connected: set[str] = field(default_factory=set)
-    restarts: int = 0
-    # admitted pods, in admission order (PodResources answers from these)
-    pods: list[PodRecord] = field(default_factory=list)
-    # pods a restart's re-admission ended, with the kubelet's reason ("OutOf<resource>")
-    ended: list[tuple[PodRecord, str]] = field(default_factory=list)
-    # every ListAndWatch update as it arrived: (monotonic time, resource, ((id, health), ...)),
-    # the last HISTORY of them; the kubelet acts on each, so a test may not miss a short one
-    history: list[tuple[float, str, tuple[tuple[str, str], ...]]] = field(default_factory=list)
-
-    def registrations_for(self, resource_name: str) -> list[Registration]:
-        return [r for r in self.registrations if r.resource_name == resource_name]
-
-    def healthy(self, resource_name: str) -> list[str]:
-        return [d.id for d in self.devices.get(resource_name, []) if d.healthy]
 
 
 class _Endpoint:

@@ -5,7 +5,7 @@ The result is read by exactly the same code as a real node: devices live under
 symlinks, ``driver`` and ``iommu_group`` links, group member links, and
 ``dev/vfio`` nodes as plain files (character devices with ``real_device_nodes``). The
 root carries the emulated kernel (``nodesim.kernel``), which answers binding
-writes and module loads; its settings file (``kernel.MARKER``, ``sys/katamgr-simulated-host``)
+writes and module loads; its settings file (``nodesim.marker.MARKER``, ``sys/katamgr-simulated-host``)
 is how ``nodesim.node.open_node`` tells a simulated root from a real one.
 """
 
@@ -19,6 +19,7 @@ from pathlib import Path
 from katamgr.errors import ConfigError
 from katamgr.host.root import HostRoot
 from nodesim import fabricmanager, gpuregs, katadeploy, kernel, pcifiles, udev
+from nodesim.marker import MARKER
 from nodesim.profile import HostProfile, ProfileDevice
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bo
     }
     if real_device_nodes:
         marker["real_device_nodes"] = True
-    (root / kernel.MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
+    (root / MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
     if profile.vfio_pci == "loaded":
         host.path("/dev/vfio").mkdir()
         kernel.make_node(host, host.path("/dev/vfio/vfio"))

@@ -3,7 +3,7 @@
 A real node brings its kernel, its udev and NVIDIA's driver with it; a simulated one
 (``katamgr simulate``) brings stand-ins for each, and this is where a program gets them.
 ``open_node`` is the one answer to "is this root a simulated node" (the marker the
-simulator writes into it, ``kernel.MARKER``) and gives back the ``SimulatedNode``:
+simulator writes into it, ``nodesim.marker.MARKER``) and gives back the ``SimulatedNode``:
 
 - ``host``: the ``HostRoot`` with the emulated kernel installed (``katamgr.host`` never asks
   which kernel it talks to);
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from katamgr.host.root import HostRoot
 from nodesim import kernel
+from nodesim.marker import MARKER
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class SimulatedNode:
 def open_node(root: str | Path, runtime_root: str = "/") -> SimulatedNode | None:
     """The simulated node at ``root``, or None when ``root`` is not one (``/`` never is)."""
     host = HostRoot.at(root, runtime_root=runtime_root)
-    if host.is_real_root or not (host.root / kernel.MARKER).is_file():
+    if host.is_real_root or not (host.root / MARKER).is_file():
         return None
     return SimulatedNode(HostRoot(host.root, kernel.EMULATED, runtime_root))
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from katamgr.host.errors import HostError
 from katamgr.host.root import HostRoot
 from nodesim.gpuregs import GH100_IDS
-from nodesim.kernel import marker, save_marker
+from nodesim.marker import marker, save_marker
 
 CORRECTABLE = ("RxErr", "BadTLP", "BadDLLP", "Rollover", "Timeout", "NonFatalErr", "CorrIntErr", "HeaderOF")
 UNCORRECTABLE = ("Undefined", "DLP", "SDES", "TLP", "FCP", "CmpltTO", "CmpltAbrt", "UnxCmplt", "RxOF",

@@ -28,10 +28,10 @@ from sandbox_plugin.container import (
     NvmlResource,
 )
 from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
+from sandbox_plugin.discovery import PassthroughDiscovery
 from sandbox_plugin.fabric import FabricGuard
 from sandbox_plugin.fabricgate import FabricGate
 from sandbox_plugin.metrics import PluginMetrics
-from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import Resource
 from sandbox_plugin.server import Backoff, PluginServer
 from sandbox_plugin.watch import DeviceWatcher
@@ -70,7 +70,7 @@ class PluginManager:
         health_interval: float = HEALTH_INTERVAL,
     ) -> None:
         """``held_only`` (vm-passthrough mode): the node left vm-passthrough; serve only the
-        devices pods still hold, refusing every Allocate (``passthrough.PassthroughDiscovery``),
+        devices pods still hold, refusing every Allocate (``discovery.PassthroughDiscovery``),
         looking again every ``HELD_RESCAN`` s for pods that ended. ``fabric``: the node's NVLink
         partitions in the Shared NVSwitch model (``sandbox_plugin.fabric``), started and
         stopped with the manager."""

@@ -1,37 +1,6 @@
-"""VFIO passthrough GPUs (and NVSwitches, and devices an include rule selects) as
-kubelet resources.
-
-Discovery reads the host model (``katamgr.host``): every passthrough device on
-vfio-pci (the ``Naming``'s device selection: by default GPUs and NVSwitches),
-grouped by IOMMU group, because the group is what VFIO hands to a VM
-and so the schedulable unit (two GPUs in one group are one plugin device; two
-pods can never share a group). Each unit goes to the resource ``Naming``
-gives its first device: one resource per model (``nvidia.com/GA102GL_A10``), or
-one alias resource (``nvidia.com/pgpu``) when configured, or an include rule's
-resource (``example.com/edu``). On an NVSwitch board in NVIDIA's full passthrough model one
-unit spans groups: the whole board, every GPU and NVSwitch (``katamgr.host.nvlinkunits``),
-kept apart from its GPUs' own units by ``sandbox_plugin.fullpassthrough``.
-
-A unit's ID is its first PCI address (lowercased), so it is stable across
-plugin restarts and reboots. It is Healthy while every endpoint of the group
-is on vfio-pci (or driverless) and its device nodes exist (``/dev/vfio/<group>``,
-or each device's ``/dev/vfio/devices/vfioN`` on iommufd hosts). A unit whose
-device leaves vfio-pci behind our back stays listed, Unhealthy, until the
-device is back, unplugged or given back to its driver on purpose.
-
-On a node that no longer runs vm-passthrough (relabelled while Kata pods still hold
-GPUs) the discovery is ``held_only``: it lists only the units the kubelet has given to
-pods (PodResources ``List``), Healthy, and every Allocate is refused. The kubelet must
-keep seeing those devices: a restarted kubelet admits its running pods again against the
-Node's allocatable, and kills a pod whose device resource has none
-(k8s.io/kubernetes v1.35.4, pkg/kubelet/lifecycle/predicate.go: "OutOf<resource>", seen
-on tests/node). Listing only devices that pods were given keeps the scheduler from
-counting any as free; a unit leaves the list once its pod is gone (its VM then lets go,
-and katamgr gives it back).
-
-``PassthroughDiscovery.refresh()`` rescans and pushes the result into one
-``PassthroughResource`` per name; the watcher (``sandbox_plugin.watch``) calls
-it when something changes, and the manager starts servers for new names.
+"""A resource name's passthrough units as the kubelet sees them: ``PassthroughResource``
+(its ListAndWatch list, GetPreferredAllocation, Allocate). The units come from
+``sandbox_plugin.units``; ``sandbox_plugin.discovery`` keeps them in step with the host.
 
 Allocate re-checks sysfs and the device nodes on every call (the snapshot may be
 a few milliseconds older than an unbind), with the fewest syscalls that tell
@@ -51,25 +20,16 @@ that now means another GPU.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
-import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
 
-from katamgr.host import pci, sysfs, vfio
-from katamgr.host.inventory import Inventory, discover
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import PassthroughDevice, resource_units
+from katamgr.host import pci, sysfs
 from katamgr.host.root import HostRoot
 from sandbox_plugin import topology
 from sandbox_plugin.cdinames import HostCdiSpecs
-from sandbox_plugin.devhealth import BEGUN, DeviceHealth
 from sandbox_plugin.fabric import FabricGuard, gpus_of_units
-from sandbox_plugin.fabricgate import FabricGate
-from sandbox_plugin.fullpassthrough import BoardGuard, BoardWatch
+from sandbox_plugin.fullpassthrough import BoardGuard
 from sandbox_plugin.recheck import recheck
 from sandbox_plugin.resources import (
     HEALTHY,
@@ -81,101 +41,9 @@ from sandbox_plugin.resources import (
     Resource,
     UnknownDeviceError,
 )
-from sandbox_plugin.topology import Placement
+from sandbox_plugin.units import PassthroughUnit, env_name
 
 log = logging.getLogger(__name__)
-
-PASSTHROUGH = "vm-passthrough"
-
-
-@dataclass(frozen=True)
-class PassthroughUnit:
-    """One schedulable device: the passthrough devices of one IOMMU group on vfio-pci."""
-
-    id: str  # first BDF of the group's passthrough devices
-    resource_name: str
-    group: int
-    devices: tuple[pci.Device, ...]  # the passthrough devices, bus order
-    members: tuple[PassthroughDevice, ...]  # those with index names (GPUs, NVSwitches)
-    nodes: tuple[str, ...]  # host paths of the device nodes a VM needs (every function's)
-    health: str
-    reason: str  # why it is unhealthy; "" when healthy
-    placement: Placement
-    # The inode of each device's sysfs directory when scanned: a device unplugged and
-    # replaced at the same address gets a new one (-1: unknown, always read in full).
-    sysfs_inodes: tuple[int, ...] = field(default=(), compare=False)
-    pci_reason: str = field(default="", compare=False)  # the kernel's health facts' part of reason
-
-    # The derived tuples are cached: Allocate uses them on every call. A frozen
-    # dataclass still takes cached_property (it writes the instance dict), and
-    # equality only compares the fields.
-    @cached_property
-    def bdfs(self) -> tuple[str, ...]:
-        return tuple(d.bdf for d in self.devices)
-
-    @property
-    def cdi_name(self) -> str:
-        return f"{self.resource_name}={self.id}"
-
-    @property
-    def numa_node(self) -> int | None:
-        return self.placement.numa
-
-    def plugin_device(self) -> PluginDevice:
-        return PluginDevice(self.id, self.health, self.numa_node)
-
-
-def env_name(resource_name: str) -> str:
-    """KubeVirt's variable: ``nvidia.com/GA102GL_A10`` -> ``PCI_RESOURCE_NVIDIA_COM_GA102GL_A10``."""
-    return "PCI_RESOURCE_" + resource_name.upper().translate(str.maketrans("./-", "___"))
-
-
-def _health(host: HostRoot, inv: Inventory, groups: Sequence[int], nodes: tuple[str, ...]) -> str:
-    """Why the unit's groups (one, or a full passthrough board's) cannot be used by a VM right
-    now, or "" when they can."""
-    for group in groups:
-        for other in inv.members(group):
-            if vfio.blocks_group(other):
-                return f"IOMMU group {group} is not viable: {other.bdf} is on {other.driver}"
-    for node in nodes:
-        if not host.path(node).exists():
-            return f"{node} is missing"
-    return ""
-
-
-def _inode(directory: str) -> int:
-    try:
-        return os.stat(directory).st_ino
-    except OSError:
-        return -1
-
-
-def scan_units(host: HostRoot, naming: Naming, judge=None) -> list[PassthroughUnit]:
-    """Every passthrough unit of the host, in bus order (one PCI scan); ``judge(bdfs)``:
-    why the kernel's health facts make a unit unfit, or "" (``devhealth.DeviceHealth.reason``)."""
-    inv = discover(host, naming.selection)
-    devices_dir = str(host.path(sysfs.PCI_DEVICES))
-    units = []
-    for unit in resource_units(host, inv, naming):
-        pci_reason = judge(tuple(d.bdf for d in unit.devices)) if judge is not None else ""
-        groups = dict.fromkeys(d.iommu_group for d in unit.devices if d.iommu_group is not None)
-        reason = _health(host, inv, tuple(groups) or (unit.group,), unit.nodes) or pci_reason
-        units.append(
-            PassthroughUnit(
-                id=unit.id,
-                resource_name=unit.resource_name,
-                group=unit.group,
-                devices=unit.devices,
-                members=unit.members,
-                nodes=unit.nodes,
-                health=UNHEALTHY if reason else HEALTHY,
-                reason=reason,
-                placement=topology.placement_of(unit.id, unit.head),
-                sysfs_inodes=tuple(_inode(f"{devices_dir}/{d.bdf}") for d in unit.devices),
-                pci_reason=pci_reason,
-            )
-        )
-    return units
 
 
 class PassthroughResource(Resource):
@@ -362,125 +230,5 @@ class PassthroughResource(Resource):
         return local
 
 
-def _import_kubelet_client() -> None:
-    importlib.import_module("katamgr.node.podresources")
-
-
 def _because(unit: PassthroughUnit) -> str:
     return f" ({unit.reason})" if unit.reason else ""
-
-
-class PassthroughDiscovery:
-    """Keeps one ``PassthroughResource`` per resource name in step with the host."""
-
-    def __init__(self, host: HostRoot, naming: Naming, *, held_only: bool = False,
-                 given=None, fabric: FabricGate | FabricGuard | None = None,
-                 health: DeviceHealth | None = None) -> None:
-        """``held_only``: list only the units the kubelet gave pods, refuse every Allocate
-        (a node that left vm-passthrough); ``given()``: the device IDs the kubelet gave
-        pods, None when it cannot be asked (default: its PodResources ``List``). ``fabric``: the
-        NVSwitch board's model (``sandbox_plugin.fabricgate``): while it withholds the board,
-        no GPU unit is listed."""
-        self.host = host
-        self.naming = naming
-        self.cdi_specs = HostCdiSpecs(host)  # one cache for every resource
-        self._lock = threading.Lock()
-        self.resources: dict[str, PassthroughResource] = {}
-        self.held_only = held_only
-        self._given = given or self._ask_kubelet
-        self._kept: set[str] = set()  # the units listed last (a kubelet not answering keeps them)
-        self.gate = FabricGate.fixed(fabric) if isinstance(fabric, FabricGuard) else fabric
-        self.health = health or DeviceHealth(host)  # the kernel's health facts (devhealth)
-        self.scanned: dict[str, tuple[tuple[str, ...], str]] = {}  # unit id -> (BDFs, pci_reason)
-        self.boards = BoardWatch(self._given, self.refresh)  # a full passthrough board's units kept apart
-        # The kubelet client imported ahead (protobuf: up to seconds on a slow machine), so a unit gone
-        # from the host while a pod holds it turns Unhealthy without waiting for it.
-        threading.Thread(target=_import_kubelet_client, name="import-podresources", daemon=True).start()
-
-    @property
-    def fabric(self) -> FabricGuard | None:
-        """The Shared NVSwitch partitions' guard, once the board follows that model."""
-        return self.gate.guard if self.gate is not None else None
-
-    def _refusal(self) -> str | None:
-        return (f"this node no longer runs {PASSTHROUGH}: its devices stay only with the pods "
-                "that hold them" if self.held_only else None)
-
-    def set_held_only(self, held: bool) -> None:
-        """Switch in place (the servers stay registered, so the devices pods hold never turn
-        Unhealthy at the kubelet): Allocate is refused, or allowed, from now on; the next
-        ``refresh`` lists what that asks for."""
-        with self._lock:
-            self.held_only = held
-            refusal = self._refusal()
-            for resource in self.resources.values():
-                resource.refusal = refusal
-
-    def _ask_kubelet(self) -> set[str] | None:
-        from katamgr.node.podresources import list_pod_devices
-
-        asked = list_pod_devices(self.host, timeout=2.0)
-        return None if asked.unknown else {a.device_id.lower() for a in asked.assignments}
-
-    def _held(self, unit: PassthroughUnit) -> bool:
-        given = self._given()
-        return given is not None and bool({unit.id, *unit.bdfs} & given)
-
-    def node_gone(self, node: str) -> None:
-        """A VFIO device node was removed (``sandbox_plugin.watch``): see ``PassthroughResource.node_gone``."""
-        with self._lock:
-            resources = list(self.resources.values())
-        for resource in resources:
-            resource.node_gone(node)
-
-    def heard(self, event) -> None:
-        """A kernel uevent (``sandbox_plugin.watch``): the kernel beginning to recover a device
-        from a PCIe error turns its unit Unhealthy at once (the rescan that follows reads sysfs,
-        which the device's reset keeps waiting)."""
-        if not self.health.heard(event) or event.error_event != BEGUN:
-            return
-        bdf = event.devpath.rsplit("/", 1)[-1]
-        with self._lock:
-            resources = list(self.resources.values())
-        for resource in resources:
-            resource.mark_unhealthy(lambda u: bdf in u.bdfs, f"the kernel is recovering {bdf} from a PCIe error")
-
-    def close(self) -> None:
-        """Let go of the CDI specs' inotify watch (the resources keep answering, reading the specs each time)."""
-        self.boards.stop()
-        self.cdi_specs.close()
-
-    def refresh(self) -> list[PassthroughResource]:
-        """Rescan and update every resource; return the resources created by this call.
-
-        A resource whose devices all left stays (advertising nothing), so a
-        server already registered for it need not be torn down and rebuilt.
-        """
-        units = scan_units(self.host, self.naming, self.health.reason)
-        self.scanned = {u.id: (u.bdfs, u.pci_reason) for u in units}
-        if self.held_only:  # (read once: set_held_only may change it meanwhile; the next refresh follows)
-            given = self._given()
-            if given is not None:  # else (a kubelet restarting): the units listed last
-                self._kept = {u.id for u in units if {u.id, *u.bdfs} & given}
-            units = [u for u in units if u.id in self._kept]
-        if self.gate is not None and self.gate.withheld:  # CUDA could not start on them in a VM
-            units = [u for u in units if not any(d.is_gpu for d in u.devices)]
-        units = self.boards.units(units)
-        by_name: dict[str, list[PassthroughUnit]] = {}
-        for unit in units:
-            by_name.setdefault(unit.resource_name, []).append(unit)
-        created = []
-        refusal = self._refusal()
-        with self._lock:
-            for name in sorted(by_name.keys() - self.resources.keys()):
-                self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs, refusal)
-                self.resources[name].held = self._held
-                created.append(self.resources[name])
-            resources = dict(self.resources)
-            for resource in resources.values():  # a guard comes once FM answers (fabricgate)
-                resource.fabric = self.fabric
-                resource.board = self.boards.guard
-        for name, resource in resources.items():
-            resource.update(by_name.get(name, []))
-        return created
-

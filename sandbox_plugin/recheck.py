@@ -5,16 +5,25 @@ syscalls that tell, and reads sysfs in full only to name what is wrong."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from katamgr.host import pci
+from katamgr.host.root import HostRoot
 from sandbox_plugin.resources import AllocationError
-
-if TYPE_CHECKING:
-    from sandbox_plugin.passthrough import PassthroughResource, PassthroughUnit
+from sandbox_plugin.units import PassthroughUnit
 
 
-def recheck(resource: PassthroughResource, unit: PassthroughUnit) -> None:
+class Rechecked(Protocol):
+    """What the re-check reads of the unit's resource (``passthrough.PassthroughResource``)."""
+
+    host: HostRoot
+    resource_name: str
+    devices_dir: str  # the host's /sys/bus/pci/devices, as this process reaches it
+
+    def local_path(self, host_path: str) -> str: ...
+
+
+def recheck(resource: Rechecked, unit: PassthroughUnit) -> None:
     """Look at sysfs and /dev again: the snapshot may be a few milliseconds old.
 
     Each function must still be the one scanned (its sysfs directory's inode),
@@ -39,7 +48,7 @@ def recheck(resource: PassthroughResource, unit: PassthroughUnit) -> None:
         pass
     _recheck_in_full(resource, unit)
 
-def _recheck_in_full(resource: PassthroughResource, unit: PassthroughUnit) -> None:
+def _recheck_in_full(resource: Rechecked, unit: PassthroughUnit) -> None:
     name = resource.resource_name
     for expected in unit.devices:
         now = pci.read_binding(resource.host, expected.bdf)  # all the checks below need

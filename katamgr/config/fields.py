@@ -20,7 +20,7 @@ from katamgr import k8snames
 from katamgr.artifacts.refs import LayoutRef, parse_ref
 from katamgr.config.messages import Says, kind_of, quote
 from katamgr.errors import ConfigError
-from katamgr.host import kata
+from katamgr.host import katarelease
 from katamgr.host import selection as device_selection
 from katamgr.node import nvlinkfabric
 from katamgr.runtime.kata_config import POD_RESOURCE_SOURCES
@@ -186,7 +186,7 @@ def _module_ids_problem(value: str) -> str | None:
 
 def _kata_release_problem(value: str) -> str | None:
     try:
-        kata.parse_release(value)
+        katarelease.parse_release(value)
     except ValueError:
         return "is not a Kata Containers release such as 3.25.0"
     return None

@@ -42,7 +42,7 @@ from katamgr.config.fields import (
     SecretName,
 )
 from katamgr.config.messages import Says, quote
-from katamgr.host import kata
+from katamgr.host import katarelease
 from katamgr.host import selection as device_selection
 from katamgr.host.workload import WORKLOAD_LABEL, Workload
 from katamgr.node import fabricmanager
@@ -211,7 +211,7 @@ class DevicesConfig(_Model):
                   for e in self.include),
             tuple(device_selection.parse_exclude(e, device_selection.EXCLUDE_CONFIG) for e in self.exclude),
             self.nvswitches if self.nvswitches == "auto" else ("yes" if self.nvswitches else "no"),
-            kata.parse_release(self.kata_version),
+            katarelease.parse_release(self.kata_version),
         )
 
 

@@ -20,10 +20,11 @@ empty otherwise (k8s-cc-manager ``gpu_operator_eviction.py``, ``set_cc_state_lab
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from functools import lru_cache
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from katamgr.host.ccmodes import CcMode, Reading
+from katamgr.host.errors import HostError
 from katamgr.host.pci import Device
 
 if TYPE_CHECKING:
@@ -33,13 +34,6 @@ MODE_LABEL = "nvidia.com/cc.mode"
 MODE_STATE_LABEL = "nvidia.com/cc.mode.state"
 READY_STATE_LABEL = "nvidia.com/cc.ready.state"
 FAILED = "failed"
-
-
-class CcMode(StrEnum):
-    OFF = "off"
-    ON = "on"
-    DEVTOOLS = "devtools"
-    PPCIE = "ppcie"
 
 
 MODES = tuple(m.value for m in CcMode)
@@ -61,38 +55,6 @@ def ready_state(state: str) -> str:
     if state == CcMode.OFF:
         return "false"
     return ""
-
-
-@dataclass(frozen=True)
-class Reading:
-    """What the tool read from one device: its CC mode and its PPCIe mode (None where the
-    device has no such mode)."""
-
-    cc: str | None
-    ppcie: str | None
-
-    @property
-    def node_mode(self) -> str | None:
-        """The device's part in the node's mode: ``ppcie`` while PPCIe is on, else its CC mode."""
-        if self.ppcie == "on":
-            return CcMode.PPCIE.value
-        return self.cc if self.cc is not None else self.ppcie
-
-
-class GpuAdmin(Protocol):
-    """What katamgr asks of NVIDIA's gpu-admin-tools, one device at a time or in a batch.
-    Every failure is a HostError naming the device."""
-
-    def query(self, host: HostRoot, bdf: str) -> Reading:
-        """The modes the device runs now (its registers; it waits for the device's boot)."""
-
-    def stage(self, host: HostRoot, bdf: str, mode: CcMode) -> None:
-        """Stage ``mode`` (``on``, ``off``, ``devtools``: the CC mode; ``ppcie``: PPCIe on;
-        ``off`` on a PPCIe device also turns PPCIe off) to take effect at the next reset.
-        The device must be bound to no driver."""
-
-    def reset(self, host: HostRoot, bdfs: list[str]) -> None:
-        """Reset every device in ``bdfs`` (one batch: all reset, then all waited for)."""
 
 
 # The architectures whose GPUs the tool can query and set CC modes on (is_cc_query_supported:
@@ -154,8 +116,6 @@ def read_modes(host: HostRoot, devices: list[Device], *, skip: dict[str, str] | 
     """The CC modes of ``devices`` (NVIDIA GPUs and NVSwitches), read with NVIDIA's tool;
     a device in ``skip`` (BDF -> why: a VM holds it, a driver runs it) is not touched: the tool
     maps the device's registers and writes some."""
-    from katamgr.host.errors import HostError
-
     admin = host.kernel.gpu_admin()
     out: dict[str, GpuMode] = {}
     for device in devices:

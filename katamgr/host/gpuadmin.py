@@ -15,9 +15,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from katamgr.host.cc import CcMode, Reading
+from katamgr.host.ccmodes import CcMode, Reading
 from katamgr.host.errors import HostError
-from katamgr.host.root import HostRoot
+from katamgr.host.paths import RootPaths as HostRoot
 
 # The tool keeps module-level state (its device cache, its options): one caller at a time.
 _LOCK = threading.Lock()
@@ -57,7 +57,7 @@ def _call(bdf: str, what: str, fn):
 
 @dataclass(frozen=True)
 class NvidiaGpuTools:
-    """``katamgr.host.cc.GpuAdmin`` by NVIDIA's gpu-admin-tools."""
+    """``katamgr.host.ccmodes.GpuAdmin`` by NVIDIA's gpu-admin-tools."""
 
     def query(self, host: HostRoot, bdf: str) -> Reading:
         with _LOCK:

@@ -18,46 +18,16 @@ to be an older one, which is the safe guess (an NVSwitch then stays on the host)
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# parse_release: importers from before the release had its own module (other branches of issue 36).
+from katamgr.host.katarelease import UNKNOWN, KataRelease, parse_release  # noqa: F401
 from katamgr.host.pci import Device
 
 if TYPE_CHECKING:  # the inventory's selection asks this module about releases
     from katamgr.host.inventory import Inventory
 
 BRIDGE_MASK = 0x0600
-NVSWITCH_FIXED = (4, 1)
-_VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?$")
-
-
-@dataclass(frozen=True)
-class KataRelease:
-    """The Kata release the node runs; ``version`` None when nobody said."""
-
-    version: tuple[int, int, int] | None = None
-
-    def __str__(self) -> str:
-        return "an unknown Kata release" if self.version is None else "Kata " + ".".join(map(str, self.version))
-
-    @property
-    def cold_plugs_nvswitches(self) -> bool:
-        return self.version is not None and self.version[:2] >= NVSWITCH_FIXED
-
-
-UNKNOWN = KataRelease()
-
-
-def parse_release(text: str | None) -> KataRelease:
-    """``3.25.0`` (or ``3.25``, ``v3.25.0``) -> KataRelease; ValueError naming the value."""
-    if text is None or text == "":
-        return UNKNOWN
-    found = _VERSION.match(str(text).strip())
-    if not found:
-        raise ValueError(f"{text!r} is not a Kata release such as 3.25.0")
-    major, minor, patch = found.groups()
-    return KataRelease((int(major), int(minor), int(patch or 0)))
 
 
 def is_kata_bridge(device: Device, kata: KataRelease = UNKNOWN) -> bool:

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from katamgr.host.kata import UNKNOWN, KataRelease, parse_release, release_json
+from katamgr.host.kata import release_json
+from katamgr.host.katarelease import UNKNOWN, KataRelease, parse_release
 from katamgr.host.root import HostRoot
 from katamgr.host.selection import KATA_VERSION_FLAG, Selection
 from katamgr.kataclasses import KATA_GPU_HANDLERS

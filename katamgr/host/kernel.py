@@ -15,25 +15,12 @@ import os
 import subprocess
 import threading
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from katamgr.host.ccmodes import GpuAdmin
 from katamgr.host.errors import HostError
-
-if TYPE_CHECKING:
-    from katamgr.host.cc import GpuAdmin
-
-
-class HostRoot(Protocol):
-    """What a kernel needs of the root it serves: ``katamgr.host.root.HostRoot``, which
-    carries its kernel and so is imported by this module, never the other way round."""
-
-    root: Path
-
-    @property
-    def is_real_root(self) -> bool: ...
-
-    def path(self, host_path: str | PurePosixPath) -> Path: ...
+from katamgr.host.gpuadmin import NVIDIA_GPU_TOOLS
+from katamgr.host.paths import RootPaths as HostRoot  # the root carries its kernel, not the reverse
 
 
 class Kernel(Protocol):
@@ -53,7 +40,7 @@ class Kernel(Protocol):
         module outright, is a HostError."""
 
     def gpu_admin(self) -> GpuAdmin:
-        """NVIDIA's gpu-admin-tools for this kernel's GPUs (``katamgr.host.cc``)."""
+        """NVIDIA's gpu-admin-tools for this kernel's GPUs (``katamgr.host.ccmodes``)."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +59,6 @@ class LinuxKernel:
         _write_bounded(str(host.path(host_path)), host_path, value, self.write_timeout)
 
     def module_loadable(self, host: HostRoot, module: str) -> bool:
-        from katamgr.host.variants import kernel_release
-
         modules = host.path(f"/lib/modules/{kernel_release(host)}")
         # modules.dep names files (vfio-pci.ko.zst); either spelling of the name.
         files = {f"/{module.replace('_', '-')}.ko", f"/{module.replace('-', '_')}.ko"}
@@ -100,12 +85,19 @@ class LinuxKernel:
         return (result.stderr or result.stdout).strip() or f"exit code {result.returncode}"
 
     def gpu_admin(self) -> GpuAdmin:
-        from katamgr.host.gpuadmin import NVIDIA_GPU_TOOLS
-
         return NVIDIA_GPU_TOOLS
 
 
 LINUX = LinuxKernel()
+
+
+def kernel_release(host: HostRoot) -> str:
+    """The running kernel's release: the node's own, read through the root where it can be."""
+    try:
+        release = host.path("/proc/sys/kernel/osrelease").read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        release = ""
+    return release or os.uname().release
 
 # Writes the kernel may hold until a device is released. Unbinding a device
 # whose VFIO group a VM has open waits in vfio_unregister_group_dev() for the

@@ -35,7 +35,7 @@ from typing import Any
 
 import cdi
 from katamgr import k8snames
-from katamgr.host.kata import UNKNOWN, KataRelease, parse_release
+from katamgr.host.katarelease import UNKNOWN, KataRelease, parse_release
 from katamgr.host.pci import BDF_RE, Device
 
 # Where a rule came from, as the plan quotes it ("excluded by --exclude-device 10de:1eb8").

@@ -29,6 +29,7 @@ import fnmatch
 import os
 from dataclasses import dataclass
 
+from katamgr.host.kernel import kernel_release
 from katamgr.host.pci import VFIO_DRIVER, Device
 from katamgr.host.root import HostRoot
 
@@ -50,15 +51,6 @@ class VfioDriver:
 
 
 PLAIN = VfioDriver(VFIO_DRIVER, VFIO_PCI_MODULE, "vfio-pci (no variant driver in modules.alias matches it)")
-
-
-def kernel_release(host: HostRoot) -> str:
-    """The running kernel's release: the node's own, read through the root where it can be."""
-    try:
-        release = host.path("/proc/sys/kernel/osrelease").read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        release = ""
-    return release or os.uname().release
 
 
 def modules_alias(host: HostRoot) -> tuple[tuple[str, str], ...]:

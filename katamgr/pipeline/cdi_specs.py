@@ -39,7 +39,7 @@ from katamgr.host.passthrough import (
     resource_units,
 )
 from katamgr.host.root import HostRoot
-from katamgr.host.vfio import Action, GroupDecision
+from katamgr.host.vfiogroups import Action, GroupDecision
 from katamgr.pipeline.plan import PlanSection
 from katamgr.pipeline.report import Report
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from katamgr.host import readiness as readiness_files
-from katamgr.host import vfio
+from katamgr.host import vfio, vfiogroups
 from katamgr.host.root import HostRoot
-from katamgr.host.vfio import Action
+from katamgr.host.vfiogroups import Action
 from katamgr.host.workload import Workload
 from katamgr.node.journal import Journal, quiet
 from katamgr.pipeline.plan import Plan
@@ -29,7 +29,7 @@ def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workloa
         if decision.forced:
             # Named before the unbind: each of these processes loses its device now.
             taken = [f"--force: {device.bdf} is taken from {holder}" for device in decision.to_move
-                     for holder in vfio.in_use(host, [device])]
+                     for holder in vfiogroups.in_use(host, [device])]
             report.forced += taken
             report.warnings += taken
         bdfs = ", ".join(d.bdf for d in decision.to_move)

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from katamgr.artifacts import (
     ArtifactError,
     NotOursError,
-    Pull,
-    Resolution,
     read_install,
     resolve_artifact,
 )
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.root import HostRoot
+from katamgr.pipeline.kata_checked import Checked, Preflight
 from katamgr.pipeline.kata_runtime import (
     KataContext,
     class_dir,
@@ -37,24 +35,6 @@ from katamgr.pipeline.kata_runtime import (
     runtimes,
 )
 from katamgr.runtime import configure_containerd
-
-
-@dataclass(frozen=True)
-class Checked:
-    """One runtime class's artifact as ``preflight`` found it, for ``apply`` to install."""
-
-    pull: Pull
-    resolution: Resolution
-
-
-@dataclass
-class Preflight:
-    """What ``preflight`` found, for ``kata_runtime.apply`` to carry out reading nothing twice."""
-
-    checked: dict[str, Checked] = field(default_factory=dict)  # by runtime class name
-    failed: dict[str, str] = field(default_factory=dict)  # name -> why, one sentence naming it
-    # Installed classes a retry left alone (``KataContext.retry_classes``): not looked up again.
-    kept: set[str] = field(default_factory=set)
 
 
 def class_problems(host: HostRoot, ctx: KataContext) -> dict[str, str]:

@@ -36,6 +36,7 @@ from katamgr.host import katadetect
 from katamgr.host.files import remove_stale_temps
 from katamgr.host.root import HostRoot
 from katamgr.pipeline import kata_record
+from katamgr.pipeline.kata_checked import Preflight
 from katamgr.pipeline.plan import PlanSection
 from katamgr.pipeline.report import Report
 from katamgr.runtime import (
@@ -55,8 +56,6 @@ from katamgr.runtime.kata_config import (
 
 if TYPE_CHECKING:  # the client is imported only where a cluster is talked to
     from kubernetes.client import ApiClient
-
-    from katamgr.pipeline.kata_checks import Preflight
 
 log = logging.getLogger(__name__)
 

@@ -10,14 +10,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from katamgr.host import cc, kata, nvlinkunits, pcihealth, vfio
+from katamgr.host import cc, kata, nvlinkunits, pcihealth, vfio, vfiodecide, vfiogroups
 from katamgr.host.inventory import Inventory, Kind, discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import unit_head
 from katamgr.host.pci import Device
 from katamgr.host.pciids import DEFAULT_PCI_IDS
 from katamgr.host.root import HostRoot
-from katamgr.host.vfio import Action, GroupDecision, VfioModule
+from katamgr.host.vfiogroups import Action, GroupDecision, VfioModule
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,8 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
     """The plan; with ``cc_modes`` each NVIDIA GPU's and NVSwitch's CC mode is read with
     NVIDIA's tool (never from a device a VM or process holds)."""
     inv = discover(host, naming.selection)
-    decisions = vfio.decide(host, inv, force=force)
-    module = vfio.vfio_module(host)
+    decisions = vfiodecide.decide(host, inv, force=force)
+    module = vfiogroups.vfio_module(host)
     devices: list[DevicePlan] = []
     resources: Counter[str] = Counter()
     problems: list[str] = list(inv.notes)
@@ -266,7 +266,7 @@ def _selection_warnings(inv: Inventory, decisions: list[GroupDecision]) -> list[
             for rule in inv.selection.include if not any(rule.ids.matches(d) for d in inv.devices)]
     for decision in decisions:
         for device in decision.to_move:
-            if not vfio.users_visible(device) and not decision.forced:
+            if not vfiogroups.users_visible(device) and not decision.forced:
                 out.append(f"{device.bdf} is on {device.driver}: katamgr can only see who uses an NVIDIA "
                            f"GPU (/dev/nvidiaN) or a VFIO group, so check that nothing uses it before apply")
     return out

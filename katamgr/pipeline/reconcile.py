@@ -18,7 +18,7 @@ from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import resource_units
 from katamgr.host.root import HostRoot
-from katamgr.host.vfio import Action
+from katamgr.host.vfiogroups import Action
 from katamgr.host.workload import Operand, Workload
 from katamgr.node.journal import Journal, quiet
 from katamgr.node.lock import node_lock, tidy_state_dir

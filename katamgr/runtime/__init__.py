@@ -1,12 +1,8 @@
 """Container runtime wiring: containerd config edits, Kata config transform, reload."""
 
-from katamgr.runtime.containerd import (
-    ContainerdChange,
-    KataRuntime,
-    check_entries,
-    configure_containerd,
-    revert_containerd,
-)
+from katamgr.runtime.containerd import configure_containerd
+from katamgr.runtime.containerd_files import ContainerdChange, KataRuntime
+from katamgr.runtime.containerd_revert import check_entries, revert_containerd
 from katamgr.runtime.kata_config import KataConfigResult, transform_kata_config
 from katamgr.runtime.reload import ReloadResult, RestartMode, reload_containerd
 

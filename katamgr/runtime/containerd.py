@@ -1,8 +1,8 @@
 """Register Kata runtime classes with containerd, and take them out again.
 
 ``configure_containerd`` makes the config hold exactly the given Kata runtimes (plus
-CDI enabled) and nothing else of ours; ``revert_containerd`` undoes all of it;
-``check_entries`` tells a watcher whether someone dropped our entries.
+CDI enabled) and nothing else of ours; ``containerd_revert.revert_containerd`` undoes all
+of it; ``containerd_revert.check_entries`` tells a watcher whether someone dropped our entries.
 
 Files are edited with tomlkit, so comments, order and every unrelated value stay as
 they were; a file whose content would not change is never rewritten (and needs no
@@ -14,9 +14,7 @@ file without ``version`` is refused (see ``containerd_schema.detect_version``).
 from __future__ import annotations
 
 import copy
-import difflib
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,71 +22,43 @@ from typing import Any
 import tomlkit
 
 from katamgr.errors import ConfigError
-from katamgr.host.files import remove_file, write_atomic
+from katamgr.host.files import write_atomic
 from katamgr.host.root import HostRoot
 from katamgr.k8snames import DNS1123_LABEL_MAX, is_dns1123_label
 from katamgr.runtime import containerd_state as st
+from katamgr.runtime.containerd_files import (
+    DROP_IN,
+    MAIN,
+    ContainerdChange,
+    KataRuntime,
+    Main,
+    diff,
+    read_main,
+    target_of,
+    tidy,
+)
 from katamgr.runtime.containerd_imports import (
     effective_plugin_section,
-    find_drop_in,
     read_toml,
 )
+
+# check_entries: importers from before containerd_revert still find it here.
+from katamgr.runtime.containerd_revert import check_entries, revert_containerd, undo  # noqa: F401
 from katamgr.runtime.containerd_schema import (
     CDI_SPEC_DIRS,
-    KATA_RUNTIME_TYPE,
     Layout,
-    detect_version,
     layout_for,
 )
-from katamgr.runtime.settings import DEFAULT_CONFIG_PATH, DEFAULT_POD_ANNOTATIONS
+from katamgr.runtime.settings import DEFAULT_CONFIG_PATH
 from katamgr.runtime.tomledit import (
     add_table,
-    delete,
     lookup,
     plain,
-    prune_empty,
     set_value,
     to_item,
 )
 
 log = logging.getLogger(__name__)
-
-NEW_FILE_VERSION = 2
-MAIN, DROP_IN = "main", "drop-in"
-
-
-@dataclass(frozen=True)
-class KataRuntime:
-    """One runtime class as containerd sees it (the RuntimeClass handler)."""
-
-    name: str
-    config_path: str  # host path of the Kata configuration-*.toml
-    pod_annotations: tuple[str, ...] = DEFAULT_POD_ANNOTATIONS
-
-    def entry(self) -> dict[str, Any]:
-        return {
-            "runtime_type": KATA_RUNTIME_TYPE,
-            "privileged_without_host_devices": True,
-            "pod_annotations": list(self.pod_annotations),
-            "options": {"ConfigPath": self.config_path},
-        }
-
-
-@dataclass(frozen=True)
-class ContainerdChange:
-    path: str  # host path of the file written (the main config or our drop-in)
-    changed: bool
-    mode: str  # "main" or "drop-in"
-    version: int
-    diff: str = ""
-    runtimes_added: tuple[str, ...] = ()
-    runtimes_updated: tuple[str, ...] = ()
-    runtimes_removed: tuple[str, ...] = ()
-
-    @property
-    def needs_reload(self) -> bool:
-        """containerd only sees new runtimes after a restart; only a real change needs one."""
-        return self.changed
 
 
 @dataclass
@@ -116,49 +86,6 @@ def _validate(runtimes: Sequence[KataRuntime]) -> None:
             )
 
 
-def _is_blank(text: str) -> bool:
-    return all(not line.strip() or line.lstrip().startswith("#") for line in text.splitlines())
-
-
-def _tidy(text: str) -> str:
-    """Blank-line hygiene for files we generate whole (never for the operator's file)."""
-    return re.sub(r"\n{3,}", "\n\n", text).strip("\n") + "\n"
-
-
-def _diff(path: str, old: str, new: str) -> str:
-    return "".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), path, path))
-
-
-@dataclass(frozen=True)
-class _Main:
-    path: str
-    data: bytes | None
-    doc: tomlkit.TOMLDocument
-    version: int
-    fresh: bool  # missing or holding nothing but comments: we may start it
-
-
-def _read_main(host: HostRoot, config_path: str, version: int | None) -> _Main:
-    local = host.path(config_path)
-    try:
-        data: bytes | None = local.read_bytes()
-    except FileNotFoundError:
-        data = None
-    text = data.decode() if data is not None else ""
-    doc = read_toml(local, config_path) if data is not None else tomlkit.document()
-    assert doc is not None
-    if _is_blank(text):
-        chosen = version if version is not None else NEW_FILE_VERSION
-        layout_for(chosen)
-        return _Main(config_path, data, doc, chosen, True)
-    return _Main(config_path, data, doc, detect_version(doc, config_path, version), False)
-
-
-def _target(main: _Main) -> tuple[str, str]:
-    drop_in = None if main.fresh else find_drop_in(main.doc, main.path)
-    return (DROP_IN, drop_in) if drop_in else (MAIN, main.path)
-
-
 def configure_containerd(
     host: HostRoot,
     runtimes: Sequence[KataRuntime],
@@ -174,8 +101,8 @@ def configure_containerd(
     ``dry_run`` computes the change (and its diff) without writing anything.
     """
     _validate(runtimes)
-    main = _read_main(host, config_path, version)
-    mode, target = _target(main)
+    main = read_main(host, config_path, version)
+    mode, target = target_of(main)
     state = st.load(host, config_path)
     if state is not None and (state.target != target or state.mode != mode) and dry_run:
         state = None
@@ -184,7 +111,7 @@ def configure_containerd(
             "containerd: our entries move from %s to %s; undoing the old ones", state.target, target
         )
         revert_containerd(host, config_path)
-        main = _read_main(host, config_path, version)
+        main = read_main(host, config_path, version)
         state = None
     if mode == DROP_IN:
         edit = _edit_drop_in(host, main, target, runtimes, enable_cdi, state, dry_run)
@@ -262,12 +189,12 @@ class _Edit:
         return self.new_text != self.old_text
 
 
-def _apply(host: HostRoot, main: _Main, edit: _Edit, dry_run: bool) -> ContainerdChange:
+def _apply(host: HostRoot, main: Main, edit: _Edit, dry_run: bool) -> ContainerdChange:
     """One apply over either target: the change for the report, then (unless ``dry_run``)
     the durable write, or the state settled where nothing changed."""
     change = ContainerdChange(
         edit.target, edit.changed, edit.mode, main.version,
-        _diff(edit.target, edit.old_text, edit.new_text) if edit.changed else "",
+        diff(edit.target, edit.old_text, edit.new_text) if edit.changed else "",
         tuple(edit.outcome.added), tuple(edit.outcome.updated), tuple(edit.outcome.removed),
     )
     if dry_run:
@@ -285,7 +212,7 @@ def _apply(host: HostRoot, main: _Main, edit: _Edit, dry_run: bool) -> Container
 
 def _edit_main(
     host: HostRoot,
-    main: _Main,
+    main: Main,
     runtimes: Sequence[KataRuntime],
     enable_cdi: bool,
     state: st.EditState | None,
@@ -312,7 +239,7 @@ def _edit_main(
     outcome = _edit(doc, layout, runtimes, enable_cdi, state)
     new_text = tomlkit.dumps(doc)
     if main.fresh:
-        new_text = _tidy(new_text)
+        new_text = tidy(new_text)
     # Entries we drop stay recorded until the write lands: the file holds them till then.
     pending = before + [e for e in state.entries if not any(e is b for b in before)]
     return _Edit(main.path, MAIN, main.data, new_text, outcome, state, pending, had_state)
@@ -329,7 +256,7 @@ def _edit(
     wanted = {rt.name for rt in runtimes}
     for entry in [e for e in state.entries if e.kind == st.RUNTIME and e.path[-1] not in wanted]:
         state.entries.remove(entry)
-        if _undo(doc, entry):
+        if undo(doc, entry):
             outcome.removed.append(entry.path[-1])
     for rt in runtimes:
         path = layout.runtime_path(rt.name)
@@ -383,30 +310,9 @@ def _set_entry(doc: tomlkit.TOMLDocument, path: tuple[str, ...], content: dict[s
     return changed
 
 
-def _undo(doc: tomlkit.TOMLDocument, entry: st.Entry) -> bool:
-    """Take one entry of ours out of ``doc``; False when there was nothing left to undo
-    (e.g. a write that removed it landed just before a crash)."""
-    path = tuple(entry.path)
-    current = plain(lookup(doc, path))
-    if entry.had_prior and current == entry.prior:
-        return False
-    if entry.kind == st.VALUE and current != entry.ours:
-        log.info("containerd: keeping %s = %r, set by someone else since", ".".join(path), current)
-        return False
-    if entry.kind == st.RUNTIME:
-        removed = delete(doc, path)
-        if entry.had_prior and isinstance(entry.prior, dict):
-            add_table(doc, path, entry.prior)
-            return True
-        return removed
-    if entry.had_prior:
-        return set_value(doc, path, entry.prior)
-    return delete(doc, path)
-
-
 def _edit_drop_in(
     host: HostRoot,
-    main: _Main,
+    main: Main,
     target: str,
     runtimes: Sequence[KataRuntime],
     enable_cdi: bool,
@@ -456,7 +362,7 @@ def _edit_drop_in(
     if state is not None and previous is not None:
         wanted = {rt.name for rt in runtimes}
         outcome.removed = [n for n in state.runtime_names() if n not in wanted]
-    new_text = _tidy(tomlkit.dumps(doc))
+    new_text = tidy(tomlkit.dumps(doc))
     pending = fresh_state.entries + (
         [e for e in state.entries if fresh_state.entry(e.path) is None] if state else [])
     if state is None:
@@ -471,74 +377,3 @@ def _edit_drop_in(
     return _Edit(target, DROP_IN, old, new_text, outcome, state, pending, True)
 
 
-def revert_containerd(host: HostRoot, config_path: str = DEFAULT_CONFIG_PATH) -> ContainerdChange:
-    """Undo everything ``configure_containerd`` did to this config.
-
-    Untouched since our last write: the original bytes come back exactly (or the file
-    goes, if we created it). Edited by someone else since: only our runtimes and the
-    values we set are taken out, their edits stay.
-    """
-    state = st.load(host, config_path)
-    if state is None:
-        log.info("containerd: nothing of ours recorded for %s", config_path)
-        return ContainerdChange(config_path, False, MAIN, 0)
-    local = host.path(state.target)
-    try:
-        current: bytes | None = local.read_bytes()
-    except FileNotFoundError:
-        current = None
-    removed = tuple(state.runtime_names())
-    old_text = current.decode() if current is not None else ""
-    if state.at_original(current):
-        log.info("containerd: %s holds its original content already", state.target)
-        changed, new_text = False, old_text
-    elif current is None:
-        log.warning("containerd: %s is gone already; nothing to revert", state.target)
-        changed, new_text = False, ""
-    else:
-        ours = state.pristine and state.holds_ours(current)
-        if ours and state.existed and state.original is not None:
-            changed = write_atomic(local, state.original)
-            new_text = state.original
-        elif (ours and not state.existed) or state.mode == DROP_IN:
-            changed = remove_file(local)
-            new_text = ""
-        else:
-            doc = tomlkit.parse(old_text)
-            for entry in reversed(state.entries):
-                _undo(doc, entry)
-            prune_empty(doc, [tuple(p) for p in state.created_tables])
-            new_text = tomlkit.dumps(doc)
-            changed = write_atomic(local, new_text)
-    if changed:
-        log.info("containerd: reverted %s (removed runtimes %s)", state.target, list(removed))
-    st.forget(host, config_path)
-    return ContainerdChange(
-        state.target,
-        changed,
-        state.mode,
-        state.version,
-        _diff(state.target, old_text, new_text) if changed else "",
-        (),
-        (),
-        removed,
-    )
-
-
-def check_entries(host: HostRoot, path: str, runtimes: Sequence[KataRuntime]) -> list[str]:
-    """Names of ``runtimes`` whose entry containerd's config (``path``, the main file,
-    following our drop-in if one is in use) no longer holds as we wrote it."""
-    main = _read_main(host, path, None)
-    layout = layout_for(main.version)
-    _mode, target = _target(main)
-    doc = main.doc if target == path else read_toml(host.path(target), target)
-    missing = []
-    for rt in runtimes:
-        entry = plain(lookup(doc, layout.runtime_path(rt.name))) if doc is not None else None
-        if (
-            not isinstance(entry, dict)
-            or any(entry.get(k) != v for k, v in rt.entry().items() if k != "options")
-            or (entry.get("options") or {}).get("ConfigPath") != rt.config_path
-        ):
-            missing.append(rt.name)
-    return missing

@@ -1,7 +1,7 @@
 """Passthrough units as DRA devices: their names and the attributes a scheduler
 selects and aligns on.
 
-Each unit of ``sandbox_plugin.passthrough`` (the passthrough devices of one IOMMU
+Each unit of ``sandbox_plugin.units`` (the passthrough devices of one IOMMU
 group: what VFIO hands a VM whole) is one DRA device, named after its kind and
 first PCI address (``gpu-0000-1b-00-0``: a device name must be a DNS label,
 k8s.io/kubernetes pkg/apis/resource/validation ``validateDeviceName``). Its
@@ -48,8 +48,8 @@ from katamgr.host.naming import Naming
 from katamgr.host.passthrough import NVSWITCH_CLASS
 from katamgr.node.nvlinkfabric import Fabric
 from sandbox_plugin import topology
-from sandbox_plugin.passthrough import PassthroughUnit
 from sandbox_plugin.resources import HEALTHY
+from sandbox_plugin.units import PassthroughUnit
 
 STANDARD_PREFIX = "resource.kubernetes.io/"
 PCIE_ROOT = STANDARD_PREFIX + "pcieRoot"

@@ -1,7 +1,7 @@
 """The DRA driver of one node: the passthrough units published, claims prepared.
 
 ``DraDriver`` wires the rooms of ``sandbox_plugin.dra`` around the device plugin's
-own discovery (``sandbox_plugin.passthrough.PassthroughDiscovery``, rescanned by
+own discovery (``sandbox_plugin.discovery.PassthroughDiscovery``, rescanned by
 ``sandbox_plugin.watch.DeviceWatcher`` on every bind, unbind, hotplug and removed
 VFIO node), so the driver and the device plugin can never see a different node:
 
@@ -36,6 +36,7 @@ from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
 from katamgr.node.backoff import Backoff, Retries
 from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
+from sandbox_plugin.discovery import PassthroughDiscovery
 from sandbox_plugin.dra import devices as dra_devices
 from sandbox_plugin.dra.checkpoint import Checkpoint
 from sandbox_plugin.dra.devices import DraDevice
@@ -45,7 +46,6 @@ from sandbox_plugin.dra.service import dra_socket
 from sandbox_plugin.dra.slices import SlicePublisher
 from sandbox_plugin.fabric import gpus_of_units
 from sandbox_plugin.fabricgate import FabricGate
-from sandbox_plugin.passthrough import PassthroughDiscovery
 from sandbox_plugin.resources import AllocationError
 from sandbox_plugin.watch import DeviceWatcher
 

@@ -122,7 +122,7 @@ def test_device_classes_select_this_drivers_devices_by_type(chart, tmp_path):
     from nodesim.materialise import materialise
     from nodesim.profiles import find_profile
     from sandbox_plugin.dra.devices import describe
-    from sandbox_plugin.passthrough import scan_units
+    from sandbox_plugin.units import scan_units
 
     naming = Naming(PciIds.find(), selection=Selection(nvswitches="yes"))  # NVSwitches opted in
     host = materialise(find_profile("dgx-h100"), tmp_path)

@@ -15,7 +15,7 @@ import yaml
 
 from katamgr.agent.events import NodeEvents
 from katamgr.host import katadetect
-from katamgr.host.kata import KataRelease, parse_release
+from katamgr.host.katarelease import KataRelease, parse_release
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from support.hostkit import GPU_A10, dev, make_host
 
-from katamgr.host import vfio
+from katamgr.host import vfiogroups
 from katamgr.host.errors import HostError
 from katamgr.host.kernel import LINUX
 from katamgr.host.root import HostRoot
-from nodesim.kernel import EMULATED, MARKER
+from nodesim.kernel import EMULATED
+from nodesim.marker import MARKER
 from nodesim.node import open_node, open_root
 
 
@@ -43,12 +44,12 @@ def test_the_real_kernel_ignores_the_simulator_marker(tmp_path):
 
 
 @pytest.mark.parametrize(("index", "expected"), [
-    ("kernel/drivers/vfio/pci/vfio-pci.ko.zst: kernel/drivers/vfio/vfio.ko.zst\n", vfio.VfioModule.LOADABLE),
-    ("kernel/drivers/net/e1000e/e1000e.ko:\n", vfio.VfioModule.MISSING),
+    ("kernel/drivers/vfio/pci/vfio-pci.ko.zst: kernel/drivers/vfio/vfio.ko.zst\n", vfiogroups.VfioModule.LOADABLE),
+    ("kernel/drivers/net/e1000e/e1000e.ko:\n", vfiogroups.VfioModule.MISSING),
 ])
 def test_the_real_kernel_finds_vfio_pci_in_the_roots_modules(tmp_path, index, expected):
     (tmp_path / "proc/sys/kernel").mkdir(parents=True)
     (tmp_path / "proc/sys/kernel/osrelease").write_text("6.1.0-test\n")
     (tmp_path / "lib/modules/6.1.0-test").mkdir(parents=True)
     (tmp_path / "lib/modules/6.1.0-test/modules.dep").write_text(index)
-    assert vfio.vfio_module(HostRoot.at(tmp_path)) is expected
+    assert vfiogroups.vfio_module(HostRoot.at(tmp_path)) is expected

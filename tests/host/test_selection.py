@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 from support.hostkit import AUDIO_A6000, GPU_A6000, NIC_I210, ROOT_PORT, dev, make_host
 
-from katamgr.host import vfio
+from katamgr.host import vfio, vfiodecide, vfiogroups
 from katamgr.host.inventory import Kind, discover
-from katamgr.host.kata import parse_release
+from katamgr.host.katarelease import parse_release
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import passthrough_devices, resource_units
 from katamgr.host.pci import Device
@@ -167,7 +167,7 @@ def test_included_devices_are_units_of_their_resource_without_index_names(tmp_pa
     host = materialise(find_profile("qemu-standins"), tmp_path / "host")
     selection = rules(include=["1234:11e8=example.com/edu", "1234:1111=example.com/vga"],
                       exclude=["0000:00:01.0"])
-    assert not vfio.bind(host, vfio.decide(host, discover(host, selection))).failures
+    assert not vfio.bind(host, vfiodecide.decide(host, discover(host, selection))).failures
     inv = discover(host, selection)
     named, _notes = passthrough_devices(host, inv)
     assert named == []  # nvidia.com/pgpu index names are for GPUs
@@ -181,7 +181,7 @@ def test_included_devices_are_units_of_their_resource_without_index_names(tmp_pa
 
 def test_an_excluded_gpu_gets_no_index_name(tmp_path):
     host = workstation(tmp_path)
-    assert not vfio.bind(host, vfio.decide(host, discover(host))).failures  # every GPU on vfio-pci
+    assert not vfio.bind(host, vfiodecide.decide(host, discover(host))).failures  # every GPU on vfio-pci
     named, _ = passthrough_devices(host, discover(host, rules(exclude=["0000:01:00.0"])))
     assert [(d.device.bdf, d.index) for d in named] == [("0000:02:00.0", 0)]
 
@@ -193,8 +193,8 @@ def test_an_included_device_takes_no_slot_mates_along(tmp_path):
     inv = discover(host, rules(include=["8086:2930=example.com/smbus"]))
     assert inv.companions == {}
     assert [d.bdf for d in inv.ours] == ["0000:00:1f.3"]
-    [decision] = [d for d in vfio.decide(host, inv) if d.group == inv.by_bdf["0000:00:1f.3"].iommu_group]
-    assert decision.action is vfio.Action.SKIP
+    [decision] = [d for d in vfiodecide.decide(host, inv) if d.group == inv.by_bdf["0000:00:1f.3"].iommu_group]
+    assert decision.action is vfiogroups.Action.SKIP
     assert "0000:00:1f.2 (8086:2922, driver ahci)" in decision.reason
 
 

@@ -30,7 +30,7 @@ from katamgr.pipeline.plan import build_plan
 from nodesim import udev
 from nodesim.materialise import materialise
 from nodesim.profile import parse_profile
-from sandbox_plugin.passthrough import PassthroughDiscovery
+from sandbox_plugin.discovery import PassthroughDiscovery
 
 A10 = "nvidia.com/GA102GL_A10"
 NAMING = Naming(PciIds.find())

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import guestmonitor, kataoracle, kernelvm
+from support import guestmonitor, kataoracle, kerneltree, kernelvm
 from support.paths import REPO, REQUIRE_INTEGRATION
 
 GUEST_SCRIPT = Path(__file__).with_name("guest_checks.py")
@@ -41,7 +41,7 @@ _timing: dict[str, object] = {}
 @dataclass
 class GuestResults:
     run: kernelvm.GuestRun
-    kernel: kernelvm.KernelTree
+    kernel: kerneltree.KernelTree
     data: dict
 
     def step(self, name: str) -> dict:
@@ -76,15 +76,15 @@ def _warm_bytecode() -> None:
 
 @pytest.fixture(scope="session")
 def guest(tmp_path_factory) -> GuestResults:
-    missing = [tool for tool in TOOLS if not kernelvm.which(tool)]
+    missing = [tool for tool in TOOLS if not kerneltree.which(tool)]
     if not kernelvm.BUSYBOX.exists():
         missing.append("busybox-static")
     if missing:
         _unavailable(f"the real-kernel suite needs {', '.join(missing)} (run: bash .ci/setup)")
     started = time.monotonic()
     try:
-        kernel = kernelvm.fetch_kernel()
-    except kernelvm.KernelVmError as exc:
+        kernel = kerneltree.fetch_kernel()
+    except kerneltree.KernelVmError as exc:
         _unavailable(f"no kernel to boot: {exc}")
     fetched = time.monotonic() - started
     # Kata's cold-plug code (hack/kata/build's oracle, built here): the guest runs it on the
@@ -110,7 +110,7 @@ def guest(tmp_path_factory) -> GuestResults:
         # The guest's health checks ask for AER errors and a hot-unplug through the share.
         with guestmonitor.MonitorRelay(out, kernelvm.monitor_socket(work)):
             run = kernelvm.boot(kernel, command, work, boot_timeout=BOOT_TIMEOUT, total_timeout=TOTAL_TIMEOUT)
-    except kernelvm.KernelVmError as exc:
+    except kerneltree.KernelVmError as exc:
         _unavailable(f"the guest could not be started: {exc}")
     results_file = out / "results.json"
     data = json.loads(results_file.read_text()) if results_file.exists() else {}

@@ -28,7 +28,7 @@ from katamgr.host.workload import WORKLOAD_LABEL, Workload
 from katamgr.kataclasses import OFFER_LABEL_PREFIX
 from katamgr.pipeline import ccmode
 from katamgr.pipeline.reconcile import Steps, reconcile
-from nodesim.kernel import MARKER
+from nodesim.marker import MARKER
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile
 

@@ -15,7 +15,7 @@ from support.hostkit import (
     snapshot,
 )
 
-from katamgr.host.kata import parse_release
+from katamgr.host.katarelease import parse_release
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.selection import Selection, parse_exclude, parse_include

@@ -13,7 +13,7 @@ from katamgr.cluster import EventRecorder
 from katamgr.commands import setup as cli_setup
 from katamgr.host import gpulabels as facts
 from katamgr.host.inventory import discover
-from katamgr.host.kata import KataRelease
+from katamgr.host.katarelease import KataRelease
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.host.workload import WORKLOAD_LABEL
@@ -128,7 +128,7 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
 
 
 def test_a_typed_release_stays_the_override_when_kata_changes(tmp_path):
-    from katamgr.host.kata import parse_release
+    from katamgr.host.katarelease import parse_release
     from katamgr.host.selection import Selection
 
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")

@@ -22,7 +22,7 @@ from support.hostkit import GPU_A10, dev, driver_of, make_host
 from support.kataconfig import kata_manager_yaml
 
 from katamgr.node.lock import node_lock
-from nodesim.kernel import MARKER
+from nodesim.marker import MARKER
 
 REPO = Path(__file__).resolve().parents[1]
 while not (REPO / "pyproject.toml").exists():

@@ -20,7 +20,7 @@ from katamgr.pipeline.reconcile import Steps, revert_all
 from nodesim.materialise import materialise
 from nodesim.profile import load_profile
 from sandbox_plugin.dra import devices as dra_devices
-from sandbox_plugin.passthrough import scan_units
+from sandbox_plugin.units import scan_units
 
 H100 = "GH100H100_SXM5_80GB"
 

@@ -24,7 +24,7 @@ from katamgr.host.selection import Selection
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim import kata_shim
 from nodesim.kata_shim import ColdPlugError, cold_plug, sandbox_annotations
-from nodesim.kubelet import AdmissionError
+from nodesim.kubeletstate import AdmissionError
 from nodesim.profile import load_profile, parse_profile
 from sandbox_plugin.manager import Mode, PluginManager
 

@@ -19,7 +19,7 @@ from nodesim.materialise import materialise
 from nodesim.profiles import find_profile
 from sandbox_plugin import cli as plugin_cli
 from sandbox_plugin.dra import cli as dra_cli
-from sandbox_plugin.passthrough import scan_units
+from sandbox_plugin.units import scan_units
 
 NVSWITCHES = {"0000:05:00.0", "0000:15:00.0", "0000:85:00.0", "0000:95:00.0"}  # dgx-h100's
 

@@ -16,7 +16,8 @@ from katamgr.host.root import HostRoot
 from katamgr.node.backoff import Backoff
 from kubeletapi import deviceplugin_pb2 as pb
 from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
-from nodesim.kubelet import KubeletSimulator, PluginOptions
+from nodesim.kubelet import KubeletSimulator
+from nodesim.kubeletstate import PluginOptions
 from sandbox_plugin.resources import (
     HEALTHY,
     UNHEALTHY,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from support.hostkit import GPU_A10, dev
 
-from katamgr.host import vfio
+from katamgr.host import vfio, vfiodecide
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
@@ -70,7 +70,7 @@ def test_an_excluded_device_is_never_advertised_even_on_vfio_pci(sim_host, serve
         dev("0000:31:00.0", GPU_A10, "nvidia", 21, minor=1),
     ]})
     host, kubelet = sim_host(profile)
-    assert not vfio.bind(host, vfio.decide(host, discover(host))).failures  # both on vfio-pci
+    assert not vfio.bind(host, vfiodecide.decide(host, discover(host))).failures  # both on vfio-pci
     serve(host, Naming(PCI_IDS, selection=Selection((), (parse_exclude("0000:17:00.0"),))))
     state = kubelet.wait_for(lambda s: "nvidia.com/GA102GL_A10" in s.devices)
     assert [d.id for d in state.devices["nvidia.com/GA102GL_A10"]] == ["0000:31:00.0"]

@@ -6,121 +6,38 @@ its dump, so those keys are checked in the file itself. Version 3 files are chec
 structurally against containerd 2.x's documented default config.
 """
 
+
 from __future__ import annotations
 
-import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
-from support.paths import REPO, require_binary
+from support.containerdconfigs import (
+    CONFIG,
+    DATA,
+    GPU,
+    HAND_WRITTEN,
+    SNP,
+    V2_CRI,
+    V3_CRI,
+    assert_cdi,
+    assert_kata,
+    containerd_default,
+    cri,
+    dump,
+    put,
+    without,
+)
 
-import katamgr.runtime.containerd as containerd_module
 from katamgr.errors import ConfigError
 from katamgr.host import root as root_module
 from katamgr.host.root import HostRoot
-from katamgr.runtime.containerd import (
-    KataRuntime,
-    check_entries,
-    configure_containerd,
-    revert_containerd,
-)
+from katamgr.runtime.containerd import configure_containerd
+from katamgr.runtime.containerd_files import KataRuntime
 from katamgr.runtime.containerd_imports import DROP_IN_NAME
+from katamgr.runtime.containerd_revert import check_entries, revert_containerd
 from katamgr.runtime.reload import CommandResult, reload_containerd
-
-CONFIG = "/etc/containerd/config.toml"
-V2_CRI = "io.containerd.grpc.v1.cri"
-V3_CRI = "io.containerd.cri.v1.runtime"
-DATA = REPO / "tests" / "data" / "containerd"
-ARTIFACTS = "/opt/nvidia-gpu-operator/artifacts/runtimeclasses"
-
-GPU = KataRuntime(
-    "kata-qemu-nvidia-gpu", f"{ARTIFACTS}/kata-qemu-nvidia-gpu/configuration-qemu-nvidia-gpu.toml"
-)
-SNP = KataRuntime(
-    "kata-qemu-nvidia-gpu-snp",
-    f"{ARTIFACTS}/kata-qemu-nvidia-gpu-snp/configuration-qemu-nvidia-gpu-snp.toml",
-)
-
-HAND_WRITTEN = """\
-# Node containerd config, maintained by the platform team.
-version = 2
-root = "/var/lib/containerd"
-
-[grpc]
-  address = "/run/containerd/containerd.sock"  # kubelet talks here
-
-[plugins]
-  [plugins."io.containerd.grpc.v1.cri"]
-    sandbox_image = "registry.example.com/pause:3.9"  # mirrored
-
-    [plugins."io.containerd.grpc.v1.cri".containerd]
-      # crun is our default; do not change without a ticket
-      default_runtime_name = "crun"
-
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.crun]
-        runtime_type = "io.containerd.runc.v2"
-        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.crun.options]
-          BinaryName = "/usr/local/bin/crun"
-          SystemdCgroup = true
-
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
-        runtime_type = "io.containerd.runc.v2"
-        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
-          SystemdCgroup = true
-
-    # registry mirrors live in certs.d
-    [plugins."io.containerd.grpc.v1.cri".registry]
-      config_path = "/etc/containerd/certs.d"
-"""
-
-
-def containerd_default() -> str:
-    binary = require_binary("containerd")
-    return subprocess.run(  # noqa: S603 - fixed argument list
-        [binary, "config", "default"], check=True, capture_output=True, text=True
-    ).stdout
-
-
-def dump(config: Path) -> dict:
-    """The config as containerd itself reads it (imports merged)."""
-    binary = require_binary("containerd")
-    proc = subprocess.run(  # noqa: S603 - fixed argument list
-        [binary, "--config", str(config), "config", "dump"], capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr
-    return tomllib.loads(proc.stdout)
-
-
-def cri(parsed: dict, plugin: str = V2_CRI) -> dict:
-    return parsed["plugins"][plugin]
-
-
-def assert_kata(parsed: dict, rt: KataRuntime, plugin: str = V2_CRI) -> None:
-    entry = cri(parsed, plugin)["containerd"]["runtimes"][rt.name]
-    assert entry["runtime_type"] == "io.containerd.kata.v2"
-    assert entry["privileged_without_host_devices"] is True
-    assert entry["pod_annotations"] == ["io.katacontainers.*"]
-    assert entry["options"]["ConfigPath"] == rt.config_path
-
-
-def assert_cdi(parsed: dict, plugin: str = V2_CRI) -> None:
-    assert cri(parsed, plugin)["enable_cdi"] is True
-    assert {"/etc/cdi", "/var/run/cdi"} <= set(cri(parsed, plugin)["cdi_spec_dirs"])
-
-
-def without(parsed: dict, names: list[str]) -> dict:
-    runtimes = cri(parsed)["containerd"]["runtimes"]
-    for name in names:
-        runtimes.pop(name)
-    return parsed
-
-
-def put(host: HostRoot, text: str, path: str = CONFIG) -> Path:
-    local = host.path(path)
-    local.parent.mkdir(parents=True, exist_ok=True)
-    local.write_text(text)
-    return local
 
 
 @pytest.mark.integration
@@ -459,160 +376,3 @@ def test_relative_imports_do_not_move_us_to_a_drop_in(host: HostRoot) -> None:
     assert change.mode == "main" and change.path == CONFIG
     assert_kata(tomllib.loads(local.read_text()), GPU)
     assert not host.path("/etc/containerd/conf.d").exists()
-
-
-class Crash(Exception):
-    """Stands for the process dying at the injected point."""
-
-
-def crash_once(monkeypatch: pytest.MonkeyPatch, when: str) -> None:
-    """Make the next config write die before it lands, or right after it landed
-    (before anything else of ours ran)."""
-    real = containerd_module.write_atomic
-    armed = [True]
-
-    def faulty(path, data, mode=0o644):
-        if not armed[0]:
-            return real(path, data, mode)
-        armed[0] = False
-        if when == "after-write":
-            real(path, data, mode)
-        raise Crash(f"died {when} of {path}")
-
-    monkeypatch.setattr(containerd_module, "write_atomic", faulty)
-
-
-def host_files(host: HostRoot) -> dict[str, tuple[bytes, int]]:
-    """Every file under the host root (config and our state alike) with its mtime."""
-    return {
-        str(p.relative_to(host.root)): (p.read_bytes(), p.stat().st_mtime_ns)
-        for p in sorted(Path(host.root).rglob("*"))
-        if p.is_file()
-    }
-
-
-@pytest.mark.integration
-@pytest.mark.parametrize("then", ["configure", "revert"])
-@pytest.mark.parametrize("step", ["first change", "dropping a runtime"])
-@pytest.mark.parametrize("when", ["before-write", "after-write"])
-def test_crash_around_the_config_write_never_loses_the_original(
-    host: HostRoot, monkeypatch: pytest.MonkeyPatch, when: str, step: str, then: str
-) -> None:
-    local = put(host, HAND_WRITTEN)
-    if step == "dropping a runtime":
-        configure_containerd(host, [GPU, SNP])
-    crash_once(monkeypatch, when)
-
-    with pytest.raises(Crash):
-        configure_containerd(host, [GPU])
-
-    if then == "configure":
-        # The next run converges: exactly GPU of ours, as containerd reads it.
-        configure_containerd(host, [GPU])
-        after = dump(local)
-        assert_kata(after, GPU)
-        assert set(cri(after)["containerd"]["runtimes"]) == {"crun", "runc", GPU.name}
-        assert configure_containerd(host, [GPU]).changed is False
-    change = revert_containerd(host)
-
-    assert local.read_bytes() == HAND_WRITTEN.encode()
-    assert change.changed is (then == "configure" or when == "after-write" or step != "first change")
-    assert not host.state_path("containerd").exists() or not any(
-        host.state_path("containerd").iterdir()
-    )
-
-
-@pytest.mark.parametrize("when", ["before-write", "after-write"])
-def test_crash_while_creating_a_missing_config_leaves_nothing_after_revert(
-    host: HostRoot, monkeypatch: pytest.MonkeyPatch, when: str
-) -> None:
-    crash_once(monkeypatch, when)
-    with pytest.raises(Crash):
-        configure_containerd(host, [GPU])
-
-    assert configure_containerd(host, [GPU]).changed is (when == "before-write")
-    assert_kata(tomllib.loads(host.path(CONFIG).read_text()), GPU)
-    revert_containerd(host)
-    assert not host.path(CONFIG).exists()
-
-
-def test_someone_elses_edit_after_a_crash_is_kept_on_revert(
-    host: HostRoot, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    local = put(host, HAND_WRITTEN)
-    configure_containerd(host, [GPU, SNP])
-    crash_once(monkeypatch, "before-write")
-    with pytest.raises(Crash):
-        configure_containerd(host, [GPU])
-    # The file matches neither side of the interrupted write: someone else's edit.
-    local.write_text(local.read_text().replace("pause:3.9", "pause:3.10"))
-
-    configure_containerd(host, [GPU])
-    revert_containerd(host)
-
-    # A surgical revert: their edit stays, every trace of ours (SNP included) goes.
-    reverted = local.read_text()
-    assert 'sandbox_image = "registry.example.com/pause:3.10"  # mirrored' in reverted
-    assert tomllib.loads(reverted) == tomllib.loads(HAND_WRITTEN.replace("3.9", "3.10"))
-
-
-DROP_IN_MAIN = HAND_WRITTEN.replace(
-    'root = "/var/lib/containerd"\n',
-    'root = "/var/lib/containerd"\nimports = ["/etc/containerd/conf.d/*.toml"]\n',
-)
-DROP_IN = f"/etc/containerd/conf.d/{DROP_IN_NAME}"
-
-
-@pytest.mark.parametrize("then", ["configure", "revert"])
-@pytest.mark.parametrize(
-    "existing", [None, "# an older file of this name\nversion = 2\n"], ids=["new", "older-file"]
-)
-@pytest.mark.parametrize("when", ["before-write", "after-write"])
-def test_crash_around_the_drop_in_write_never_loses_the_original(
-    host: HostRoot, monkeypatch: pytest.MonkeyPatch, when: str, existing: str | None, then: str
-) -> None:
-    main = put(host, DROP_IN_MAIN)
-    if existing is not None:
-        put(host, existing, DROP_IN)
-    configure_containerd(host, [GPU, SNP])
-    crash_once(monkeypatch, when)
-
-    with pytest.raises(Crash):
-        configure_containerd(host, [GPU])
-
-    drop_in = host.path(DROP_IN)
-    if then == "configure":
-        change = configure_containerd(host, [GPU])
-        assert change.mode == "drop-in"
-        runtimes = cri(tomllib.loads(drop_in.read_text()))["containerd"]["runtimes"]
-        assert set(runtimes) == {"crun", "runc", GPU.name}
-    revert_containerd(host)
-
-    assert main.read_text() == DROP_IN_MAIN
-    if existing is None:
-        assert not drop_in.exists()
-    else:
-        assert drop_in.read_text() == existing
-
-
-@pytest.mark.parametrize(
-    "setup",
-    ["missing", "hand-written", "configured", "configured, then changed", "drop-in"],
-)
-def test_dry_run_writes_nothing(host: HostRoot, setup: str) -> None:
-    if setup == "drop-in":
-        put(host, DROP_IN_MAIN)
-    elif setup != "missing":
-        put(host, HAND_WRITTEN)
-    if setup.startswith("configured") or setup == "drop-in":
-        configure_containerd(host, [GPU, SNP])
-    wanted = [GPU] if setup in ("configured, then changed", "drop-in") else [GPU, SNP]
-    before = host_files(host)
-
-    change = configure_containerd(host, wanted, dry_run=True)
-
-    assert host_files(host) == before
-    assert change.changed is (setup != "configured")
-    assert (change.diff != "") is change.changed
-    if setup in ("configured, then changed", "drop-in"):
-        assert change.runtimes_removed == (SNP.name,)

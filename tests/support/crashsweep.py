@@ -31,7 +31,7 @@ import katamgr.cluster  # noqa: F401 - imported once here, so each forked run st
 from katamgr.cli import main as katamgr_main
 from katamgr.host import faults
 from katamgr.kataclasses import GPU, GPU_SNP
-from nodesim.kernel import MARKER
+from nodesim.marker import MARKER
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile
 from support.kataconfig import kata_manager_yaml

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from katamgr.host.root import HostRoot
-from nodesim.kernel import MARKER
+from nodesim.marker import MARKER
 from nodesim.materialise import materialise
 from nodesim.profile import parse_profile
 
