@@ -20,13 +20,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("katamgr", "sandbox_plugin", "grpcwire", "cdi", "kubeletapi", "nodesim")
 
-# Circles another helper is breaking on their branch; the lead removes each line at merge.
-KNOWN: set[frozenset[str]] = {
-    # h36-entry: the agent's loop and running (AgentSettings and a Protocol for the loop).
-    frozenset({"katamgr.agent.loop", "katamgr.agent.running"}),
-}
-
-
 @dataclass
 class Module:
     name: str
@@ -177,16 +170,10 @@ def _describe(component: list[str], graph: dict[str, set[str]]) -> str:
 
 def test_no_module_imports_itself_through_others():
     graph = edges(load_modules())
-    found = [c for c in circles(graph) if frozenset(c) not in KNOWN]
+    found = circles(graph)
     assert not found, "import circles (every import counted):\n" + "\n".join(
         _describe(c, graph) for c in found
     )
-
-
-def test_the_known_exceptions_are_still_circles():
-    # An exception that no longer holds would hide a new circle among the same modules.
-    graph = edges(load_modules())
-    assert KNOWN <= {frozenset(c) for c in circles(graph)}
 
 
 def test_the_finder_sees_a_circle_closed_inside_a_function_and_under_type_checking():
