@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.exitcodes import Exit
 from katamgr.host import cc
-from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
 from katamgr.host.root import STATE_DIR, HostRoot
@@ -29,7 +28,7 @@ from katamgr.host.workload import (
     describe_opt_outs,
     resolve_workload,
 )
-from katamgr.node import nvlinkfabric
+from katamgr.node import options
 from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.process import (
     TEXT,
@@ -97,7 +96,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="where the node's / is as containerd sees it, for the device "
                              "nodes CDI specs name (default /; the chart passes "
                              "hostPaths.rootFS)")
-    resource_naming.add_arguments(parser)
+    options.add_naming(parser)
     parser.add_argument("--config", metavar="FILE",
                         help="kataManager config (YAML, the GPU Operator's kataManager.config shape); "
                              "with it the Kata chain runs too: artifacts, Kata config, containerd, RuntimeClasses")
@@ -142,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="show what apply would change (read-only)",
                        description="Show what `katamgr apply` would change on the node. Reads only.")
     _common(p)
-    device_selection.add_arguments(p)
-    nvlinkfabric.add_arguments(p)
+    options.add_selection(p)
+    options.add_fabric(p)
     _output(p, ("text", "wide", *FORMATS),
             "text (default: the device table fits the terminal, long cells cut with ...), wide (every "
             "column and cell in full), or a versioned json or yaml document (kind Plan)")
@@ -157,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(with companions) to vfio-pci, then write /run/nvidia/validations files. "
                                    "Running it again changes nothing.")
     _common(p)
-    device_selection.add_arguments(p)
-    nvlinkfabric.add_arguments(p)
+    options.add_selection(p)
+    options.add_fabric(p)
     p.add_argument("--force", action="store_true",
                    help="unbind GPUs even while a process holds /dev/nvidiaN (that workload will crash)")
     _waits(p)
@@ -216,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "exponential backoff (2 s up to 5 min). "
                                    "SIGTERM stops it; the node keeps its state unless --revert-on-exit is given.")
     _common(p)
-    device_selection.add_arguments(p)
-    nvlinkfabric.add_arguments(p)
+    options.add_selection(p)
+    options.add_fabric(p)
     p.add_argument("--force", action="store_true", help="as for apply")
     _waits(p)
     p.add_argument("--repull-interval", type=float, default=3600.0, metavar="SECONDS",
@@ -260,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "revert, and print a short report. Touches nothing on this machine.")
     p.add_argument("--profile", default="dgx-h100", help="host profile to simulate (default dgx-h100)")
     p.add_argument("--keep", metavar="DIR", help="simulate into DIR and leave it there to look at")
-    device_selection.add_arguments(p)
-    nvlinkfabric.add_arguments(p)
+    options.add_selection(p)
+    options.add_fabric(p)
     p.add_argument("-v", "--verbose", action="store_true")
     add_log_format_argument(p)
     p.set_defaults(func=cmd_demo, host=None, host_root=None)
@@ -354,7 +353,7 @@ def naming_from(args: argparse.Namespace, config: KataManagerConfig | None = Non
     """The naming options and the device selection: the config's devices, then the flags'."""
     try:
         base = config.devices.selection if config is not None else device_selection.DEFAULT_SELECTION
-        return resource_naming.from_arguments(args, device_selection.from_arguments(args, base))
+        return options.naming_from(args, options.selection_from(args, base))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -455,7 +454,7 @@ def fabric_settings(args: argparse.Namespace, host: HostRoot, config: KataManage
         fm = config.devices.fabric_manager
         settings = FabricSettings(config.devices.nvlink_fabric, fm.address, fm.library, fm.gpu_module_ids)
     try:
-        settings = nvlinkfabric.from_arguments(args, settings)
+        settings = options.fabric_from(args, settings)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     node = open_node(host.root)

@@ -4,7 +4,6 @@ alone suggests."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from pathlib import Path
 
@@ -38,13 +37,6 @@ def read_labels(node_name: str, host_root: str | Path = "/") -> dict[str, str]:
     return read_node_labels(cluster_client(host_root), node_name)
 
 
-def add_containerd_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--containerd-config", default=katadetect.CONTAINERD_CONFIG, metavar="PATH",
-                        help="containerd's config on the host, where the node's Kata runtimes are found "
-                             "(their release decides, where --kata-version gives none, whether NVSwitches "
-                             f"are advertised; default: {katadetect.CONTAINERD_CONFIG})")
-
-
 def with_node_kata(naming: Naming, host: HostRoot, containerd_config: str) -> Naming:
     """``naming`` deciding by the Kata release found on the node, as katamgr decides
     (``katadetect.node_selection``: the release of its Kata GPU runtimes, where --kata-version
@@ -66,15 +58,16 @@ def mode_from_host(
 
 
 def fabric_settings(args, host: HostRoot):
-    """The NVLink fabric flags (``nvlinkfabric.from_arguments``; ValueError naming a bad one);
+    """The NVLink fabric flags (``options.fabric_from``; ValueError naming a bad one);
     on a simulated node whose Fabric Manager runs, where FM and its library are unless told,
     as ``katamgr plan`` finds them (``katamgr.cli.fabric_settings``)."""
     import dataclasses as dc
 
     from katamgr.node import nvlinkfabric as nf
+    from katamgr.node import options
     from nodesim.node import open_node
 
-    settings = nf.from_arguments(args)
+    settings = options.fabric_from(args)
     node = open_node(host.root)
     simulated = node.fabric_manager() if node is not None else None
     default = nf.FabricSettings()

@@ -66,7 +66,7 @@ def package_version() -> str:
         return __version__
 
 
-class _VersionAction(argparse.Action):
+class VersionAction(argparse.Action):
     # argparse's own "version" action wants the text when the parser is built; this one
     # reads the package metadata only when --version is asked for.
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):  # noqa: A002
@@ -78,7 +78,7 @@ class _VersionAction(argparse.Action):
 
 
 def add_version_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--version", action=_VersionAction,
+    parser.add_argument("--version", action=VersionAction,
                         help=f"print the program's name and the version of {DISTRIBUTION}, then exit")
 
 

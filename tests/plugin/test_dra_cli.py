@@ -27,7 +27,7 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
      "most 63 characters"),
     (["--node-name", "n", "--driver-name", "a" * 64 + ".io"], "is not a DRA driver name"),
     (["--node-name", "n", "--kubelet-dir", "var/lib/kubelet"],
-     "--kubelet-dir 'var/lib/kubelet' is not an absolute host path"),
+     "--kubelet-dir: 'var/lib/kubelet' is not an absolute path"),
     (["--node-name", "n", "--host-root", "/nonexistent-root"], "--host-root '/nonexistent-root' is not a directory"),
     (["--node-name", "n", "--include-device", "1234:11e8"], "'1234:11e8' is not VENDOR:DEVICE=RESOURCE"),
     (["--node-name", "n", "--kata-runtime-class", "Kata_QEMU"],
@@ -68,7 +68,7 @@ def test_the_command_publishes_and_follows_its_node_label(tmp_path):
         # test_nvlink_gate's (with auto and no FM answering its GPUs would stay out).
         process = subprocess.Popen(
             [sys.executable, "-m", "sandbox_plugin.dra.cli", "--host-root", str(node.host.root),
-             "--node-name", NODE, "--nvswitches", "yes", "--nvlink-fabric", "off"],
+             "--node-name", NODE, "--nvswitches", "true", "--nvlink-fabric", "off"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
         try:
             node.dra.wait_for(lambda s: s.current(DRIVER) is not None, timeout=30)
