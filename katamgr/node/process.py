@@ -77,17 +77,6 @@ class VersionAction(argparse.Action):
         parser.exit()
 
 
-def add_version_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--version", action=VersionAction,
-                        help=f"print the program's name and the version of {DISTRIBUTION}, then exit")
-
-
-def add_log_format_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default=TEXT,
-                        help="text (the default: time level logger: message) or json "
-                             "(one object per line: time, level, logger, message, exception)")
-
-
 def setup_logging(level: int, log_format: str = TEXT) -> None:
     """Log records at ``level`` and above to stderr, in the format both commands share
     (``text``) or as JSON lines (``json``)."""

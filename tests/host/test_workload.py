@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from support.apiserver import FakeApiServer
 
-from katamgr.cli import build_parser, steps_and_context
+from katamgr.cli import build_parser
+from katamgr.commands.setup import steps_and_context
 from katamgr.errors import ConfigError, KatamgrError
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import WORKLOAD_LABEL, NoCluster, Workload, resolve_workload
@@ -108,7 +109,7 @@ def test_opt_outs_are_the_gpu_operators_deploy_labels_set_to_false():
 
 
 def test_katamgr_plan_and_apply_leave_out_what_the_node_opts_out_of(tmp_path, monkeypatch):
-    from katamgr.cli import node_setup
+    from katamgr.commands.setup import node_setup
     from katamgr.host.workload import Operand
 
     host = HostRoot.at(tmp_path / "node")

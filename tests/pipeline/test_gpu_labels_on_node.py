@@ -10,6 +10,7 @@ from support.apiserver import FakeApiServer
 from katamgr import cli
 from katamgr.agent import Agent
 from katamgr.cluster import EventRecorder
+from katamgr.commands import setup as cli_setup
 from katamgr.host import gpulabels as facts
 from katamgr.host.gpulabels import CC_CAPABLE, COUNT, FAMILY, KEYS, MEMORY, PRODUCT
 from katamgr.host.inventory import discover
@@ -39,7 +40,7 @@ def _patches(api) -> int:
 
 
 def _node_labels(client) -> gpulabels.NodeLabels:
-    return cli._node_labels(client, NODE)
+    return cli_setup.node_labels(client, NODE)
 
 
 def _events(api, reason):

@@ -11,7 +11,7 @@ from pathlib import Path
 import tomlkit
 from support.kataconfig import LAYOUT_ON_NODE, kata_manager_yaml, prepare_node
 
-from katamgr import cli
+from katamgr.commands import setup as cli_setup
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
@@ -39,7 +39,7 @@ def files_under(host, directory: str) -> dict[str, bytes]:
 def setup(tmp_path, extra: str = "", classes=(GPU, GPU_SNP), release: str = "3.29.0"):
     host = kata_deploy_node(tmp_path, release)
     config = parse_config(kata_manager_yaml(classes) + extra)
-    return host, config, cli.with_node_kata(NAMING, host, config)
+    return host, config, cli_setup.with_node_kata(NAMING, host, config)
 
 
 def test_kata_deploy_s_classes_get_only_the_gpu_settings(tmp_path):

@@ -10,6 +10,7 @@ from katamgr import cli
 from katamgr.agent import Agent
 from katamgr.agent.katafound import KataFound
 from katamgr.cluster import EventRecorder
+from katamgr.commands import setup as cli_setup
 from katamgr.host import gpulabels as facts
 from katamgr.host.inventory import discover
 from katamgr.host.kata import KataRelease
@@ -51,10 +52,10 @@ def _driver(host, bdf: str) -> str | None:
 def test_the_release_label_is_recorded_and_comes_off_on_revert(tmp_path, monkeypatch, capsys):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.25.0", ("go",)))
-    naming = cli.with_node_kata(NAMING, host, None)
+    naming = cli_setup.with_node_kata(NAMING, host, None)
     with FakeApiServer() as api:
         _node(api, {WORKLOAD_LABEL: "vm-passthrough"})
-        node = cli._node_labels(api.client(), NODE)
+        node = cli_setup.node_labels(api.client(), NODE)
         report = gpulabels.publish(host, discover(host), naming, node)
         assert report.ok and f"{KATA_LABEL}=3.25.0" in report.changes[0]
         assert _labels(api)[KATA_LABEL] == "3.25.0"
@@ -73,10 +74,10 @@ def test_a_release_label_set_before_the_record_is_taken_as_katamgr_s(tmp_path):
     left, and said."""
     host = materialise(find_profile("a10-server"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.29.0", ("go",)))
-    naming = cli.with_node_kata(NAMING, host, None)
+    naming = cli_setup.with_node_kata(NAMING, host, None)
     with FakeApiServer() as api:
         _node(api, {KATA_LABEL: "3.29.0"})
-        node = cli._node_labels(api.client(), NODE)
+        node = cli_setup.node_labels(api.client(), NODE)
         report = gpulabels.publish(host, discover(host), naming, node)
         assert report.ok and KATA_LABEL not in " ".join(report.changes)
         assert facts.recorded(host)[KATA_LABEL] == "3.29.0"
@@ -96,10 +97,10 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
     with FakeApiServer() as api:
         _node(api, {WORKLOAD_LABEL: "vm-passthrough"})
         client = api.client()
-        naming = cli.with_node_kata(NAMING, host, None)  # no Kata yet
+        naming = cli_setup.with_node_kata(NAMING, host, None)  # no Kata yet
         assert naming.selection.kata_found.runtimes == ()
         agent = Agent(host, naming, Steps(kata=False), None, events=EventRecorder(client, NODE),
-                      node_labels=cli._node_labels(client, NODE),
+                      node_labels=cli_setup.node_labels(client, NODE),
                       kata_found=KataFound(NAMING.selection, CONTAINERD, names=GPU_CLASSES))
         assert agent.run(once=True) == 0
         assert KATA_LABEL not in _labels(api)
@@ -133,7 +134,7 @@ def test_a_typed_release_stays_the_override_when_kata_changes(tmp_path):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.29.0", ("go",)))
     typed = Naming(NAMING.pci_ids, selection=Selection(kata=parse_release("3.29.0")))
-    agent = Agent(host, cli.with_node_kata(typed, host, None), Steps(kata=False), None,
+    agent = Agent(host, cli_setup.with_node_kata(typed, host, None), Steps(kata=False), None,
                   kata_found=KataFound(typed.selection, CONTAINERD, names=GPU_CLASSES))
     lay_out(host, KataInstall("kata-deploy", "4.1.0", ("go",)))
     assert agent.follow_kata()

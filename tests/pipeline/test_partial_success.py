@@ -23,8 +23,8 @@ from support.hostkit import GPU_A10, dev, make_host
 from support.kataconfig import kata_manager_yaml, prepare_node
 
 from katamgr.agent import Agent
-from katamgr.cli import _node_labels
 from katamgr.cluster import desired_runtime_classes
+from katamgr.commands.setup import node_labels as _node_labels
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from katamgr import cli
+from katamgr.commands import setup as cli_setup
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
 from katamgr.pipeline.reconcile import Steps, reconcile
@@ -28,7 +28,7 @@ def _node(tmp_path, release: str):
     profile = dataclasses.replace(find_profile("dgx-h100"), kata=KataInstall("kata-deploy", release, ("go",)))
     host = materialise(profile, tmp_path / "root")
     # katamgr binds what the release found lets it (NVSwitches on 4.1 and later).
-    naming = cli.with_node_kata(Naming(PciIds.find()), host, None)
+    naming = cli_setup.with_node_kata(Naming(PciIds.find()), host, None)
     assert reconcile(host, naming, Steps(kata=False, cdi=False), None).ok
     return host
 

@@ -1,0 +1,1 @@
+"""The ``katamgr`` subcommands, one module per job; ``katamgr.cli`` parses and dispatches."""

@@ -1,0 +1,161 @@
+"""``katamgr plan``, ``apply``, ``revert`` and ``status``: one pass over the node, reported."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from katamgr.commands.setup import (
+    NodeSetup,
+    config_from,
+    fabric_settings,
+    host_from,
+    naming_from,
+    node_labels,
+    node_setup,
+    steps_and_context,
+    with_node_kata,
+)
+from katamgr.errors import ConfigError
+from katamgr.exitcodes import Exit
+from katamgr.host.root import HostRoot
+from katamgr.output import documents
+from katamgr.output.documents import FORMATS
+from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
+from katamgr.pipeline.report import Report
+from katamgr.render import plan_text, print_report, quiet, status_text
+from nodesim.node import open_node
+
+if TYPE_CHECKING:
+    from katamgr.pipeline.kata_runtime import KataContext
+
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    config = config_from(args)
+    naming = naming_from(args, config)
+    with host_from(args) as host:
+        naming = with_node_kata(naming, host, config)
+        setup = node_setup(args, host, config)
+        plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
+                         workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
+                         fabric=fabric_settings(args, host, config))
+        if args.output in FORMATS:
+            print(documents.dump(documents.plan_document(plan), args.output))
+        else:
+            print(plan_text(plan, wide=args.output == "wide", headers=not args.no_headers))
+    return Exit.PROBLEMS if plan.problems else Exit.OK
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    config = config_from(args)
+    naming = naming_from(args, config)
+    with host_from(args) as host:
+        naming = with_node_kata(naming, host, config)
+        setup = node_setup(args, host, config)
+        steps = setup.steps.without(setup.opted_out)
+        report = reconcile(host, naming, steps, setup.ctx, force=args.force,
+                           wait=args.device_wait,
+                           lock_wait=args.wait, command="katamgr apply", journal=_journal(host, "katamgr apply"))
+        report.merge(_offer(setup, steps, args, report))
+        # "Nothing to change" only where nothing was left out either.
+        _show_report(args, "ApplyReport", report,
+                     "" if report.problems else "nothing to change: the node is already as planned")
+        _tell_how_to_undo(report, args)
+    return report.exit_code()
+
+
+def _offer(setup: NodeSetup, steps: Steps, args: argparse.Namespace, report: Report) -> Report:
+    """The runtime classes this node offers, on its Node (``pipeline.offers``), where a node name
+    and a cluster are known; without them, say which label the classes need."""
+    if setup.ctx is None or report.classes_ready is None:
+        return Report()
+    from katamgr.kataclasses import offer_label
+    from katamgr.pipeline import offers
+
+    configured = [rc.name for rc in setup.ctx.config.runtime_classes]
+    if setup.api is None or not args.node_name:
+        labels = ", ".join(f"{offer_label(n)}=true" for n in report.classes_ready)
+        return Report(warnings=[f"the RuntimeClasses run only on nodes labeled {labels or 'for them'}; pass "
+                                "--node-name (or NODE_NAME) with a cluster and katamgr labels this node"]
+                      if report.classes_ready else [])
+    ready = report.classes_ready if steps.passthrough and steps.kata else []
+    return offers.publish(node_labels(setup.api, args.node_name), offers.wanted(configured, ready))
+
+
+def _journal(host: HostRoot, command: str):
+    """The run journal of an apply or revert: recorded on the node, each step said on stderr."""
+    from katamgr.node.journal import Journal
+    from katamgr.output.progress import progress_printer
+
+    return Journal(host, command, progress_printer(command))
+
+
+def _show_report(args: argparse.Namespace, kind: str, report: Report, nothing: str) -> None:
+    if args.output in FORMATS:
+        summary = nothing if quiet(report) else ""
+        print(documents.dump(documents.report_document(kind, report, summary), args.output))
+    else:
+        print_report(report, nothing)
+
+
+def _tell_how_to_undo(report: Report, args: argparse.Namespace) -> None:
+    """A failed apply that changed something says so, and how to undo it (exit 1); a partly
+    done one names the runtime classes that are not offered (exit 3)."""
+    where = f" --host-root {args.host_root}" if args.host_root not in (None, "/") else ""
+    if report.partly:
+        print(f"katamgr: partly done: runtime class(es) {', '.join(sorted(report.classes_failed))} failed and "
+              "are not offered on this node; the rest is in place (`katamgr run` retries them, or run apply "
+              "again once the cause is fixed)", file=sys.stderr)
+        return
+    if not report.failures or not report.changes:
+        return
+    print(f"katamgr: apply failed after the changes listed above, which are still in place; "
+          f"`katamgr revert{where}` undoes them (it follows the node's record: no --config needed)",
+          file=sys.stderr)
+
+
+def cmd_revert(args: argparse.Namespace) -> int:
+    if args.delete_runtimeclasses and args.no_runtime_classes:
+        raise ConfigError("--delete-runtimeclasses and --no-runtime-classes contradict each other: "
+                          "RuntimeClasses left to the chart are deleted by helm uninstall")
+    with host_from(args) as host:
+        steps, ctx = steps_and_context(args, host)
+        report = revert_all(host, steps, ctx, force=args.force,
+                            delete_runtime_classes=args.delete_runtimeclasses, lock_wait=args.wait,
+                            node_labels=_revert_node_labels(args, host, ctx),
+                            journal=_journal(host, "katamgr revert"))
+        if steps.kata and ctx is not None and ctx.api is not None and args.node_name:
+            from katamgr.pipeline import offers
+
+            report.merge(offers.withdraw(node_labels(ctx.api, args.node_name)))
+        _show_report(args, "RevertReport", report, "nothing to revert: katamgr has no changes recorded on this node")
+    return 0 if report.ok else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from katamgr.pipeline.status import node_status
+
+    with host_from(args) as host:
+        status = node_status(host)
+    if args.output in FORMATS:
+        summary = "" if status.installed else "nothing installed: katamgr has no changes recorded on this node"
+        print(documents.dump(documents.status_document(status, summary), args.output))
+    else:
+        print(status_text(status))
+    return 0
+
+
+def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataContext | None):
+    """The Node's labels to remove the GPU labels katamgr set from: only asked for when it set some."""
+    from katamgr.host import gpulabels
+
+    if not args.node_name or not gpulabels.recorded(host):
+        return None
+    api = ctx.api if ctx is not None and ctx.api is not None else None
+    if api is None:
+        from katamgr.node.apiclient import connect
+
+        api = connect(home_kubeconfig=open_node(host.root) is None)
+    return node_labels(api, args.node_name) if api is not None else None
