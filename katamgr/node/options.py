@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path, PurePosixPath
 
@@ -30,7 +31,7 @@ from katamgr.host.pciids import PciIds
 from katamgr.host.workload import AUTO, DEFAULT_WORKLOAD, WORKLOADS
 from katamgr.node import nvlinkfabric as nf
 from katamgr.node.fabricmanager import DEFAULT_ADDRESS, DEFAULT_LIBRARY
-from katamgr.node.process import LOG_FORMATS, TEXT, VersionAction
+from katamgr.node.process import DISTRIBUTION, LOG_FORMATS, TEXT, VersionAction
 
 WORKLOAD_CHOICES = (AUTO, *WORKLOADS)
 
@@ -80,8 +81,6 @@ def add_containerd_config(parser) -> None:
 
 
 def add_node_name(parser) -> None:
-    import os
-
     parser.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
                         help="this node's name, to read and follow its labels (the DRA driver: its "
                              "slice's pool and spec.nodeName; default: $NODE_NAME)")
@@ -128,8 +127,6 @@ def add_node(parser) -> None:
 
 
 def add_version(parser) -> None:
-    from katamgr.node.process import DISTRIBUTION
-
     parser.add_argument("--version", action=VersionAction,
                         help=f"print the program's name and the version of {DISTRIBUTION}, then exit")
 
@@ -309,11 +306,12 @@ def fabric_from(args: argparse.Namespace, base: nf.FabricSettings | None = None)
     return settings
 
 
-def add_node_options(parser, *, where=None) -> None:
-    """What all three programs take alike: the host (``where``: a group for ``--host-root``),
-    the node and its workload, the devices and their names, the NVLink fabric, the log
-    format. Each program adds its own beside them."""
-    add_host_root(where if where is not None else parser)
+def add_node_options(parser) -> None:
+    """What the plugins take as katamgr's node commands do: the host, the node and its
+    workload, the devices and their names, the NVLink fabric, the log format (katamgr adds
+    them one by one among its own: ``--host-root`` beside ``--host``). Each program adds
+    its own options beside them."""
+    add_host_root(parser)
     add_runtime_root(parser)
     add_node(parser)
     add_devices(parser)

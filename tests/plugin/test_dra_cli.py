@@ -95,3 +95,27 @@ def wait(check, what: str, timeout: float = 15.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.05)
+
+
+def test_a_workload_chosen_with_the_flag_wins_over_the_label(tmp_path):
+    """--workload (as katamgr's and the device plugin's) fixes what the driver serves: the
+    node's label is not asked, so a container-labeled node still gets its slice."""
+    node, cleanup = make_node(start=False)
+    try:
+        node.server.update("nodes", NODE, lambda n: n["metadata"].setdefault("labels", {}).update(
+            {WORKLOAD: "container"}))
+        env = {**os.environ, "KUBECONFIG": str(node.server.write_kubeconfig(tmp_path / "kubeconfig"))}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sandbox_plugin.dra.cli", "--host-root", str(node.host.root),
+             "--node-name", NODE, "--workload", "vm-passthrough", "--nvlink-fabric", "off"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        try:
+            wait(lambda: node.slices(), "the slice", timeout=30)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=20)
+        assert process.returncode == 0, output
+        assert "removing the node's ResourceSlice" not in output  # the container label was not asked
+    finally:
+        cleanup()
