@@ -12,11 +12,11 @@ until it exits or is stopped):
   binding the GPUs and writing the CDI specs; then ``katamgr run --once`` against the API
   server stand-in (the Kubernetes client loaded, RuntimeClasses applied);
 - revert (the uninstall's init container): ``katamgr revert`` of that node;
-- sandbox-device-plugin: ``sandbox-device-plugin --mode vm-passthrough --metrics-address``
+- sandbox-device-plugin: ``sandbox-device-plugin --workload vm-passthrough --metrics-address``
   registered with the kubelet stand-in, 2,000 Allocates through grpcio and 100 callers for
   4 s, then the worst hostile client for memory (tests/plugin/hostile.py large_bodies:
   requests up to the buffer limits);
-- device-plugin: ``sandbox-device-plugin --mode container`` (NVML's stand-in) and 1,000
+- device-plugin: ``sandbox-device-plugin --workload container`` (NVML's stand-in) and 1,000
   Allocates;
 - dra-driver: ``sandbox-dra-driver`` against the API server stand-in with the kubelet's DRA
   side: the slice published, 50 claims prepared and unprepared;
@@ -211,7 +211,7 @@ def passthrough_plugin(tmp: Path) -> float:
                        cwd=REPO, env=ENV, capture_output=True, timeout=120, check=True)
 
     try:
-        return serve([PYTHON, "-m", "sandbox_plugin.cli", "--mode", "vm-passthrough", "--host-root",
+        return serve([PYTHON, "-m", "sandbox_plugin.cli", "--workload", "vm-passthrough", "--host-root",
                       str(host.root), "--metrics-address", f"127.0.0.1:{free_port()}"], work)
     finally:
         kubelet.stop()
@@ -234,7 +234,7 @@ def container_plugin(tmp: Path) -> float:
             kubelet.allocate("nvidia.com/gpu", [gpu])
 
     try:
-        return serve([PYTHON, "-m", "sandbox_plugin.cli", "--mode", "container", "--host-root",
+        return serve([PYTHON, "-m", "sandbox_plugin.cli", "--workload", "container", "--host-root",
                       str(host.root), "--metrics-address", f"127.0.0.1:{free_port()}"], work)
     finally:
         kubelet.stop()

@@ -4,7 +4,7 @@
         [--callers 100] [--rate 10] [--seconds 4] [--client-procs 4] [--flips 20]
 
 The plugin runs as a kubelet meets it: its own process (``sandbox-device-plugin
---mode vm-passthrough``, started fresh each round), talking over its unix
+--workload vm-passthrough``, started fresh each round), talking over its unix
 sockets. This process materialises dgx-h100, binds it with katamgr's apply,
 writes the CDI specs (as katamgr does with cdi enabled, so every answer carries
 CDI names) and plays the kubelet as cheaply as it can: a Registration server on
@@ -378,7 +378,7 @@ def one_round(ctx, host: HostRoot, kubelet: Kubelet, source: Path, args, log: Pa
             plugin = subprocess.Popen(
                 # As the chart runs it: metrics on (prometheus_client and the HTTP server are
                 # part of its start-up and memory).
-                [sys.executable, "-m", "sandbox_plugin.cli", "--mode", "vm-passthrough",
+                [sys.executable, "-m", "sandbox_plugin.cli", "--workload", "vm-passthrough",
                  "--host-root", str(host.root), "--metrics-address", f"127.0.0.1:{free_port()}"],
                 cwd=source, env=env, stdout=output, stderr=subprocess.STDOUT,
             )

@@ -23,13 +23,13 @@ from pathlib import Path
 from katamgr.config import load_config
 from katamgr.errors import ConfigError
 from katamgr.exitcodes import Exit
-from katamgr.host import selection as device_selection
 from katamgr.host.files import write_atomic
 from katamgr.host.inventory import discover
 from katamgr.host.naming import Naming
 from katamgr.host.passthrough import resource_units
 from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
+from katamgr.node import options
 from katamgr.node.simulator import Simulator
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
@@ -58,7 +58,7 @@ def run_demo(args: argparse.Namespace, sim: Simulator) -> int:
     """The demo on ``sim``, the simulated node (``katamgr.node.simulator``) the command found."""
     profile = sim.profile(args.profile)
     try:
-        naming = Naming(PciIds.find(), selection=device_selection.from_arguments(args))
+        naming = Naming(PciIds.find(), selection=options.selection_from(args))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     with contextlib.ExitStack() as stack:
@@ -189,7 +189,7 @@ def _plugin_program(host: HostRoot, args: argparse.Namespace, output) -> Iterato
                  *(f"--exclude-device={v}" for v in args.exclude_device or ())]
     plugin = subprocess.Popen(
         [sys.executable, "-m", "sandbox_plugin", "--host-root", str(host.root),
-         "--mode", "vm-passthrough", *selection],
+         "--workload", "vm-passthrough", *selection],
         stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT)
     try:
         yield

@@ -5,30 +5,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 from katamgr.errors import KatamgrError
-from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
 from katamgr.host.pcihealth import LINK_POLICIES
 from katamgr.host.root import HostRoot
 from katamgr.host.workload import (
     AUTO,
-    WORKLOADS,
     NoCluster,
     Resolution,
     Workload,
     resolve_workload,
 )
-from katamgr.node import nvlinkfabric as nf
+from katamgr.node import options
 from katamgr.node.process import (
-    add_log_format_argument,
-    add_version_argument,
     report_error,
     setup_logging,
     stop_on_signals,
@@ -36,7 +30,6 @@ from katamgr.node.process import (
 from katamgr.node.simulator import NodeExtras, node_extras
 from sandbox_plugin.commands import (
     UsageError,
-    add_containerd_argument,
     cluster_client,
     fabric_settings,
     mode_from_host,
@@ -65,13 +58,16 @@ vm-passthrough: every GPU and NVSwitch bound to vfio-pci, one resource per model
   BDF|VENDOR:DEVICE leaves one out; give the plugin the same as katamgr.
 container: nvidia.com/gpu from NVML, device IDs are GPU UUIDs; without NVML
   nothing is advertised and the plugin waits.
-auto (default): serve what the Node's label nvidia.com/gpu.workload.config asks
-  for, and follow it live. With --node-name or NODE_NAME and a cluster to ask
-  (in-cluster, else kubeconfig) the plugin reads the Node, then watches it
-  (field selector metadata.name=<node>; read every 10 s while a watch fails) and
-  switches plugins within a second or two of a relabel, without a restart. A
-  node without the label runs --default-workload (not given: what the host
-  shows). Without a node name or cluster credentials, what the host shows
+--workload auto (the default): serve what the Node's label
+  nvidia.com/gpu.workload.config asks for, and follow it live (--workload
+  vm-passthrough or container serves that mode; --mode is its deprecated
+  spelling). With --node-name or NODE_NAME and a cluster to ask (in-cluster,
+  else kubeconfig) the plugin reads the Node, then watches it (field selector
+  metadata.name=<node>; read every 10 s while a watch fails) and switches
+  plugins within a second or two of a relabel, without a restart. A node
+  without the label runs --default-workload (default container, as the GPU
+  Operator's sandboxWorkloads.defaultWorkload). Without a node name or cluster
+  credentials, what the host shows
   decides, once: any selected passthrough device (an NVIDIA GPU or NVSwitch, or
   a device --include-device adds, less --exclude-device) on vfio-pci ->
   vm-passthrough, otherwise container. At start, a Node that cannot be read
@@ -126,30 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_version_argument(parser)
-    parser.add_argument("--host-root", default="/", metavar="DIR",
-                        help="where the host's / is mounted (default: /; /host in a DaemonSet)")
-    parser.add_argument("--runtime-root", default="/", metavar="DIR",
-                        help="where the host's / is as containerd sees it, for the device nodes "
-                             "Allocate hands out (default: /; the chart passes hostPaths.rootFS)")
-    parser.add_argument("--mode", default=AUTO, choices=[AUTO, *(m.value for m in Mode)],
-                        help="which plugins to run (default: auto, following the node's labels: "
-                             "see above)")
-    parser.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="N",
-                        help="this node's name, to read and watch its labels with --mode auto "
-                             "(default: $NODE_NAME)")
-    parser.add_argument("--default-workload", choices=WORKLOADS, metavar="WORKLOAD",
-                        help="with --mode auto, the workload of a node without the label: "
-                             f"{', '.join(WORKLOADS)} (default: what the host shows)")
+    options.add_version(parser)
+    options.add_node_options(parser)  # as katamgr and the DRA driver take them
+    # Manifests written before --workload say --mode: it still works, and warns.
+    parser.add_argument("--mode", dest="workload", choices=options.WORKLOAD_CHOICES,
+                        action=options.DeprecatedAlias, instead="--workload",
+                        help="deprecated spelling of --workload")
     parser.add_argument("--auto-modes", type=_modes, default=ALL_MODES, metavar="MODE[,MODE]",
-                        help="with --mode auto, the modes this plugin may serve (default: "
+                        help="with --workload auto, the modes this plugin may serve (default: "
                              "vm-passthrough,container); on a node whose workload asks for another "
                              "it advertises nothing (another plugin serves it)")
-    resource_naming.add_arguments(parser)
-    # The same selection as katamgr's (the chart passes both the same devices value).
-    device_selection.add_arguments(parser)
-    nf.add_arguments(parser)  # NVIDIA's NVLink fabric models, as katamgr takes them
-    add_containerd_argument(parser)
+    options.add_containerd_config(parser)
     parser.add_argument("--device-list-strategy", action="append", default=[], metavar="S[,S]",
                         help="container mode: how Allocate names the GPUs, any of "
                              f"{', '.join(DEVICE_LIST_STRATEGIES)} (comma-separated or repeated; "
@@ -157,10 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--link-policy", choices=LINK_POLICIES, default="degrade",
                         help="vm-passthrough: a GPU whose PCIe link trained below its maximum is "
                              "Unhealthy (degrade, the default) or only logged and counted (warn)")
-    parser.add_argument("--metrics-address", metavar="HOST:PORT",
-                        help="serve /metrics (Prometheus), /healthz and /readyz there (default: off)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-    add_log_format_argument(parser)
+    options.add_metrics_address(parser)
+    options.add_verbose(parser, "log debug details")
     return parser
 
 
@@ -182,7 +163,7 @@ def decide_mode(
     selection: device_selection.Selection = device_selection.DEFAULT_SELECTION,
     modes: frozenset[Mode] = ALL_MODES,
 ) -> tuple[Mode | None, str]:
-    """The mode for ``--mode auto`` and why; None means: nothing to serve here.
+    """The mode for ``--workload auto`` and why; None means: nothing to serve here.
 
     The rule is ``katamgr.host.workload.resolve_workload``'s, with what the host
     shows as the fallback, then ``follow.mode_for``'s (opt-outs, ``--auto-modes``).
@@ -202,24 +183,11 @@ def _resolve(host: HostRoot, node_name: str | None, read_labels, default: Worklo
 
 
 def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
-    root = Path(args.host_root)
-    if not root.is_dir():
-        raise UsageError(f"--host-root {args.host_root!r} is not a directory; pass where the "
-                         "host's / is mounted")
-    if args.metrics_address:
-        from katamgr.node.metrics_server import parse_address
-
-        try:
-            parse_address(args.metrics_address)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
+    root = options.host_root(args)
+    options.metrics_address(args)
     try:
-        if not args.runtime_root.startswith("/"):
-            raise ValueError(f"--runtime-root {args.runtime_root!r} is not an absolute path")
-        if not args.containerd_config.startswith("/"):
-            raise ValueError(f"--containerd-config {args.containerd_config!r} is not an absolute host path")
         host = HostRoot.at(root, runtime_root=args.runtime_root)
-        naming = resource_naming.from_arguments(args, device_selection.from_arguments(args))
+        naming = options.naming_from(args, options.selection_from(args))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return host, with_node_kata(naming, host, args.containerd_config)
@@ -252,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             held_only=held_only, fabric=fabric, link_policy=args.link_policy))
         held = False
         follower = None
-        if args.mode != AUTO:
-            mode, why = Mode(args.mode), "chosen with --mode"
+        if args.workload != AUTO:
+            mode, why = mode_for(Resolution(Workload(args.workload), "chosen with --workload"))
         else:
             watch = _label_watch(args, extras)
             if watch is None:

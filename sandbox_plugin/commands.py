@@ -4,7 +4,6 @@ alone suggests."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 from katamgr.errors import ConfigError
@@ -37,13 +36,6 @@ def read_labels(node_name: str, extras: NodeExtras = REAL_NODE) -> dict[str, str
     return read_node_labels(cluster_client(extras), node_name)
 
 
-def add_containerd_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--containerd-config", default=katadetect.CONTAINERD_CONFIG, metavar="PATH",
-                        help="containerd's config on the host, where the node's Kata runtimes are found "
-                             "(their release decides, where --kata-version gives none, whether NVSwitches "
-                             f"are advertised; default: {katadetect.CONTAINERD_CONFIG})")
-
-
 def with_node_kata(naming: Naming, host: HostRoot, containerd_config: str) -> Naming:
     """``naming`` deciding by the Kata release found on the node, as katamgr decides
     (``katadetect.node_selection``: the release of its Kata GPU runtimes, where --kata-version
@@ -65,14 +57,15 @@ def mode_from_host(
 
 
 def fabric_settings(args, extras: NodeExtras = REAL_NODE):
-    """The NVLink fabric flags (``nvlinkfabric.from_arguments``; ValueError naming a bad one);
+    """The NVLink fabric flags (``options.fabric_from``; ValueError naming a bad one);
     where the node brings its own Fabric Manager (``extras``, a simulated node's), FM and its
     library unless told, as ``katamgr plan`` finds them (``katamgr.commands.setup``)."""
     import dataclasses as dc
 
     from katamgr.node import nvlinkfabric as nf
+    from katamgr.node import options
 
-    settings = nf.from_arguments(args)
+    settings = options.fabric_from(args)
     brought = extras.fabric_manager() if extras.fabric_manager is not None else None
     default = nf.FabricSettings()
     if brought is not None and (settings.address, settings.library) == (default.address, default.library):

@@ -1,4 +1,4 @@
-"""``--mode auto`` with a cluster: serve what the node's labels ask for now, and switch
+"""``--workload auto`` with a cluster: serve what the node's labels ask for now, and switch
 when they change, without a restart.
 
 The node's labels say which workload it runs (``nvidia.com/gpu.workload.config``) and

@@ -83,7 +83,7 @@ class PluginManager:
         self._lock = threading.Lock()
         self._stopped = False
         self._started = False
-        # Shared when given: --mode auto swaps managers on a relabel and keeps one /metrics.
+        # Shared when given: --workload auto swaps managers on a relabel and keeps one /metrics.
         self.metrics = metrics if metrics is not None else PluginMetrics()
         self._watcher: DeviceWatcher | None = None
         self.discovery: PassthroughDiscovery | None = None

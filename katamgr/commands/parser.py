@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from katamgr.commands.change import cmd_apply, cmd_plan, cmd_revert, cmd_status
 from katamgr.commands.run import cmd_run
-from katamgr.commands.setup import runtime_root
 from katamgr.commands.simulated import cmd_demo, cmd_simulate
 from katamgr.commands.webhook import cmd_webhook
 from katamgr.errors import ConfigError
 from katamgr.host import cc
-from katamgr.host import naming as resource_naming
-from katamgr.host import selection as device_selection
 from katamgr.host.root import STATE_DIR
-from katamgr.host.workload import (
-    AUTO,
-    DEFAULT_WORKLOAD,
-    WORKLOADS,
-)
-from katamgr.node import nvlinkfabric, simulator
-from katamgr.node.process import (
-    add_log_format_argument,
-    add_version_argument,
-)
+from katamgr.node import options, simulator
 from katamgr.output.documents import FORMATS
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT
 
@@ -64,38 +51,23 @@ def _waits(parser: argparse.ArgumentParser) -> None:
 
 def _common(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--host-root", default="/", metavar="DIR",
-                       help="where the node's filesystem is mounted (default /; /host in the DaemonSet)")
+    options.add_host_root(where)
     where.add_argument("--host", metavar="PROFILE",
                        help="simulate PROFILE (a file or a shipped profile name) in a temp dir and work on that")
-    parser.add_argument("--runtime-root", default="/", metavar="DIR", type=runtime_root,
-                        help="where the node's / is as containerd sees it, for the device "
-                             "nodes CDI specs name (default /; the chart passes "
-                             "hostPaths.rootFS)")
-    resource_naming.add_arguments(parser)
+    options.add_runtime_root(parser)
+    options.add_naming(parser)
     parser.add_argument("--config", metavar="FILE",
                         help="kataManager config (YAML, the GPU Operator's kataManager.config shape); "
                              "with it the Kata chain runs too: artifacts, Kata config, containerd, RuntimeClasses")
-    parser.add_argument("--workload", choices=(AUTO, *WORKLOADS), default=AUTO,
-                        help="the node's workload (default auto: the node label nvidia.com/gpu.workload.config, "
-                             "read through the Kubernetes API when --node-name is known; a node without the "
-                             "label runs --default-workload; with no node name or no cluster credentials, "
-                             "vm-passthrough. A label value that is not a workload mode exits 2 and a failed "
-                             "read exits 1. sandbox-device-plugin --mode auto follows the same rule, falling back "
-                             "to what the host shows)")
-    parser.add_argument("--default-workload", choices=WORKLOADS, default=DEFAULT_WORKLOAD.value,
-                        help="the workload of a node without the label (Helm: sandboxWorkloads.defaultWorkload; "
-                             "default container)")
-    parser.add_argument("--node-name", metavar="NAME", default=os.environ.get("NODE_NAME"),
-                        help="this node's name, for the workload label (default: $NODE_NAME)")
+    options.add_node(parser)  # --node-name, --workload, --default-workload: as the plugins take them
     parser.add_argument("--no-vfio", action="store_true", help="do not bind or unbind devices (vfioManager off)")
     parser.add_argument("--no-cdi", action="store_true", help="do not write CDI specs (cdi off)")
     parser.add_argument("--no-kata", action="store_true", help="skip the Kata chain even with --config (kataManager off)")
     parser.add_argument("--no-runtime-classes", action="store_true",
                         help="leave the cluster's RuntimeClasses to their owner: none is applied, updated or "
                              "deleted (the chart creates them with Helm and passes this)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log every step")
-    add_log_format_argument(parser)
+    options.add_verbose(parser)
+    options.add_log_format(parser)
 
 
 def _gpu_labels_argument(parser: argparse.ArgumentParser) -> None:
@@ -120,14 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG.format(profiles=_profile_names(), exit_codes=exit_code_table()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_version_argument(parser)
+    options.add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plan", help="show what apply would change (read-only)",
                        description="Show what `katamgr apply` would change on the node. Reads only.")
     _common(p)
-    device_selection.add_arguments(p)
-    nvlinkfabric.add_arguments(p)
+    options.add_selection(p)
+    options.add_fabric(p)
     _output(p, ("text", "wide", *FORMATS),
             "text (default: the device table fits the terminal, long cells cut with ...), wide (every "
             "column and cell in full), or a versioned json or yaml document (kind Plan)")
@@ -141,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(with companions) to vfio-pci, then write /run/nvidia/validations files. "
                                    "Running it again changes nothing.")
     _common(p)
-    device_selection.add_arguments(p)
-    nvlinkfabric.add_arguments(p)
+    options.add_selection(p)
+    options.add_fabric(p)
     p.add_argument("--force", action="store_true",
                    help="unbind GPUs even while a process holds /dev/nvidiaN (that workload will crash)")
     _waits(p)
@@ -175,12 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the last apply or revert, with the step an interrupted one reached. "
                                    "Needs no --config: revert undoes exactly what this lists.")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--host-root", default="/", metavar="DIR",
-                       help="where the node's filesystem is mounted (default /; /host in the DaemonSet)")
+    options.add_host_root(where)
     where.add_argument("--host", metavar="PROFILE", help="a fresh simulated node of PROFILE (shows nothing installed)")
     _output(p, ("text", *FORMATS), "text (default), or a versioned json or yaml document (kind Status)")
     p.add_argument("-v", "--verbose", action="store_true")
-    add_log_format_argument(p)
+    options.add_log_format(p)
     p.set_defaults(func=cmd_status, runtime_root="/")
 
     p = sub.add_parser("help", help="show the help of a command (katamgr help plan = katamgr plan --help)")
@@ -200,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "exponential backoff (2 s up to 5 min). "
                                    "SIGTERM stops it; the node keeps its state unless --revert-on-exit is given.")
     _common(p)
-    device_selection.add_arguments(p)
-    nvlinkfabric.add_arguments(p)
+    options.add_selection(p)
+    options.add_fabric(p)
     p.add_argument("--force", action="store_true", help="as for apply")
     _waits(p)
     p.add_argument("--repull-interval", type=float, default=3600.0, metavar="SECONDS",
@@ -212,8 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="change nothing: work out the plan (as `katamgr plan`) at start and every minute, "
                         "log it when it changes and publish it on /metrics and /readyz; no device is bound, "
                         "no host file, Node label, RuntimeClass or Event written (Helm: kataManager.planOnly)")
-    p.add_argument("--metrics-address", metavar="HOST:PORT",
-                   help="serve /metrics (Prometheus), /healthz and /readyz there (default: off)")
+    options.add_metrics_address(p)
     p.add_argument("--cc-manager", action="store_true",
                    help="keep the GPUs' confidential-computing mode as the node label nvidia.com/cc.mode asks "
                         "(on, off, devtools, ppcie) with NVIDIA's gpu-admin-tools, and publish "
@@ -236,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "so a real container runtime here can inject them (root only; the "
                         "local node of hack/local-cluster)")
     p.add_argument("-v", "--verbose", action="store_true")
-    add_log_format_argument(p)
+    options.add_log_format(p)
     p.set_defaults(func=cmd_simulate, host=None, host_root=None)
 
     p = sub.add_parser("demo", help="run the whole job on a simulated DGX-H100-like node",
@@ -244,10 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "revert, and print a short report. Touches nothing on this machine.")
     p.add_argument("--profile", default="dgx-h100", help="host profile to simulate (default dgx-h100)")
     p.add_argument("--keep", metavar="DIR", help="simulate into DIR and leave it there to look at")
-    device_selection.add_arguments(p)
-    nvlinkfabric.add_arguments(p)
+    options.add_selection(p)
+    options.add_fabric(p)
     p.add_argument("-v", "--verbose", action="store_true")
-    add_log_format_argument(p)
+    options.add_log_format(p)
     p.set_defaults(func=cmd_demo, host=None, host_root=None)
 
     _webhook_parser(sub)
@@ -299,5 +269,5 @@ def _webhook_parser(sub) -> None:
                         "handler is a --kata-gpu-handler, or, for a --runtime-class, a --kata-handler")
     limits.add_arguments(p)  # --max-connections, --workers, --request-timeout, --idle-timeout
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
-    add_log_format_argument(p)
+    options.add_log_format(p)
     p.set_defaults(func=cmd_webhook, host=None, host_root=None)

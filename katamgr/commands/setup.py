@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from katamgr.errors import ConfigError
-from katamgr.host import naming as resource_naming
 from katamgr.host import selection as device_selection
 from katamgr.host.naming import Naming
 from katamgr.host.root import HostRoot
@@ -25,7 +24,7 @@ from katamgr.host.workload import (
     describe_opt_outs,
     resolve_workload,
 )
-from katamgr.node import nvlinkfabric, simulator
+from katamgr.node import options, simulator
 from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.node.simulator import REAL_NODE, NodeExtras
 from katamgr.pipeline.gpulabels import node_labels
@@ -50,18 +49,9 @@ def host_from(args: argparse.Namespace) -> Iterator[tuple[HostRoot, NodeExtras]]
             made = sim.materialise(args.host, Path(tmp) / "host")
             yield simulator.open_host(made.root, made.runtime_root)
         return
-    root = Path(args.host_root)
-    if not root.is_dir():
-        raise ConfigError(f"--host-root {root} is not a directory; pass the path where the node's / is mounted")
+    root = options.host_root(args)
     # A dir `katamgr simulate` made gets its emulated kernel back; any other root the real one.
     yield simulator.open_host(root, getattr(args, "runtime_root", "/"))
-
-
-def runtime_root(value: str) -> str:
-    """An absolute path (argparse type): it prefixes the host paths CDI specs name."""
-    if not value.startswith("/"):
-        raise argparse.ArgumentTypeError(f"{value!r} is not an absolute path")
-    return value
 
 
 def config_from(args: argparse.Namespace) -> KataManagerConfig | None:
@@ -77,7 +67,7 @@ def naming_from(args: argparse.Namespace, config: KataManagerConfig | None = Non
     """The naming options and the device selection: the config's devices, then the flags'."""
     try:
         base = config.devices.selection if config is not None else device_selection.DEFAULT_SELECTION
-        return resource_naming.from_arguments(args, device_selection.from_arguments(args, base))
+        return options.naming_from(args, options.selection_from(args, base))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 
@@ -174,7 +164,7 @@ def fabric_settings(args: argparse.Namespace, config: KataManagerConfig | None,
         fm = config.devices.fabric_manager
         settings = FabricSettings(config.devices.nvlink_fabric, fm.address, fm.library, fm.gpu_module_ids)
     try:
-        settings = nvlinkfabric.from_arguments(args, settings)
+        settings = options.fabric_from(args, settings)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     brought = extras.fabric_manager() if extras.fabric_manager is not None else None
@@ -187,5 +177,5 @@ def fabric_settings(args: argparse.Namespace, config: KataManagerConfig | None,
 
 
 __all__ = ["NodeSetup", "by_hand", "config_from", "fabric_settings", "host_from", "naming_from",
-           "node_kata_inputs", "node_labels", "node_setup", "runtime_root", "steps_and_context",
+           "node_kata_inputs", "node_labels", "node_setup", "steps_and_context",
            "with_node_kata"]

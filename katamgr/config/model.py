@@ -210,7 +210,7 @@ class DevicesConfig(_Model):
             tuple(device_selection.include_rule(e.ids, e.resource, device_selection.INCLUDE_CONFIG)
                   for e in self.include),
             tuple(device_selection.parse_exclude(e, device_selection.EXCLUDE_CONFIG) for e in self.exclude),
-            self.nvswitches if self.nvswitches == "auto" else ("yes" if self.nvswitches else "no"),
+            self.nvswitches,
             katarelease.parse_release(self.kata_version),
         )
 

@@ -29,7 +29,6 @@ rules above name NVIDIA GPUs and NVSwitches only.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import re
 from dataclasses import dataclass
@@ -196,37 +195,3 @@ class Naming:
     def resource(self, device: Device) -> str | None:
         derived = self.derive(device)
         return derived.name if derived else None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The naming options both commands take (they must name devices alike)."""
-    parser.add_argument("--pci-ids", metavar="FILE",
-                        help="pci.ids database for model names (default: /usr/share/hwdata/pci.ids)")
-    parser.add_argument("--resource-naming", choices=[r.value for r in ResourceNaming],
-                        default=ResourceNaming.NVIDIA.value,
-                        help="how model names become resource names: nvidia (default; NVIDIA's sandbox "
-                             "device plugin byte for byte, e.g. nvidia.com/GA107GL_A2___A16) or compact "
-                             "(repeated underscores merged, e.g. nvidia.com/GA107GL_A2_A16)")
-    parser.add_argument("--alias", metavar="NAME",
-                        help="advertise every passthrough GPU as nvidia.com/NAME (e.g. pgpu) "
-                             "instead of one resource per model")
-    parser.add_argument("--nvswitch-alias", metavar="NAME",
-                        help="advertise every NVSwitch as nvidia.com/NAME instead of per model")
-
-
-def from_arguments(args: argparse.Namespace, selection: Selection = DEFAULT_SELECTION) -> Naming:
-    """The Naming the options ask for, selecting by ``selection``; ValueError naming the
-    bad option otherwise."""
-    aliases = {}
-    for option, value in (("--alias", args.alias), ("--nvswitch-alias", args.nvswitch_alias)):
-        if value:
-            try:
-                aliases[option] = validate_alias(value)
-            except ValueError as exc:
-                raise ValueError(f"{option}: {exc}") from None
-    try:
-        pci_ids = PciIds.find(args.pci_ids)
-    except FileNotFoundError as exc:
-        raise ValueError(str(exc)) from None
-    return Naming(pci_ids, aliases.get("--alias"), aliases.get("--nvswitch-alias"),
-                  ResourceNaming(args.resource_naming), selection)

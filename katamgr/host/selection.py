@@ -14,8 +14,9 @@ changes that with two kinds of rule, from the command line
 NVSwitches are passthrough devices only where the node's Kata can cold-plug them: Kata
 before 4.1 takes an NVSwitch (class 0x0680) for a bridge and fails every sandbox given one
 ("unsupported device type", ``katamgr.host.kata``). ``--nvswitches auto`` (the default) passes
-them through when ``--kata-version`` names 4.1 or later, ``yes`` always (the operator's call,
-with a warning where Kata will fail), ``no`` never.
+them through when ``--kata-version`` names 4.1 or later, ``true`` always (the operator's call,
+with a warning where Kata will fail), ``false`` never: the chart's and the config's
+``devices.nvswitches`` spelling (the options live in ``katamgr.node.options``).
 
 An excluded device is treated like any device that is none of ours: it is never
 moved, and an IOMMU group that holds it beside a selected device cannot go to a
@@ -26,16 +27,14 @@ record alone, and every "is this a passthrough device" question
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, Literal
 
 import cdi
 from katamgr import k8snames
-from katamgr.host.katarelease import UNKNOWN, KataRelease, parse_release
+from katamgr.host.katarelease import UNKNOWN, KataRelease
 from katamgr.host.pci import BDF_RE, Device
 
 # Where a rule came from, as the plan quotes it ("excluded by --exclude-device 10de:1eb8").
@@ -43,7 +42,6 @@ INCLUDE_FLAG = "--include-device"
 EXCLUDE_FLAG = "--exclude-device"
 NVSWITCHES_FLAG = "--nvswitches"
 KATA_VERSION_FLAG = "--kata-version"
-NVSWITCH_MODES = ("auto", "yes", "no")
 INCLUDE_CONFIG = "config devices.include"
 EXCLUDE_CONFIG = "config devices.exclude"
 
@@ -120,7 +118,8 @@ class Selection:
 
     include: tuple[IncludeRule, ...] = ()
     exclude: tuple[ExcludeRule, ...] = ()
-    nvswitches: str = "auto"
+    # The chart's and the config's devices.nvswitches as they write it: auto, true or false.
+    nvswitches: bool | Literal["auto"] = "auto"
     kata: KataRelease = UNKNOWN
     # The Kata runtimes found on the node (``katamgr.host.katadetect.KataOnNode``; None: not
     # looked for), and why the release typed by hand is not theirs ("": it is, or none typed).
@@ -130,8 +129,8 @@ class Selection:
     def __post_init__(self) -> None:
         # Two resources for one device would advertise it twice: refuse, naming both.
         seen: dict[Ids, IncludeRule] = {}
-        if self.nvswitches not in NVSWITCH_MODES:
-            raise ValueError(f"nvswitches {self.nvswitches!r} is not one of {', '.join(NVSWITCH_MODES)}")
+        if not (self.nvswitches is True or self.nvswitches is False or self.nvswitches == "auto"):
+            raise ValueError(f"nvswitches {self.nvswitches!r} is not one of auto, true, false")
         for rule in self.include:
             first = seen.setdefault(rule.ids, rule)
             if first.resource != rule.resource:
@@ -159,13 +158,13 @@ class Selection:
         """Whether the default selection passes NVSwitches through."""
         if self.nvswitches == "auto":
             return self.kata.cold_plugs_nvswitches
-        return self.nvswitches == "yes"
+        return self.nvswitches is True
 
     @property
     def nvswitch_why_not(self) -> str:
         """Why NVSwitches are not passed through (the plan's and the docs' words)."""
-        if self.nvswitches == "no":
-            return f"NVIDIA NVSwitch, not passed through ({NVSWITCHES_FLAG} no)"
+        if self.nvswitches is False:
+            return f"NVIDIA NVSwitch, not passed through ({NVSWITCHES_FLAG} false)"
         if self.kata.version is None:
             return ("NVIDIA NVSwitch, not passed through: Kata before 4.1 cannot cold-plug one, and "
                     f"{KATA_VERSION_FLAG} does not say the node runs a later release")
@@ -174,15 +173,15 @@ class Selection:
     @property
     def nvswitch_held_back(self) -> str:
         """The plan's and the Event's sentence for NVSwitches ``--nvswitches auto`` keeps on the host."""
-        return (f"{nvswitch_failure(self.kata)}. {NVSWITCHES_FLAG} yes (chart: devices.nvswitches) passes "
+        return (f"{nvswitch_failure(self.kata)}. {NVSWITCHES_FLAG} true (chart: devices.nvswitches) passes "
                 "them through all the same")
 
     @property
     def nvswitch_warning(self) -> str | None:
         """What the operator is told when NVSwitches are passed through to a Kata that fails them."""
-        if self.nvswitches != "yes" or self.kata.cold_plugs_nvswitches:
+        if self.nvswitches is not True or self.kata.cold_plugs_nvswitches:
             return None
-        return (f"NVSwitches are passed through ({NVSWITCHES_FLAG} yes), but {nvswitch_failure(self.kata)}: "
+        return (f"NVSwitches are passed through ({NVSWITCHES_FLAG} true), but {nvswitch_failure(self.kata)}: "
                 "a pod given an NVSwitch will not start until the node runs Kata 4.1 or later")
 
 
@@ -211,8 +210,8 @@ def select(selection: Selection, device: Device) -> Verdict:
     if device.is_nvswitch:
         if not selection.takes_nvswitches:
             return Verdict(False, selection.nvswitch_why_not)
-        if selection.nvswitches == "yes":
-            return Verdict(True, f"NVIDIA NVSwitch ({NVSWITCHES_FLAG} yes)")
+        if selection.nvswitches is True:
+            return Verdict(True, f"NVIDIA NVSwitch ({NVSWITCHES_FLAG} true)")
         return Verdict(True, f"NVIDIA NVSwitch ({selection.kata} cold-plugs NVSwitches)")
     return Verdict(False, "not an NVIDIA GPU, NVSwitch or included device")
 
@@ -307,56 +306,3 @@ def parse_exclude(text: str, origin: str = EXCLUDE_FLAG) -> ExcludeRule:
     if BDF_RE.match(value):
         return ExcludeRule(bdf=value, origin=origin)
     return ExcludeRule(ids=parse_ids(value), origin=origin)
-
-
-# ---- the command line ---------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The selection options the agent and the device plugin both take (they must agree)."""
-    parser.add_argument(
-        INCLUDE_FLAG, action="append", default=[], metavar="VENDOR:DEVICE=RESOURCE",
-        help="also pass through every device with these PCI ids, advertised as the extended "
-             "resource RESOURCE (domain/name), e.g. 1234:11e8=example.com/edu (repeatable; "
-             "by default only NVIDIA GPUs, and NVSwitches where Kata can take them, are passed through)")
-    parser.add_argument(
-        EXCLUDE_FLAG, action="append", default=[], metavar="BDF|VENDOR:DEVICE",
-        help="never pass through this device (full PCI address 0000:01:00.0) or these PCI ids "
-             "(10de:1eb8), e.g. a GPU the host's display needs; it stays on its driver, and an "
-             "IOMMU group it shares with a selected device is left alone (repeatable; wins over "
-             f"{INCLUDE_FLAG})")
-    parser.add_argument(
-        NVSWITCHES_FLAG, choices=NVSWITCH_MODES, default=None,
-        help="pass NVIDIA NVSwitches through: auto (default) where the node's Kata cold-plugs them "
-             f"(Kata 4.1 or later, by {KATA_VERSION_FLAG}), yes always, no never. Kata before 4.1 "
-             "fails every sandbox given an NVSwitch")
-    parser.add_argument(
-        KATA_VERSION_FLAG, default=None, metavar="RELEASE",
-        help="the Kata Containers release the node runs (containerd-shim-kata-v2 --version), e.g. "
-             "3.25.0; what its cold-plug can take (default: katamgr finds it in containerd's config; the "
-             "device plugin takes it as a release before 4.1)")
-
-
-def from_arguments(args: argparse.Namespace, base: Selection = DEFAULT_SELECTION) -> Selection:
-    """``base`` (the config's rules) with the command line's added; ValueError naming the
-    option and the bad value."""
-    include = []
-    for text in args.include_device or []:
-        try:
-            include.append(parse_include(text))
-        except ValueError as exc:
-            raise ValueError(f"{INCLUDE_FLAG}: {exc}") from None
-    exclude = []
-    for text in args.exclude_device or []:
-        try:
-            exclude.append(parse_exclude(text))
-        except ValueError as exc:
-            raise ValueError(f"{EXCLUDE_FLAG}: {exc}") from None
-    merged = base.merged(Selection(tuple(include), tuple(exclude)))
-    nvswitches = getattr(args, "nvswitches", None) or merged.nvswitches
-    try:
-        kata = parse_release(args.kata_version) if getattr(args, "kata_version", None) else merged.kata
-    except ValueError as exc:
-        raise ValueError(f"{KATA_VERSION_FLAG}: {exc}") from None
-    return dataclasses.replace(merged, nvswitches=nvswitches, kata=kata)
-

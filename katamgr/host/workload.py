@@ -3,7 +3,7 @@
 The node label ``nvidia.com/gpu.workload.config`` names it: ``container`` (ordinary
 GPU containers), ``vm-passthrough`` (whole GPUs passed to Kata VMs) or ``vm-vgpu``
 (served by NVIDIA's vGPU stack, not by this project). ``katamgr --workload auto``
-and ``sandbox-device-plugin --mode auto`` both decide here, by one rule
+and ``sandbox-device-plugin --workload auto`` both decide here, by one rule
 (``resolve_workload``):
 
 1. when a node name is known and there is a cluster to ask, the node's label;

@@ -260,36 +260,3 @@ def decide(host: HostRoot, settings: FabricSettings, *, nvswitches: int, gpus: I
     choice = choose(settings.model, nvswitches=nvswitches, fm=None if answered else fm_problem,
                     kata_takes_nvswitches=kata_takes_nvswitches, kata=kata)
     return choice, fabric
-
-
-def add_arguments(parser) -> None:
-    """The NVLink fabric options katamgr and the device plugin both take (the chart passes
-    both the same ``devices`` values); unset, the config's (katamgr) or the defaults."""
-    parser.add_argument("--nvlink-fabric", choices=MODELS, default=None,
-                        help="NVSwitch boards, NVIDIA's virtualization model (Fabric Manager User Guide §4): "
-                             "sharedNvswitch gives each pod one Fabric Manager partition, activated at "
-                             "Allocate (§7); fullPassthrough passes NVSwitches with the GPUs (§6); off; "
-                             "auto (default): sharedNvswitch where FM answers, else fullPassthrough where "
-                             "Kata cold-plugs NVSwitches")
-    parser.add_argument("--fabric-manager-address", default=None, metavar="ADDR",
-                        help=f"FM's API: host:port or the host path of its unix socket (default: {DEFAULT_ADDRESS})")
-    parser.add_argument("--fabric-manager-library", default=None, metavar="LIB",
-                        help=f"FM's SDK library, a soname or a host path (default: {DEFAULT_LIBRARY})")
-    parser.add_argument("--gpu-module-ids", default=None, metavar="N=BDF[,N=BDF]",
-                        help="each GPU's module ID (nvidia-smi -q) and PCI address, needed on HGX H100 and "
-                             "later, where FM names a partition's GPUs by module ID only")
-
-
-def from_arguments(args, base: FabricSettings = FabricSettings()) -> FabricSettings:
-    """``base`` with the options given; ValueError naming a bad --gpu-module-ids."""
-    settings = FabricSettings(
-        args.nvlink_fabric or base.model,
-        args.fabric_manager_address or base.address,
-        args.fabric_manager_library or base.library,
-        base.gpu_module_ids if args.gpu_module_ids is None else args.gpu_module_ids,
-        base.timeout)
-    try:
-        settings.module_ids  # noqa: B018 - checked before anything is served
-    except ValueError as exc:
-        raise ValueError(f"--gpu-module-ids: {exc}") from None
-    return settings

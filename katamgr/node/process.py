@@ -66,7 +66,7 @@ def package_version() -> str:
         return __version__
 
 
-class _VersionAction(argparse.Action):
+class VersionAction(argparse.Action):
     # argparse's own "version" action wants the text when the parser is built; this one
     # reads the package metadata only when --version is asked for.
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):  # noqa: A002
@@ -75,17 +75,6 @@ class _VersionAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"{parser.prog} {package_version()}")
         parser.exit()
-
-
-def add_version_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--version", action=_VersionAction,
-                        help=f"print the program's name and the version of {DISTRIBUTION}, then exit")
-
-
-def add_log_format_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default=TEXT,
-                        help="text (the default: time level logger: message) or json "
-                             "(one object per line: time, level, logger, message, exception)")
 
 
 def setup_logging(level: int, log_format: str = TEXT) -> None:

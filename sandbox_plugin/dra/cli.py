@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
-from pathlib import Path
 
 from katamgr.errors import KatamgrError
-from katamgr.host import naming as resource_naming
-from katamgr.host import selection as device_selection
 from katamgr.host.root import HostRoot
-from katamgr.host.workload import WORKLOADS, NoCluster, Workload, resolve_workload
+from katamgr.host.workload import AUTO, NoCluster, Resolution, Workload, resolve_workload
 from katamgr.k8snames import is_dns1123_subdomain
 from katamgr.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
-from katamgr.node import nvlinkfabric as nf
+from katamgr.node import options
 from katamgr.node.process import (
-    add_log_format_argument,
-    add_version_argument,
     report_error,
     setup_logging,
     stop_on_signals,
@@ -27,7 +21,6 @@ from katamgr.node.process import (
 from katamgr.node.simulator import node_extras
 from sandbox_plugin.commands import (
     UsageError,
-    add_containerd_argument,
     cluster_client,
     fabric_settings,
     mode_from_host,
@@ -56,7 +49,7 @@ checkpoint.json beside it. Devices are found as sandbox-device-plugin finds them
 programs, and katamgr, the same), and a change (bind, unbind, health) is published
 within a second. The slice is offered while the node's label
 nvidia.com/gpu.workload.config asks for vm-passthrough (or, unlabeled,
---default-workload does, else what the host shows) and the node does not opt
+--default-workload does: default container; --workload fixes it instead) and the node does not opt
 out of the sandbox device plugin (nvidia.com/gpu.deploy.sandbox-device-plugin=false);
 otherwise it is deleted, and put back when the label asks again.
 
@@ -73,34 +66,21 @@ Stops cleanly (sockets removed, exit 0) on SIGTERM or SIGINT.
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sandbox-dra-driver", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_version_argument(parser)
-    parser.add_argument("--host-root", default="/", metavar="DIR",
-                        help="where the host's / is mounted (default: /; /host in a DaemonSet)")
-    parser.add_argument("--runtime-root", default="/", metavar="DIR",
-                        help="where the host's / is as the kubelet and containerd see it, for the "
-                             "endpoint the kubelet dials (default: /; the chart passes hostPaths.rootFS)")
-    parser.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="N",
-                        help="this node's name: the pool and spec.nodeName of its slice (default: $NODE_NAME)")
+    options.add_version(parser)
+    options.add_node_options(parser)  # as katamgr and the device plugin take them
     parser.add_argument("--driver-name", default=DEFAULT_DRIVER, metavar="NAME",
                         help=f"the DRA driver name, a DNS subdomain of at most {DRIVER_NAME_MAX} "
                              f"characters (default: {DEFAULT_DRIVER})")
-    parser.add_argument("--kubelet-dir", default=KUBELET_DIR, metavar="DIR",
+    parser.add_argument("--kubelet-dir", default=KUBELET_DIR, metavar="DIR", type=options.absolute_path,
                         help=f"the kubelet's root directory on the host (default: {KUBELET_DIR})")
-    parser.add_argument("--default-workload", choices=WORKLOADS, metavar="WORKLOAD",
-                        help="the workload of a node without the label: "
-                             f"{', '.join(WORKLOADS)} (default: what the host shows)")
     parser.add_argument("--kata-runtime-class", action="append", default=[], metavar="NAME",
                         help="a runtime class whose pods may be prepared claims of this driver "
                              f"(repeatable; default: {', '.join(PASSTHROUGH_RUNTIME_CLASSES)})")
     parser.add_argument("--any-runtime-class", action="store_true",
                         help="prepare claims for pods of any runtime class (a runc pod then gets "
                              "the raw VFIO device)")
-    resource_naming.add_arguments(parser)
-    device_selection.add_arguments(parser)
-    nf.add_arguments(parser)  # the NVSwitch board's model, as the device plugin decides it
-    add_containerd_argument(parser)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-    add_log_format_argument(parser)
+    options.add_containerd_config(parser)
+    options.add_verbose(parser, "log debug details")
     return parser
 
 
@@ -130,23 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     driver = watch = None
     try:
-        if not Path(args.host_root).is_dir():
-            raise UsageError(f"--host-root {args.host_root!r} is not a directory; pass where the "
-                             "host's / is mounted")
+        root = options.host_root(args)
         if not args.node_name:
             raise UsageError("no node name: pass --node-name or set NODE_NAME (the pool and the "
                              "slice's spec.nodeName are the node's)")
         check_driver_name(args.driver_name)
         runtime_classes = runtime_classes_from(args)
-        if not args.kubelet_dir.startswith("/"):
-            raise UsageError(f"--kubelet-dir {args.kubelet_dir!r} is not an absolute host path")
-        if not args.runtime_root.startswith("/"):
-            raise UsageError(f"--runtime-root {args.runtime_root!r} is not an absolute path")
-        if not args.containerd_config.startswith("/"):
-            raise UsageError(f"--containerd-config {args.containerd_config!r} is not an absolute host path")
         try:
-            host = HostRoot.at(Path(args.host_root), runtime_root=args.runtime_root)
-            naming = resource_naming.from_arguments(args, device_selection.from_arguments(args))
+            host = HostRoot.at(root, runtime_root=args.runtime_root)
+            naming = options.naming_from(args, options.selection_from(args))
             extras = node_extras(host.root, args.runtime_root)
             fabric = fabric_settings(args, extras)
         except ValueError as exc:
@@ -175,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                 mode, why = mode_from_host(host, naming.selection)
                 return Workload(mode.value), why
 
-            resolved = resolve_workload(args.node_name, lambda node: watch.labels(),
-                                        default=args.default_workload, fallback=from_host)
+            if args.workload != AUTO:  # as the device plugin: the node's labels are not asked
+                resolved = Resolution(Workload(args.workload), "chosen with --workload")
+            else:
+                resolved = resolve_workload(args.node_name, lambda node: watch.labels(),
+                                            default=args.default_workload, fallback=from_host)
             mode, why = mode_for(resolved, frozenset({Mode.VM_PASSTHROUGH}))
             driver.publishing(mode is not None, why)
 

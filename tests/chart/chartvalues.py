@@ -70,3 +70,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     # What the GPU Operator's users switch on: CDI comes from its default.
     "sandbox-kata-default-cdi": {"sandboxWorkloads": {"enabled": True}, "kataManager": {"enabled": True}},
 }
+
+# The options the three node programs share (katamgr.node.options), as the chart renders
+# them for its default values (ksm.nodeArgs): each value passed as values.yaml writes it.
+NODE_ARGS = ["--host-root", "/host", "--runtime-root", "/", "--node-name", "$(NODE_NAME)",
+             "--default-workload", "container", "--log-format", "text", "--resource-naming", "nvidia",
+             "--nvswitches", "auto", "--kata-version", "", "--nvlink-fabric", "auto",
+             "--fabric-manager-address", "127.0.0.1:6666", "--fabric-manager-library", "libnvfm.so.1",
+             "--gpu-module-ids", ""]

@@ -124,7 +124,7 @@ def test_sandbox_off_has_no_privilege_and_no_vfio(chart):
     for ds, c in rendered.containers():
         assert not c.get("securityContext", {}).get("privileged")
         assert not ds["spec"]["template"]["spec"].get("hostPID")
-        assert "--mode" in c["args"] and c["args"][c["args"].index("--mode") + 1] == "container"
+        assert "--workload" in c["args"] and c["args"][c["args"].index("--workload") + 1] == "container"
         assert not any("vfio" in m["mountPath"] for m in c.get("volumeMounts", []))
     assert rendered.find("ConfigMap", "-config") is None
     assert not [o for o in rendered.objects if o["kind"] in ("Role", "RoleBinding")]

@@ -21,7 +21,7 @@ def test_defaults_run_only_the_container_gpu_plugin_unprivileged(chart):
     ]
     plugin = container(rendered, "-device-plugin", "device-plugin")
     assert plugin["command"] == ["sandbox-device-plugin"]
-    assert plugin["args"] == ["--host-root", "/host", "--mode", "container",
+    assert plugin["args"] == ["--host-root", "/host", "--workload", "container",
                               "--node-name", "$(NODE_NAME)", "--log-format", "text",
                               "--metrics-address", "0.0.0.0:9411"]
     assert env_names(plugin)["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
@@ -39,7 +39,7 @@ def test_defaults_run_only_the_container_gpu_plugin_unprivileged(chart):
     assert not pod.get("hostPID")
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    # --mode container calls no API (sandbox_plugin.cli: only --mode auto reads the Node):
+    # --workload container calls no API (sandbox_plugin.cli: only --workload auto reads the Node):
     # its own ServiceAccount, bound to no role, and no token in the pod.
     assert pod["serviceAccountName"] == f"{RELEASE}-device-plugin"
     assert pod["automountServiceAccountToken"] is False

@@ -7,6 +7,9 @@ import pytest
 from support.chartkit import FULL, NAMESPACE, RELEASE, container, host_mounts, merged, render
 
 from katamgr.cli import build_parser
+from katamgr.host.selection import DEFAULT_SELECTION
+from katamgr.node import options
+from katamgr.node.nvlinkfabric import FabricSettings
 from sandbox_plugin.cli import parse_args
 from sandbox_plugin.dra.cli import build_parser as dra_parser
 
@@ -49,11 +52,17 @@ def test_the_default_selects_as_before(chart):
     for name in ("kata-manager", "sandbox-device-plugin"):
         args = container(rendered, "-sandbox-agent", name)["args"]
         assert not selection_flags(args)
-        assert nvswitch_flags(args) == ["--nvswitches", "auto"]
+        # The values as values.yaml writes them; an empty kataVersion: the release found on the node.
+        assert nvswitch_flags(args) == ["--nvswitches", "auto", "--kata-version", ""]
     assert chart.merge_values({})["devices"] == {
         "include": [], "exclude": [], "nvswitches": "auto", "kataVersion": "", "nvlinkFabric": "auto",
         "fabricManager": {"address": "127.0.0.1:6666", "library": "libnvfm.so.1", "gpuModuleIds": ""}}
-    assert "--nvlink-fabric" not in container(rendered, "-sandbox-agent", "kata-manager")["args"]  # the default
+    # Passed through, the defaults select and decide as no flag at all would.
+    agent = build_parser().parse_args(container(rendered, "-sandbox-agent", "kata-manager")["args"])
+    plugin = parse_args(container(rendered, "-sandbox-agent", "sandbox-device-plugin")["args"])
+    for args in (agent, plugin):
+        assert options.selection_from(args) == DEFAULT_SELECTION
+        assert options.fabric_from(args) == FabricSettings()
 
 
 def test_the_nvlink_fabric_reaches_katamgr_the_device_plugin_and_the_dra_driver(chart):
@@ -103,7 +112,7 @@ def nvswitch_flags(args: list[str]) -> list[str]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize(("value", "mode"), [(True, "yes"), (False, "no"), ("auto", "auto")])
+@pytest.mark.parametrize(("value", "mode"), [(True, "true"), (False, "false"), ("auto", "auto")])
 def test_nvswitches_and_the_kata_release_reach_both_containers(chart, value, mode):
     """Kata before 4.1 fails every sandbox given an NVSwitch: the operator opts in (true), and
     says which Kata the nodes run; the agent and the plugin (or the DRA driver) get both."""
@@ -115,10 +124,12 @@ def test_nvswitches_and_the_kata_release_reach_both_containers(chart, value, mod
         served = container(rendered, "-sandbox-agent", plugin)["args"]
         assert nvswitch_flags(agent) == nvswitch_flags(served) == [
             "--nvswitches", mode, "--kata-version", "3.25.0"]
-        if not dra:
-            assert parse_args(served).nvswitches == mode  # the plugin takes what the chart renders
+        # The value's own spelling, taken by both programs as the Selection holds it.
+        parse = dra_parser().parse_args if dra else parse_args
+        assert parse(served).nvswitches == value
     katamgr = build_parser().parse_args(agent)
-    assert (katamgr.nvswitches, katamgr.kata_version) == (mode, "3.25.0")
+    assert (katamgr.nvswitches, katamgr.kata_version) == (value, "3.25.0")
+    assert options.selection_from(katamgr).nvswitches == value
 
 
 @pytest.mark.parametrize(("values", "fragments"), [

@@ -5,6 +5,7 @@ what their CEL selects among the devices the driver publishes, and the values re
 from __future__ import annotations
 
 import pytest
+from chartvalues import NODE_ARGS
 from support.chartkit import (
     FULL,
     SANDBOX,
@@ -43,10 +44,8 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
     assert container_names(rendered, "-sandbox-agent") == ["kata-manager", "dra-driver"]
     driver = container(rendered, "-sandbox-agent", "dra-driver")
     assert driver["command"] == ["sandbox-dra-driver"]
-    assert driver["args"] == ["--host-root", "/host", "--node-name", "$(NODE_NAME)",
-                              "--driver-name", DRIVER, "--default-workload", "container",
+    assert driver["args"] == ["--driver-name", DRIVER, *NODE_ARGS,
                               *[a for c in PASSTHROUGH_RUNTIME_CLASSES for a in ("--kata-runtime-class", c)],
-                              "--log-format", "text", "--resource-naming", "nvidia", "--nvswitches", "auto",
                               "--containerd-config", "/etc/containerd/config.toml"]
     assert driver["securityContext"]["privileged"] is False
     assert driver["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -124,7 +123,7 @@ def test_device_classes_select_this_drivers_devices_by_type(chart, tmp_path):
     from sandbox_plugin.dra.devices import describe
     from sandbox_plugin.units import scan_units
 
-    naming = Naming(PciIds.find(), selection=Selection(nvswitches="yes"))  # NVSwitches opted in
+    naming = Naming(PciIds.find(), selection=Selection(nvswitches=True))  # NVSwitches opted in
     host = materialise(find_profile("dgx-h100"), tmp_path)
     apply_host(host, build_plan(host, naming))
     devices = describe(scan_units(host, naming), naming)

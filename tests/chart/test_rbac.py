@@ -178,7 +178,7 @@ def test_every_workload_runs_as_its_own_account_with_a_token_only_where_it_calls
     # workload -> (its ServiceAccount, whether its pods get a token)
     expected = {
         f"{RELEASE}-sandbox-agent": (AGENT, True),
-        f"{RELEASE}-device-plugin": (PLUGIN, False),  # --mode container: no API call
+        f"{RELEASE}-device-plugin": (PLUGIN, False),  # --workload container: no API call
         f"{RELEASE}-webhook": (WEBHOOK, True),  # reads a pod's RuntimeClass
         f"{RELEASE}-revert": (REVERT, True),  # takes the agent's GPU labels off its Node
         f"{RELEASE}-revert-wait": (WAIT, True),  # reads the revert DaemonSet

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from chartvalues import AIR_GAPPED, AIR_GAPPED_CONFIG, CUSTOM_CLASSES, VALUE_SETS
+from chartvalues import AIR_GAPPED, AIR_GAPPED_CONFIG, CUSTOM_CLASSES, NODE_ARGS, VALUE_SETS
 from support.chartkit import (
     FULL,
     RELEASE,
@@ -30,10 +30,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
 
     agent = container(rendered, "-sandbox-agent", "kata-manager")
     assert agent["command"] == ["katamgr"]
-    assert agent["args"] == ["run", "--config", "/etc/kata-sandbox-manager/config.yaml",
-                             "--host-root", "/host", "--log-format", "text",
-                             "--metrics-address", "0.0.0.0:9410", "--default-workload", "container",
-                             "--resource-naming", "nvidia", "--nvswitches", "auto",
+    assert agent["args"] == ["run", "--config", "/etc/kata-sandbox-manager/config.yaml", *NODE_ARGS,
+                             "--metrics-address", "0.0.0.0:9410",
                              # Helm owns the RuntimeClasses (test_runtimeclasses.py).
                              "--no-runtime-classes"]
     assert set(env_names(agent)) >= {"NODE_NAME", "POD_NAMESPACE"}
@@ -60,11 +58,9 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
 
     plugin = container(rendered, "-sandbox-agent", "sandbox-device-plugin")
     # It follows the node's labels like katamgr and serves vm-passthrough nodes only.
-    assert plugin["args"] == ["--host-root", "/host", "--mode", "auto", "--auto-modes", "vm-passthrough",
-                              "--default-workload", "container",
-                              "--node-name", "$(NODE_NAME)", "--log-format", "text",
-                              "--metrics-address", "0.0.0.0:9411", "--resource-naming", "nvidia",
-                              "--nvswitches", "auto", "--containerd-config", "/etc/containerd/config.toml"]
+    assert plugin["args"] == ["--workload", "auto", "--auto-modes", "vm-passthrough", *NODE_ARGS,
+                              "--metrics-address", "0.0.0.0:9411",
+                              "--containerd-config", "/etc/containerd/config.toml"]
     assert plugin["securityContext"]["privileged"] is False
     assert plugin["securityContext"]["allowPrivilegeEscalation"] is False
     assert host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin") == {
@@ -297,10 +293,15 @@ def test_katamgr_understands_the_agent_arguments(chart, values):
 def test_runtime_root_follows_the_host_root_fs(chart):
     """CDI specs and Allocate answers name device nodes as containerd opens them: below
     hostPaths.rootFS when the node's / is elsewhere (the local node of tests/node)."""
-    for name in ("kata-manager", "sandbox-device-plugin"):
+    from katamgr.cli import build_parser
+    from sandbox_plugin.cli import parse_args
+
+    for name, parse in (("kata-manager", lambda a: build_parser().parse_args(a)),
+                        ("sandbox-device-plugin", parse_args)):
         moved = container(render(chart, merged(FULL, {"hostPaths": {"rootFS": "/node/"}})),
                           "-sandbox-agent", name)
         at = moved["args"].index("--runtime-root")
-        assert moved["args"][at + 1] == "/node"
-        default = container(render(chart, FULL), "-sandbox-agent", name)
-        assert "--runtime-root" not in default["args"]
+        assert moved["args"][at + 1] == "/node/"  # the value as written, normalised by the option
+        assert parse(moved["args"]).runtime_root == "/node"
+        default = container(render(chart, FULL), "-sandbox-agent", name)["args"]
+        assert default[default.index("--runtime-root") + 1] == "/"  # the node's / is containerd's

@@ -75,7 +75,7 @@ def test_demo_runs_and_tells_the_story():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("plan", "--host-root", "/nonexistent/dir"), "--host-root /nonexistent/dir is not a directory"),
+    (("plan", "--host-root", "/nonexistent/dir"), "--host-root '/nonexistent/dir' is not a directory"),
     (("plan", "--host", "no-such-profile"), "shipped: a10-server"),
     (("plan", "--host", "a10-server", "--alias", "bad alias!"), "alias 'bad alias!'"),
     (("plan", "--host", "a10-server", "--pci-ids", "/nonexistent/pci.ids"), "/nonexistent/pci.ids"),

@@ -77,7 +77,7 @@ def _run_plugin(tmp_path: Path, log_format: str | None) -> subprocess.CompletedP
     root = tmp_path / "host"
     subprocess.run([KATAMGR, "simulate", "a10-server", "--into", str(root)], check=True,
                    capture_output=True, timeout=120)
-    args = [PLUGIN, "--host-root", str(root), "--mode", "vm-passthrough", "-v"]
+    args = [PLUGIN, "--host-root", str(root), "--workload", "vm-passthrough", "-v"]
     if log_format:
         args += ["--log-format", log_format]
     proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -97,7 +97,7 @@ def test_sandbox_device_plugin_logs_json_lines(tmp_path):
     assert result.returncode == 0, result.stderr
     records = json_lines(result.stderr)
     messages = [(r["logger"], r["message"]) for r in records]
-    assert ("sandbox_plugin", "mode vm-passthrough: chosen with --mode") in messages
+    assert ("sandbox_plugin", "mode vm-passthrough: chosen with --workload") in messages
     assert ("sandbox_plugin", "stopped") in messages
 
 

@@ -235,8 +235,8 @@ runtimeClasses:
     assert "nvidia.com/cc.ready.state" not in plain.scheduling_node_selector
 
 
-@pytest.mark.parametrize(("value", "mode", "takes"), [("auto", "auto", False), ("true", "yes", True),
-                                                     ("false", "no", False)])
+@pytest.mark.parametrize(("value", "mode", "takes"), [("auto", "auto", False), ("true", True, True),
+                                                     ("false", False, False)])
 def test_nvswitches_are_opted_into(value, mode, takes):
     """NVSwitches pass through where the node's Kata cold-plugs them, or at the operator's word."""
     config = parse_config(f"devices: {{nvswitches: {value}, kataVersion: 3.25.0}}\n")

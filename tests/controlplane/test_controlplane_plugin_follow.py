@@ -1,4 +1,4 @@
-"""``sandbox-device-plugin --mode auto`` following its Node through the real API server,
+"""``sandbox-device-plugin --workload auto`` following its Node through the real API server,
 as the chart's sandbox agent pod runs it (its ServiceAccount's token, --auto-modes
 vm-passthrough): a relabel to container leaves no passthrough device offered (the plugin
 stays registered, listing only the devices pods still hold, none here, so a pod holding one
@@ -56,7 +56,7 @@ def test_the_plugin_follows_its_node_through_the_real_api(kube, tmp_path):
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
+        [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--workload", "auto",
          "--auto-modes", "vm-passthrough", "--node-name", NODE],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
     timings = []

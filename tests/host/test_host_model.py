@@ -61,7 +61,7 @@ def test_plan_resources_are_valid_kubernetes_names(tmp_path, profile_path):
 
 def test_dgx_topology(tmp_path):
     host = materialise(load_profile([p for p in HOST_PROFILES if p.stem == "dgx-h100"][0]), tmp_path / "host")
-    opted = Selection(nvswitches="yes")  # the NVSwitches too (by default Kata before 4.1 keeps them out)
+    opted = Selection(nvswitches=True)  # the NVSwitches too (by default Kata before 4.1 keeps them out)
     inv = discover(host, opted)
     assert len(inv.gpus) == 8 and len(inv.nvswitches) == 4
     assert {g.numa_node for g in inv.gpus} == {0, 1}

@@ -19,11 +19,11 @@ from katamgr.host.pciids import PciIds
 from katamgr.host.selection import (
     DEFAULT_SELECTION,
     Selection,
-    from_arguments,
     parse_exclude,
     parse_include,
     select,
 )
+from katamgr.node.options import selection_from
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile
 
@@ -52,11 +52,11 @@ def test_the_default_selects_nvidia_gpus_and_the_nvswitches_kata_can_take():
     older = Selection(kata=parse_release("v3.29"))
     assert select(older, device("0000:05:00.0", NVSWITCH)).why == (
         "NVIDIA NVSwitch, not passed through: Kata 3.29.0 cannot cold-plug one")
-    opted = Selection(nvswitches="yes", kata=parse_release("3.25.0"))
-    assert select(opted, device("0000:05:00.0", NVSWITCH)).why == "NVIDIA NVSwitch (--nvswitches yes)"
+    opted = Selection(nvswitches=True, kata=parse_release("3.25.0"))
+    assert select(opted, device("0000:05:00.0", NVSWITCH)).why == "NVIDIA NVSwitch (--nvswitches true)"
     assert "a pod given an NVSwitch will not start" in opted.nvswitch_warning
-    assert Selection(nvswitches="yes", kata=parse_release("4.1")).nvswitch_warning is None
-    assert not select(Selection(nvswitches="no", kata=parse_release("4.1")), device("0000:05:00.0", NVSWITCH)).selected
+    assert Selection(nvswitches=True, kata=parse_release("4.1")).nvswitch_warning is None
+    assert not select(Selection(nvswitches=False, kata=parse_release("4.1")), device("0000:05:00.0", NVSWITCH)).selected
     with pytest.raises(ValueError, match="'3.x' is not a Kata release"):
         parse_release("3.x")
     for other in (AUDIO_A6000, NIC_I210, EDU, ROOT_PORT):
@@ -75,7 +75,7 @@ def test_include_names_the_resource_and_exclude_wins():
     # By ids, case-insensitive, only that device.
     by_ids = rules(exclude=["10DE:2230"])
     assert select(by_ids, device("0000:01:00.0", GPU_A6000)).why == "excluded by --exclude-device 10de:2230"
-    assert select(dataclasses.replace(by_ids, nvswitches="yes"), device("0000:05:00.0", NVSWITCH)).selected
+    assert select(dataclasses.replace(by_ids, nvswitches=True), device("0000:05:00.0", NVSWITCH)).selected
 
 
 @pytest.mark.parametrize("flag, value, message", [
@@ -98,7 +98,7 @@ def test_a_bad_value_is_refused_naming_the_option_and_the_value(flag, value, mes
     args = argparse.Namespace(include_device=[], exclude_device=[])
     getattr(args, flag[2:].replace("-", "_")).append(value)
     with pytest.raises(ValueError) as refused:
-        from_arguments(args)
+        selection_from(args)
     assert str(refused.value).startswith(f"{flag}: ")
     assert message in str(refused.value)
 
@@ -107,13 +107,13 @@ def test_flags_add_to_the_config_and_one_device_cannot_get_two_resources():
     config = Selection((parse_include("1234:11e8=example.com/edu", "config devices.include"),))
     args = argparse.Namespace(include_device=["1234:1111=example.com/vga", "1234:11e8=example.com/edu"],
                               exclude_device=["0000:00:01.0"])
-    merged = from_arguments(args, config)
+    merged = selection_from(args, config)
     assert [str(r) for r in merged.include] == ["1234:11e8=example.com/edu", "1234:1111=example.com/vga"]
     assert merged.include[0].origin == "config devices.include"
     args.include_device = ["1234:11e8=example.com/other"]
     with pytest.raises(ValueError, match="1234:11e8=example.com/other and config devices.include "
                                          "1234:11e8=example.com/edu include 1234:11e8 under two"):
-        from_arguments(args, config)
+        selection_from(args, config)
 
 
 def workstation(tmp_path):
@@ -153,7 +153,7 @@ def test_inventory_follows_the_selection(tmp_path):
 
 def test_naming_follows_the_selection():
     selection = dataclasses.replace(rules(include=["1234:11e8=example.com/edu"], exclude=["10de:2230"]),
-                                    nvswitches="yes")
+                                    nvswitches=True)
     naming = Naming(PCI_IDS, gpu_alias="pgpu", selection=selection)
     assert naming.resource(device("0000:01:00.0", EDU)) == "example.com/edu"
     assert naming.resource(device("0000:02:00.0", GPU_A6000)) is None  # excluded: never advertised

@@ -1,4 +1,4 @@
-"""The node's workload: one rule for ``katamgr --workload auto`` and ``sandbox-device-plugin --mode auto``."""
+"""The node's workload: one rule for ``katamgr --workload auto`` and ``sandbox-device-plugin --workload auto``."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ NAMING = Naming(PCI_IDS)
 STANDINS = Naming(PCI_IDS, selection=Selection(
     (parse_include("1234:11e8=example.com/edu"), parse_include("1234:1111=example.com/vga")),
     (parse_exclude("0000:00:01.0"),)))
-NVSWITCHES = Naming(PCI_IDS, selection=Selection(nvswitches="yes"))
+NVSWITCHES = Naming(PCI_IDS, selection=Selection(nvswitches=True))
 
 
 def naming_for(profile: str) -> Naming:
@@ -68,7 +68,7 @@ def test_kata_plugs_the_head_of_every_unit_the_node_advertises(kata_node, releas
 @pytest.mark.parametrize("release", RELEASES)
 def test_nvswitches_are_not_advertised_by_default_since_kata_fails_them(kata_node, release):
     """dgx-h100 with the defaults (Kata's release unknown): the GPUs only. Passed through
-    anyway (--nvswitches yes), a pod given an NVSwitch fails in Kata: it takes class 0x0680
+    anyway (--nvswitches true), a pod given an NVSwitch fails in Kata: it takes class 0x0680
     for a bridge, leaves the group empty, and AppendDevice has nothing to plug."""
     node = kata_node("dgx-h100")
     assert list(node.units) == ["nvidia.com/GH100H100_SXM5_80GB"]

@@ -30,7 +30,7 @@ GPU_CLASSES = ("kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp")
 NVSWITCHES = ("0000:05:00.0", "0000:15:00.0", "0000:85:00.0", "0000:95:00.0")
 
 
-def naming_found(profile, tmp_path, nvswitches: str = "auto") -> Naming:
+def naming_found(profile, tmp_path, nvswitches: bool | str = "auto") -> Naming:
     """The naming katamgr ends up with on this profile's node: the release found decides."""
     host: HostRoot = materialise(profile, tmp_path / "look")
     found = katadetect.detect(host, "/etc/containerd/config.toml")
@@ -54,7 +54,7 @@ def test_the_release_found_keeps_nvswitches_home_and_kata_plugs_every_gpu(kata_n
 @pytest.mark.parametrize("release", RELEASES)
 def test_passed_through_anyway_the_release_found_fails_an_nvswitch_as_katamgr_warned(kata_node, tmp_path, release):
     profile = dataclasses.replace(find_profile("dgx-h100"), kata=KataInstall("kata-deploy", release, ("go",)))
-    naming = naming_found(profile, tmp_path, nvswitches="yes")
+    naming = naming_found(profile, tmp_path, nvswitches=True)
     node = kata_node(profile, naming)
     plan = build_plan(node.host, naming, cc_modes=False)
     assert any(f"Kata {release} takes an NVSwitch" in w and "will not start" in w for w in plan.warnings)

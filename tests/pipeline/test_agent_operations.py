@@ -171,8 +171,8 @@ def test_the_node_is_told_what_becomes_of_its_nvswitches(tmp_path):
     from nodesim.profiles import find_profile
 
     for mode, reason, kind in (("auto", "NVSwitchesNotPassedThrough", "Normal"),
-                               ("yes", "NVSwitchesFailKata", "Warning")):
-        host = materialise(find_profile("dgx-h100"), tmp_path / mode)
+                               (True, "NVSwitchesFailKata", "Warning")):
+        host = materialise(find_profile("dgx-h100"), tmp_path / str(mode))
         naming = Naming(PciIds.find(), selection=Selection(nvswitches=mode, kata=parse_release("3.25.0")))
         with FakeApiServer() as api:
             api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "dgx-1"}})

@@ -32,9 +32,9 @@ from nodesim.marker import MARKER
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile
 
-# The NVSwitches passed through (--nvswitches yes): PPCIe mode gives them to the one VM.
+# The NVSwitches passed through (--nvswitches true): PPCIe mode gives them to the one VM.
 # (By default they stay on the host: Kata before 4.1 fails a sandbox given one, tests/kata.)
-NAMING = Naming(PciIds.find(), selection=Selection(nvswitches="yes"))
+NAMING = Naming(PciIds.find(), selection=Selection(nvswitches=True))
 NODE = "dgx-1"
 GPUS = ["0000:03:00.0", "0000:04:00.0", "0000:13:00.0", "0000:14:00.0",
         "0000:83:00.0", "0000:84:00.0", "0000:93:00.0", "0000:94:00.0"]

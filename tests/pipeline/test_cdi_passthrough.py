@@ -77,7 +77,7 @@ def test_specs_on_every_profile(tmp_path, profile_path):
 def test_group_names_and_nvswitch_spec_on_dgx(tmp_path):
     host = materialise(load_profile([p for p in HOST_PROFILES if p.stem == "dgx-h100"][0]), tmp_path / "host")
     # NVSwitches opted in (the default keeps them on the host: Kata before 4.1 fails them).
-    report = apply(host, Naming(PciIds.find(), selection=Selection(nvswitches="yes")))
+    report = apply(host, Naming(PciIds.find(), selection=Selection(nvswitches=True)))
     pgpu = cdi.read_spec(host.path(PGPU))
     names = [d.name for d in pgpu.devices]
     assert names[:2] == ["0", "1"] and "8" in names

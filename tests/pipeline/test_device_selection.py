@@ -73,8 +73,8 @@ def test_the_default_selection_is_the_gpus_and_the_nvswitches_kata_can_take(tmp_
 @pytest.mark.parametrize(("mode", "kata", "taken", "warned"), [
     ("auto", "4.1.0", True, False),  # a Kata that cold-plugs them
     ("auto", "3.29.0", False, False),
-    ("yes", "3.25.0", True, True),  # the operator's call, with the warning
-    ("no", "4.1.0", False, False),
+    (True, "3.25.0", True, True),  # the operator's call, with the warning
+    (False, "4.1.0", False, False),
 ])
 def test_nvswitches_follow_the_node_s_kata_and_the_operator(tmp_path, mode, kata, taken, warned):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
@@ -86,8 +86,8 @@ def test_nvswitches_follow_the_node_s_kata_and_the_operator(tmp_path, mode, kata
     # (Fabric Manager User Guide §6.1; katamgr.host.nvlinkunits).
     assert (board in plan.resources) is (taken and kata == "4.1.0")
     assert any("a pod given an NVSwitch will not start" in w for w in plan.warnings) is warned
-    if mode == "no":
-        assert rows(plan)["0000:05:00.0"]["selection"] == "NVIDIA NVSwitch, not passed through (--nvswitches no)"
+    if mode is False:
+        assert rows(plan)["0000:05:00.0"]["selection"] == "NVIDIA NVSwitch, not passed through (--nvswitches false)"
 
 
 def test_a_display_gpu_excluded_by_bdf_stays_on_its_driver_and_plan_says_why(tmp_path):

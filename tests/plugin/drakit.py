@@ -31,9 +31,9 @@ from sandbox_plugin.dra.driver import DraDriver
 
 DRIVER = "passthrough.kata-sandbox-manager.io"
 NODE = "dgx-1"
-# The dgx-h100's NVSwitches opted in (--nvswitches yes): the driver publishes them as devices
+# The dgx-h100's NVSwitches opted in (--nvswitches true): the driver publishes them as devices
 # of their own type. (By default they stay on the host: Kata before 4.1 fails them.)
-NAMING = Naming(PciIds.find(), selection=Selection(nvswitches="yes"))
+NAMING = Naming(PciIds.find(), selection=Selection(nvswitches=True))
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The device plugin as its own process, as the chart runs it (``sandbox-device-plugin
---mode vm-passthrough --metrics-address``), for the tests that watch it from outside:
+--workload vm-passthrough --metrics-address``), for the tests that watch it from outside:
 its memory, its log, its socket under attack (test_hostile_clients.py) and under h2spec
 (test_h2spec.py).
 
@@ -43,7 +43,7 @@ class Plugin:
             process = subprocess.Popen(
                 # --nvlink-fabric off: these tests are about the gRPC server; on the dgx-h100
                 # board with auto and no FM at the default address no GPU would be advertised.
-                [sys.executable, "-c", LAUNCH, str(nofile), "--mode", "vm-passthrough", "--nvlink-fabric", "off",
+                [sys.executable, "-c", LAUNCH, str(nofile), "--workload", "vm-passthrough", "--nvlink-fabric", "off",
                  "--host-root", str(host_root), "--metrics-address", f"127.0.0.1:{free_port()}"],
                 cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
         return cls(process, socket, log)

@@ -64,7 +64,7 @@ def group_of(host, bdf: str) -> int:
 @pytest.fixture
 def dgx(sim_host):
     """A simulated DGX H100 (8 GPUs on nvidia), its kubelet, and the container plugin on
-    it with the NVML stand-in, as ``sandbox-device-plugin --mode container`` runs there."""
+    it with the NVML stand-in, as ``sandbox-device-plugin --workload container`` runs there."""
     managers: list[PluginManager] = []
 
     def start(**kwargs):

@@ -211,7 +211,7 @@ def test_strategy_values_split_on_commas_repeat_and_keep_their_order():
 @pytest.mark.parametrize("args", [["--device-list-strategy", "envvar,cdi"],
                                   ["--device-list-strategy", "envvar", "--device-list-strategy=cdi"]])
 def test_a_bad_strategy_exits_2_naming_it(capsys, short_root, args):
-    assert plugin_main(["--host-root", str(short_root), "--mode", "container", *args]) == 2
+    assert plugin_main(["--host-root", str(short_root), "--workload", "container", *args]) == 2
     err = capsys.readouterr().err
     assert "--device-list-strategy" in err and "'cdi'" in err and "volume-mounts" in err
 

@@ -27,7 +27,7 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
      "most 63 characters"),
     (["--node-name", "n", "--driver-name", "a" * 64 + ".io"], "is not a DRA driver name"),
     (["--node-name", "n", "--kubelet-dir", "var/lib/kubelet"],
-     "--kubelet-dir 'var/lib/kubelet' is not an absolute host path"),
+     "--kubelet-dir: 'var/lib/kubelet' is not an absolute path"),
     (["--node-name", "n", "--host-root", "/nonexistent-root"], "--host-root '/nonexistent-root' is not a directory"),
     (["--node-name", "n", "--include-device", "1234:11e8"], "'1234:11e8' is not VENDOR:DEVICE=RESOURCE"),
     (["--node-name", "n", "--kata-runtime-class", "Kata_QEMU"],
@@ -68,7 +68,7 @@ def test_the_command_publishes_and_follows_its_node_label(tmp_path):
         # test_nvlink_gate's (with auto and no FM answering its GPUs would stay out).
         process = subprocess.Popen(
             [sys.executable, "-m", "sandbox_plugin.dra.cli", "--host-root", str(node.host.root),
-             "--node-name", NODE, "--nvswitches", "yes", "--nvlink-fabric", "off"],
+             "--node-name", NODE, "--nvswitches", "true", "--nvlink-fabric", "off"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
         try:
             node.dra.wait_for(lambda s: s.current(DRIVER) is not None, timeout=30)
@@ -95,3 +95,27 @@ def wait(check, what: str, timeout: float = 15.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.05)
+
+
+def test_a_workload_chosen_with_the_flag_wins_over_the_label(tmp_path):
+    """--workload (as katamgr's and the device plugin's) fixes what the driver serves: the
+    node's label is not asked, so a container-labeled node still gets its slice."""
+    node, cleanup = make_node(start=False)
+    try:
+        node.server.update("nodes", NODE, lambda n: n["metadata"].setdefault("labels", {}).update(
+            {WORKLOAD: "container"}))
+        env = {**os.environ, "KUBECONFIG": str(node.server.write_kubeconfig(tmp_path / "kubeconfig"))}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sandbox_plugin.dra.cli", "--host-root", str(node.host.root),
+             "--node-name", NODE, "--workload", "vm-passthrough", "--nvlink-fabric", "off"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+        try:
+            wait(lambda: node.slices(), "the slice", timeout=30)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            output, _ = process.communicate(timeout=20)
+        assert process.returncode == 0, output
+        assert "removing the node's ResourceSlice" not in output  # the container label was not asked
+    finally:
+        cleanup()

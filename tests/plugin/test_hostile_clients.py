@@ -1,7 +1,7 @@
 """The device plugin against hostile local clients, each bounded in time.
 
 The plugin runs as its own process on a simulated DGX H100 (``sandbox-device-plugin
---mode vm-passthrough --metrics-address``, as the chart runs it), registered with
+--workload vm-passthrough --metrics-address``, as the chart runs it), registered with
 the kubelet stand-in, whose ListAndWatch stays open throughout. While each attack
 runs (tests/plugin/hostile.py, in a process of its own, as an attacker on the node
 would be), a well-behaved grpcio client keeps calling Allocate every 10 ms, and the

@@ -116,7 +116,7 @@ def test_dgx_h100_eight_gpus_and_the_nvswitches_kata_cannot_take(node):
     plug = run_pod(host, kubelet, "trainer", {r: len(ids) for r, ids in advertised.items()})
     assert len(plug.cdi_names) == 8 and len(plug.functions) == 8 and len(plug.qemu_args) == 16
     # Opted in, an NVSwitch fails the sandbox as in Kata before 4.1.
-    naming = Naming(PciIds.find(), selection=Selection(nvswitches="yes"))
+    naming = Naming(PciIds.find(), selection=Selection(nvswitches=True))
     opted, kubelet2 = node("dgx-h100", naming)
     switches = wait_for_units(opted, kubelet2, naming)["nvidia.com/PCI_22a3"]
     assert len(switches) == 4

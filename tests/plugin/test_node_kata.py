@@ -49,12 +49,17 @@ def test_a_typed_release_stays_the_plugin_s_override(tmp_path):
     assert _advertised_nvswitches(host, "--kata-version", "3.29.0") == set()
 
 
-def test_containerd_s_config_is_a_host_path_for_both_programs(tmp_path):
+def test_containerd_s_config_is_a_host_path_for_both_programs(tmp_path, capsys):
     host = _node(tmp_path, "4.1.0")
     # Elsewhere (no Kata runtime in that config) the release is unknown: none advertised.
     assert _advertised_nvswitches(host, "--containerd-config", "/etc/elsewhere.toml") == set()
-    with pytest.raises(plugin_cli.UsageError, match="--containerd-config 'etc/x.toml' is not an absolute"):
-        plugin_cli._build(plugin_cli.parse_args(["--host-root", str(host.root), "--containerd-config", "etc/x.toml"]))
+    with pytest.raises(SystemExit) as refused:  # usage: exit 2, as every path option of the three
+        plugin_cli.parse_args(["--host-root", str(host.root), "--containerd-config", "etc/x.toml"])
+    assert refused.value.code == 2
+    assert "--containerd-config: 'etc/x.toml' is not an absolute path" in capsys.readouterr().err
     args = dra_cli.build_parser().parse_args(["--node-name", "n"])
     assert args.containerd_config == "/etc/containerd/config.toml"
-    assert dra_cli.main(["--node-name", "n", "--host-root", str(host.root), "--containerd-config", "x.toml"]) == 2
+    with pytest.raises(SystemExit) as refused:
+        dra_cli.main(["--node-name", "n", "--host-root", str(host.root), "--containerd-config", "x.toml"])
+    assert refused.value.code == 2
+    assert "--containerd-config: 'x.toml' is not an absolute path" in capsys.readouterr().err

@@ -65,10 +65,23 @@ def test_help_explains_modes_and_options(capsys):
         assert word in text
 
 
-def test_bad_mode_exits_2_naming_it():
-    result = run_cli("--mode", "gpu-please")
+def test_bad_workload_exits_2_naming_it():
+    result = run_cli("--workload", "gpu-please")
     assert result.returncode == 2
-    assert "'gpu-please'" in result.stderr and "--mode" in result.stderr
+    assert "'gpu-please'" in result.stderr and "--workload" in result.stderr
+
+
+def test_mode_still_works_as_the_deprecated_spelling_of_workload(capsys):
+    """Manifests written for the plugin before --workload say --mode: they keep working,
+    and stderr says what to write instead."""
+    from sandbox_plugin.cli import parse_args
+
+    assert parse_args(["--mode", "container"]).workload == "container"
+    assert "--mode is deprecated; use --workload" in capsys.readouterr().err
+    assert parse_args([]).workload == "auto"
+    assert "deprecated" not in capsys.readouterr().err
+    result = run_cli("--mode", "gpu-please")  # checked as --workload is
+    assert result.returncode == 2 and "'gpu-please'" in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""``sandbox-device-plugin --mode auto`` follows its Node's labels without a restart, as
+"""``sandbox-device-plugin --workload auto`` follows its Node's labels without a restart, as
 ``katamgr run`` does: vm-passthrough serves the passthrough resources; a node the
 plugin does not serve (``--auto-modes``), a vGPU node, or one that opts out of the GPU
 Operator's sandbox device plugin (``nvidia.com/gpu.deploy.sandbox-device-plugin=false``,
@@ -65,14 +65,14 @@ def label(api: FakeApiServer, key: str, value: str | None) -> None:
 
 
 def auto_plugin(api: FakeApiServer, host, tmp_path) -> subprocess.Popen:
-    """``sandbox-device-plugin --mode auto`` as the chart's sandbox agent pod runs it, following
+    """``sandbox-device-plugin --workload auto`` as the chart's sandbox agent pod runs it, following
     the Node (labelled vm-passthrough) that ``api`` holds."""
     api.seed({"apiVersion": "v1", "kind": "Node",
               "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: "vm-passthrough"}}})
     env = {**os.environ, "KUBECONFIG": str(api.write_kubeconfig(tmp_path / "kubeconfig"))}
     env.pop("KUBERNETES_SERVICE_HOST", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--mode", "auto",
+        [sys.executable, "-m", "sandbox_plugin.cli", "--host-root", str(host.root), "--workload", "auto",
          "--auto-modes", "vm-passthrough", "--node-name", NODE],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
 

@@ -101,5 +101,5 @@ def test_help_names_the_selection_flags(capsys):
      "include 1234:11e8 under two resource names"),
 ])
 def test_bad_selection_values_exit_2_naming_them(capsys, short_root, args, named):
-    assert main(["--host-root", str(short_root.root), "--mode", "vm-passthrough", *args]) == 2
+    assert main(["--host-root", str(short_root.root), "--workload", "vm-passthrough", *args]) == 2
     assert named in capsys.readouterr().err

@@ -14,9 +14,9 @@ from katamgr.pipeline.cdi_specs import write_specs
 from katamgr.pipeline.plan import build_plan
 
 PCI_IDS = PciIds.find()
-# The NVSwitches opted in (--nvswitches yes), so that the dgx-h100 node serves two resources;
+# The NVSwitches opted in (--nvswitches true), so that the dgx-h100 node serves two resources;
 # by default they stay on the host (tests/kata shows why: Kata before 4.1 fails them).
-OPTED = Selection(nvswitches="yes")
+OPTED = Selection(nvswitches=True)
 NAMING = Naming(PCI_IDS, selection=OPTED)
 A10 = "nvidia.com/GA102GL_A10"
 H100 = resource_name(PCI_IDS, 0x10DE, 0x2330)

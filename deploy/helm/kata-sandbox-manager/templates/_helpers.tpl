@@ -119,8 +119,9 @@ NVSWITCH_ALIAS, looked up the same way. As JSON {"P_GPU_ALIAS": .., "NVSWITCH_AL
 {{- end -}}
 
 {{/*
-The naming arguments both commands get. They must agree: katamgr writes one CDI spec per
-advertised resource, named like the resource.
+The naming arguments (resource naming and the aliases, see ksm.aliases). Every program that
+names devices gets them alike: katamgr writes one CDI spec per advertised resource, named
+like the resource; the uninstall revert finds those specs by them.
 */}}
 {{- define "ksm.namingArgs" -}}
 {{- $aliases := include "ksm.aliases" . | fromJson -}}
@@ -137,12 +138,31 @@ advertised resource, named like the resource.
 {{- end -}}
 
 {{/*
-The device selection both commands get (devices.include, devices.exclude, devices.nvswitches,
-devices.kataVersion). They must agree:
-the plugin advertises exactly the devices katamgr binds and writes CDI specs for.
+The options katamgr, sandbox-device-plugin and sandbox-dra-driver share
+(katamgr.node.options: one spelling, one default and one check for the three), each
+value passed as the values file writes it: the host (hostPaths.rootFS is where containerd
+sees the node's /), the node and the workload of a node without the
+nvidia.com/gpu.workload.config label (the same default the container plugin's node
+affinity schedules by), the log format, the device names, the device selection
+(devices.include, exclude, nvswitches: auto, true or false; kataVersion, empty: found on
+the node) and the NVLink fabric (devices.nvlinkFabric, devices.fabricManager). They must
+agree: the plugins advertise exactly the devices katamgr binds and writes CDI specs for.
 */}}
-{{- define "ksm.deviceArgs" -}}
+{{- define "ksm.nodeArgs" -}}
 {{- $devices := .Values.devices | default dict -}}
+{{- $fm := $devices.fabricManager | default dict -}}
+{{- $nvswitches := $devices.nvswitches -}}
+{{- if kindIs "invalid" $nvswitches }}{{ $nvswitches = "auto" }}{{ end -}}
+- --host-root
+- /host
+- --runtime-root
+- {{ .Values.hostPaths.rootFS | quote }}
+- --node-name
+- $(NODE_NAME)
+- --default-workload
+- {{ .Values.sandboxWorkloads.defaultWorkload }}
+{{ include "ksm.logArgs" . }}
+{{ include "ksm.namingArgs" . }}
 {{- range ($devices.include | default list) }}
 - --include-device
 - {{ printf "%s=%s" .ids .resource | quote }}
@@ -151,43 +171,18 @@ the plugin advertises exactly the devices katamgr binds and writes CDI specs for
 - --exclude-device
 - {{ . | quote }}
 {{- end }}
-{{- $nvswitches := "auto" }}
-{{- if kindIs "bool" $devices.nvswitches }}
-{{- $nvswitches = ternary "yes" "no" $devices.nvswitches }}
-{{- end }}
 - --nvswitches
-- {{ $nvswitches | quote }}
-{{- with $devices.kataVersion }}
+- {{ $nvswitches | toString | quote }}
 - --kata-version
-- {{ . | quote }}
-{{- end }}
-{{- end -}}
-
-{{/*
-The NVLink fabric model and where Fabric Manager is (devices.nvlinkFabric, devices.fabricManager),
-for katamgr, the device plugin and the DRA driver (where neither model holds, the plugins
-advertise none of the board's GPUs).
-*/}}
-{{- define "ksm.fabricArgs" -}}
-{{- /* Only what differs from both programs' defaults (auto, 127.0.0.1:6666, libnvfm.so.1). */ -}}
-{{- $devices := .Values.devices | default dict -}}
-{{- $fm := $devices.fabricManager | default dict -}}
-{{- if and $devices.nvlinkFabric (ne $devices.nvlinkFabric "auto") }}
+- {{ $devices.kataVersion | default "" | quote }}
 - --nvlink-fabric
-- {{ $devices.nvlinkFabric | quote }}
-{{- end }}
-{{- if and $fm.address (ne $fm.address "127.0.0.1:6666") }}
+- {{ $devices.nvlinkFabric | default "auto" | quote }}
 - --fabric-manager-address
-- {{ $fm.address | quote }}
-{{- end }}
-{{- if and $fm.library (ne $fm.library "libnvfm.so.1") }}
+- {{ $fm.address | default "" | quote }}
 - --fabric-manager-library
-- {{ $fm.library | quote }}
-{{- end }}
-{{- with $fm.gpuModuleIds }}
+- {{ $fm.library | default "" | quote }}
 - --gpu-module-ids
-- {{ . | quote }}
-{{- end }}
+- {{ $fm.gpuModuleIds | default "" | quote }}
 {{- end -}}
 
 {{/*
@@ -362,16 +357,6 @@ one a line: no node can pull from them.
 {{- define "ksm.hostPath" -}}
 {{- $root := (index . 0).Values.hostPaths.rootFS | trimSuffix "/" -}}
 {{- printf "%s%s" $root (index . 1) -}}
-{{- end -}}
-
-{{/* The device nodes that CDI specs and Allocate answers name are opened by containerd,
-       which sees the node's / at hostPaths.rootFS. */}}
-{{- define "ksm.runtimeRootArgs" -}}
-{{- $root := .Values.hostPaths.rootFS | trimSuffix "/" -}}
-{{- if $root }}
-- --runtime-root
-- {{ $root }}
-{{- end }}
 {{- end -}}
 
 {{/* Where a host path is reachable inside our containers (--host-root /host). */}}
