@@ -178,9 +178,12 @@ def node_processes(d: Path, bin_dir: Path, ports: dict[str, int], ip: str,
     }
 
 
-def containerd_env(bin_dir: Path) -> dict[str, str]:
-    """containerd finds its shim (ours, 2.x) on PATH before Debian's."""
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin')}"}
+def containerd_env(bin_dir: Path, d: Path) -> dict[str, str]:
+    """containerd finds its shim (ours, 2.x) on PATH before Debian's. The stand-in for Kata's
+    shim (hack/containerd/kata-shim, where the node suite installs Kata as kata-deploy does)
+    inherits this environment and keeps its runc state where the other handlers' is."""
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin')}",
+            "KSM_STANDIN_RUNC_ROOT": str(d / "containerd/runc")}
 
 
 def ctr(bin_dir: Path, d: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
