@@ -8,6 +8,8 @@ Imported by hack/localcluster.py (standard library only, like it). What it sets 
   node's spec dirs, and a runtime handler named after the Kata runtime class whose shim is
   runc's: no Kata guest can run here, so a "Kata" pod starts as a runc container while
   every Kubernetes-side step (RuntimeClass, scheduling, device plugin, CDI) is the real one.
+  (tests/node's kata-deploy install puts kata-deploy's entries in their place for a while, whose
+  shim is a stand-in on runc's: hack/containerd/kata-shim.)
 - containerd keeps every pod's oom_score_adj at or above its own
   (`restrict_oom_score_adj`): these machines cannot lower one (no CAP_SYS_RESOURCE).
 - CNI: the bridge plugin (Debian's containernetworking-plugins) on a bridge of its own with

@@ -47,8 +47,7 @@ def kata_deploy(node):
               "containerd": (node.cluster.dir / "containerd/config.toml").read_bytes(),
               "events": len(node.events("KataChanged"))}
     deployed = KataDeployed.put(node.cluster, shim, KataInstall("kata-deploy", RELEASE, ("go", "runtime-rs")))
-    installed = deployed.checksums()
-    state = {"deployed": deployed, "installed": installed, "before": before, "removed": False}
+    state = {"deployed": deployed, "installed": deployed.installed, "before": before, "removed": False}
     try:
         yield state
     finally:

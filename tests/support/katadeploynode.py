@@ -90,6 +90,7 @@ class KataDeployed:
     install: katadeploy.KataInstall
     prefix: str
     had: set[str] = field(default_factory=set)  # what /opt/kata held before (kept)
+    installed: dict[str, str] = field(default_factory=dict)  # kata-deploy's files, as it wrote them
     containerd_main: bytes = b""
 
     @property
@@ -113,6 +114,8 @@ class KataDeployed:
         drop_in = host.path(katadeploy.DROP_IN)
         drop_in.parent.mkdir(parents=True, exist_ok=True)
         drop_in.write_text(katadeploy.drop_in(install, katadeploy.V3_PLUGIN, prefix))
+        # Before the agent can see them: it looks once the main config imports the drop-in.
+        done.installed = done.checksums()
         main = cluster.dir / "containerd/config.toml"
         done.containerd_main = main.read_bytes()
         main.write_text(katadeploy.with_import(without_runtimes(main.read_text(), GPU_HANDLERS), done.drop_in))
