@@ -133,7 +133,10 @@ def test_the_admission_allows_kata_deploy_s_gpu_classes(node, kata_deploy):
                                   input=yaml.safe_dump(gpu_pod("rs-admitted", RS_CLASS)), check=False)
     assert result.returncode == 0, result.stderr
     admitted = json.loads(result.stdout)
-    assert admitted["spec"]["overhead"] == {"cpu": "1", "memory": "10240Mi"}
+    # The API server's RuntimeClass admission ran too: the class's overhead and node selector.
+    stored = node.cluster.get("runtimeclass", RS_CLASS)
+    assert admitted["spec"]["overhead"] == stored["overhead"]["podFixed"] == {"cpu": "1", "memory": "10Gi"}
+    assert admitted["spec"]["nodeSelector"]["katacontainers.io/kata-runtime"] == "true"
 
 
 def gpu_pod(name: str, runtime_class: str = KATA_CLASS, gpus: int = 2) -> dict:
