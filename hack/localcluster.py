@@ -175,7 +175,7 @@ def cluster_running(d: Path) -> bool:
 
 def start_component(state: State, name: str) -> None:
     proc = state.processes[name]
-    env = localnode.containerd_env(Path(state.bin)) if name == "containerd" else None
+    env = localnode.containerd_env(Path(state.bin), Path(state.dir)) if name == "containerd" else None
     start(proc, env)
     state.save()  # every pid recorded before the next wait, so `down` finds it
     check, what = readiness(state, name)

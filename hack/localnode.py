@@ -8,6 +8,8 @@ Imported by hack/localcluster.py (standard library only, like it). What it sets 
   node's spec dirs, and a runtime handler named after the Kata runtime class whose shim is
   runc's: no Kata guest can run here, so a "Kata" pod starts as a runc container while
   every Kubernetes-side step (RuntimeClass, scheduling, device plugin, CDI) is the real one.
+  (tests/node's kata-deploy install puts kata-deploy's entries in their place for a while, whose
+  shim is a stand-in on runc's: hack/containerd/kata-shim.)
 - containerd keeps every pod's oom_score_adj at or above its own
   (`restrict_oom_score_adj`): these machines cannot lower one (no CAP_SYS_RESOURCE).
 - CNI: the bridge plugin (Debian's containernetworking-plugins) on a bridge of its own with
@@ -178,9 +180,12 @@ def node_processes(d: Path, bin_dir: Path, ports: dict[str, int], ip: str,
     }
 
 
-def containerd_env(bin_dir: Path) -> dict[str, str]:
-    """containerd finds its shim (ours, 2.x) on PATH before Debian's."""
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin')}"}
+def containerd_env(bin_dir: Path, d: Path) -> dict[str, str]:
+    """containerd finds its shim (ours, 2.x) on PATH before Debian's. The stand-in for Kata's
+    shim (hack/containerd/kata-shim, where the node suite installs Kata as kata-deploy does)
+    inherits this environment and keeps its runc state where the other handlers' is."""
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/sbin:/usr/bin')}",
+            "KSM_STANDIN_RUNC_ROOT": str(d / "containerd/runc")}
 
 
 def ctr(bin_dir: Path, d: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -27,6 +27,12 @@ and ``runtime_path`` set (``runtime/containerd.rs`` ``write_containerd_runtime_c
 drop-in named ``kata-deploy.toml`` (``/opt/kata/containerd/config.d/`` imported by the main
 config, or ``/etc/containerd/conf.d/`` on containerd 2.2 and later).
 
+The paths in containerd's config (``imports``, ``runtime_path``, ``ConfigPath``) are the
+paths containerd opens: where the node's ``/`` is elsewhere for containerd
+(``HostRoot.runtime_root``, the chart's ``hostPaths.rootFS``: hack/local-cluster's node, whose
+kata-deploy install has that prefix, ``INSTALLATION_PREFIX`` in kata-deploy's ``config.rs``)
+they are read back as host paths.
+
 ``katamgr.runtime.containerd`` is the one place that edits containerd's config; this module only
 reads it (the host layer is below the runtime layer), looking for runtimes in every plugin table
 that has ``containerd.runtimes`` (config versions 2, 3 and 4 alike).
@@ -192,7 +198,7 @@ def _config_files(host: HostRoot, main: str, problems: list[str]) -> list[str]:
     for pattern in imports if isinstance(imports, list) else []:
         if not isinstance(pattern, str) or not posixpath.isabs(pattern):
             continue  # containerd resolves a relative import against its own cwd
-        for local in sorted(glob.glob(str(host.path(pattern)))):
+        for local in sorted(glob.glob(str(host.path(host.host_node(pattern))))):
             files.append(host.host_path(Path(local)))
     return files
 
@@ -217,7 +223,7 @@ def _is_kata(entry: Mapping[str, Any]) -> bool:
 def _shim_of(host: HostRoot, entry: Mapping[str, Any]) -> str | None:
     path = entry.get("runtime_path")
     if isinstance(path, str) and path:
-        return path
+        return host.host_node(path)
     # containerd's shim for io.containerd.<name>.<version> is containerd-shim-<name>-<version>.
     runtime_type = str(entry.get("runtime_type", ""))
     parts = runtime_type.split(".")
@@ -233,7 +239,7 @@ def _found(host: HostRoot, name: str, entry: Mapping[str, Any], defined_in: str,
            read_version: VersionReader, problems: list[str]) -> FoundRuntime | None:
     options = entry.get("options")
     config = options.get("ConfigPath") if isinstance(options, dict) else None
-    config = config if isinstance(config, str) and config else None
+    config = host.host_node(config) if isinstance(config, str) and config else None
     shim = _shim_of(host, entry)
     release, flavour, how = UNKNOWN, None, "no shim found"
     if shim is not None:

@@ -21,7 +21,15 @@ from katamgr.host.pciids import PciIds
 from katamgr.host.root import HostRoot
 from katamgr.host.selection import Selection
 from katamgr.pipeline.plan import build_plan
-from nodesim.katadeploy import KataInstall, version_line
+from nodesim.katadeploy import (
+    DROP_IN,
+    V3_PLUGIN,
+    KataInstall,
+    drop_in,
+    install_files,
+    version_line,
+    with_import,
+)
 from nodesim.materialise import materialise
 from nodesim.profiles import SHIPPED, find_profile
 
@@ -127,6 +135,35 @@ def test_our_own_classes_and_a_package_s_are_told_apart(tmp_path):
     assert by_name["kata-qemu-nvidia-gpu"].shim == "/usr/local/bin/containerd-shim-kata-v2"
     assert by_name["kata"].installed_by == katadetect.PACKAGE
     assert by_name["kata"].shim == "/usr/bin/containerd-shim-kata-qemu-v2"
+
+
+def test_kata_deploy_installed_below_containerd_s_view_of_the_node_is_found_by_its_paths(tmp_path):
+    """hack/local-cluster's node: containerd sees the node's / at DIR/host (the chart's
+    hostPaths.rootFS, passed as --runtime-root), so kata-deploy installed there with that
+    INSTALLATION_PREFIX (its config.rs: the install dir is <prefix>/opt/kata) writes the prefix
+    into every path of containerd's config; katamgr reads them back as the node's paths."""
+    root = tmp_path / "host"
+    host = HostRoot.at(root, runtime_root=str(root.resolve()))
+    prefix = host.runtime_root
+    install = KataInstall("kata-deploy", "3.29.0", ("go",))
+    install_files(host, install)
+    host.path(DROP_IN).parent.mkdir(parents=True)
+    host.path(DROP_IN).write_text(drop_in(install, V3_PLUGIN, prefix))
+    host.path(CONTAINERD).parent.mkdir(parents=True)
+    host.path(CONTAINERD).write_text(with_import("version = 3\n", prefix + DROP_IN))
+    found = katadetect.detect(host, CONTAINERD)
+    assert found.problems == ()
+    assert sorted(r.name for r in found.runtimes) == [f"kata-qemu-nvidia-gpu{s}" for s in ("", "-snp", "-tdx")]
+    for runtime in found.runtimes:
+        shim = runtime.name.removeprefix("kata-")
+        assert (runtime.shim, runtime.config_path, runtime.defined_in, runtime.installed_by) == (
+            "/opt/kata/bin/containerd-shim-kata-v2",
+            f"/opt/kata/share/defaults/kata-containers/runtimes/{shim}/configuration-{shim}.toml",
+            DROP_IN, katadetect.KATA_DEPLOY)
+        assert (runtime.release, runtime.release_from) == (KataRelease((3, 29, 0)), "containerd-shim-kata-v2 --version")
+    # Read as if containerd saw the node at /, the same config names nothing that is there.
+    plain = katadetect.detect(HostRoot.at(root), CONTAINERD)
+    assert plain.runtimes == ()
 
 
 def test_no_containerd_config_finds_nothing(tmp_path):

@@ -7,7 +7,8 @@ pause image imported from hack/image/build), the node labelled vm-passthrough, t
 ``hack/local-chart up DIR --node`` (the chart rendered by the real Helm engine with
 examples/values/local-node.yaml, applied server-side). Every pod here is started by the
 real kubelet from our image: the agent, both device plugins, the webhook. What is still a
-stand-in: the Kata guest (the Kata runtime handler runs runc's shim), the GPUs (the
+stand-in: the Kata guest (the Kata runtime handler runs runc's shim; kata-deploy's, installed by
+test_node_katadeploy.py, a stand-in built on it), the GPUs (the
 simulated node's sysfs, /dev/vfio nodes that reach no device) and NVML.
 
 Needs root, runc, the CNI plugins, iptables and mmdebstrap (bash .ci/setup installs them);
