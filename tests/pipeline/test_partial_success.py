@@ -90,6 +90,29 @@ def test_the_agent_offers_the_classes_it_installed_and_retries_the_one_that_fail
         assert labels(api) == {"keep": "me"}
 
 
+def test_a_class_dropped_from_the_config_is_no_longer_offered(tmp_path):
+    """A helm upgrade that drops a class: the agent takes its runtime out of containerd's
+    config, so its offer label must go too (Helm may keep the RuntimeClass, with
+    uninstall.deleteRuntimeClasses=false, and its pods would land here and fail to start)."""
+    host = node(tmp_path)
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {"keep": "me"}}})
+        agent = Agent(host, NAMING, Steps(), KataContext(parse_config(GOOD), manage_runtime_classes=False),
+                      offer_labels=_node_labels(api.client(), NODE))
+        assert agent.reconcile("start").ok
+        assert labels(api) == {"keep": "me", offer_label(GPU): "true", offer_label(GPU_SNP): "true"}
+
+        agent.target.ctx = KataContext(parse_config(kata_manager_yaml((GPU,))), manage_runtime_classes=False)
+        dropped = agent.reconcile("config changed")
+        assert dropped.ok, dropped.failures
+        assert f'runtimes.{GPU_SNP}' not in host.path("/etc/containerd/config.toml").read_text().replace('"', "")
+        assert labels(api) == {"keep": "me", offer_label(GPU): "true"}
+        assert (f"stopped offering runtime class {GPU_SNP} on this node (removed {offer_label(GPU_SNP)})"
+                in dropped.changes)
+        assert agent.metrics.registry.get_sample_value("katamgr_runtime_class_ready",
+                                                       {"runtime_class": GPU_SNP}) is None
+
+
 def katamgr(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
     return subprocess.run([KATAMGR, *args], capture_output=True, text=True, timeout=120, env=env)
