@@ -41,10 +41,11 @@ def publish(node: NodeLabels, labels: dict[str, str | None]) -> Report:
     except KatamgrError as exc:
         report.failures.append(f"{exc}; the runtime classes offered on this node are not up to date")
         return report
-    report.changes += [f"offered runtime class {k.removeprefix(OFFER_LABEL_PREFIX)} on this node ({k}=true)"
-                       for k, v in sorted(patch.items()) if v is not None]
-    report.changes += [f"stopped offering runtime class {k.removeprefix(OFFER_LABEL_PREFIX)} on this node "
-                       f"(removed {k})" for k, v in sorted(patch.items()) if v is None]
+    report.offered = {k.removeprefix(OFFER_LABEL_PREFIX): v is not None for k, v in sorted(patch.items())}
+    report.changes += [f"offered runtime class {name} on this node ({offer_label(name)}=true)"
+                       for name, on in report.offered.items() if on]
+    report.changes += [f"stopped offering runtime class {name} on this node (removed {offer_label(name)})"
+                       for name, on in report.offered.items() if not on]
     return report
 
 

@@ -24,7 +24,7 @@ from support.kataconfig import kata_manager_yaml, prepare_node
 
 from katamgr.agent import Agent
 from katamgr.cli import _node_labels
-from katamgr.cluster import desired_runtime_classes
+from katamgr.cluster import EventRecorder, desired_runtime_classes
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
 from katamgr.host.pciids import PciIds
@@ -93,14 +93,18 @@ def test_the_agent_offers_the_classes_it_installed_and_retries_the_one_that_fail
 def test_a_class_dropped_from_the_config_is_no_longer_offered(tmp_path):
     """A helm upgrade that drops a class: the agent takes its runtime out of containerd's
     config, so its offer label must go too (Helm may keep the RuntimeClass, with
-    uninstall.deleteRuntimeClasses=false, and its pods would land here and fail to start)."""
+    uninstall.deleteRuntimeClasses=false, and its pods would land here and fail to start).
+    Each label set or removed is an Event of its own, whatever else the reconcile did."""
     host = node(tmp_path)
     with FakeApiServer() as api:
         api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {"keep": "me"}}})
         agent = Agent(host, NAMING, Steps(), KataContext(parse_config(GOOD), manage_runtime_classes=False),
-                      offer_labels=_node_labels(api.client(), NODE))
+                      offer_labels=_node_labels(api.client(), NODE), events=EventRecorder(api.client(), NODE))
         assert agent.reconcile("start").ok
         assert labels(api) == {"keep": "me", offer_label(GPU): "true", offer_label(GPU_SNP): "true"}
+        assert events(api, "RuntimeClassOffered") == [
+            f"RuntimeClass {name} is offered on this node ({offer_label(name)}=true): installed and "
+            "registered with containerd" for name in (GPU, GPU_SNP)]
 
         agent.target.ctx = KataContext(parse_config(kata_manager_yaml((GPU,))), manage_runtime_classes=False)
         dropped = agent.reconcile("config changed")
@@ -111,6 +115,13 @@ def test_a_class_dropped_from_the_config_is_no_longer_offered(tmp_path):
                 in dropped.changes)
         assert agent.metrics.registry.get_sample_value("katamgr_runtime_class_ready",
                                                        {"runtime_class": GPU_SNP}) is None
+        assert events(api, "RuntimeClassNotOffered") == [
+            f"RuntimeClass {GPU_SNP} is no longer offered on this node (removed {offer_label(GPU_SNP)})"]
+
+
+def events(api, reason: str) -> list[str]:
+    found = [api.get("events", n, "default") for n in api.names("events")]
+    return sorted(e["message"] for e in found if e["reason"] == reason)
 
 
 def katamgr(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess:
