@@ -43,6 +43,7 @@ from support.nodekit import (
     IMAGE,
     KATA_CLASS,
     NODE,
+    POD_TIMEOUT,
     is_ready,
     metric,
     restart_count,
@@ -154,11 +155,25 @@ def gpu_pod(name: str, runtime_class: str) -> dict[str, Any]:
                                      "resources": {"limits": {GPU_RESOURCE: "1"}}}]}}
 
 
-def unschedulable(node, name: str) -> dict[str, Any] | None:
-    pod = node.pod(name, NAMESPACE)
-    conditions = {c["type"]: c for c in pod.get("status", {}).get("conditions", [])}
-    scheduled = conditions.get("PodScheduled")
-    return scheduled if scheduled and scheduled["status"] == "False" else None
+def gpu_deployment(name: str, runtime_class: str) -> dict[str, Any]:
+    pod = gpu_pod(name, runtime_class)
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": pod["metadata"],
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
+                     "template": {"metadata": {"labels": {"app": name}}, "spec": pod["spec"]}}}
+
+
+def unschedulable(node, selector: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A pod of ``selector`` and its PodScheduled condition, once the scheduler gave up on it."""
+    for pod in node.pods(selector, NAMESPACE):
+        conditions = {c["type"]: c for c in pod.get("status", {}).get("conditions", [])}
+        scheduled = conditions.get("PodScheduled")
+        if scheduled and scheduled["status"] == "False":
+            return pod, scheduled
+    return None
+
+
+def running(node, selector: str) -> dict[str, Any] | None:
+    return next((p for p in node.pods(selector, NAMESPACE) if p["status"].get("phase") == "Running"), None)
 
 
 def seen(node, reason: str) -> dict[str, int]:
@@ -189,8 +204,9 @@ def broken(node, tmp_path_factory):
     try:
         yield agent, before
     finally:
-        for name in ("good", "waiting"):
-            node.delete_pod(name, NAMESPACE)
+        node.cluster.kubectl("delete", "deployment", "waiting", "-n", NAMESPACE, "--ignore-not-found",
+                             "--wait=true", timeout=120, check=False)
+        node.delete_pod("good", NAMESPACE)
         # Idempotent where the last test already went back: then nothing rolls.
         node.cluster_chart("up")
         # hack/local-chart applies and never prunes; helm upgrade deletes the class it no
@@ -235,12 +251,15 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
     # A pod of the good class runs; one of the failed class waits with the scheduler's reason.
     node.run(gpu_pod("good", KATA_CLASS))
     good = node.wait_phase("good", NAMESPACE)
-    node.run(gpu_pod("waiting", GPU_SNP))
-    waiting = node.pod("waiting", NAMESPACE)
+    # (A Deployment, as such pods are run: its pod may be placed while the agent's rolled pod
+    # re-registers the device plugin, and the kubelet then fails that pod at admission,
+    # "UnexpectedAdmissionError ... no healthy devices"; the ReplicaSet makes another.)
+    node.run(gpu_deployment("waiting", GPU_SNP))
+    waiting, reason = wait_for(lambda: unschedulable(node, "app=waiting"), "the failed class's pod unschedulable",
+                               60, every=1)
     assert waiting["spec"]["nodeSelector"][offer_label(GPU_SNP)] == "true"  # RuntimeClass admission's copy
-    reason = wait_for(lambda: unschedulable(node, "waiting"), "the failed class's pod unschedulable", 60, every=1)
     assert reason["reason"] == "Unschedulable" and "node affinity/selector" in reason["message"], reason
-    assert not node.pod("waiting", NAMESPACE)["spec"].get("nodeName")
+    assert not node.pod(waiting["metadata"]["name"], NAMESPACE)["spec"].get("nodeName")
 
     # The class made good (its artifacts where the node can have them): helm upgrade.
     offered_before = seen(node, "RuntimeClassOffered")
@@ -252,8 +271,12 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
     offered = wait_for(lambda: new_events(node, "RuntimeClassOffered", offered_before, GPU_SNP),
                        "a RuntimeClassOffered Event naming the class", 30, every=1)
     assert offered[-1]["type"] == "Normal", offered
-    running = node.wait_phase("waiting", NAMESPACE)
-    assert running["spec"]["nodeName"] == NODE
+    try:
+        ran = wait_for(lambda: running(node, "app=waiting"), "a pod of the failed class's Deployment running",
+                       POD_TIMEOUT, every=1)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{node.describe('app=waiting', NAMESPACE)}") from None
+    assert ran["spec"]["nodeName"] == NODE
     # The good class's pod went on through both rolls of the agent.
     still = node.pod("good", NAMESPACE)
     assert still["status"]["phase"] == "Running" and restart_count(still) == 0
@@ -261,8 +284,8 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
 
 
 def test_a_class_dropped_from_the_values_is_no_longer_offered(node, broken):
-    for name in ("good", "waiting"):
-        node.delete_pod(name, NAMESPACE)
+    node.cluster.kubectl("delete", "deployment", "waiting", "-n", NAMESPACE, "--wait=true", timeout=120)
+    node.delete_pod("good", NAMESPACE)
     # Back to the node's own values, which name no -snp class; Helm deletes its RuntimeClass.
     withdrawn_before = seen(node, "RuntimeClassNotOffered")
     node.cluster_chart("up")
