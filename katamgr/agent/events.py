@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from katamgr.host.inventory import Inventory
+from katamgr.kataclasses import offer_label
 from katamgr.pipeline.report import Report
 
 _ONCE_PER_ACTION = frozenset({"WorkloadSwitched", "OptOutsChanged", "GpusGivenBack", "WorkloadLabelInvalid",
@@ -31,6 +32,15 @@ class NodeEvents:
             # One Event per class, so `kubectl get events --field-selector reason=RuntimeClassFailed` names each.
             self._record("RuntimeClassFailed", f"{why}; RuntimeClass {name} is not offered on this node "
                                                 "until it is installed", "Warning")
+        for name, on in sorted(report.offered.items()):
+            # Of their own too: a first reconcile's long Reconciled message is cut at 1 KiB.
+            if on:
+                self._record("RuntimeClassOffered", f"RuntimeClass {name} is offered on this node "
+                                                    f"({offer_label(name)}=true): installed and registered "
+                                                    "with containerd")
+            else:
+                self._record("RuntimeClassNotOffered", f"RuntimeClass {name} is no longer offered on this "
+                                                       f"node (removed {offer_label(name)})")
         if report.changes:
             self._record("Reconciled", "; ".join(report.changes))
         elif report.ok and failed_before:

@@ -25,6 +25,8 @@ class Report:
     # Runtime classes installed and registered with containerd on this node (None: the Kata
     # step did not run, so what is offered is not known here).
     classes_ready: list[str] | None = None
+    # Runtime classes whose offer label this step set (True) or removed (False) on the Node.
+    offered: dict[str, bool] = field(default_factory=dict)
     # What the plan listed as problems (a device left out: held, its group not viable; the
     # IOMMU off; no GPU), also among the warnings: the run is "done with problems".
     problems: list[str] = field(default_factory=list)
@@ -56,6 +58,7 @@ class Report:
         self.bytes_pulled += other.bytes_pulled
         self.moved += other.moved
         self.classes_failed.update(other.classes_failed)
+        self.offered.update(other.offered)
         self.problems += other.problems
         self.forced += other.forced
         if other.classes_ready is not None:

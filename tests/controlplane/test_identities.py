@@ -178,6 +178,16 @@ def test_the_agent_labels_only_its_own_node_and_only_its_labels(kube, bound):
     labels = kube.get("node", NODE_A)["metadata"]["labels"]
     assert labels[cc.MODE_STATE_LABEL] == "on" and cc.READY_STATE_LABEL not in labels
 
+    # The offer label of a class no longer in the release's config (an earlier one's agent set
+    # it): the agent takes it off with the class's runtime (katamgr.pipeline.offers), and may
+    # never set one of a class the release does not name.
+    dropped, unknown = (f"runtimeclass.kata-sandbox-manager.io/{n}" for n in ("dropped-class", "unknown-class"))
+    kube.kubectl("label", "node", NODE_A, f"{dropped}=true", "--overwrite")
+    taken_off = as_(kube, bound, "label", "node", NODE_A, f"{dropped}-")
+    assert taken_off.returncode == 0, taken_off.stderr
+    assert refused(as_(kube, bound, "label", "node", NODE_A, f"{unknown}=true"), f"may not change the label(s) {unknown}")
+    assert not {dropped, unknown} & set(kube.get("node", NODE_A)["metadata"]["labels"])
+
     # Anything else of its own Node: another label (the workload label would move the
     # node's GPUs), a taint, the unschedulable bit, an annotation.
     for args, words in (

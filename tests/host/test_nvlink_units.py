@@ -51,7 +51,7 @@ def test_an_hgx_h100_board_on_kata_4_1_is_one_unit_and_its_gpus_one_each(tmp_pat
 
 @pytest.mark.parametrize(("why", "naming", "replace"), [
     # Kata before 4.1 fails a sandbox given an NVSwitch: no full passthrough model, the operator's opt-in as before.
-    ("old Kata", Naming(PCI_IDS, selection=Selection(nvswitches="yes", kata=parse_release("3.29.0"))), None),
+    ("old Kata", Naming(PCI_IDS, selection=Selection(nvswitches=True, kata=parse_release("3.29.0"))), None),
     # A GPU kept on the host: the board is not whole, and no row of §6.1 fits 7 GPUs.
     ("a GPU missing", Naming(PCI_IDS, selection=Selection(
         (), (parse_exclude("0000:94:00.0"),), kata=parse_release("4.1.0"))), None),

@@ -23,7 +23,7 @@ from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, make_host
 from support.kataconfig import kata_manager_yaml, prepare_node
 
-from katamgr.cluster import desired_runtime_classes
+from katamgr.cluster import EventRecorder, desired_runtime_classes
 from katamgr.commands.setup import node_labels as _node_labels
 from katamgr.config import parse_config
 from katamgr.host.naming import Naming
@@ -88,6 +88,40 @@ def test_the_agent_offers_the_classes_it_installed_and_retries_the_one_that_fail
         agent.target.steps = Steps(workload="container")
         agent.reconcile("relabeled")
         assert labels(api) == {"keep": "me"}
+
+
+def test_a_class_dropped_from_the_config_is_no_longer_offered(tmp_path):
+    """A helm upgrade that drops a class: the agent takes its runtime out of containerd's
+    config, so its offer label must go too (Helm may keep the RuntimeClass, with
+    uninstall.deleteRuntimeClasses=false, and its pods would land here and fail to start).
+    Each label set or removed is an Event of its own, whatever else the reconcile did."""
+    host = node(tmp_path)
+    with FakeApiServer() as api:
+        api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {"keep": "me"}}})
+        agent = make_agent(host, NAMING, Steps(), KataContext(parse_config(GOOD), manage_runtime_classes=False),
+                           offer_labels=_node_labels(api.client(), NODE), events=EventRecorder(api.client(), NODE))
+        assert agent.reconcile("start").ok
+        assert labels(api) == {"keep": "me", offer_label(GPU): "true", offer_label(GPU_SNP): "true"}
+        assert events(api, "RuntimeClassOffered") == [
+            f"RuntimeClass {name} is offered on this node ({offer_label(name)}=true): installed and "
+            "registered with containerd" for name in (GPU, GPU_SNP)]
+
+        agent.target.ctx = KataContext(parse_config(kata_manager_yaml((GPU,))), manage_runtime_classes=False)
+        dropped = agent.reconcile("config changed")
+        assert dropped.ok, dropped.failures
+        assert f'runtimes.{GPU_SNP}' not in host.path("/etc/containerd/config.toml").read_text().replace('"', "")
+        assert labels(api) == {"keep": "me", offer_label(GPU): "true"}
+        assert (f"stopped offering runtime class {GPU_SNP} on this node (removed {offer_label(GPU_SNP)})"
+                in dropped.changes)
+        assert agent.metrics.registry.get_sample_value("katamgr_runtime_class_ready",
+                                                       {"runtime_class": GPU_SNP}) is None
+        assert events(api, "RuntimeClassNotOffered") == [
+            f"RuntimeClass {GPU_SNP} is no longer offered on this node (removed {offer_label(GPU_SNP)})"]
+
+
+def events(api, reason: str) -> list[str]:
+    found = [api.get("events", n, "default") for n in api.names("events")]
+    return sorted(e["message"] for e in found if e["reason"] == reason)
 
 
 def katamgr(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess:
