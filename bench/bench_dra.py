@@ -30,8 +30,8 @@ sys.path.insert(0, str(REPO))
 
 from support.apiserver import FakeApiServer  # noqa: E402
 
-from katamgr.host.naming import Naming  # noqa: E402
-from katamgr.host.pciids import PciIds  # noqa: E402
+from gpunode.host.pciids import PciIds  # noqa: E402
+from gpunode.policy.naming import Naming  # noqa: E402
 from katamgr.pipeline.reconcile import Steps, reconcile  # noqa: E402
 from kubeletapi import dra_pb2 as dra  # noqa: E402
 from kubeletapi import dra_pb2_grpc as dra_grpc  # noqa: E402

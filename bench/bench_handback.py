@@ -14,9 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from katamgr.host import handback, pcihealth, vfio
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
+from gpunode.host import handback, pcihealth, vfio
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.pipeline.plan import build_plan
 from nodesim import pcierrors
 from nodesim.kubelet import KubeletSimulator

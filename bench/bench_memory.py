@@ -178,8 +178,8 @@ def passthrough_plugin(tmp: Path) -> float:
     import bench_plugin as bp
     import grpc
 
-    from katamgr.host.naming import Naming, resource_name
-    from katamgr.host.pciids import PciIds
+    from gpunode.host.pciids import PciIds
+    from gpunode.policy.naming import Naming, resource_name
     from katamgr.pipeline.devices import apply_host
     from katamgr.pipeline.plan import build_plan
     from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR

@@ -34,9 +34,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from katamgr.host.naming import Naming, resource_name  # noqa: E402
-from katamgr.host.pciids import PciIds  # noqa: E402
-from katamgr.node import nvlinkfabric as nf  # noqa: E402
+from gpunode.host.pciids import PciIds  # noqa: E402
+from gpunode.policy.naming import Naming, resource_name  # noqa: E402
+from gpunode.services import nvlinkfabric as nf  # noqa: E402
 from katamgr.pipeline.devices import apply_host  # noqa: E402
 from katamgr.pipeline.plan import build_plan  # noqa: E402
 from nodesim import fabricmanager as fmsim  # noqa: E402

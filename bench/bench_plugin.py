@@ -64,9 +64,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from support.registry_server import free_port  # noqa: E402
 
-from katamgr.host.naming import resource_name  # noqa: E402
-from katamgr.host.pciids import PciIds  # noqa: E402
-from katamgr.host.root import HostRoot  # noqa: E402
+from gpunode.host.pciids import PciIds  # noqa: E402
+from gpunode.host.root import HostRoot  # noqa: E402
+from gpunode.policy.naming import resource_name  # noqa: E402
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY  # noqa: E402
 
 PROFILE = "dgx-h100"
@@ -98,14 +98,14 @@ def h100_name() -> str:
 
 
 def naming():
-    from katamgr.host.naming import Naming
+    from gpunode.policy.naming import Naming
 
     return Naming(PciIds.find())
 
 
 def simulated_dgx(root: str) -> HostRoot:
     """dgx-h100 bound to vfio-pci, with the CDI specs katamgr writes (cdi enabled)."""
-    from katamgr.host.inventory import discover
+    from gpunode.policy.inventory import discover
     from katamgr.pipeline.cdi_specs import write_specs
     from katamgr.pipeline.devices import apply_host
     from katamgr.pipeline.plan import build_plan

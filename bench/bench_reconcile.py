@@ -13,10 +13,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.config import load_config
 from katamgr.demo import DATA, prepare_node
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim.materialise import materialise

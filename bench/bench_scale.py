@@ -6,7 +6,7 @@ relabel of every node at once.
 Starts a local control plane (hack/local-cluster up, in a temp dir) unless --kubeconfig
 names one, applies the chart's ServiceAccount and RBAC, creates --agents Node objects
 labelled vm-passthrough, and starts one follower per Node in this process: katamgr's own
-Node watch (katamgr.node.kube.NodeLabelWatch, with the agent's settings: 300 s watch
+Node watch (gpunode.services.kube.NodeLabelWatch, with the agent's settings: 300 s watch
 requests, bookmarks, at least 1 s between watch starts), each with its own API client and
 connection and the agent's ServiceAccount token, as separate agents would have. Then:
 
@@ -41,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from support.chartkit import render_release  # noqa: E402
 from support.kubecluster import LocalCluster  # noqa: E402
 
-from katamgr.node.kube import NodeLabelWatch  # noqa: E402
+from gpunode.services.kube import NodeLabelWatch  # noqa: E402
 
 RELEASE = "ksm-scale"
 WORKLOAD = "nvidia.com/gpu.workload.config"

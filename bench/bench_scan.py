@@ -11,10 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from katamgr.host import pci
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
+from gpunode.host import pci
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
 from katamgr.pipeline.plan import build_plan
 from nodesim.materialise import materialise
 from nodesim.profile import parse_profile

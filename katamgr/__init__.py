@@ -1,3 +1,5 @@
 """kata-sandbox-manager node controller."""
 
-__version__ = "0.1.0"
+from gpunode import __version__
+
+__all__ = ["__version__"]

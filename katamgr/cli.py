@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import sys
 
-from katamgr.commands.parser import build_parser
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.node.process import (
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.services.process import (
     TEXT,
     report_error,
     setup_logging,
 )
+from katamgr.commands.parser import build_parser
 
 log = logging.getLogger("katamgr")
 
@@ -21,7 +21,7 @@ def exit_code_of(exc: BaseException) -> int | None:
     or configuration, nothing was changed; 1: a failure); None for anything else (a bug)."""
     if isinstance(exc, FileExistsError):  # a non-empty --into
         return ConfigError.exit_code
-    if isinstance(exc, KatamgrError):  # HostError and ProfileError included
+    if isinstance(exc, GpuNodeError):  # HostError and ProfileError included
         return exc.exit_code
     return None
 

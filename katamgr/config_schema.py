@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from katamgr import k8snames
+from gpunode import k8snames
 from katamgr.config import KataManagerConfig
 from katamgr.runtime.settings import RestartMode
 

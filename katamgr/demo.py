@@ -1,7 +1,7 @@
 """``katamgr demo``: the whole job on a simulated node, told as a short story.
 
 Nothing on the machine running it is touched: the node is a temp dir made by the
-simulated node (``nodesim``, handed in as ``katamgr.node.simulator`` finds it, never
+simulated node (``nodesim``, handed in as ``gpunode.services.simulator`` finds it, never
 imported) whose sysfs writes are answered by its emulated kernel, the Kata artifacts come
 from an OCI layout shipped with katamgr, and the kubelet is a simulator speaking the real
 device-plugin gRPC. The demo stands above both programs: it runs katamgr's pipeline here
@@ -20,17 +20,17 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from gpunode.errors import ConfigError
+from gpunode.host.files import write_atomic
+from gpunode.host.pciids import PciIds
+from gpunode.host.root import HostRoot
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import resource_units
+from gpunode.services import options
+from gpunode.services.simulator import Simulator
 from katamgr.config import load_config
-from katamgr.errors import ConfigError
 from katamgr.exitcodes import Exit
-from katamgr.host.files import write_atomic
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import resource_units
-from katamgr.host.pciids import PciIds
-from katamgr.host.root import HostRoot
-from katamgr.node import options
-from katamgr.node.simulator import Simulator
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
@@ -55,7 +55,7 @@ def prepare_node(host: HostRoot) -> None:
 
 
 def run_demo(args: argparse.Namespace, sim: Simulator) -> int:
-    """The demo on ``sim``, the simulated node (``katamgr.node.simulator``) the command found."""
+    """The demo on ``sim``, the simulated node (``gpunode.services.simulator``) the command found."""
     profile = sim.profile(args.profile)
     try:
         naming = Naming(PciIds.find(), selection=options.selection_from(args))

@@ -9,7 +9,7 @@ The node itself:
 - ``materialise``: a profile written out as a host root with the kernel's sysfs shape;
 - ``node``: ``open_node``, the one test of "is this root simulated", and ``SimulatedNode``,
   the root with what it simulates: its ``kernel`` (emulated sysfs writes and ``modprobe``,
-  installed on the root: ``katamgr.host.kernel.Kernel``), its ``udev`` (the host-side
+  installed on the root: ``gpunode.host.kernel.Kernel``), its ``udev`` (the host-side
   /dev/vfio of a node made for a real runtime) and its ``nvml``.
 
 What a node runs besides the product, each reproducing the upstream behaviour its
@@ -20,5 +20,5 @@ docstring cites, for the tests and ``katamgr demo``:
 
 Neither program imports this package (a contract in ``pyproject.toml``): they find it,
 when installed, through the entry point ``launch.SIMULATOR`` is declared as
-(``katamgr.node.simulator``), and the code below their entry points is handed its parts.
+(``gpunode.services.simulator``), and the code below their entry points is handed its parts.
 """

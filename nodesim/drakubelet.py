@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import grpc
 from kubernetes.client import ApiClient, ResourceV1Api
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from kubeletapi import dra_pb2 as dra
 from kubeletapi import dra_pb2_grpc as dra_grpc
 from kubeletapi import pluginregistration_pb2 as reg

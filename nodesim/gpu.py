@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from katamgr.host.ccmodes import CcMode, Reading
-from katamgr.host.errors import HostError
-from katamgr.host.root import HostRoot
+from gpunode.host.ccmodes import CcMode, Reading
+from gpunode.host.errors import HostError
+from gpunode.host.root import HostRoot
 from nodesim import gpuregs
 from nodesim.marker import current_driver, marker, save_marker
 
@@ -47,7 +47,7 @@ def on_reset(host: HostRoot, bdf: str) -> None:
 
 @dataclass(frozen=True)
 class EmulatedGpuAdmin:
-    """``katamgr.host.ccmodes.GpuAdmin`` on a simulated node."""
+    """``gpunode.host.ccmodes.GpuAdmin`` on a simulated node."""
 
     def query(self, host: HostRoot, bdf: str) -> Reading:
         if not host.path(f"/sys/bus/pci/devices/{bdf}").exists():

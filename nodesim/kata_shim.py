@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import grpc
 
 import cdi
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from kubeletapi import podresources_pb2 as pr
 from kubeletapi import podresources_pb2_grpc as pr_grpc
 

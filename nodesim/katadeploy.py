@@ -37,7 +37,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 
 PREFIX = "/opt/kata"
 GO, RUST = "go", "runtime-rs"

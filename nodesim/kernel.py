@@ -6,7 +6,7 @@ and, for vfio-pci, creating or removing ``/dev/vfio/<group>``. This module does
 the same to the files of a simulated host root, so binding code runs unchanged
 against it. It also stands in for ``modprobe vfio-pci``.
 
-It implements ``katamgr.host.kernel.Kernel``; ``nodesim.materialise``
+It implements ``gpunode.host.kernel.Kernel``; ``nodesim.materialise``
 installs it on the roots it makes (``host.kernel``). Its settings and state (the
 profile's native drivers, vfio-pci's state, ``fail_probe``, ``udev_delay_ms``,
 ``driver_write_ms``: how long a bind or unbind holds its writer)
@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from katamgr.host.errors import HostError
-from katamgr.host.pci import VFIO_DRIVER as VFIO
-from katamgr.host.pci import is_vfio_driver
-from katamgr.host.root import HostRoot
+from gpunode.host.errors import HostError
+from gpunode.host.pci import VFIO_DRIVER as VFIO
+from gpunode.host.pci import is_vfio_driver
+from gpunode.host.root import HostRoot
 from nodesim import gpu, pcierrors
 
 # MARKER: importers from before nodesim.marker (other branches of issue 36) still find it here.
@@ -256,7 +256,7 @@ def handle_change(host: HostRoot, host_path: str, value: str) -> None:
 
 @dataclass(frozen=True)
 class EmulatedKernel:
-    """``katamgr.host.kernel.Kernel`` played on a simulated root's files."""
+    """``gpunode.host.kernel.Kernel`` played on a simulated root's files."""
 
     def write(self, host: HostRoot, host_path: str, value: str) -> None:
         handle_write(host, host_path, value)

@@ -45,8 +45,8 @@ from pathlib import Path
 
 import grpc
 
-from katamgr.host.root import HostRoot
-from katamgr.k8snames import is_extended_resource_name
+from gpunode.host.root import HostRoot
+from gpunode.k8snames import is_extended_resource_name
 from kubeletapi import deviceplugin_pb2 as pb
 from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 from kubeletapi.deviceplugin_paths import API_VERSION, DEVICE_PLUGIN_DIR, KUBELET_SOCKET

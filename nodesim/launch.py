@@ -1,7 +1,7 @@
 """The simulated node as the programs find it: the object behind the entry point ``node``
 of the group ``kata_sandbox_manager.simulator`` (pyproject.toml; ``KATAMGR_SIMULATOR=
 nodesim.launch:SIMULATOR`` where that is not registered), implementing
-``katamgr.node.simulator.Simulator``.
+``gpunode.services.simulator.Simulator``.
 
 It builds what a simulated node brings (its root with the emulated kernel, its NVML, its
 Fabric Manager, its kubelet and Kata shim stand-ins) and hands them to the programs as
@@ -15,14 +15,14 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from katamgr.host.root import HostRoot
-from katamgr.node.simulator import NodeExtras, ProfileInfo
+from gpunode.host.root import HostRoot
+from gpunode.services.simulator import NodeExtras, ProfileInfo
 from nodesim.node import open_node
 from nodesim.profiles import find_profile, shipped_names
 
 
 class NodeSimulator:
-    """``katamgr.node.simulator.Simulator`` over this package."""
+    """``gpunode.services.simulator.Simulator`` over this package."""
 
     @property
     def cold_plug_error(self) -> type[Exception]:

@@ -12,8 +12,8 @@ import json
 import os
 from pathlib import Path
 
-from katamgr.host.errors import HostError
-from katamgr.host.root import HostRoot
+from gpunode.host.errors import HostError
+from gpunode.host.root import HostRoot
 
 # The emulated kernel's settings and state; its presence is how a root `katamgr simulate`
 # made is told from a real one (nodesim.node.open_node). In /sys: the one host dir every

@@ -16,8 +16,8 @@ import logging
 import os
 from pathlib import Path
 
-from katamgr.errors import ConfigError
-from katamgr.host.root import HostRoot
+from gpunode.errors import ConfigError
+from gpunode.host.root import HostRoot
 from nodesim import fabricmanager, gpuregs, katadeploy, kernel, pcifiles, udev
 from nodesim.marker import MARKER
 from nodesim.profile import HostProfile, ProfileDevice

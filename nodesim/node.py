@@ -5,7 +5,7 @@ A real node brings its kernel, its udev and NVIDIA's driver with it; a simulated
 ``open_node`` is the one answer to "is this root a simulated node" (the marker the
 simulator writes into it, ``nodesim.marker.MARKER``) and gives back the ``SimulatedNode``:
 
-- ``host``: the ``HostRoot`` with the emulated kernel installed (``katamgr.host`` never asks
+- ``host``: the ``HostRoot`` with the emulated kernel installed (``gpunode.host`` never asks
   which kernel it talks to);
 - ``nvml()``: the NVML of the node (``nvml.FakeNvml`` following the node's sysfs), for the
   container plugin in the place of ``pynvml``;
@@ -13,7 +13,7 @@ simulator writes into it, ``nodesim.marker.MARKER``) and gives back the ``Simula
   rather than by the emulated kernel.
 
 The programs reach it only through ``nodesim.launch`` (the entry point they find it by,
-``katamgr.node.simulator``); they never import this package, a contract in
+``gpunode.services.simulator``); they never import this package, a contract in
 ``pyproject.toml`` says so, and a real node's root never becomes a simulated one.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from nodesim import kernel
 from nodesim.marker import MARKER
 

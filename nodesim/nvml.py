@@ -255,7 +255,7 @@ class _SimulatedNvml(FakeNvml):
         self.host = host
 
     def nvmlInit(self) -> None:  # noqa: N802
-        from katamgr.host import pci
+        from gpunode.host import pci
 
         with self._cond:
             if self._refs == 0:

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from katamgr.host.errors import HostError
-from katamgr.host.root import HostRoot
+from gpunode.host.errors import HostError
+from gpunode.host.root import HostRoot
 from nodesim.gpuregs import GH100_IDS
 from nodesim.marker import marker, save_marker
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from katamgr.errors import ConfigError
-from katamgr.host.pci import BDF_RE
+from gpunode.errors import ConfigError
+from gpunode.host.pci import BDF_RE
 from nodesim.fabricmanager import MODES as FM_MODES
 from nodesim.fabricmanager import PLATFORMS as FM_PLATFORMS
 from nodesim.fabricmanager import FabricManagerSpec

@@ -24,8 +24,8 @@ import sys
 import threading
 from pathlib import Path
 
-from katamgr.host.pci import VFIO_DRIVER, is_vfio_driver
-from katamgr.host.root import HostRoot
+from gpunode.host.pci import VFIO_DRIVER, is_vfio_driver
+from gpunode.host.root import HostRoot
 
 MEM_MAJOR = 1
 # The memory driver's minors end at 12 (kmsg, oldmem: drivers/char/mem.c's devlist); from here

@@ -27,8 +27,8 @@ from inotify_simple import INotify
 from inotify_simple import flags as inotify_flags
 
 import cdi
-from katamgr.host.passthrough import PassthroughDevice
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
+from gpunode.policy.passthrough import PassthroughDevice
 
 log = logging.getLogger(__name__)
 

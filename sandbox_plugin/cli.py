@@ -9,25 +9,25 @@ import sys
 import threading
 import time
 
-from katamgr.errors import KatamgrError
-from katamgr.host import selection as device_selection
-from katamgr.host.naming import Naming
-from katamgr.host.pcihealth import LINK_POLICIES
-from katamgr.host.root import HostRoot
-from katamgr.host.workload import (
+from gpunode.errors import GpuNodeError
+from gpunode.host.pcihealth import LINK_POLICIES
+from gpunode.host.root import HostRoot
+from gpunode.policy import selection as device_selection
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import (
     AUTO,
     NoCluster,
     Resolution,
     Workload,
     resolve_workload,
 )
-from katamgr.node import options
-from katamgr.node.process import (
+from gpunode.services import options
+from gpunode.services.process import (
     report_error,
     setup_logging,
     stop_on_signals,
 )
-from katamgr.node.simulator import NodeExtras, node_extras
+from gpunode.services.simulator import NodeExtras, node_extras
 from sandbox_plugin.commands import (
     UsageError,
     cluster_client,
@@ -165,9 +165,9 @@ def decide_mode(
 ) -> tuple[Mode | None, str]:
     """The mode for ``--workload auto`` and why; None means: nothing to serve here.
 
-    The rule is ``katamgr.host.workload.resolve_workload``'s, with what the host
+    The rule is ``gpunode.policy.workload.resolve_workload``'s, with what the host
     shows as the fallback, then ``follow.mode_for``'s (opt-outs, ``--auto-modes``).
-    Raises ConfigError for a label that names no workload and KatamgrError when the
+    Raises ConfigError for a label that names no workload and GpuNodeError when the
     API was asked and did not answer.
     """
     return mode_for(_resolve(host, node_name, read_labels, default, selection), modes)
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         host, naming = _build(args)
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
-        # What the node brings (katamgr.node.simulator): a simulated node its own NVML
+        # What the node brings (gpunode.services.simulator): a simulated node its own NVML
         # (answering from the node's sysfs and, as NVML, listing again only when started
         # again: the driver watch does that), its Fabric Manager and its kubeconfig rule.
         extras = node_extras(host.root, args.runtime_root)
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 resolved = follower.resolve()
                 mode, why = mode_for(resolved, args.auto_modes)
                 held = holds_for(resolved, args.auto_modes)
-    except KatamgrError as exc:  # bad usage or configuration 2, the API not answering 1
+    except GpuNodeError as exc:  # bad usage or configuration 2, the API not answering 1
         if watch is not None:
             watch.stop()
         report_error(f"sandbox-device-plugin: error: {exc}", args.log_format, log)
@@ -268,7 +268,7 @@ def _fabric_gate(args: argparse.Namespace, host: HostRoot, naming: Naming,
         settings = fabric_settings(args, extras)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    from katamgr.host.inventory import discover
+    from gpunode.policy.inventory import discover
 
     return gate_for(host, settings, discover(host, naming.selection))
 
@@ -281,7 +281,7 @@ def _label_watch(args: argparse.Namespace, extras: NodeExtras):
         api = cluster_client(extras)
     except NoCluster:
         return None
-    from katamgr.node.kube import NodeLabelWatch
+    from gpunode.services.kube import NodeLabelWatch
 
     return NodeLabelWatch(api, args.node_name).start()
 
@@ -290,7 +290,7 @@ def _metrics(args: argparse.Namespace, metrics, healthy, ready) -> contextlib.Ab
     if not args.metrics_address:
         return contextlib.nullcontext()
     # Loaded only here: the HTTP server and prometheus_client cost start-up time.
-    from katamgr.node.metrics_server import MetricsServer
+    from gpunode.services.metrics_server import MetricsServer
 
     return MetricsServer(args.metrics_address, metrics.registry, healthy=healthy, ready=ready)
 

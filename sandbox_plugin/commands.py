@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from katamgr.errors import ConfigError
-from katamgr.host import inventory, katadetect
-from katamgr.host import selection as device_selection
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
-from katamgr.node.simulator import REAL_NODE, NodeExtras
+from gpunode.errors import ConfigError
+from gpunode.host.root import HostRoot
+from gpunode.policy import inventory, katadetect
+from gpunode.policy import selection as device_selection
+from gpunode.policy.naming import Naming
+from gpunode.services.simulator import REAL_NODE, NodeExtras
 from sandbox_plugin.manager import Mode
 
 
@@ -20,18 +20,18 @@ class UsageError(ConfigError):
 
 
 def cluster_client(extras: NodeExtras = REAL_NODE):
-    """The cluster as both programs find it (``katamgr.node.apiclient``, with the node's
+    """The cluster as both programs find it (``gpunode.services.apiclient``, with the node's
     kubeconfig rule, ``extras``); NoCluster without one."""
-    from katamgr.node.apiclient import required
+    from gpunode.services.apiclient import required
 
     return required(home_kubeconfig=extras.home_kubeconfig)
 
 
 def read_labels(node_name: str, extras: NodeExtras = REAL_NODE) -> dict[str, str]:
     """The node's labels through the Kubernetes API, read as katamgr reads them
-    (``katamgr.node.kube``). Raises NoCluster without credentials and KatamgrError
+    (``gpunode.services.kube``). Raises NoCluster without credentials and GpuNodeError
     when the API does not answer (unreachable, 403, no such node)."""
-    from katamgr.node.kube import read_node_labels
+    from gpunode.services.kube import read_node_labels
 
     return read_node_labels(cluster_client(extras), node_name)
 
@@ -62,8 +62,8 @@ def fabric_settings(args, extras: NodeExtras = REAL_NODE):
     library unless told, as ``katamgr plan`` finds them (``katamgr.commands.setup``)."""
     import dataclasses as dc
 
-    from katamgr.node import nvlinkfabric as nf
-    from katamgr.node import options
+    from gpunode.services import nvlinkfabric as nf
+    from gpunode.services import options
 
     settings = options.fabric_from(args)
     brought = extras.fabric_manager() if extras.fabric_manager is not None else None

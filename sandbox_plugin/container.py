@@ -61,8 +61,8 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import cdi
-from katamgr.host import pci
-from katamgr.host.root import HostRoot
+from gpunode.host import pci
+from gpunode.host.root import HostRoot
 from sandbox_plugin.cdinames import HostCdiSpecs
 from sandbox_plugin.resources import (
     HEALTHY,

@@ -1,10 +1,10 @@
 """A passthrough unit's health beyond its binding: what the host kernel sees of its devices.
 
-The rule is ``katamgr.host.pcihealth.problems`` (the agent judges by the same one): a unit
+The rule is ``gpunode.host.pcihealth.problems`` (the agent judges by the same one): a unit
 is Unhealthy while one of its devices is off the bus (config space reads 0xffff), has a PCIe
 link that is down or (``--link-policy degrade``) trained below its maximum, has no reset
 method the kernel can use, failed its hand-back check between tenants (the agent's verdict,
-``katamgr.host.handback``), or reported fatal or non-fatal AER errors since its counts were
+``gpunode.host.handback``), or reported fatal or non-fatal AER errors since its counts were
 last accepted. Correctable errors are only counted (the agent alerts on their rate).
 
 The kernel's error recovery is followed too (``heard``): between its BEGIN_RECOVERY and its
@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from katamgr.host import handback, pcihealth
-from katamgr.host.pcihealth import AerCounts
-from katamgr.host.root import HostRoot
-from katamgr.host.uevents import UEvent
+from gpunode.host import handback, pcihealth
+from gpunode.host.pcihealth import AerCounts
+from gpunode.host.root import HostRoot
+from gpunode.host.uevents import UEvent
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class _Device:
     begun_at: float = 0.0  # the last BEGIN_RECOVERY
     failed: bool = False  # a FAILED_RECOVERY on it or a bridge above it since then
     verdict: str = ""  # the last reason given ("" healthy)
-    code: str = ""  # its code (katamgr.host.pcihealth's reasons, or HAND_BACK_FAILED)
+    code: str = ""  # its code (gpunode.host.pcihealth's reasons, or HAND_BACK_FAILED)
 
 
 class DeviceHealth:

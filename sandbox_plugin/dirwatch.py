@@ -10,7 +10,7 @@ from pathlib import Path
 
 from inotify_simple import flags as inotify_flags
 
-from katamgr.node.watching import Watcher
+from gpunode.services.watching import Watcher
 
 log = logging.getLogger(__name__)
 

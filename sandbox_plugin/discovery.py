@@ -21,8 +21,8 @@ from __future__ import annotations
 import importlib
 import threading
 
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
+from gpunode.policy.naming import Naming
 from sandbox_plugin.cdinames import HostCdiSpecs
 from sandbox_plugin.devhealth import BEGUN, DeviceHealth
 from sandbox_plugin.fabric import FabricGuard
@@ -33,7 +33,7 @@ from sandbox_plugin.units import PASSTHROUGH, PassthroughUnit, scan_units
 
 
 def _import_kubelet_client() -> None:
-    importlib.import_module("katamgr.node.podresources")
+    importlib.import_module("gpunode.services.podresources")
 
 
 class PassthroughDiscovery:
@@ -83,7 +83,7 @@ class PassthroughDiscovery:
                 resource.refusal = refusal
 
     def _ask_kubelet(self) -> set[str] | None:
-        from katamgr.node.podresources import list_pod_devices
+        from gpunode.services.podresources import list_pod_devices
 
         asked = list_pod_devices(self.host, timeout=2.0)
         return None if asked.unknown else {a.device_id.lower() for a in asked.assignments}

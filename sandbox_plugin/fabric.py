@@ -12,7 +12,7 @@ a pod gets exactly one FM partition's GPUs, and the partition is active before i
   (``--restart``: it answers FM_ST_NOT_CONFIGURED until told) or this plugin restarted,
   FM is given that record (``fmSetActivatedFabricPartitions``, §5.10).
 
-GPUs are matched to partitions by PCI address (``katamgr.node.nvlinkfabric``), so they stay
+GPUs are matched to partitions by PCI address (``gpunode.services.nvlinkfabric``), so they stay
 on vfio-pci: no host driver is needed on them.
 """
 
@@ -23,10 +23,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from katamgr.host.files import read_json, write_json
-from katamgr.host.root import STATE_DIR, HostRoot
-from katamgr.node import nvlinkfabric as nf
-from katamgr.node.fabricmanager import (
+from gpunode.host.files import read_json, write_json
+from gpunode.host.root import STATE_DIR, HostRoot
+from gpunode.services import nvlinkfabric as nf
+from gpunode.services.fabricmanager import (
     CONNECTION_NOT_VALID,
     IN_USE,
     NOT_CONFIGURED,
@@ -280,7 +280,7 @@ class FabricGuard:
             self._unrecorded = True
 
     def _ask_kubelet(self) -> set[str] | None:
-        from katamgr.node.podresources import list_pod_devices
+        from gpunode.services.podresources import list_pod_devices
 
         asked = list_pod_devices(self.host, timeout=2.0)
         return None if asked.unknown else {a.device_id.lower() for a in asked.assignments}

@@ -21,8 +21,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from katamgr.host.root import HostRoot
-from katamgr.node import nvlinkfabric as nf
+from gpunode.host.root import HostRoot
+from gpunode.services import nvlinkfabric as nf
 from sandbox_plugin.fabric import FabricGuard
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class FabricGate:
 
 def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory,
              make_guard: Callable[[], FabricGuard] | None = None) -> FabricGate | None:
-    """The gate of the node's NVSwitch board (``inventory``: ``katamgr.host.inventory``'s,
+    """The gate of the node's NVSwitch board (``inventory``: ``gpunode.policy.inventory``'s,
     with the Kata release its selection found); None without NVSwitches, with
     ``devices.nvlinkFabric: off`` (the operator's documented opt-out), or full passthrough
     configured where Kata takes NVSwitches (nothing to set up on the host)."""

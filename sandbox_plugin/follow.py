@@ -3,7 +3,7 @@ when they change, without a restart.
 
 The node's labels say which workload it runs (``nvidia.com/gpu.workload.config``) and
 which GPU Operator operands it opts out of (``nvidia.com/gpu.deploy.<operand>=false``);
-``katamgr.host.workload`` turns them into a ``Resolution`` by the same rule as
+``gpunode.policy.workload`` turns them into a ``Resolution`` by the same rule as
 ``katamgr run``, which follows the same labels to bind and unbind the GPUs. From that
 ``mode_for`` picks what this process serves:
 
@@ -33,8 +33,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from katamgr.errors import KatamgrError
-from katamgr.host.workload import (
+from gpunode.errors import GpuNodeError
+from gpunode.policy.workload import (
     PASSTHROUGH_PLUGIN,
     Operand,
     Resolution,
@@ -144,7 +144,7 @@ class PluginRunner:
 class LabelFollower:
     """Keeps a ``PluginRunner`` on what the node's labels ask for.
 
-    ``resolve()`` turns the labels a ``katamgr.node.kube.NodeLabelWatch`` keeps into a
+    ``resolve()`` turns the labels a ``gpunode.services.kube.NodeLabelWatch`` keeps into a
     ``Resolution``; ``check()`` (called when the watch reports a change, and as a safety
     net every few seconds) serves its mode. A label that cannot be read or names no
     workload keeps what runs, logged once.
@@ -163,7 +163,7 @@ class LabelFollower:
         try:
             resolved = self.resolve()
             mode, why = mode_for(resolved, self.modes)
-        except KatamgrError as exc:
+        except GpuNodeError as exc:
             if str(exc) != self._error:
                 log.warning("could not read the node's workload (%s); keeping mode %s", exc,
                             self.runner.mode.value if self.runner.mode else "none")

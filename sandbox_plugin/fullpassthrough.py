@@ -1,7 +1,7 @@
 """The device plugin's side of NVIDIA's full passthrough model (Fabric Manager User Guide §6):
 a pod gets one of §6.1's VM configurations, the board's GPUs with the NVSwitches they need.
 
-``katamgr.host.nvlinkunits`` makes the units: on an HGX H100 board whose NVSwitches are on
+``gpunode.policy.nvlinkunits`` makes the units: on an HGX H100 board whose NVSwitches are on
 vfio-pci, the whole board (8 GPUs, 4 NVSwitches) is one device of its own resource
 (``nvidia.com/<GPU>_x8``), and each GPU is one device of the GPU resource (§6.1's 1-GPU VM).
 The kubelet sees two resources and does not know they share GPUs, so ``BoardGuard`` keeps
@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from katamgr.host import nvlinkunits
+from gpunode.policy import nvlinkunits
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY, AllocationError
 
 log = logging.getLogger(__name__)

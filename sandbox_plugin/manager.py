@@ -19,9 +19,9 @@ import time
 from collections.abc import Sequence
 from enum import StrEnum
 
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
-from katamgr.host.workload import Workload
+from gpunode.host.root import HostRoot
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import Workload
 from sandbox_plugin.container import (
     DEFAULT_DEVICE_LIST_STRATEGIES,
     DeviceListStrategy,
@@ -43,7 +43,7 @@ HELD_RESCAN = 2.0
 
 
 class Mode(StrEnum):
-    """The workloads (``katamgr.host.workload``) this process serves."""
+    """The workloads (``gpunode.policy.workload``) this process serves."""
 
     VM_PASSTHROUGH = Workload.VM_PASSTHROUGH.value
     CONTAINER = Workload.CONTAINER.value

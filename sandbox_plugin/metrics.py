@@ -1,5 +1,5 @@
 """The device plugin's Prometheus metrics, in a registry of its own (one per
-``PluginManager``), served by ``katamgr.node.metrics_server`` with
+``PluginManager``), served by ``gpunode.services.metrics_server`` with
 ``--metrics-address``.
 
 The plugin counts in plain Python objects, and ``prometheus_client`` is loaded
@@ -103,7 +103,7 @@ class PluginMetrics:
         self._lock = threading.Lock()
 
     def health_changed(self, bdf: str, code: str, message: str) -> None:
-        """``devhealth.DeviceHealth``'s transition: ``code`` (``katamgr.host.pcihealth``'s
+        """``devhealth.DeviceHealth``'s transition: ``code`` (``gpunode.host.pcihealth``'s
         reasons) "" when Healthy again."""
         self.health_transitions.labels(bdf, "Unhealthy" if code else "Healthy", code).inc()
 

@@ -24,8 +24,8 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from katamgr.host import pci, sysfs
-from katamgr.host.root import HostRoot
+from gpunode.host import pci, sysfs
+from gpunode.host.root import HostRoot
 from sandbox_plugin import topology
 from sandbox_plugin.cdinames import HostCdiSpecs
 from sandbox_plugin.fabric import FabricGuard, gpus_of_units

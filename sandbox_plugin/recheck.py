@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from katamgr.host import pci
-from katamgr.host.root import HostRoot
+from gpunode.host import pci
+from gpunode.host.root import HostRoot
 from sandbox_plugin.resources import AllocationError
 from sandbox_plugin.units import PassthroughUnit
 

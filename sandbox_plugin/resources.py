@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from katamgr.k8snames import QUALIFIED_NAME_MAX, is_extended_resource_name
+from gpunode.k8snames import QUALIFIED_NAME_MAX, is_extended_resource_name
 from kubeletapi.deviceplugin_paths import KUBELET_SOCKET
 
 log = logging.getLogger(__name__)

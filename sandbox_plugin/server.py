@@ -25,10 +25,10 @@ from __future__ import annotations
 import logging
 import threading
 
+from gpunode.host.root import HostRoot
+from gpunode.services.backoff import Backoff
 from grpcwire.client import unary_call
 from grpcwire.status import RpcError
-from katamgr.host.root import HostRoot
-from katamgr.node.backoff import Backoff
 from kubeletapi import deviceplugin_pb2 as pb
 from kubeletapi.deviceplugin_paths import API_VERSION, DEVICE_PLUGIN_DIR, KUBELET_SOCKET
 from sandbox_plugin.dirwatch import DirWatcher

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from katamgr.host.pci import Device
+from gpunode.host.pci import Device
 
 
 @dataclass(frozen=True)

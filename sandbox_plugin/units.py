@@ -1,7 +1,7 @@
 """VFIO passthrough GPUs (and NVSwitches, and devices an include rule selects) as
 kubelet resources.
 
-Discovery reads the host model (``katamgr.host``): every passthrough device on
+Discovery reads the host model (``gpunode.host``): every passthrough device on
 vfio-pci (the ``Naming``'s device selection: by default GPUs and NVSwitches),
 grouped by IOMMU group, because the group is what VFIO hands to a VM
 and so the schedulable unit (two GPUs in one group are one plugin device; two
@@ -9,7 +9,7 @@ pods can never share a group). Each unit goes to the resource ``Naming``
 gives its first device: one resource per model (``nvidia.com/GA102GL_A10``), or
 one alias resource (``nvidia.com/pgpu``) when configured, or an include rule's
 resource (``example.com/edu``). On an NVSwitch board in NVIDIA's full passthrough model one
-unit spans groups: the whole board, every GPU and NVSwitch (``katamgr.host.nvlinkunits``),
+unit spans groups: the whole board, every GPU and NVSwitch (``gpunode.policy.nvlinkunits``),
 kept apart from its GPUs' own units by ``sandbox_plugin.fullpassthrough``.
 
 A unit's ID is its first PCI address (lowercased), so it is stable across
@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from katamgr.host import pci, sysfs, vfio
-from katamgr.host.inventory import Inventory, discover
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import PassthroughDevice, resource_units
-from katamgr.host.root import HostRoot
+from gpunode.host import pci, sysfs, vfio
+from gpunode.host.root import HostRoot
+from gpunode.policy.inventory import Inventory, discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import PassthroughDevice, resource_units
 from sandbox_plugin import topology
 from sandbox_plugin.resources import (
     HEALTHY,

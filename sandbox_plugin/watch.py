@@ -1,7 +1,7 @@
 """Noticing passthrough devices come, go and change health, without polling.
 
 On a real kernel the first source is the kernel's uevents
-(``katamgr.host.uevents``): every bind, unbind, hotplug and VFIO group node
+(``gpunode.host.uevents``): every bind, unbind, hotplug and VFIO group node
 is announced there, whether udev runs or not. inotify is the second source,
 and the only one on a simulated host; it watches the places where binding,
 unbinding and hotplug leave traces:
@@ -42,10 +42,10 @@ from pathlib import Path
 
 from inotify_simple import flags as inotify_flags
 
-from katamgr.host.kernel import LinuxKernel
-from katamgr.host.root import HostRoot
-from katamgr.host.uevents import DEVICE_SUBSYSTEMS, KernelEvents, UEvent, open_kernel_events
-from katamgr.node.watching import Watcher
+from gpunode.host.kernel import LinuxKernel
+from gpunode.host.root import HostRoot
+from gpunode.host.uevents import DEVICE_SUBSYSTEMS, KernelEvents, UEvent, open_kernel_events
+from gpunode.services.watching import Watcher
 
 log = logging.getLogger(__name__)
 

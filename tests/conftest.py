@@ -17,11 +17,11 @@ from importlib.metadata import entry_points
 import pytest
 from support.paths import REQUIRE_INTEGRATION
 
-from katamgr.node import simulator
+from gpunode.services import simulator
 
 # The programs find the simulated node by its entry point (pyproject.toml); an editable
 # install made before that entry point existed has none registered, so name the same object
-# the way katamgr.node.simulator reads it (the commands' subprocesses inherit it).
+# the way gpunode.services.simulator reads it (the commands' subprocesses inherit it).
 if not entry_points(group=simulator.GROUP, name=simulator.NAME):
     os.environ.setdefault(simulator.ENV, "nodesim.launch:SIMULATOR")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("katamgr", "sandbox_plugin", "grpcwire", "cdi", "kubeletapi", "nodesim")
+PACKAGES = ("katamgr", "sandbox_plugin", "gpunode", "grpcwire", "cdi", "kubeletapi", "nodesim")
 
 @dataclass
 class Module:

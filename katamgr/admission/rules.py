@@ -42,6 +42,13 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
 
+from gpunode.k8snames import NVIDIA_CONTAINER_RESOURCES
+from gpunode.kataclasses import (
+    KATA_GPU_HANDLERS,
+    PASSTHROUGH_RUNTIME_CLASSES,
+    confidential_by_name,
+    not_cc_capable_model,
+)
 from katamgr.admission.podparts import (
     EPHEMERAL,
     VISIBLE_DEVICES,
@@ -55,23 +62,16 @@ from katamgr.admission.podparts import (
     pod_name,
     spec_of,
 )
-from katamgr.k8snames import NVIDIA_CONTAINER_RESOURCES
-from katamgr.kataclasses import (
-    KATA_GPU_HANDLERS,
-    PASSTHROUGH_RUNTIME_CLASSES,
-    confidential_by_name,
-    not_cc_capable_model,
-)
 
 CONTAINER_GPU_RESOURCES = NVIDIA_CONTAINER_RESOURCES
 # The Kata GPU classes a passthrough pod may use when none are named: the agent's, and
-# kata-deploy's (TDX and runtime-rs included; katamgr.kataclasses).
+# kata-deploy's (TDX and runtime-rs included; gpunode.kataclasses).
 DEFAULT_RUNTIME_CLASSES = PASSTHROUGH_RUNTIME_CLASSES
 DEFAULT_PASSTHROUGH = ("nvidia.com/*",)
 # The handlers of Kata's shims (containerd-shim-kata-v2's runtime names: kata, kata-qemu-*,
 # kata-clh, kata-qemu-nvidia-gpu-snp ...), as kata-deploy registers them with containerd.
 DEFAULT_KATA_HANDLERS = ("kata", "kata-*")
-# The handlers of Kata's NVIDIA GPU runtimes (katamgr.kataclasses): a RuntimeClass with one of
+# The handlers of Kata's NVIDIA GPU runtimes (gpunode.kataclasses): a RuntimeClass with one of
 # them takes a passthrough pod whatever its name.
 DEFAULT_GPU_HANDLERS = KATA_GPU_HANDLERS
 EPHEMERAL_SUBRESOURCE = "ephemeralcontainers"

@@ -37,12 +37,12 @@ import threading
 import time
 from typing import Any
 
+from gpunode.errors import ConfigError
 from katamgr.admission import answers, httpio, rules
 from katamgr.admission.connection import UNANSWERED, Connection
 from katamgr.admission.limits import DEFAULT, Limits
 from katamgr.admission.tls import CertReloader
 from katamgr.admission.workers import Workers
-from katamgr.errors import ConfigError
 
 __all__ = ["CertReloader", "WebhookServer", "make_server", "parse_listen"]
 

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from katamgr.errors import ConfigError
+from gpunode.errors import ConfigError
 
 log = logging.getLogger("katamgr.webhook")
 

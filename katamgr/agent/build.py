@@ -9,11 +9,11 @@ the command line says.
 
 from __future__ import annotations
 
+from gpunode.errors import ConfigError
+from gpunode.policy.workload import by_hand
 from katamgr.agent.following import node_follower
 from katamgr.agent.running import Agent
 from katamgr.agent.settings import AgentSettings, NodeLinks
-from katamgr.errors import ConfigError
-from katamgr.host.workload import by_hand
 from katamgr.pipeline.gpulabels import node_labels
 
 

@@ -8,7 +8,7 @@ does the same). Only a vm-passthrough node is switched. A switch is the pipeline
 once in an Event) and while it runs, ``nvidia.com/cc.ready.state`` is ``false``, so the
 scheduler puts no new confidential pod here. Afterwards ``nvidia.com/cc.mode.state`` is the
 mode read back (or ``failed``) and ``nvidia.com/cc.ready.state`` follows it
-(``katamgr.host.cc.ready_state``), but ``true`` only once the kubelet advertises the GPUs again
+(``gpunode.host.cc.ready_state``), but ``true`` only once the kubelet advertises the GPUs again
 (the Node's allocatable count of each passthrough resource back to what the node has, and
 the kubelet's PodResources listing each unit as allocatable, which the Node's status, synced
 every 10 s, can be behind): the
@@ -24,14 +24,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 
+from gpunode.errors import GpuNodeError
+from gpunode.host import cc
+from gpunode.host.cc import CcMode
+from gpunode.services.podresources import offered_devices
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.health import Health
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.target import Target
-from katamgr.errors import KatamgrError
-from katamgr.host import cc
-from katamgr.host.cc import CcMode
-from katamgr.node.podresources import offered_devices
 from katamgr.pipeline import ccmode
 
 log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
@@ -80,7 +80,7 @@ class CcModes:
         try:
             labels = dict(self.read_labels()) if self.read_labels is not None else {}
             wanted, why = self.wanted(labels)
-        except (KatamgrError, ValueError) as exc:
+        except (GpuNodeError, ValueError) as exc:
             self._say(f"cannot follow {cc.MODE_LABEL}: {exc}")
             return False
         if wanted.value in (self.settled, self.failed):
@@ -102,7 +102,7 @@ class CcModes:
         with self.health.busy("switching the CC mode"):
             try:
                 report = ccmode.switch(t.host, t.naming, wanted, lock_wait=0, before=not_ready)
-            except KatamgrError as exc:  # a busy node lock: the next check
+            except GpuNodeError as exc:  # a busy node lock: the next check
                 self._say(f"could not switch the CC mode to {wanted} yet ({exc}); trying again")
                 return False
         if report.unverified and not report.waiting:
@@ -162,7 +162,7 @@ class CcModes:
         list (the DRA driver publishes instead, or the plugin is off) is not waited for."""
         if self.read_resources is None:
             return True
-        from katamgr.host.passthrough import resource_units
+        from gpunode.policy.passthrough import resource_units
 
         t = self.target
         expected: dict[str, int] = {}
@@ -171,7 +171,7 @@ class CcModes:
             expected[unit.resource_name] = expected.get(unit.resource_name, 0) + 1
         try:
             capacity, allocatable = self.read_resources()
-        except KatamgrError as exc:
+        except GpuNodeError as exc:
             self._say(f"cannot read the Node's allocatable resources ({exc}); cc.ready.state waits")
             return False
         short = {name: allocatable.get(name, "0") for name, count in expected.items()
@@ -196,7 +196,7 @@ class CcModes:
     def _label(self, labels: dict[str, str | None]) -> None:
         try:
             self.publish(labels)  # type: ignore[misc]
-        except KatamgrError as exc:
+        except GpuNodeError as exc:
             self._say(f"could not label the node ({exc}); trying again at the next check")
 
     def _say(self, message: str) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from gpunode.services.lock import NodeBusyError, node_lock
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.target import Target
-from katamgr.node.lock import NodeBusyError, node_lock
 from katamgr.pipeline import cdi_specs, kata_runtime
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from katamgr.host.inventory import Inventory
-from katamgr.kataclasses import offer_label
+from gpunode.kataclasses import offer_label
+from gpunode.policy.inventory import Inventory
 from katamgr.pipeline.report import Report
 
 _ONCE_PER_ACTION = frozenset({"WorkloadSwitched", "OptOutsChanged", "GpusGivenBack", "WorkloadLabelInvalid",

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from katamgr.host.workload import AUTO, Resolution, Workload, resolve_workload
-from katamgr.node.kube import NodeLabelWatch
+from gpunode.policy.workload import AUTO, Resolution, Workload, resolve_workload
+from gpunode.services.kube import NodeLabelWatch
 
 
 @dataclass(frozen=True)

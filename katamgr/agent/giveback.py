@@ -12,12 +12,17 @@ from __future__ import annotations
 
 import logging
 
+from gpunode.errors import GpuNodeError
+from gpunode.host import vfio
+from gpunode.services.podresources import (
+    Assignment,
+    PodDevices,
+    assigned_functions,
+    list_pod_devices,
+)
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.health import Health
 from katamgr.agent.target import Target
-from katamgr.errors import KatamgrError
-from katamgr.host import vfio
-from katamgr.node.podresources import Assignment, PodDevices, assigned_functions, list_pod_devices
 from katamgr.pipeline.reconcile import Steps, leave_passthrough
 from katamgr.pipeline.report import LeaveReport
 from katamgr.render import log_report
@@ -97,7 +102,7 @@ class GiveBacks:
             try:
                 # No wait for the node lock: whoever holds it is done by the next check.
                 report = self.leave(t.steps, release=t.base_steps.vfio, lock_wait=0)
-            except KatamgrError as exc:
+            except GpuNodeError as exc:
                 log.info("could not give back %s yet (%s); trying again", ", ".join(freed), exc)
                 return False
             self.note_left(report)

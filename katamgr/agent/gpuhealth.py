@@ -2,13 +2,13 @@
 
 Each check, for every selected device on vfio-pci (while the node binds them):
 
-- its facts (``katamgr.host.pcihealth``: AER counts, link, config space, reset methods) are
+- its facts (``gpunode.host.pcihealth``: AER counts, link, config space, reset methods) are
   judged by the same rule as the device plugin's; a device turning unfit, or fit again, is
   an Event on the Node naming it and the reason, and a metric. New AER errors are an Event
   as they are counted (fatal and non-fatal a Warning); correctable ones only when more than
   ``CORRECTABLE_ALERT`` arrive between two checks (a rate, never a fault);
 - the kubelet's PodResources says which devices pods hold; one no pod holds any more, and
-  no VM holds open, gets its hand-back check (``katamgr.host.handback``: a reset through
+  no VM holds open, gets its hand-back check (``gpunode.host.handback``: a reset through
   sysfs, read back sane), whose verdict the device plugin and the DRA driver read. A device
   that fails stays out and is checked again at each check until it passes.
 """
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 
+from gpunode.host import handback, pcihealth
+from gpunode.host.pcihealth import AerCounts
+from gpunode.services.podresources import assigned_functions, list_pod_devices
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.target import Target
-from katamgr.host import handback, pcihealth
-from katamgr.host.pcihealth import AerCounts
-from katamgr.node.podresources import assigned_functions, list_pod_devices
 
 log = logging.getLogger("katamgr.agent")
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 
+from gpunode.errors import GpuNodeError
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.target import Target
-from katamgr.errors import KatamgrError
 from katamgr.pipeline import gpulabels
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report
@@ -33,7 +33,7 @@ class GpuLabels:
         t = self.target
         try:
             report = gpulabels.publish(t.host, t.scan(), t.naming, self.node)
-        except (KatamgrError, OSError, ValueError) as exc:
+        except (GpuNodeError, OSError, ValueError) as exc:
             report = Report(failures=[f"cannot work out the node labels: {exc}"])
         said = (tuple(report.warnings), tuple(report.failures))
         if report.changes or said != self._said:

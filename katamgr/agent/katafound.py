@@ -16,10 +16,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
+from gpunode.policy import katadetect
+from gpunode.policy.kata import release_json
+from gpunode.policy.selection import Selection
 from katamgr.agent.target import Target
-from katamgr.host import katadetect
-from katamgr.host.kata import release_json
-from katamgr.host.selection import Selection
 
 log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 

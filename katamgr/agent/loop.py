@@ -17,8 +17,8 @@ from typing import Any, Protocol
 
 from inotify_simple import flags as inflags
 
-from katamgr.errors import KatamgrError
-from katamgr.node.watching import Watcher
+from gpunode.errors import GpuNodeError
+from gpunode.services.watching import Watcher
 
 log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 
@@ -115,7 +115,7 @@ def keep(agent: Kept, watcher: Watcher) -> None:
         try:
             if _check(agent):
                 continue
-        except KatamgrError as exc:  # an unreadable config, a failed scan: next time
+        except GpuNodeError as exc:  # an unreadable config, a failed scan: next time
             log.warning("could not check the node: %s", exc)
         if time.monotonic() >= next_pull:
             agent.reconcile("periodic artifact check")
@@ -131,7 +131,7 @@ def _only_poll(agent: Kept, next_check: float, next_pull: float) -> bool:
         return False
     try:
         return not agent.release_freed()
-    except KatamgrError as exc:
+    except GpuNodeError as exc:
         log.warning("could not check the held GPUs: %s", exc)
         return True
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from katamgr.host.workload import Operand
+from gpunode.policy.workload import Operand
 from katamgr.pipeline.plan import Plan
 
 

@@ -14,13 +14,13 @@ import logging
 import threading
 from collections.abc import Callable
 
+from gpunode.errors import GpuNodeError
+from gpunode.host.vfio import Action
+from gpunode.services.metrics_server import MetricsServer
+from gpunode.services.process import stop_on_signals
 from katamgr.agent.health import Health
 from katamgr.agent.metrics import AgentMetrics
-from katamgr.errors import KatamgrError
 from katamgr.exitcodes import Exit
-from katamgr.host.vfio import Action
-from katamgr.node.metrics_server import MetricsServer
-from katamgr.node.process import stop_on_signals
 from katamgr.pipeline.plan import Plan
 from katamgr.render import plan_text
 
@@ -61,7 +61,7 @@ class PlanOnlyAgent:
         with self.probes.busy("planning"):
             try:
                 plan = self.make_plan()
-            except KatamgrError as exc:  # an unreadable node: said, and tried again next time
+            except GpuNodeError as exc:  # an unreadable node: said, and tried again next time
                 self.error = str(exc)
                 log.warning("could not plan the node: %s", exc)
                 return None

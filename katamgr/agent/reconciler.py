@@ -14,13 +14,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from gpunode.errors import GpuNodeError
+from gpunode.host.vfio import Action, SkipReason
+from gpunode.services.backoff import Backoff, Retries
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.health import Health
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.target import Target
-from katamgr.errors import KatamgrError
-from katamgr.host.vfio import Action, SkipReason
-from katamgr.node.backoff import Backoff, Retries
 from katamgr.pipeline import nvlinkfabric, offers
 from katamgr.pipeline.gpulabels import NodeLabels
 from katamgr.pipeline.reconcile import reconcile
@@ -70,7 +70,7 @@ class Reconciler:
         with self.health.busy("reconciling"):
             try:
                 report, told = self._reconcile_node(only)
-            except KatamgrError as exc:
+            except GpuNodeError as exc:
                 if raise_errors:
                     raise
                 report = Report(failures=[str(exc)])

@@ -6,6 +6,10 @@ import logging
 import threading
 from pathlib import Path
 
+from gpunode.policy.workload import Operand, Workload
+from gpunode.services.metrics_server import MetricsServer
+from gpunode.services.process import stop_on_signals
+from gpunode.services.watching import Watcher
 from katamgr.agent import drift
 from katamgr.agent.ccmode import CcModes
 from katamgr.agent.events import NodeEvents
@@ -20,10 +24,6 @@ from katamgr.agent.settings import NO_CLUSTER, AgentSettings, NodeLinks
 from katamgr.agent.switch import Switch
 from katamgr.agent.target import Target
 from katamgr.exitcodes import Exit
-from katamgr.host.workload import Operand, Workload
-from katamgr.node.metrics_server import MetricsServer
-from katamgr.node.process import stop_on_signals
-from katamgr.node.watching import Watcher
 from katamgr.pipeline import offers
 from katamgr.pipeline.reconcile import revert_all
 from katamgr.pipeline.report import Report

@@ -8,12 +8,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpunode.host.cc import CcMode
+from gpunode.host.root import HostRoot
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import AUTO, DEFAULT_WORKLOAD, Operand, Resolution, Workload
+from gpunode.services.nvlinkfabric import FabricSettings
 from katamgr.agent.reconciler import RETRY_INITIAL, RETRY_MAX
-from katamgr.host.cc import CcMode
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
-from katamgr.host.workload import AUTO, DEFAULT_WORKLOAD, Operand, Resolution, Workload
-from katamgr.node.nvlinkfabric import FabricSettings
 from katamgr.pipeline.gpulabels import NodeLabels
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps
@@ -60,7 +60,7 @@ class NodeLinks:
 
     ``events``: a ``katamgr.cluster.EventRecorder``; ``read_workload``: the node's workload
     and opt-outs now (None: not followed); ``node_watch``: a started
-    ``katamgr.node.kube.NodeLabelWatch`` that keeps the labels and wakes the loop when they
+    ``gpunode.services.kube.NodeLabelWatch`` that keeps the labels and wakes the loop when they
     change; ``node_labels``: the Node's labels, to publish the GPU labels on; ``offer_labels``:
     the same, for the runtime classes offered on the node (``pipeline.offers``); the CC room's
     label reader and publisher and the Node's capacity and allocatable (``read_resources``)."""

@@ -1,7 +1,7 @@
 """The workload switch: the node's labels changed, and so does what katamgr does on it.
 
 The labels are the workload (``nvidia.com/gpu.workload.config``) and the GPU Operator's
-opt-outs (``nvidia.com/gpu.deploy.<operand>=false``, ``katamgr.host.workload.Operand``).
+opt-outs (``nvidia.com/gpu.deploy.<operand>=false``, ``gpunode.policy.workload.Operand``).
 ``vm-passthrough`` -> ``container`` (or opting out of ``vfio-manager``) gives the GPUs
 no pod or VM holds back to their drivers, leaves the held ones on vfio-pci (reported,
 and given back once they are free: ``giveback``), and makes the CDI specs and readiness
@@ -19,13 +19,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.policy.workload import Operand, Resolution, Workload, describe_opt_outs
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.giveback import GiveBacks
 from katamgr.agent.health import Health
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.target import Target
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host.workload import Operand, Resolution, Workload, describe_opt_outs
 from katamgr.pipeline.reconcile import Steps
 from katamgr.pipeline.report import LeaveReport, Report
 
@@ -60,7 +60,7 @@ class Switch:
         t = self.target
         try:
             read = self.read_workload()
-        except KatamgrError as exc:  # the API down, a bad label value: keep what we run
+        except GpuNodeError as exc:  # the API down, a bad label value: keep what we run
             if str(exc) != self._label_error:
                 log.warning("could not read the node's workload (%s); keeping %s", exc, t.steps.workload)
                 if isinstance(exc, ConfigError):  # the label's own value: the operator's to mend
@@ -81,7 +81,7 @@ class Switch:
             return False
         try:
             read = self.read_workload()
-        except KatamgrError:
+        except GpuNodeError:
             return False
         t = self.target
         wanted, out = ((read.workload, read.opted_out) if isinstance(read, Resolution)
@@ -108,7 +108,7 @@ class Switch:
             try:
                 report = self.give_backs.leave(new, release=release, lock_wait=t.lock_wait,
                                                cancelled=self._binds_again)
-            except KatamgrError as exc:  # a busy node lock, an unreadable record: next tick
+            except GpuNodeError as exc:  # a busy node lock, an unreadable record: next tick
                 log.warning("could not switch %s yet (%s); trying again", _change(old, old_out, new, out), exc)
                 return False
             if release:
@@ -149,7 +149,7 @@ class Switch:
         """Give back the GPUs katamgr bound that the agent does not already know are held:
         the leave of a live switch, for a relabel while no agent ran (found by the first
         reconcile, said as that switch) or a device a leave could not give back (its
-        failures come back for the retry); a busy node lock is a KatamgrError. Returns what
+        failures come back for the retry); a busy node lock is a GpuNodeError. Returns what
         the reconcile reports of it, and whether it was told in a line of its own."""
         t = self.target
         found = self.give_backs.unknown()

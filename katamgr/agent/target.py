@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from katamgr.host.inventory import Inventory, discover
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
-from katamgr.host.workload import Operand
-from katamgr.node.nvlinkfabric import FabricSettings
+from gpunode.host.root import HostRoot
+from gpunode.policy.inventory import Inventory, discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import Operand
+from gpunode.services.nvlinkfabric import FabricSettings
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.plan import Plan
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT, Steps, full_plan

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from katamgr.errors import ConfigError
+from gpunode.errors import ConfigError
 
 DOCKERCONFIGJSON_KEY = ".dockerconfigjson"
 # Docker Hub is written many ways in docker config files

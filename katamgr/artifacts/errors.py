@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from katamgr.errors import KatamgrError
+from gpunode.errors import GpuNodeError
 
 
-class ArtifactError(KatamgrError):
+class ArtifactError(GpuNodeError):
     """Pulling or installing an artifact failed; the previous install, if any, is untouched."""

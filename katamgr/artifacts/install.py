@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from katamgr.host.faults import write_point
-from katamgr.host.files import fsync_dir, write_atomic
+from gpunode.host.faults import write_point
+from gpunode.host.files import fsync_dir, write_atomic
 
 from .errors import ArtifactError
 from .manifest import Layer, Manifest, parse_manifest

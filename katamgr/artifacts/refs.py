@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from katamgr.errors import ConfigError
+from gpunode.errors import ConfigError
 
 LAYOUT_SCHEME = "oci-layout://"
 DEFAULT_TAG = "latest"

@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from katamgr.host.faults import write_point
-from katamgr.host.files import fsync_dir
+from gpunode.host.faults import write_point
+from gpunode.host.files import fsync_dir
 
 from .record import read_install
 

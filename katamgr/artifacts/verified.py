@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from katamgr.host.faults import write_point
+from gpunode.host.faults import write_point
 
 from .errors import ArtifactError
 from .manifest import Layer

@@ -1,6 +1,6 @@
 """The only layer that talks to the Kubernetes API.
 
-Every function takes an ``ApiClient`` from ``katamgr.node.apiclient.connect()`` (or a test's client
+Every function takes an ``ApiClient`` from ``gpunode.services.apiclient.connect()`` (or a test's client
 pointed at a stand-in API server) and returns dataclasses, never raw API models.
 """
 

@@ -1,5 +1,5 @@
 """What the agent's API layer says about itself: its field manager and managed-by label,
-and the namespace it runs in. How it reaches the cluster is ``katamgr.node.apiclient``'s,
+and the namespace it runs in. How it reaches the cluster is ``gpunode.services.apiclient``'s,
 the one rule both programs follow."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from katamgr.node.apiclient import SERVICE_ACCOUNT_DIR
+from gpunode.services.apiclient import SERVICE_ACCOUNT_DIR
 
 FIELD_MANAGER = "kata-sandbox-manager"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"

@@ -30,8 +30,8 @@ from kubernetes.client import (
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
+from gpunode.services.kube import api_error_message
 from katamgr.cluster.client import FIELD_MANAGER
-from katamgr.node.kube import api_error_message
 
 log = logging.getLogger(__name__)
 

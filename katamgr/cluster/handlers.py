@@ -14,8 +14,8 @@ from kubernetes.client import ApiClient, NodeV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from katamgr.errors import KatamgrError
-from katamgr.node.kube import READ_TIMEOUT, api_error_message
+from gpunode.errors import GpuNodeError
+from gpunode.services.kube import READ_TIMEOUT, api_error_message
 
 CACHE_SECONDS = 10.0
 
@@ -23,7 +23,7 @@ CACHE_SECONDS = 10.0
 def handler_lookup(api: ApiClient, ttl: float = CACHE_SECONDS,
                    clock: Callable[[], float] = time.monotonic) -> Callable[[str], str | None]:
     """A function giving a RuntimeClass's handler by name (None: there is no such class). A
-    refusal or an API server that does not answer is a KatamgrError, which the webhook turns
+    refusal or an API server that does not answer is a GpuNodeError, which the webhook turns
     into a denial (the rule fails closed, as the webhook's failurePolicy does)."""
     node_api = NodeV1Api(api)
     cache: dict[str, tuple[float, str | None]] = {}
@@ -39,12 +39,12 @@ def handler_lookup(api: ApiClient, ttl: float = CACHE_SECONDS,
             handler: str | None = node_api.read_runtime_class(name, _request_timeout=READ_TIMEOUT).handler
         except ApiException as e:
             if e.status != 404:
-                raise KatamgrError(f"cannot read RuntimeClass {name}: {api_error_message(e)}"
+                raise GpuNodeError(f"cannot read RuntimeClass {name}: {api_error_message(e)}"
                                    + ("; grant the webhook's service account get on runtimeclasses"
                                       if e.status in (401, 403) else "")) from e
             handler = None
         except HTTPError as e:
-            raise KatamgrError(f"cannot read RuntimeClass {name}: API server unreachable ({e})") from e
+            raise GpuNodeError(f"cannot read RuntimeClass {name}: API server unreachable ({e})") from e
         with lock:
             cache[name] = (now, handler)
         return handler

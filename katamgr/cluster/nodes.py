@@ -1,5 +1,5 @@
-"""Our node's workload label, read through the API (the rule that uses it: ``katamgr.host.workload``;
-the reader, shared with the device plugin, ``katamgr.node.kube``)."""
+"""Our node's workload label, read through the API (the rule that uses it: ``gpunode.policy.workload``;
+the reader, shared with the device plugin, ``gpunode.services.kube``)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from katamgr.errors import KatamgrError
-from katamgr.host.workload import DEFAULT_WORKLOAD, WORKLOAD_LABEL, Workload, workload_from_label
-from katamgr.node.kube import READ_TIMEOUT, api_error_message, read_node_labels
+from gpunode.errors import GpuNodeError
+from gpunode.policy.workload import DEFAULT_WORKLOAD, WORKLOAD_LABEL, Workload, workload_from_label
+from gpunode.services.kube import READ_TIMEOUT, api_error_message, read_node_labels
 
 
 def node_workload_mode(api: ApiClient, node_name: str,
                        default: Workload | str | None = DEFAULT_WORKLOAD) -> Workload | None:
     """The node's ``nvidia.com/gpu.workload.config`` label; ``default`` when it has none
     (the GPU Operator's ``sandboxWorkloads.defaultWorkload``). A value that names no
-    workload is a ConfigError; a node the API cannot give us a KatamgrError."""
+    workload is a ConfigError; a node the API cannot give us a GpuNodeError."""
     mode = workload_from_label(node_name, read_node_labels(api, node_name).get(WORKLOAD_LABEL))
     if mode is None and default is not None:
         return Workload(default)
@@ -27,26 +27,26 @@ def node_workload_mode(api: ApiClient, node_name: str,
 
 def set_node_labels(api: ApiClient, node_name: str, labels: Mapping[str, str | None]) -> None:
     """Set (or, for None, remove) labels on our Node with one merge patch; a refusal or an
-    API server that does not answer is a KatamgrError naming the fix."""
+    API server that does not answer is a GpuNodeError naming the fix."""
     try:
         CoreV1Api(api).patch_node(node_name, {"metadata": {"labels": dict(labels)}},
                                   _request_timeout=READ_TIMEOUT)
     except ApiException as e:
         hint = "; grant this service account patch on nodes (the chart does with ccManager.enabled)" \
             if e.status in (401, 403) else ""
-        raise KatamgrError(f"cannot label node {node_name}: {api_error_message(e)}{hint}") from e
+        raise GpuNodeError(f"cannot label node {node_name}: {api_error_message(e)}{hint}") from e
     except HTTPError as e:
-        raise KatamgrError(f"cannot label node {node_name}: API server unreachable ({e})") from e
+        raise GpuNodeError(f"cannot label node {node_name}: API server unreachable ({e})") from e
 
 
 def node_resources(api: ApiClient, node_name: str) -> tuple[dict[str, str], dict[str, str]]:
     """Our Node's ``status.capacity`` and ``status.allocatable``, as the kubelet last reported
-    them; a KatamgrError when the Node cannot be read."""
+    them; a GpuNodeError when the Node cannot be read."""
     try:
         node = CoreV1Api(api).read_node(node_name, _request_timeout=READ_TIMEOUT)
     except ApiException as e:
-        raise KatamgrError(f"cannot read node {node_name}: {api_error_message(e)}") from e
+        raise GpuNodeError(f"cannot read node {node_name}: {api_error_message(e)}") from e
     except HTTPError as e:
-        raise KatamgrError(f"cannot read node {node_name}: API server unreachable ({e})") from e
+        raise GpuNodeError(f"cannot read node {node_name}: API server unreachable ({e})") from e
     status = node.status
     return dict((status.capacity if status else None) or {}), dict((status.allocatable if status else None) or {})

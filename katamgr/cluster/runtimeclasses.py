@@ -22,10 +22,10 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.utils.quantity import parse_quantity
 from urllib3.exceptions import HTTPError
 
+from gpunode.errors import GpuNodeError
+from gpunode.services.kube import api_error_message
 from katamgr.cluster.client import FIELD_MANAGER, MANAGED_BY_LABEL, MANAGED_BY_VALUE
 from katamgr.config import KataManagerConfig
-from katamgr.errors import KatamgrError
-from katamgr.node.kube import api_error_message
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def reconcile_runtime_classes(api: ApiClient, config: KataManagerConfig) -> Runt
             raise _failure(f"delete RuntimeClass {name}", e.__cause__) from e
 
     if immutable:
-        raise KatamgrError(
+        raise GpuNodeError(
             "; ".join(immutable)
             + ": a RuntimeClass handler cannot change, so delete it "
             "(kubectl delete runtimeclass NAME) and katamgr will recreate it"
@@ -256,10 +256,10 @@ def _owned_leaves(live: Mapping[str, Any]) -> set[tuple[str, ...]]:
     return owned
 
 
-def _failure(action: str, error: Exception) -> KatamgrError:
+def _failure(action: str, error: Exception) -> GpuNodeError:
     if isinstance(error, ApiException):
         hint = ""
         if error.status in (401, 403):
             hint = "; grant the agent's service account access to runtimeclasses (node.k8s.io)"
-        return KatamgrError(f"cannot {action}: {api_error_message(error)}{hint}")
-    return KatamgrError(f"cannot {action}: API server unreachable ({error})")
+        return GpuNodeError(f"cannot {action}: {api_error_message(error)}{hint}")
+    return GpuNodeError(f"cannot {action}: API server unreachable ({error})")

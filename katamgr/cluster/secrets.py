@@ -10,8 +10,8 @@ from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.node.kube import api_error_message
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.services.kube import api_error_message
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +35,11 @@ def read_pull_secret(api: ApiClient, namespace: str, name: str) -> bytes:
             ) from e
         hint = (f"; grant the agent's service account get on secrets in {namespace}"
                 if e.status in (401, 403) else "")
-        raise KatamgrError(
+        raise GpuNodeError(
             f"cannot read pull secret {namespace}/{name}: {api_error_message(e)}{hint}"
         ) from e
     except HTTPError as e:
-        raise KatamgrError(
+        raise GpuNodeError(
             f"cannot read pull secret {namespace}/{name}: API server unreachable ({e})"
         ) from e
     if secret.type != DOCKERCONFIGJSON_TYPE:

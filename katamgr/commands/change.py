@@ -6,6 +6,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from gpunode.errors import ConfigError
+from gpunode.host.root import HostRoot
+from gpunode.services.simulator import NodeExtras
 from katamgr.commands.setup import (
     NodeSetup,
     config_from,
@@ -17,10 +20,7 @@ from katamgr.commands.setup import (
     steps_and_context,
     with_node_kata,
 )
-from katamgr.errors import ConfigError
 from katamgr.exitcodes import Exit
-from katamgr.host.root import HostRoot
-from katamgr.node.simulator import NodeExtras
 from katamgr.output import documents
 from katamgr.output.documents import FORMATS
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
@@ -71,7 +71,7 @@ def _offer(setup: NodeSetup, steps: Steps, args: argparse.Namespace, report: Rep
     and a cluster are known; without them, say which label the classes need."""
     if setup.ctx is None or report.classes_ready is None:
         return Report()
-    from katamgr.kataclasses import offer_label
+    from gpunode.kataclasses import offer_label
     from katamgr.pipeline import offers
 
     configured = [rc.name for rc in setup.ctx.config.runtime_classes]
@@ -86,7 +86,7 @@ def _offer(setup: NodeSetup, steps: Steps, args: argparse.Namespace, report: Rep
 
 def _journal(host: HostRoot, command: str):
     """The run journal of an apply or revert: recorded on the node, each step said on stderr."""
-    from katamgr.node.journal import Journal
+    from gpunode.services.journal import Journal
     from katamgr.output.progress import progress_printer
 
     return Journal(host, command, progress_printer(command))
@@ -150,13 +150,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataContext | None,
                         extras: NodeExtras):
     """The Node's labels to remove the GPU labels katamgr set from: only asked for when it set some."""
-    from katamgr.host import gpulabels
+    from gpunode.policy import gpulabels
 
     if not args.node_name or not gpulabels.recorded(host):
         return None
     api = ctx.api if ctx is not None and ctx.api is not None else None
     if api is None:
-        from katamgr.node.apiclient import connect
+        from gpunode.services.apiclient import connect
 
         api = connect(home_kubeconfig=extras.home_kubeconfig)
     return node_labels(api, args.node_name) if api is not None else None

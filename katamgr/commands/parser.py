@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from gpunode.errors import ConfigError
+from gpunode.host import cc
+from gpunode.host.root import STATE_DIR
+from gpunode.services import options, simulator
 from katamgr.commands.change import cmd_apply, cmd_plan, cmd_revert, cmd_status
 from katamgr.commands.run import cmd_run
 from katamgr.commands.simulated import cmd_demo, cmd_simulate
 from katamgr.commands.webhook import cmd_webhook
-from katamgr.errors import ConfigError
-from katamgr.host import cc
-from katamgr.host.root import STATE_DIR
-from katamgr.node import options, simulator
 from katamgr.output.documents import FORMATS
 from katamgr.pipeline.reconcile import DEFAULT_LOCK_WAIT
 

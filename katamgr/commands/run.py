@@ -6,6 +6,10 @@ import argparse
 import logging
 from dataclasses import replace
 
+from gpunode.errors import ConfigError
+from gpunode.host import cc
+from gpunode.host.root import HostRoot
+from gpunode.policy.naming import Naming
 from katamgr.commands.setup import (
     NodeSetup,
     by_hand,
@@ -17,10 +21,6 @@ from katamgr.commands.setup import (
     node_setup,
     with_node_kata,
 )
-from katamgr.errors import ConfigError
-from katamgr.host import cc
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
 from katamgr.pipeline.reconcile import full_plan
 
 
@@ -37,7 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     if args.metrics_address:
-        from katamgr.node.metrics_server import parse_address
+        from gpunode.services.metrics_server import parse_address
 
         try:
             parse_address(args.metrics_address)

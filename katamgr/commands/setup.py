@@ -12,11 +12,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from katamgr.errors import ConfigError
-from katamgr.host import selection as device_selection
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
-from katamgr.host.workload import (
+from gpunode.errors import ConfigError
+from gpunode.host.root import HostRoot
+from gpunode.policy import selection as device_selection
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import (
     AUTO,
     Operand,
     Workload,
@@ -24,9 +24,9 @@ from katamgr.host.workload import (
     describe_opt_outs,
     resolve_workload,
 )
-from katamgr.node import options, simulator
-from katamgr.node.nvlinkfabric import FabricSettings
-from katamgr.node.simulator import REAL_NODE, NodeExtras
+from gpunode.services import options, simulator
+from gpunode.services.nvlinkfabric import FabricSettings
+from gpunode.services.simulator import REAL_NODE, NodeExtras
 from katamgr.pipeline.gpulabels import node_labels
 from katamgr.pipeline.reconcile import Steps
 
@@ -39,7 +39,7 @@ log = logging.getLogger("katamgr")
 
 @contextlib.contextmanager
 def host_from(args: argparse.Namespace) -> Iterator[tuple[HostRoot, NodeExtras]]:
-    """The host root the command acts on and what its node brings (``katamgr.node.simulator``):
+    """The host root the command acts on and what its node brings (``gpunode.services.simulator``):
     a simulated node of the --host profile in a temp dir, or the --host-root."""
     if getattr(args, "host", None):
         sim = simulator.required(f"--host {args.host}")
@@ -74,10 +74,10 @@ def naming_from(args: argparse.Namespace, config: KataManagerConfig | None = Non
 
 def with_node_kata(naming: Naming, host: HostRoot, config: KataManagerConfig | None) -> Naming:
     """``naming`` whose selection decides by the Kata release found on the node (its runtimes
-    in containerd's config, ``katamgr.host.katadetect``) where none was typed by hand."""
+    in containerd's config, ``gpunode.policy.katadetect``) where none was typed by hand."""
     import dataclasses
 
-    from katamgr.host import katadetect
+    from gpunode.policy import katadetect
 
     containerd, artifacts_dir, names = node_kata_inputs(config)
     return dataclasses.replace(naming, selection=katadetect.node_selection(
@@ -87,8 +87,8 @@ def with_node_kata(naming: Naming, host: HostRoot, config: KataManagerConfig | N
 def node_kata_inputs(config: KataManagerConfig | None) -> tuple[str, str, tuple[str, ...]]:
     """Where the node's Kata is found and whose release decides: containerd's config, katamgr's
     artifacts dir and the configured runtime classes."""
-    from katamgr import kataclasses
-    from katamgr.host import katadetect
+    from gpunode import kataclasses
+    from gpunode.policy import katadetect
 
     if config is None:
         return katadetect.CONTAINERD_CONFIG, "", kataclasses.DEFAULT_RUNTIME_CLASSES
@@ -123,12 +123,12 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
         config = config_from(args)
     wants_cluster = (config is not None and not args.no_kata) or (args.workload == AUTO and args.node_name)
     if wants_cluster or config is not None:
+        from gpunode.services.apiclient import connect
         from katamgr import cluster  # the Kubernetes client costs a second: only when it is used
-        from katamgr.node.apiclient import connect
     api = connect(home_kubeconfig=extras.home_kubeconfig) if wants_cluster else None
     if args.workload == AUTO:
         def read_labels(node: str):
-            from katamgr.node.kube import read_node_labels  # the Kubernetes client: only to ask
+            from gpunode.services.kube import read_node_labels  # the Kubernetes client: only to ask
 
             return read_node_labels(api, node)
 

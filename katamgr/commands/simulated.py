@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from katamgr.node import simulator
+from gpunode.services import simulator
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from katamgr.errors import ConfigError
+from gpunode.errors import ConfigError
 
 log = logging.getLogger("katamgr")
 
@@ -41,8 +41,8 @@ def cmd_webhook(args: argparse.Namespace) -> int:
 
 
 def _handler_lookup():
+    from gpunode.services.apiclient import connect
     from katamgr.cluster.handlers import handler_lookup
-    from katamgr.node.apiclient import connect
 
     api = connect(home_kubeconfig=False)
     if api is None:

@@ -16,13 +16,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError, PydanticUseDefault
 
-from katamgr import k8snames
+from gpunode import k8snames
+from gpunode.errors import ConfigError
+from gpunode.policy import katarelease
+from gpunode.policy import selection as device_selection
+from gpunode.services import nvlinkfabric
 from katamgr.artifacts.refs import LayoutRef, parse_ref
 from katamgr.config.messages import Says, kind_of, quote
-from katamgr.errors import ConfigError
-from katamgr.host import katarelease
-from katamgr.host import selection as device_selection
-from katamgr.node import nvlinkfabric
 from katamgr.runtime.kata_config import POD_RESOURCE_SOURCES
 from katamgr.runtime.settings import CONFIGURABLE_VERSIONS, RestartMode
 

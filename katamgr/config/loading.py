@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from gpunode.errors import ConfigError
 from katamgr.config.messages import problems, quote
 from katamgr.config.model import KataManagerConfig, default_config
-from katamgr.errors import ConfigError
 
 MAX_CONFIG_BYTES = 1 << 20
 

@@ -15,7 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
-from katamgr import k8snames, kataclasses
+from gpunode import k8snames, kataclasses
+from gpunode.policy import katarelease
+from gpunode.policy import selection as device_selection
+from gpunode.policy.workload import WORKLOAD_LABEL, Workload
+from gpunode.services import fabricmanager
 from katamgr.artifacts.refs import ArtifactRef, parse_ref
 from katamgr.config.fields import (
     NULL_IS_DEFAULT,
@@ -42,10 +46,6 @@ from katamgr.config.fields import (
     SecretName,
 )
 from katamgr.config.messages import Says, quote
-from katamgr.host import katarelease
-from katamgr.host import selection as device_selection
-from katamgr.host.workload import WORKLOAD_LABEL, Workload
-from katamgr.node import fabricmanager
 from katamgr.runtime.settings import (
     DEFAULT_CONFIG_PATH,
     DEFAULT_POD_ANNOTATIONS,
@@ -158,7 +158,7 @@ class FabricManagerConfig(_Model):
 
 
 class DevicesConfig(_Model):
-    """Which PCI devices are passthrough devices (``katamgr.host.selection``). By default
+    """Which PCI devices are passthrough devices (``gpunode.policy.selection``). By default
     NVIDIA GPUs and NVSwitches; the command line's --include-device and --exclude-device
     add to these lists."""
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from katamgr.node.journal import Listener
+from gpunode.services.journal import Listener
 
 _ENDS = {"start": "...", "done": ": done", "failed": ": FAILED"}
 

@@ -27,15 +27,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from katamgr.host import cc, vfio
-from katamgr.host.cc import CcMode, Reading
-from katamgr.host.errors import HostError
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.pci import Device
-from katamgr.host.root import HostRoot
-from katamgr.node.lock import node_lock
-from katamgr.node.podresources import PodDevices, assigned_functions, list_pod_devices
+from gpunode.host import cc, vfio
+from gpunode.host.cc import CcMode, Reading
+from gpunode.host.errors import HostError
+from gpunode.host.pci import Device
+from gpunode.host.root import HostRoot
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.services.lock import node_lock
+from gpunode.services.podresources import PodDevices, assigned_functions, list_pod_devices
 from katamgr.pipeline.report import Report
 
 DEFAULT_LOCK_WAIT = 60.0

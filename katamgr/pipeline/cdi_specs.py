@@ -1,6 +1,6 @@
 """The CDI specs of the node's passthrough devices, written into ``/var/run/cdi``.
 
-Two kinds of spec, built from ``katamgr.host.passthrough`` (the very list the
+Two kinds of spec, built from ``gpunode.policy.passthrough`` (the very list the
 device plugin advertises):
 
 - one per advertised resource (``nvidia.com/GA102GL_A10``, an alias such as
@@ -25,12 +25,14 @@ import dataclasses
 from dataclasses import dataclass
 
 import cdi
-from katamgr.errors import KatamgrError
-from katamgr.host.faults import write_point
-from katamgr.host.files import read_json, remove_file, remove_stale_temps, write_json
-from katamgr.host.inventory import Inventory
-from katamgr.host.naming import RESOURCE_VENDOR, Naming
-from katamgr.host.passthrough import (
+from gpunode.errors import GpuNodeError
+from gpunode.host.faults import write_point
+from gpunode.host.files import read_json, remove_file, remove_stale_temps, write_json
+from gpunode.host.root import HostRoot
+from gpunode.host.vfiogroups import Action, GroupDecision
+from gpunode.policy.inventory import Inventory
+from gpunode.policy.naming import RESOURCE_VENDOR, Naming
+from gpunode.policy.passthrough import (
     NVSWITCH_CLASS,
     PGPU_CLASS,
     PassthroughDevice,
@@ -38,8 +40,6 @@ from katamgr.host.passthrough import (
     passthrough_devices,
     resource_units,
 )
-from katamgr.host.root import HostRoot
-from katamgr.host.vfiogroups import Action, GroupDecision
 from katamgr.pipeline.plan import PlanSection
 from katamgr.pipeline.report import Report
 
@@ -200,10 +200,10 @@ def _written(host: HostRoot) -> list[str]:
     try:
         kinds = read_json(path, {"kinds": []}).get("kinds")
     except (ValueError, AttributeError) as exc:
-        raise KatamgrError(f"{host.host_path(path)} is not katamgr's CDI record ({exc}); "
+        raise GpuNodeError(f"{host.host_path(path)} is not katamgr's CDI record ({exc}); "
                            f"check it, or delete it if the specs it lists are gone") from exc
     if not isinstance(kinds, list) or not all(_ours(k) for k in kinds):
-        raise KatamgrError(f"{host.host_path(path)} lists spec kinds {kinds!r} that are not "
+        raise GpuNodeError(f"{host.host_path(path)} lists spec kinds {kinds!r} that are not "
                            "CDI kinds (vendor/class); check the file, or delete it if those specs are gone")
     return kinds
 

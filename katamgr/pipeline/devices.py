@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import logging
 
-from katamgr.host import readiness as readiness_files
-from katamgr.host import vfio, vfiogroups
-from katamgr.host.root import HostRoot
-from katamgr.host.vfiogroups import Action
-from katamgr.host.workload import Workload
-from katamgr.node.journal import Journal, quiet
+from gpunode.host import vfio, vfiogroups
+from gpunode.host.root import HostRoot
+from gpunode.host.vfiogroups import Action
+from gpunode.policy import readiness as readiness_files
+from gpunode.policy.workload import Workload
+from gpunode.services.journal import Journal, quiet
 from katamgr.pipeline.plan import Plan
 from katamgr.pipeline.report import Report
 

@@ -1,6 +1,6 @@
-"""The node labels the agent keeps on its Node: the GPU labels (``katamgr.host.gpulabels``
+"""The node labels the agent keeps on its Node: the GPU labels (``gpunode.policy.gpulabels``
 says what they are) and the Kata release found (``katacontainers.io/kata-version``,
-``katamgr.host.katadetect``), both by the same rules and in the same record.
+``gpunode.policy.katadetect``), both by the same rules and in the same record.
 
 GFD and NFD own the GPU labels where they run: a label some other writer set is never
 overwritten, even with a different value (``publish`` warns instead, and the agent records
@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from katamgr.errors import KatamgrError
-from katamgr.host import gpulabels
-from katamgr.host.inventory import Inventory
-from katamgr.host.kata import release_json
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
+from gpunode.errors import GpuNodeError
+from gpunode.host.root import HostRoot
+from gpunode.policy import gpulabels
+from gpunode.policy.inventory import Inventory
+from gpunode.policy.kata import release_json
+from gpunode.policy.naming import Naming
 from katamgr.pipeline.plan import PlanSection
 from katamgr.pipeline.report import Report
 
@@ -38,8 +38,8 @@ class NodeLabels:
 def node_labels(api: object, node_name: str, watch=None) -> NodeLabels:
     """Our Node's labels through the API: read (from ``watch``, a ``NodeLabelWatch``, when
     there is one) and patched."""
+    from gpunode.services.kube import read_node_labels
     from katamgr.cluster import set_node_labels  # the Kubernetes client: only with a cluster
-    from katamgr.node.kube import read_node_labels
 
     def fresh():
         return read_node_labels(api, node_name)
@@ -104,7 +104,7 @@ def publish(host: HostRoot, inventory: Inventory, naming: Naming, node: NodeLabe
         if (patch or keep != owned) and node.read_fresh is not None:
             # Something to do by the watch's copy: decide on the Node as it is now.
             patch, keep, warnings = _decide(wanted, node.read_fresh(), owned, keys)
-    except KatamgrError as exc:
+    except GpuNodeError as exc:
         report.failures.append(f"cannot read the node's labels for the GPU labels: {exc}")
         return report
     report.warnings += warnings
@@ -114,7 +114,7 @@ def publish(host: HostRoot, inventory: Inventory, naming: Naming, node: NodeLabe
     if patch:
         try:
             node.patch(patch)
-        except KatamgrError as exc:
+        except GpuNodeError as exc:
             report.failures.append(f"cannot set the node labels: {exc}")
             return report
         report.changes.append("node labels " + ", ".join(
@@ -141,7 +141,7 @@ def revert(host: HostRoot, node: NodeLabels | None) -> Report:
         gone = {k: None for k, v in owned.items() if current.get(k) == v}
         if gone:
             node.patch(dict(gone))
-    except KatamgrError as exc:
+    except GpuNodeError as exc:
         report.warnings.append(f"could not remove the GPU labels katamgr set ({exc}); a later revert tries again")
         return report
     if gone:

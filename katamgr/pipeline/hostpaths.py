@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from katamgr.host import readiness, vfio
-from katamgr.host.root import STATE_DIR, HostRoot
+from gpunode.host import vfio
+from gpunode.host.root import STATE_DIR, HostRoot
+from gpunode.policy import readiness
 from katamgr.pipeline.cdi_specs import SPEC_DIR, spec_path, written_kinds
 
 

@@ -7,7 +7,7 @@ specs written, every other class installed and registered (``Preflight.failed``;
 then not offered on the node, ``pipeline.offers``). What is wrong for the whole node stops
 everything before any write: a containerd config that does not parse or cannot be written, an
 artifacts dir that is not ours (ConfigError, exit 2), too little room for the artifacts
-(KatamgrError, exit 1).
+(GpuNodeError, exit 1).
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import os
 import shutil
 from pathlib import Path
 
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.host.root import HostRoot
 from katamgr.artifacts import (
     ArtifactError,
     NotOursError,
     read_install,
     resolve_artifact,
 )
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host.root import HostRoot
 from katamgr.pipeline.kata_checked import Checked, Preflight
 from katamgr.pipeline.kata_runtime import (
     KataContext,
@@ -52,7 +52,7 @@ def class_problems(host: HostRoot, ctx: KataContext) -> dict[str, str]:
             found = resolve_artifact(pull_of(host, ctx, rc), host.path(class_dir(ctx.config, rc.name)))
         except NotOursError as exc:
             out[rc.name] = not_ours(rc, ctx.config, exc)
-        except (ArtifactError, KatamgrError) as exc:  # ConfigError included: a pull secret unread
+        except (ArtifactError, GpuNodeError) as exc:  # ConfigError included: a pull secret unread
             out[rc.name] = f"runtime class {rc.name}: {exc}"
         else:
             if found.warning:  # the source is down but an install is kept: works, say so
@@ -63,7 +63,7 @@ def class_problems(host: HostRoot, ctx: KataContext) -> dict[str, str]:
 def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> Preflight:
     """Check everything this step needs before the node's first write.
 
-    Raises ConfigError (exit 2) listing every bad input of the node, or KatamgrError (exit 1)
+    Raises ConfigError (exit 2) listing every bad input of the node, or GpuNodeError (exit 1)
     when the inputs are fine but the node cannot take the change now (no room); either way
     nothing was changed yet. A runtime class that cannot be installed now is in
     ``Preflight.failed``, not raised: the rest of the node goes ahead without it.
@@ -74,7 +74,7 @@ def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> P
     try:
         configure_containerd(host, runtimes(host, ctx), config.containerd.config_path,
                              config.containerd.version, enable_cdi=enable_cdi, dry_run=True)
-    except KatamgrError as exc:
+    except GpuNodeError as exc:
         bad.append(str(exc))
     bad += _not_writable(host, config.containerd.config_path)
     needed: dict[Path, int] = {}
@@ -95,7 +95,7 @@ def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> P
             resolution = resolve_artifact(pull, dest)
         except NotOursError as exc:  # someone else's files where ours would go: stop, touch nothing
             bad.append(not_ours(rc, config, exc))
-        except (ArtifactError, KatamgrError) as exc:
+        except (ArtifactError, GpuNodeError) as exc:
             # This class's own source: unreachable, a bad manifest, its pull secret missing or
             # unreadable (ConfigError included): that class fails, the rest goes ahead.
             found.failed[rc.name] = f"runtime class {rc.name}: {exc}"
@@ -112,7 +112,7 @@ def preflight(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) -> P
     if bad:
         raise ConfigError("nothing was changed: " + "; ".join(bad + blocked))
     if blocked:
-        raise KatamgrError("nothing was changed: " + "; ".join(blocked))
+        raise GpuNodeError("nothing was changed: " + "; ".join(blocked))
     return found
 
 

@@ -20,10 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpunode.host.files import read_json, remove_file, write_json
+from gpunode.host.root import HostRoot
+from gpunode.services.journal import now
 from katamgr import __version__
-from katamgr.host.files import read_json, remove_file, write_json
-from katamgr.host.root import HostRoot
-from katamgr.node.journal import now
 
 STATE_FILE = "kata.json"
 

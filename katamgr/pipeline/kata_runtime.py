@@ -15,6 +15,10 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.host.files import remove_stale_temps
+from gpunode.host.root import HostRoot
+from gpunode.policy import katadetect
 from katamgr.artifacts import (
     DEFAULT_DEADLINES,
     ArtifactError,
@@ -31,10 +35,6 @@ from katamgr.artifacts import (
     remove_install,
 )
 from katamgr.config import KataManagerConfig, RuntimeClassConfig
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host import katadetect
-from katamgr.host.files import remove_stale_temps
-from katamgr.host.root import HostRoot
 from katamgr.pipeline import kata_record
 from katamgr.pipeline.kata_checked import Preflight
 from katamgr.pipeline.plan import PlanSection
@@ -256,7 +256,7 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
         try:
             kata = transform_kata_config(host, dest, root_ports=ctx.root_ports,
                                          device_sources=config.pod_resource_device_sources)
-        except KatamgrError as exc:
+        except GpuNodeError as exc:
             report.classes_failed[rc.name] = f"runtime class {rc.name}: {exc}"
             continue
         report.changes += [f"{kata.config_path}: {c}" for c in kata.changes] if kata.changed else []
@@ -339,7 +339,7 @@ def _kata_deploy_settings(host: HostRoot, ctx: KataContext, name: str,
         kata_record.note_drop_in(host, host.host_path(drop_in_path(host, provided.config_path)))
         kata = write_gpu_drop_in(host, provided.config_path, root_ports=ctx.root_ports,
                                  device_sources=ctx.config.pod_resource_device_sources)
-    except (KatamgrError, OSError) as exc:
+    except (GpuNodeError, OSError) as exc:
         report.failures.append(f"runtime class {name} (kata-deploy's): {exc}")
         return report
     if kata.changed:
@@ -370,7 +370,7 @@ def _cluster(ctx: KataContext, config: KataManagerConfig) -> Report:
         from katamgr import cluster
 
         changes = cluster.reconcile_runtime_classes(ctx.api, config)
-    except KatamgrError as exc:
+    except GpuNodeError as exc:
         report.failures.append(str(exc))
         return report
     report.changes += [f"created RuntimeClass {n}" for n in changes.created]
@@ -433,7 +433,7 @@ def _delete_runtime_classes(ctx: KataContext | None) -> Report:
             report.changes += [f"deleted RuntimeClass {n}" for n in gone.deleted]
             report.warnings += [f"RuntimeClass {n} is labeled as katamgr's but this service account may not "
                                 "delete it (another release's, or created by hand): left it" for n in gone.refused]
-        except KatamgrError as exc:
+        except GpuNodeError as exc:
             report.failures.append(str(exc))
     return report
 

@@ -1,12 +1,12 @@
 """The plan's NVLink fabric section: which of NVIDIA's models the node follows and why, and in
 the Shared NVSwitch model the partitions Fabric Manager offers (id, size, GPUs) and which are
-active (``katamgr.node.nvlinkfabric``; Fabric Manager User Guide §4, §6, §7). Read-only:
+active (``gpunode.services.nvlinkfabric``; Fabric Manager User Guide §4, §6, §7). Read-only:
 ``plan`` asks FM, it never activates anything."""
 
 from __future__ import annotations
 
-from katamgr.host import nvlinkunits
-from katamgr.node import nvlinkfabric as nf
+from gpunode.policy import nvlinkunits
+from gpunode.services import nvlinkfabric as nf
 from katamgr.pipeline.plan import Plan, PlanSection
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from katamgr.errors import KatamgrError
-from katamgr.kataclasses import OFFER_LABEL_PREFIX, offer_label
+from gpunode.errors import GpuNodeError
+from gpunode.kataclasses import OFFER_LABEL_PREFIX, offer_label
 from katamgr.pipeline.gpulabels import NodeLabels
 from katamgr.pipeline.report import Report
 
@@ -38,7 +38,7 @@ def publish(node: NodeLabels, labels: dict[str, str | None]) -> Report:
             patch = _patch(current, labels)
         if patch:
             node.patch(patch)
-    except KatamgrError as exc:
+    except GpuNodeError as exc:
         report.failures.append(f"{exc}; the runtime classes offered on this node are not up to date")
         return report
     report.offered = {k.removeprefix(OFFER_LABEL_PREFIX): v is not None for k, v in sorted(patch.items())}
@@ -59,6 +59,6 @@ def withdraw(node: NodeLabels) -> Report:
     """Remove every offer label from the Node (a revert: no class is installed any more)."""
     try:
         current = node.read()
-    except KatamgrError as exc:
+    except GpuNodeError as exc:
         return Report(failures=[f"{exc}; the node's {OFFER_LABEL_PREFIX}* labels were left"])
     return publish(node, {k: None for k in current if k.startswith(OFFER_LABEL_PREFIX)})

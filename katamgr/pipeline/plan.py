@@ -10,14 +10,15 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from katamgr.host import cc, kata, nvlinkunits, pcihealth, vfio, vfiodecide, vfiogroups
-from katamgr.host.inventory import Inventory, Kind, discover
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import unit_head
-from katamgr.host.pci import Device
-from katamgr.host.pciids import DEFAULT_PCI_IDS
-from katamgr.host.root import HostRoot
-from katamgr.host.vfiogroups import Action, GroupDecision, VfioModule
+from gpunode.host import cc, pcihealth, vfio, vfiogroups
+from gpunode.host.pci import Device
+from gpunode.host.pciids import DEFAULT_PCI_IDS
+from gpunode.host.root import HostRoot
+from gpunode.host.vfiogroups import Action, GroupDecision, VfioModule
+from gpunode.policy import kata, nvlinkunits, vfiodecide
+from gpunode.policy.inventory import Inventory, Kind, discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import unit_head
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class DevicePlan:
     resource: str | None
     action: str
     reason: str
-    # Why the device is a passthrough device or not (katamgr.host.selection's verdict,
+    # Why the device is a passthrough device or not (gpunode.policy.selection's verdict,
     # or the passthrough device a companion travels with).
     selection: str
     # The VFIO driver it is or will be bound to (vfio-pci or a variant driver), and why.
@@ -44,7 +45,7 @@ class DevicePlan:
     cc_mode: str | None = None
     cc_capable: bool | None = None
     cc_mode_message: str = ""
-    # What the host kernel shows of its health (katamgr.host.pcihealth: AER counts, link,
+    # What the host kernel shows of its health (gpunode.host.pcihealth: AER counts, link,
     # reset methods), and what would make it unfit for a VM now; None for an unselected device.
     health: str | None = None
     unfit: list[str] = field(default_factory=list)
@@ -185,7 +186,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
 
 
 def _kata_found(inv: Inventory) -> list[PlanSection]:
-    """The Kata runtimes found on the node (``katamgr.host.katadetect``), where they were looked for."""
+    """The Kata runtimes found on the node (``gpunode.policy.katadetect``), where they were looked for."""
     found = inv.selection.kata_found
     if found is None:
         return []
@@ -306,7 +307,7 @@ def _device_plan(inv: Inventory, naming: Naming, device: Device, action: str, re
 
 
 def _board_unit(inv: Inventory, naming: Naming, resources: Counter[str]) -> None:
-    """A full passthrough board once bound (``katamgr.host.nvlinkunits``): its NVSwitches are
+    """A full passthrough board once bound (``gpunode.policy.nvlinkunits``): its NVSwitches are
     advertised only in the board's unit, the whole board as one device."""
     board = nvlinkunits.board_of(inv, once_bound=True)
     gpu_resource = naming.resource(board.gpus[0]) if board is not None else None

@@ -11,25 +11,26 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from katamgr.errors import KatamgrError
-from katamgr.host import gpulabels as host_gpulabels
-from katamgr.host import readiness, vfio
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import resource_units
-from katamgr.host.root import HostRoot
-from katamgr.host.vfiogroups import Action
-from katamgr.host.workload import Operand, Workload
-from katamgr.node.journal import Journal, quiet
-from katamgr.node.lock import node_lock, tidy_state_dir
-from katamgr.node.nvlinkfabric import FabricSettings
-from katamgr.node.podresources import (
+from gpunode.errors import GpuNodeError
+from gpunode.host import vfio
+from gpunode.host.root import HostRoot
+from gpunode.host.vfiogroups import Action
+from gpunode.policy import gpulabels as host_gpulabels
+from gpunode.policy import readiness
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import resource_units
+from gpunode.policy.workload import Operand, Workload
+from gpunode.services.journal import Journal, quiet
+from gpunode.services.lock import node_lock, tidy_state_dir
+from gpunode.services.nvlinkfabric import FabricSettings
+from gpunode.services.podresources import (
     PodDevices,
     assigned_functions,
     list_pod_devices,
     wait_not_offered,
 )
-from katamgr.node.toolkit import isolation_problem, read_toolkit_config, toml_value
+from gpunode.services.toolkit import isolation_problem, read_toolkit_config, toml_value
 from katamgr.pipeline import cdi_specs, gpulabels, hostpaths, kata_record, nvlinkfabric
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
@@ -166,11 +167,11 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
     """Bring the node to the plan, holding the node lock (NodeBusyError after ``lock_wait``).
 
     Every input is checked before the first write (``kata_checks.preflight``, ``hostpaths``): a
-    ConfigError or KatamgrError out of here means nothing was changed. ``gives_back``:
+    ConfigError or GpuNodeError out of here means nothing was changed. ``gives_back``:
     the caller gives the GPUs an earlier vm-passthrough left on vfio-pci back itself once
     nothing holds them (``katamgr run``, by ``leave_passthrough``), so a node that does
     not run VMs does not send the operator to ``katamgr revert`` for them. ``journal``:
-    where each step is recorded and said as it starts and ends (``katamgr.node.journal``).
+    where each step is recorded and said as it starts and ends (``gpunode.services.journal``).
     """
     journal = journal or quiet()
     with node_lock(host, command, lock_wait):
@@ -209,7 +210,7 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
     blocked = hostpaths.problems(host, hostpaths.written(vfio_step=steps.vfio, cdi=steps.cdi,
                                                          readiness_files=steps.readiness, kata_dirs=kata_dirs))
     if blocked:
-        raise KatamgrError("nothing was changed: " + "; ".join(blocked))
+        raise GpuNodeError("nothing was changed: " + "; ".join(blocked))
     checked = None
     if steps.kata and kata_ctx is not None:
         from katamgr.pipeline import kata_checks

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gpunode.errors import GpuNodeError
+from gpunode.host import vfio
+from gpunode.host.errors import HostError
+from gpunode.host.root import STATE_DIR, HostRoot
+from gpunode.policy import gpulabels
+from gpunode.services import journal
 from katamgr.artifacts import read_install
-from katamgr.errors import KatamgrError
-from katamgr.host import gpulabels, vfio
-from katamgr.host.errors import HostError
-from katamgr.host.root import STATE_DIR, HostRoot
-from katamgr.node import journal
 from katamgr.pipeline import cdi_specs, kata_record
 from katamgr.runtime import containerd_state
 
@@ -78,7 +79,7 @@ def node_status(host: HostRoot) -> NodeStatus:
         status.problems.append(str(exc))
     try:
         status.cdi_specs = [cdi_specs.spec_path(kind) for kind in cdi_specs.recorded(host)]
-    except (KatamgrError, ValueError) as exc:
+    except (GpuNodeError, ValueError) as exc:
         status.problems.append(str(exc))
     record = kata_record.load(host)
     # Noted before each install: one whose install failed is listed in the record, not on disk.

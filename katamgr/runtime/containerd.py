@@ -21,10 +21,10 @@ from typing import Any
 
 import tomlkit
 
-from katamgr.errors import ConfigError
-from katamgr.host.files import write_atomic
-from katamgr.host.root import HostRoot
-from katamgr.k8snames import DNS1123_LABEL_MAX, is_dns1123_label
+from gpunode.errors import ConfigError
+from gpunode.host.files import write_atomic
+from gpunode.host.root import HostRoot
+from gpunode.k8snames import DNS1123_LABEL_MAX, is_dns1123_label
 from katamgr.runtime import containerd_state as st
 from katamgr.runtime.containerd_files import (
     DROP_IN,

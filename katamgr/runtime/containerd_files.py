@@ -14,7 +14,7 @@ from typing import Any
 
 import tomlkit
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from katamgr.runtime.containerd_imports import find_drop_in, read_toml
 from katamgr.runtime.containerd_schema import KATA_RUNTIME_TYPE, detect_version, layout_for
 from katamgr.runtime.settings import DEFAULT_POD_ANNOTATIONS

@@ -22,8 +22,8 @@ from typing import Any
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
-from katamgr.errors import ConfigError
-from katamgr.host.root import HostRoot
+from gpunode.errors import ConfigError
+from gpunode.host.root import HostRoot
 from katamgr.runtime.tomledit import lookup, plain
 
 DROP_IN_NAME = "kata-sandbox-manager.toml"

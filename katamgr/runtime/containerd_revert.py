@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import tomlkit
 
-from katamgr.host.files import remove_file, write_atomic
-from katamgr.host.root import HostRoot
+from gpunode.host.files import remove_file, write_atomic
+from gpunode.host.root import HostRoot
 from katamgr.runtime import containerd_state as st
 from katamgr.runtime.containerd_files import (
     DROP_IN,

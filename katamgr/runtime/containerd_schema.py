@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from katamgr.errors import ConfigError
+from gpunode.errors import ConfigError
 
 SUPPORTED_VERSIONS = (2, 3, 4)
 KATA_RUNTIME_TYPE = "io.containerd.kata.v2"

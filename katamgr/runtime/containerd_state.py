@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from katamgr.host.files import read_json, remove_file, write_json
-from katamgr.host.root import HostRoot
+from gpunode.host.files import read_json, remove_file, write_json
+from gpunode.host.root import HostRoot
 
 RUNTIME = "runtime"  # a whole runtime table: always ours to remove or restore
 VALUE = "value"  # a single setting: restored only while it still holds our value

@@ -28,10 +28,10 @@ from pathlib import Path, PurePosixPath
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.host.files import write_atomic
+from gpunode.host.root import HostRoot
 from katamgr.artifacts.manifest import RENDERED_DIR
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host.files import write_atomic
-from katamgr.host.root import HostRoot
 from katamgr.runtime.tomledit import plain
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def installed_cold_plug_gaps(host: HostRoot, artifact_dir: Path) -> list[str]:
     try:
         local = find_kata_config(host, artifact_dir)
         doc = tomlkit.parse(local.read_text())
-    except (KatamgrError, OSError, TOMLKitError):
+    except (GpuNodeError, OSError, TOMLKitError):
         return []
     return cold_plug_gaps(doc, f"Kata config {host.host_path(local)}")
 
@@ -93,13 +93,13 @@ def find_kata_config(host: HostRoot, artifact_dir: Path) -> Path:
     found = sorted(p for p in Path(artifact_dir).glob(CONFIG_GLOB) if p.is_file())
     where = host.host_path(Path(artifact_dir))
     if not found:
-        raise KatamgrError(
+        raise GpuNodeError(
             f"no {CONFIG_GLOB} in artifacts dir {where}; the runtime class's artifact must "
             f"ship exactly one Kata configuration file"
         )
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
-        raise KatamgrError(
+        raise GpuNodeError(
             f"artifacts dir {where} holds several Kata configurations ({names}); "
             f"the artifact must ship exactly one"
         )
@@ -128,10 +128,10 @@ def transform_kata_config(
     try:
         doc = tomlkit.parse(text)
     except TOMLKitError as exc:
-        raise KatamgrError(f"Kata config {config_host} is not valid TOML ({exc})") from exc
+        raise GpuNodeError(f"Kata config {config_host} is not valid TOML ({exc})") from exc
     hypervisors = doc.get("hypervisor")
     if not isinstance(hypervisors, dict) or not hypervisors:
-        raise KatamgrError(f"Kata config {config_host} has no [hypervisor.*] table")
+        raise GpuNodeError(f"Kata config {config_host} has no [hypervisor.*] table")
     changes: list[str] = []
     for name, table in hypervisors.items():
         if not isinstance(table, dict):
@@ -143,12 +143,12 @@ def transform_kata_config(
                 continue  # keep only the keys the shipped config set
             basename = PurePosixPath(value).name
             if basename in ("", ".", ".."):
-                raise KatamgrError(
+                raise GpuNodeError(
                     f"{section}.{key} = {value!r} in {config_host} names no file; fix the artifact"
                 )
             installed = artifact_dir / basename
             if not installed.is_file():
-                raise KatamgrError(
+                raise GpuNodeError(
                     f"{section}.{key} in {config_host} needs {basename}, which is missing "
                     f"from {host.host_path(artifact_dir)}; re-pull the runtime class artifact"
                 )
@@ -200,7 +200,7 @@ def rendered_config(host: HostRoot, artifact_dir: Path) -> Path | None:
     """The rewritten Kata config of a runtime class dir, if it has been rendered."""
     try:
         shipped = find_kata_config(host, artifact_dir)
-    except KatamgrError:
+    except GpuNodeError:
         return None
     rendered = Path(artifact_dir) / RENDERED_DIR / shipped.name
     return rendered if rendered.is_file() else None
@@ -227,9 +227,9 @@ def _effective(host: HostRoot, config_path: str) -> dict:
     try:
         doc = plain(tomlkit.parse(local.read_text()))
     except OSError as exc:
-        raise KatamgrError(f"Kata config {config_path} cannot be read ({exc.strerror or exc})") from exc
+        raise GpuNodeError(f"Kata config {config_path} cannot be read ({exc.strerror or exc})") from exc
     except TOMLKitError as exc:
-        raise KatamgrError(f"Kata config {config_path} is not valid TOML ({exc})") from exc
+        raise GpuNodeError(f"Kata config {config_path} is not valid TOML ({exc})") from exc
     directory = local.parent / DROP_IN_DIR
     for drop_in in sorted(directory.iterdir()) if directory.is_dir() else ():
         if drop_in.name == DROP_IN_NAME or not drop_in.is_file():
@@ -259,7 +259,7 @@ def write_gpu_drop_in(host: HostRoot, config_path: str, root_ports: int = 0,
     doc = _effective(host, config_path)
     hypervisors = doc.get("hypervisor")
     if not isinstance(hypervisors, dict) or not hypervisors:
-        raise KatamgrError(f"Kata config {config_path} has no [hypervisor.*] table")
+        raise GpuNodeError(f"Kata config {config_path} has no [hypervisor.*] table")
     out = tomlkit.document()
     out.add(tomlkit.comment(f"Written by kata-sandbox-manager for {config_path} (installed by another tool, left "
                             "as it is): the GPU settings. Removed by katamgr revert."))

@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host.root import HostRoot
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.host.root import HostRoot
 from katamgr.runtime.settings import DEFAULT_SOCKET, DEFAULT_UNIT, RestartMode
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def reload_containerd(
     argv = systemctl_argv(host, unit)
     result = runner(argv)
     if result.returncode != 0:
-        raise KatamgrError(
+        raise GpuNodeError(
             f"'{' '.join(argv)}' failed with exit code {result.returncode} ({result.output}); "
             f"restart containerd by hand or set restartMode to signal"
         )

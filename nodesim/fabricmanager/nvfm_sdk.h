@@ -5,7 +5,7 @@
  * fabric-manager-user-guide): section 5.1 (data structures), 5.2-5.10 (the calls) and the
  * "Partition Life Cycle Errors" table. Declarations only: the stand-in library beside
  * this file (libnvfm.c) implements them for the simulated node, and
- * katamgr/node/fabricmanager.py mirrors the same layouts with ctypes.
+ * gpunode/services/fabricmanager.py mirrors the same layouts with ctypes.
  *
  * Every structure passed by pointer starts with a version word: the structure's size in the
  * low 24 bits and its version number in the top 8 (the SDK's MAKE_FM_PARAM_VERSION). FM

@@ -7,7 +7,7 @@ side of that: a claim asked again is answered from it (the same devices and CDI
 names, without asking the API server), an unprepare of a claim it no longer lists
 succeeds (it was done before), and a device a prepared claim holds is never handed
 to a second claim. Every change is written atomically (a temp file renamed over
-the old one, ``katamgr.host.files.write_json``) before the kubelet is answered.
+the old one, ``gpunode.host.files.write_json``) before the kubelet is answered.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from katamgr.errors import KatamgrError
-from katamgr.host.files import write_json
+from gpunode.errors import GpuNodeError
+from gpunode.host.files import write_json
 
 VERSION = 1
 FILE_NAME = "checkpoint.json"
 
 
-class CheckpointError(KatamgrError):
+class CheckpointError(GpuNodeError):
     """The checkpoint file cannot be read back."""
 
 

@@ -31,8 +31,8 @@ from kubernetes.client import ApiClient, CoreV1Api, NodeV1Api, ResourceV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from katamgr.kataclasses import KATA_GPU_HANDLERS
-from katamgr.node.kube import api_error_message
+from gpunode.kataclasses import KATA_GPU_HANDLERS
+from gpunode.services.kube import api_error_message
 
 READ_TIMEOUT = 10.0  # seconds for one read of a claim
 
@@ -126,7 +126,7 @@ def check_runtime_classes(api: ApiClient, claim: dict, ref: ClaimRef, allowed: f
 
 def _kata_gpu_class(api: ApiClient, name: str | None, timeout: float) -> bool:
     """Whether the RuntimeClass ``name`` has a Kata GPU runtime's handler (kata-deploy's
-    classes under any name, as the admission layers take them: ``katamgr.kataclasses``).
+    classes under any name, as the admission layers take them: ``gpunode.kataclasses``).
     A class that cannot be read is not one: the claim is refused, and the kubelet asks again."""
     if not name:
         return False

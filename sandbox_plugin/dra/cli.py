@@ -7,18 +7,18 @@ import logging
 import sys
 import threading
 
-from katamgr.errors import KatamgrError
-from katamgr.host.root import HostRoot
-from katamgr.host.workload import AUTO, NoCluster, Resolution, Workload, resolve_workload
-from katamgr.k8snames import is_dns1123_subdomain
-from katamgr.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
-from katamgr.node import options
-from katamgr.node.process import (
+from gpunode.errors import GpuNodeError
+from gpunode.host.root import HostRoot
+from gpunode.k8snames import is_dns1123_subdomain
+from gpunode.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
+from gpunode.policy.workload import AUTO, NoCluster, Resolution, Workload, resolve_workload
+from gpunode.services import options
+from gpunode.services.process import (
     report_error,
     setup_logging,
     stop_on_signals,
 )
-from katamgr.node.simulator import node_extras
+from gpunode.services.simulator import node_extras
 from sandbox_plugin.commands import (
     UsageError,
     cluster_client,
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             raise UsageError(str(exc)) from None
         naming = with_node_kata(naming, host, args.containerd_config)
-        from katamgr.host.inventory import discover
+        from gpunode.policy.inventory import discover
         from sandbox_plugin.fabric import DRA_RECORD, FabricGuard
         from sandbox_plugin.fabricgate import gate_for
 
@@ -135,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             api = cluster_client(extras)
         except NoCluster as exc:
-            raise KatamgrError(f"no Kubernetes API to read claims from and publish to ({exc}); run "
+            raise GpuNodeError(f"no Kubernetes API to read claims from and publish to ({exc}); run "
                                "in a pod with a service account, or set KUBECONFIG") from None
-        from katamgr.node.kube import NodeLabelWatch
+        from gpunode.services.kube import NodeLabelWatch
         from sandbox_plugin.dra.driver import DraDriver
 
         watch = NodeLabelWatch(api, args.node_name).start()
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         changed = threading.Event()
         watch.on_change = changed.set
         driver.start()
-    except KatamgrError as exc:  # bad usage 2, the API or the checkpoint failing 1
+    except GpuNodeError as exc:  # bad usage 2, the API or the checkpoint failing 1
         if watch is not None:
             watch.stop()
         report_error(f"sandbox-dra-driver: error: {exc}", args.log_format, log)
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                 changed.clear()
                 try:
                     decide()
-                except KatamgrError as exc:  # keep what runs; the watch tells us when it reads again
+                except GpuNodeError as exc:  # keep what runs; the watch tells us when it reads again
                     log.warning("could not read the node's workload (%s); keeping the slice as it is", exc)
     finally:
         driver.stop()

@@ -43,10 +43,10 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from katamgr.host import nvlinkunits
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import NVSWITCH_CLASS
-from katamgr.node.nvlinkfabric import Fabric
+from gpunode.policy import nvlinkunits
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import NVSWITCH_CLASS
+from gpunode.services.nvlinkfabric import Fabric
 from sandbox_plugin import topology
 from sandbox_plugin.resources import HEALTHY
 from sandbox_plugin.units import PassthroughUnit
@@ -152,7 +152,7 @@ def describe(units: Iterable[PassthroughUnit], naming: Naming, partitions: Fabri
     """Every unit as a DRA device, in unit order (healthy or not: the caller decides
     what to publish; a claim naming an unhealthy one is told why); ``partitions``: Fabric
     Manager's, in the Shared NVSwitch model."""
-    # A full passthrough board's unit (katamgr.host.nvlinkunits) is the device plugin's alone for
+    # A full passthrough board's unit (gpunode.policy.nvlinkunits) is the device plugin's alone for
     # now: nothing here would keep a claim for it and one for its GPUs apart (docs/devices.md).
     units = [u for u in units if not u.id.startswith(nvlinkunits.UNIT_ID_PREFIX)]
     fabric = topology.nvswitch_fabric(

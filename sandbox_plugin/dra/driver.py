@@ -31,10 +31,10 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from katamgr.errors import KatamgrError
-from katamgr.host.naming import Naming
-from katamgr.host.root import HostRoot
-from katamgr.node.backoff import Backoff, Retries
+from gpunode.errors import GpuNodeError
+from gpunode.host.root import HostRoot
+from gpunode.policy.naming import Naming
+from gpunode.services.backoff import Backoff, Retries
 from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
 from sandbox_plugin.discovery import PassthroughDiscovery
 from sandbox_plugin.dra import devices as dra_devices
@@ -239,7 +239,7 @@ class DraDriver:
         try:
             result = self.publisher.sync(offered, verify=verify)
             ok = True
-        except KatamgrError as exc:
+        except GpuNodeError as exc:
             result, ok = str(exc), False
             if result != self.last_sync:
                 log.warning("%s; retrying", exc)

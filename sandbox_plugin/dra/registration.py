@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from kubeletapi import pluginregistration_pb2 as reg
 from sandbox_plugin.served import ServedSocket
 

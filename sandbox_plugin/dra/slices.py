@@ -33,8 +33,8 @@ from kubernetes.client import ApiClient, CoreV1Api, ResourceV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from katamgr.errors import KatamgrError
-from katamgr.node.kube import api_error_message
+from gpunode.errors import GpuNodeError
+from gpunode.services.kube import api_error_message
 from sandbox_plugin.dra.devices import DraDevice
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ CONFLICT = 409
 NOT_FOUND = 404
 
 
-class SliceError(KatamgrError):
+class SliceError(GpuNodeError):
     """The API server refused or did not answer a ResourceSlice call."""
 
 

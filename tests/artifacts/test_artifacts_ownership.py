@@ -16,11 +16,11 @@ from support.hostkit import GPU_A10, dev, driver_of, make_host
 from support.kataconfig import kata_manager_yaml
 from support.paths import EXAMPLES
 
+from gpunode.errors import ConfigError
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.artifacts import NotOursError, install_artifact, read_install, remove_install
 from katamgr.config import parse_config
-from katamgr.errors import ConfigError
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, reconcile, revert_all
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from gpunode.errors import ConfigError
 from katamgr.artifacts import (
     ArtifactError,
     Credentials,
@@ -18,7 +19,6 @@ from katamgr.artifacts import (
 )
 from katamgr.artifacts.manifest import MAX_MANIFEST_BYTES, parse_manifest, sha256_digest
 from katamgr.artifacts.remote import use_plain_http
-from katamgr.errors import ConfigError
 
 DIGEST = "sha256:" + "ab" * 32
 

@@ -71,7 +71,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "sandbox-kata-default-cdi": {"sandboxWorkloads": {"enabled": True}, "kataManager": {"enabled": True}},
 }
 
-# The options the three node programs share (katamgr.node.options), as the chart renders
+# The options the three node programs share (gpunode.services.options), as the chart renders
 # them for its default values (ksm.nodeArgs): each value passed as values.yaml writes it.
 NODE_ARGS = ["--host-root", "/host", "--runtime-root", "/", "--node-name", "$(NODE_NAME)",
              "--default-workload", "container", "--log-format", "text", "--resource-naming", "nvidia",

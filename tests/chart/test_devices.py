@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from support.chartkit import FULL, NAMESPACE, RELEASE, container, host_mounts, merged, render
 
+from gpunode.policy.selection import DEFAULT_SELECTION
+from gpunode.services import options
+from gpunode.services.nvlinkfabric import FabricSettings
 from katamgr.cli import build_parser
-from katamgr.host.selection import DEFAULT_SELECTION
-from katamgr.node import options
-from katamgr.node.nvlinkfabric import FabricSettings
 from sandbox_plugin.cli import parse_args
 from sandbox_plugin.dra.cli import build_parser as dra_parser
 

@@ -18,7 +18,7 @@ from support.chartkit import (
     rules,
 )
 
-from katamgr.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
+from gpunode.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
 
 DRIVER = "passthrough.kata-sandbox-manager.io"
 DRA = merged(FULL, {"dra": {"enabled": True}})
@@ -113,9 +113,9 @@ def test_rbac_is_what_the_driver_calls(chart):
 
 def test_device_classes_select_this_drivers_devices_by_type(chart, tmp_path):
     celpy = pytest.importorskip("celpy")
-    from katamgr.host.naming import Naming
-    from katamgr.host.pciids import PciIds
-    from katamgr.host.selection import Selection
+    from gpunode.host.pciids import PciIds
+    from gpunode.policy.naming import Naming
+    from gpunode.policy.selection import Selection
     from katamgr.pipeline.devices import apply_host
     from katamgr.pipeline.plan import build_plan
     from nodesim.materialise import materialise

@@ -1,7 +1,7 @@
 """Every command line the chart renders is one its program takes: katamgr (the agent, the
 uninstall revert, the webhook), sandbox-device-plugin (the passthrough and the container
 plugin) and sandbox-dra-driver, parsed by the programs' own parsers and the shared options'
-checks (katamgr.node.options). The chart passes the values as values.yaml writes them, so a
+checks (gpunode.services.options). The chart passes the values as values.yaml writes them, so a
 value the options did not take would only show on a node, as a pod in CrashLoopBackOff."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from chartvalues import VALUE_SETS
 from support.chartkit import FULL, merged, pod_containers, render, workloads
 
+from gpunode.services import options
 from katamgr.cli import build_parser as katamgr_parser
-from katamgr.node import options
 from sandbox_plugin.cli import build_parser as plugin_parser
 from sandbox_plugin.dra.cli import build_parser as dra_parser
 

@@ -54,13 +54,14 @@ def test_the_policies_match_the_sandbox_agents_account_only(chart):
     assert nodes["spec"]["matchConstraints"]["resourceRules"] == [{
         "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE", "DELETE"],
         "resources": ["nodes", "nodes/status"]}]
-    # The labels katamgr's CC room sets (katamgr.host.cc), its GPU labels
-    # (katamgr.host.gpulabels, gpuLabels.enabled by default) and the Kata release it found
-    # (katamgr.host.katadetect), and no other.
+    # The labels katamgr's CC room sets (gpunode.host.cc), its GPU labels
+    # (gpunode.policy.gpulabels, gpuLabels.enabled by default) and the Kata release it found
+    # (gpunode.policy.katadetect), and no other.
     import json
 
-    from katamgr.host import cc, gpulabels, katadetect
-    from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES, offer_label
+    from gpunode.host import cc
+    from gpunode.kataclasses import DEFAULT_RUNTIME_CLASSES, offer_label
+    from gpunode.policy import gpulabels, katadetect
 
     assert json.loads(variable(nodes, "owned")) == [cc.MODE_STATE_LABEL, cc.READY_STATE_LABEL,
                                                     *gpulabels.KEYS, katadetect.RELEASE_LABEL,
@@ -70,7 +71,7 @@ def test_the_policies_match_the_sandbox_agents_account_only(chart):
 def test_without_cc_manager_and_gpu_labels_the_agent_owns_only_the_offer_labels(chart):
     import json
 
-    from katamgr.kataclasses import DEFAULT_RUNTIME_CLASSES, offer_label
+    from gpunode.kataclasses import DEFAULT_RUNTIME_CLASSES, offer_label
 
     rendered = render(chart, merged(FULL, {"gpuLabels": {"enabled": False}}))
     nodes = next(o for o in rendered.objects if o["kind"] == "ValidatingAdmissionPolicy"

@@ -24,10 +24,10 @@ WEBHOOK_CALLERS = [REPO / "katamgr" / "cluster" / "handlers.py",
                    *sorted((REPO / "katamgr" / "admission").glob("*.py"))]
 # The code the sandbox agent's pod runs that talks to the Kubernetes API with its token:
 # katamgr's cluster layer (less the webhook's reader) and agent (katamgr run), the Node
-# reader both programs share (katamgr.node.kube), the device plugin's command and the DRA
+# reader both programs share (gpunode.services.kube), the device plugin's command and the DRA
 # driver's API rooms.
 API_CALLERS = [*sorted(set((REPO / "katamgr" / "cluster").glob("*.py")) - set(WEBHOOK_CALLERS)),
-               *sorted((REPO / "katamgr" / "agent").glob("*.py")), REPO / "katamgr" / "node" / "kube.py",
+               *sorted((REPO / "katamgr" / "agent").glob("*.py")), REPO / "gpunode" / "services" / "kube.py",
                REPO / "sandbox_plugin" / "cli.py",
                REPO / "sandbox_plugin" / "dra" / "claims.py", REPO / "sandbox_plugin" / "dra" / "slices.py"]
 # katamgr's RuntimeClass calls, made only by katamgr run by hand: the chart's agent runs
@@ -238,8 +238,8 @@ def test_the_call_scan_finds_the_calls_we_know_of():
                            ("resourceslices", "list"), ("resourceslices", "create"),
                            ("resourceslices", "update"), ("resourceslices", "delete"),
                            ("resourceclaims", "get"), ("pods", "get")}
-    assert any("katamgr/node/kube.py" in w for w in needed[("nodes", "get")])
-    assert any("katamgr/node/kube.py" in w for w in needed[("nodes", "watch")])
+    assert any("gpunode/services/kube.py" in w for w in needed[("nodes", "get")])
+    assert any("gpunode/services/kube.py" in w for w in needed[("nodes", "watch")])
     # Every RuntimeClass call is in the one module the chart's agent skips, but the DRA
     # driver's read of a pod's class (its handler).
     for (resource, verb), where in needed.items():

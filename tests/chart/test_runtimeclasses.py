@@ -81,7 +81,7 @@ def test_helms_runtime_classes_are_the_ones_katamgr_builds(chart, values):
 def test_the_edge_cases_come_out_as_katamgrs_rules_say(chart):
     classes = helm_classes(render(chart, EDGE_SETS["confidential-either-way"]))
     selectors = {name: c["scheduling"]["nodeSelector"] for name, c in classes.items()}
-    # Each class also requires its own offer label (katamgr.kataclasses.offer_label).
+    # Each class also requires its own offer label (gpunode.kataclasses.offer_label).
     offered = "runtimeclass.kata-sandbox-manager.io/"
     assert selectors == {
         "kata-cc": {"nvidia.com/gpu.workload.config": "vm-passthrough", "nvidia.com/cc.ready.state": "true",

@@ -69,7 +69,7 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
         "/host/sys": ("/sys", True),
         "/host/dev/vfio": ("/dev/vfio", True),
         "/host/var/run/cdi": ("/var/run/cdi", True),
-        # The agent's hand-back verdicts (katamgr.host.handback): a GPU that failed stays Unhealthy.
+        # The agent's hand-back verdicts (gpunode.host.handback): a GPU that failed stays Unhealthy.
         "/host/var/lib/kata-sandbox-manager/handback": ("/var/lib/kata-sandbox-manager/handback", True),
         # The node's Kata, read-only: the release that decides is the agent's (--containerd-config).
         "/host/etc/containerd": ("/etc/containerd", True),
@@ -191,8 +191,8 @@ def with_layouts(urls: list[str], dirs: list[str] | None = None, **extra: Any) -
 
 @pytest.mark.integration
 def test_air_gapped_layouts_are_mounted_read_only_where_katamgr_reads_them(chart):
+    from gpunode.host.root import HostRoot
     from katamgr.artifacts.refs import LayoutRef, parse_ref
-    from katamgr.host.root import HostRoot
 
     rendered = render(chart, VALUE_SETS["air-gapped"])
     mounts = layout_mounts(rendered)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from support.paths import HOST_PROFILES, REPO
 
-from katamgr.host.naming import resource_name
-from katamgr.host.pciids import PciIds
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import resource_name
 
 KATAMGR = str(Path(sys.executable).parent / "katamgr")
 H100 = resource_name(PciIds.find(), 0x10DE, 0x2330)
@@ -141,7 +141,7 @@ def test_run_once_on_a_container_node_gives_back_what_apply_bound(tmp_path):
 
 def test_plan_shows_each_gpus_health_as_the_host_kernel_sees_it(tmp_path):
     """AER counts, link and reset methods per GPU, and what would keep one from a VM."""
-    from katamgr.host.root import HostRoot
+    from gpunode.host.root import HostRoot
     from nodesim import pcierrors
 
     root = tmp_path / "node"

@@ -11,7 +11,7 @@ import pytest
 from support.hostkit import snapshot
 from support.paths import REPO
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 
 KATAMGR = str(Path(sys.executable).parent / "katamgr")
 STANDINS = ("--include-device", "1234:11e8=example.com/edu", "--include-device", "1234:1111=example.com/vga",

@@ -20,7 +20,7 @@ from packaging.requirements import Requirement
 from support.paths import REPO
 
 PACKAGE = "kata-sandbox-manager"
-SOURCES = ("pyproject.toml", "README.md", "katamgr", "sandbox_plugin", "grpcwire", "cdi", "kubeletapi", "nodesim")
+SOURCES = ("pyproject.toml", "README.md", "katamgr", "sandbox_plugin", "gpunode", "grpcwire", "cdi", "kubeletapi", "nodesim")
 
 
 def runtime_closure(name: str) -> dict[str, metadata.Distribution]:

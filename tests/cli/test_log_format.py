@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from support.paths import REPO
 
-from katamgr.node.process import LOG_FORMAT, JsonFormatter
+from gpunode.services.process import LOG_FORMAT, JsonFormatter
 
 BIN = Path(sys.executable).parent
 KATAMGR = str(BIN / "katamgr")

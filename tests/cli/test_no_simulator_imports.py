@@ -13,10 +13,10 @@ from importlib.metadata import EntryPoint
 import pytest
 from support.paths import REPO
 
+from gpunode.services import simulator
 from katamgr.cli import main
-from katamgr.node import simulator
 
-PRODUCT = ("katamgr", "sandbox_plugin")
+PRODUCT = ("katamgr", "sandbox_plugin", "gpunode")
 
 
 def _is_nodesim(name: str | None) -> bool:

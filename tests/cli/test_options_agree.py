@@ -1,5 +1,5 @@
 """katamgr, sandbox-device-plugin and sandbox-dra-driver take their shared settings with one
-spelling, one default and one check (katamgr.node.options): an operator who learned one
+spelling, one default and one check (gpunode.services.options): an operator who learned one
 program's flags, or copied them from one container of the chart to another, gets the same
 meaning, the same default and the same refusal from the other two."""
 

@@ -3,7 +3,7 @@ and ``katamgr status`` shows that record, including a run killed part-way.
 
 On simulated nodes with the shipped OCI layout and the demo's containerd config
 (``support.kataconfig``); the kill is a real SIGKILL at a write point
-(``katamgr.host.faults``), as a power cut or an OOM kill would stop apply.
+(``gpunode.host.faults``), as a power cut or an OOM kill would stop apply.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from support.kataconfig import DEMO_CONTAINERD, kata_manager_yaml, prepare_node
 
+from gpunode.host import faults
+from gpunode.kataclasses import GPU
 from katamgr.cli import main
-from katamgr.host import faults
-from katamgr.kataclasses import GPU
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile
 

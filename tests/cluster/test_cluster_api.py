@@ -11,6 +11,8 @@ from kubernetes.client import CoreV1Api, NodeV1Api, V1ObjectMeta, V1RuntimeClass
 from kubernetes.client.exceptions import ApiException
 from support.apiserver import FakeApiServer
 
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.services.apiclient import connect
 from katamgr.cluster import (
     ObjectRef,
     agent_namespace,
@@ -18,8 +20,6 @@ from katamgr.cluster import (
     read_pull_secret,
     record_event,
 )
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.node.apiclient import connect
 
 DOCKER_CONFIG = b'{"auths": {"nvcr.io": {"auth": "JG9hdXRodG9rZW46c2VjcmV0"}}}'
 
@@ -190,7 +190,7 @@ def test_unknown_workload_mode_names_the_value(server, api):
 
 
 def test_missing_node_is_named(api):
-    with pytest.raises(KatamgrError, match="node gpu-9 does not exist"):
+    with pytest.raises(GpuNodeError, match="node gpu-9 does not exist"):
         node_workload_mode(api, "gpu-9")
 
 
@@ -259,8 +259,8 @@ def test_a_call_to_an_api_server_that_never_answers_is_bounded(tmp_path, monkeyp
     import threading
     import time
 
+    from gpunode.services import apiclient
     from katamgr.cluster import EventRecorder
-    from katamgr.node import apiclient
 
     monkeypatch.setattr(apiclient, "REQUEST_TIMEOUT", (1.0, 1.0))
     silent = socket.create_server(("127.0.0.1", 0))
@@ -318,7 +318,7 @@ def test_a_simulated_node_uses_only_a_cluster_it_is_given(tmp_path, caplog):
     with FakeApiServer() as server:
         (tmp_path / ".kube").mkdir()
         server.write_kubeconfig(tmp_path / ".kube" / "config")
-        with caplog.at_level(logging.INFO, logger="katamgr.node.apiclient"):
+        with caplog.at_level(logging.INFO, logger="gpunode.services.apiclient"):
             assert connect(environ={"HOME": str(tmp_path)}, service_account_dir=tmp_path / "none",
                            home_kubeconfig=False) is None
         assert "a simulated node: not using" in caplog.text and "set KUBECONFIG" in caplog.text

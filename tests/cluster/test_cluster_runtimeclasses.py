@@ -8,6 +8,8 @@ import pytest
 from kubernetes.client import ApiClient, Configuration
 from support.apiserver import APPLY, FakeApiServer
 
+from gpunode.errors import GpuNodeError
+from gpunode.kataclasses import offer_label
 from katamgr.cluster import (
     FIELD_MANAGER,
     MANAGED_BY_LABEL,
@@ -22,8 +24,6 @@ from katamgr.config import (
     RuntimeClassOverhead,
     default_config,
 )
-from katamgr.errors import KatamgrError
-from katamgr.kataclasses import offer_label
 
 GPU, SNP = "kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"
 
@@ -253,7 +253,7 @@ def test_unlabeled_class_with_our_name_is_adopted(server, api):
 def test_class_with_another_handler_is_reported_and_the_rest_still_reconciled(server, api):
     server.seed(runtime_class(GPU, handler="kata"))
 
-    with pytest.raises(KatamgrError, match=rf"RuntimeClass {GPU} exists with handler 'kata'.*"
+    with pytest.raises(GpuNodeError, match=rf"RuntimeClass {GPU} exists with handler 'kata'.*"
                                            r"kubectl delete runtimeclass"):
         reconcile_runtime_classes(api, default_config())
 
@@ -278,7 +278,7 @@ def test_new_class_in_the_config_is_created_next_to_existing_ones(server, api):
 def test_refused_credentials_give_an_rbac_hint():
     with FakeApiServer(token="s3cret") as server:
         api = ApiClient(Configuration(host=server.url))  # no token
-        with pytest.raises(KatamgrError, match=r"cannot list RuntimeClasses: HTTP 401.*grant"):
+        with pytest.raises(GpuNodeError, match=r"cannot list RuntimeClasses: HTTP 401.*grant"):
             reconcile_runtime_classes(api, default_config())
 
 
@@ -287,5 +287,5 @@ def test_unreachable_api_server_is_a_clear_error():
         url = server.url
     configuration = Configuration(host=url)
     configuration.retries = 0
-    with pytest.raises(KatamgrError, match="API server unreachable"):
+    with pytest.raises(GpuNodeError, match="API server unreachable"):
         reconcile_runtime_classes(ApiClient(configuration), default_config())

@@ -1,4 +1,4 @@
-"""``katamgr.node.kube``: our Node's labels, read once and followed by a watch.
+"""``gpunode.services.kube``: our Node's labels, read once and followed by a watch.
 
 The watch is the API server's (k8s.io/apiserver ``pkg/endpoints/handlers/watch.go``, the
 watch cache in ``pkg/storage/cacher``), met here by the stand-in's: a list watch with the
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from katamgr.errors import KatamgrError
-from katamgr.node.kube import NodeLabelWatch, read_node_labels
+from gpunode.errors import GpuNodeError
+from gpunode.services.kube import NodeLabelWatch, read_node_labels
 
 NODE = "gpu-1"
 
@@ -36,7 +36,7 @@ def seen(watch: NodeLabelWatch, key: str, value: str, timeout: float = 5.0) -> f
         try:
             if watch.labels().get(key) == value:
                 return time.monotonic() - start
-        except KatamgrError:
+        except GpuNodeError:
             pass
         time.sleep(0.01)
     raise AssertionError(f"{key}={value} not seen in {timeout} s")
@@ -45,7 +45,7 @@ def seen(watch: NodeLabelWatch, key: str, value: str, timeout: float = 5.0) -> f
 def test_a_read_names_a_missing_node_and_a_refusal(server, api):
     seed(server, {"a": "1"})
     assert read_node_labels(api, NODE) == {"a": "1"}
-    with pytest.raises(KatamgrError, match="node gpu-9 does not exist in the cluster; set NODE_NAME"):
+    with pytest.raises(GpuNodeError, match="node gpu-9 does not exist in the cluster; set NODE_NAME"):
         read_node_labels(api, "gpu-9")
 
 
@@ -74,7 +74,7 @@ def test_a_relabel_reaches_the_watch_at_once_and_only_this_node_is_watched(serve
 
 
 def test_the_watch_resumes_after_the_server_ends_it_and_rereads_after_410(server, api, caplog):
-    caplog.set_level(logging.INFO, logger="katamgr.node.kube")
+    caplog.set_level(logging.INFO, logger="gpunode.services.kube")
     seed(server, {"a": "1"})
     watch = NodeLabelWatch(api, NODE, poll_interval=30, watch_timeout=1, min_watch_interval=0.2).start()
     try:
@@ -136,7 +136,7 @@ def test_a_deleted_node_or_a_gone_server_is_an_error_not_stale_labels(server, ap
         while time.monotonic() < deadline:
             try:
                 watch.labels()
-            except KatamgrError as exc:
+            except GpuNodeError as exc:
                 assert "gpu-1" in str(exc)
                 break
             time.sleep(0.02)

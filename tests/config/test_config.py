@@ -9,6 +9,7 @@ import yaml
 from configkit import BAD_CASES
 from support.paths import EXAMPLES
 
+from gpunode.errors import ConfigError
 from katamgr.artifacts.refs import LayoutRef, RegistryRef
 from katamgr.config import (
     DEFAULT_ARTIFACTS_DIR,
@@ -20,7 +21,6 @@ from katamgr.config import (
     load_config,
     parse_config,
 )
-from katamgr.errors import ConfigError
 
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 
@@ -181,7 +181,7 @@ def test_example_config_is_what_the_helm_values_would_render():
 
 
 def test_devices_default_is_the_default_selection():
-    from katamgr.host.selection import DEFAULT_SELECTION
+    from gpunode.policy.selection import DEFAULT_SELECTION
 
     assert default_config().devices.selection == DEFAULT_SELECTION
     assert config_from_dict({"devices": None}).devices.selection == DEFAULT_SELECTION

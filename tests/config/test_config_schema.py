@@ -15,7 +15,7 @@ from configkit import BAD_CASES
 from support.chartkit import CHART, FULL, NAMESPACE, RELEASE, load_helm, merged
 from support.paths import EXAMPLES, REPO
 
-from katamgr import k8snames
+from gpunode import k8snames
 from katamgr.config import InvalidConfig, config_from_dict, default_config
 from katamgr.config_schema import (
     CHART_OVERLAY,

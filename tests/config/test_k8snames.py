@@ -1,4 +1,4 @@
-"""Kubernetes name rules (katamgr.k8snames): the functions, and the patterns the chart's
+"""Kubernetes name rules (gpunode.k8snames): the functions, and the patterns the chart's
 schema gets, say the same."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from katamgr import k8snames
+from gpunode import k8snames
 from sandbox_plugin.resources import validate_resource_name
 
 NAMEISH = st.text(alphabet="aZ09-_./", max_size=70)

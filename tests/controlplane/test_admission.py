@@ -30,7 +30,7 @@ from support.kubecluster import wait_for
 from support.registry_server import free_port
 from support.tlskit import make_ca, write_server_pair
 
-from katamgr.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
+from gpunode.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ from support.kubecluster import wait_for
 from support.paths import REPO
 from support.registry_server import free_port
 
-from katamgr.kataclasses import offer_label
+from gpunode.kataclasses import offer_label
 
 pytestmark = pytest.mark.integration
 
@@ -265,7 +265,7 @@ def test_a_watch_from_a_version_the_api_server_no_longer_has_is_410_gone(kube, r
     longer serves (its watch cache starts afresh on a restart, etcd is compacted every
     5 min): the real server answers 410 Gone, which the watch must take as "read the
     Node again", never as a failure or a stale answer."""
-    from katamgr.node.kube import NodeLabelWatch, _Gone, read_node
+    from gpunode.services.kube import NodeLabelWatch, _Gone, read_node
 
     kubeconfig = kube.service_account_kubeconfig(RELEASE, agent_account(release), tmp_path / "kc")
     api = kube.client(kubeconfig)

@@ -27,8 +27,8 @@ from support.chartkit import render_release
 from support.kubecluster import wait_for
 from support.paths import EXAMPLES, REPO
 
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim import kata_shim
 from nodesim.drakubelet import DraKubelet

@@ -19,8 +19,8 @@ import pytest
 from support.chartkit import render_release
 from support.paths import REPO
 
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from nodesim.kubelet import KubeletSimulator

@@ -32,7 +32,7 @@ import yaml
 from support.chartkit import FULL, merged, render_release
 from support.kubecluster import wait_for
 
-from katamgr.host import cc
+from gpunode.host import cc
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from katamgr.node import fabricmanager as fmc
-from katamgr.node.fabricmanager import FabricManager, FabricManagerError
+from gpunode.services import fabricmanager as fmc
+from gpunode.services.fabricmanager import FabricManager, FabricManagerError
 
 
 def connect(node, **kw) -> FabricManager:

@@ -18,7 +18,7 @@ from support.waiting import wait_for
 # What a pod's process runs: FM's partitions through the library, activating one if asked.
 CLIENT = """
 import sys
-from katamgr.node.fabricmanager import FabricManager, FabricManagerError
+from gpunode.services.fabricmanager import FabricManager, FabricManagerError
 sock, lib, activate = sys.argv[1:4]
 try:
     with FabricManager.connect(sock, library=lib) as fm:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from katamgr.node import nvlinkfabric as nf
-from katamgr.node.fabricmanager import FabricManager
+from gpunode.services import nvlinkfabric as nf
+from gpunode.services.fabricmanager import FabricManager
 
 from .conftest import H100_GPUS, H100_MODULES
 

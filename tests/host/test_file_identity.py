@@ -17,10 +17,10 @@ from support.hostkit import GPU_A10, dev, make_host
 from support.kataconfig import kata_manager_yaml
 from support.paths import REPO
 
+from gpunode.host.files import write_atomic
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.config import parse_config
-from katamgr.host.files import write_atomic
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, reconcile, revert_all
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 from support.paths import REPO
 
-from katamgr.host.cc import architecture, cc_capable, ppcie_capable_gpu
-from katamgr.host.naming import resource_name
-from katamgr.host.pci import Device
-from katamgr.host.pciids import PciIds
-from katamgr.kataclasses import not_cc_capable_model
+from gpunode.host.cc import architecture, cc_capable, ppcie_capable_gpu
+from gpunode.host.pci import Device
+from gpunode.host.pciids import PciIds
+from gpunode.kataclasses import not_cc_capable_model
+from gpunode.policy.naming import resource_name
 
 PCI_IDS = PciIds.find(REPO / "tests" / "data" / "pciids" / "pci.ids")
 

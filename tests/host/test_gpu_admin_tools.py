@@ -6,7 +6,7 @@ The tool finds GPUs by scanning ``/sys/bus/pci/devices``, reads each one's ``con
 those files (``nodesim.pcifiles``, ``gpuregs``), so here the tool's own command
 runs unchanged with the simulated node's ``sys`` bind-mounted over ``/sys`` in a private mount
 namespace (``unshare -m``, as root), and katamgr's in-process calls of the tool
-(``katamgr.host.gpuadmin``) read the same files below the host root. Staging a mode goes
+(``gpunode.host.gpuadmin``) read the same files below the host root. Staging a mode goes
 through the GPU's FSP mailbox, which no file can answer: that half is the simulator's
 (``nodesim.gpu``) and is checked on a real GPU only (docs/testing.md).
 """
@@ -22,8 +22,8 @@ import sys
 import pytest
 from support.paths import REPO, REQUIRE_INTEGRATION
 
-from katamgr.host.cc import CcMode, Reading
-from katamgr.host.gpuadmin import NVIDIA_GPU_TOOLS
+from gpunode.host.cc import CcMode, Reading
+from gpunode.host.gpuadmin import NVIDIA_GPU_TOOLS
 from nodesim.gpu import EMULATED_GPU_ADMIN
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile
@@ -82,7 +82,7 @@ def test_the_tools_own_query_reads_a_simulated_gh100_at_sys(tmp_path):
 
 
 def test_the_tool_cannot_open_a_device_that_is_not_there(tmp_path):
-    from katamgr.host.errors import HostError
+    from gpunode.host.errors import HostError
 
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     with pytest.raises(HostError, match="0000:77:00.0"):

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from katamgr.config import default_config
-from katamgr.host import cc
-from katamgr.host.gpulabels import (
+from gpunode.host import cc
+from gpunode.host.pci import scan
+from gpunode.host.pciids import PciIds
+from gpunode.k8snames import label_value_problem
+from gpunode.policy.gpulabels import (
     CC_CAPABLE,
     COUNT,
     FAMILY,
@@ -27,10 +29,8 @@ from katamgr.host.gpulabels import (
     node_gpu_labels,
     sanitise,
 )
-from katamgr.host.inventory import discover
-from katamgr.host.pci import scan
-from katamgr.host.pciids import PciIds
-from katamgr.k8snames import label_value_problem
+from gpunode.policy.inventory import discover
+from katamgr.config import default_config
 from nodesim.materialise import materialise
 from nodesim.profile import parse_profile
 from nodesim.profiles import find_profile, shipped_names
@@ -39,7 +39,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 PCI_IDS = PciIds.find(DATA / "pciids" / "pci.ids")
 
 # What each shipped profile is labelled, by GFD's names (the nvidia-smi names and memory as the
-# table in katamgr.host.gpulabels cites them).
+# table in gpunode.policy.gpulabels cites them).
 EXPECTED = {
     "dgx-h100": {PRODUCT: "NVIDIA-H100-80GB-HBM3", FAMILY: "hopper", COUNT: "8", MEMORY: "81559",
                  CC_CAPABLE: "true"},

@@ -9,11 +9,11 @@ import pytest
 from support.hostkit import AUDIO_A6000, GPU_A10, GPU_A6000, NIC_I210, ROOT_PORT, dev, make_host
 from support.paths import HOST_PROFILES
 
-from katamgr.host import iommu, pci
-from katamgr.host.inventory import Kind, discover
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection
+from gpunode.host import iommu, pci
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import Kind, discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.selection import Selection
 from katamgr.pipeline.plan import build_plan
 from katamgr.render import plan_text
 from nodesim.materialise import materialise
@@ -202,7 +202,7 @@ def test_malformed_sysfs_attributes_become_notes_not_crashes(tmp_path):
 
 
 def test_iommufd_host_exposes_cdev_after_binding(tmp_path):
-    from katamgr.host.passthrough import passthrough_devices
+    from gpunode.policy.passthrough import passthrough_devices
     from katamgr.pipeline.devices import apply_host
 
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)], iommufd=True)

@@ -1,4 +1,4 @@
-"""Kata found on the node (``katamgr.host.katadetect``): the runtimes containerd registers, their
+"""Kata found on the node (``gpunode.policy.katadetect``): the runtimes containerd registers, their
 release and who installed them, on nodes laid out as kata-deploy does (``nodesim.katadeploy``),
 and what the release found decides (NVSwitches, ``devices.kataVersion`` as the override)."""
 
@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gpunode.host.pciids import PciIds
+from gpunode.host.root import HostRoot
+from gpunode.policy import katadetect
+from gpunode.policy.katarelease import KataRelease, parse_release
+from gpunode.policy.naming import Naming
+from gpunode.policy.selection import Selection
 from katamgr.agent.events import NodeEvents
-from katamgr.host import katadetect
-from katamgr.host.katarelease import KataRelease, parse_release
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.root import HostRoot
-from katamgr.host.selection import Selection
 from katamgr.pipeline.plan import build_plan
 from nodesim.katadeploy import (
     DROP_IN,

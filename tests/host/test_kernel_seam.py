@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from support.hostkit import GPU_A10, dev, make_host
 
-from katamgr.host import vfiogroups
-from katamgr.host.errors import HostError
-from katamgr.host.kernel import LINUX
-from katamgr.host.root import HostRoot
+from gpunode.host import vfiogroups
+from gpunode.host.errors import HostError
+from gpunode.host.kernel import LINUX
+from gpunode.host.root import HostRoot
 from nodesim.kernel import EMULATED
 from nodesim.marker import MARKER
 from nodesim.node import open_node, open_root

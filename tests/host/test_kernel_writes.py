@@ -17,10 +17,10 @@ import time
 
 import pytest
 
-from katamgr.host import kernel
-from katamgr.host.errors import HostError
-from katamgr.host.kernel import BlockedWrite, LinuxKernel
-from katamgr.host.root import HostRoot
+from gpunode.host import kernel
+from gpunode.host.errors import HostError
+from gpunode.host.kernel import BlockedWrite, LinuxKernel
+from gpunode.host.root import HostRoot
 
 
 def _root(tmp_path, kern: LinuxKernel) -> HostRoot:
@@ -95,9 +95,9 @@ def test_a_bind_the_kernel_holds_keeps_the_device_recorded_for_revert(tmp_path):
     record of the original driver must stay for katamgr revert."""
     from support.hostkit import GPU_A10, dev, make_host
 
-    from katamgr.host import vfio
-    from katamgr.host.naming import Naming
-    from katamgr.host.pciids import PciIds
+    from gpunode.host import vfio
+    from gpunode.host.pciids import PciIds
+    from gpunode.policy.naming import Naming
     from katamgr.pipeline.devices import apply_host
     from katamgr.pipeline.plan import build_plan
 

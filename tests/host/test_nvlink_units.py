@@ -1,4 +1,4 @@
-"""The full passthrough units (Fabric Manager User Guide §6.1, ``katamgr.host.nvlinkunits``): a
+"""The full passthrough units (Fabric Manager User Guide §6.1, ``gpunode.policy.nvlinkunits``): a
 board becomes one unit of all its GPUs and NVSwitches only where the node's Kata cold-plugs
 NVSwitches and the board is one §6.1 describes, whole; otherwise the NVSwitches stay units of
 their own, as before."""
@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from katamgr.host.inventory import discover
-from katamgr.host.kata import parse_release
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import resource_units
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection, parse_exclude
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.kata import parse_release
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import resource_units
+from gpunode.policy.selection import Selection, parse_exclude
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from nodesim.materialise import materialise

@@ -1,4 +1,4 @@
-"""The host's health facts of a passthrough device (katamgr.host.pcihealth) read from sysfs
+"""The host's health facts of a passthrough device (gpunode.host.pcihealth) read from sysfs
 as Linux writes it: the simulated node's files follow the kernel's (tests/data/kernel/aer:
 the files Debian's 6.1 wrote in the real-kernel suite's guest)."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from katamgr.host import pcihealth
-from katamgr.host.pcihealth import AerCounts
+from gpunode.host import pcihealth
+from gpunode.host.pcihealth import AerCounts
 from nodesim import pcierrors
 from nodesim.materialise import materialise
 from nodesim.node import open_node

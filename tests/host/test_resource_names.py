@@ -6,7 +6,7 @@ applies it (Go, on the trimmed pci.ids device name): ``strings.ToUpper``;
 ``strings.Replace`` of ``/`` and of ``.`` by ``_``; ``regexp \\s+`` -> ``_`` (RE2's
 ``\\s`` is ASCII whitespace); ``regexp [^a-zA-Z0-9_-]`` -> ``""``; with no pci.ids
 entry, the device id as ``%04x``. ``nvidia_rule`` below transcribes those steps
-one by one, independently of ``katamgr.host.naming``.
+one by one, independently of ``gpunode.policy.naming``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import cdi
-from katamgr.host.naming import (
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import (
     ResourceNaming,
     compact_suffix,
     derive_resource_name,
@@ -26,7 +27,6 @@ from katamgr.host.naming import (
     resource_name,
     validate_alias,
 )
-from katamgr.host.pciids import PciIds
 
 # A Kubernetes extended resource name's part after the slash.
 EXTENDED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")

@@ -1,4 +1,4 @@
-"""Device selection: which PCI devices are passthrough devices, and why (katamgr.host.selection),
+"""Device selection: which PCI devices are passthrough devices, and why (gpunode.policy.selection),
 and how the inventory, naming and the passthrough list follow it."""
 
 from __future__ import annotations
@@ -9,21 +9,22 @@ import dataclasses
 import pytest
 from support.hostkit import AUDIO_A6000, GPU_A6000, NIC_I210, ROOT_PORT, dev, make_host
 
-from katamgr.host import vfio, vfiodecide, vfiogroups
-from katamgr.host.inventory import Kind, discover
-from katamgr.host.katarelease import parse_release
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import passthrough_devices, resource_units
-from katamgr.host.pci import Device
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import (
+from gpunode.host import vfio, vfiogroups
+from gpunode.host.pci import Device
+from gpunode.host.pciids import PciIds
+from gpunode.policy import vfiodecide
+from gpunode.policy.inventory import Kind, discover
+from gpunode.policy.katarelease import parse_release
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import passthrough_devices, resource_units
+from gpunode.policy.selection import (
     DEFAULT_SELECTION,
     Selection,
     parse_exclude,
     parse_include,
     select,
 )
-from katamgr.node.options import selection_from
+from gpunode.services.options import selection_from
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile
 

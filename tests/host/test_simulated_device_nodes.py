@@ -20,11 +20,11 @@ import threading
 import pytest
 from support.hostkit import GPU_A10, dev, make_host
 
-from katamgr.errors import ConfigError
-from katamgr.host import vfio
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
+from gpunode.errors import ConfigError
+from gpunode.host import vfio
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
 from katamgr.pipeline.cdi_specs import write_specs
 from katamgr.pipeline.plan import build_plan
 from nodesim import udev

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from katamgr.host.root import HostRoot
-from katamgr.host.uevents import open_kernel_events
+from gpunode.host.root import HostRoot
+from gpunode.host.uevents import open_kernel_events
 from sandbox_plugin.watch import DeviceWatcher
 
 NULL_UEVENT = "/sys/devices/virtual/mem/null/uevent"

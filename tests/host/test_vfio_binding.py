@@ -17,8 +17,8 @@ from support.hostkit import (
 )
 from support.paths import HOST_PROFILES
 
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import build_plan
 from nodesim.materialise import materialise
@@ -236,7 +236,7 @@ def test_revert_checks_the_group_right_before_unbinding(tmp_path):
 
 
 def report_held(host):
-    from katamgr.host import vfio
+    from gpunode.host import vfio
 
     return vfio.unbind_all(host).held["0000:01:00.0"]
 

@@ -7,7 +7,7 @@ import time
 
 from inotify_simple import flags
 
-from katamgr.node.watching import Watcher
+from gpunode.services.watching import Watcher
 
 
 def test_events_wake_up_and_timeout(tmp_path):

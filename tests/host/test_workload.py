@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from support.apiserver import FakeApiServer
 
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.host.root import HostRoot
+from gpunode.policy.workload import WORKLOAD_LABEL, NoCluster, Workload, resolve_workload
 from katamgr.cli import build_parser
 from katamgr.commands.setup import steps_and_context
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host.root import HostRoot
-from katamgr.host.workload import WORKLOAD_LABEL, NoCluster, Workload, resolve_workload
 
 
 def fallback():
@@ -49,14 +49,14 @@ def test_a_bad_label_or_a_failed_read_is_an_error_not_a_guess():
     def forbidden(node):
         raise PermissionError("HTTP 403")
 
-    with pytest.raises(KatamgrError, match="could not read node n1's label .*HTTP 403") as failed:
+    with pytest.raises(GpuNodeError, match="could not read node n1's label .*HTTP 403") as failed:
         resolve_workload("n1", forbidden, default="container", fallback=fallback)
     assert failed.value.exit_code == 1
 
     def gone(node):
-        raise KatamgrError("node n1 does not exist in the cluster")
+        raise GpuNodeError("node n1 does not exist in the cluster")
 
-    with pytest.raises(KatamgrError, match="^node n1 does not exist"):  # its own sentence, unchanged
+    with pytest.raises(GpuNodeError, match="^node n1 does not exist"):  # its own sentence, unchanged
         resolve_workload("n1", gone, default="container", fallback=fallback)
 
 
@@ -78,7 +78,7 @@ def test_katamgr_reads_the_label_through_the_api(tmp_path, monkeypatch):
         assert workload("--node-name", "vgpu", "--workload", "container") is Workload.CONTAINER
         with pytest.raises(ConfigError, match="'vm-passthru'"):
             workload("--node-name", "typo")
-        with pytest.raises(KatamgrError, match="node gone does not exist"):
+        with pytest.raises(GpuNodeError, match="node gone does not exist"):
             workload("--node-name", "gone")
     monkeypatch.delenv("NODE_NAME", raising=False)
     # Run by hand with no node name: katamgr is there to set the node up for passthrough.
@@ -92,7 +92,7 @@ def test_opt_outs_are_the_gpu_operators_deploy_labels_set_to_false():
     sandbox mode swaps in kata-sandbox-device-plugin, getEffectiveStateLabels), each
     operand's DaemonSet selects <label>: "true", addGPUStateLabels keeps a value someone
     set, and hasOperandsDisabled turns every operand off for operands=false."""
-    from katamgr.host.workload import OPERANDS_LABEL, Operand, opted_out
+    from gpunode.policy.workload import OPERANDS_LABEL, Operand, opted_out
 
     assert opted_out({}) == frozenset()
     assert opted_out({"nvidia.com/gpu.deploy.vfio-manager": "false",
@@ -109,8 +109,8 @@ def test_opt_outs_are_the_gpu_operators_deploy_labels_set_to_false():
 
 
 def test_katamgr_plan_and_apply_leave_out_what_the_node_opts_out_of(tmp_path, monkeypatch):
+    from gpunode.policy.workload import Operand
     from katamgr.commands.setup import node_setup
-    from katamgr.host.workload import Operand
 
     host = HostRoot.at(tmp_path / "node")
     host.root.mkdir()

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import pytest
 from support import kataoracle
 
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import resource_units
-from katamgr.host.pciids import PciIds
-from katamgr.host.root import HostRoot
+from gpunode.host.pciids import PciIds
+from gpunode.host.root import HostRoot
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import resource_units
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim.kubelet import KubeletSimulator
 from nodesim.materialise import materialise

@@ -4,7 +4,7 @@ Each test sets a simulated node up as an operator would (katamgr binds the group
 the CDI specs, the device plugin advertises the units, the kubelet simulator admits the pod),
 then asks Kata's runtime code, through the oracle hack/kata/build builds, what it does when it
 creates the pod's sandbox. What Kata does is the fact; katamgr's own account of it
-(``katamgr.host.kata``: ``ResourceUnit.plugged``, the plan) must match it.
+(``gpunode.policy.kata``: ``ResourceUnit.plugged``, the plan) must match it.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from support import kataoracle
 from support.hostkit import AUDIO_A6000, GPU_A10, GPU_A6000, ROOT_PORT, dev
 from support.paths import HOST_PROFILES
 
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import resource_units
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection, parse_exclude, parse_include
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import resource_units
+from gpunode.policy.selection import Selection, parse_exclude, parse_include
 from katamgr.pipeline.plan import build_plan
 from nodesim import udev
 from nodesim.materialise import materialise

@@ -2,7 +2,7 @@
 
 Each node here has Kata laid out as kata-deploy does (``nodesim.katadeploy``) at one of the
 releases the oracle is built for (3.25.0, 3.29.0); nothing types the release by hand. katamgr
-learns it from the shim (``katamgr.host.katadetect``), decides what to pass through, and the
+learns it from the shim (``gpunode.policy.katadetect``), decides what to pass through, and the
 oracle at that same release says what it does with the pods. Kata 4.1 has no oracle build
 (``hack/kata/versions`` pins 3.25.0 and 3.29.0), so its decision (NVSwitches passed through) is
 checked against the release facts in ``tests/host/test_kata_found.py`` only.
@@ -15,11 +15,11 @@ import dataclasses
 import pytest
 from support import kataoracle
 
-from katamgr.host import katadetect
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.root import HostRoot
-from katamgr.host.selection import Selection
+from gpunode.host.pciids import PciIds
+from gpunode.host.root import HostRoot
+from gpunode.policy import katadetect
+from gpunode.policy.naming import Naming
+from gpunode.policy.selection import Selection
 from katamgr.pipeline.plan import build_plan
 from nodesim.katadeploy import KataInstall
 from nodesim.materialise import materialise

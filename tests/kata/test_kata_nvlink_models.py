@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 from support import kataoracle
 
-from katamgr.host.inventory import discover
-from katamgr.host.kata import parse_release
-from katamgr.host.naming import Naming
-from katamgr.host.passthrough import resource_units
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection
-from katamgr.node import nvlinkfabric as nf
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.kata import parse_release
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import resource_units
+from gpunode.policy.selection import Selection
+from gpunode.services import nvlinkfabric as nf
 from nodesim import fabricmanager as fmsim
 from nodesim.node import open_node
 from sandbox_plugin import fullpassthrough

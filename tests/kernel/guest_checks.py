@@ -123,7 +123,7 @@ def import_kubelet_simulator():
 
 def step_plugin(plugin: Plugin | None) -> None:
     """The device plugin on the real kernel, with the kubelet simulator in this process."""
-    from katamgr.host.root import HostRoot
+    from gpunode.host.root import HostRoot
 
     data: dict = {}
     if plugin is None:
@@ -145,7 +145,7 @@ def step_kata(kubelet) -> None:
     """Kata's own cold-plug on the real kernel: a pod given an edu and a VGA by the kubelet
     simulator (from the plugin's units), asked of each Kata release's code (the oracle, on
     the real /sys and /dev/vfio, with katamgr's CDI specs) and of the stand-in."""
-    from katamgr.host.root import HostRoot
+    from gpunode.host.root import HostRoot
     from nodesim import kata_shim
 
     data: dict = {"iommufd": os.path.exists("/dev/iommu"), "config_size": {}, "kata": {}, "stand_in": {}}

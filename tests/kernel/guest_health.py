@@ -101,8 +101,8 @@ def aer_files(bdf: str) -> dict[str, str | None]:
 
 def facts(bdf: str) -> dict:
     """Our host facts module's reading, and the rule's verdict, on the real sysfs."""
-    from katamgr.host import pcihealth
-    from katamgr.host.root import HostRoot
+    from gpunode.host import pcihealth
+    from gpunode.host.root import HostRoot
 
     found = pcihealth.read_health(HostRoot.at("/"), bdf)
     return {"summary": found.summary(), "resettable": found.resettable, "reset_methods": found.reset_methods,
@@ -166,8 +166,8 @@ def inject(out: Path, kubelet, bdf: str, kind: str, hmp: str) -> dict:
 def hand_back(bdf: str) -> dict:
     """katamgr's hand-back check on the real kernel (what the agent runs), its verdict written
     where the plugin reads it."""
-    from katamgr.host import handback
-    from katamgr.host.root import HostRoot
+    from gpunode.host import handback
+    from gpunode.host.root import HostRoot
 
     host = HostRoot.at("/")
     verdict = handback.check(host, bdf, None)
@@ -188,7 +188,7 @@ def _reason(out: Path, bdf: str) -> str | None:
 
 
 def step_health(out: Path, record, katamgr, plugin_bin: str, stand_ins: dict) -> None:
-    from katamgr.host.root import HostRoot
+    from gpunode.host.root import HostRoot
     from nodesim.kubelet import KubeletSimulator
 
     data: dict = {}

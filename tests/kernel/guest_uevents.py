@@ -53,7 +53,7 @@ def _collect(sources: list, want, timeout: float) -> tuple[list[list[dict]], flo
 
 class _AllEvents:
     """Every kernel uevent, whatever its subsystem (pyudev's netlink monitor, as
-    katamgr.host.uevents opens it, without the subsystem filter): what the kernel sent
+    gpunode.host.uevents opens it, without the subsystem filter): what the kernel sent
     besides what the watcher keeps."""
 
     def __init__(self) -> None:
@@ -81,14 +81,14 @@ def _is(event: dict, action: str, subsystem: str, devpath_end: str) -> bool:
 
 def step_uevents() -> None:
     """What the kernel announces on its uevent socket when a device binds to vfio-pci
-    and unbinds, heard through katamgr.host.uevents (the device plugin's first source).
+    and unbinds, heard through gpunode.host.uevents (the device plugin's first source).
 
     The shared group's edu, free at this point, is bound and unbound with the writes
     katamgr makes (driver_override, drivers_probe, vfio-pci/unbind, driver_override
     cleared) and left as it was: no driver, no override, as step_not_viable expects.
     A DeviceWatcher on the real root is started too, to record whether it listens."""
-    from katamgr.host.root import HostRoot
-    from katamgr.host.uevents import open_kernel_events
+    from gpunode.host.root import HostRoot
+    from gpunode.host.uevents import open_kernel_events
     from sandbox_plugin.watch import DeviceWatcher
 
     bdf = STAND_INS["shared_edu"]

@@ -13,7 +13,7 @@ completes only when the last registration reference goes, i.e. when the user clo
 the device. The wait is interruptible until the writer gets its first signal (then it
 logs "Device is currently in use, task ... blocked until device is released" and waits
 uninterruptibly): a writer nobody signals logs nothing but the requests. katamgr's
-contract (katamgr/host/kernel.py): writes to ``*/unbind``, ``*/bind`` and
+contract (gpunode/host/kernel.py): writes to ``*/unbind``, ``*/bind`` and
 ``drivers_probe`` go through a ``dd`` child, bounded by ``LinuxKernel.write_timeout``
 (10 s); past it a ``BlockedWrite`` names the pending write and its process, and the
 write completes in the kernel by itself once the device is released.
@@ -49,7 +49,7 @@ from __future__ import annotations
 import pytest
 from kernelkit import show
 
-from katamgr.host.kernel import LinuxKernel
+from gpunode.host.kernel import LinuxKernel
 
 pytestmark = pytest.mark.integration
 

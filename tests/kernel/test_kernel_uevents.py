@@ -1,5 +1,5 @@
 """Kernel uevents on a real kernel: what the kernel announces when a device binds to
-vfio-pci and unbinds, heard through ``katamgr.host.uevents.open_kernel_events()``
+vfio-pci and unbinds, heard through ``gpunode.host.uevents.open_kernel_events()``
 (pyudev's netlink monitor, source "kernel"; no udev runs in the guest), which the
 device plugin's watcher uses first (sandbox_plugin/watch.py ``DeviceWatcher``).
 
@@ -43,7 +43,7 @@ from __future__ import annotations
 import pytest
 from kernelkit import show
 
-from katamgr.host.uevents import DEVICE_SUBSYSTEMS
+from gpunode.host.uevents import DEVICE_SUBSYSTEMS
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ from support.kubecluster import wait_for
 from support.nodekit import AGENT, GPU_RESOURCE, IMAGE, KATA_CLASS, NODE, is_ready
 from support.paths import EXAMPLES, REPO
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from nodesim import kata_shim
 
 DRIVER = "passthrough.kata-sandbox-manager.io"

@@ -27,7 +27,7 @@ from support import kataoracle
 from support.kubecluster import wait_for
 from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NVSWITCH_RESOURCE, ask_kata, metric
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from nodesim import kata_shim
 
 NAMESPACE = "node-tests"

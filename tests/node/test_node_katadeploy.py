@@ -29,7 +29,7 @@ from support.katadeploynode import KataDeployed, shim_binary
 from support.kubecluster import wait_for
 from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NAMESPACE, vm_devices
 
-from katamgr.host.katadetect import RELEASE_LABEL
+from gpunode.policy.katadetect import RELEASE_LABEL
 from nodesim.katadeploy import KataInstall
 
 PODS = "node-katadeploy"

@@ -47,7 +47,7 @@ from support.nodekit import (
 )
 from support.paths import REPO
 
-from katamgr.node.fabricmanager import FabricManager
+from gpunode.services.fabricmanager import FabricManager
 from nodesim import fabricmanager as fmsim
 from nodesim.node import open_node
 
@@ -56,7 +56,7 @@ NODE_VALUES = REPO / "examples" / "values" / "local-node.yaml"
 ENV_GPUS = "PCI_RESOURCE_NVIDIA_COM_GH100H100_SXM5_80GB"
 AGENT_PORT, PLUGIN_PORT = 9410, 9411  # katamgr's and the sandbox device plugin's /metrics in the agent's pod
 # What the pod's "VM" finds at its start: FM's active partitions, through FM's socket.
-FM_PROBE = ("from katamgr.node.fabricmanager import FabricManager as F\n"
+FM_PROBE = ("from gpunode.services.fabricmanager import FabricManager as F\n"
             f"with F.connect('{fmsim.SOCKET}', library='{fmsim.LIBRARY}') as fm:\n"
             "    print('FM_ACTIVE=' + ','.join(str(p.partition_id) for p in fm.partitions() if p.active))\n")
 

@@ -51,7 +51,7 @@ from support.nodekit import (
 from support.nodekit import NAMESPACE as RELEASE_NAMESPACE
 from support.paths import REPO
 
-from katamgr.kataclasses import GPU_SNP, offer_label
+from gpunode.kataclasses import GPU_SNP, offer_label
 
 NAMESPACE = "node-partial-tests"
 NODE_VALUES = REPO / "examples" / "values" / "local-node.yaml"

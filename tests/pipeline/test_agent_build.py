@@ -11,13 +11,13 @@ import pytest
 from support.apiserver import FakeApiServer
 from support.paths import REPO
 
+from gpunode.errors import ConfigError
+from gpunode.host.cc import CcMode
+from gpunode.host.pciids import PciIds
+from gpunode.policy.gpulabels import KEYS, PRODUCT
+from gpunode.policy.naming import Naming
 from katamgr.agent.build import build
 from katamgr.agent.settings import AgentSettings
-from katamgr.errors import ConfigError
-from katamgr.host.cc import CcMode
-from katamgr.host.gpulabels import KEYS, PRODUCT
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
 from katamgr.pipeline.reconcile import Steps
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile

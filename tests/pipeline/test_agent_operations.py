@@ -18,11 +18,11 @@ from support.kataconfig import kata_manager_yaml, prepare_node
 from support.paths import REPO
 from support.waiting import wait_for
 
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.agent.events import NodeEvents
 from katamgr.cluster import EventRecorder
 from katamgr.config import parse_config
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps
 
@@ -165,8 +165,8 @@ def test_the_node_is_told_what_becomes_of_its_nvswitches(tmp_path):
     """Kata before 4.1 fails every sandbox given an NVSwitch: with the defaults they stay on the
     host (a Normal Event says so); passed through at the operator's word to such a Kata, a
     Warning Event says the pods will not start."""
-    from katamgr.host.katarelease import parse_release
-    from katamgr.host.selection import Selection
+    from gpunode.policy.katarelease import parse_release
+    from gpunode.policy.selection import Selection
     from nodesim.materialise import materialise
     from nodesim.profiles import find_profile
 
@@ -252,9 +252,9 @@ def test_the_node_is_told_when_neither_nvlink_model_holds(tmp_path):
     """An NVSwitch board whose Fabric Manager does not answer and whose Kata cannot take
     NVSwitches cannot start CUDA in a Kata pod: a Warning Event and the model metric say so;
     with FM answering (dgx-h100's, Shared NVSwitch) neither complains."""
-    from katamgr.host.katarelease import parse_release
-    from katamgr.host.selection import Selection
-    from katamgr.node.nvlinkfabric import SHARED, FabricSettings
+    from gpunode.policy.katarelease import parse_release
+    from gpunode.policy.selection import Selection
+    from gpunode.services.nvlinkfabric import SHARED, FabricSettings
     from nodesim.materialise import materialise
     from nodesim.node import open_node
     from nodesim.profiles import find_profile

@@ -15,17 +15,17 @@ import time
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 
+from gpunode.host.cc import MODE_LABEL, MODE_STATE_LABEL, READY_STATE_LABEL, CcMode
+from gpunode.host.pci import scan
+from gpunode.host.pciids import PciIds
+from gpunode.kataclasses import OFFER_LABEL_PREFIX
+from gpunode.policy.naming import Naming
+from gpunode.policy.selection import Selection
+from gpunode.policy.workload import WORKLOAD_LABEL, Workload
 from katamgr.agent.following import node_follower
 from katamgr.cluster import EventRecorder, set_node_labels
 from katamgr.cluster.runtimeclasses import desired_runtime_classes
 from katamgr.config import default_config
-from katamgr.host.cc import MODE_LABEL, MODE_STATE_LABEL, READY_STATE_LABEL, CcMode
-from katamgr.host.naming import Naming
-from katamgr.host.pci import scan
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection
-from katamgr.host.workload import WORKLOAD_LABEL, Workload
-from katamgr.kataclasses import OFFER_LABEL_PREFIX
 from katamgr.pipeline import ccmode
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim.marker import MARKER
@@ -293,7 +293,7 @@ def test_cc_ready_waits_for_the_kubelets_own_view_when_the_node_status_is_behind
     import tempfile
     from pathlib import Path
 
-    from katamgr.node.podresources import POD_RESOURCES_SOCKET
+    from gpunode.services.podresources import POD_RESOURCES_SOCKET
     from nodesim.podresources import ListedDevice, PodResourcesServer, Snapshot
 
     host = simulated(Path(tempfile.mkdtemp(prefix="cc-")))  # a unix socket path fits 107 bytes

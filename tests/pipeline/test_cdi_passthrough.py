@@ -11,10 +11,10 @@ from support.hostkit import GPU_A10, dev, driver_of, make_host
 from support.paths import HOST_PROFILES
 
 import cdi
-from katamgr.host.naming import Naming
-from katamgr.host.pci import is_vfio_driver
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection
+from gpunode.host.pci import is_vfio_driver
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
+from gpunode.policy.selection import Selection
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from nodesim import kernel
 from nodesim.materialise import materialise

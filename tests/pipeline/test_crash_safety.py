@@ -1,7 +1,7 @@
 """kill -9 at a write point of apply or revert, then either command: the node converges.
 
 ``support.crashsweep`` kills ``katamgr apply``/``revert`` (forked, with a real SIGKILL
-at the N-th write point, see ``katamgr.host.faults``) on a simulated node with GPUs,
+at the N-th write point, see ``gpunode.host.faults``) on a simulated node with GPUs,
 two Kata runtime classes and a containerd config, then runs ``apply`` or ``revert``
 to the end and compares the node, file by file, with what an uninterrupted run
 leaves: no temp file, staging dir, lock file or half-removed install may remain.

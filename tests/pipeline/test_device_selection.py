@@ -15,10 +15,10 @@ from support.hostkit import (
     snapshot,
 )
 
-from katamgr.host.katarelease import parse_release
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection, parse_exclude, parse_include
+from gpunode.host.pciids import PciIds
+from gpunode.policy.katarelease import parse_release
+from gpunode.policy.naming import Naming
+from gpunode.policy.selection import Selection, parse_exclude, parse_include
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text
 from nodesim.materialise import materialise
@@ -83,7 +83,7 @@ def test_nvswitches_follow_the_node_s_kata_and_the_operator(tmp_path, mode, kata
     board = "nvidia.com/GH100H100_SXM5_80GB_x8"
     assert bool({"nvidia.com/PCI_22a3", board} & set(plan.resources)) is taken
     # Kata 4.1 takes them in the full passthrough model: only with the whole board, as one unit
-    # (Fabric Manager User Guide §6.1; katamgr.host.nvlinkunits).
+    # (Fabric Manager User Guide §6.1; gpunode.policy.nvlinkunits).
     assert (board in plan.resources) is (taken and kata == "4.1.0")
     assert any("a pod given an NVSwitch will not start" in w for w in plan.warnings) is warned
     if mode is False:

@@ -12,10 +12,10 @@ import pytest
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 
+from gpunode.host import handback
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.cluster import EventRecorder
-from katamgr.host import handback
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
 from katamgr.pipeline.reconcile import Steps
 from nodesim import pcierrors
 from nodesim.kubelet import KubeletSimulator

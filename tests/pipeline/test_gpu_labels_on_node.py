@@ -8,15 +8,15 @@ import json
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 
+from gpunode.host.pciids import PciIds
+from gpunode.policy import gpulabels as facts
+from gpunode.policy.gpulabels import CC_CAPABLE, COUNT, FAMILY, KEYS, MEMORY, PRODUCT
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import WORKLOAD_LABEL
 from katamgr import cli
 from katamgr.cluster import EventRecorder
 from katamgr.commands import setup as cli_setup
-from katamgr.host import gpulabels as facts
-from katamgr.host.gpulabels import CC_CAPABLE, COUNT, FAMILY, KEYS, MEMORY, PRODUCT
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.workload import WORKLOAD_LABEL
 from katamgr.pipeline import gpulabels
 from katamgr.pipeline.reconcile import Steps, revert_all
 from nodesim.materialise import materialise

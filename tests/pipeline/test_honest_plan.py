@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from support.hostkit import GPU_A10, dev, make_host
 
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile
 from katamgr.render import plan_text
 

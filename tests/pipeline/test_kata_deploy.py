@@ -11,11 +11,11 @@ from pathlib import Path
 import tomlkit
 from support.kataconfig import LAYOUT_ON_NODE, kata_manager_yaml, prepare_node
 
+from gpunode.host.pciids import PciIds
+from gpunode.kataclasses import GPU, GPU_SNP
+from gpunode.policy.naming import Naming
 from katamgr.commands import setup as cli_setup
 from katamgr.config import parse_config
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.kataclasses import GPU, GPU_SNP
 from katamgr.pipeline.kata_runtime import KataContext, class_dir
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from nodesim.katadeploy import KataInstall

@@ -7,16 +7,16 @@ from __future__ import annotations
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
 
+from gpunode.host.pciids import PciIds
+from gpunode.policy import gpulabels as facts
+from gpunode.policy.inventory import discover
+from gpunode.policy.katarelease import KataRelease
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import WORKLOAD_LABEL
 from katamgr import cli
 from katamgr.agent.katafound import KataFound
 from katamgr.cluster import EventRecorder
 from katamgr.commands import setup as cli_setup
-from katamgr.host import gpulabels as facts
-from katamgr.host.inventory import discover
-from katamgr.host.katarelease import KataRelease
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.workload import WORKLOAD_LABEL
 from katamgr.pipeline import gpulabels
 from katamgr.pipeline.reconcile import Steps
 from nodesim.katadeploy import KataInstall, lay_out
@@ -128,8 +128,8 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
 
 
 def test_a_typed_release_stays_the_override_when_kata_changes(tmp_path):
-    from katamgr.host.katarelease import parse_release
-    from katamgr.host.selection import Selection
+    from gpunode.policy.katarelease import parse_release
+    from gpunode.policy.selection import Selection
 
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.29.0", ("go",)))

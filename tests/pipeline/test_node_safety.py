@@ -21,7 +21,7 @@ import pytest
 from support.hostkit import GPU_A10, dev, driver_of, make_host
 from support.kataconfig import kata_manager_yaml
 
-from katamgr.node.lock import node_lock
+from gpunode.services.lock import node_lock
 from nodesim.marker import MARKER
 
 REPO = Path(__file__).resolve().parents[1]

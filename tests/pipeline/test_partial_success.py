@@ -23,12 +23,12 @@ from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, make_host
 from support.kataconfig import kata_manager_yaml, prepare_node
 
+from gpunode.host.pciids import PciIds
+from gpunode.kataclasses import GPU, GPU_SNP, offer_label
+from gpunode.policy.naming import Naming
 from katamgr.cluster import EventRecorder, desired_runtime_classes
 from katamgr.commands.setup import node_labels as _node_labels
 from katamgr.config import parse_config
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.kataclasses import GPU, GPU_SNP, offer_label
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps
 

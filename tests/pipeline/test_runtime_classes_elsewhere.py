@@ -15,10 +15,10 @@ from support.apiserver import FakeApiServer
 from support.hostkit import GPU_A10, dev, make_host
 from support.kataconfig import kata_manager_yaml, prepare_node
 
+from gpunode.host.pciids import PciIds
+from gpunode.kataclasses import GPU, GPU_SNP
+from gpunode.policy.naming import Naming
 from katamgr.config import parse_config
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.kataclasses import GPU, GPU_SNP
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 

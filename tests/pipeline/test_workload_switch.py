@@ -18,15 +18,15 @@ from support.hostkit import GPU_A10, dev, driver_of, make_host
 from support.paths import REPO
 from support.waiting import wait_for
 
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
+from gpunode.policy.readiness import VFIO_READY, WORKLOAD_TYPE
+from gpunode.policy.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Workload
+from gpunode.services.podresources import POD_RESOURCES_SOCKET, list_pod_devices
 from katamgr.agent import Agent
 from katamgr.agent.following import node_follower
 from katamgr.cluster import EventRecorder
 from katamgr.config import parse_config
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.readiness import VFIO_READY, WORKLOAD_TYPE
-from katamgr.host.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Workload
-from katamgr.node.podresources import POD_RESOURCES_SOCKET, list_pod_devices
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim.podresources import (

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from pluginproc import Plugin
 
-from katamgr.host.naming import Naming, resource_name
-from katamgr.host.pciids import PciIds
-from katamgr.host.root import HostRoot
+from gpunode.host.pciids import PciIds
+from gpunode.host.root import HostRoot
+from gpunode.policy.naming import Naming, resource_name
 from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
 from nodesim.kubelet import KubeletSimulator
 from sandbox_plugin.resources import socket_name_for

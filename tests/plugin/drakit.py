@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from support.apiserver import FakeApiServer
 
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.root import HostRoot
-from katamgr.host.selection import Selection
+from gpunode.host.pciids import PciIds
+from gpunode.host.root import HostRoot
+from gpunode.policy.naming import Naming
+from gpunode.policy.selection import Selection
 from katamgr.pipeline.reconcile import Steps, reconcile
 from kubeletapi import dra_pb2 as dra
 from nodesim.drakubelet import DraKubelet

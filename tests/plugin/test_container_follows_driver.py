@@ -18,11 +18,11 @@ import time
 
 import pytest
 
-from katamgr.host import pci
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.workload import Workload
-from katamgr.node.backoff import Backoff
+from gpunode.host import pci
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import Workload
+from gpunode.services.backoff import Backoff
 from katamgr.pipeline.reconcile import Steps, leave_passthrough, reconcile, revert_all
 from nodesim.nvml import FakeNvml
 from sandbox_plugin.container import RESOURCE_NAME, NvmlResource

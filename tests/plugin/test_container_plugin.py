@@ -16,7 +16,7 @@ import pytest
 
 import cdi
 from cdi.names import annotation_key_problem
-from katamgr.node.backoff import Backoff
+from gpunode.services.backoff import Backoff
 from nodesim.materialise import materialise
 from nodesim.nvml import NVML_ERROR_TIMEOUT, FakeGpu, FakeNvml, NVMLError
 from nodesim.profiles import find_profile

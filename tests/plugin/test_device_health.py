@@ -17,8 +17,8 @@ import pytest
 from drakit import make_node
 from test_passthrough_plugin import A10, A10_IDS, FAST, NAMING, bind, health
 
-from katamgr.host import handback
-from katamgr.host.uevents import UEvent
+from gpunode.host import handback
+from gpunode.host.uevents import UEvent
 from nodesim import pcierrors
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY

@@ -69,7 +69,7 @@ def test_the_endpoint_is_named_as_the_kubelet_sees_the_node():
 
     # hack/local-cluster's node: containerd and the kubelet see the simulated node's / at
     # its directory (--runtime-root), the kubelet's --root-dir below it.
-    from katamgr.host.root import HostRoot
+    from gpunode.host.root import HostRoot
     from sandbox_plugin.dra.registration import Layout, Registration
 
     root = Path(tempfile.mkdtemp(prefix="kd-"))  # short: unix socket paths are limited

@@ -14,8 +14,8 @@ from drakit import DRIVER, NAMING, NODE, make_node
 from support.paths import HOST_PROFILES
 from support.resourceapi import slice_problems
 
-from katamgr.host.naming import Naming
-from katamgr.host.selection import Selection, parse_exclude, parse_include
+from gpunode.policy.naming import Naming
+from gpunode.policy.selection import Selection, parse_exclude, parse_include
 from katamgr.pipeline.reconcile import Steps, revert_all
 from nodesim.materialise import materialise
 from nodesim.profile import load_profile
@@ -70,7 +70,7 @@ def test_the_dgx_h100_slice(node):
         "resource.kubernetes.io/pcieRoot": "pci0000:00", "pcieSwitch": "0000:01:00.0",
         "nvswitchFabric": "nvswitch-0000:05:00.0"}
     # The resource name comes from pci.ids alone (this machine's lacks 10de:22a3); the product
-    # name is katamgr's own where pci.ids has none (katamgr.host.pciids.KNOWN_MODELS).
+    # name is katamgr's own where pci.ids has none (gpunode.host.pciids.KNOWN_MODELS).
     assert devices["nvswitch-0000-95-00-0"] == {
         "type": "nvswitch", "model": "PCI_22a3", "resourceName": "nvidia.com/PCI_22a3",
         "productName": "GH100 [H100 NVSwitch]",

@@ -10,11 +10,11 @@ import time
 import grpc
 import pytest
 
-from katamgr.host.kata import parse_release
-from katamgr.host.naming import Naming, resource_name
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection
-from katamgr.node.backoff import Backoff
+from gpunode.host.pciids import PciIds
+from gpunode.policy.kata import parse_release
+from gpunode.policy.naming import Naming, resource_name
+from gpunode.policy.selection import Selection
+from gpunode.services.backoff import Backoff
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from sandbox_plugin import fullpassthrough

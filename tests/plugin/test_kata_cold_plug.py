@@ -17,10 +17,10 @@ from support.hostkit import AUDIO_A6000, GPU_A6000, dev
 from support.paths import HOST_PROFILES
 
 import cdi
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming, ResourceNaming
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming, ResourceNaming
+from gpunode.policy.selection import Selection
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim import kata_shim
 from nodesim.kata_shim import ColdPlugError, cold_plug, sandbox_annotations
@@ -52,7 +52,7 @@ def node(sim_host):
 
 def wait_for_units(host, kubelet, naming: Naming = NAMING) -> dict[str, list[str]]:
     """Every resource the node advertises, with its healthy device IDs, once the kubelet has them."""
-    from katamgr.host.passthrough import resource_units
+    from gpunode.policy.passthrough import resource_units
 
     wanted: dict[str, list[str]] = {}
     for unit in resource_units(host, discover(host, naming.selection), naming):

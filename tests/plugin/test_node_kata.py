@@ -10,9 +10,9 @@ import dataclasses
 
 import pytest
 
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
 from katamgr.commands import setup as cli_setup
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim.katadeploy import KataInstall
 from nodesim.materialise import materialise

@@ -20,11 +20,11 @@ import yaml
 from drakit import DRIVER, make_node
 from prometheus_client import generate_latest
 
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming, resource_name
-from katamgr.host.pciids import PciIds
-from katamgr.node import nvlinkfabric as nf
-from katamgr.node.simulator import node_extras
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming, resource_name
+from gpunode.services import nvlinkfabric as nf
+from gpunode.services.simulator import node_extras
 from katamgr.pipeline import nvlinkfabric as plan_section
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan

@@ -11,10 +11,10 @@ import time
 import grpc
 import pytest
 
-from katamgr.host.naming import Naming, resource_name
-from katamgr.host.pciids import PciIds
-from katamgr.node import nvlinkfabric as nf
-from katamgr.node.backoff import Backoff
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming, resource_name
+from gpunode.services import nvlinkfabric as nf
+from gpunode.services.backoff import Backoff
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from nodesim import fabricmanager as fmsim

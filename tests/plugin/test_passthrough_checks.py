@@ -13,7 +13,7 @@ import pytest
 from support.hostkit import GPU_A10, dev
 from support.passthroughkit import A10, NAMING, bind, health_of, write_spec
 
-from katamgr.host import pci, vfio
+from gpunode.host import pci, vfio
 from katamgr.pipeline.plan import build_plan
 from nodesim.kernel import handle_write
 from sandbox_plugin.discovery import PassthroughDiscovery
@@ -121,7 +121,7 @@ def test_a_device_unbound_behind_our_back_stays_listed_unhealthy_until_back_or_u
 
 def test_plugin_health_follows_the_same_viability_rule_as_the_plan(tmp_path):
     """A member on pci-stub leaves DMA to the group's owner (the kernel's rule that
-    katamgr.host.vfio plans by): the plugin must not call such a group unhealthy,
+    gpunode.host.vfio plans by): the plugin must not call such a group unhealthy,
     nor one whose member is on a driver that owns DMA healthy."""
     from support.hostkit import NIC_I210, make_host
 

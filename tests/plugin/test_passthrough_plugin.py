@@ -29,8 +29,8 @@ from support.passthroughkit import (
     write_spec,
 )
 
-from katamgr.host import vfio
-from katamgr.host.naming import Naming
+from gpunode.host import vfio
+from gpunode.policy.naming import Naming
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from nodesim.kernel import handle_write

@@ -12,10 +12,10 @@ import pytest
 from support.apiserver import FakeApiServer
 from support.paths import REPO
 
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.workload import WORKLOAD_LABEL, NoCluster
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import WORKLOAD_LABEL, NoCluster
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from nodesim.materialise import materialise
@@ -125,7 +125,7 @@ def test_auto_mode_follows_the_label_then_the_host(short_root):
     # failure (exit 1), as for katamgr: neither is guessed around.
     with pytest.raises(ConfigError, match="'bogus'"):
         decide_mode(host, "n1", label("bogus"))
-    with pytest.raises(KatamgrError, match="connection refused") as failed:
+    with pytest.raises(GpuNodeError, match="connection refused") as failed:
         decide_mode(host, "n1", unreachable)
     assert failed.value.exit_code == 1
 

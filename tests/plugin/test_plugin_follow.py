@@ -17,9 +17,9 @@ import pytest
 from support.apiserver import FakeApiServer
 from support.paths import REPO
 
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Resolution, Workload
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
+from gpunode.policy.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Resolution, Workload
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from sandbox_plugin.follow import mode_for

@@ -10,12 +10,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from katamgr.host import vfio
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.node.backoff import Backoff
-from katamgr.node.metrics_server import MetricsServer, parse_address
+from gpunode.host import vfio
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.services.backoff import Backoff
+from gpunode.services.metrics_server import MetricsServer, parse_address
 from katamgr.pipeline.cdi_specs import write_specs
 from katamgr.pipeline.plan import build_plan
 from sandbox_plugin.manager import Mode, PluginManager

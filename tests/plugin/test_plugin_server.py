@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 
-from katamgr.host.root import HostRoot
-from katamgr.node.backoff import Backoff
+from gpunode.host.root import HostRoot
+from gpunode.services.backoff import Backoff
 from kubeletapi import deviceplugin_pb2 as pb
 from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 from nodesim.kubelet import KubeletSimulator

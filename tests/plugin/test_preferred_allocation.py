@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming, resource_name
-from katamgr.host.pciids import PciIds
-from katamgr.node.backoff import Backoff
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming, resource_name
+from gpunode.services.backoff import Backoff
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from sandbox_plugin.manager import Mode, PluginManager

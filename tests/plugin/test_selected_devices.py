@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 from support.hostkit import GPU_A10, dev
 
-from katamgr.host import vfio, vfiodecide
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection, parse_exclude, parse_include
-from katamgr.node.backoff import Backoff
+from gpunode.host import vfio
+from gpunode.host.pciids import PciIds
+from gpunode.policy import vfiodecide
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.selection import Selection, parse_exclude, parse_include
+from gpunode.services.backoff import Backoff
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim import kata_shim
 from nodesim.profile import parse_profile

@@ -22,9 +22,9 @@ import threading
 import grpc
 import pytest
 
-from katamgr.host.naming import Naming
-from katamgr.host.pciids import PciIds
-from katamgr.node.backoff import Backoff
+from gpunode.host.pciids import PciIds
+from gpunode.policy.naming import Naming
+from gpunode.services.backoff import Backoff
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from kubeletapi import deviceplugin_pb2 as pb

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 
 
 @pytest.fixture

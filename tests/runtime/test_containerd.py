@@ -30,9 +30,9 @@ from support.containerdconfigs import (
     without,
 )
 
-from katamgr.errors import ConfigError
-from katamgr.host import root as root_module
-from katamgr.host.root import HostRoot
+from gpunode.errors import ConfigError
+from gpunode.host import root as root_module
+from gpunode.host.root import HostRoot
 from katamgr.runtime.containerd import configure_containerd
 from katamgr.runtime.containerd_files import KataRuntime
 from katamgr.runtime.containerd_imports import DROP_IN_NAME

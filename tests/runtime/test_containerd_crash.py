@@ -11,7 +11,7 @@ import pytest
 from support.containerdconfigs import CONFIG, GPU, HAND_WRITTEN, SNP, assert_kata, cri, dump, put
 
 import katamgr.runtime.containerd as containerd_module
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from katamgr.runtime.containerd import configure_containerd
 from katamgr.runtime.containerd_imports import DROP_IN_NAME
 from katamgr.runtime.containerd_revert import revert_containerd

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host.root import HostRoot
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.host.root import HostRoot
 from katamgr.runtime.reload import (
     CommandResult,
     RestartMode,
@@ -116,7 +116,7 @@ def test_systemd_mode_runs_systemctl_in_the_host_root(tmp_path: Path) -> None:
 
 
 def test_systemd_failure_is_reported_with_the_command(tmp_path: Path) -> None:
-    with pytest.raises(KatamgrError, match="systemctl restart containerd' failed with exit code 5"):
+    with pytest.raises(GpuNodeError, match="systemctl restart containerd' failed with exit code 5"):
         reload_containerd(
             HostRoot.at(tmp_path),
             "systemd",

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from support.paths import REPO
 
-from katamgr.errors import ConfigError, KatamgrError
-from katamgr.host.root import HostRoot
+from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.host.root import HostRoot
 from katamgr.runtime.kata_config import transform_kata_config
 
 FIXTURE = REPO / "tests" / "data" / "kata" / "configuration-qemu-nvidia-gpu.toml"
@@ -127,7 +127,7 @@ def test_image_based_config_is_mapped_too(host: HostRoot) -> None:
 
 def test_missing_kernel_is_named(host: HostRoot) -> None:
     local = install(host, files=(INITRD,))
-    with pytest.raises(KatamgrError, match=rf"needs {KERNEL}, which is missing from {CLASS_DIR}"):
+    with pytest.raises(GpuNodeError, match=rf"needs {KERNEL}, which is missing from {CLASS_DIR}"):
         transform_kata_config(host, local)
     assert (local / FIXTURE.name).read_text() == FIXTURE.read_text()
     assert not (local / "rendered").exists()
@@ -137,13 +137,13 @@ def test_zero_or_several_configs_are_refused(host: HostRoot) -> None:
     local = install(host)
     (local / FIXTURE.name).unlink()
     with pytest.raises(
-        KatamgrError, match=rf"no configuration-\*\.toml in artifacts dir {CLASS_DIR}"
+        GpuNodeError, match=rf"no configuration-\*\.toml in artifacts dir {CLASS_DIR}"
     ):
         transform_kata_config(host, local)
     shutil.copy(FIXTURE, local / "configuration-qemu-nvidia-gpu-snp.toml")
     shutil.copy(FIXTURE, local / FIXTURE.name)
     with pytest.raises(
-        KatamgrError,
+        GpuNodeError,
         match="configuration-qemu-nvidia-gpu-snp.toml, configuration-qemu-nvidia-gpu.toml",
     ):
         transform_kata_config(host, local)

@@ -8,7 +8,7 @@ import subprocess
 import tomllib
 from pathlib import Path
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from katamgr.runtime.containerd_files import KataRuntime
 from support.paths import REPO, require_binary
 

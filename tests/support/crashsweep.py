@@ -3,7 +3,7 @@
 A simulated node with GPUs, a Kata config (artifacts from the shipped OCI layout) and
 a containerd config. For each write point N of ``katamgr apply`` (or ``revert``), a
 fresh node is taken to the state before the command, the command runs in a forked
-child with ``KATAMGR_CRASH_AT=N`` (``katamgr.host.faults``: SIGKILL at the N-th write,
+child with ``KATAMGR_CRASH_AT=N`` (``gpunode.host.faults``: SIGKILL at the N-th write,
 as a power cut or an OOM kill would), and then either ``apply`` or ``revert`` runs
 uninterrupted. The node must then be exactly what an uninterrupted run gives: same
 files, same content, same drivers, nothing left over (temp files, staging dirs, lock
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import katamgr.cluster  # noqa: F401 - imported once here, so each forked run starts warm
+from gpunode.host import faults
+from gpunode.kataclasses import GPU, GPU_SNP
 from katamgr.cli import main as katamgr_main
-from katamgr.host import faults
-from katamgr.kataclasses import GPU, GPU_SNP
 from nodesim.marker import MARKER
 from nodesim.materialise import materialise
 from nodesim.profiles import find_profile

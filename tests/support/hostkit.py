@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from nodesim.marker import MARKER
 from nodesim.materialise import materialise
 from nodesim.profile import parse_profile

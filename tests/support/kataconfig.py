@@ -10,9 +10,9 @@ from __future__ import annotations
 import shutil
 from collections.abc import Mapping, Sequence
 
+from gpunode.host.root import HostRoot
+from gpunode.kataclasses import GPU, GPU_SNP
 from katamgr.config import DEFAULT_ARTIFACTS_DIR
-from katamgr.host.root import HostRoot
-from katamgr.kataclasses import GPU, GPU_SNP
 from support.paths import REPO
 
 DATA = REPO / "katamgr" / "data"

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from nodesim import katadeploy
 from support.kubecluster import LocalCluster
 from support.paths import REPO

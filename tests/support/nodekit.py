@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from katamgr.host.root import HostRoot
+from gpunode.host.root import HostRoot
 from nodesim import kata_shim
 from support import kataoracle
 from support.kubecluster import LocalCluster, wait_for

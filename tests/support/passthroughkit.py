@@ -4,12 +4,12 @@ katamgr's binding and CDI specs on them, and the devices' health as the kubelet 
 from __future__ import annotations
 
 import cdi
-from katamgr.host import vfio
-from katamgr.host.inventory import discover
-from katamgr.host.naming import Naming, resource_name
-from katamgr.host.pciids import PciIds
-from katamgr.host.selection import Selection
-from katamgr.node.backoff import Backoff
+from gpunode.host import vfio
+from gpunode.host.pciids import PciIds
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming, resource_name
+from gpunode.policy.selection import Selection
+from gpunode.services.backoff import Backoff
 from katamgr.pipeline.cdi_specs import write_specs
 from katamgr.pipeline.plan import build_plan
 

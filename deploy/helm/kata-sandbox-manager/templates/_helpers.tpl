@@ -139,7 +139,7 @@ like the resource; the uninstall revert finds those specs by them.
 
 {{/*
 The options katamgr, sandbox-device-plugin and sandbox-dra-driver share
-(katamgr.node.options: one spelling, one default and one check for the three), each
+(gpunode.services.options: one spelling, one default and one check for the three), each
 value passed as the values file writes it: the host (hostPaths.rootFS is where containerd
 sees the node's /), the node and the workload of a node without the
 nvidia.com/gpu.workload.config label (the same default the container plugin's node
@@ -926,7 +926,7 @@ layoutDirs).
   mountPath: {{ include "ksm.inHost" "/var/lib/kubelet/pod-resources" }}
   readOnly: true
 {{- end }}
-# The node's Kata (katamgr.host.katadetect): containerd's config and kata-deploy's install,
+# The node's Kata (gpunode.policy.katadetect): containerd's config and kata-deploy's install,
 # where katamgr writes its GPU drop-in beside kata-deploy's config; read-only without Kata.
 - name: containerd-config
   mountPath: {{ include "ksm.inHost" $containerdConfigDir }}
@@ -963,7 +963,7 @@ layoutDirs).
 {{- end }}
 {{- end -}}
 
-{{/* Where the node's Kata is found (katamgr.host.katadetect): containerd's config dir and
+{{/* Where the node's Kata is found (gpunode.policy.katadetect): containerd's config dir and
 kata-deploy's install dir (/opt/kata: its shims, VERSION and configs; created empty on a node
 without it, as the container runtime would). */}}
 {{- define "ksm.nodeKataVolumes" -}}
