@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import sys
 import threading
@@ -215,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         extras = node_extras(host.root, args.runtime_root)
         nvml = extras.nvml() if extras.nvml is not None else None
         fabric = _fabric_gate(args, host, naming, extras)
+        naming = _fabric_keeps_nvswitches(naming, fabric)
         runner = PluginRunner(lambda m, metrics, held_only=False: PluginManager(
             host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml,
             held_only=held_only, fabric=fabric, link_policy=args.link_policy))
@@ -271,6 +273,17 @@ def _fabric_gate(args: argparse.Namespace, host: HostRoot, naming: Naming,
     from gpunode.policy.inventory import discover
 
     return gate_for(host, settings, discover(host, naming.selection))
+
+
+def _fabric_keeps_nvswitches(naming: Naming, gate: FabricGate | None) -> Naming:
+    """``naming`` that leaves the NVSwitches out where the board's model keeps them on the host
+    with Fabric Manager (Shared NVSwitch, Fabric Manager User Guide §7): the gate's decision."""
+    from gpunode.services import nvlinkfabric as nf
+
+    if gate is None or not nf.keeps_nvswitches(gate.settings, gate.choice):
+        return naming
+    return dataclasses.replace(naming, selection=dataclasses.replace(naming.selection,
+                                                                     fabric_keeps_nvswitches=True))
 
 
 def _label_watch(args: argparse.Namespace, extras: NodeExtras):

@@ -16,7 +16,11 @@ before 4.1 takes an NVSwitch (class 0x0680) for a bridge and fails every sandbox
 ("unsupported device type", ``gpunode.policy.kata``). ``--nvswitches auto`` (the default) passes
 them through when ``--kata-version`` names 4.1 or later, ``true`` always (the operator's call,
 with a warning where Kata will fail), ``false`` never: the chart's and the config's
-``devices.nvswitches`` spelling (the options live in ``gpunode.services.options``).
+``devices.nvswitches`` spelling (the options live in ``gpunode.services.options``). Where the
+node's NVLink fabric model keeps them on the host (NVIDIA's Shared NVSwitch model: Fabric Manager
+on the host sets the GPUs' partitions up with them, Fabric Manager User Guide §7;
+``fabric_keeps_nvswitches``, set by the commands that know the model), ``auto`` keeps them there
+whatever Kata takes, and ``true`` is a plan problem: it would take them from Fabric Manager.
 
 An excluded device is treated like any device that is none of ours: it is never
 moved, and an IOMMU group that holds it beside a selected device cannot go to a
@@ -44,6 +48,9 @@ NVSWITCHES_FLAG = "--nvswitches"
 KATA_VERSION_FLAG = "--kata-version"
 INCLUDE_CONFIG = "config devices.include"
 EXCLUDE_CONFIG = "config devices.exclude"
+
+# Why ``--nvswitches auto`` leaves NVSwitches on their driver in the Shared NVSwitch model.
+FABRIC_KEEPS = "kept on the host for NVIDIA Fabric Manager (Shared NVSwitch model, Fabric Manager User Guide §7)"
 
 _IDS = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{4}$")
 
@@ -125,6 +132,9 @@ class Selection:
     # looked for), and why the release typed by hand is not theirs ("": it is, or none typed).
     kata_found: Any = field(default=None, compare=False)
     kata_warning: str = field(default="", compare=False)
+    # The node's NVLink fabric model keeps NVSwitches on the host for Fabric Manager (Shared
+    # NVSwitch model, ``gpunode.services.nvlinkfabric.keeps_nvswitches``).
+    fabric_keeps_nvswitches: bool = False
 
     def __post_init__(self) -> None:
         # Two resources for one device would advertise it twice: refuse, naming both.
@@ -147,7 +157,8 @@ class Selection:
         exclude: dict[str, ExcludeRule] = {}
         for rule in (*self.exclude, *other.exclude):
             exclude.setdefault(rule.value, rule)
-        return Selection(tuple(include.values()), tuple(exclude.values()), self.nvswitches, self.kata)
+        return Selection(tuple(include.values()), tuple(exclude.values()), self.nvswitches, self.kata,
+                         fabric_keeps_nvswitches=self.fabric_keeps_nvswitches or other.fabric_keeps_nvswitches)
 
     @property
     def is_default(self) -> bool:
@@ -157,7 +168,7 @@ class Selection:
     def takes_nvswitches(self) -> bool:
         """Whether the default selection passes NVSwitches through."""
         if self.nvswitches == "auto":
-            return self.kata.cold_plugs_nvswitches
+            return self.kata.cold_plugs_nvswitches and not self.fabric_keeps_nvswitches
         return self.nvswitches is True
 
     @property
@@ -165,6 +176,8 @@ class Selection:
         """Why NVSwitches are not passed through (the plan's and the docs' words)."""
         if self.nvswitches is False:
             return f"NVIDIA NVSwitch, not passed through ({NVSWITCHES_FLAG} false)"
+        if self.fabric_keeps_nvswitches:
+            return f"NVIDIA NVSwitch, {FABRIC_KEEPS}"
         if self.kata.version is None:
             return ("NVIDIA NVSwitch, not passed through: Kata before 4.1 cannot cold-plug one, and "
                     f"{KATA_VERSION_FLAG} does not say the node runs a later release")
@@ -173,6 +186,8 @@ class Selection:
     @property
     def nvswitch_held_back(self) -> str:
         """The plan's and the Event's sentence for NVSwitches ``--nvswitches auto`` keeps on the host."""
+        if self.fabric_keeps_nvswitches:
+            return f"{FABRIC_KEEPS}, which sets the GPUs' NVLink partitions up with them"
         return (f"{nvswitch_failure(self.kata)}. {NVSWITCHES_FLAG} true (chart: devices.nvswitches) passes "
                 "them through all the same")
 
@@ -183,6 +198,18 @@ class Selection:
             return None
         return (f"NVSwitches are passed through ({NVSWITCHES_FLAG} true), but {nvswitch_failure(self.kata)}: "
                 "a pod given an NVSwitch will not start until the node runs Kata 4.1 or later")
+
+    @property
+    def nvswitch_fabric_conflict(self) -> str | None:
+        """The plan problem where NVSwitches are passed through but the fabric model keeps them on
+        the host: bound to vfio-pci they are gone from Fabric Manager, and no partition comes up."""
+        if self.nvswitches is not True or not self.fabric_keeps_nvswitches:
+            return None
+        return (f"{NVSWITCHES_FLAG} true (chart: devices.nvswitches) passes the NVSwitches through, but the "
+                "node's NVLink fabric model (--nvlink-fabric, chart: devices.nvlinkFabric) is Shared NVSwitch, where "
+                "they stay on the host with Fabric Manager (Fabric Manager User Guide §7): bound to vfio-pci they "
+                "are taken from it and no GPU partition can be activated; set --nvswitches auto (or false), or "
+                "--nvlink-fabric fullPassthrough to pass them through with the GPUs and run FM in the guest (§6)")
 
 
 def nvswitch_failure(kata: KataRelease) -> str:

@@ -260,3 +260,10 @@ def decide(host: HostRoot, settings: FabricSettings, *, nvswitches: int, gpus: I
     choice = choose(settings.model, nvswitches=nvswitches, fm=None if answered else fm_problem,
                     kata_takes_nvswitches=kata_takes_nvswitches, kata=kata)
     return choice, fabric
+
+
+def keeps_nvswitches(settings: FabricSettings, choice: ModelChoice | None) -> bool:
+    """Whether the node's NVSwitches stay on the host with Fabric Manager: the Shared NVSwitch
+    model (Fabric Manager User Guide §7) configured, even while FM does not answer (binding them
+    to vfio-pci would keep it from ever starting), or chosen by ``auto`` (``choice``: ``decide``'s)."""
+    return settings.model == SHARED or (choice is not None and choice.model == SHARED)

@@ -18,6 +18,7 @@ from katamgr.commands.setup import (
     node_labels,
     node_setup,
     steps_and_context,
+    with_fabric,
     with_node_kata,
 )
 from katamgr.exitcodes import Exit
@@ -36,11 +37,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     with host_from(args) as (host, extras):
-        naming = with_node_kata(naming, host, config)
+        fabric = fabric_settings(args, config, extras)
+        naming = with_node_kata(with_fabric(naming, host, fabric), host, config)
         setup = node_setup(args, host, config, extras=extras)
         plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
-                         fabric=fabric_settings(args, config, extras))
+                         fabric=fabric)
         if args.output in FORMATS:
             print(documents.dump(documents.plan_document(plan), args.output))
         else:
@@ -52,7 +54,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     with host_from(args) as (host, extras):
-        naming = with_node_kata(naming, host, config)
+        naming = with_node_kata(with_fabric(naming, host, fabric_settings(args, config, extras)), host, config)
         setup = node_setup(args, host, config, extras=extras)
         steps = setup.steps.without(setup.opted_out)
         report = reconcile(host, naming, steps, setup.ctx, force=args.force,

@@ -19,6 +19,7 @@ from katamgr.commands.setup import (
     naming_from,
     node_kata_inputs,
     node_setup,
+    with_fabric,
     with_node_kata,
 )
 from katamgr.pipeline.reconcile import full_plan
@@ -44,7 +45,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     with host_from(args) as (host, extras):
-        given = naming
+        fabric = fabric_settings(args, config, extras)
+        # Decided once at start, as the NVSwitches' binding is: the agent does not move them later.
+        given = naming = with_fabric(naming, host, fabric)
         naming = with_node_kata(naming, host, config)
         setup = node_setup(args, host, config, extras=extras)
         if args.plan_only:
@@ -52,7 +55,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         settings = AgentSettings(
             host, naming, setup.steps, setup.ctx, setup.opted_out, force=args.force, wait=args.device_wait,
             lock_wait=args.wait, repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
-            metrics_address=args.metrics_address, fabric=fabric_settings(args, config, extras),
+            metrics_address=args.metrics_address, fabric=fabric,
             kata_found=KataFound(given.selection, *node_kata_inputs(config)),
             cc_default_mode=cc.CcMode(args.cc_default_mode) if args.cc_manager else None,
             node_name=args.node_name, workload=args.workload, default_workload=args.default_workload,

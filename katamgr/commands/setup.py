@@ -84,6 +84,32 @@ def with_node_kata(naming: Naming, host: HostRoot, config: KataManagerConfig | N
         naming.selection, host, containerd, artifacts_dir=artifacts_dir, names=names))
 
 
+def with_fabric(naming: Naming, host: HostRoot, settings: FabricSettings) -> Naming:
+    """``naming`` whose selection knows whether the node's NVLink fabric model keeps the
+    NVSwitches on the host (``nvlinkfabric.keeps_nvswitches``): decided as ``plan`` decides it,
+    asking FM only where ``auto`` needs its answer. The model does not hang on the Kata release
+    where it keeps them (FM answering picks Shared NVSwitch whatever Kata takes), so this may
+    come before ``with_node_kata``."""
+    import dataclasses
+
+    from gpunode.policy.inventory import discover
+    from gpunode.services import nvlinkfabric as nf
+
+    choice = None
+    if settings.model == nf.AUTO:
+        inv = discover(host, naming.selection)
+        nvswitches = sum(1 for d in inv.devices if d.is_nvswitch)
+        if nvswitches:
+            kata = naming.selection.kata
+            choice, _ = nf.decide(host, settings, nvswitches=nvswitches,
+                                  gpus=sorted(d.bdf for d in inv.passthrough if d.is_gpu),
+                                  kata_takes_nvswitches=kata.cold_plugs_nvswitches, kata=str(kata))
+    if not nf.keeps_nvswitches(settings, choice):
+        return naming
+    return dataclasses.replace(naming, selection=dataclasses.replace(naming.selection,
+                                                                     fabric_keeps_nvswitches=True))
+
+
 def node_kata_inputs(config: KataManagerConfig | None) -> tuple[str, str, tuple[str, ...]]:
     """Where the node's Kata is found and whose release decides: containerd's config, katamgr's
     artifacts dir and the configured runtime classes."""
@@ -178,4 +204,4 @@ def fabric_settings(args: argparse.Namespace, config: KataManagerConfig | None,
 
 __all__ = ["NodeSetup", "by_hand", "config_from", "fabric_settings", "host_from", "naming_from",
            "node_kata_inputs", "node_labels", "node_setup", "steps_and_context",
-           "with_node_kata"]
+           "with_fabric", "with_node_kata"]

@@ -153,11 +153,14 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
     held = [d for d in inv.devices if d.is_nvswitch and not inv.selected(d) and not inv.verdict(d).excluded]
     devices += [_device_plan(inv, naming, d, Action.SKIP.value, "stays on its driver") for d in held
                 if d.bdf not in listed]
-    if held and inv.selection.nvswitches == "auto":
+    # Kept for Fabric Manager (Shared NVSwitch model) is the design, not a warning: their rows say why.
+    if held and inv.selection.nvswitches == "auto" and not inv.selection.fabric_keeps_nvswitches:
         warnings.append(f"NVSwitches {', '.join(d.bdf for d in held)} stay on their drivers: "
                         f"{inv.selection.nvswitch_held_back}")
     if inv.nvswitches and inv.selection.nvswitch_warning:
         warnings.append(inv.selection.nvswitch_warning)
+    if inv.nvswitches and inv.selection.nvswitch_fabric_conflict:
+        problems.append(inv.selection.nvswitch_fabric_conflict)
 
     if not inv.iommu_enabled and inv.passthrough:
         problems.insert(0, "The IOMMU is off on this host, so no GPU can be passed through: boot with "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import threading
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(str(exc)) from None
         naming = with_node_kata(naming, host, args.containerd_config)
         from gpunode.policy.inventory import discover
+        from gpunode.services import nvlinkfabric as nf
         from sandbox_plugin.fabric import DRA_RECORD, FabricGuard
         from sandbox_plugin.fabricgate import gate_for
 
@@ -132,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         # Its own record, released at NodeUnprepareResources (not by PodResources).
         gate = gate_for(host, fabric, discover(host, naming.selection), lambda: FabricGuard(
             host, fabric, given=lambda: None, record=DRA_RECORD))
+        if gate is not None and nf.keeps_nvswitches(fabric, gate.choice):
+            # Shared NVSwitch (Fabric Manager User Guide §7): the NVSwitches stay with FM, unpublished.
+            naming = dataclasses.replace(naming, selection=dataclasses.replace(
+                naming.selection, fabric_keeps_nvswitches=True))
         try:
             api = cluster_client(extras)
         except NoCluster as exc:

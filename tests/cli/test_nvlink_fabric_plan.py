@@ -72,3 +72,67 @@ def test_a_bad_module_id_list_exits_2_naming_it():
     result = run("plan", "--host", "dgx-h100", "--gpu-module-ids", "1=0000:03:00.0,x")
     assert result.returncode == 2
     assert "'x'" in result.stderr
+
+
+# ---- issue 34: in the Shared NVSwitch model the NVSwitches stay with Fabric Manager --------------
+# Fabric Manager User Guide §7: FM on the host drives the NVSwitches and only GPUs go to VMs, so
+# even a Kata that cold-plugs NVSwitches (4.1+) must not be handed them here.
+NVSWITCHES = ["0000:05:00.0", "0000:15:00.0", "0000:85:00.0", "0000:95:00.0"]
+KEPT = "kept on the host for NVIDIA Fabric Manager (Shared NVSwitch model, Fabric Manager User Guide §7)"
+
+
+def nvswitch_rows(plan: dict) -> list[dict]:
+    return [d for d in plan["devices"] if d["kind"] == "nvswitch"]
+
+
+def test_shared_nvswitch_keeps_the_nvswitches_on_the_host_where_kata_could_take_them():
+    result = run("plan", "--host", "dgx-h100", "--kata-version", "4.1.0", "--output", "json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["nvlinkFabric"]["model"] == "sharedNvswitch"
+    rows = nvswitch_rows(plan)
+    assert [d["bdf"] for d in rows] == NVSWITCHES
+    assert {(d["action"], d["driver"]) for d in rows} == {("skip", "nvidia")}
+    assert all(KEPT in d["selectionMessage"] for d in rows)
+    # Only the GPUs are offered: no NVSwitch, no whole-board unit with the NVSwitches in it.
+    assert plan["resources"] == {"nvidia.com/GH100H100_SXM5_80GB": 8}
+    assert not plan["problems"]
+
+
+def test_an_explicit_shared_model_keeps_them_while_fm_does_not_answer():
+    # Bound to vfio-pci, the NVSwitches would keep FM from ever starting: kept all the same.
+    result = run("plan", "--host", "dgx-h100", "--kata-version", "4.1.0", "--nvlink-fabric", "sharedNvswitch",
+                 "--fabric-manager-address", "/run/no-fm.sock", "--output", "json")
+    plan = json.loads(result.stdout)
+    assert {d["action"] for d in nvswitch_rows(plan)} == {"skip"}
+    assert all(KEPT in d["selectionMessage"] for d in nvswitch_rows(plan))
+
+
+def test_nvswitches_true_in_the_shared_model_is_a_problem_naming_both_settings_and_the_fix():
+    fabric, problems = fabric_of("--host", "dgx-h100", "--kata-version", "4.1.0", "--nvswitches", "true")
+    assert fabric["model"] == "sharedNvswitch"
+    [problem] = [p for p in problems if "--nvswitches true" in p]
+    assert "--nvlink-fabric" in problem and "Shared NVSwitch" in problem
+    assert "--nvswitches auto" in problem and "--nvlink-fabric fullPassthrough" in problem
+
+
+def test_apply_in_the_shared_model_leaves_the_nvswitches_on_their_driver(tmp_path):
+    from gpunode.host.pci import read_device
+    from gpunode.host.root import HostRoot
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
+
+    node = materialise(find_profile("dgx-h100"), tmp_path / "node")
+    applied = run("apply", "--host-root", str(node.root), "--kata-version", "4.1.0", "--no-kata")
+    assert applied.returncode == 0, applied.stderr
+    host = HostRoot.at(node.root)
+    assert {read_device(host, bdf).driver for bdf in NVSWITCHES} == {"nvidia"}
+    assert read_device(host, "0000:03:00.0").driver == "vfio-pci"
+    assert not (node.root / "var/run/cdi/nvidia.com-nvswitch.yaml").exists()
+
+
+def test_full_passthrough_still_passes_the_nvswitches_through_in_the_board_unit():
+    result = run("plan", "--host", "hgx-h100-passthrough", "--output", "json")
+    plan = json.loads(result.stdout)
+    assert {d["action"] for d in nvswitch_rows(plan)} == {"bind"}
+    assert not [d for d in nvswitch_rows(plan) if KEPT in d["selectionMessage"]]
