@@ -64,7 +64,7 @@ def test_no_gpu_is_advertised_until_fabric_manager_answers(board, caplog):
     caplog.set_level(logging.INFO)
     gate = fabricgate.gate_for(host, settings, discover(host, naming.selection))
     assert gate is not None and NEITHER in gate.withheld
-    manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=naming, fabric=gate)
+    manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=kept, fabric=gate)
     manager.start()
     try:
         assert H100 not in manager.resources
@@ -177,3 +177,36 @@ def test_the_dra_driver_publishes_partitions_and_activates_one_per_claim(tmp_pat
         assert fmsim.active(node.host.root) == []
     finally:
         cleanup()
+
+
+def test_in_the_shared_model_the_plugin_command_leaves_the_nvswitches_to_fabric_manager(sim_host):
+    """Issue 34: Kata 4.1 cold-plugs NVSwitches, but with FM on the host (Shared NVSwitch,
+    Fabric Manager User Guide §7) they are FM's: the plugin command's selection drops them, so
+    neither an NVSwitch nor a whole-board unit is advertised, even on a node where an older
+    katamgr left them on vfio-pci."""
+    from gpunode.policy.kata import parse_release
+    from gpunode.policy.selection import Selection
+    from sandbox_plugin.cli import _fabric_keeps_nvswitches
+
+    host, kubelet = sim_host("dgx-h100")
+    naming = Naming(PCI_IDS, selection=Selection(kata=parse_release("4.1.0")))
+    assert apply_host(host, build_plan(host, naming)).ok  # NVSwitches on vfio-pci too
+    library, socket, modules = open_node(host.root).fabric_manager()
+    args = parse_args(["--fabric-manager-address", socket, "--fabric-manager-library", library,
+                       "--gpu-module-ids", modules])
+    gate = _gate(args, host, naming)
+    assert gate.model == nf.SHARED
+    kept = _fabric_keeps_nvswitches(naming, gate)
+    manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=kept, fabric=gate)
+    manager.start()
+    try:
+        kubelet.wait_for(lambda s: len(s.healthy(H100)) == 8, timeout=10)
+        assert set(manager.resources) == {H100}
+        assert set(kubelet.state.devices) == {H100}
+    finally:
+        manager.stop()
+    # Configured sharedNvswitch keeps them whatever FM answers.
+    shared = _gate(parse_args(["--nvlink-fabric", "sharedNvswitch"]), host, naming)
+    assert _fabric_keeps_nvswitches(naming, shared).selection.fabric_keeps_nvswitches
+    # Full passthrough (FM not on the host) leaves the selection as it was.
+    assert _fabric_keeps_nvswitches(naming, None) is naming
