@@ -63,7 +63,8 @@ def test_wide_shows_every_column_and_the_long_reasons_in_full():
     header = next(line for line in wide.splitlines() if line.startswith("BDF"))
     assert ["VFIO DRIVER", "NUMA", "RESOURCE", "SELECTION"] == [h for h in ("VFIO DRIVER", "NUMA", "RESOURCE",
                                                                            "SELECTION") if h in header]
-    why = "Kata before 4.1 cannot cold-plug one"  # an NVSwitch's selection, ~140 columns
+    # An NVSwitch's selection, ~110 columns: dgx-h100's FM keeps them (Shared NVSwitch model).
+    why = "kept on the host for NVIDIA Fabric Manager (Shared NVSwitch model, Fabric Manager User Guide §7)"
     assert why in wide and why not in default
     assert "move from nvidia to VFIO" in wide
 
