@@ -64,7 +64,7 @@ def test_no_gpu_is_advertised_until_fabric_manager_answers(board, caplog):
     caplog.set_level(logging.INFO)
     gate = fabricgate.gate_for(host, settings, discover(host, naming.selection))
     assert gate is not None and NEITHER in gate.withheld
-    manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=kept, fabric=gate)
+    manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=naming, fabric=gate)
     manager.start()
     try:
         assert H100 not in manager.resources
