@@ -5,8 +5,6 @@ NVSwitches, or 1 GPU with none), so a pod asks for one unit and gets exactly its
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
@@ -27,13 +25,6 @@ NVSWITCH = resource_name(PCI_IDS, 0x10DE, 0x22A3)
 GPUS = [f"0000:{bus}:00.0" for bus in ("03", "04", "13", "14", "83", "84", "93", "94")]
 SWITCHES = [f"0000:{bus}:00.0" for bus in ("05", "15", "85", "95")]
 BOARD_ID = "x8-0000:03:00.0"
-
-
-def wait(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -6,10 +6,9 @@ the kubelet no longer lists the pod's devices, and kept across FM and plugin res
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
+from support.waiting import wait_for
 
 from gpunode.host.pciids import PciIds
 from gpunode.policy.naming import Naming, resource_name
@@ -26,13 +25,6 @@ PCI_IDS = PciIds.find()
 H100 = resource_name(PCI_IDS, 0x10DE, 0x2330)
 # Module IDs 1-8 in bus order (nodesim/hosts/dgx-h100.yaml).
 GPU = {n + 1: f"0000:{bus}:00.0" for n, bus in enumerate(("03", "04", "13", "14", "83", "84", "93", "94"))}
-
-
-def wait(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -79,7 +71,7 @@ def test_pods_of_1_2_4_and_8_gpus_each_get_one_active_partition(shared_node):
     assert fmsim.active(host.root) == [1, 5, 12]
     for name in ("four", "two", "one"):
         kubelet.remove_pod("default", name)
-    wait(lambda: fmsim.active(host.root) == [], timeout=5)
+    wait_for(lambda: fmsim.active(host.root) == [], "FM's active set emptied", timeout=5, every=0.05)
     kubelet.admit_pod("default", "eight", {"c": {H100: 8}})
     assert fmsim.active(host.root) == [0]
 
@@ -130,9 +122,9 @@ def test_fm_and_plugin_restarts_keep_the_active_set(shared_node):
     first.stop()
     fmsim.restart(host.root)
     start()
-    wait(lambda: fmsim.active(host.root) == [1, 5, 12])
+    wait_for(lambda: fmsim.active(host.root) == [1, 5, 12], "partitions 1, 5, 12 active", timeout=5, every=0.05)
     kubelet.remove_pod("default", "two")
-    wait(lambda: fmsim.active(host.root) == [1, 12])
+    wait_for(lambda: fmsim.active(host.root) == [1, 12], "partitions 1, 12 active", timeout=5, every=0.05)
 
 
 def test_fm_not_running_refuses_allocate_naming_it(shared_node):
