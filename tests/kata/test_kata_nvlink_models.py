@@ -56,6 +56,7 @@ def test_shared_nvswitch_a_pod_gets_exactly_its_partitions_gpus(kata_node, relea
         assert sorted(kata.cdi_devices) == [f"{H100}={g}" for g in gpus]
 
 
+@pytest.mark.kata_git
 def test_full_passthrough_the_board_unit_brings_every_gpu_and_nvswitch(kata_node, monkeypatch):
     monkeypatch.setattr(fullpassthrough, "GRACE", 0.5)
     monkeypatch.setattr(fullpassthrough, "WATCH_INTERVAL", 0.1)

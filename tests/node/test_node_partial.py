@@ -2,7 +2,7 @@
 had, beside a good one, with the real API server, scheduler, kubelet and containerd.
 
 The chart is applied from our image with examples/values/local-node.yaml plus a second
-class, ``kata-qemu-nvidia-gpu-snp``, whose artifacts name a registry nobody listens on (the
+class, ``kata-qemu-nvidia-gpu-tdx``, whose artifacts name a registry nobody listens on (the
 discard port on the agent pod's own loopback: refused at once, as the README's
 examples/values/mixed-cluster.yaml names a placeholder mirror for that class). What a user
 sees: the GPUs advertised, a Kata pod of the good class running; the failed class's offer
@@ -51,16 +51,20 @@ from support.nodekit import (
 from support.nodekit import NAMESPACE as RELEASE_NAMESPACE
 from support.paths import REPO
 
-from gpunode.kataclasses import GPU_SNP, offer_label
+from gpunode.kataclasses import GPU_TDX, offer_label
 
 NAMESPACE = "node-partial-tests"
 NODE_VALUES = REPO / "examples" / "values" / "local-node.yaml"
 AGENT_PORT = 9410  # the chart's metrics.agentPort
 # Nobody listens on the discard port of the agent pod's own loopback: connection refused at
 # once, on every machine (a placeholder name may resolve, or time out, by the host's DNS).
-UNREACHABLE = "127.0.0.1:9/mirror/kata-gpu-artifacts:ubuntu22.04-535.86.10-snp"
+UNREACHABLE = "127.0.0.1:9/mirror/kata-gpu-artifacts:ubuntu22.04-535.86.10-tdx"
 # hack/local-cluster puts an OCI layout with both classes' artifacts into the node's host.
-LAYOUT = f"oci-layout:///opt/kata-artifacts/layout:{GPU_SNP}"
+# A class no other test of the suite installs: katamgr keeps a class's installed artifacts
+# when its registry cannot be reached (katamgr.artifacts.install), so a class test_node_cc
+# installed earlier would not fail here. The fix takes the layout's -snp artifacts (no Kata
+# guest runs here: any kernel and initrd do).
+LAYOUT = "oci-layout:///opt/kata-artifacts/layout:kata-qemu-nvidia-gpu-snp"
 # The rolls here: the new agent pod scheduled, started on this 2-core machine, reconciled.
 ROLL_TIMEOUT = 240
 # The kubelet's readiness probe of the agent (the chart: every 10 s).
@@ -69,13 +73,13 @@ PROBE_TIMEOUT = 60
 RECONCILE_TIMEOUT = 180
 
 
-def values_with_snp(url: str) -> dict:
+def values_with_tdx(url: str) -> dict:
     values = yaml.safe_load(NODE_VALUES.read_text())
     # Not confidential here, so the offer label alone stands between its pods and the node
-    # (the CC-ready selector a -snp class adds is test_node_cc's); the node's containerd
+    # (the CC-ready selector a confidential class adds is test_node_cc's); the node's containerd
     # has a runtime handler of this name (hack/localnode.py).
     values["kataManager"]["config"]["runtimeClasses"].append(
-        {"name": GPU_SNP, "nodeSelector": {}, "confidential": False, "artifacts": {"url": url}})
+        {"name": GPU_TDX, "nodeSelector": {}, "confidential": False, "artifacts": {"url": url}})
     return values
 
 
@@ -144,7 +148,7 @@ def probe(pod: dict[str, Any], path: str) -> tuple[int, str]:
 
 def class_ready(node, pod: dict[str, Any]) -> dict[str, float | None]:
     text = node.scrape(pod, AGENT_PORT)
-    return {name: metric(text, "katamgr_runtime_class_ready", runtime_class=name) for name in (KATA_CLASS, GPU_SNP)}
+    return {name: metric(text, "katamgr_runtime_class_ready", runtime_class=name) for name in (KATA_CLASS, GPU_TDX)}
 
 
 def gpu_pod(name: str, runtime_class: str) -> dict[str, Any]:
@@ -196,11 +200,11 @@ def pod_events(node, pod: dict[str, Any], reason: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def broken(node, tmp_path_factory):
-    """The chart with the -snp class's artifacts unreachable; afterwards the chart, the
+    """The chart with the -tdx class's artifacts unreachable; afterwards the chart, the
     RuntimeClasses and the Node's labels as the package fixture left them."""
     node.cluster.namespace(NAMESPACE)
     before = seen(node, "RuntimeClassFailed")
-    agent = switch_chart(node, values_with_snp(UNREACHABLE), tmp_path_factory)
+    agent = switch_chart(node, values_with_tdx(UNREACHABLE), tmp_path_factory)
     try:
         yield agent, before
     finally:
@@ -211,11 +215,11 @@ def broken(node, tmp_path_factory):
         node.cluster_chart("up")
         # hack/local-chart applies and never prunes; helm upgrade deletes the class it no
         # longer renders (Helm owns the RuntimeClasses).
-        node.cluster.kubectl("delete", "runtimeclass", GPU_SNP, "--ignore-not-found", check=False)
+        node.cluster.kubectl("delete", "runtimeclass", GPU_TDX, "--ignore-not-found", check=False)
         wait_for(lambda: rolled_agent(node), "the agent's pod back on the node's values", ROLL_TIMEOUT, every=1)
         agent_ready(node)
         node.wait_chart_ready()
-        node.label(offer_label(GPU_SNP), None)  # where the last test failed before the agent took it off
+        node.label(offer_label(GPU_TDX), None)  # where the last test failed before the agent took it off
         node.wait_resource(GPU_RESOURCE, 8, timeout=120)
 
 
@@ -226,7 +230,7 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
     # /readyz names the class.
     status, why = wait_for(lambda: (r := probe(agent, "/readyz")) and "no reconcile" not in r[1] and r,
                            "the agent's first reconcile finished", RECONCILE_TIMEOUT, every=1)
-    assert status == 503 and f"runtime class(es) {GPU_SNP} failed and are not offered on this node" in why, why
+    assert status == 503 and f"runtime class(es) {GPU_TDX} failed and are not offered on this node" in why, why
     assert "127.0.0.1:9" in why and "connection refused" in why, why
     # The agent's pod stays NotReady by design: the kubelet's probe of /readyz fails (and
     # the device plugin beside it is ready).
@@ -237,16 +241,16 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
     assert not is_ready(agent)
     ready = {c["name"]: c["ready"] for c in agent["status"]["containerStatuses"]}
     assert ready == {"kata-manager": False, "sandbox-device-plugin": True}, ready
-    assert class_ready(node, agent) == {KATA_CLASS: 1, GPU_SNP: 0}
+    assert class_ready(node, agent) == {KATA_CLASS: 1, GPU_TDX: 0}
 
     # The GPUs are bound and advertised all the same; the good class is offered, the failed one not.
     node.wait_resource(GPU_RESOURCE, 8)
     offered = {k: v for k, v in labels(node).items() if k.startswith("runtimeclass.")}
     assert offered == {offer_label(KATA_CLASS): "true"}, offered
-    event = wait_for(lambda: new_events(node, "RuntimeClassFailed", failed_before, GPU_SNP),
+    event = wait_for(lambda: new_events(node, "RuntimeClassFailed", failed_before, GPU_TDX),
                      "a RuntimeClassFailed Event naming the class", 30, every=1)[-1]
     assert event["type"] == "Warning" and "127.0.0.1:9" in event["message"], event
-    assert f"RuntimeClass {GPU_SNP} is not offered on this node" in event["message"], event
+    assert f"RuntimeClass {GPU_TDX} is not offered on this node" in event["message"], event
 
     # A pod of the good class runs; one of the failed class waits with the scheduler's reason.
     node.run(gpu_pod("good", KATA_CLASS))
@@ -254,21 +258,21 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
     # (A Deployment, as such pods are run: its pod may be placed while the agent's rolled pod
     # re-registers the device plugin, and the kubelet then fails that pod at admission,
     # "UnexpectedAdmissionError ... no healthy devices"; the ReplicaSet makes another.)
-    node.run(gpu_deployment("waiting", GPU_SNP))
+    node.run(gpu_deployment("waiting", GPU_TDX))
     waiting, reason = wait_for(lambda: unschedulable(node, "app=waiting"), "the failed class's pod unschedulable",
                                60, every=1)
-    assert waiting["spec"]["nodeSelector"][offer_label(GPU_SNP)] == "true"  # RuntimeClass admission's copy
+    assert waiting["spec"]["nodeSelector"][offer_label(GPU_TDX)] == "true"  # RuntimeClass admission's copy
     assert reason["reason"] == "Unschedulable" and "node affinity/selector" in reason["message"], reason
     assert not node.pod(waiting["metadata"]["name"], NAMESPACE)["spec"].get("nodeName")
 
     # The class made good (its artifacts where the node can have them): helm upgrade.
     offered_before = seen(node, "RuntimeClassOffered")
-    switch_chart(node, values_with_snp(LAYOUT), tmp_path_factory)
+    switch_chart(node, values_with_tdx(LAYOUT), tmp_path_factory)
     agent = agent_ready(node)
-    assert class_ready(node, agent) == {KATA_CLASS: 1, GPU_SNP: 1}
+    assert class_ready(node, agent) == {KATA_CLASS: 1, GPU_TDX: 1}
     assert probe(agent, "/readyz") == (200, "ok: the last reconcile succeeded\n")
-    assert labels(node).get(offer_label(GPU_SNP)) == "true"
-    offered = wait_for(lambda: new_events(node, "RuntimeClassOffered", offered_before, GPU_SNP),
+    assert labels(node).get(offer_label(GPU_TDX)) == "true"
+    offered = wait_for(lambda: new_events(node, "RuntimeClassOffered", offered_before, GPU_TDX),
                        "a RuntimeClassOffered Event naming the class", 30, every=1)
     assert offered[-1]["type"] == "Normal", offered
     try:
@@ -286,15 +290,15 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
 def test_a_class_dropped_from_the_values_is_no_longer_offered(node, broken):
     node.cluster.kubectl("delete", "deployment", "waiting", "-n", NAMESPACE, "--wait=true", timeout=120)
     node.delete_pod("good", NAMESPACE)
-    # Back to the node's own values, which name no -snp class; Helm deletes its RuntimeClass.
+    # Back to the node's own values, which name no -tdx class; Helm deletes its RuntimeClass.
     withdrawn_before = seen(node, "RuntimeClassNotOffered")
     node.cluster_chart("up")
-    node.cluster.kubectl("delete", "runtimeclass", GPU_SNP, "--ignore-not-found")
+    node.cluster.kubectl("delete", "runtimeclass", GPU_TDX, "--ignore-not-found")
     wait_for(lambda: rolled_agent(node), "the agent's pod rolled back to the node's values", ROLL_TIMEOUT, every=1)
     agent = agent_ready(node)
     # Its runtime is gone from containerd's config here: no label may still offer it.
     offered = {k: v for k, v in labels(node).items() if k.startswith("runtimeclass.")}
     assert offered == {offer_label(KATA_CLASS): "true"}, offered
-    assert class_ready(node, agent) == {KATA_CLASS: 1, GPU_SNP: None}
-    wait_for(lambda: new_events(node, "RuntimeClassNotOffered", withdrawn_before, GPU_SNP),
+    assert class_ready(node, agent) == {KATA_CLASS: 1, GPU_TDX: None}
+    wait_for(lambda: new_events(node, "RuntimeClassNotOffered", withdrawn_before, GPU_TDX),
              "a RuntimeClassNotOffered Event naming the class", 30, every=1)
