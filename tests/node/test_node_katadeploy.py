@@ -27,7 +27,7 @@ import pytest
 import yaml
 from support.katadeploynode import KataDeployed, shim_binary
 from support.kubecluster import wait_for
-from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NAMESPACE, vm_devices
+from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NAMESPACE, ask_kata, vm_devices
 
 from gpunode.policy.katadetect import RELEASE_LABEL
 from nodesim.katadeploy import KataInstall
@@ -180,6 +180,10 @@ def test_a_gpu_kata_pod_runs_through_kata_deploy_s_runtime(node, kata_deploy):
     plug = vm_devices(node, PODS, "through-kata-deploy")
     env = dict(line.split("=", 1) for line in log.splitlines() if "=" in line)
     assert sorted(plug.functions) == sorted(env["PCI_RESOURCE_NVIDIA_COM_GH100H100_SXM5_80GB"].split(","))
+    # Kata's own code (the oracle of the release kata-deploy laid out) decides the same.
+    kata = ask_kata(node, "3.29.0", PODS, "through-kata-deploy")
+    assert kata.ok, kata.error
+    assert sorted(kata.plugged) == sorted(plug.functions)
 
 
 def _shim_processes(exe: str) -> dict[int, str]:
