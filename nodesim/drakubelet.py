@@ -57,6 +57,7 @@ from kubeletapi import dra_pb2 as dra
 from kubeletapi import dra_pb2_grpc as dra_grpc
 from kubeletapi import pluginregistration_pb2 as reg
 from kubeletapi import pluginregistration_pb2_grpc as reg_grpc
+from nodesim.dial import dial
 from nodesim.podresources import ClaimDevice, ClaimRecord, ContainerRecord, PodRecord
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,7 @@ class DraKubelet:
     def _register(self, path: str) -> bool:
         """One registration; False when it is to be tried again."""
         host_socket = self.host_root.host_path(path)
-        with grpc.insecure_channel(f"unix://{path}") as channel:
+        with dial(path) as channel:
             client = reg_grpc.RegistrationStub(channel)
             try:
                 info = client.GetInfo(reg.InfoRequest(), timeout=GET_INFO_TIMEOUT)
@@ -232,7 +233,7 @@ class DraKubelet:
                 # simulated node (below its runtime root, when it has one).
                 target = self.host_root.path(self.host_root.host_node(endpoint))
                 with self._cond:
-                    self._plugins[path] = (registration, grpc.insecure_channel(f"unix://{target}"))
+                    self._plugins[path] = (registration, dial(target))
                     self._state.registrations.append(registration)
                     self._cond.notify_all()
             try:

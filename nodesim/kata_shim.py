@@ -62,6 +62,7 @@ import cdi
 from gpunode.host.root import HostRoot
 from kubeletapi import podresources_pb2 as pr
 from kubeletapi import podresources_pb2_grpc as pr_grpc
+from nodesim.dial import dial
 
 NAME_ANNOTATIONS = ("io.kubernetes.cri.sandbox-name", "io.kubernetes.cri-o.KubeName")
 NAMESPACE_ANNOTATIONS = ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri-o.Namespace")
@@ -135,7 +136,7 @@ def _go_status(exc: grpc.RpcError) -> str:
 
 def _pod_resources(socket: os.PathLike[str] | str, annotations: Mapping[str, str], release: str = LATEST):
     name, namespace = pod_identity(annotations, release)
-    with grpc.insecure_channel(f"unix://{socket}") as channel:
+    with dial(socket) as channel:
         stub = pr_grpc.PodResourcesListerStub(channel)
         try:
             answer = stub.Get(pr.GetPodResourcesRequest(pod_name=name, pod_namespace=namespace), timeout=5)

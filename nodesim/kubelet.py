@@ -50,6 +50,7 @@ from gpunode.k8snames import is_extended_resource_name
 from kubeletapi import deviceplugin_pb2 as pb
 from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 from kubeletapi.deviceplugin_paths import API_VERSION, DEVICE_PLUGIN_DIR, KUBELET_SOCKET
+from nodesim.dial import dial
 from nodesim.kubeletstate import HISTORY, AdmissionError, KubeletState, PluginOptions, Registration
 from nodesim.podresources import (
     POD_RESOURCES_SOCKET,
@@ -71,7 +72,7 @@ class _Endpoint:
     def __init__(self, sim: KubeletSimulator, registration: Registration, socket: Path) -> None:
         self.sim = sim
         self.registration = registration
-        self.channel = grpc.insecure_channel(f"unix://{socket}")
+        self.channel = dial(socket)
         self.stub = pb_grpc.DevicePluginStub(self.channel)
         self._stream = None
         self._closed = threading.Event()

@@ -28,6 +28,7 @@ from gpunode.services.backoff import Backoff
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from kubeletapi import deviceplugin_pb2 as pb
+from nodesim.dial import dial
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.served import DEATHS_TOLERATED, ServedSocket
 
@@ -67,7 +68,7 @@ def dying_epoll(monkeypatch):
 
 
 def call(path, request: bytes = b"ping", method: str = ECHO) -> bytes:
-    with grpc.insecure_channel(f"unix://{path}") as channel:
+    with dial(path) as channel:
         return channel.unary_unary(method)(request, timeout=10)
 
 
