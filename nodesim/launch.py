@@ -5,8 +5,11 @@ nodesim.launch:SIMULATOR`` where that is not registered), implementing
 
 It builds what a simulated node brings (its root with the emulated kernel, its NVML, its
 Fabric Manager, its kubelet and Kata shim stand-ins) and hands them to the programs as
-explicit settings; they never import this package. Loading it stays light (the profiles
-only): the kubelet and the shim, which speak gRPC with grpcio, load when the demo asks.
+explicit settings; they never import this package. Every program start on a real node
+loads it (the production image keeps the package, below), so loading it costs nothing
+but this module and the marker's name: a root without the marker is answered before the
+emulated kernel, the profiles or the stand-ins are imported (about 30 ms and 1 MiB of a
+device plugin's start otherwise).
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ from typing import Any
 
 from gpunode.host.root import HostRoot
 from gpunode.services.simulator import NodeExtras, ProfileInfo
-from nodesim.node import open_node
-from nodesim.profiles import find_profile, shipped_names
+from nodesim.marker import MARKER
 
 
 class NodeSimulator:
@@ -31,18 +33,27 @@ class NodeSimulator:
         return ColdPlugError
 
     def profile_names(self) -> list[str]:
+        from nodesim.profiles import shipped_names
+
         return shipped_names()
 
     def profile(self, name_or_path: str) -> ProfileInfo:
+        from nodesim.profiles import find_profile
+
         profile = find_profile(name_or_path)
         return ProfileInfo(profile.name, profile.description, len(profile.devices))
 
     def materialise(self, name_or_path: str, into: Path, *, real_device_nodes: bool = False) -> HostRoot:
         from nodesim.materialise import materialise
+        from nodesim.profiles import find_profile
 
         return materialise(find_profile(name_or_path), into, real_device_nodes=real_device_nodes)
 
     def open_root(self, root: Path, runtime_root: str = "/") -> tuple[HostRoot, NodeExtras] | None:
+        if not (Path(root) / MARKER).is_file():
+            return None  # a real node (open_node says the same, after its imports)
+        from nodesim.node import open_node
+
         node = open_node(root, runtime_root)
         if node is None:
             return None

@@ -202,21 +202,18 @@ def add_selection(parser) -> None:
              "3.25.0; what its cold-plug can take (default or empty: found in containerd's config)")
 
 
+def _parsed(texts, parse, flag: str) -> list:
+    try:
+        return [parse(text) for text in texts or []]
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def selection_from(args: argparse.Namespace, base: sel.Selection = sel.DEFAULT_SELECTION) -> sel.Selection:
     """``base`` (the config's rules) with the command line's added; ValueError naming the
     option and the bad value."""
-    include = []
-    for text in args.include_device or []:
-        try:
-            include.append(sel.parse_include(text))
-        except ValueError as exc:
-            raise ValueError(f"{sel.INCLUDE_FLAG}: {exc}") from None
-    exclude = []
-    for text in args.exclude_device or []:
-        try:
-            exclude.append(sel.parse_exclude(text))
-        except ValueError as exc:
-            raise ValueError(f"{sel.EXCLUDE_FLAG}: {exc}") from None
+    include = _parsed(args.include_device, sel.parse_include, sel.INCLUDE_FLAG)
+    exclude = _parsed(args.exclude_device, sel.parse_exclude, sel.EXCLUDE_FLAG)
     merged = base.merged(sel.Selection(tuple(include), tuple(exclude)))
     nvswitches = getattr(args, "nvswitches", None)
     try:

@@ -39,3 +39,18 @@ def test_plan_on_a_node_imports_no_cluster_registry_or_config_library(tmp_path):
 def test_plan_json_with_a_workload_given_stays_light(tmp_path):
     result = _loaded("plan", "--host", "a10-server", "--output", "json", "--workload", "vm-passthrough")
     assert result["loaded"] == []
+
+
+def test_a_real_node_loads_nothing_of_the_simulated_node_but_its_marker(tmp_path):
+    # The image keeps nodesim, so every program start on a real node asks it whether the
+    # root is one it made: the answer must not cost the emulated kernel, the profiles and
+    # the stand-ins (about 30 ms and 1 MiB of the device plugin's start, bench_plugin.py).
+    probe = ("import json, sys; from gpunode.services.simulator import open_host, REAL_NODE; "
+             f"host, extras = open_host({str(tmp_path)!r}); "
+             "print(json.dumps({'real': extras == REAL_NODE, "
+             "'loaded': sorted(m for m in sys.modules if m.startswith('nodesim'))}))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["real"]
+    assert set(result["loaded"]) <= {"nodesim", "nodesim.launch", "nodesim.marker"}, result["loaded"]
