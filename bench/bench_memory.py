@@ -206,7 +206,9 @@ def passthrough_plugin(tmp: Path) -> float:
                 call(request, timeout=10)
         import multiprocessing
 
-        calls.paced(multiprocessing.get_context("spawn"), socket, gpus, calls.Load(100, 10.0, 4.0), 4)
+        # One GPU a call: the plugin runs with the fabric as the chart's does (dgx-h100's Fabric
+        # Manager, Shared NVSwitch model), where two GPUs must be one partition.
+        calls.paced(multiprocessing.get_context("spawn"), socket, gpus, calls.Load(100, 10.0, 4.0, pairs=False), 4)
         subprocess.run([PYTHON, str(REPO / "tests/plugin/hostile.py"), "large_bodies", str(socket), "4"],
                        cwd=REPO, env=ENV, capture_output=True, timeout=120, check=True)
 

@@ -164,8 +164,12 @@ def one_round(ctx, host: HostRoot, kubelet: Kubelet, source: Path, args, log: Pa
             launched = time.monotonic()
             plugin = subprocess.Popen(
                 # As the chart runs it: metrics on (prometheus_client and the HTTP server are
-                # part of its start-up and memory).
+                # part of its start-up and memory). No NVLink fabric: dgx-h100 runs Fabric
+                # Manager in the Shared NVSwitch model, where a 2-GPU Allocate must name one
+                # partition and activates it; the targets and NVIDIA's figures are for Allocate
+                # without FM (bench_nvlink.py times the partitions).
                 [sys.executable, "-m", "sandbox_plugin.cli", "--workload", "vm-passthrough",
+                 "--nvlink-fabric", "off",
                  "--host-root", str(host.root), "--metrics-address", f"127.0.0.1:{free_port()}"],
                 cwd=source, env=env, stdout=output, stderr=subprocess.STDOUT,
             )

@@ -38,6 +38,9 @@ class Load:
     callers: int
     rate: float  # calls per second per caller
     seconds: float
+    # Half the callers ask for two GPUs, any two: a plugin with Fabric Manager in the Shared
+    # NVSwitch model refuses two that are not one partition, so a load on it asks for one.
+    pairs: bool = True
 
 
 def caller_process(socket: str, gpus: list[str], indexes: list[int], load: Load, gate, out) -> None:
@@ -53,7 +56,7 @@ def caller_process(socket: str, gpus: list[str], indexes: list[int], load: Load,
     def caller(index: int) -> None:
         # Half the pods ask for one GPU, half for two.
         wanted = [gpus[index % len(gpus)]]
-        if index % 2 == 0:
+        if load.pairs and index % 2 == 0:
             wanted.append(gpus[(index + 1) % len(gpus)])
         request = allocate_request(wanted)
         mine = []
