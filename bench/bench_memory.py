@@ -175,8 +175,8 @@ def agent(tmp: Path) -> dict[str, float]:
 
 
 def passthrough_plugin(tmp: Path) -> float:
-    import bench_plugin as bp
     import grpc
+    import plugincallers as calls
 
     from gpunode.host.pciids import PciIds
     from gpunode.policy.naming import Naming, resource_name
@@ -199,14 +199,16 @@ def passthrough_plugin(tmp: Path) -> float:
     def work() -> None:
         state = kubelet.wait_for(lambda s: len(s.devices.get(h100, [])) == 8, timeout=60)
         gpus = [d.id for d in state.devices[h100]]
-        request = bp.allocate_request([gpus[0]])
+        request = calls.allocate_request([gpus[0]])
         with grpc.insecure_channel(f"unix://{socket}") as channel:
-            call = channel.unary_unary(bp.ALLOCATE)
+            call = channel.unary_unary(calls.ALLOCATE)
             for _ in range(2000):
                 call(request, timeout=10)
         import multiprocessing
 
-        bp.paced(multiprocessing.get_context("spawn"), socket, gpus, bp.Load(100, 10.0, 4.0), 4)
+        # One GPU a call: the plugin runs with the fabric as the chart's does (dgx-h100's Fabric
+        # Manager, Shared NVSwitch model), where two GPUs must be one partition.
+        calls.paced(multiprocessing.get_context("spawn"), socket, gpus, calls.Load(100, 10.0, 4.0, pairs=False), 4)
         subprocess.run([PYTHON, str(REPO / "tests/plugin/hostile.py"), "large_bodies", str(socket), "4"],
                        cwd=REPO, env=ENV, capture_output=True, timeout=120, check=True)
 

@@ -39,6 +39,9 @@ With --baseline DIR (another checkout of this repository, e.g. made with
 round, interleaved with this one, so both see the same machine load. Figures
 are medians over the rounds. Prints every figure next to its target; asserts
 nothing.
+
+Beside this script: plugincallers.py (the serial and paced Allocate callers) and
+pluginkubelet.py (the kubelet's Registration server and timestamped ListAndWatch stream).
 """
 
 from __future__ import annotations
@@ -46,22 +49,21 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import random
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
+from plugincallers import Load, allocate_request, paced, serial  # noqa: E402 - beside this script
+from pluginkubelet import HealthWatch, Kubelet  # noqa: E402 - beside this script
 from support.registry_server import free_port  # noqa: E402
 
 from gpunode.host.pciids import PciIds  # noqa: E402
@@ -71,9 +73,6 @@ from sandbox_plugin.resources import HEALTHY, UNHEALTHY  # noqa: E402
 
 PROFILE = "dgx-h100"
 HEALTH_NODE, HEALTH_DEVICE = "/dev/vfio/16", "0000:13:00.0"
-ALLOCATE = "/v1beta1.DevicePlugin/Allocate"
-LIST_AND_WATCH = "/v1beta1.DevicePlugin/ListAndWatch"
-REGISTER = "/v1beta1.Registration/Register"
 
 # (figure, target, NVIDIA's sandbox-device-plugin on the same node): the targets are issue
 # 27's (on h2), the launch issue 21's; NVIDIA's figures are issue 21's, its serial p50 issue
@@ -121,14 +120,6 @@ def simulated_dgx(root: str) -> HostRoot:
     return host
 
 
-def allocate_request(ids: list[str]) -> bytes:
-    from kubeletapi import deviceplugin_pb2 as pb
-
-    return pb.AllocateRequest(
-        container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]
-    ).SerializeToString()
-
-
 def proc_status(pid: int) -> dict[str, str]:
     out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -137,216 +128,12 @@ def proc_status(pid: int) -> dict[str, str]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User+system CPU time of process ``pid`` so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-# -- the paced callers (child processes) ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class Load:
-    callers: int
-    rate: float  # calls per second per caller
-    seconds: float
-
-
-def caller_process(socket: str, gpus: list[str], indexes: list[int], load: Load, gate, out) -> None:
-    """Run the callers ``indexes`` as threads, each on its own grpcio channel (and connection);
-    put their latencies on ``out``."""
-    import grpc
-
-    latencies: list[float] = []
-    failures = []
-    lock = threading.Lock()
-    connected = threading.Barrier(len(indexes) + 1)
-
-    def caller(index: int) -> None:
-        # Half the pods ask for one GPU, half for two.
-        wanted = [gpus[index % len(gpus)]]
-        if index % 2 == 0:
-            wanted.append(gpus[(index + 1) % len(gpus)])
-        request = allocate_request(wanted)
-        mine = []
-        try:
-            with grpc.insecure_channel(f"unix://{socket}",
-                                       options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
-                call = channel.unary_unary(ALLOCATE)  # bytes in, bytes out: no (de)serializing
-                call(request, timeout=10)  # connected before the clock starts
-                connected.wait()
-                interval = 1.0 / load.rate
-                time.sleep(random.uniform(0, interval))
-                next_at = time.monotonic()
-                end = next_at + load.seconds
-                while next_at < end:
-                    next_at += interval
-                    begin = time.perf_counter()
-                    call(request, timeout=10)
-                    mine.append(time.perf_counter() - begin)
-                    time.sleep(max(0.0, next_at - time.monotonic()))
-        except Exception as exc:  # a refused or failed call: the whole run is void
-            failures.append(exc)
-            if connected.n_waiting:
-                connected.abort()
-        with lock:
-            latencies.extend(mine)
-
-    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in indexes]
-    for thread in threads:
-        thread.start()
-    try:
-        connected.wait()  # every caller of this process is connected
-        gate.wait()  # ... and of every other process
-    except threading.BrokenBarrierError:
-        gate.abort()
-    for thread in threads:
-        thread.join()
-    out.put(None if failures else latencies)
-
-
-def paced(ctx, socket: Path, gpus: list[str], load: Load, procs: int) -> list[float]:
-    procs = max(1, min(procs, load.callers))
-    gate = ctx.Barrier(procs)
-    out = ctx.Queue()
-    children = [
-        ctx.Process(target=caller_process,
-                    args=(str(socket), gpus, list(range(n, load.callers, procs)), load, gate, out))
-        for n in range(procs)
-    ]
-    for child in children:
-        child.start()
-    results = [out.get(timeout=120 + load.seconds) for _ in children]
-    for child in children:
-        child.join(10)
-    if any(r is None for r in results):
-        raise SystemExit("a paced caller could not connect, or a call failed")
-    return [x for r in results for x in r]
-
-
-# -- the kubelet's side: Registration, and ListAndWatch timestamped --------------------
-
-
-class Kubelet:
-    """Serves Registration on kubelet.sock and records when each Register came."""
-
-    def __init__(self, host: HostRoot) -> None:
-        from grpcwire.server import GrpcServer
-        from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
-
-        directory = host.path(DEVICE_PLUGIN_DIR)
-        directory.mkdir(parents=True, exist_ok=True)
-        self._cond = threading.Condition()
-        self.registrations: list[tuple[float, str]] = []  # (monotonic, resource name)
-        self._server = GrpcServer(str(directory / "kubelet.sock"), {REGISTER: self._register}, name="kubelet")
-        self._server.start()
-
-    def _register(self, request: bytes) -> bytes:
-        from kubeletapi import deviceplugin_pb2 as pb
-
-        arrived = time.monotonic()
-        name = pb.RegisterRequest.FromString(request).resource_name
-        with self._cond:
-            self.registrations.append((arrived, name))
-            self._cond.notify_all()
-        return b""  # Empty
-
-    def first_register(self, name: str, after: float, timeout: float = 60.0) -> float:
-        """When the first Register since ``after`` came, once ``name`` has registered too."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not any(t >= after and n == name for t, n in self.registrations):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{name} did not register")
-                self._cond.wait(left)
-            return min(t for t, _ in self.registrations if t >= after)
-
-    def stop(self) -> None:
-        self._server.stop()
-
-
-class HealthWatch:
-    """A ListAndWatch stream (grpcio) read in a thread, each message timestamped as it arrives."""
-
-    def __init__(self, socket: Path) -> None:
-        import grpc
-
-        self._channel = grpc.insecure_channel(f"unix://{socket}")
-        self._cond = threading.Condition()
-        self.seen: list[tuple[float, str | None]] = []  # (perf_counter, health of HEALTH_DEVICE)
-        self.healthy: list[str] = []  # in the latest list
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        from kubeletapi import deviceplugin_pb2 as pb
-
-        try:
-            for message in self._channel.unary_stream(LIST_AND_WATCH)(pb.Empty().SerializeToString()):
-                arrived = time.perf_counter()
-                devices = pb.ListAndWatchResponse.FromString(message).devices
-                health = next((d.health for d in devices if d.ID == HEALTH_DEVICE), None)
-                with self._cond:
-                    self.seen.append((arrived, health))
-                    self.healthy = [d.ID for d in devices if d.health == HEALTHY]
-                    self._cond.notify_all()
-        except Exception:  # the plugin stopped: the stream is over
-            pass
-
-    def wait_healthy(self, count: int, timeout: float = 30.0) -> list[str]:
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while len(self.healthy) != count:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"never {count} healthy devices: {self.healthy}")
-                self._cond.wait(left)
-            return list(self.healthy)
-
-    def wait(self, health: str, after: float, timeout: float = 5.0) -> float:
-        """When the stream first said ``health`` after ``after``; TimeoutError if it did not."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                hit = next((t for t, h in self.seen if t >= after and h == health), None)
-                if hit is not None:
-                    return hit
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{HEALTH_DEVICE} never turned {health}")
-                self._cond.wait(left)
-
-    def close(self) -> None:
-        self._channel.close()
-
-
 # -- one round -------------------------------------------------------------------------
-
-
-def serial(socket: Path, request: bytes, calls: int, pid: int) -> tuple[list[float], float]:
-    """``calls`` Allocates back to back through grpcio's client, each timed around the call;
-    and the plugin's CPU seconds over them."""
-    import grpc
-
-    with grpc.insecure_channel(f"unix://{socket}") as channel:
-        call = channel.unary_unary(ALLOCATE)  # bytes in, bytes out: no (de)serializing
-        for _ in range(200):
-            call(request, timeout=10)
-        out = []
-        cpu_before = cpu_seconds(pid)
-        for _ in range(calls):
-            begin = time.perf_counter()
-            call(request, timeout=10)
-            out.append(time.perf_counter() - begin)
-        cpu = cpu_seconds(pid) - cpu_before
-    return out, cpu
 
 
 def plugin_env(source: Path, pycache: Path) -> dict[str, str]:
@@ -377,8 +164,12 @@ def one_round(ctx, host: HostRoot, kubelet: Kubelet, source: Path, args, log: Pa
             launched = time.monotonic()
             plugin = subprocess.Popen(
                 # As the chart runs it: metrics on (prometheus_client and the HTTP server are
-                # part of its start-up and memory).
+                # part of its start-up and memory). No NVLink fabric: dgx-h100 runs Fabric
+                # Manager in the Shared NVSwitch model, where a 2-GPU Allocate must name one
+                # partition and activates it; the targets and NVIDIA's figures are for Allocate
+                # without FM (bench_nvlink.py times the partitions).
                 [sys.executable, "-m", "sandbox_plugin.cli", "--workload", "vm-passthrough",
+                 "--nvlink-fabric", "off",
                  "--host-root", str(host.root), "--metrics-address", f"127.0.0.1:{free_port()}"],
                 cwd=source, env=env, stdout=output, stderr=subprocess.STDOUT,
             )
@@ -399,7 +190,7 @@ def one_round(ctx, host: HostRoot, kubelet: Kubelet, source: Path, args, log: Pa
     figures["launch to first Register (ms)"] = statistics.median(starts)
     watch = None
     try:
-        watch = HealthWatch(socket)
+        watch = HealthWatch(socket, HEALTH_DEVICE)
         gpus = watch.wait_healthy(8)
         time.sleep(0.3)  # the plugin's start-up work (the first rescan) is over
 

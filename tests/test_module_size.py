@@ -13,9 +13,6 @@ LIMIT = 450
 # lead removes each line as it is split. A file here that is no longer over the limit
 # fails the second test, so the list only shrinks.
 KNOWN = {
-    # Another branch edits them now (a split here would only make its merge conflict):
-    "tests/pipeline/test_workload_switch.py",  # h36-entry: how the tests build the Agent
-    "bench/bench_plugin.py",  # h36-options: the plugin's flags
     # Left for a later pass (issue 36): each needs the suite it serves run to prove the split.
     "tests/support/apiserver.py",  # the API server stand-in: tests/cluster, pipeline, chart
     "tests/node/test_node_switch_faults.py",  # the node suite (a real kubelet and containerd)
