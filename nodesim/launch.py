@@ -5,11 +5,8 @@ nodesim.launch:SIMULATOR`` where that is not registered), implementing
 
 It builds what a simulated node brings (its root with the emulated kernel, its NVML, its
 Fabric Manager, its kubelet and Kata shim stand-ins) and hands them to the programs as
-explicit settings; they never import this package. Every program start on a real node
-loads it (the production image keeps the package, below), so loading it costs nothing
-but this module and the marker's name: a root without the marker is answered before the
-emulated kernel, the profiles or the stand-ins are imported (about 30 ms and 1 MiB of a
-device plugin's start otherwise).
+explicit settings; they never import this package. Loading it imports nothing else: the
+profiles, the emulated kernel and the stand-ins (grpcio) load when a command asks for them.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from typing import Any
 
 from gpunode.host.root import HostRoot
 from gpunode.services.simulator import NodeExtras, ProfileInfo
-from nodesim.marker import MARKER
 
 
 class NodeSimulator:
@@ -50,8 +46,6 @@ class NodeSimulator:
         return materialise(find_profile(name_or_path), into, real_device_nodes=real_device_nodes)
 
     def open_root(self, root: Path, runtime_root: str = "/") -> tuple[HostRoot, NodeExtras] | None:
-        if not (Path(root) / MARKER).is_file():
-            return None  # a real node (open_node says the same, after its imports)
         from nodesim.node import open_node
 
         node = open_node(root, runtime_root)

@@ -16,10 +16,10 @@ from gpunode.host.errors import HostError
 from gpunode.host.root import HostRoot
 
 # The emulated kernel's settings and state; its presence is how a root `katamgr simulate`
-# made is told from a real one (nodesim.node.open_node). In /sys: the one host dir every
-# container of the chart mounts (so a simulated node is one inside the pods too), and one
-# where a real node can hold no such file.
-MARKER = "sys/katamgr-simulated-host"
+# made is told from a real one (the simulator contract's marker, nodesim.node.open_node).
+from gpunode.services.simulator import MARKER
+
+
 def marker(host: HostRoot) -> dict:
     return json.loads((host.root / MARKER).read_text())
 

@@ -86,12 +86,18 @@ def _profile_names() -> str:
     return ", ".join(sim.profile_names()) if sim is not None else "none (the simulated node is not installed)"
 
 
+class _TopParser(argparse.ArgumentParser):
+    """katamgr's parser, whose help lists the shipped profiles: asked for only when the help
+    is shown, since finding the simulated node scans the installed packages' metadata."""
+
+    def format_help(self) -> str:
+        self.epilog = EPILOG.format(profiles=_profile_names(), exit_codes=exit_code_table())
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="katamgr", description=DESCRIPTION,
-        epilog=EPILOG.format(profiles=_profile_names(), exit_codes=exit_code_table()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = _TopParser(prog="katamgr", description=DESCRIPTION,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     options.add_version(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -198,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="materialise a host profile as a host root",
                        description="Write a simulated node (sysfs shape, /dev/vfio, /proc) for PROFILE into DIR; "
                                    "use it with --host-root DIR. Binding writes there are answered by an emulated kernel.")
-    p.add_argument("profile", metavar="PROFILE", help=f"a profile file or one of: {_profile_names()}")
+    p.add_argument("profile", metavar="PROFILE", help="a profile file or the name of a shipped one (`katamgr --help` lists them)")
     p.add_argument("--into", required=True, metavar="DIR", help="a new or empty directory")
     p.add_argument("--real-device-nodes", action="store_true",
                    help="make /dev/vfio nodes character devices that reach no device, named "

@@ -7,6 +7,7 @@ where it is not installed."""
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import tomllib
 from importlib.metadata import EntryPoint
 
@@ -69,7 +70,7 @@ def test_the_entry_point_is_the_simulator_the_programs_use():
 def no_simulator(monkeypatch):
     """A production install: no entry point in the group and no KATAMGR_SIMULATOR."""
     monkeypatch.delenv(simulator.ENV, raising=False)
-    monkeypatch.setattr(simulator, "entry_points", lambda **_: [])
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **_: [])
     simulator.installed.cache_clear()
     yield
     simulator.installed.cache_clear()
