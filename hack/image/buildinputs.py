@@ -53,7 +53,7 @@ def source_date_epoch() -> int:
 
 
 def chart_ref() -> str:
-    """The image the chart renders by default: templates/_helpers.tpl's ksm.image,
+    """The image the chart renders by default: templates/_names.tpl's ksm.image,
     repository/name:(tag or appVersion)."""
     import yaml
 

@@ -1,0 +1,167 @@
+{{/*
+The two isolation layers (isolation-webhook.yaml, isolation-policy.yaml): what each looks
+at (the pod admission requests, the namespace and object selectors), the CEL both policies
+share (the GPU resources, the Kata handlers, the containers asking for a GPU), and one
+webhook entry.
+*/}}
+
+{{/*
+The resources devices.include advertises, as a JSON list. Each is a passthrough resource
+whatever its domain: the isolation webhook (--passthrough-resource) and the admission
+policy guard them without the operator listing them in isolation.passthroughResources.
+(A resource name holds no glob character, so as a webhook pattern it matches itself only.)
+*/}}
+{{- define "ksm.includedResources" -}}
+{{- $out := list -}}
+{{- range ((.Values.devices | default dict).include | default list) }}
+{{- $out = append $out .resource -}}
+{{- end -}}
+{{- $out | uniq | toJson -}}
+{{- end -}}
+
+{{/*
+"true" when the cluster serves admissionregistration.k8s.io/v1 ValidatingAdmissionPolicy
+(Kubernetes 1.30+), as Helm learns from the API server at install and upgrade. helm template
+knows only what --api-versions tells it.
+*/}}
+{{- define "ksm.admissionPolicyServed" -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/*
+The admission requests both isolation layers look at: a Pod's CREATE, and the UPDATE of its
+pods/ephemeralcontainers subresource (kubectl debug). Never a plain Pod UPDATE: a container's
+env cannot change after create, so a pod made before the install must stay updatable.
+Call with (dict "key" KEY "scope" SCOPE): the policy's resourceRules (no scope), the
+webhook's rules (scope Namespaced).
+*/}}
+{{- define "ksm.podAdmissionRules" -}}
+{{ .key }}:
+{{- range $operation, $resource := dict "CREATE" "pods" "UPDATE" "pods/ephemeralcontainers" }}
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: [{{ $operation | quote }}]
+    resources: [{{ $resource | quote }}]
+    {{- with $.scope }}
+    scope: {{ . }}
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The pods an isolation layer looks at, as the namespaceSelector and objectSelector of a
+webhook entry or an admission policy binding's matchResources. Call with (list $ VALUES),
+VALUES isolation.webhook or isolation.admissionPolicy: its own selectors, with the release
+namespace and isolation.excludedNamespaces (default kube-system, gpu-operator) excluded, and
+every namespace labeled isolation.kata-sandbox-manager.io/exempt=true.
+*/}}
+{{- define "ksm.isolationSelectors" -}}
+{{- $root := index . 0 -}}
+{{- $layer := index . 1 -}}
+{{- $selector := deepCopy ($layer.namespaceSelector | default dict) -}}
+{{- $excluded := concat (list $root.Release.Namespace) ($root.Values.isolation.excludedNamespaces | default list) | uniq -}}
+{{- $exempt := dict "key" "isolation.kata-sandbox-manager.io/exempt" "operator" "NotIn" "values" (list "true") -}}
+{{- $exprs := concat ($selector.matchExpressions | default list) (list (dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" $excluded) $exempt) -}}
+{{- $_ := set $selector "matchExpressions" $exprs -}}
+namespaceSelector:
+  {{- toYaml $selector | nindent 2 }}
+objectSelector:
+  {{- toYaml ($layer.objectSelector | default dict) | nindent 2 }}
+{{- end -}}
+
+{{/*
+CEL: whether the string variable named (list root NAME) is a GPU's resource name or CDI
+kind: nvidia.com/*, or a resource devices.include advertises (the webhook's is_gpu and
+names_gpu with its default patterns).
+*/}}
+{{- define "ksm.policyGpuKind" -}}
+{{- $v := index . 1 -}}
+{{- $included := include "ksm.includedResources" (index . 0) -}}
+{{- if eq $included "[]" -}}
+{{ $v }}.startsWith('nvidia.com/')
+{{- else -}}
+({{ $v }}.startsWith('nvidia.com/') || {{ $v }} in {{ $included }})
+{{- end -}}
+{{- end -}}
+
+{{/* CEL: params (a RuntimeClass) has a handler one of the patterns given allows (a name,
+or a prefix ending in *): isolation.kataHandlers or isolation.kataGpuHandlers. */}}
+{{- define "ksm.policyHandlerIn" -}}
+{{- $out := list -}}
+{{- range . -}}
+{{- if hasSuffix "*" . -}}
+{{- $out = append $out (printf "params.handler.startsWith(%s)" (trimSuffix "*" . | squote)) -}}
+{{- else -}}
+{{- $out = append $out (printf "params.handler == %s" (squote .)) -}}
+{{- end -}}
+{{- end -}}
+({{ join " || " $out | default "false" }})
+{{- end -}}
+
+{{/*
+The variables both admission policies share: which containers are looked at (all on a
+create; the ephemeral ones on pods/ephemeralcontainers), the passthrough requests, the
+runtime class, and the containers that ask for a GPU (a GPU resource, or a ResourceClaim).
+*/}}
+{{- define "ksm.policyVariables" -}}
+{{- $gpu := include "ksm.policyGpuKind" (list . "k") -}}
+{{- $pt := printf "%s && !(k in ['nvidia.com/gpu', 'nvidia.com/gpu.shared']) && !k.startsWith('nvidia.com/mig-')" $gpu -}}
+- name: ephemeral
+  expression: >-
+    has(request.subResource) && request.subResource == 'ephemeralcontainers'
+- name: initContainers
+  expression: >-
+    has(object.spec.initContainers) ? object.spec.initContainers : []
+- name: ephemeralContainers
+  expression: >-
+    has(object.spec.ephemeralContainers) ? object.spec.ephemeralContainers : []
+- name: containers
+  expression: >-
+    variables.ephemeral ? [] : variables.initContainers + object.spec.containers
+- name: scoped
+  expression: >-
+    variables.ephemeral ? variables.ephemeralContainers :
+    variables.initContainers + object.spec.containers + variables.ephemeralContainers
+- name: passthrough
+  expression: >-
+    variables.containers.filter(c, has(c.resources) &&
+    ((has(c.resources.limits) && c.resources.limits.exists(k, {{ $pt }} && string(c.resources.limits[k]) != '0')) ||
+    (has(c.resources.requests) && c.resources.requests.exists(k, {{ $pt }} && string(c.resources.requests[k]) != '0'))))
+- name: resources
+  expression: >-
+    size(variables.passthrough) == 0 ? [] :
+    (has(variables.passthrough[0].resources.limits) ? variables.passthrough[0].resources.limits.filter(k, {{ $pt }}) : []) +
+    (has(variables.passthrough[0].resources.requests) ? variables.passthrough[0].resources.requests.filter(k, {{ $pt }}) : [])
+- name: runtimeClass
+  expression: >-
+    has(object.spec.runtimeClassName) ? object.spec.runtimeClassName : ''
+- name: asking
+  expression: >-
+    variables.scoped.filter(c, has(c.resources) && ((has(c.resources.claims) && size(c.resources.claims) > 0) ||
+    (has(c.resources.limits) && c.resources.limits.exists(k, {{ $gpu }} && string(c.resources.limits[k]) != '0')) ||
+    (has(c.resources.requests) && c.resources.requests.exists(k, {{ $gpu }} && string(c.resources.requests[k]) != '0')))).map(c, c.name)
+{{- end -}}
+
+{{/* One webhook entry of the isolation webhook configurations (dict: root name ns caBundle path). */}}
+{{- define "ksm.webhookCommon" -}}
+{{- $root := .root -}}
+{{- $w := $root.Values.isolation.webhook -}}
+admissionReviewVersions: ["v1"]
+sideEffects: None
+failurePolicy: {{ $w.failurePolicy }}
+matchPolicy: Equivalent
+timeoutSeconds: {{ $w.timeoutSeconds }}
+clientConfig:
+  service:
+    name: {{ .name }}
+    namespace: {{ .ns }}
+    path: {{ .path }}
+    port: 443
+  {{- if .caBundle }}
+  caBundle: {{ .caBundle }}
+  {{- end }}
+{{ include "ksm.podAdmissionRules" (dict "key" "rules" "scope" "Namespaced") }}
+{{ include "ksm.isolationSelectors" (list $root $w) }}
+{{- end -}}

@@ -1,0 +1,52 @@
+{{/*
+Values the schema accepts but the chart refuses at render time (ksm.validate, rendered by
+validate.yaml), each with a message saying why and what to set instead. Checks tied to one
+value stay where the value is used (ksm.image: the digest; ksm.ociLayoutDirs: the layout dirs).
+*/}}
+
+{{- define "ksm.validate" -}}
+{{- if eq (toString .Values.sandboxWorkloads.mode) "kubevirt" -}}
+{{- fail "sandboxWorkloads.mode=kubevirt: this chart runs Kata Containers only; use the NVIDIA GPU Operator for KubeVirt, or set sandboxWorkloads.mode=kata (the default)" -}}
+{{- end -}}
+{{- if eq (toString .Values.sandboxWorkloads.defaultWorkload) "vm-vgpu" -}}
+{{- fail "sandboxWorkloads.defaultWorkload=vm-vgpu: this chart does not run NVIDIA vGPU, so every GPU node without a workload label would get nothing from it (no GPU bound, none advertised); serve vGPU nodes with the NVIDIA GPU Operator, and set defaultWorkload to container (the default) or vm-passthrough" -}}
+{{- end -}}
+{{- /* (| default: a release upgraded with --reuse-values from before these values existed) */ -}}
+{{- $m := .Values.metrics | default dict -}}
+{{- if and (dig "serviceMonitor" "enabled" false $m) (not (include "ksm.metricsOn" .)) -}}
+{{- fail "metrics.serviceMonitor.enabled=true needs metrics.enabled=true: with metrics off there is nothing to scrape" -}}
+{{- end -}}
+{{- if and (include "ksm.dra" .) (semverCompare "<1.34-0" .Capabilities.KubeVersion.Version) -}}
+{{- fail (printf "dra.enabled=true needs Kubernetes 1.34 or later (ResourceSlices, ResourceClaims and DeviceClasses of resource.k8s.io/v1); this cluster is %s" .Capabilities.KubeVersion.Version) -}}
+{{- end -}}
+{{- if has (dig "driverName" "" (.Values.dra | default dict)) (list "gpu.nvidia.com" "compute-domain.nvidia.com") -}}
+{{- fail (printf "dra.driverName=%s is a driver name of NVIDIA's DRA driver for GPUs; give this chart's passthrough driver its own (default passthrough.kata-sandbox-manager.io)" .Values.dra.driverName) -}}
+{{- end -}}
+{{- $cc := index .Values "ccManager" | default dict -}}
+{{- if and $cc.enabled .Values.sandboxWorkloads.enabled (not .Values.vfioManager.enabled) -}}
+{{- fail "ccManager.enabled=true needs vfioManager.enabled=true: a CC mode switch unbinds and resets the GPUs, which only the privileged agent container (vfioManager) may do" -}}
+{{- end -}}
+{{- if not (has (include "ksm.ccDefaultMode" .) (list "on" "off" "devtools" "ppcie")) -}}
+{{- fail (printf "ccManager: the default CC mode %q (defaultMode, or DEFAULT_CC_MODE in ccManager.env) is not one of on, off, devtools, ppcie" (include "ksm.ccDefaultMode" .)) -}}
+{{- end -}}
+{{- /* The rest refuses what the CC manager, once enabled, could not honour. */ -}}
+{{- if $cc.enabled -}}
+{{- range ($cc.env | default list) -}}
+{{- if ne .name "DEFAULT_CC_MODE" -}}
+{{- fail (printf "ccManager.env %s: only DEFAULT_CC_MODE is read (as NVIDIA's cc-manager reads it); katamgr evicts no GPU Operator component for a switch (it waits until no VM or pod holds a GPU), so EVICT_OPERATOR_COMPONENTS and OPERATOR_NAMESPACE have nothing to set, and it takes each GPU's CC capability from NVIDIA's gpu-admin-tools (Hopper and later), so CC_CAPABLE_DEVICE_IDS has none either" .name) -}}
+{{- end -}}
+{{- end -}}
+{{- if $cc.args -}}
+{{- fail (printf "ccManager.args %v: NVIDIA's cc-manager command line; this chart's agent does the CC manager's job with its own options (ccManager.enabled, defaultMode)" $cc.args) -}}
+{{- end -}}
+{{- if $cc.hostNetwork -}}
+{{- fail "ccManager.hostNetwork=true: no pod of this chart uses the host's network, and switching CC modes needs none" -}}
+{{- end -}}
+{{- if or (and $cc.repository (ne (toString $cc.repository) "nvcr.io/nvidia/cloud-native")) (and $cc.image (ne (toString $cc.image) "k8s-cc-manager")) -}}
+{{- fail (printf "ccManager.repository/image %s/%s: this chart does the CC manager's job in its own agent (katamgr run --cc-manager), so only NVIDIA's nvcr.io/nvidia/cloud-native/k8s-cc-manager may be named (and is listed as replaced); a different cc-manager image cannot run here" (toString $cc.repository) (toString $cc.image)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (include "ksm.metricsOn" .) (eq (int $m.agentPort) (int $m.pluginPort)) -}}
+{{- fail (printf "metrics.agentPort and metrics.pluginPort are both %d: the sandbox agent pod runs both containers, so they need two ports" (int $m.agentPort)) -}}
+{{- end -}}
+{{- end -}}
