@@ -10,7 +10,8 @@ read and write them, as etcd and the API server's registry do between them:
 - the history of changes a watch resumes from, which ``compact()`` drops as etcd
   compaction does.
 
-Everything here runs with ``lock`` held: the HTTP handler holds it around each request.
+The verbs and what a watch reads run with ``lock`` held (the HTTP handler holds it around
+each request); the helpers a test calls take it themselves.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ Key = tuple[str, str, str, str]  # (group, plural, namespace, name)
 
 
 class ObjectStore:
+    """The objects, keyed (group, plural, namespace, name), and their change history."""
+
     def __init__(self) -> None:
         self._objects: dict[Key, dict] = {}
         self.revision = 0
