@@ -6,7 +6,8 @@ import logging
 
 import pytest
 from kubernetes.client import ApiClient, Configuration
-from support.apiserver import APPLY, FakeApiServer
+from support.apiserver import FakeApiServer
+from support.apistore import APPLY
 
 from gpunode.errors import GpuNodeError
 from gpunode.kataclasses import offer_label
@@ -195,7 +196,7 @@ def test_revert_finds_the_classes_katamgr_created_by_label_not_by_the_config(ser
 def test_a_labeled_class_this_account_may_not_delete_is_left_and_named(server, api):
     """RBAC grants the hook delete only on its release's class names (resourceNames): a class
     another release created carries the same label, and its 403 is not a failed revert."""
-    from support.apiserver import ApiError
+    from support.apiobjects import ApiError
 
     reconcile_runtime_classes(api, default_config())
 
