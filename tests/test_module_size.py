@@ -25,7 +25,7 @@ KNOWN = {
 def _python_files() -> list[str]:
     # What git tracks or would track (not ignored): the repo's own files, not a venv's.
     listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py"],
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*.py", "*.go"],
         cwd=REPO, capture_output=True, text=True, check=True, timeout=60,
     ).stdout.split()
     return sorted(f for f in listed if (REPO / f).is_file() and "_pb2" not in Path(f).name)
