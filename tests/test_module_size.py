@@ -18,7 +18,6 @@ KNOWN = {
     "bench/bench_plugin.py",  # h36-options: the plugin's flags
     # Left for a later pass (issue 36): each needs the suite it serves run to prove the split.
     "tests/support/apiserver.py",  # the API server stand-in: tests/cluster, pipeline, chart
-    "tests/node/test_node_switch_faults.py",  # the node suite (a real kubelet and containerd)
 }
 
 
