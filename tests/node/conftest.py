@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from support.kubecluster import LocalCluster, missing_part
 from support.nodekit import WORKLOAD, Node, started_processes
+from support.nodeswitch import NAMESPACE as FAULT_NAMESPACE
+from support.nodeswitch import PASSTHROUGH, SLOW_MS, VmPod, relabel, settled
 from support.paths import REQUIRE_INTEGRATION
 
 _timing: dict[str, float] = {"tests": 0.0}
@@ -80,6 +82,24 @@ def node():
                 if (pid, _start_time(pid)) not in before}
         shutil.rmtree(directory, ignore_errors=True)
         assert not left, f"hack/local-cluster down left {len(left)} processes running: {left}"
+
+
+@pytest.fixture(scope="module")
+def resident(node):
+    """For a module of workload-switch faults (test_node_switch_*.py): the slowed kernel, and
+    the Kata VM that runs through every fault of the module; the node back on vm-passthrough
+    after."""
+    node.cluster.namespace(FAULT_NAMESPACE)
+    settled(node, PASSTHROUGH, [])
+    node.kernel(driver_write_ms=SLOW_MS)
+    vm = VmPod(node, "resident", 1)
+    try:
+        yield vm
+    finally:
+        node.kernel(driver_write_ms=0)
+        vm.end()
+        relabel(node, PASSTHROUGH)
+        settled(node, PASSTHROUGH, [])
 
 
 def _processes() -> set[tuple[int, str]]:

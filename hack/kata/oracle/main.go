@@ -20,22 +20,14 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
-	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"os"
-	"os/exec"
-	"path/filepath"
-	"sort"
 	"strings"
-	"syscall"
 	"time"
 
-	"github.com/BurntSushi/toml"
 	cdi "github.com/container-orchestrated-devices/container-device-interface/pkg/cdi"
 	containerdshim "github.com/kata-containers/kata-containers/src/runtime/pkg/containerd-shim-v2"
 	"github.com/kata-containers/kata-containers/src/runtime/pkg/device/config"
@@ -46,92 +38,10 @@ import (
 	"github.com/sirupsen/logrus"
 )
 
-const nsEnv = "KATA_ORACLE_IN_NAMESPACE"
-
 type listFlag []string
 
 func (l *listFlag) String() string     { return strings.Join(*l, ",") }
 func (l *listFlag) Set(v string) error { *l = append(*l, v); return nil }
-
-// Result is what the oracle prints.
-type Result struct {
-	Kata       string `json:"kata"`
-	KataCommit string `json:"kata_commit"`
-	Pod        struct {
-		Namespace string `json:"namespace"`
-		Name      string `json:"name"`
-	} `json:"pod"`
-	Config      Settings     `json:"config"`
-	CDIDevices  []string     `json:"cdi_devices"`
-	DeviceNodes []DeviceNode `json:"device_nodes"`
-	VFIO        []VFIOGroup  `json:"vfio"`
-	Plugged     []string     `json:"plugged"`
-	RootPorts   int          `json:"root_ports"`
-	QemuArgs    []string     `json:"qemu_args"`
-	Stage       string       `json:"stage"`
-	Error       *string      `json:"error"`
-	Log         []string     `json:"log"`
-}
-
-// Settings are the Kata configuration values the cold-plug reads.
-type Settings struct {
-	File               string   `json:"file,omitempty"`
-	ColdPlugVFIO       string   `json:"cold_plug_vfio"`
-	HotPlugVFIO        string   `json:"hot_plug_vfio"`
-	PCIeRootPort       uint32   `json:"pcie_root_port"`
-	MachineType        string   `json:"machine_type"`
-	PodResourceAPISock string   `json:"pod_resource_api_sock"`
-	DeviceSources      []string `json:"pod_resource_device_sources"`
-	// Whether this release reads pod_resource_device_sources at all.
-	DeviceSourcesRead bool     `json:"pod_resource_device_sources_read"`
-	Ignored           []string `json:"ignored_keys"`
-}
-
-// DeviceNode is one device node of the sandbox's OCI spec after CDI injection (the spec
-// keeps no host path: the sandbox finds it again from the numbers, config.GetHostPath).
-type DeviceNode struct {
-	Path  string `json:"path"`
-	Type  string `json:"type"`
-	Major int64  `json:"major"`
-	Minor int64  `json:"minor"`
-}
-
-// VFIOGroup is one VFIO device the sandbox attached: its host node and the functions the
-// VFIO driver found in it (an IOMMU group's members less the ones it ignores, or an
-// iommufd cdev's one function).
-type VFIOGroup struct {
-	HostPath  string     `json:"host_path"`
-	Functions []Function `json:"functions"`
-}
-
-// Function is one PCI function as Kata's VFIO driver describes it.
-type Function struct {
-	BDF    string `json:"bdf"`
-	Class  string `json:"class"`
-	Vendor string `json:"vendor"`
-	Device string `json:"device"`
-	PCIe   bool   `json:"pcie"`
-	Bus    string `json:"bus"`
-}
-
-type logHook struct{ lines *[]string }
-
-func (h logHook) Levels() []logrus.Level { return logrus.AllLevels[:logrus.InfoLevel+1] }
-func (h logHook) Fire(e *logrus.Entry) error {
-	line := e.Level.String() + ": " + e.Message
-	keys := make([]string, 0, len(e.Data))
-	for k := range e.Data {
-		if k != "source" && k != "name" && k != "pid" && k != "subsystem" && k != "sandbox" {
-			keys = append(keys, k)
-		}
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		line += fmt.Sprintf(" %s=%v", k, e.Data[k])
-	}
-	*h.lines = append(*h.lines, line)
-	return nil
-}
 
 func main() {
 	os.Exit(run())
@@ -356,22 +266,6 @@ func vfioHost(arg string) (string, bool) {
 	return "", false
 }
 
-func emit(res *Result, code int) int {
-	// Lists print as [] rather than null.
-	for _, list := range []*[]string{&res.Log, &res.CDIDevices, &res.Plugged, &res.QemuArgs} {
-		if *list == nil {
-			*list = []string{}
-		}
-	}
-	enc := json.NewEncoder(os.Stdout)
-	enc.SetIndent("", "  ")
-	if err := enc.Encode(res); err != nil {
-		fmt.Fprintf(os.Stderr, "kata-oracle: %v\n", err)
-		return 2
-	}
-	return code
-}
-
 func firstOf(m map[string]string, keys ...string) string {
 	for _, k := range keys {
 		if m[k] != "" {
@@ -379,156 +273,4 @@ func firstOf(m map[string]string, keys ...string) string {
 		}
 	}
 	return ""
-}
-
-func contains(list []string, s string) bool {
-	for _, v := range list {
-		if v == s {
-			return true
-		}
-	}
-	return false
-}
-
-// configKnows says whether this release's Kata configuration has a [runtime] key: the
-// oracle asks Kata's decoder about a file holding only that key.
-func configKnows(key string) bool {
-	f, err := os.CreateTemp("", "kata-oracle-*.toml")
-	if err != nil {
-		return false
-	}
-	defer os.Remove(f.Name())
-	fmt.Fprintf(f, "[runtime]\n%s = [\"device-plugin\"]\n", key)
-	f.Close()
-	decoded, err := katautils.DecodeColdPlugSettings(f.Name())
-	return err == nil && !contains(decoded.Undecoded, "runtime."+key)
-}
-
-// readDeviceSources reads [runtime] pod_resource_device_sources from the file as written
-// (nil when absent), whether or not this release knows the key.
-func readDeviceSources(path string) ([]string, error) {
-	var doc struct {
-		Runtime struct {
-			Sources []string `toml:"pod_resource_device_sources"`
-		} `toml:"runtime"`
-	}
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	if _, err := toml.Decode(string(data), &doc); err != nil {
-		return nil, err
-	}
-	return doc.Runtime.Sources, nil
-}
-
-// reexecInNamespace runs this command again in a private mount namespace.
-func reexecInNamespace() int {
-	if os.Geteuid() != 0 {
-		return usage("--root other than / needs root (a private mount namespace)")
-	}
-	self, err := os.Executable()
-	if err != nil {
-		return usage("%v", err)
-	}
-	cmd := exec.Command(self, os.Args[1:]...)
-	cmd.Env = append(os.Environ(), nsEnv+"=1")
-	cmd.Stdin, cmd.Stdout = os.Stdin, os.Stdout
-	var stderr bytes.Buffer
-	cmd.Stderr = io.MultiWriter(os.Stderr, &stderr)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNS}
-	err = cmd.Run()
-	var exit *exec.ExitError
-	if errors.As(err, &exit) {
-		return exit.ExitCode()
-	}
-	if err != nil {
-		return usage("cannot start in a private mount namespace: %v", err)
-	}
-	return 0
-}
-
-// enterRoot makes root's /sys and /dev the ones Kata's code reads, in this (private) mount
-// namespace: root/sys on /sys, and on /dev a tmpfs holding root/dev's VFIO nodes as
-// character devices (with their numbers where they are devices; where a simulated node has
-// plain files, numbers that no sysfs entry of the node names, so Kata's GetHostPath keeps
-// the CDI path, as it does on a node whose /sys/dev/char names that path).
-func enterRoot(root string) error {
-	root, err := filepath.Abs(root)
-	if err != nil {
-		return err
-	}
-	if _, err := os.Stat(filepath.Join(root, "sys", "bus", "pci", "devices")); err != nil {
-		return fmt.Errorf("no sys/bus/pci/devices under it: %w", err)
-	}
-	if err := syscall.Mount("", "/", "", syscall.MS_REC|syscall.MS_PRIVATE, ""); err != nil {
-		return fmt.Errorf("making / private: %w", err)
-	}
-	if err := syscall.Mount(filepath.Join(root, "sys"), "/sys", "", syscall.MS_BIND|syscall.MS_REC, ""); err != nil {
-		return fmt.Errorf("mounting its sys on /sys: %w", err)
-	}
-	if err := syscall.Mount("kata-oracle-dev", "/dev", "tmpfs", syscall.MS_NOSUID, "mode=0755"); err != nil {
-		return fmt.Errorf("mounting a tmpfs on /dev: %w", err)
-	}
-	for name, dev := range map[string][2]uint32{"null": {1, 3}, "zero": {1, 5}, "urandom": {1, 9}, "random": {1, 8}} {
-		if err := mknod("/dev/"+name, dev[0], dev[1]); err != nil {
-			return err
-		}
-	}
-	// Numbers for plain files: the local/experimental major 240 (Documentation/admin-guide/devices.txt).
-	next := uint32(0)
-	return filepath.Walk(filepath.Join(root, "dev"), func(path string, info os.FileInfo, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(filepath.Join(root, "dev"), path)
-		if rel == "." {
-			return nil
-		}
-		target := filepath.Join("/dev", rel)
-		if info.IsDir() {
-			return os.MkdirAll(target, 0o755)
-		}
-		if rel != "iommu" && !strings.HasPrefix(rel, "vfio/") {
-			return nil
-		}
-		if st, ok := info.Sys().(*syscall.Stat_t); ok && info.Mode()&os.ModeCharDevice != 0 {
-			return mknod(target, uint32(st.Rdev>>8)&0xfff, uint32(st.Rdev&0xff)|uint32(st.Rdev>>12)&0xfff00)
-		}
-		if rel == "vfio/vfio" {
-			return mknod(target, 10, 196) // VFIO_MINOR, include/linux/miscdevice.h
-		}
-		// An iommufd cdev: the numbers its device's sysfs publishes, as udev reads them.
-		if name, ok := strings.CutPrefix(rel, "vfio/devices/"); ok {
-			if major, minor, ok := cdevNumbers(root, name); ok {
-				return mknod(target, major, minor)
-			}
-		}
-		next++
-		return mknod(target, 240, next)
-	})
-}
-
-func cdevNumbers(root, name string) (uint32, uint32, bool) {
-	found, _ := filepath.Glob(filepath.Join(root, "sys", "bus", "pci", "devices", "*", "vfio-dev", name, "dev"))
-	if len(found) != 1 {
-		return 0, 0, false
-	}
-	data, err := os.ReadFile(found[0])
-	if err != nil {
-		return 0, 0, false
-	}
-	var major, minor uint32
-	if _, err := fmt.Sscanf(strings.TrimSpace(string(data)), "%d:%d", &major, &minor); err != nil {
-		return 0, 0, false
-	}
-	return major, minor, true
-}
-
-func mknod(path string, major, minor uint32) error {
-	dev := int((major << 8) | (minor & 0xff) | ((minor &^ 0xff) << 12))
-	if err := syscall.Mknod(path, syscall.S_IFCHR|0o666, dev); err != nil {
-		return fmt.Errorf("mknod %s %d:%d: %w", path, major, minor, err)
-	}
-	return nil
 }
