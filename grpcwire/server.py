@@ -130,10 +130,15 @@ class GrpcServer:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass  # a wake-up is pending already, or the loop is gone
+        # Under the lock, as the loop closes the pipe under it: a number written to after
+        # its close may belong to any file or socket the process opened since.
+        with self._lock:
+            if self._wake_w < 0:
+                return  # the loop is gone
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass  # a wake-up is pending already
 
     # -- the loop -------------------------------------------------------------------
 
@@ -339,12 +344,13 @@ class GrpcServer:
             self._epoll.close()
         if self._listener is not None:
             self._listener.close()
-        for fd in (self._wake_r, self._wake_w):
+        with self._lock:
+            pipe, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
+        for fd in pipe:
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self._wake_w = -1
 
     def _dispatch(self, connection: ServerConnection, call: Call) -> None:
         """Run the handler of a call whose request is complete (on the loop thread)."""
