@@ -48,13 +48,21 @@ class Watcher:
         """Block until events arrive, ``wake()`` is called or ``timeout`` s pass.
 
         Returns the events read (an empty list on timeout, or when a source had
-        nothing of interest), or None when woken.
+        nothing of interest), or None when woken or closed.
         """
-        ready, _, _ = select.select([self._inotify.fileno(), self._wake_r, *self._sources], [], [], timeout)
-        if self._wake_r in ready:
-            self._drain_wake()
+        fds = self._fds()
+        if fds is None:
             return None
-        return self._read(ready)
+        ready, _, _ = select.select(fds, [], [], timeout)
+        # Read only while not closed: a stop that gave up waiting for this thread may
+        # close() meanwhile, and the numbers may then name another file or socket.
+        with self._lock:
+            if self._closed:
+                return None
+            if self._wake_r in ready:
+                self._drain_wake()
+                return None
+            return self._read(ready)
 
     def settle(self, quiet: float, limit: float) -> list:
         """The rest of a burst of events: read until ``quiet`` s pass without one,
@@ -62,11 +70,23 @@ class Watcher:
         events: list = []
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
-            ready = select.select([self._inotify.fileno(), *self._sources], [], [], quiet)[0]
+            fds = self._fds(wake=False)
+            if fds is None:
+                break
+            ready = select.select(fds, [], [], quiet)[0]
             if not ready:
                 break
-            events += self._read(ready)
+            with self._lock:
+                if self._closed:
+                    break
+                events += self._read(ready)
         return events
+
+    def _fds(self, wake: bool = True) -> list[int] | None:
+        with self._lock:
+            if self._closed:
+                return None
+            return [self._inotify.fileno(), *([self._wake_r] if wake else []), *self._sources]
 
     def _read(self, ready: list[int]) -> list:
         events: list = []
