@@ -11,6 +11,7 @@ from support.hostkit import (
     GPU_A6000,
     dev,
     driver_of,
+    hold,
     make_host,
     snapshot,
     tune,
@@ -190,10 +191,7 @@ def test_revert_leaves_a_gpu_a_vm_holds_unless_forced(tmp_path):
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, "nvidia", 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
     assert plan_and_apply(host).ok
     # A QEMU of a running Kata VM holds group 4's VFIO node.
-    fd_dir = host.path("/proc/7777/fd")
-    fd_dir.mkdir(parents=True)
-    (fd_dir.parent / "comm").write_text("qemu-system-x86\n")
-    (fd_dir / "12").symlink_to("/dev/vfio/4")
+    hold(host, 4)
     report = revert_host(host)
     assert not report.ok
     assert "0000:01:00.0 is in use by PID 7777 (qemu-system-x86) holding /dev/vfio/4" in report.failures[0]
@@ -249,10 +247,7 @@ def test_a_group_whose_unbind_is_still_pending_is_skipped_naming_its_holder(tmp_
     host = make_host(tmp_path, [dev("0000:01:00.0", GPU_A10, None, 4), dev("0000:02:00.0", GPU_A10, "nvidia", 5)])
     host.path("/dev/vfio").mkdir(parents=True, exist_ok=True)
     host.path("/dev/vfio/4").write_text("")
-    fd_dir = host.path("/proc/7777/fd")
-    fd_dir.mkdir(parents=True)
-    (fd_dir.parent / "comm").write_text("qemu-system-x86\n")
-    (fd_dir / "12").symlink_to("/dev/vfio/4")
+    held = hold(host, 4)
     for force in (False, True):
         decisions = {d.group: d for d in build_plan(host, NAMING, force=force).decisions}
         pending = decisions[4]
@@ -264,6 +259,6 @@ def test_a_group_whose_unbind_is_still_pending_is_skipped_naming_its_holder(tmp_
     assert driver_of(host, "0000:01:00.0") is None and driver_of(host, "0000:02:00.0") == "vfio-pci"
     # Once the VM lets go the kernel removes the node, and the next run binds the group.
     host.path("/dev/vfio/4").unlink()
-    (fd_dir / "12").unlink()
+    held.unlink()
     assert plan_and_apply(host).ok
     assert driver_of(host, "0000:01:00.0") == "vfio-pci"

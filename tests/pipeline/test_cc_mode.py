@@ -14,6 +14,7 @@ import time
 
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
+from support.hostkit import hold
 
 from gpunode.host.cc import MODE_LABEL, MODE_STATE_LABEL, READY_STATE_LABEL, CcMode
 from gpunode.host.pci import scan
@@ -59,14 +60,6 @@ def tune(host, **faults) -> None:
 
 def drivers(host) -> dict[str, str | None]:
     return {d.bdf: d.driver for d in scan(host) if d.is_gpu or d.is_nvswitch}
-
-
-def hold(host, group: int, pid: int = 4242):
-    fd_dir = host.path(f"/proc/{pid}/fd")
-    fd_dir.mkdir(parents=True)
-    (fd_dir.parent / "comm").write_text("qemu-system-x86\n")
-    (fd_dir / "9").symlink_to(f"/dev/vfio/{group}")
-    return fd_dir / "9"
 
 
 def wait_for(condition, timeout: float = 20.0) -> bool:
@@ -123,7 +116,7 @@ def test_a_read_back_that_differs_is_failed(tmp_path):
 
 def test_a_held_gpu_keeps_the_switch_waiting(tmp_path):
     host = simulated(tmp_path)
-    held = hold(host, 6)
+    held = hold(host, 6, pid=4242)
     report = ccmode.switch(host, NAMING, CcMode.ON)
     assert report.waiting and report.state == "" and report.switched == []
     assert "0000:03:00.0 is held by PID 4242 (qemu-system-x86)" in report.warnings[0]
@@ -197,7 +190,7 @@ def test_the_agent_follows_the_label_publishes_state_and_waits_for_held_gpus(tmp
                        if k not in ("nvidia.com/cc.capable",) and not k.startswith(OFFER_LABEL_PREFIX))
 
             # A VM holds one GPU: off waits (no GPU touched), not CC-ready meanwhile, said once.
-            held = hold(host, 6)
+            held = hold(host, 6, pid=4242)
             api.update("nodes", NODE, lambda n: n["metadata"]["labels"].__setitem__(MODE_LABEL, "off"))
             assert wait_for(lambda: _labels(api).get(READY_STATE_LABEL) == "false")
             assert wait_for(lambda: len(_events(api, "CcModeSwitchWaiting")) == 1)
@@ -230,7 +223,7 @@ def test_a_held_gpu_is_never_read_and_a_node_already_in_mode_is_left_alone(tmp_p
     whose readable GPUs already run the wanted mode is reported unverified, not switched."""
     host = simulated(tmp_path)
     assert ccmode.switch(host, NAMING, CcMode.ON).state == "on"
-    hold(host, 6)
+    hold(host, 6, pid=4242)
     seen: list[str] = []
 
     class Watching:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
-from support.hostkit import GPU_A10, dev, driver_of, make_host
+from support.hostkit import GPU_A10, dev, driver_of, hold, make_host
 from support.switchkit import (
     CONFIG,
     FREE,
@@ -19,7 +19,6 @@ from support.switchkit import (
     driver_now,
     events,
     follower,
-    hold,
     kata_node,
     run_loop,
     switch_lines,

@@ -10,7 +10,7 @@ import time
 
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
-from support.hostkit import GPU_A10, dev, driver_of, make_host
+from support.hostkit import GPU_A10, dev, driver_of, hold, make_host
 from support.switchkit import (
     FREE,
     HELD,
@@ -19,7 +19,6 @@ from support.switchkit import (
     driver_now,
     followed_node,
     follower,
-    hold,
     relabel,
     run_loop,
     stop_loop,

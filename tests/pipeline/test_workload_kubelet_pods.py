@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from support.hostkit import GPU_A10, dev, driver_of, make_host
+from support.hostkit import GPU_A10, dev, driver_of, hold, make_host
 from support.switchkit import (
     A10,
     FREE,
@@ -17,7 +17,6 @@ from support.switchkit import (
     NAMING,
     cdi_text,
     followed_node,
-    hold,
     relabel,
     run_loop,
     stop_loop,

@@ -4,7 +4,7 @@ Node, and lifting them brings the parts back, without a restart."""
 
 from __future__ import annotations
 
-from support.hostkit import GPU_A10, dev, driver_of, make_host
+from support.hostkit import GPU_A10, dev, driver_of, hold, make_host
 from support.switchkit import (
     CONFIG,
     FREE,
@@ -13,7 +13,6 @@ from support.switchkit import (
     driver_now,
     events,
     followed_node,
-    hold,
     kata_node,
     relabel,
     run_loop,

@@ -13,7 +13,7 @@ import time
 
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
-from support.hostkit import GPU_A10, dev, driver_of, make_host
+from support.hostkit import GPU_A10, dev, driver_of, hold, make_host
 from support.switchkit import (
     CONFIG,
     FREE,
@@ -25,7 +25,6 @@ from support.switchkit import (
     events,
     followed_node,
     follower,
-    hold,
     kata_node,
     relabel,
     run_loop,

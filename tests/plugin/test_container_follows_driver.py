@@ -17,6 +17,7 @@ import logging
 import time
 
 import pytest
+from support.hostkit import hold
 
 from gpunode.host import pci
 from gpunode.host.pciids import PciIds
@@ -47,14 +48,6 @@ def uuid_of(bdf: str) -> str:
     import uuid
 
     return f"GPU-{uuid.uuid5(uuid.NAMESPACE_OID, bdf)}"
-
-
-def hold(host, group: int, pid: int) -> None:
-    """A Kata VM's QEMU holding /dev/vfio/<group>, as the node's /proc shows it."""
-    fd_dir = host.path(f"/proc/{pid}/fd")
-    fd_dir.mkdir(parents=True)
-    (fd_dir.parent / "comm").write_text("qemu-system-x86\n")
-    (fd_dir / "12").symlink_to(f"/dev/vfio/{group}")
 
 
 def group_of(host, bdf: str) -> int:

@@ -59,3 +59,13 @@ def snapshot(host: HostRoot) -> dict[str, str]:
 def driver_of(host: HostRoot, bdf: str) -> str | None:
     link = host.path(f"/sys/bus/pci/devices/{bdf}/driver")
     return Path(os.readlink(link)).name if link.is_symlink() else None
+
+
+def hold(host: HostRoot, group: int | str, pid: int = 7777) -> Path:
+    """A QEMU of a running Kata VM holding /dev/vfio/<group>, as the node's /proc shows it
+    (what katamgr's and the plugin's holder checks read); the fd link, to remove when the VM ends."""
+    fd_dir = host.path(f"/proc/{pid}/fd")
+    fd_dir.mkdir(parents=True)
+    (fd_dir.parent / "comm").write_text("qemu-system-x86\n")
+    (fd_dir / "12").symlink_to(f"/dev/vfio/{group}")
+    return fd_dir / "12"

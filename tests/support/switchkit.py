@@ -45,15 +45,6 @@ def kata_node(tmp_path):
     return host
 
 
-def hold(host, group: int, pid: int = 7777):
-    """A QEMU of a running Kata VM holding /dev/vfio/<group>, as the node's /proc shows it."""
-    fd_dir = host.path(f"/proc/{pid}/fd")
-    fd_dir.mkdir(parents=True)
-    (fd_dir.parent / "comm").write_text("qemu-system-x86\n")
-    (fd_dir / "12").symlink_to(f"/dev/vfio/{group}")
-    return fd_dir / "12"
-
-
 def relabel(api: FakeApiServer, workload: str | None, key: str = WORKLOAD_LABEL) -> None:
     """Set (None: remove) one of the Node's labels, as `kubectl label node` does."""
     def change(n):
