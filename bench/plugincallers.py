@@ -46,7 +46,7 @@ class Load:
 def caller_process(socket: str, gpus: list[str], indexes: list[int], load: Load, gate, out) -> None:
     """Run the callers ``indexes`` as threads, each on its own grpcio channel (and connection);
     put their latencies on ``out``."""
-    import grpc
+    from nodesim.dial import dial
 
     latencies: list[float] = []
     failures = []
@@ -61,8 +61,7 @@ def caller_process(socket: str, gpus: list[str], indexes: list[int], load: Load,
         request = allocate_request(wanted)
         mine = []
         try:
-            with grpc.insecure_channel(f"unix://{socket}",
-                                       options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            with dial(socket) as channel:  # a connection of its own, as each kubelet dial is
                 call = channel.unary_unary(ALLOCATE)  # bytes in, bytes out: no (de)serializing
                 call(request, timeout=10)  # connected before the clock starts
                 connected.wait()
