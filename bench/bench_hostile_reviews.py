@@ -1,5 +1,5 @@
 """The hostile-review table of docs/isolation.md: what ``katamgr webhook`` answers to each case
-of issue 33's security review, and how long it took, over real TLS on loopback.
+of the security review, and how long it took, over real TLS on loopback.
 
     .venv/bin/python bench/bench_hostile_reviews.py [--repeat 20]
 

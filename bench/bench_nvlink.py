@@ -1,4 +1,4 @@
-"""NVLink partition figures on a simulated Shared NVSwitch node, against issue 34's targets.
+"""NVLink partition figures on a simulated Shared NVSwitch node, against docs/performance.md's targets.
 
     .venv/bin/python bench/bench_nvlink.py [--rounds 20] [--releases 3]
 

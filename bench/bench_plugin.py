@@ -1,4 +1,4 @@
-"""Device plugin figures on a simulated DGX-H100, against the targets of issues 21 and 27.
+"""Device plugin figures on a simulated DGX-H100, against the targets of docs/performance.md.
 
     .venv/bin/python bench/bench_plugin.py [--rounds 5] [--baseline DIR] [--serial 2000]
         [--callers 100] [--rate 10] [--seconds 4] [--client-procs 4] [--flips 20]
@@ -74,9 +74,8 @@ from sandbox_plugin.resources import HEALTHY, UNHEALTHY  # noqa: E402
 PROFILE = "dgx-h100"
 HEALTH_NODE, HEALTH_DEVICE = "/dev/vfio/16", "0000:13:00.0"
 
-# (figure, target, NVIDIA's sandbox-device-plugin on the same node): the targets are issue
-# 27's (on h2), the launch issue 21's; NVIDIA's figures are issue 21's, its serial p50 issue
-# 27's (through grpcio's client, as here).
+# (figure, target, NVIDIA's sandbox-device-plugin on the same node): the targets and NVIDIA's
+# figures are docs/performance.md's (its serial p50 through grpcio's client, as here).
 TARGETS = {
     "launch to first Register (ms)": (208.0, 208.0),
     "Allocate serial p50 (ms)": (None, 0.204),
@@ -241,7 +240,7 @@ def stop(plugin: subprocess.Popen) -> None:
 
 def report(results: dict[str, list[dict[str, float]]], rounds: int) -> None:
     labels = list(results)
-    print(f"\nMedians of {rounds} round(s); NVIDIA's figures from issues 21 and 27 (same simulated node).")
+    print(f"\nMedians of {rounds} round(s); NVIDIA's figures from docs/performance.md (same simulated node).")
     head = f"  {'figure':<42}" + "".join(f"{label:>12}" for label in labels) + f"{'target':>10}{'NVIDIA':>9}"
     print(head + "  verdict (" + labels[-1] + ")")
     for figure, (target, nvidia) in TARGETS.items():

@@ -13,7 +13,7 @@ init containers, a GPU pod, passthrough with and without Kata, a Deployment's po
 Latency is from the scheduled send time to the whole answer read (so falling behind
 counts). Prints p50, p90, p99, max and the achieved rate; the target is p99 under 10 ms.
 
-Then the slow clients of issue 33 (--slow-clients, default 3,000; 0 skips them): TLS
+Then the slow clients of the security review (--slow-clients, default 3,000; 0 skips them): TLS
 connections opened from 4 threads of this process, each with its handshake done and half a
 request head sent, then held for --hold seconds, against a fresh webhook with its default
 limits. Meanwhile a client sends a review every 50 ms on a keep-alive connection and another

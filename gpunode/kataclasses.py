@@ -48,7 +48,7 @@ KATA_GPU_HANDLERS: tuple[str, ...] = (f"{GPU}*",)
 # A class the config marks ``confidential`` is one too, whatever its name.
 CONFIDENTIAL_PATTERN = r"-(snp|tdx)(-|$)"
 _CONFIDENTIAL = re.compile(CONFIDENTIAL_PATTERN)
-# The node label NVIDIA's k8s-cc-manager (and katamgr's CC room) sets "true" once the
+# The node label NVIDIA's k8s-cc-manager (and katamgr's CC-mode agent) sets "true" once the
 # node's GPUs run a confidential mode: what a confidential class schedules by.
 CC_READY_LABEL = "nvidia.com/cc.ready.state"
 

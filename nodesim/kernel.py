@@ -27,9 +27,7 @@ from gpunode.host.pci import VFIO_DRIVER as VFIO
 from gpunode.host.pci import is_vfio_driver
 from gpunode.host.root import HostRoot
 from nodesim import gpu, pcierrors
-
-# MARKER: importers from before nodesim.marker (other branches of issue 36) still find it here.
-from nodesim.marker import MARKER, current_driver, device_dir, marker, save_marker  # noqa: F401
+from nodesim.marker import current_driver, device_dir, marker, save_marker
 
 # The vfio-dev cdev region's major: the kernel allocates it at boot (alloc_chrdev_region), and
 # simulated nodes take the one in the example of Kata's GetDeviceFromVFIODev (drivers/utils.go).

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from gpunode.host import pci, sysfs, vfio
+from gpunode.host import pci, sysfs, vfiogroups
 from gpunode.host.root import HostRoot
 from gpunode.policy.inventory import Inventory, discover
 from gpunode.policy.naming import Naming
@@ -90,7 +90,7 @@ def _health(host: HostRoot, inv: Inventory, groups: Sequence[int], nodes: tuple[
     now, or "" when they can."""
     for group in groups:
         for other in inv.members(group):
-            if vfio.blocks_group(other):
+            if vfiogroups.blocks_group(other):
                 return f"IOMMU group {group} is not viable: {other.bdf} is on {other.driver}"
     for node in nodes:
         if not host.path(node).exists():

@@ -27,19 +27,7 @@ from gpunode.host.kernel import BlockedWrite, read_bounded
 from gpunode.host.pci import VFIO_DRIVER, Device, is_vfio_driver
 from gpunode.host.root import HostRoot
 from gpunode.host.variants import VfioDriver
-
-# Action, SkipReason, VfioModule, vfio_module, users_visible, blocks_group: importers from before
-# vfiogroups had them (katamgr.agent, other branches of issue 36) still find them here.
-from gpunode.host.vfiogroups import (  # noqa: F401
-    Action,
-    GroupDecision,
-    SkipReason,
-    VfioModule,
-    blocks_group,
-    in_use,
-    users_visible,
-    vfio_module,
-)
+from gpunode.host.vfiogroups import GroupDecision, in_use
 
 log = logging.getLogger(__name__)
 

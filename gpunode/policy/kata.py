@@ -21,9 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gpunode.host.pci import Device
-
-# parse_release: importers from before the release had its own module (other branches of issue 36).
-from gpunode.policy.katarelease import UNKNOWN, KataRelease, parse_release  # noqa: F401
+from gpunode.policy.katarelease import UNKNOWN, KataRelease
 
 if TYPE_CHECKING:  # the inventory's selection asks this module about releases
     from gpunode.policy.inventory import Inventory

@@ -27,7 +27,7 @@ from gpunode.host.pciids import PciIds
 from gpunode.policy import katadetect
 from gpunode.policy import naming as names
 from gpunode.policy import selection as sel
-from gpunode.policy.kata import parse_release
+from gpunode.policy.katarelease import parse_release
 from gpunode.policy.workload import AUTO, DEFAULT_WORKLOAD, WORKLOADS
 from gpunode.services import nvlinkfabric as nf
 from gpunode.services.fabricmanager import DEFAULT_ADDRESS, DEFAULT_LIBRARY

@@ -3,8 +3,8 @@
 Anything that can reach the webhook's Service (any pod, with the chart's defaults) can
 connect to it, and with ``failurePolicy: Fail`` a webhook that falls over stops every pod
 create it reviews. So every resource a client can make it hold has a bound here, and the
-bounds hold whatever the clients do (issue 33: one thread per connection and a per-read
-timeout let 3,000 half-sent TLS connections take it past its memory limit).
+bounds hold whatever the clients do (a thread per connection and a per-read timeout once
+let 3,000 half-sent TLS connections take it past its memory limit).
 
 No ``ssl`` here: ``katamgr --help`` reads the flags' defaults from this module.
 """

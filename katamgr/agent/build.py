@@ -3,7 +3,7 @@ API client reaches (None: none) and gives the ``Agent`` that ``katamgr run`` run
 
 With a cluster and a node name: Events on the Node, the GPU labels and the offered runtime
 classes published on it, and, where asked, the Node followed (``--workload auto``, by one
-label watch every room reads) and the CC modes kept. Without: the agent keeps the node as
+label watch every module of the agent reads) and the CC modes kept. Without: the agent keeps the node as
 the command line says.
 """
 

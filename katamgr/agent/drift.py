@@ -21,7 +21,7 @@ from katamgr.pipeline.report import Report
 from katamgr.render import log_report
 from katamgr.runtime import check_entries, configure_containerd
 
-# One logger for the agent, whichever room speaks: its log is a daemon's only voice.
+# One logger for the agent, whichever module speaks: its log is a daemon's only voice.
 log = logging.getLogger("katamgr.agent")
 
 

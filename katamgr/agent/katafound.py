@@ -5,7 +5,7 @@ drop-in (``kata-deploy.toml``) and replaces the shims and the ``VERSION`` file u
 ``/opt/kata``. Each check compares the files detection read (``katadetect.inputs``: a stat
 each, no shim run); where one changed, the node's Kata is detected again
 (``katadetect.node_selection``, the one way every part learns it) and the target's selection
-follows: the release label (the labels room reads the target), the plan, and, through the
+follows: the release label (published from the target), the plan, and, through the
 reconcile the loop then runs, what the release decides (NVSwitches passed through on 4.1 and
 later, or kept back before it).
 """

@@ -1,4 +1,4 @@
-"""The loop: what runs when, and nothing else (each piece of work is another room's).
+"""The loop: what runs when, and nothing else (each piece of work is another module's).
 
 It sleeps until an inotify event in containerd's config dir, a relabel (the Node watch
 wakes it), a stop request or, at the latest, every check interval: the checks are cheap
@@ -30,7 +30,7 @@ _WATCH = inflags.CLOSE_WRITE | inflags.MOVED_TO | inflags.CREATE | inflags.DELET
 
 class Kept(Protocol):
     """What the loop needs of the agent it runs (``running.Agent``): its timers, its stop
-    flag, and each piece of work by name; how a piece is done is the agent's rooms' business."""
+    flag, and each piece of work by name; how a piece is done is the business of the agent's other modules."""
 
     stop: threading.Event
     check_interval: float

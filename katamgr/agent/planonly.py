@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 
 from gpunode.errors import GpuNodeError
-from gpunode.host.vfio import Action
+from gpunode.host.vfiogroups import Action
 from gpunode.services.metrics_server import MetricsServer
 from gpunode.services.process import stop_on_signals
 from katamgr.agent.health import Health

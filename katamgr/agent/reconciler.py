@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from gpunode.errors import GpuNodeError
-from gpunode.host.vfio import Action, SkipReason
+from gpunode.host.vfiogroups import Action, SkipReason
 from gpunode.services.backoff import Backoff, Retries
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.health import Health

@@ -1,4 +1,4 @@
-"""The agent: its rooms wired together, run once (``--once``) or kept running, stopped."""
+"""The agent: its modules wired together, run once (``--once``) or kept running, stopped."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 
 
 class Agent:
-    """``katamgr run``: the rooms wired together for ``settings``, reaching the cluster
+    """``katamgr run``: the agent's modules wired together for ``settings``, reaching the cluster
     through ``links`` (``agent.settings``; ``agent.build`` makes both from the command line
     and an API client)."""
 
@@ -68,7 +68,7 @@ class Agent:
                                      retry_initial=s.retry_initial, retry_max=s.retry_max,
                                      offer_labels=links.offer_labels)
 
-    # -- the work, each piece in its room -----------------------------------------
+    # -- the work, each piece in its module ---------------------------------------
 
     def reconcile(self, why: str, *, raise_errors: bool = False, retry: bool = False) -> Report:
         return self.reconciler.run(why, raise_errors=raise_errors, retry=retry)

@@ -62,7 +62,7 @@ class NodeLinks:
     and opt-outs now (None: not followed); ``node_watch``: a started
     ``gpunode.services.kube.NodeLabelWatch`` that keeps the labels and wakes the loop when they
     change; ``node_labels``: the Node's labels, to publish the GPU labels on; ``offer_labels``:
-    the same, for the runtime classes offered on the node (``pipeline.offers``); the CC room's
+    the same, for the runtime classes offered on the node (``pipeline.offers``); the CC modes'
     label reader and publisher and the Node's capacity and allocatable (``read_resources``)."""
 
     events: Any = None

@@ -1,4 +1,4 @@
-"""What the agent keeps the node at, the one state every room of the agent shares."""
+"""What the agent keeps the node at, the one state every module of the agent shares."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The DRA driver of one node: the passthrough units published, claims prepared.
 
-``DraDriver`` wires the rooms of ``sandbox_plugin.dra`` around the device plugin's
+``DraDriver`` wires the modules of ``sandbox_plugin.dra`` around the device plugin's
 own discovery (``sandbox_plugin.discovery.PassthroughDiscovery``, rescanned by
 ``sandbox_plugin.watch.DeviceWatcher`` on every bind, unbind, hotplug and removed
 VFIO node), so the driver and the device plugin can never see a different node:

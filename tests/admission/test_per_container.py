@@ -1,4 +1,4 @@
-"""Issue 33's grains, each judged as a security reviewer would: every container, init
+"""Isolation's grains, each judged as a security reviewer would: every container, init
 container and ephemeral container on its own; CDI annotations, hostPath volumes and the
 toolkit's device-list mounts as other ways to a GPU. The webhook's answers over real TLS,
 the patch applied and the result checked against the Kubernetes API schema.

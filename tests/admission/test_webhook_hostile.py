@@ -1,4 +1,4 @@
-"""``katamgr webhook`` against hostile and unlucky clients (issue 33), as its own process.
+"""``katamgr webhook`` against hostile and unlucky clients, as its own process.
 
 Anything that can reach the webhook's Service can connect to it, and with ``failurePolicy:
 Fail`` a webhook that falls over stops every pod create it reviews. Before this server,

@@ -1,5 +1,5 @@
 """``katamgr webhook`` as its own process (as the chart runs it), what it holds (threads,
-memory), and the slow TLS clients of issue 33: for tests/admission/test_webhook_hostile.py
+memory), and the slow TLS clients of the security review: for tests/admission/test_webhook_hostile.py
 and bench/bench_webhook.py."""
 
 from __future__ import annotations

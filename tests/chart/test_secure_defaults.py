@@ -1,4 +1,4 @@
-"""What the chart guarantees whatever is switched on (issue 21): isolation on by default, no
+"""What the chart guarantees whatever is switched on: isolation on by default, no
 pod in the host's network namespace, and resource requests on every container and init
 container of every workload, the uninstall hook's included."""
 

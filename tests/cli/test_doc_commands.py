@@ -90,6 +90,6 @@ def test_a_documented_command_runs_as_written(where, command, tmp_path):
 
 
 def test_the_readme_is_at_most_200_lines():
-    """Issue 36: the README is the way in; detail lives in docs/*.md, linked from it."""
+    """The README is the way in; detail lives in docs/*.md, linked from it."""
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 200, len(lines)

@@ -1,5 +1,5 @@
 """What the shipped examples' comments and katamgr's own output tell an operator agrees with
-what katamgr and the isolation layers do (issue 35, item 7)."""
+what katamgr and the isolation layers do."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The one table of exit codes, as --help and docs/operating.md show it, and the codes the
-commands end with where a script must tell the cases apart (issue 35)."""
+commands end with where a script must tell the cases apart."""
 
 from __future__ import annotations
 

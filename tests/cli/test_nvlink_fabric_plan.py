@@ -74,7 +74,7 @@ def test_a_bad_module_id_list_exits_2_naming_it():
     assert "'x'" in result.stderr
 
 
-# ---- issue 34: in the Shared NVSwitch model the NVSwitches stay with Fabric Manager --------------
+# ---- in the Shared NVSwitch model the NVSwitches stay with Fabric Manager --------------
 # Fabric Manager User Guide §7: FM on the host drives the NVSwitches and only GPUs go to VMs, so
 # even a Kata that cold-plugs NVSwitches (4.1+) must not be handed them here.
 NVSWITCHES = ["0000:05:00.0", "0000:15:00.0", "0000:85:00.0", "0000:95:00.0"]

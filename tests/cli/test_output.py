@@ -1,4 +1,4 @@
-"""What katamgr prints, as an operator and a script read it (issue 35): tables that fit a
+"""What katamgr prints, as an operator and a script read it: tables that fit a
 terminal, -o wide, --no-headers, versioned JSON/YAML documents with camelCase keys and prose
 only in message fields, warnings on stderr, --version and `katamgr help CMD`."""
 

@@ -1,4 +1,4 @@
-"""Revert undoes what apply recorded on the node, whatever config it is given (issue 35),
+"""Revert undoes what apply recorded on the node, whatever config it is given,
 and ``katamgr status`` shows that record, including a run killed part-way.
 
 On simulated nodes with the shipped OCI layout and the demo's containerd config

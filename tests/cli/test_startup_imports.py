@@ -1,7 +1,7 @@
 """`katamgr plan` on a node loads no library it does not use.
 
 The Kubernetes client alone took 13 of the 15 s of one `katamgr apply` in a guest
-under emulation (issue 12), and once crept back in through the Node reader
+under emulation, and once crept back in through the Node reader
 (tests/kernel saw every command start in 30-45 s). bench/bench_startup.py
 measures the time; this test keeps the heavy imports out of the plain plan.
 """

@@ -278,7 +278,7 @@ def test_a_confidential_class_is_refused_a_gpu_model_without_cc_naming_it(kube, 
     assert stored["spec"]["nodeSelector"]["nvidia.com/cc.ready.state"] == "true"  # the RuntimeClass's
 
 
-# --- issue 33: every container on its own, every way to a GPU, both layers alike ---------
+# --- every container on its own, every way to a GPU, both layers alike ---------
 
 def tenant(obj: dict[str, Any], name: str) -> dict[str, Any]:
     """A podkit pod as a tenant creates it in the tenant namespace."""

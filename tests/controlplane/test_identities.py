@@ -1,4 +1,4 @@
-"""No identity of the chart can change the cluster's isolation (issue 33), on the real API
+"""No identity of the chart can change the cluster's isolation, on the real API
 server (Kubernetes 1.35.4): the chart's ServiceAccounts, RBAC, RuntimeClasses and node-binding
 policies applied server-side, two Nodes A and B, and a Pod of the sandbox agent's
 ServiceAccount on A (no kubelet runs: it stays Pending) whose bound token is what the agent's

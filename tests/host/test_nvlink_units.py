@@ -12,7 +12,7 @@ import yaml
 
 from gpunode.host.pciids import PciIds
 from gpunode.policy.inventory import discover
-from gpunode.policy.kata import parse_release
+from gpunode.policy.katarelease import parse_release
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
 from gpunode.policy.selection import Selection, parse_exclude

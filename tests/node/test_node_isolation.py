@@ -1,4 +1,4 @@
-"""Issue 33 on the real node: the chart's own webhook Deployment (its 3 replicas, started by
+"""Isolation on the real node: the chart's own webhook Deployment (its 3 replicas, started by
 the kubelet from our image) judges each container on its own, and the real kubelet runs an
 ephemeral container (``kubectl debug``) with ``NVIDIA_VISIBLE_DEVICES=void``. With every
 webhook replica gone, the cluster's own namespaces still create pods and tenants' do not.
@@ -136,7 +136,7 @@ def _as(node, token: str, *args: str):
 
 
 def test_the_tokens_the_kubelet_gives_the_chart_pods_cannot_change_isolation(node, tenant):
-    """The real projected tokens of the agent's and the webhook's pods (issue 33): neither may
+    """The real projected tokens of the agent's and the webhook's pods: neither may
     delete the Kata RuntimeClass or make one with handler runc, and the agent's may not change
     its Node's workload label (the node-binding policy)."""
     tokens = {"sandbox-agent": _token_of(node, "sandbox-agent", "kata-manager"),

@@ -1,5 +1,5 @@
 """Kata installed on the real node as kata-deploy installs it, and a GPU Kata pod run through
-kata-deploy's containerd runtime (issue 38).
+kata-deploy's containerd runtime.
 
 kata-deploy's layout and containerd drop-in are written as its installer writes them
 (tests/support/katadeploynode.py says where each fact comes from), with the prefix that puts

@@ -1,7 +1,7 @@
 """NVIDIA's Shared NVSwitch model on the real kubelet: the simulated DGX H100's Fabric Manager
 (the stand-in ``libnvfm.so.1`` of nodesim/fabricmanager, its socket served on the machine by
 ``nodesim.fabricmanager.daemon``) gives each Kata pod one partition (Fabric Manager User Guide
-§7; issue 34, item 3).
+§7).
 
 The module upgrades the chart with ``devices.nvlinkFabric: sharedNvswitch`` and FM's socket,
 library and module IDs as an operator gives them (the rest is examples/values/local-node.yaml),
@@ -21,7 +21,7 @@ active at the moment it starts. Which GPUs it got is what Kata's own cold-plug c
 VM (``nodekit.vm_devices``); which partition that is comes from FM's own table (its SDK,
 ``fmGetSupportedFabricPartitions``) and the board's module IDs.
 
-Figures for issue 34 (printed in the terminal summary, never asserted): a 2-GPU pod's
+Figures (printed in the terminal summary, never asserted): a 2-GPU pod's
 created → running and our share of it (GetPreferredAllocation and Allocate, the activation
 included, from the plugin's own histograms); its partition's deactivation after the pod ended.
 """

@@ -1,4 +1,4 @@
-"""Partial success on the real node (issue 35): one runtime class whose artifacts cannot be
+"""Partial success on the real node: one runtime class whose artifacts cannot be
 had, beside a good one, with the real API server, scheduler, kubelet and containerd.
 
 The chart is applied from our image with examples/values/local-node.yaml plus a second

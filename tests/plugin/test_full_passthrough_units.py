@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from gpunode.host.pciids import PciIds
-from gpunode.policy.kata import parse_release
+from gpunode.policy.katarelease import parse_release
 from gpunode.policy.naming import Naming, resource_name
 from gpunode.policy.selection import Selection
 from gpunode.services.backoff import Backoff

@@ -180,11 +180,11 @@ def test_the_dra_driver_publishes_partitions_and_activates_one_per_claim(tmp_pat
 
 
 def test_in_the_shared_model_the_plugin_command_leaves_the_nvswitches_to_fabric_manager(sim_host):
-    """Issue 34: Kata 4.1 cold-plugs NVSwitches, but with FM on the host (Shared NVSwitch,
+    """Kata 4.1 cold-plugs NVSwitches, but with FM on the host (Shared NVSwitch,
     Fabric Manager User Guide §7) they are FM's: the plugin command's selection drops them, so
     neither an NVSwitch nor a whole-board unit is advertised, even on a node where an older
     katamgr left them on vfio-pci."""
-    from gpunode.policy.kata import parse_release
+    from gpunode.policy.katarelease import parse_release
     from gpunode.policy.selection import Selection
     from sandbox_plugin.cli import _fabric_keeps_nvswitches
 

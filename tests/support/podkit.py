@@ -146,7 +146,7 @@ def cases() -> dict[str, dict[str, Any]]:
         "passthrough-runc": pod(container(limits={A10: "1"}), runtime_class="runc"),
         "passthrough-init": pod(container(), init=[container("loader", limits={"nvidia.com/pgpu": "1"})]),
         "deployment": deployment_pod(container()),
-        # Issue 33's cases: each container judged on its own, and the other ways to a GPU.
+        # Each container judged on its own, and the other ways to a GPU.
         "gpu-and-sidecar": pod(container(limits={"nvidia.com/gpu": "1"}), container("sidecar")),
         "gpu-init-only": pod(container(), init=[container("warmup", limits={"nvidia.com/gpu": "1"})]),
         "gpu-user-all": pod(container(limits={"nvidia.com/gpu": "1"}, env={"NVIDIA_VISIBLE_DEVICES": "all"})),
