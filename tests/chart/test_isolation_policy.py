@@ -274,7 +274,7 @@ def test_the_policy_binding(chart):
         NAMESPACE, "kube-system", "gpu-operator"]
     policy = rendered.get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
     assert [(r["resources"], r["operations"]) for r in policy["spec"]["matchConstraints"]["resourceRules"]] == [
-        (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"])]
+        (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"]), (["pods"], ["UPDATE"])]
     assert policy["spec"]["failurePolicy"] == "Fail"
     # The handler rule: every RuntimeClass a param, none at all is no reason to refuse.
     handler = rendered.get("ValidatingAdmissionPolicyBinding", "-kata-handler")
