@@ -1,5 +1,5 @@
 """The hostile-review table of docs/isolation.md: what ``katamgr webhook`` answers to each case
-of the security review, and how long it took, over real TLS on loopback.
+of the security reviews, and how long it took, over real TLS on loopback.
 
     .venv/bin/python bench/bench_hostile_reviews.py [--repeat 20]
 
@@ -41,6 +41,24 @@ POD_CASES = [
     ("hostPath //dev/./", "/validate", "hostpath-dev"),
     ("emptyDir at /var/run/nvidia-container-devices/all", "/validate", "devlist-emptydir"),
     ("passthrough GPU, runc", "/validate", "passthrough-runc"),
+    ("/dev/null at /tmp/../var/run/nvidia-container-devices/all", "/validate", "mountpath-dotdot"),
+    ("same, in an init container", "/validate", "mountpath-dotdot-init"),
+    ("subPath a/../../b", "/validate", "subpath-dotdot"),
+    ("hostPath /var/lib/kubelet/device-plugins", "/validate", "hostpath-device-plugins"),
+    ("hostPath /var/lib/kubelet (above it)", "/validate", "hostpath-kubelet"),
+    ("hostPath /var/run/cdi", "/validate", "hostpath-var-run-cdi"),
+    ("hostPath /etc/cdi/nvidia.yaml", "/validate", "hostpath-etc-cdi"),
+    ("hostPath /run/containerd/containerd.sock", "/validate", "hostpath-containerd-sock"),
+    ("hostPath /sys/bus/pci", "/validate", "hostpath-sys-bus-pci"),
+    ("hostPath /sys/devices/pci0000:00", "/validate", "hostpath-sys-devices-pci"),
+    ("hostPath /var/log (beside them)", "/validate", "hostpath-var-log"),
+]
+# Plain pod UPDATEs (kubectl annotate): the validating webhook and the policy see them.
+UPDATE_CASES = [
+    ("annotate cdi.k8s.io/gpu=nvidia.com/gpu=all, UPDATE", "/validate", "annotate-gpu-all"),
+    ("same UPDATE, /mutate", "/mutate", "annotate-gpu-all"),
+    ("UPDATE removing that annotation", "/validate", "removed-gpu"),
+    ("UPDATE of a label, the annotation kept", "/validate", "unchanged-gpu-label"),
 ]
 
 
@@ -55,8 +73,12 @@ def nested(depth: int) -> bytes:
 
 
 def bodies() -> list[tuple[str, str, bytes]]:
-    cases = [(name, path, json.dumps(podkit.review(podkit.cases()[case])).encode())
-             for name, path, case in POD_CASES]
+    pods = {**podkit.cases(), **podkit.path_cases()}
+    cases = [(name, path, json.dumps(podkit.review(pods[case])).encode()) for name, path, case in POD_CASES]
+    updates = podkit.update_cases()
+    cases += [(name, path, json.dumps(podkit.review(updates[case][1], operation="UPDATE",
+                                                    old=updates[case][0])).encode())
+              for name, path, case in UPDATE_CASES]
     cases.append(("kubectl debug, NVIDIA_VISIBLE_DEVICES=all", "/mutate", json.dumps(ephemeral_review()).encode()))
     cases += [
         ("JSON nested 5,000 deep", "/mutate", nested(5000)),

@@ -89,7 +89,12 @@ def judge(path: str, request: dict[str, Any], policy: rules.Policy) -> dict[str,
             patch = rules.mutate(pod, policy, subresource=subresource,
                                  old=old if isinstance(old, dict) else None)
             return review.response(uid, patch=patch)
-        denial = rules.validate(pod, policy, subresource=subresource)
+        if request.get("operation") == "UPDATE" and not subresource:
+            # A plain update: the CDI annotations it adds or changes (a missing oldObject,
+            # which the API server always sends, counts every one as added).
+            denial = rules.validate_update(pod, old if isinstance(old, dict) else None, policy)
+        else:
+            denial = rules.validate(pod, policy, subresource=subresource)
     except RecursionError:
         # parse_review bounds the depth, so the rules should never meet this; if they do,
         # the pod is refused as malformed, in one line.

@@ -123,11 +123,14 @@ def pod_name(pod: dict[str, Any]) -> str:
     return "(unnamed)"
 
 
+def annotations(pod: dict[str, Any] | None) -> dict[str, Any]:
+    return _dict(_dict(_dict(pod).get("metadata")).get("annotations"))
+
+
 def cdi_annotations(pod: dict[str, Any]) -> Iterator[tuple[str, str]]:
     """(annotation, device kind) for every CDI device name a pod annotation carries. A value
     is a comma-separated list of qualified names, ``vendor.com/class=device``."""
-    annotations = _dict(_dict(pod.get("metadata")).get("annotations"))
-    for key, value in annotations.items():
+    for key, value in annotations(pod).items():
         if not str(key).startswith(CDI_ANNOTATION_PREFIXES):
             continue
         for name in str(value).split(","):
@@ -135,8 +138,8 @@ def cdi_annotations(pod: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 
 def canonical(path: str) -> str:
-    """A path with empty and ``.`` segments dropped (the API server already refuses ``..`` in
-    a hostPath and a mountPath), as the kernel resolves it; the policy's CEL does the same."""
+    """A path with empty and ``.`` segments dropped, as the kernel resolves it; the policy's CEL
+    does the same. A path with ``..`` is refused before this is asked (hostpaths)."""
     return "/" + "/".join(s for s in path.split("/") if s not in ("", "."))
 
 

@@ -24,15 +24,17 @@ sends), the subresource under review and a ``Policy``. Each container is judged 
   runtime's (``kata-qemu-nvidia-gpu*``: kata-deploy's and katamgr's, TDX and runtime-rs
   included), judged by its handler where the webhook can read RuntimeClasses (by its name
   otherwise); a CDI annotation naming a GPU
-  (``cdi.k8s.io/*``, ``nvidia.cdi.k8s.io/*``); a hostPath volume showing GPU device nodes
-  (``/dev/nvidia*``, ``/dev/vfio``, or ``/dev``, ``/``); a mount where the toolkit reads its
-  device list (``/var/run/nvidia-container-devices``); a container's own
-  ``NVIDIA_VISIBLE_DEVICES`` that mutate would have removed or voided (so the rule holds
-  where only the policy runs).
+  (``cdi.k8s.io/*``, ``nvidia.cdi.k8s.io/*``); a hostPath with a ``..`` segment; a hostPath
+  volume showing GPU device nodes (``/dev/nvidia*``, ``/dev/vfio``, or ``/dev``, ``/``); a
+  hostPath at, under or above a GPU control point of the node (``hostpaths``); a mountPath
+  or subPath with a ``..`` segment; a mount where the toolkit reads its device list
+  (``/var/run/nvidia-container-devices``); a container's own ``NVIDIA_VISIBLE_DEVICES`` that
+  mutate would have removed or voided (so the rule holds where only the policy runs).
 
 On ``pods/ephemeralcontainers`` only the ephemeral containers are looked at (the rest of the
 pod cannot change there); mutate touches only those the update adds, since the API server
-refuses a change to an ephemeral container that already exists.
+refuses a change to an ephemeral container that already exists. On a plain pod UPDATE
+(``validate_update``) only the CDI annotations it adds or changes; mutate never patches one.
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ from gpunode.kataclasses import (
     confidential_by_name,
     not_cc_capable_model,
 )
+from katamgr.admission import hostpaths
 from katamgr.admission.podparts import (
     EPHEMERAL,
     VISIBLE_DEVICES,
     VOID,
     Container,
+    annotations,
     cdi_annotations,
     containers,
     holds_gpu_devices,
@@ -79,7 +83,8 @@ EPHEMERAL_SUBRESOURCE = "ephemeralcontainers"
 # a passthrough resource's kind) whatever the policy's passthrough patterns say.
 NVIDIA_CDI_VENDOR = "nvidia.com/"
 
-__all__ = ["DEFAULT_GPU_HANDLERS", "DEFAULT_PASSTHROUGH", "DEFAULT_RUNTIME_CLASSES", "Policy", "mutate", "pod_name", "validate"]
+__all__ = ["DEFAULT_GPU_HANDLERS", "DEFAULT_PASSTHROUGH", "DEFAULT_RUNTIME_CLASSES", "Policy", "mutate", "pod_name",
+           "validate", "validate_update"]
 
 
 @dataclass(frozen=True)
@@ -179,9 +184,21 @@ def _passthrough(pod: dict[str, Any], policy: Policy) -> list[tuple[Container, s
 def validate(pod: dict[str, Any], policy: Policy, *, subresource: str = "") -> str | None:
     """Why the pod is denied, or None when it is allowed."""
     problem = None if subresource else (_kata_problem(pod, policy) or _cdi_problem(pod, policy)
-                                        or _host_path_problem(pod))
+                                        or hostpaths.backstep_volume_problem(pod)
+                                        or _host_path_problem(pod) or hostpaths.control_point_problem(pod))
     scope = _scope(subresource)
-    problem = problem or _mount_problem(pod, scope) or _env_problem(pod, policy, scope)
+    problem = (problem or hostpaths.backstep_mount_problem(pod, scope) or _mount_problem(pod, scope)
+               or _env_problem(pod, policy, scope))
+    return f'pod "{pod_name(pod)}": {problem}' if problem else None
+
+
+def validate_update(pod: dict[str, Any], old: dict[str, Any] | None, policy: Policy) -> str | None:
+    """Why a plain pod UPDATE is denied, or None. Only its CDI annotations can give it a GPU
+    now: the kubelet builds each new sandbox of the pod from its annotations of the time
+    (kuberuntime_sandbox.go generatePodSandboxConfig: newPodAnnotations(pod)), and the spec
+    the other rules judge cannot change there. An annotation added, or changed to name a GPU,
+    is refused; one left as it was, or removed, is not (controllers update pods all the time)."""
+    problem = _cdi_problem(pod, policy, before=annotations(old))
     return f'pod "{pod_name(pod)}": {problem}' if problem else None
 
 
@@ -246,8 +263,11 @@ def _handler_problem(runtime_class: str, policy: Policy) -> str | None:
             f"its Kata handler (helm upgrade restores it)")
 
 
-def _cdi_problem(pod: dict[str, Any], policy: Policy) -> str | None:
+def _cdi_problem(pod: dict[str, Any], policy: Policy, before: dict[str, Any] | None = None) -> str | None:
+    now = annotations(pod)
     for annotation, kind in cdi_annotations(pod):
+        if before is not None and annotation in before and before[annotation] == now[annotation]:
+            continue  # as it was before this update
         if policy.names_gpu(kind):
             return (f'annotation "{annotation}" names the CDI device kind {kind}; a pod gets GPUs by '
                     f"requesting a resource (nvidia.com/gpu, or a passthrough resource in a Kata "

@@ -155,9 +155,11 @@ def test_helm_makes_a_ca_whose_bundle_the_webhooks_trust(chart):
                                                    "path": path, "port": 443}
         assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
         assert hook["admissionReviewVersions"] == ["v1"]
-        # A pod's create, and kubectl debug's ephemeral containers; never a plain update.
+        # A pod's create, and kubectl debug's ephemeral containers; a plain update only for
+        # /validate (its CDI annotations: test_isolation_paths.py).
+        plain_update = [(["pods"], ["UPDATE"])] if path == "/validate" else []
         assert [(r["resources"], r["operations"]) for r in hook["rules"]] == [
-            (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"])]
+            (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"]), *plain_update]
         assert excluded_namespaces(hook["namespaceSelector"]) == [NAMESPACE, "kube-system", "gpu-operator"]
         assert {"key": "isolation.kata-sandbox-manager.io/exempt", "operator": "NotIn",
                 "values": ["true"]} in hook["namespaceSelector"]["matchExpressions"]

@@ -39,16 +39,21 @@ def cel_escapes_ok(expression: str) -> bool:
 
 
 def evaluate_policy(policy: dict, pod: dict, *, subresource: str = "",
-                    params: dict | None = None) -> tuple[bool, str | None]:
+                    params: dict | None = None, old: dict | None = None) -> tuple[bool, str | None]:
+    """The policy's answer to a pod's CREATE, or with ``subresource`` or ``old`` (the
+    oldObject) an UPDATE, as the API server runs it: (admitted, the first refusal's message)."""
     celpy, env = _cel_env()
     from celpy import celtypes, json_to_cel
 
     spec = policy["spec"]
     variables: dict = {}
+    update = bool(subresource) or old is not None
     activation = {"object": json_to_cel(pod), "variables": celtypes.MapType(variables),
+                  # null on a CREATE (admission.k8s.io's AdmissionRequest.oldObject)
+                  "oldObject": json_to_cel(old),
                   # The API server leaves subResource out of a request on the resource itself
                   # (seen: "no such key: subResource" from a policy that read it unguarded).
-                  "request": json_to_cel({"operation": "UPDATE" if subresource else "CREATE",
+                  "request": json_to_cel({"operation": "UPDATE" if update else "CREATE",
                                           **({"subResource": subresource} if subresource else {})})}
     if params is not None:
         activation["params"] = json_to_cel(params)
@@ -269,7 +274,7 @@ def test_the_policy_binding(chart):
         NAMESPACE, "kube-system", "gpu-operator"]
     policy = rendered.get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
     assert [(r["resources"], r["operations"]) for r in policy["spec"]["matchConstraints"]["resourceRules"]] == [
-        (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"])]
+        (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"]), (["pods"], ["UPDATE"])]
     assert policy["spec"]["failurePolicy"] == "Fail"
     # The handler rule: every RuntimeClass a param, none at all is no reason to refuse.
     handler = rendered.get("ValidatingAdmissionPolicyBinding", "-kata-handler")

@@ -4,6 +4,7 @@ requests carrying them: the cases of the admission webhook and policy tests."""
 
 from __future__ import annotations
 
+import copy
 import uuid
 from typing import Any
 
@@ -17,7 +18,8 @@ _API = k8s.ApiClient()
 
 def container(name: str = "app", *, limits: dict[str, str] | None = None,
               env: dict[str, str] | None = None, claims: list[str] | None = None,
-              mounts: dict[str, str] | None = None) -> k8s.V1Container:
+              mounts: dict[str, str] | None = None,
+              sub_paths: dict[str, str] | None = None) -> k8s.V1Container:
     resources = None
     if limits is not None or claims:
         resources = k8s.V1ResourceRequirements(
@@ -25,7 +27,8 @@ def container(name: str = "app", *, limits: dict[str, str] | None = None,
     return k8s.V1Container(
         name=name, image="nvcr.io/nvidia/k8s/cuda-sample:vectoradd-cuda12.5.0", resources=resources,
         env=[k8s.V1EnvVar(name=k, value=v) for k, v in env.items()] if env else None,
-        volume_mounts=[k8s.V1VolumeMount(name=v, mount_path=p) for v, p in mounts.items()] if mounts else None)
+        volume_mounts=[k8s.V1VolumeMount(name=v, mount_path=p, sub_path=(sub_paths or {}).get(v))
+                       for v, p in mounts.items()] if mounts else None)
 
 
 def pod(*containers: k8s.V1Container, init: list[k8s.V1Container] | None = None,
@@ -167,4 +170,84 @@ def cases() -> dict[str, dict[str, Any]]:
         "devlist-emptydir": pod(container(mounts={"all": "/var/run/nvidia-container-devices/all"}),
                                 empty_dirs=("all",)),
         "devlist-run": pod(container(mounts={"x": "/run/nvidia-container-devices"}), empty_dirs=("x",)),
+    }
+
+
+# Paths the rules judge after dropping "." and empty segments, and refuse with "..": a mountPath
+# with ".." (the API server checks hostPath and subPath only), and the node's GPU control
+# points as hostPath volumes, at, under or above one (katamgr/admission/hostpaths.py).
+def path_cases() -> dict[str, dict[str, Any]]:
+    null = {"null": "/dev/null"}
+    devlist = "/tmp/../var/run/nvidia-container-devices/all"
+    return {
+        "mountpath-dotdot": pod(container(mounts={"null": devlist}), host_paths=null),
+        "mountpath-dotdot-init": pod(container(), init=[container("setup", mounts={"null": devlist})],
+                                     host_paths=null),
+        "mountpath-dotdot-sidecar": pod(container(limits={"nvidia.com/gpu": "1"}),
+                                        container("sidecar", mounts={"null": "/run/x/../nvidia-container-devices/all"}),
+                                        host_paths=null),
+        "subpath-dotdot": pod(container(mounts={"data": "/data"}, sub_paths={"data": "a/../../b"}),
+                              host_paths={"data": "/var/lib/data"}),
+        "hostpath-dotdot": pod(container(mounts={"x": "/x"}), host_paths={"x": "/tmp/../dev"}),
+        "hostpath-device-plugins": pod(container(mounts={"dp": "/dp"}),
+                                       host_paths={"dp": "/var/lib/kubelet/device-plugins"}),
+        "hostpath-pod-resources": pod(container(mounts={"pr": "/pr"}),
+                                      host_paths={"pr": "/var/lib/kubelet/pod-resources/kubelet.sock"}),
+        "hostpath-dra-plugins": pod(container(mounts={"p": "/p"}), host_paths={"p": "/var/lib/kubelet/plugins_registry/"}),
+        "hostpath-kubelet": pod(container(mounts={"k": "/k"}), host_paths={"k": "/var/lib/kubelet"}),
+        "hostpath-var": pod(container(mounts={"v": "/v"}), host_paths={"v": "/var"}),
+        "hostpath-var-run-cdi": pod(container(mounts={"cdi": "/cdi"}), host_paths={"cdi": "/var/run/cdi"}),
+        "hostpath-etc-cdi": pod(container(mounts={"cdi": "/cdi"}), host_paths={"cdi": "/etc/cdi/nvidia.yaml"}),
+        "hostpath-etc": pod(container(mounts={"etc": "/host-etc"}), host_paths={"etc": "/etc/"}),
+        "hostpath-containerd-sock": pod(container(mounts={"sock": "/sock"}),
+                                        host_paths={"sock": "/run/containerd/containerd.sock"}),
+        "hostpath-crio-sock": pod(container(mounts={"sock": "/sock"}), host_paths={"sock": "//var/run//crio/./crio.sock"}),
+        "hostpath-run": pod(container(mounts={"run": "/run-host"}), host_paths={"run": "/run"}),
+        "hostpath-sys-bus-pci": pod(container(mounts={"pci": "/pci"}), host_paths={"pci": "/sys/bus/pci"}),
+        "hostpath-sys-devices-pci": pod(container(mounts={"d": "/d"}), host_paths={"d": "/sys/devices/pci0000:00"}),
+        "hostpath-iommu-group": pod(container(mounts={"g": "/g"}), host_paths={"g": "/sys/kernel/iommu_groups/12"}),
+        "hostpath-drm-device": pod(container(mounts={"g": "/g"}), host_paths={"g": "/sys/class/drm/card0/device"}),
+        "hostpath-sys": pod(container(mounts={"sys": "/host-sys"}), host_paths={"sys": "/sys"}),
+        "hostpath-dev-char": pod(container(mounts={"c": "/c"}), host_paths={"c": "/dev/char/511:12"}),
+        # Not a control point: beside them, not above.
+        "hostpath-var-log": pod(container(mounts={"log": "/var/log"}), host_paths={"log": "/var/log"}),
+        "hostpath-kubelet-pods": pod(container(mounts={"p": "/p"}), host_paths={"p": "/var/lib/kubelet/pods"}),
+        "hostpath-cgroup": pod(container(mounts={"cg": "/cg"}), host_paths={"cg": "/sys/fs/cgroup"}),
+        "hostpath-run-user": pod(container(mounts={"u": "/u"}), host_paths={"u": "/run/user/1000"}),
+        "hostpath-cdi-lookalike": pod(container(mounts={"c": "/c"}), host_paths={"c": "/etc/cdi-backup"}),
+        "mountpath-dots-in-name": pod(container(mounts={"d": "/data/..hidden/x"}), empty_dirs=("d",)),
+    }
+
+
+def annotated(obj: dict[str, Any], annotations: dict[str, str | None]) -> dict[str, Any]:
+    """``obj`` with annotations set (None: removed), as ``kubectl annotate`` updates a pod."""
+    out = copy.deepcopy(obj)
+    meta = out["metadata"]
+    merged = {**(meta.get("annotations") or {}), **annotations}
+    meta["annotations"] = {k: v for k, v in merged.items() if v is not None} or None
+    if meta["annotations"] is None:
+        del meta["annotations"]
+    return out
+
+
+# Plain pod UPDATEs, (oldObject, object): what they add, change or remove of the CDI
+# annotations. The kubelet builds each new sandbox from the pod's annotations of the time.
+def update_cases() -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    plain = pod(container())
+    old_gpu = pod(container(), annotations={"cdi.k8s.io/gpu": "nvidia.com/gpu=all"})
+    nic = pod(container(), annotations={"cdi.k8s.io/nic": "vendor.com/nic=eth1"})
+    hostpath = path_cases()["hostpath-kubelet"]
+    return {
+        "annotate-gpu-all": (plain, annotated(plain, {"cdi.k8s.io/gpu": "nvidia.com/gpu=all"})),
+        "annotate-toolkit": (plain, annotated(plain, {"nvidia.cdi.k8s.io/x": "nvidia.com/pgpu=0"})),
+        "change-to-gpu": (nic, annotated(nic, {"cdi.k8s.io/nic": "vendor.com/nic=eth1,nvidia.com/gpu=0"})),
+        "change-gpu-to-other": (old_gpu, annotated(old_gpu, {"cdi.k8s.io/gpu": "nvidia.com/gpu=1"})),
+        # Left as they were (a pod made before the install), removed, or naming no GPU: admitted.
+        "unchanged-gpu-label": (old_gpu, {**annotated(old_gpu, {}), "metadata": {
+            **old_gpu["metadata"], "labels": {"team": "a"}}}),
+        "removed-gpu": (old_gpu, annotated(old_gpu, {"cdi.k8s.io/gpu": None})),
+        "annotate-other-vendor": (plain, annotated(plain, {"cdi.k8s.io/nic": "vendor.com/nic=eth1"})),
+        "annotate-unrelated": (plain, annotated(plain, {"example.com/owner": "team-a"})),
+        # The spec is not judged on a plain update: a pod made before the install stays updatable.
+        "old-hostpath-label": (hostpath, {**hostpath, "metadata": {**hostpath["metadata"], "labels": {"a": "b"}}}),
     }

@@ -32,10 +32,12 @@ true
 
 {{/*
 The admission requests both isolation layers look at: a Pod's CREATE, and the UPDATE of its
-pods/ephemeralcontainers subresource (kubectl debug). Never a plain Pod UPDATE: a container's
-env cannot change after create, so a pod made before the install must stay updatable.
-Call with (dict "key" KEY "scope" SCOPE): the policy's resourceRules (no scope), the
-webhook's rules (scope Namespaced).
+pods/ephemeralcontainers subresource (kubectl debug). With "updates" (the policy, the
+validating webhook) a plain Pod UPDATE too, for the CDI annotations it adds or changes (the
+kubelet builds each new sandbox from the pod's annotations of the time); the mutating
+webhook never sees one (a container's env cannot change after create).
+Call with (dict "key" KEY "scope" SCOPE "updates" BOOL): the policy's resourceRules (no
+scope), the webhooks' rules (scope Namespaced).
 */}}
 {{- define "ksm.podAdmissionRules" -}}
 {{ .key }}:
@@ -48,6 +50,39 @@ webhook's rules (scope Namespaced).
     scope: {{ . }}
     {{- end }}
 {{- end }}
+{{- if .updates }}
+  - apiGroups: [""]
+    apiVersions: ["v1"]
+    operations: ["UPDATE"]
+    resources: ["pods"]
+    {{- with $.scope }}
+    scope: {{ . }}
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/*
+The node's GPU control points, as a CEL list (katamgr/admission/hostpaths.py CONTROL_POINTS,
+in the same order): a hostPath at, under or above one is refused by both layers.
+*/}}
+{{- define "ksm.gpuControlPoints" -}}
+['/var/lib/kubelet/device-plugins', '/var/lib/kubelet/pod-resources', '/var/lib/kubelet/plugins',
+'/var/lib/kubelet/plugins_registry', '/etc/cdi', '/var/run/cdi', '/run/cdi', '/run/containerd',
+'/var/run/containerd', '/run/crio', '/var/run/crio', '/sys/bus/pci', '/sys/devices',
+'/sys/kernel/iommu_groups', '/sys/class', '/sys/dev', '/sys/module', '/dev/char']
+{{- end -}}
+
+{{/*
+CEL: whether a plain pod UPDATE adds or changes a cdi.k8s.io/* or nvidia.cdi.k8s.io/*
+annotation: the validating webhook's matchConditions, so that the API server calls it on no
+other plain update (a webhook that is down then stops none of the updates controllers make).
+*/}}
+{{- define "ksm.cdiAnnotationsChange" -}}
+request.operation != 'UPDATE' || (has(request.subResource) && request.subResource != '') ||
+(has(object.metadata.annotations) && object.metadata.annotations.exists(k,
+(k.startsWith('cdi.k8s.io/') || k.startsWith('nvidia.cdi.k8s.io/')) &&
+!(has(oldObject.metadata.annotations) && k in oldObject.metadata.annotations &&
+oldObject.metadata.annotations[k] == object.metadata.annotations[k])))
 {{- end -}}
 
 {{/*
@@ -111,6 +146,9 @@ runtime class, and the containers that ask for a GPU (a GPU resource, or a Resou
 - name: ephemeral
   expression: >-
     has(request.subResource) && request.subResource == 'ephemeralcontainers'
+- name: update
+  expression: >-
+    request.operation == 'UPDATE' && !variables.ephemeral
 - name: initContainers
   expression: >-
     has(object.spec.initContainers) ? object.spec.initContainers : []
@@ -119,10 +157,10 @@ runtime class, and the containers that ask for a GPU (a GPU resource, or a Resou
     has(object.spec.ephemeralContainers) ? object.spec.ephemeralContainers : []
 - name: containers
   expression: >-
-    variables.ephemeral ? [] : variables.initContainers + object.spec.containers
+    variables.ephemeral || variables.update ? [] : variables.initContainers + object.spec.containers
 - name: scoped
   expression: >-
-    variables.ephemeral ? variables.ephemeralContainers :
+    variables.update ? [] : variables.ephemeral ? variables.ephemeralContainers :
     variables.initContainers + object.spec.containers + variables.ephemeralContainers
 - name: passthrough
   expression: >-
@@ -162,6 +200,14 @@ clientConfig:
   {{- if .caBundle }}
   caBundle: {{ .caBundle }}
   {{- end }}
-{{ include "ksm.podAdmissionRules" (dict "key" "rules" "scope" "Namespaced") }}
+{{ include "ksm.podAdmissionRules" (dict "key" "rules" "scope" "Namespaced" "updates" .updates) }}
+{{- if and .updates (include "ksm.admissionPolicyServed" $root) }}
+{{- /* matchConditions are GA with ValidatingAdmissionPolicy v1 (Kubernetes 1.30); before
+that every plain pod UPDATE reaches the webhook, which judges it the same. */}}
+matchConditions:
+  - name: create-debug-or-cdi-annotation-change
+    expression: >-
+      {{- include "ksm.cdiAnnotationsChange" . | nindent 6 }}
+{{- end }}
 {{ include "ksm.isolationSelectors" (list $root $w) }}
 {{- end -}}
