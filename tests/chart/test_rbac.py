@@ -26,7 +26,9 @@ WEBHOOK_CALLERS = [REPO / "katamgr" / "cluster" / "handlers.py",
 # katamgr's cluster layer (less the webhook's reader) and agent (katamgr run), the Node
 # reader both programs share (gpunode.services.kube), the device plugin's command and the DRA
 # driver's API rooms.
-API_CALLERS = [*sorted(set((REPO / "katamgr" / "cluster").glob("*.py")) - set(WEBHOOK_CALLERS)),
+# katamgr fleet's read, run by a person with their own kubeconfig, never by the agent.
+FLEET_CALLERS = [REPO / "katamgr" / "cluster" / "fleet.py"]
+API_CALLERS = [*sorted(set((REPO / "katamgr" / "cluster").glob("*.py")) - set(WEBHOOK_CALLERS) - set(FLEET_CALLERS)),
                *sorted((REPO / "katamgr" / "agent").glob("*.py")), REPO / "gpunode" / "services" / "kube.py",
                REPO / "sandbox_plugin" / "cli.py",
                REPO / "sandbox_plugin" / "dra" / "claims.py", REPO / "sandbox_plugin" / "dra" / "slices.py"]
