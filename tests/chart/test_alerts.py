@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 
 import pytest
 import yaml
-from support.chartkit import CHART, FULL, NAMESPACE, RELEASE, merged, render
+from support.chartkit import CHART, FULL, NAMESPACE, RELEASE, merged, part_missing, render
+from support.paths import REPO
 from support.promql import exposed_names, metric_names
 
 from katamgr.agent.metrics import AgentMetrics
@@ -144,3 +147,22 @@ def test_the_dashboard_is_a_sidecar_configmap_of_valid_json_with_unique_panel_id
 def test_null_blocks_from_an_older_release_render_neither(chart, values):
     kinds = {o["kind"] for o in render(chart, merged(FULL, values)).objects}
     assert "PrometheusRule" not in kinds
+
+
+def test_prometheuss_own_parser_reads_every_query_and_finds_the_same_names(chart):
+    """Prometheus's PromQL parser (hack/promql: promql/parser, pinned), built with Go as the
+    h2spec harness is: every query parses, and its selectors name what metric_names found."""
+    if not (shutil.which("go") or (REPO / ".venv/bin/go").exists()):
+        part_missing("no Go toolchain to build Prometheus's PromQL parser (hack/promql/build)")
+    built = subprocess.run([str(REPO / "hack/promql/build")], capture_output=True, text=True, timeout=1800,
+                           check=False)
+    assert built.returncode == 0, built.stderr
+    dashboard = json.loads(DASHBOARD_FILE.read_text())
+    exprs = [r["expr"] for r in rules(chart)] + [
+        # Grafana's interval variable is put in before Prometheus sees a query.
+        t["expr"].replace("$__rate_interval", "5m") for p in dashboard["panels"] for t in p.get("targets", [])]
+    parsed = json.loads(subprocess.run([built.stdout.strip()], input=json.dumps(exprs), capture_output=True,
+                                       text=True, timeout=60, check=True).stdout)
+    for expr, answer in zip(exprs, parsed, strict=True):
+        assert not answer.get("error"), (expr, answer["error"])
+        assert set(answer["names"]) == metric_names(expr), expr
