@@ -26,7 +26,9 @@ def build(settings: AgentSettings, api: object | None) -> Agent:
                           "(or NODE_NAME) and a cluster to ask")
     if node is None:
         return Agent(settings)
+    from katamgr.agent.conditions import TYPES, NodeConditions
     from katamgr.cluster import EventRecorder, node_resources, set_node_labels
+    from katamgr.cluster.conditions import patch_node_conditions, read_node_conditions
 
     follower = node_follower(api, node, workload=settings.workload,
                              default_workload=settings.default_workload,
@@ -46,6 +48,8 @@ def build(settings: AgentSettings, api: object | None) -> Agent:
         node_watch=watch.start() if watch is not None else None,
         node_labels=labels if settings.gpu_labels else None,
         offer_labels=labels if settings.ctx is not None else None,
+        conditions=NodeConditions(lambda conditions: patch_node_conditions(api, node, conditions),
+                                  lambda: read_node_conditions(api, node, TYPES)),
         **cc,
     )
     return Agent(settings, links)

@@ -78,6 +78,7 @@ class GpuHealth:
             else:
                 self.events.gpu_healthy(f"{bdf} is fit for a VM again")
         self._unfit[bdf] = code
+        self.metrics.gpu_unhealthy.labels(bdf).set(int(bool(code)))
 
     def _hand_back(self, inv, devices: dict) -> None:
         t = self.target
@@ -97,6 +98,7 @@ class GpuHealth:
             handback.write_verdict(t.host, verdict)
             self.metrics.handbacks.labels("passed" if verdict.ok else "failed").inc()
             self.metrics.handback_seconds.observe(verdict.seconds)
+            self.metrics.handback_failed.labels(bdf).set(int(not verdict.ok))
             if verdict.ok:
                 self._pending.discard(bdf)
                 self.events.gpu_handed_back(f"{bdf} passed its hand-back check ({verdict.reset}, read back sane)")

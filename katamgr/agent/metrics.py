@@ -70,6 +70,20 @@ class AgentMetrics:
         self.handback_seconds = Histogram("katamgr_gpu_handback_duration_seconds",
                                           "How long one GPU's hand-back check took.", registry=r,
                                           buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+        # Gauges of the state now, beside the transition counters: an alert on "unfit now"
+        # must not depend on both transitions having been scraped since the agent started.
+        self.gpu_unhealthy = Gauge("katamgr_gpu_unhealthy",
+                                   "1 while a passthrough device is unfit for a VM (the Event GPUUnhealthy "
+                                   "says why), 0 once fit again.", ["device"], registry=r)
+        self.handback_failed = Gauge("katamgr_gpu_handback_failed",
+                                     "1 while a device given back by its pod failed its hand-back check and "
+                                     "is held out of the next tenant's reach, 0 once it passed.", ["device"],
+                                     registry=r)
+        self.workload_switch_seconds = Histogram(
+            "katamgr_workload_switch_duration_seconds",
+            "How long a switch of the node's workload after a relabel took (give back, bind, reconcile), "
+            "by the workload switched to.", ["to"], registry=r,
+            buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800))
 
     def observe_cc_state(self, state: str) -> None:
         for known in ("off", "on", "devtools", "ppcie", "failed"):

@@ -12,6 +12,7 @@ from gpunode.services.process import stop_on_signals
 from gpunode.services.watching import Watcher
 from katamgr.agent import drift
 from katamgr.agent.ccmode import CcModes
+from katamgr.agent.conditions import node_conditions
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.giveback import GiveBacks
 from katamgr.agent.gpuhealth import GpuHealth
@@ -61,6 +62,7 @@ class Agent:
                           read_resources=links.read_resources)
         self.gpu_labels = GpuLabels(self.target, self.events, links.node_labels)
         self.gpu_health = GpuHealth(self.target, self.metrics, self.events)
+        self.conditions = links.conditions
         self.kata_found = s.kata_found
         if s.kata_found is not None:
             s.kata_found.remember(self.target)
@@ -71,7 +73,15 @@ class Agent:
     # -- the work, each piece in its module ---------------------------------------
 
     def reconcile(self, why: str, *, raise_errors: bool = False, retry: bool = False) -> Report:
-        return self.reconciler.run(why, raise_errors=raise_errors, retry=retry)
+        try:
+            return self.reconciler.run(why, raise_errors=raise_errors, retry=retry)
+        finally:
+            self.publish_conditions()
+
+    def publish_conditions(self) -> None:
+        """The Node's conditions from the metrics just observed (an API write only on a change)."""
+        if self.conditions is not None:
+            self.conditions.publish(node_conditions(self.metrics, self.target.binds))
 
     def bind_freed(self) -> None:
         self.reconciler.bind_freed()
@@ -87,6 +97,7 @@ class Agent:
 
     def follow_gpu_health(self) -> None:
         self.gpu_health.follow()
+        self.publish_conditions()
 
     def follow_kata(self) -> bool:
         """Look at the node's Kata again; where it changed, reconcile to what its release

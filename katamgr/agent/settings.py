@@ -73,6 +73,8 @@ class NodeLinks:
     read_labels: Callable[[], Mapping[str, str]] | None = None
     publish_labels: Callable[[dict[str, str | None]], None] | None = None
     read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None
+    # A ``katamgr.agent.conditions.NodeConditions``: the node's state as Node conditions.
+    conditions: Any = None
 
 
 NO_CLUSTER = NodeLinks()  # an agent that reaches nothing outside its node

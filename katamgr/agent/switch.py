@@ -16,6 +16,7 @@ katamgr's records still list GPUs the node no longer wants bound.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -99,6 +100,7 @@ class Switch:
         t = self.target
         old, old_out = t.steps, t.opted_out
         new = replace(t.base_steps, workload=workload).without(out)
+        started = time.monotonic()
         # When it began (the line at the end says what it did): a switch takes seconds.
         log.info("%s: starting", _change(old, old_out, new, out))
         release = old.passthrough and old.vfio and not (new.passthrough and new.vfio)
@@ -140,6 +142,7 @@ class Switch:
         log.info("%s", summary)
         if old.workload is not new.workload:
             self.metrics.workload_switches.labels(old.workload.value, new.workload.value).inc()
+            self.metrics.workload_switch_seconds.labels(new.workload.value).observe(time.monotonic() - started)
         self.events.switched(old.workload is not new.workload, summary)
         # Last: whoever watches the agent sees the change once it is done and told.
         t.steps, t.opted_out, t.settled = new, out, True

@@ -9,6 +9,7 @@ from gpunode.host import cc
 from gpunode.host.root import STATE_DIR
 from gpunode.services import options, simulator
 from katamgr.commands.change import cmd_apply, cmd_plan, cmd_revert, cmd_status
+from katamgr.commands.fleet import cmd_fleet
 from katamgr.commands.run import cmd_run
 from katamgr.commands.simulated import cmd_demo, cmd_simulate
 from katamgr.commands.webhook import cmd_webhook
@@ -159,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     options.add_log_format(p)
     p.set_defaults(func=cmd_status, runtime_root="/")
+
+    p = sub.add_parser("fleet", help="every node's state from the API: workload, Kata, classes, conditions (read-only)",
+                       description="List every Node (or those -l selects) as the API holds it, with your "
+                                   "kubeconfig: its workload label, the Kata release found there, the runtime "
+                                   "classes offered there (runtimeclass.kata-sandbox-manager.io/<class>=true), "
+                                   "the agent's Node conditions (Sandbox*; those not True named with their "
+                                   "reason), the GPUs the kubelet counts but does not offer (unhealthy) and "
+                                   "the last transition of our conditions. Writes nothing.")
+    p.add_argument("-l", "--selector", metavar="SELECTOR", help="a label selector, as kubectl's (e.g. "
+                   "nvidia.com/gpu.workload.config=vm-passthrough)")
+    _output(p, ("text", *FORMATS), "text (default), or a versioned json or yaml document (kind Fleet)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_fleet)
 
     p = sub.add_parser("help", help="show the help of a command (katamgr help plan = katamgr plan --help)")
     p.add_argument("topic", nargs="?", metavar="COMMAND", help="the command to explain")

@@ -26,7 +26,9 @@ WEBHOOK_CALLERS = [REPO / "katamgr" / "cluster" / "handlers.py",
 # katamgr's cluster layer (less the webhook's reader) and agent (katamgr run), the Node
 # reader both programs share (gpunode.services.kube), the device plugin's command and the DRA
 # driver's API rooms.
-API_CALLERS = [*sorted(set((REPO / "katamgr" / "cluster").glob("*.py")) - set(WEBHOOK_CALLERS)),
+# katamgr fleet's read, run by a person with their own kubeconfig, never by the agent.
+FLEET_CALLERS = [REPO / "katamgr" / "cluster" / "fleet.py"]
+API_CALLERS = [*sorted(set((REPO / "katamgr" / "cluster").glob("*.py")) - set(WEBHOOK_CALLERS) - set(FLEET_CALLERS)),
                *sorted((REPO / "katamgr" / "agent").glob("*.py")), REPO / "gpunode" / "services" / "kube.py",
                REPO / "sandbox_plugin" / "cli.py",
                REPO / "sandbox_plugin" / "dra" / "claims.py", REPO / "sandbox_plugin" / "dra" / "slices.py"]
@@ -39,7 +41,8 @@ ACTIONS = {"read": "get", "list": "list", "create": "create", "patch": "patch",
            "replace": "update", "delete": "delete", "watch": "watch"}
 METHOD = re.compile(r"^(read|list|create|patch|replace|delete)_(namespaced_)?([a-z_]+?)(_for_all_namespaces)?$")
 # snake-case kind -> (API group, resource)
-KINDS = {"node": ("", "nodes"), "event": ("", "events"), "secret": ("", "secrets"),
+KINDS = {"node": ("", "nodes"), "node_status": ("", "nodes/status"), "event": ("", "events"),
+         "secret": ("", "secrets"),
          "runtime_class": ("node.k8s.io", "runtimeclasses"), "pod": ("", "pods"),
          "resource_slice": ("resource.k8s.io", "resourceslices"),
          "resource_claim": ("resource.k8s.io", "resourceclaims")}
@@ -54,6 +57,8 @@ AGENT, PLUGIN, WEBHOOK, REVERT, WAIT = (f"{RELEASE}-{w}" for w in (
 NODE_READ: set[Grant] = {("", "nodes", "get", None, None), ("", "nodes", "watch", None, None)}
 CC_PATCH: set[Grant] = {("", "nodes", "patch", None, None)}
 NODE_EVENTS: set[Grant] = {("", "events", v, None, "default") for v in ("create", "patch")}
+# katamgr's Node conditions (katamgr.agent.conditions), wherever it records Events.
+NODE_STATUS: set[Grant] = {("", "nodes/status", "patch", None, None)}
 DRA: set[Grant] = ({("resource.k8s.io", "resourceslices", v, None, None)
                     for v in ("list", "create", "update", "delete")}
                    | {("resource.k8s.io", "resourceclaims", "get", None, None), ("", "pods", "get", None, None),
@@ -84,24 +89,27 @@ ALWAYS = {PLUGIN: set(), WEBHOOK: READ_RUNTIME_CLASSES}
 EXPECTED: dict[str, tuple[dict[str, Any], dict[str, set[Grant]]]] = {
     "defaults": ({}, ALWAYS),
     "webhook-off": ({"isolation": {"webhook": {"enabled": False}}}, {PLUGIN: set()}),
-    "sandbox-kata-cdi": (FULL, {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
+    "sandbox-kata-cdi": (FULL, {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
     # The agent still labels its Node with the runtime classes it offers (katamgr.pipeline.offers).
     "sandbox-kata-cdi-no-gpu-labels": (merged(FULL, {"gpuLabels": {"enabled": False}}), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
-    "ccManager": (merged(FULL, CC), {**ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS}),
-    "dra": (merged(FULL, DRA_ON), {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | DRA}),
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
+    "ccManager": (merged(FULL, CC), {**ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | NODE_STATUS}),
+    "dra": (merged(FULL, DRA_ON), {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS | DRA}),
     "ccManager-dra-pull-secrets": (merged(CUSTOM_CLASSES, CC, DRA_ON), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | DRA | pull_secrets("lab", "mirror")}),
+        **ALWAYS, **HOOK,
+        AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | NODE_STATUS | DRA | pull_secrets("lab", "mirror")}),
     # Only the passthrough plugin in the pod: it reads and watches its Node, nothing else.
     "plugin-only": (VALUE_SETS["plugin-only-annotated"], {**ALWAYS, AGENT: NODE_READ}),
     "example-mixed-cluster": (example("mixed-cluster"), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | pull_secrets("registry-mirror")}),
-    "example-air-gapped": (example("air-gapped"), {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS | pull_secrets("registry-mirror")}),
+    "example-air-gapped": (example("air-gapped"), {
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
     "example-gpu-operator": (example("gpu-operator"), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
     "example-local-cluster": (example("local-cluster"), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
-    "example-local-node": (example("local-node"), {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS}),
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
+    "example-local-node": (example("local-node"), {
+        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
 }
 
 
@@ -160,6 +168,8 @@ def test_no_identity_may_change_the_clusters_isolation(chart, values):
             if resource == "nodes" and verb not in ("get", "watch"):
                 # The agent's labels, and the uninstall revert's taking its GPU labels off.
                 assert (account, verb) in ((AGENT, "patch"), (REVERT, "patch")), (account, verb)
+            if resource == "nodes/status":  # our Node conditions, bound by node-binding-policy.yaml
+                assert (account, verb) == (AGENT, "patch"), (account, verb)
     assert not [o for o in rendered.objects if o["kind"] == "ServiceAccount"
                 and o["metadata"]["name"] == RELEASE], "the old shared ServiceAccount is back"
 
@@ -231,7 +241,8 @@ def api_calls(paths: Iterable[Path]) -> dict[tuple[str, str], list[str]]:
 
 def test_the_call_scan_finds_the_calls_we_know_of():
     needed = api_calls(API_CALLERS)
-    assert set(needed) == {("nodes", "get"), ("nodes", "watch"), ("nodes", "patch"), ("events", "create"),
+    assert set(needed) == {("nodes", "get"), ("nodes", "watch"), ("nodes", "patch"), ("nodes/status", "patch"),
+                           ("events", "create"),
                            ("events", "patch"), ("secrets", "get"),
                            ("runtimeclasses", "list"), ("runtimeclasses", "patch"),
                            ("runtimeclasses", "create"), ("runtimeclasses", "delete"), ("runtimeclasses", "get"),

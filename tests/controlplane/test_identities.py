@@ -209,6 +209,37 @@ def test_the_agent_labels_only_its_own_node_and_only_its_labels(kube, bound):
     assert status.returncode != 0 and "forbidden" in status.stderr.lower(), status.stderr
 
 
+def test_the_agent_sets_only_its_own_conditions_on_its_own_node(kube, bound):
+    # What the agent writes, as it writes it (katamgr.cluster.conditions: a strategic merge
+    # patch of nodes/status, merged by condition type), with its pod's bound token.
+    from kubernetes.config import new_client_from_config
+
+    from gpunode.errors import GpuNodeError
+    from katamgr.cluster.conditions import patch_node_conditions
+
+    api = new_client_from_config(config_file=str(bound))
+
+    def write(node: str, condition: dict) -> str:
+        try:
+            patch_node_conditions(api, node, [condition])
+        except GpuNodeError as exc:
+            return str(exc)
+        return ""
+
+    ours = {"type": "SandboxGPUsReady", "status": "True", "reason": "GPUsBound", "message": "1 device(s)",
+            "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    wait_for(lambda: "may change only its own Node" in write(NODE_B, ours), "the node-binding policy in force")
+    assert write(NODE_A, ours) == ""
+    found = {c["type"]: c for c in kube.get("node", NODE_A)["status"]["conditions"]}
+    assert found["SandboxGPUsReady"]["reason"] == "GPUsBound"
+    assert not [c for c in kube.get("node", NODE_B).get("status", {}).get("conditions", [])
+                if c["type"] == "SandboxGPUsReady"]
+    # Another's condition (the kubelet's Ready) is not the agent's to write.
+    refusal = write(NODE_A, {**ours, "type": "Ready", "status": "False", "reason": "Faked"})
+    assert "only conditions of its own types" in refusal, refusal
+    assert "Ready" not in {c["type"] for c in kube.get("node", NODE_A)["status"]["conditions"]}
+
+
 def test_a_token_without_a_node_writes_no_node(kube, bound, unbound):
     wait_for(lambda: refused(as_(kube, bound, "label", "node", NODE_B, "x=y")), "the policy in force")
     result = as_(kube, unbound, "label", "node", NODE_A, f"{cc.MODE_STATE_LABEL}=off", "--overwrite")

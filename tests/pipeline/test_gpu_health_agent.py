@@ -96,6 +96,9 @@ def test_a_gpu_that_fails_its_hand_back_stays_out_with_the_reason(node):
     found = events(api)
     assert ("Warning", "GpuUnhealthy", f"{gpu} fell off the bus: its config space reads 0xffff") in found
     assert any(r == "GpuHandBackFailed" and gpu in m and "its reset failed" in m for _, r, m in found), found
+    # The gauges the alerts read: unfit now, held out now.
+    assert agent.metrics.registry.get_sample_value("katamgr_gpu_unhealthy", {"device": gpu}) == 1
+    assert agent.metrics.registry.get_sample_value("katamgr_gpu_handback_failed", {"device": gpu}) == 1
     # The next check tries again; once the reset works it passes and the GPU is offered.
     pcierrors.fail_reset(host, gpu, False)
     agent.follow_gpu_health()
@@ -103,6 +106,8 @@ def test_a_gpu_that_fails_its_hand_back_stays_out_with_the_reason(node):
     kubelet.wait_for(lambda s: gpu in s.healthy(A10), timeout=2)
     agent.follow_gpu_health()
     assert ("Normal", "GpuHealthy", f"{gpu} is fit for a VM again") in events(api)
+    assert agent.metrics.registry.get_sample_value("katamgr_gpu_unhealthy", {"device": gpu}) == 0
+    assert agent.metrics.registry.get_sample_value("katamgr_gpu_handback_failed", {"device": gpu}) == 0
 
 
 def test_new_aer_errors_are_events_and_the_counts_metrics(node):

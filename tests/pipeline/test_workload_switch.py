@@ -84,6 +84,8 @@ def test_relabel_gives_free_gpus_back_keeps_held_ones_and_binds_again(tmp_path, 
             assert events(api, "WorkloadSwitched")[0]["message"] == line
             assert agent.metrics.registry.get_sample_value(
                 "katamgr_workload_switches_total", {"from": "vm-passthrough", "to": "container"}) == 1
+            assert agent.metrics.registry.get_sample_value(
+                "katamgr_workload_switch_duration_seconds_count", {"to": "container"}) == 1
 
             # The VM is gone: its GPU goes back too, with no relabel.
             held.unlink()

@@ -174,8 +174,11 @@ class FakeApiServer:
 
     def handle(self, method: str, path: str, query: dict, content_type: str,
                body: Any) -> tuple[int, dict]:
-        resource, ns, name = route(path)
+        # The Node's status subresource (PATCH only: what node agents write it with).
+        status = method == "PATCH" and path.startswith("/api/v1/nodes/") and path.endswith("/status")
+        resource, ns, name = route(path.removesuffix("/status") if status else path)
         if method != "GET" and self._warming > 0:
             self._warming -= 1
             raise ApiError(403, "Forbidden", f"{resource.plural} is forbidden: not yet ready to handle request")
-        return self.store.handle(method, resource, ns, name, query, content_type, body)
+        return self.store.handle(method, resource, ns, name, query, content_type, body,
+                                 subresource="status" if status else "")

@@ -125,7 +125,7 @@ class ObjectStore:
     # --- the verbs (lock held) -------------------------------------------
 
     def handle(self, method: str, resource: Resource, ns: str, name: str, query: dict,
-               content_type: str, body: Any) -> tuple[int, dict]:
+               content_type: str, body: Any, subresource: str = "") -> tuple[int, dict]:
         key = (resource.group, resource.plural, ns, name)
         if method == "GET":
             if name:
@@ -141,7 +141,7 @@ class ObjectStore:
             obj = self._decode(resource, body, ns, name)
             return 200, public(resource, self._update(resource, key, obj, manager or "unknown"))
         if method == "PATCH":
-            return self._patch(resource, key, query, content_type, body, manager)
+            return self._patch(resource, key, query, content_type, body, manager, subresource)
         if method == "DELETE":
             return 200, self._delete(resource, key, body)
         raise ApiError(405, "MethodNotAllowed", f"method {method} is not supported")
@@ -248,7 +248,7 @@ class ObjectStore:
         return obj
 
     def _patch(self, resource: Resource, key: Key, query: dict, content_type: str,
-               body: Any, manager: str) -> tuple[int, dict]:
+               body: Any, manager: str, subresource: str = "") -> tuple[int, dict]:
         force = (query.get("force") or [""])[0] == "true"
         if content_type == APPLY:
             if not manager:
@@ -275,7 +275,13 @@ class ObjectStore:
         rv = (body.get("metadata") or {}).get("resourceVersion")
         if rv and rv != live["metadata"]["resourceVersion"]:
             raise conflict_modified(resource, key[3])
-        obj = _merge_patch(copy.deepcopy(live), body)
+        obj = _merge_patch(copy.deepcopy(live), body, content_type == STRATEGIC)
+        if resource.plural == "nodes":
+            # The Node's strategies (pkg/registry/core/node/strategy.go): an update of the
+            # main resource keeps the stored status, one of nodes/status takes only the status.
+            obj = {**live, "status": obj.get("status")} if subresource == "status" else \
+                {**obj, "status": live.get("status")}
+            obj = {k: v for k, v in obj.items() if v is not None}
         managedfields.take_ownership(obj, manager or "unknown", "Update",
                                      managedfields.changed_leaves(live, obj), resource)
         normalise(resource, obj)
@@ -320,8 +326,13 @@ def _comparable(obj: dict) -> dict:
     return out
 
 
-def _merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch (also our strategic merge: maps merged, lists replaced)."""
+# Lists a strategic merge patch merges by a key (patchMergeKey in k8s.io/api core/v1
+# types.go: NodeStatus.Conditions and PodStatus.Conditions by type); every other list is replaced.
+MERGE_KEYS = {"conditions": "type"}
+
+
+def _merge_patch(target: Any, patch: Any, strategic: bool = False) -> Any:
+    """RFC 7386 JSON merge patch; ``strategic``: lists in MERGE_KEYS merged item by item."""
     if not isinstance(patch, dict):
         return copy.deepcopy(patch)
     if not isinstance(target, dict):
@@ -329,6 +340,16 @@ def _merge_patch(target: Any, patch: Any) -> Any:
     for k, v in patch.items():
         if v is None:
             target.pop(k, None)
+        elif strategic and k in MERGE_KEYS and isinstance(v, list) and isinstance(target.get(k), list):
+            key = MERGE_KEYS[k]
+            merged = [copy.deepcopy(item) for item in target[k]]
+            for item in v:
+                at = next((i for i, have in enumerate(merged) if have.get(key) == item.get(key)), None)
+                if at is None:
+                    merged.append(copy.deepcopy(item))
+                else:
+                    merged[at] = _merge_patch(merged[at], item, strategic)
+            target[k] = merged
         else:
-            target[k] = _merge_patch(target.get(k), v)
+            target[k] = _merge_patch(target.get(k), v, strategic)
     return target
