@@ -31,11 +31,11 @@ def a10(sim_host):
     """An a10-server bound to vfio-pci, its plugin serving: (host, kubelet, manager)."""
     managers: list[PluginManager] = []
 
-    def start(link_policy: str = "degrade"):
+    def start(link_policy: str = "degrade", health_interval: float = 0.05):
         host, kubelet = sim_host("a10-server")
         bind(host)
         manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=NAMING, backoff=FAST,
-                                link_policy=link_policy, health_interval=0.05)
+                                link_policy=link_policy, health_interval=health_interval)
         managers.append(manager)
         manager.start()
         kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4)
@@ -71,6 +71,22 @@ def test_a_fatal_aer_error_makes_the_gpu_unhealthy_until_a_hand_back_reset_reads
     handback.write_verdict(host, verdict)
     turns(kubelet, HEALTHY)
     assert sorted(kubelet.state.healthy(A10)) == A10_IDS
+
+
+def test_allocate_refuses_a_gpu_that_faulted_since_the_last_poll(a10):
+    """ListAndWatch says Unhealthy within a poll; a kubelet that picked the GPU just before
+    must not be handed it: Allocate reads the facts of what it hands out again."""
+    host, kubelet, manager = a10(health_interval=3600)  # no poll during the test
+    pcierrors.inject_aer(host, GPU, "fatal", "DLP")
+    with pytest.raises(grpc.RpcError) as refused:
+        kubelet.allocate(A10, [GPU])
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"{GPU} reported 1 new fatal AER error(s)" in refused.value.details()
+    pcierrors.fall_off_bus(host, A10_IDS[0])
+    with pytest.raises(grpc.RpcError) as off:
+        kubelet.allocate(A10, [A10_IDS[0]])
+    assert "fell off the bus" in off.value.details()
+    assert kubelet.allocate(A10, [A10_IDS[2]])  # the others are handed out as before
 
 
 def test_a_non_fatal_error_ends_when_the_kernel_says_the_device_recovered(a10):
