@@ -11,12 +11,15 @@ The kernel's error recovery is followed too (``heard``): between its BEGIN_RECOV
 SUCCESSFUL_RECOVERY on a device, the device is Unhealthy, and for good (until a hand-back
 reads it back sane) after a FAILED_RECOVERY on it or a port above it.
 
-AER counts never go down, so an AER trip ends only when the device is known sane again:
-the kernel said it recovered (its ``ERROR_EVENT=SUCCESSFUL_RECOVERY`` uevent on the device,
+AER counts never go down while the device stays enumerated, so an AER trip ends only when
+the device is known sane again: the kernel said it recovered (its ``ERROR_EVENT=SUCCESSFUL_RECOVERY`` uevent on the device,
 sent by drivers/pci/pcie/err.c once every driver below the port resumed, after the port's
 reset for a fatal error), or the agent's hand-back check reset it and read it back sane.
 Either is honoured only once the trip was published (the kubelet saw Unhealthy), and only
-while nothing else is wrong; then the counts of that moment are the new baseline.
+while nothing else is wrong; then the counts of that moment are the new baseline. A device
+enumerated again (remove and rescan, a hot-plug) has its counts allocated afresh at zero: seen
+by its sysfs directory being another one, or by counts below the baseline, it starts again
+from a baseline of zero.
 
 Nothing here is pushed by the kernel except AER recoveries, so ``HealthPoller`` reads the
 listed units' facts every ``interval`` seconds (a few small sysfs reads per device) and
@@ -160,6 +163,17 @@ class DeviceHealth:
                 out.append(None)
         return tuple(out)
 
+    @staticmethod
+    def _re_enumerated(device: _Device, seen: tuple, aer: AerCounts | None) -> bool:
+        """The device directory is another one than the last judgement read (a new kernfs
+        node), or its AER counts are below the baseline (they never go down while it stays)."""
+        if device.seen is not None and seen[-2] is not None and device.seen[-2] is not None \
+                and seen[-2][:2] != device.seen[-2][:2]:
+            return True
+        base = device.baseline
+        return aer is not None and base is not None and (
+            aer.fatal < base.fatal or aer.nonfatal < base.nonfatal or aer.correctable < base.correctable)
+
     def _verdict_path(self, bdf: str) -> str:
         path = self._verdicts[bdf] = str(self.host.path(f"{handback.VERDICTS}/{bdf}.json"))
         return path
@@ -176,6 +190,16 @@ class DeviceHealth:
                                  accepted_at=time.time())
                 if not peek:
                     self._devices[bdf] = device
+            elif self._re_enumerated(device, seen, facts.aer):
+                # Another device, or the same one found again (remove and rescan, hot-plug): the
+                # kernel allocated its AER counts afresh, at zero (``pci_aer_init``), so every
+                # error it counts is new; what the one before reported, and its trip, are gone.
+                fresh = _Device(baseline=pcihealth.AerCounts(), accepted_at=time.time(),
+                                verdict=device.verdict, code=device.code)
+                if not peek:
+                    log.info("%s was enumerated again: its AER counts start at zero", bdf)
+                    self._devices[bdf] = fresh
+                device = fresh
             found = pcihealth.problems(facts, device.baseline, link_policy=self.link_policy)
             other = next((p for p in found if p.fatal and p.reason not in _AER), None)
             aer = next((p for p in found if p.reason in _AER), None)

@@ -104,6 +104,35 @@ def test_a_non_fatal_error_ends_when_the_kernel_says_the_device_recovered(a10):
     turns(kubelet, UNHEALTHY)
 
 
+def test_a_re_enumerated_gpu_is_judged_from_its_new_counts(a10):
+    """After remove and rescan (or a hot-plug) the kernel's counts start again at zero: the
+    baseline of the device that was there before must not hide the new one's errors."""
+    host, kubelet, manager = a10()
+    pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO", 2)
+    turns(kubelet, UNHEALTHY)
+    manager.discovery.health.heard(UEvent("change", "pci", f"/devices/pci0000:00/0000:30:00.0/{GPU}",
+                                          "vfio-pci", "SUCCESSFUL_RECOVERY"))
+    turns(kubelet, HEALTHY)  # the baseline is now 2
+    pcierrors.re_enumerate(host, GPU)
+    pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO")  # before a poll: the identity tells
+    turns(kubelet, UNHEALTHY)
+    assert unit(manager).reason == f"{GPU} reported 1 new non-fatal AER error(s) (the kernel's counts: CmpltTO 1)"
+    # Again, with the polls seeing the new device at zero before it reports anything.
+    manager.discovery.health.heard(UEvent("change", "pci", f"/devices/pci0000:00/0000:30:00.0/{GPU}",
+                                          "vfio-pci", "SUCCESSFUL_RECOVERY"))
+    turns(kubelet, HEALTHY)
+    pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO", 3)  # the baseline is now 1: 4 counted
+    turns(kubelet, UNHEALTHY)
+    manager.discovery.health.heard(UEvent("change", "pci", f"/devices/pci0000:00/0000:30:00.0/{GPU}",
+                                          "vfio-pci", "SUCCESSFUL_RECOVERY"))
+    turns(kubelet, HEALTHY)  # the baseline is now 4
+    pcierrors.re_enumerate(host, GPU)
+    time.sleep(0.3)  # polls see the new device at zero
+    assert health(kubelet.state, A10)[GPU] == HEALTHY
+    pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO", 2)
+    turns(kubelet, UNHEALTHY)
+
+
 def test_correctable_errors_are_counted_not_fatal(a10):
     host, kubelet, manager = a10()
     pcierrors.inject_aer(host, GPU, "correctable", "BadTLP", 50)
