@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from gpunode.host.root import HostRoot
-from gpunode.kataclasses import KATA_GPU_HANDLERS
+from gpunode.kataclasses import DEFAULT_RUNTIME_CLASSES, KATA_GPU_HANDLERS
 from gpunode.policy.kata import release_json
 from gpunode.policy.katarelease import UNKNOWN, KataRelease, parse_release
 from gpunode.policy.selection import KATA_VERSION_FLAG, Selection
@@ -303,18 +303,29 @@ def gpu_runtimes(found: KataOnNode) -> tuple[str, ...]:
                  if any(fnmatch.fnmatchcase(r.name, p) for p in KATA_GPU_HANDLERS))
 
 
+def deciding_runtimes(found: KataOnNode, names: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The runtimes whose release decides: those of ``names`` found on the node (the runtime
+    classes configured; None: the agent's defaults, ``DEFAULT_RUNTIME_CLASSES``, which the
+    device plugin and the DRA driver take too, knowing no classes), else every Kata GPU runtime
+    found. One rule for every part: on a node with two installs (kata-deploy's at /opt/kata
+    and a second one under another multiInstallSuffix) the classes pods are given decide,
+    not the oldest install."""
+    wanted = set(DEFAULT_RUNTIME_CLASSES if names is None else names)
+    return tuple(r.name for r in found.runtimes if r.name in wanted) or gpu_runtimes(found)
+
+
 def node_selection(selection: Selection, host: HostRoot, containerd_config: str, *,
                    artifacts_dir: str = "", names: Iterable[str] | None = None,
                    read_version: VersionReader = run_version) -> Selection:
     """``selection`` deciding by the Kata found on the node now (``detect``, then
     ``with_found``): the one way katamgr's plan and agent, the device plugin and the DRA driver
     learn the node's Kata. ``selection`` is the one the operator gave (a typed release stays the
-    override); ``names``: the runtimes whose release decides (None: the Kata GPU runtimes found,
-    as the device plugin and the DRA driver know no runtime classes)."""
+    override); ``names``: the runtime classes configured (None: the agent's defaults), whose
+    release decides (``deciding_runtimes``)."""
     found = detect(host, containerd_config, artifacts_dir=artifacts_dir, read_version=read_version)
     for problem in found.problems:
         log.info("%s", problem)
-    return with_found(selection, found, gpu_runtimes(found) if names is None else names)
+    return with_found(selection, found, deciding_runtimes(found, names))
 
 
 def inputs(host: HostRoot, containerd_config: str, found: KataOnNode | None) -> tuple[tuple, ...]:
