@@ -257,7 +257,7 @@ def _release(host: HostRoot, shim: str, read_version: VersionReader) -> tuple[Ka
     try:
         text = read_version(local)
     except (OSError, subprocess.SubprocessError) as exc:
-        text, why = "", f"{shim} --version failed: {exc}"
+        text, why = "", f"{shim} --version failed: {_why_not(exc)}"
     else:
         why = f"{shim} --version printed no Kata release"
     parsed = parse_shim_version(text)
@@ -271,6 +271,16 @@ def _release(host: HostRoot, shim: str, read_version: VersionReader) -> tuple[Ka
         if found:
             return parse_release(found[1]), None, f"{version_file}, as {why}"
     return UNKNOWN, None, why
+
+
+def _why_not(exc: OSError | subprocess.SubprocessError) -> str:
+    """Why the shim did not run, without the path this process reached it by (the host root
+    this runs under): the message is shown with the host's path."""
+    if isinstance(exc, subprocess.TimeoutExpired):
+        return f"timed out after {exc.timeout:g} s"
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    return type(exc).__name__
 
 
 def _version_files(shim: str) -> list[str]:

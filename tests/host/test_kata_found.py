@@ -108,6 +108,10 @@ def test_a_shim_that_hangs_is_cut_off(tmp_path):
         found = katadetect.detect(host, CONTAINERD)
     assert found.release_for() == katadetect.UNKNOWN
     assert any("timed out" in p for p in found.problems)
+    # Said with the host's path, not the one this process reached it by (its host root).
+    runtime = next(r for r in found.runtimes if r.name == "kata-qemu-nvidia-gpu")
+    assert runtime.release_from == "/opt/kata/bin/containerd-shim-kata-v2 --version failed: timed out after 0.2 s"
+    assert not [p for p in found.problems if str(host.root) in p]
 
 
 def test_our_own_classes_and_a_package_s_are_told_apart(tmp_path):
