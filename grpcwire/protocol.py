@@ -33,10 +33,15 @@ _CONFIG = h2.config.H2Configuration(
     validate_outbound_headers=False, normalize_outbound_headers=False,
     normalize_inbound_headers=False,
 )
-# Received DATA is given back to the connection's window in batches this large (the
-# window granted at the start is max_connection_buffer larger; a stream's own window,
-# max_message + 5, holds any request whole, so streams need none).
+# Received DATA is given back to the connection's window in batches this large, or a
+# quarter of the window where that is smaller (the window granted at the start is
+# max_connection_buffer larger than HTTP/2's 65535; a stream's own window, max_message + 5,
+# holds any request whole, so streams need none). Every DATA frame counts, the DATA of
+# streams refused, failed or reset included (RFC 9113 section 6.9): what is not given back
+# shrinks the client's window for good. h2 itself sends the WINDOW_UPDATE once half the
+# window is given back, so a batch must stay well under half of it or the client stalls.
 _ACK_BATCH = 65536
+_DEFAULT_WINDOW = 65535
 # A call's ``trailers`` when its answer ends with its last DATA frame, not with trailers.
 _END_WITH_DATA = ()
 # Events that mean work was asked for or done; anything else counts as a frame that did none.
@@ -99,6 +104,7 @@ class ServerProtocol:
         self.calls: dict[int, Call] = {}
         self.inbound = 0  # request bytes held for calls not yet complete
         self.unacked = 0  # DATA bytes not yet given back to the connection's window
+        self.ack_batch = min(_ACK_BATCH, (_DEFAULT_WINDOW + limits.max_connection_buffer) // 4)
         self.pending = 0  # answer bytes held for closed windows
         self.active_at = now  # the last call's start
         # Answer bytes handed to h2 so far, and how often an answer began to wait: the
@@ -220,7 +226,7 @@ class ServerProtocol:
         size = event.flow_controlled_length
         if size:
             self.unacked += size
-            if self.unacked >= _ACK_BATCH:
+            if self.unacked >= self.ack_batch:
                 self.h2.acknowledge_received_data(self.unacked, event.stream_id)
                 self.unacked = 0
         call = self.calls.get(event.stream_id)

@@ -13,6 +13,11 @@ CONTENT_TYPE = b"application/grpc"
 RESPONSE_HEADERS = ((b":status", b"200"), (b"content-type", CONTENT_TYPE))
 OK_TRAILERS = ((b"grpc-status", b"0"),)
 _PREFIX = struct.Struct(">BI")  # compressed flag, length
+# The longest grpc-message sent, in characters before percent-encoding. A client refuses
+# a header list past its SETTINGS_MAX_HEADER_LIST_SIZE (grpc-core's default is 8 KiB,
+# grpc-go's 16 MiB), so a reason that quotes what it was sent (a device ID of a megabyte)
+# would never reach it: it would wait for its deadline instead of hearing "no".
+MAX_DETAILS = 1024
 
 
 class StatusCode(IntEnum):
@@ -86,6 +91,8 @@ def trailers(code: StatusCode, details: str = "", *, trailers_only: bool = False
     fields = list(RESPONSE_HEADERS) if trailers_only else []
     fields.append((b"grpc-status", b"%d" % code))
     if details:
+        if len(details) > MAX_DETAILS:
+            details = f"{details[:MAX_DETAILS]}... ({len(details)} characters)"
         fields.append((b"grpc-message", percent_encode(details)))
     return fields
 

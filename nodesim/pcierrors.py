@@ -7,7 +7,9 @@ tests/data/kernel/aer):
 - ``aer_dev_correctable``, ``aer_dev_nonfatal``, ``aer_dev_fatal``: one ``NAME COUNT`` line
   per error bit the kernel names (drivers/pci/pcie/aer.c, ``aer_correctable_error_string``
   and ``aer_uncorrectable_error_string``), then ``TOTAL_ERR_COR``/``TOTAL_ERR_NONFATAL``/
-  ``TOTAL_ERR_FATAL``; counts only ever grow (the kernel never clears them);
+  ``TOTAL_ERR_FATAL``; counts only grow while the device stays enumerated (the kernel never
+  clears them, but allocates them afresh, at zero, in ``pci_aer_init`` when it enumerates the
+  device: after a ``remove`` and rescan or a hot-plug, ``re_enumerate``);
 - ``current_link_speed``/``max_link_speed`` as ``"16.0 GT/s PCIe"``, ``current_link_width``/
   ``max_link_width`` as a lane count (drivers/pci/pci-sysfs.c);
 - ``reset_method``: the methods, space-separated (``"flr bus"``);
@@ -21,6 +23,7 @@ fails for it (``fail_reset``); the AER counts stay, as on Linux.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from gpunode.host.errors import HostError
@@ -78,6 +81,19 @@ def inject_aer(host: HostRoot, bdf: str, kind: str, name: str, count: int = 1) -
     counts = _counts(directory, kind)
     counts[name] = counts.get(name, 0) + count
     (directory / _FILES[kind][0]).write_text(aer_text(kind, counts))
+
+
+def re_enumerate(host: HostRoot, bdf: str) -> None:
+    """The device removed and found again (``remove`` then a bus rescan, or a hot-plug): a
+    new sysfs directory (a new kernfs node: another inode) with what it held, its AER counts
+    back at zero (drivers/pci/pcie/aer.c, ``pci_aer_init`` allocates ``aer_stats`` zeroed)."""
+    directory = _dir(host, bdf).resolve()
+    fresh = directory.with_name(directory.name + ".new")
+    shutil.copytree(directory, fresh, symlinks=True)
+    shutil.rmtree(directory)
+    fresh.rename(directory)
+    for kind, (name, _, _) in _FILES.items():
+        (directory / name).write_text(aer_text(kind, {}))
 
 
 def train_link(host: HostRoot, bdf: str, speed: str | None = None, width: int | None = None) -> None:

@@ -11,12 +11,15 @@ The kernel's error recovery is followed too (``heard``): between its BEGIN_RECOV
 SUCCESSFUL_RECOVERY on a device, the device is Unhealthy, and for good (until a hand-back
 reads it back sane) after a FAILED_RECOVERY on it or a port above it.
 
-AER counts never go down, so an AER trip ends only when the device is known sane again:
-the kernel said it recovered (its ``ERROR_EVENT=SUCCESSFUL_RECOVERY`` uevent on the device,
+AER counts never go down while the device stays enumerated, so an AER trip ends only when
+the device is known sane again: the kernel said it recovered (its ``ERROR_EVENT=SUCCESSFUL_RECOVERY`` uevent on the device,
 sent by drivers/pci/pcie/err.c once every driver below the port resumed, after the port's
 reset for a fatal error), or the agent's hand-back check reset it and read it back sane.
 Either is honoured only once the trip was published (the kubelet saw Unhealthy), and only
-while nothing else is wrong; then the counts of that moment are the new baseline.
+while nothing else is wrong; then the counts of that moment are the new baseline. A device
+enumerated again (remove and rescan, a hot-plug) has its counts allocated afresh at zero: seen
+by its sysfs directory being another one, or by counts below the baseline, it starts again
+from a baseline of zero.
 
 Nothing here is pushed by the kernel except AER recoveries, so ``HealthPoller`` reads the
 listed units' facts every ``interval`` seconds (a few small sysfs reads per device) and
@@ -45,6 +48,11 @@ BEGUN, RECOVERED, FAILED = "BEGIN_RECOVERY", "SUCCESSFUL_RECOVERY", "FAILED_RECO
 HAND_BACK_FAILED = "HandBackFailed"
 RECOVERING = "AerRecovery"  # the kernel began recovering the device, and has not said it did  # include/linux/pci.h, pci_uevent_ers
 _AER = (pcihealth.AER_FATAL, pcihealth.AER_NONFATAL)
+# What Allocate reads again of each device it hands out, raw (a few bytes each): what a fault
+# since the last poll changes. While they read as at the last judgement, its verdict stands;
+# otherwise the device is judged in full. The directory's inode and the config space are
+# read too (``_fingerprint``).
+_WATCHED = ("aer_dev_fatal", "aer_dev_nonfatal", "current_link_width", "current_link_speed", "reset_method")
 
 
 @dataclass
@@ -56,6 +64,7 @@ class _Device:
     begun_at: float = 0.0  # the last BEGIN_RECOVERY
     failed: bool = False  # a FAILED_RECOVERY on it or a bridge above it since then
     verdict: str = ""  # the last reason given ("" healthy)
+    seen: tuple | None = None  # ``_fingerprint`` as the last judgement read it
     code: str = ""  # its code (gpunode.host.pcihealth's reasons, or HAND_BACK_FAILED)
 
 
@@ -71,6 +80,8 @@ class DeviceHealth:
         self.on_transition = on_transition  # (bdf, code, message), "" when healthy, on every change
         self._lock = threading.Lock()
         self._devices: dict[str, _Device] = {}
+        self._bases: dict[str, str] = {}  # bdf -> its sysfs directory, as this process reaches it
+        self._verdicts: dict[str, str] = {}  # bdf -> its hand-back verdict file, likewise
 
     def heard(self, event: UEvent) -> bool:
         """A kernel uevent; True when it was about the error recovery of a device we follow.
@@ -111,7 +122,64 @@ class DeviceHealth:
         reasons = [r for r in (self._judge(bdf, peek) for bdf in bdfs) if r]
         return "; ".join(reasons)
 
+    def recheck(self, bdfs: Iterable[str]) -> str:
+        """Allocate's look, changing nothing: why the unit of ``bdfs`` is unfit now, or "".
+        A device whose watched files read as at the last judgement keeps that verdict (a
+        few small reads); one that changed is judged in full."""
+        reasons = []
+        for bdf in bdfs:
+            with self._lock:
+                device = self._devices.get(bdf)
+                seen, verdict = (device.seen, device.verdict) if device is not None else (None, "")
+            reason = verdict if seen is not None and self._fingerprint(bdf) == seen else self._judge(bdf, True)
+            if reason:
+                reasons.append(reason)
+        return "; ".join(reasons)
+
+    def _fingerprint(self, bdf: str) -> tuple:
+        """The watched files' bytes, the vendor ID config space reads now, the device
+        directory's identity and the hand-back verdict file's; None for what cannot be read."""
+        base = self._bases.get(bdf)
+        if base is None:
+            base = self._bases[bdf] = str(self.host.path(f"/sys/bus/pci/devices/{bdf}"))
+        out: list = []
+        for name in (*_WATCHED, "config"):
+            try:
+                fd = os.open(f"{base}/{name}", os.O_RDONLY)
+            except OSError:
+                out.append(None)
+                continue
+            try:
+                out.append(os.pread(fd, 2 if name == "config" else 4096, 0))
+            except OSError:
+                out.append(None)
+            finally:
+                os.close(fd)
+        for path in (base, self._verdicts.get(bdf) or self._verdict_path(bdf)):
+            try:
+                st = os.stat(path)
+                out.append((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    @staticmethod
+    def _re_enumerated(device: _Device, seen: tuple, aer: AerCounts | None) -> bool:
+        """The device directory is another one than the last judgement read (a new kernfs
+        node), or its AER counts are below the baseline (they never go down while it stays)."""
+        if device.seen is not None and seen[-2] is not None and device.seen[-2] is not None \
+                and seen[-2][:2] != device.seen[-2][:2]:
+            return True
+        base = device.baseline
+        return aer is not None and base is not None and (
+            aer.fatal < base.fatal or aer.nonfatal < base.nonfatal or aer.correctable < base.correctable)
+
+    def _verdict_path(self, bdf: str) -> str:
+        path = self._verdicts[bdf] = str(self.host.path(f"{handback.VERDICTS}/{bdf}.json"))
+        return path
+
     def _judge(self, bdf: str, peek: bool) -> str:
+        seen = self._fingerprint(bdf)  # read first: a change after it is seen at the next look
         facts = pcihealth.read_health(self.host, bdf)
         verdict = handback.read_verdict(self.host, bdf)
         with self._lock:
@@ -122,6 +190,16 @@ class DeviceHealth:
                                  accepted_at=time.time())
                 if not peek:
                     self._devices[bdf] = device
+            elif self._re_enumerated(device, seen, facts.aer):
+                # Another device, or the same one found again (remove and rescan, hot-plug): the
+                # kernel allocated its AER counts afresh, at zero (``pci_aer_init``), so every
+                # error it counts is new; what the one before reported, and its trip, are gone.
+                fresh = _Device(baseline=pcihealth.AerCounts(), accepted_at=time.time(),
+                                verdict=device.verdict, code=device.code)
+                if not peek:
+                    log.info("%s was enumerated again: its AER counts start at zero", bdf)
+                    self._devices[bdf] = fresh
+                device = fresh
             found = pcihealth.problems(facts, device.baseline, link_policy=self.link_policy)
             other = next((p for p in found if p.fatal and p.reason not in _AER), None)
             aer = next((p for p in found if p.reason in _AER), None)
@@ -143,6 +221,8 @@ class DeviceHealth:
                     reason, code = aer.message, aer.reason
                     if not peek and not device.tripped_at:
                         device.tripped_at = time.time()
+            if not peek:
+                device.seen = seen
             if not peek and reason != device.verdict:
                 device.verdict = reason
                 if code != device.code and self.on_transition is not None:

@@ -63,6 +63,9 @@ class PassthroughDiscovery:
         # from the host while a pod holds it turns Unhealthy without waiting for it.
         threading.Thread(target=_import_kubelet_client, name="import-podresources", daemon=True).start()
 
+    def _judge(self, bdfs: tuple[str, ...]) -> str:
+        return self.health.recheck(bdfs)
+
     @property
     def fabric(self) -> FabricGuard | None:
         """The Shared NVSwitch partitions' guard, once the board follows that model."""
@@ -141,6 +144,7 @@ class PassthroughDiscovery:
             for name in sorted(by_name.keys() - self.resources.keys()):
                 self.resources[name] = PassthroughResource(name, self.host, self.cdi_specs, refusal)
                 self.resources[name].held = self._held
+                self.resources[name].judge = self._judge
                 created.append(self.resources[name])
             resources = dict(self.resources)
             for resource in resources.values():  # a guard comes once FM answers (fabricgate)

@@ -2,7 +2,9 @@
 a pod gets exactly one FM partition's GPUs, and the partition is active before its VM starts.
 
 - GetPreferredAllocation answers one free partition of the asked size
-  (``nvlinkfabric.Fabric.prefer``: the one that blocks fewest larger partitions);
+  (``nvlinkfabric.Fabric.prefer``: the one that blocks fewest larger partitions); a partition
+  of ours still active though the kubelet offers all its GPUs (its pod ended within the
+  release loop's second) counts free;
 - Allocate refuses GPUs that are not exactly one partition (the reason names the sizes the
   node offers) and activates the partition before answering (§5.7), so the VM Kata starts
   next finds its fabric set up;
@@ -18,6 +20,7 @@ on vfio-pci: no host driver is needed on them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -75,18 +78,33 @@ class FabricGuard:
         """The unit IDs of the partition to give (``gpus_of``: each unit's GPU addresses);
         None when no free partition fits (the kubelet then picks, and Allocate says why not)."""
         units_of = {g: unit for unit, gpus in gpus_of.items() for g in gpus}
+        offered = [g for u in available for g in gpus_of.get(u, ())]
         try:
             with self._lock:
-                fabric = self._fabric()
+                fabric = self._unheld(self._fabric(), offered)
         except AllocationError as e:  # FM not answering: Allocate will refuse, saying so
             log.warning("GetPreferredAllocation without partitions: %s", e.message)
             return None
-        part = fabric.prefer([g for u in available for g in gpus_of.get(u, ())],
-                             [g for u in must_include for g in gpus_of.get(u, ())], size)
+        part = fabric.prefer(offered, [g for u in must_include for g in gpus_of.get(u, ())], size)
         if part is None:
             return None
         chosen = list(dict.fromkeys(units_of[g] for g in part.gpus))
         return [u for u in must_include if u in chosen] + [u for u in chosen if u not in must_include]
+
+    def _unheld(self, fabric: nf.Fabric, offered: Sequence[str]) -> nf.Fabric:
+        """``fabric`` with our active partitions whose GPUs the kubelet offers all of counted
+        free: it offers only devices no pod holds, so such a partition was left by a pod that
+        ended before the release loop (every ``RELEASE_INTERVAL`` s) saw it; Allocate
+        deactivates it when a new partition needs its GPUs. Partitions not in our record (the
+        DRA driver's, or another's) stay busy."""
+        offered = set(offered)
+        record = self._record()
+        stale = {p.partition_id for p in fabric.partitions
+                 if p.active and str(p.partition_id) in record and set(p.gpus) <= offered}
+        if not stale:
+            return fabric
+        return dataclasses.replace(fabric, partitions=tuple(
+            dataclasses.replace(p, active=False) if p.partition_id in stale else p for p in fabric.partitions))
 
     def activate(self, units: dict[str, tuple[str, ...]]) -> int:
         """The partition of exactly ``units``' GPUs, active (``units``: unit ID -> its GPU

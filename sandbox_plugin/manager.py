@@ -121,6 +121,10 @@ class PluginManager:
                 log.info("serving only the devices pods still hold (%s); every Allocate refused",
                          ", ".join(f"{name}: {len(r.units())}" for name, r in self.discovery.resources.items())
                          or "none")
+            elif not self.servers and self.discovery.scanned:
+                gate = self.discovery.gate
+                log.info("%d device(s) are on vfio-pci, none advertised: %s", len(self.discovery.scanned),
+                         gate.withheld if gate is not None and gate.withheld else "no resource serves them")
             elif not self.servers:
                 log.info("no GPU or NVSwitch is on vfio-pci yet; waiting for one to be bound")
         else:

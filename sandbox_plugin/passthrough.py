@@ -59,6 +59,9 @@ class PassthroughResource(Resource):
         # Set on a full passthrough board: §6.1's configurations, the board unit and its GPUs kept apart.
         self.board: BoardGuard | None = None
         self.held = None  # held(unit): a pod holds it (a unit gone from the host stays, Unhealthy)
+        # judge(bdfs): why the kernel's health facts make the unit unfit now, or "" (read,
+        # never changed: ``devhealth.DeviceHealth.reason`` with peek).
+        self.judge = None
         self.cdi_specs = cdi_specs if cdi_specs is not None else HostCdiSpecs(host)
         self._lock = threading.Lock()
         self._units: dict[str, PassthroughUnit] = {}
@@ -179,6 +182,7 @@ class PassthroughResource(Resource):
             if unit.pci_reason:  # the kubelet picked it before it heard
                 raise AllocationError(f"device {unit.id} of {self.resource_name} is {UNHEALTHY}: {unit.pci_reason}")
             recheck(self, unit)
+            self._judged(unit)
             chosen.append(unit)
         if self.board is not None:
             self.board.check(self.resource_name, [u.id for u in chosen])
@@ -214,7 +218,15 @@ class PassthroughResource(Resource):
         if unit.health != HEALTHY:
             raise AllocationError(f"device {unit.id} of {self.resource_name} is {unit.health}: {unit.reason}")
         recheck(self, unit)
+        self._judged(unit)
         return unit
+
+    def _judged(self, unit: PassthroughUnit) -> None:
+        """The health facts read again: a GPU that faulted since the last poll (ListAndWatch
+        says so within ``devhealth.HEALTH_INTERVAL``) is not handed out meanwhile."""
+        why = self.judge(unit.bdfs) if self.judge is not None else ""
+        if why:
+            raise AllocationError(f"device {unit.id} of {self.resource_name} is {UNHEALTHY}: {why}")
 
     def _cdi_names(self, chosen: list[PassthroughUnit], specs) -> list[str]:
         """GPUs and NVSwitches by their index-style names; a unit without them (included

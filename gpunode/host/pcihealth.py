@@ -8,8 +8,9 @@ A device on vfio-pci is invisible to NVML, but the kernel keeps four facts about
   ``<array>_bit[N] COUNT`` for a counted bit it has none for), then ``TOTAL_ERR_COR``,
   ``TOTAL_ERR_NONFATAL`` or ``TOTAL_ERR_FATAL`` (drivers/pci/pcie/aer.c,
   ``aer_stats_dev_attr``; Documentation/PCI/pcieaer-howto.rst). The files exist only for a
-  device with an AER capability the kernel's AER driver looks after; they count from boot
-  and are never cleared, so a rise is what matters, not a value;
+  device with an AER capability the kernel's AER driver looks after; they count from the
+  device's enumeration (``pci_aer_init``: a remove and rescan or a hot-plug starts them again
+  at zero) and are never cleared, so a rise is what matters, not a value;
 - the link: ``current_link_speed`` ("16.0 GT/s PCIe", "Unknown" while the link is down),
   ``current_link_width`` (a lane count, 0 while down) against ``max_link_speed`` and
   ``max_link_width`` (drivers/pci/pci-sysfs.c, ``pci_speed_string``);

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from gpunode.host.root import HostRoot
-from gpunode.kataclasses import KATA_GPU_HANDLERS
+from gpunode.kataclasses import DEFAULT_RUNTIME_CLASSES, KATA_GPU_HANDLERS
 from gpunode.policy.kata import release_json
 from gpunode.policy.katarelease import UNKNOWN, KataRelease, parse_release
 from gpunode.policy.selection import KATA_VERSION_FLAG, Selection
@@ -257,7 +257,7 @@ def _release(host: HostRoot, shim: str, read_version: VersionReader) -> tuple[Ka
     try:
         text = read_version(local)
     except (OSError, subprocess.SubprocessError) as exc:
-        text, why = "", f"{shim} --version failed: {exc}"
+        text, why = "", f"{shim} --version failed: {_why_not(exc)}"
     else:
         why = f"{shim} --version printed no Kata release"
     parsed = parse_shim_version(text)
@@ -271,6 +271,16 @@ def _release(host: HostRoot, shim: str, read_version: VersionReader) -> tuple[Ka
         if found:
             return parse_release(found[1]), None, f"{version_file}, as {why}"
     return UNKNOWN, None, why
+
+
+def _why_not(exc: OSError | subprocess.SubprocessError) -> str:
+    """Why the shim did not run, without the path this process reached it by (the host root
+    this runs under): the message is shown with the host's path."""
+    if isinstance(exc, subprocess.TimeoutExpired):
+        return f"timed out after {exc.timeout:g} s"
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    return type(exc).__name__
 
 
 def _version_files(shim: str) -> list[str]:
@@ -303,18 +313,29 @@ def gpu_runtimes(found: KataOnNode) -> tuple[str, ...]:
                  if any(fnmatch.fnmatchcase(r.name, p) for p in KATA_GPU_HANDLERS))
 
 
+def deciding_runtimes(found: KataOnNode, names: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The runtimes whose release decides: those of ``names`` found on the node (the runtime
+    classes configured; None: the agent's defaults, ``DEFAULT_RUNTIME_CLASSES``, which the
+    device plugin and the DRA driver take too, knowing no classes), else every Kata GPU runtime
+    found. One rule for every part: on a node with two installs (kata-deploy's at /opt/kata
+    and a second one under another multiInstallSuffix) the classes pods are given decide,
+    not the oldest install."""
+    wanted = set(DEFAULT_RUNTIME_CLASSES if names is None else names)
+    return tuple(r.name for r in found.runtimes if r.name in wanted) or gpu_runtimes(found)
+
+
 def node_selection(selection: Selection, host: HostRoot, containerd_config: str, *,
                    artifacts_dir: str = "", names: Iterable[str] | None = None,
                    read_version: VersionReader = run_version) -> Selection:
     """``selection`` deciding by the Kata found on the node now (``detect``, then
     ``with_found``): the one way katamgr's plan and agent, the device plugin and the DRA driver
     learn the node's Kata. ``selection`` is the one the operator gave (a typed release stays the
-    override); ``names``: the runtimes whose release decides (None: the Kata GPU runtimes found,
-    as the device plugin and the DRA driver know no runtime classes)."""
+    override); ``names``: the runtime classes configured (None: the agent's defaults), whose
+    release decides (``deciding_runtimes``)."""
     found = detect(host, containerd_config, artifacts_dir=artifacts_dir, read_version=read_version)
     for problem in found.problems:
         log.info("%s", problem)
-    return with_found(selection, found, gpu_runtimes(found) if names is None else names)
+    return with_found(selection, found, deciding_runtimes(found, names))
 
 
 def inputs(host: HostRoot, containerd_config: str, found: KataOnNode | None) -> tuple[tuple, ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import posixpath
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,8 @@ from katamgr.runtime import (
     transform_kata_config,
 )
 from katamgr.runtime.kata_config import (
+    DROP_IN_DIR,
+    DROP_IN_NAME,
     drop_in_path,
     installed_cold_plug_gaps,
     remove_gpu_drop_ins,
@@ -79,14 +82,13 @@ class KataContext:
 
 
 def kata_deploy_runtime(ctx: KataContext, name: str) -> katadetect.FoundRuntime | None:
-    """kata-deploy's runtime that serves runtime class ``name`` on this node, where the config
-    lets katamgr use it (``kataDeploy``: auto or true): its containerd runtime of that name,
-    its config under kata-deploy's /opt/kata (where katamgr may put a drop-in)."""
+    """kata-deploy's runtime that serves runtime class ``name`` (``kataDeploy``: auto or true)
+    with the config containerd names for it (katamgr's drop-in goes beside it), wherever detection
+    found it: /opt/kata or below another INSTALLATION_PREFIX (config.rs: <prefix>/opt/kata)."""
     if ctx.config.kata_deploy is False or ctx.kata_found is None:
         return None
     return next((r for r in ctx.kata_found.runtimes
-                 if r.name == name and r.installed_by == katadetect.KATA_DEPLOY and r.config_path
-                 and r.config_path.startswith(katadetect.KATA_DEPLOY_DIR + "/")), None)
+                 if r.name == name and r.installed_by == katadetect.KATA_DEPLOY and r.config_path), None)
 
 
 def kata_deploy_missing(ctx: KataContext, name: str) -> str | None:
@@ -404,7 +406,11 @@ def revert(host: HostRoot, ctx: KataContext | None, *, delete_runtime_classes: b
             report.changes.append(f"restored {change.path}")
             report.merge(_reload_with(host, restart_mode, socket, "drop the Kata runtimes"))
     # Our GPU settings beside kata-deploy's configs (the drop-ins only: its own files stay).
-    report.changes += [f"removed {p}" for p in remove_gpu_drop_ins(host, katadetect.KATA_DEPLOY_DIR)]
+    # Below /opt/kata, and beside each config the record names (an install below another prefix).
+    under = [katadetect.KATA_DEPLOY_DIR, *(posixpath.dirname(posixpath.dirname(p)) for p in record.drop_ins
+                                            if p.endswith(f"/{DROP_IN_DIR}/{DROP_IN_NAME}"))]
+    for directory in dict.fromkeys(under):
+        report.changes += [f"removed {p}" for p in remove_gpu_drop_ins(host, directory)]
     dirs = [c.dir for c in record.runtime_classes]
     if config is not None:
         dirs += [class_dir(config, rc.name) for rc in config.runtime_classes if class_dir(config, rc.name) not in dirs]

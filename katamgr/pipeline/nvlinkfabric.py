@@ -40,6 +40,16 @@ def add_section(host, plan: Plan, settings: nf.FabricSettings, naming=None) -> N
     elif choice.model == nf.FULL:
         lines.append(f"units: no VM configuration of {nvlinkunits.GUIDE} fits the GPUs and NVSwitches passed "
                      "through here (a board's 8 GPUs with all of its NVSwitches)")
+    if choice.model is None:
+        # The device plugin and the DRA driver advertise none of the board's GPUs while neither
+        # model holds (sandbox_plugin.fabricgate): the plan promises none either.
+        withheld = sorted({d.resource for d in plan.devices if d.bdf in gpus and d.resource in plan.resources})
+        for name in withheld:
+            del plan.resources[name]
+        data["withheld"] = withheld
+        if withheld:
+            lines.append(f"withheld: {', '.join(withheld)} (none of this board's GPUs is advertised for Kata "
+                         "until a model holds)")
     if choice.problem:
         plan.problems.append(choice.problem)
     plan.sections.append(PlanSection("nvlink_fabric", "NVLink fabric (NVSwitch board)", data, lines))

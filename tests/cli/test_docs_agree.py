@@ -3,10 +3,13 @@ what katamgr and the isolation layers do."""
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import yaml
 from support.paths import EXAMPLES, REPO
 
 KATAMGR = str(Path(sys.executable).parent / "katamgr")
@@ -55,3 +58,33 @@ def test_the_label_script_says_the_agent_runs_on_every_gpu_node():
     text = (EXAMPLES / "label-node.sh").read_text()
     assert "runs on every GPU node" in text
     assert "runs on vm-passthrough nodes" not in text
+
+
+def _keys(value) -> set[str]:
+    if isinstance(value, dict):
+        return set(value) | {k for v in value.values() for k in _keys(v)}
+    if isinstance(value, list):
+        return {k for v in value for k in _keys(v)}
+    return set()
+
+
+def test_the_plan_json_keys_docs_devices_names_are_plans(tmp_path):
+    """docs/devices.md names the keys of `plan -o json` where it says "JSON: ..." or "... in
+    JSON": each must be a key of the document plan prints (camelCase, as katamgr.output
+    writes every key)."""
+    from nodesim.profiles import SHIPPED
+
+    data = yaml.safe_load((SHIPPED / "dgx-h100.yaml").read_text())
+    data["kata"] = {"installed_by": "kata-deploy", "release": "3.29.0", "shims": ["go"]}
+    profile = tmp_path / "dgx-kata-deploy.yaml"
+    profile.write_text(yaml.safe_dump(data))
+    result = subprocess.run([KATAMGR, "plan", "--host", str(profile), "--output", "json"], capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    assert result.returncode in (0, 4), result.stderr
+    keys = _keys(json.loads(result.stdout))
+    text = " ".join((REPO / "docs/devices.md").read_text().split())
+    named = set()
+    for passage in re.findall(r"\(JSON: ([^)]*)\)", text) + re.findall(r"\(text, and `([^`]+)` in JSON\)", text):
+        named |= set(re.findall(r"`([A-Za-z_]+)`", passage)) or {passage}
+    assert {"kataFound", "configPath", "releaseFrom", "installedBy", "definedIn", "gpuLabels"} <= named
+    assert not named - keys, f"docs/devices.md names keys plan -o json does not have: {sorted(named - keys)}"

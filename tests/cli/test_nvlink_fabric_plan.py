@@ -66,6 +66,13 @@ def test_neither_model_is_a_problem_naming_both_fixes():
     [problem] = [p for p in problems if "NVLink" in p]
     assert "FM_ST_CONNECTION_NOT_VALID" in problem
     assert "FABRIC_MODE=1" in problem and "Kata 4.1 or later" in problem
+    # The device plugin and the DRA driver then advertise none of the board's GPUs
+    # (sandbox_plugin.fabricgate): the plan promises none either.
+    plan = json.loads(run("plan", "--host", "dgx-h100", "--fabric-manager-address", "/run/no-fm.sock",
+                          "--fabric-manager-library", "/usr/lib/nvidia-fabricmanager/libnvfm.so.1",
+                          "--output", "json").stdout)
+    assert "nvidia.com/GH100H100_SXM5_80GB" not in plan["resources"]
+    assert plan["nvlinkFabric"]["withheld"] == ["nvidia.com/GH100H100_SXM5_80GB"]
 
 
 def test_a_bad_module_id_list_exits_2_naming_it():

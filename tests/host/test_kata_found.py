@@ -108,6 +108,10 @@ def test_a_shim_that_hangs_is_cut_off(tmp_path):
         found = katadetect.detect(host, CONTAINERD)
     assert found.release_for() == katadetect.UNKNOWN
     assert any("timed out" in p for p in found.problems)
+    # Said with the host's path, not the one this process reached it by (its host root).
+    runtime = next(r for r in found.runtimes if r.name == "kata-qemu-nvidia-gpu")
+    assert runtime.release_from == "/opt/kata/bin/containerd-shim-kata-v2 --version failed: timed out after 0.2 s"
+    assert not [p for p in found.problems if str(host.root) in p]
 
 
 def test_our_own_classes_and_a_package_s_are_told_apart(tmp_path):
@@ -240,6 +244,39 @@ def test_plan_shows_the_kata_found_as_text_and_json(tmp_path):
                           timeout=120)
     assert "Kata found on the node:\n  deciding: Kata 3.29.0\n  kata-qemu-nvidia-gpu: Kata 3.29.0 (go, " \
            "containerd-shim-kata-v2 --version), installed by kata-deploy" in text.stdout
+
+
+def _second_install(host: HostRoot, release: str, suffix: str = "lts") -> None:
+    """A second kata-deploy install beside the first, as its multiInstallSuffix lays it out
+    (kata-deploy config.rs: the install dir /opt/kata-<suffix>, each runtime kata-<shim>-<suffix>)."""
+    install = KataInstall("kata-deploy", release, ("go",))
+    text = drop_in(install, V3_PLUGIN).replace("/opt/kata/", f"/opt/kata-{suffix}/")
+    for shim in ("qemu-nvidia-gpu-snp", "qemu-nvidia-gpu-tdx", "qemu-nvidia-gpu"):
+        text = text.replace(f"runtimes.kata-{shim}]", f"runtimes.kata-{shim}-{suffix}]").replace(
+            f"runtimes.kata-{shim}.options]", f"runtimes.kata-{shim}-{suffix}.options]")
+    host.path(f"/etc/containerd/conf.d/kata-deploy-{suffix}.toml").write_text(text)
+    shim = host.path(f"/opt/kata-{suffix}/bin/containerd-shim-kata-v2")
+    shim.parent.mkdir(parents=True)
+    shim.write_text(f"#!/bin/sh\necho '{version_line(release, 'go')}'\n")
+    shim.chmod(0o755)
+
+
+def test_two_installs_are_decided_alike_by_katamgr_and_the_plugins(tmp_path):
+    """Kata 4.1.0 at /opt/kata (the kata-qemu-nvidia-gpu* classes) and 3.29.0 at /opt/kata-lts
+    (the -lts classes), nothing configured: the classes pods are given decide, for plan and
+    apply (the agent's default classes) and for the device plugin and the DRA driver (which
+    know no classes) alike, so they bind and advertise the same NVSwitches."""
+    from katamgr.commands.setup import with_node_kata as katamgr_decides
+    from sandbox_plugin.commands import with_node_kata as plugin_decides
+
+    host = node(tmp_path, "4.1.0")
+    _second_install(host, "3.29.0")
+    found = katadetect.detect(host, CONTAINERD)
+    assert {r.name: str(r.release) for r in found.runtimes}["kata-qemu-nvidia-gpu-lts"] == "Kata 3.29.0"
+    agent = katamgr_decides(NAMING, host, None).selection
+    plugin = plugin_decides(NAMING, host, CONTAINERD).selection
+    assert agent.kata == plugin.kata == KataRelease((4, 1, 0))
+    assert agent.takes_nvswitches and plugin.takes_nvswitches
 
 
 def test_a_profile_says_how_kata_is_laid_out():

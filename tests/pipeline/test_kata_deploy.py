@@ -95,3 +95,35 @@ def test_kata_deploy_true_refuses_a_class_kata_deploy_does_not_provide(tmp_path)
             in report.classes_failed["kata-qemu-nvidia-gpu-custom"])
     assert report.classes_ready == [GPU]
     assert host.path(CONFIG_D.format(shim="qemu-nvidia-gpu")).exists()
+
+
+def test_kata_deploy_under_another_installation_prefix_serves_its_classes(tmp_path):
+    """kata-deploy's INSTALLATION_PREFIX (its config.rs: the install dir is <prefix>/opt/kata)
+    puts every path it registers below the prefix. The runtime detection finds is kata-deploy's
+    wherever it lies: with kataDeploy true its class gets the GPU settings beside its config
+    (not a refusal), and revert takes them away again."""
+    host = kata_deploy_node(tmp_path)
+    prefix = "/usr/local"
+    moved = host.path(prefix + "/opt/kata")
+    moved.parent.mkdir(parents=True, exist_ok=True)
+    host.path("/opt/kata").rename(moved)
+    drop_in = moved / "containerd/config.d/kata-deploy.toml"
+    drop_in.write_text(drop_in.read_text().replace('"/opt/kata/', f'"{prefix}/opt/kata/'))
+    main = host.path("/etc/containerd/config.toml")
+    main.write_text(main.read_text().replace('"/opt/kata/', f'"{prefix}/opt/kata/'))
+    before = files_under(host, prefix + "/opt/kata")
+    config = parse_config(kata_manager_yaml((GPU,)) + "kataDeploy: true\n")
+    naming = cli_setup.with_node_kata(NAMING, host, config)
+    found = {r.name: r for r in naming.selection.kata_found.runtimes}
+    assert found[GPU].installed_by == "kata-deploy" and found[GPU].config_path.startswith(prefix + "/opt/kata/")
+
+    report = reconcile(host, naming, Steps(), KataContext(config))
+    assert report.ok, report.failures
+    assert report.classes_ready == [GPU]
+    assert not host.path(class_dir(config, GPU)).exists()  # nothing pulled
+    ours = host.path(prefix + CONFIG_D.format(shim="qemu-nvidia-gpu"))
+    assert tomlkit.parse(ours.read_text())["hypervisor"]["qemu"]["pcie_root_port"] == 8
+
+    undone = revert_all(host, Steps(), KataContext(config))
+    assert undone.ok, undone.failures
+    assert files_under(host, prefix + "/opt/kata") == before

@@ -73,7 +73,7 @@ def sim_host() -> Iterator:
 
 @pytest.fixture
 def start_plugin(sim_host, tmp_path) -> Iterator:
-    """Factory: ``start_plugin(nofile=0)`` runs the plugin as its own process on a simulated
+    """Factory: ``start_plugin(nofile=0, idle_timeout=3.0)`` runs the plugin as its own process on a simulated
     DGX H100 bound to vfio-pci (pluginproc.Plugin), and returns it once it registered with
     the kubelet simulator, whose ListAndWatch stays open. Stopped after the test."""
     from katamgr.pipeline.devices import apply_host
@@ -83,11 +83,11 @@ def start_plugin(sim_host, tmp_path) -> Iterator:
     h100 = resource_name(naming.pci_ids, 0x10DE, 0x2330)
     started: list[Plugin] = []
 
-    def start(nofile: int = 0) -> Plugin:
+    def start(nofile: int = 0, idle_timeout: float = 3.0) -> Plugin:
         host, kubelet = sim_host("dgx-h100")
         assert apply_host(host, build_plan(host, naming)).ok
         plugin = Plugin.launch(host.root, host.path(DEVICE_PLUGIN_DIR) / socket_name_for(h100),
-                               tmp_path / f"plugin-{len(started)}.log", nofile)
+                               tmp_path / f"plugin-{len(started)}.log", nofile, idle_timeout)
         started.append(plugin)
         try:
             kubelet.wait_for(lambda state: len(state.devices.get(h100, [])) == 8, timeout=30)

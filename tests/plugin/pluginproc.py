@@ -4,8 +4,8 @@ its memory, its log, its socket under attack (test_hostile_clients.py) and under
 (test_h2spec.py).
 
 It runs with shorter clocks than its defaults (``wire.limits``: 2 s for a request to
-arrive or an answer to be taken, 3 s for an idle connection), so that those limits are
-seen within a test, and optionally with a lower file descriptor limit.
+arrive or an answer to be taken, 3 s for an idle connection unless told), so that those
+limits are seen within a test, and optionally with a lower file descriptor limit.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ LAUNCH = """
 import dataclasses, resource, sys
 from grpcwire import limits
 limits.DEFAULT = dataclasses.replace(limits.DEFAULT, request_timeout=2.0, write_timeout=2.0,
-                                     idle_timeout=3.0)
+                                     idle_timeout=float(sys.argv[2]))
 if int(sys.argv[1]):
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[1])))
 from sandbox_plugin.cli import main
-sys.exit(main(sys.argv[2:]))
+sys.exit(main(sys.argv[3:]))
 """
 
 
@@ -38,12 +38,12 @@ class Plugin:
     log: Path
 
     @classmethod
-    def launch(cls, host_root: Path, socket: Path, log: Path, nofile: int = 0) -> Plugin:
+    def launch(cls, host_root: Path, socket: Path, log: Path, nofile: int = 0, idle_timeout: float = 3.0) -> Plugin:
         with log.open("wb") as output:
             process = subprocess.Popen(
                 # --nvlink-fabric off: these tests are about the gRPC server; on the dgx-h100
                 # board with auto and no FM at the default address no GPU would be advertised.
-                [sys.executable, "-c", LAUNCH, str(nofile), "--workload", "vm-passthrough", "--nvlink-fabric", "off",
+                [sys.executable, "-c", LAUNCH, str(nofile), str(idle_timeout), "--workload", "vm-passthrough", "--nvlink-fabric", "off",
                  "--host-root", str(host_root), "--metrics-address", f"127.0.0.1:{free_port()}"],
                 cwd=REPO, stdout=output, stderr=subprocess.STDOUT)
         return cls(process, socket, log)

@@ -31,11 +31,11 @@ def a10(sim_host):
     """An a10-server bound to vfio-pci, its plugin serving: (host, kubelet, manager)."""
     managers: list[PluginManager] = []
 
-    def start(link_policy: str = "degrade"):
+    def start(link_policy: str = "degrade", health_interval: float = 0.05):
         host, kubelet = sim_host("a10-server")
         bind(host)
         manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=NAMING, backoff=FAST,
-                                link_policy=link_policy, health_interval=0.05)
+                                link_policy=link_policy, health_interval=health_interval)
         managers.append(manager)
         manager.start()
         kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4)
@@ -73,6 +73,22 @@ def test_a_fatal_aer_error_makes_the_gpu_unhealthy_until_a_hand_back_reset_reads
     assert sorted(kubelet.state.healthy(A10)) == A10_IDS
 
 
+def test_allocate_refuses_a_gpu_that_faulted_since_the_last_poll(a10):
+    """ListAndWatch says Unhealthy within a poll; a kubelet that picked the GPU just before
+    must not be handed it: Allocate reads the facts of what it hands out again."""
+    host, kubelet, manager = a10(health_interval=3600)  # no poll during the test
+    pcierrors.inject_aer(host, GPU, "fatal", "DLP")
+    with pytest.raises(grpc.RpcError) as refused:
+        kubelet.allocate(A10, [GPU])
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"{GPU} reported 1 new fatal AER error(s)" in refused.value.details()
+    pcierrors.fall_off_bus(host, A10_IDS[0])
+    with pytest.raises(grpc.RpcError) as off:
+        kubelet.allocate(A10, [A10_IDS[0]])
+    assert "fell off the bus" in off.value.details()
+    assert kubelet.allocate(A10, [A10_IDS[2]])  # the others are handed out as before
+
+
 def test_a_non_fatal_error_ends_when_the_kernel_says_the_device_recovered(a10):
     host, kubelet, manager = a10()
     pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO", 2)
@@ -85,6 +101,35 @@ def test_a_non_fatal_error_ends_when_the_kernel_says_the_device_recovered(a10):
     turns(kubelet, HEALTHY)
     # A new error after that trips it again.
     pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO")
+    turns(kubelet, UNHEALTHY)
+
+
+def test_a_re_enumerated_gpu_is_judged_from_its_new_counts(a10):
+    """After remove and rescan (or a hot-plug) the kernel's counts start again at zero: the
+    baseline of the device that was there before must not hide the new one's errors."""
+    host, kubelet, manager = a10()
+    pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO", 2)
+    turns(kubelet, UNHEALTHY)
+    manager.discovery.health.heard(UEvent("change", "pci", f"/devices/pci0000:00/0000:30:00.0/{GPU}",
+                                          "vfio-pci", "SUCCESSFUL_RECOVERY"))
+    turns(kubelet, HEALTHY)  # the baseline is now 2
+    pcierrors.re_enumerate(host, GPU)
+    pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO")  # before a poll: the identity tells
+    turns(kubelet, UNHEALTHY)
+    assert unit(manager).reason == f"{GPU} reported 1 new non-fatal AER error(s) (the kernel's counts: CmpltTO 1)"
+    # Again, with the polls seeing the new device at zero before it reports anything.
+    manager.discovery.health.heard(UEvent("change", "pci", f"/devices/pci0000:00/0000:30:00.0/{GPU}",
+                                          "vfio-pci", "SUCCESSFUL_RECOVERY"))
+    turns(kubelet, HEALTHY)
+    pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO", 3)  # the baseline is now 1: 4 counted
+    turns(kubelet, UNHEALTHY)
+    manager.discovery.health.heard(UEvent("change", "pci", f"/devices/pci0000:00/0000:30:00.0/{GPU}",
+                                          "vfio-pci", "SUCCESSFUL_RECOVERY"))
+    turns(kubelet, HEALTHY)  # the baseline is now 4
+    pcierrors.re_enumerate(host, GPU)
+    time.sleep(0.3)  # polls see the new device at zero
+    assert health(kubelet.state, A10)[GPU] == HEALTHY
+    pcierrors.inject_aer(host, GPU, "nonfatal", "CmpltTO", 2)
     turns(kubelet, UNHEALTHY)
 
 

@@ -262,3 +262,21 @@ def test_a_refused_huge_allocate_writes_a_short_log_line(start_plugin):
     time.sleep(0.2)
     refusals = [line for line in plugin.log_lines() if "refused Allocate" in line]
     assert refusals and all(len(line) < 1000 for line in refusals), refusals
+
+
+def test_an_allocate_of_a_megabyte_device_id_is_refused_at_once_and_the_connection_serves_on(start_plugin):
+    """The refusal quotes the ID it was sent; cut short, it fits the caller's header list
+    (grpc-core's default limit is 8 KiB), so the kubelet hears INVALID_ARGUMENT at once
+    instead of waiting for its deadline, and its next Allocate on the connection is served."""
+    plugin = start_plugin()
+    huge = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["x" * (1 << 20)])])
+    with grpc.insecure_channel(f"unix://{plugin.socket}") as channel:
+        allocate = channel.unary_unary(ALLOCATE)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            allocate(huge.SerializeToString(), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+        assert time.monotonic() - started < 2.5
+        ordinary = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["0000:03:00.0"])])
+        answer = pb.AllocateResponse.FromString(allocate(ordinary.SerializeToString(), timeout=5))
+    assert answer.container_responses[0].devices

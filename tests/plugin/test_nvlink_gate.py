@@ -71,6 +71,9 @@ def test_no_gpu_is_advertised_until_fabric_manager_answers(board, caplog):
         assert kubelet.state.devices.get(H100, []) == []
         # The log names the problem as plan does, and the fix.
         assert NEITHER in caplog.text and "devices.nvlinkFabric is off" in caplog.text
+        # ... and says they are bound, not that nothing is.
+        assert "is on vfio-pci yet" not in caplog.text
+        assert "8 device(s) are on vfio-pci, none advertised: NVLink fabric: neither" in caplog.text
         assert gauge(manager) == 'sandbox_device_plugin_nvlink_fabric_model{model="none"} 1.0'
 
         fmsim.restart(host.root)  # FM comes up after the plugin (the driver container, later)

@@ -145,3 +145,21 @@ def test_a_record_that_cannot_be_written_does_not_stop_allocate(shared_node, cap
     kubelet.admit_pod("default", "two", {"c": {H100: 2}})
     assert fmsim.active(host.root) == [3]
     assert "nvlink-partitions.json" in caplog.text  # said, once
+
+
+def test_a_pod_admitted_within_the_second_an_8_gpu_pod_ended_gets_one_partition(shared_node, monkeypatch):
+    """The release loop runs every second: until it does, FM still has the ended pod's
+    partition active. The kubelet offers GetPreferredAllocation only GPUs no pod holds, so
+    a partition of ours whose GPUs are all offered is free; counted busy, no set was
+    preferred, the kubelet picked 03 and 04 and Allocate refused them."""
+    host, kubelet, start = shared_node
+    monkeypatch.setattr(fabric, "RELEASE_INTERVAL", 3600)  # the loop has not run yet
+    start()
+    kubelet.admit_pod("default", "eight", {"c": {H100: 8}})
+    assert fmsim.active(host.root) == [0]
+    kubelet.remove_pod("default", "eight")
+    kubelet.admit_pod("default", "two", {"c": {H100: 2}})
+    gpus = pod_gpus(kubelet, "two")
+    active = fmsim.active(host.root)
+    assert len(active) == 1 and active != [0]
+    assert gpus in ([GPU[1], GPU[3]], [GPU[2], GPU[4]], [GPU[5], GPU[7]], [GPU[6], GPU[8]])
