@@ -45,6 +45,7 @@ from typing import Any
 from gpunode.k8snames import NVIDIA_CONTAINER_RESOURCES
 from gpunode.kataclasses import (
     KATA_GPU_HANDLERS,
+    KATA_HANDLERS,
     PASSTHROUGH_RUNTIME_CLASSES,
     confidential_by_name,
     not_cc_capable_model,
@@ -68,9 +69,8 @@ CONTAINER_GPU_RESOURCES = NVIDIA_CONTAINER_RESOURCES
 # kata-deploy's (TDX and runtime-rs included; gpunode.kataclasses).
 DEFAULT_RUNTIME_CLASSES = PASSTHROUGH_RUNTIME_CLASSES
 DEFAULT_PASSTHROUGH = ("nvidia.com/*",)
-# The handlers of Kata's shims (containerd-shim-kata-v2's runtime names: kata, kata-qemu-*,
-# kata-clh, kata-qemu-nvidia-gpu-snp ...), as kata-deploy registers them with containerd.
-DEFAULT_KATA_HANDLERS = ("kata", "kata-*")
+# The handlers of Kata's shims (gpunode.kataclasses).
+DEFAULT_KATA_HANDLERS = KATA_HANDLERS
 # The handlers of Kata's NVIDIA GPU runtimes (gpunode.kataclasses): a RuntimeClass with one of
 # them takes a passthrough pod whatever its name.
 DEFAULT_GPU_HANDLERS = KATA_GPU_HANDLERS

@@ -4,8 +4,9 @@ by which the runtime, and Kata, reach them.
 Nothing on the host changes when a claim is prepared: katamgr has already bound
 each unit to vfio-pci and described it in a CDI spec, exactly as for the device
 plugin. Preparing is checking and naming: the claim is read from the API server
-(``claims``), the pods it is reserved for must run in a Kata runtime class (when
-the driver is given them: a runc container would get the raw VFIO device), each
+(``claims``), the pods it is reserved for must run in a Kata GPU runtime class, judged
+by the class's handler, on every prepare, a claim already prepared included (a runc
+container would get the raw VFIO device; ``--any-runtime-class`` turns it off), each
 device it was allocated must be one of this node's units, healthy
 now (the sysfs and /dev re-check the device plugin's Allocate makes), held by no
 other prepared claim, and named by a CDI spec on the host; the answer lists, per
@@ -66,6 +67,13 @@ class ClaimPreparer:
 
     def prepare(self, ref: ClaimRef) -> PreparedClaim:
         """The claim's devices with their CDI names; ClaimError saying why not."""
+        # The pods are judged on every prepare, the claim held or not: a kubelet that restarted
+        # asks again for a claim it prepared before, whose reservedFor may since have gained a
+        # pod outside Kata (a claim shared by name), and a RuntimeClass may have been made again
+        # with another handler.
+        claim = read_claim(self.api, ref)
+        if self.runtime_classes is not None:
+            check_runtime_classes(self.api, claim, ref, self.runtime_classes)
         held = self.checkpoint.get(ref.uid)
         if held is not None:
             # Asked again (a kubelet or driver restart): the same answer, if its devices
@@ -73,9 +81,6 @@ class ClaimPreparer:
             for device in held.devices:
                 self._resolve(ref, device.device)
             return held
-        claim = read_claim(self.api, ref)
-        if self.runtime_classes is not None:
-            check_runtime_classes(self.api, claim, ref, self.runtime_classes)
         devices: dict[str, PreparedDevice] = {}
         for allocated in our_devices(claim, ref, self.driver, self.node):
             other = self.checkpoint.holder(allocated.device, allocated.pool)
