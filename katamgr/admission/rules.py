@@ -50,6 +50,7 @@ from gpunode.kataclasses import (
     confidential_by_name,
     not_cc_capable_model,
 )
+from katamgr.admission.draclaims import DraChecks
 from katamgr.admission.podparts import (
     EPHEMERAL,
     VISIBLE_DEVICES,
@@ -95,6 +96,8 @@ class Policy:
     # The handler of a RuntimeClass by name (None: no such class), where the webhook can read
     # them; without it the handler rule is the admission policy's alone.
     handler_of: Callable[[str], str | None] | None = None
+    # Passthrough GPUs through DRA claims (draclaims), where the webhook reads claims.
+    dra: DraChecks | None = None
 
     def is_confidential(self, runtime_class: str | None) -> bool:
         return bool(runtime_class) and (runtime_class in self.confidential_classes
