@@ -164,3 +164,31 @@ def test_an_old_cluster_is_told_dra_needs_1_34(chart):
     with pytest.raises(Exception, match="dra.enabled=true needs Kubernetes 1.34 or later"):
         render(chart, DRA, cluster_at("1.33.0"))
     assert render(chart, FULL, cluster_at("1.33.0")).objects  # without dra: fine
+
+
+def test_the_webhook_keeps_a_passthrough_claim_katas_at_pod_create_and_at_reservation(chart):
+    """With DRA the webhook reads the claims a pod names (--dra-driver) and reviews every write
+    of a claim's reservation that holds the driver's devices, fail closed whatever the pods'
+    failurePolicy; without DRA neither."""
+    rendered = render(chart, merged(DRA, {"isolation": {"webhook": {"failurePolicy": "Ignore"}}}))
+    args = rendered.get("Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--dra-")] == [
+        f"--dra-driver={DRIVER}", f"--dra-device-class=gpu.{DRIVER}", f"--dra-device-class=nvswitch.{DRIVER}"]
+    pods_hook, claims_hook = rendered.get("ValidatingWebhookConfiguration", "-webhook")["webhooks"]
+    assert pods_hook["failurePolicy"] == "Ignore"
+    assert claims_hook["name"] == "claims.isolation.kata-sandbox-manager.io"
+    assert claims_hook["failurePolicy"] == "Fail"
+    assert claims_hook["clientConfig"] == {**pods_hook["clientConfig"]}
+    # kube-scheduler's PreBind writes the allocation and reservedFor through the status
+    # subresource (an UPDATE); in every namespace.
+    assert claims_hook["rules"] == [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["v1"],
+                                     "operations": ["UPDATE"], "resources": ["resourceclaims/status"],
+                                     "scope": "Namespaced"}]
+    assert "namespaceSelector" not in claims_hook and "objectSelector" not in claims_hook
+    (condition,) = claims_hook["matchConditions"]
+    assert condition["expression"].endswith(f"object.status.allocation.devices.results.exists(r, r.driver == "
+                                            f"'{DRIVER}')")
+    off = render(chart, FULL)
+    assert len(off.get("ValidatingWebhookConfiguration", "-webhook")["webhooks"]) == 1
+    assert not [a for a in off.get("Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]["args"]
+                if a.startswith("--dra-")]
