@@ -33,7 +33,7 @@ from kubernetes.client import ApiClient, CoreV1Api, NodeV1Api, ResourceV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from gpunode.kataclasses import KATA_GPU_HANDLERS, kata_gpu_class_problem
+from gpunode.kataclasses import KATA_GPU_HANDLERS, KATA_HANDLERS, kata_gpu_class_problem
 from gpunode.services.kube import api_error_message
 
 READ_TIMEOUT = 10.0  # seconds for one read of a claim
@@ -98,6 +98,8 @@ def our_devices(claim: dict, ref: ClaimRef, driver: str, pool: str) -> list[Allo
 
 
 def check_runtime_classes(api: ApiClient, claim: dict, ref: ClaimRef, allowed: frozenset[str], *,
+                          kata_handlers: tuple[str, ...] = KATA_HANDLERS,
+                          gpu_handlers: tuple[str, ...] = KATA_GPU_HANDLERS,
                           timeout: float = READ_TIMEOUT) -> None:
     """ClaimError unless every pod the claim is reserved for runs in a Kata GPU runtime class,
     judged by the class's handler as read now (``gpunode.kataclasses.kata_gpu_class_problem``:
@@ -122,7 +124,7 @@ def check_runtime_classes(api: ApiClient, claim: dict, ref: ClaimRef, allowed: f
                              f"unreachable ({e})") from e
         runtime_class = (json.loads(pod.data).get("spec") or {}).get("runtimeClassName")
         fix = ("; set runtimeClassName to a Kata GPU runtime class (one whose handler is a Kata GPU "
-               f"runtime's: {', '.join(KATA_GPU_HANDLERS)}, or one of {', '.join(sorted(allowed))} "
+               f"runtime's: {', '.join(gpu_handlers)}, or one of {', '.join(sorted(allowed))} "
                "with a Kata handler)")
         if not runtime_class:
             raise ClaimError(
@@ -130,7 +132,8 @@ def check_runtime_classes(api: ApiClient, claim: dict, ref: ClaimRef, allowed: f
                 "one: its containers would get the GPU's raw VFIO device" + fix)
         if runtime_class not in handlers:
             handlers[runtime_class] = _handler_of(api, ref, runtime_class, timeout)
-        problem = kata_gpu_class_problem(runtime_class, handlers[runtime_class], named=allowed)
+        problem = kata_gpu_class_problem(runtime_class, handlers[runtime_class], named=allowed,
+                                         kata_handlers=kata_handlers, gpu_handlers=gpu_handlers)
         if problem:
             raise ClaimError(
                 f"{ref}: pod {ref.namespace}/{name}: {problem}, so its containers would get the "

@@ -57,8 +57,9 @@ otherwise it is deleted, and put back when the label asks again.
 A claim is prepared only while every pod it is reserved for runs in a Kata GPU
 runtime class, judged by the class's handler on every prepare (a claim prepared
 before included): a handler of a Kata GPU runtime ({", ".join(KATA_GPU_HANDLERS)}),
-or a class named by --kata-runtime-class (default {", ".join(PASSTHROUGH_RUNTIME_CLASSES)})
-with a Kata handler ({", ".join(KATA_HANDLERS)}). A runc container given the CDI
+(--kata-gpu-handler), or a class named by --kata-runtime-class (default
+{", ".join(PASSTHROUGH_RUNTIME_CLASSES)}) with a Kata handler ({", ".join(KATA_HANDLERS)};
+--kata-handler), as the admission layers judge it. A runc container given the CDI
 names would get the raw VFIO device. --any-runtime-class turns the check off.
 
 Needs the Kubernetes API (in-cluster, else a kubeconfig): get on resourceclaims,
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a runtime class whose pods may be prepared claims of this driver "
                              "while its handler is a Kata runtime's (repeatable; default: "
                              f"{', '.join(PASSTHROUGH_RUNTIME_CLASSES)})")
+    parser.add_argument("--kata-handler", action="append", default=[], metavar="PATTERN",
+                        help="a RuntimeClass handler (glob) of a Kata runtime: a --kata-runtime-class "
+                             f"must have one (repeatable; default: {', '.join(KATA_HANDLERS)})")
+    parser.add_argument("--kata-gpu-handler", action="append", default=[], metavar="PATTERN",
+                        help="a RuntimeClass handler (glob) of a Kata GPU runtime: a class with one takes "
+                             f"claims whatever its name (repeatable; default: {', '.join(KATA_GPU_HANDLERS)})")
     parser.add_argument("--any-runtime-class", action="store_true",
                         help="prepare claims for pods of any runtime class (a runc pod then gets "
                              "the raw VFIO device)")
@@ -167,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             driver.publishing(mode is not None, why)
 
         driver = DraDriver(host, naming, api, driver=args.driver_name, node=args.node_name,
-                           kubelet_dir=args.kubelet_dir, runtime_classes=runtime_classes, fabric=gate)
+                           kubelet_dir=args.kubelet_dir, runtime_classes=runtime_classes, fabric=gate,
+                           handlers=(tuple(args.kata_handler or KATA_HANDLERS),
+                                     tuple(args.kata_gpu_handler or KATA_GPU_HANDLERS)))
         decide()  # at start a bad label or an unreadable Node is an error, as for the plugin
         stop_on_signals(stop.set, log)
         changed = threading.Event()

@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gpunode.kataclasses import KATA_GPU_HANDLERS, KATA_HANDLERS
 from sandbox_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from sandbox_plugin.dra.claims import (
     ClaimError,
@@ -51,6 +52,7 @@ Resolve = Callable[[str], tuple[str, ...]]
 class ClaimPreparer:
     def __init__(self, api: ApiClient, driver: str, node: str, checkpoint: Checkpoint,
                  resolve: Resolve, runtime_classes: frozenset[str] | None = None,
+                 handlers: tuple[tuple[str, ...], tuple[str, ...]] = (KATA_HANDLERS, KATA_GPU_HANDLERS),
                  activate: Callable[[list[str]], None] | None = None,
                  release: Callable[[list[str]], None] | None = None) -> None:
         """``activate(devices)``: the NVLink partition of exactly these devices made active
@@ -60,6 +62,8 @@ class ClaimPreparer:
         self.release = release
         self.api = api
         self.runtime_classes = runtime_classes  # None: any pod may have the devices
+        # (Kata runtimes' handlers, Kata GPU runtimes' handlers), globs: how a class is judged.
+        self.handlers = handlers
         self.driver = driver
         self.node = node
         self.checkpoint = checkpoint
@@ -73,7 +77,8 @@ class ClaimPreparer:
         # with another handler.
         claim = read_claim(self.api, ref)
         if self.runtime_classes is not None:
-            check_runtime_classes(self.api, claim, ref, self.runtime_classes)
+            check_runtime_classes(self.api, claim, ref, self.runtime_classes,
+                                  kata_handlers=self.handlers[0], gpu_handlers=self.handlers[1])
         held = self.checkpoint.get(ref.uid)
         if held is not None:
             # Asked again (a kubelet or driver restart): the same answer, if its devices

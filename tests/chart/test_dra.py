@@ -46,6 +46,8 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
     assert driver["command"] == ["sandbox-dra-driver"]
     assert driver["args"] == ["--driver-name", DRIVER, *NODE_ARGS,
                               *[a for c in PASSTHROUGH_RUNTIME_CLASSES for a in ("--kata-runtime-class", c)],
+                              "--kata-handler", "kata", "--kata-handler", "kata-*",
+                              "--kata-gpu-handler", "kata-qemu-nvidia-gpu*",
                               "--containerd-config", "/etc/containerd/config.toml"]
     assert driver["securityContext"]["privileged"] is False
     assert driver["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -94,6 +96,11 @@ def test_the_driver_gets_the_same_devices_and_naming_as_katamgr(chart):
     custom = render(chart, merged(values, {"isolation": {"runtimeClasses": ["kata-fc"]}}))
     args = container(custom, "-sandbox-agent", "dra-driver")["args"]
     assert [args[i + 1] for i, a in enumerate(args) if a == "--kata-runtime-class"] == ["kata-fc"]
+    # The handlers a class is judged by are isolation's, as the admission layers take them.
+    custom = render(chart, merged(values, {"isolation": {"kataGpuHandlers": ["lab-gpu-*"], "kataHandlers": ["lab"]}}))
+    args = container(custom, "-sandbox-agent", "dra-driver")["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a in ("--kata-handler", "--kata-gpu-handler")] == [
+        "lab", "lab-gpu-*"]
     classes = sorted(o["metadata"]["name"] for o in rendered.objects if o["kind"] == "DeviceClass")
     assert classes == ["gpu.vfio.example.com", "nvswitch.vfio.example.com"]
 

@@ -320,6 +320,15 @@ def test_claims_go_only_to_pods_in_a_kata_runtime_class(node):
         "Kata handler (helm upgrade restores it), so its containers would get the GPU's raw VFIO "
         "device" + FIX)
     assert [c.name for c in node.driver.checkpoint.claims()] == ["for-vm", "for-renamed"]
+    # The handlers are the operator's (the chart passes isolation.kataGpuHandlers): with its own
+    # GPU runtime's, kata-deploy's handler is no longer taken.
+    node.stop_driver()
+    node.start_driver(runtime_classes=KATA_ONLY, handlers=(("kata", "kata-*"), ("kata-qemu",)))
+    node.dra.wait_for(lambda s: len(s.registrations) == 3, timeout=10)
+    again = node.dra.call_prepare(DRIVER, [node.ref(claims[4]), node.ref(claims[5])])
+    assert "runtime class kata has handler kata-qemu-nvidia-gpu, which is not a Kata GPU runtime's (kata-qemu)" in (
+        again.claims[claims[4]["metadata"]["uid"]].error)
+    assert again.claims[claims[5]["metadata"]["uid"]].error == ""
 
 
 def test_a_shared_claim_is_judged_by_every_pod_again_when_the_kubelet_asks_again(node):
