@@ -199,3 +199,76 @@ def test_the_webhook_keeps_a_passthrough_claim_katas_at_pod_create_and_at_reserv
     assert len(off.get("ValidatingWebhookConfiguration", "-webhook")["webhooks"]) == 1
     assert not [a for a in off.get("Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]["args"]
                 if a.startswith("--dra-")]
+
+
+def _evaluate(policy: dict, pod: dict, param: dict) -> str | None:
+    """A ValidatingAdmissionPolicy on a pod with one param, as the API server runs it (its
+    matchConditions, variables, then the first failing validation's message); cel-python."""
+    celpy = pytest.importorskip("celpy")
+    from celpy import celtypes, json_to_cel
+
+    env, variables = celpy.Environment(), {}
+    activation = {"object": json_to_cel(pod), "params": json_to_cel(param),
+                  "request": json_to_cel({"operation": "CREATE"})}
+
+    def run(expression: str):
+        activation["variables"] = celtypes.MapType(variables)
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    if not all(bool(run(c["expression"])) for c in policy["spec"].get("matchConditions", [])):
+        return None
+    for var in policy["spec"]["variables"]:
+        variables[celtypes.StringType(var["name"])] = run(var["expression"])
+    for check in policy["spec"]["validations"]:
+        if not bool(run(check["expression"])):
+            return str(run(check["messageExpression"]))
+    return None
+
+
+def test_the_admission_policy_refuses_a_passthrough_claim_outside_kata_as_the_webhook_does(chart):
+    """With the webhook off, the policies (one per param kind: every claim, every template of
+    the pod's namespace) give the webhook's answer at a pod's create, the class judged by name
+    (as the webhook without --check-handlers: a policy cannot also read the RuntimeClass)."""
+    from support import podkit
+
+    from katamgr.admission.draclaims import DraChecks, pod_problem
+    from katamgr.admission.rules import Policy
+
+    rendered = render(chart, merged(DRA, {"isolation": {"webhook": {"enabled": False}}}))
+    claims = rendered.get("ValidatingAdmissionPolicy", "-dra-claims-need-kata")
+    templates = rendered.get("ValidatingAdmissionPolicy", "-dra-templates-need-kata")
+    for suffix in ("-dra-claims-need-kata", "-dra-templates-need-kata"):
+        binding = rendered.get("ValidatingAdmissionPolicyBinding", suffix)
+        # No namespace: the params of the pod's own namespace (ParamRef, admissionregistration/v1).
+        assert binding["spec"]["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Allow"}
+        assert binding["spec"]["validationActions"] == ["Deny"]
+    ours = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": f"gpu.{DRIVER}"}}]}}
+    fallback = {"devices": {"requests": [{"name": "gpu", "firstAvailable": [
+        {"name": "c", "deviceClassName": "gpu.nvidia.com"}, {"name": "vm", "deviceClassName": f"nvswitch.{DRIVER}"}]}]}}
+    theirs = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}}
+    held = {"spec": theirs, "status": {"allocation": {"devices": {"results": [{"driver": DRIVER}]}}}}
+    params = {"claim": {"metadata": {"name": "claim"}, "spec": ours},
+              "fallback": {"metadata": {"name": "fallback"}, "spec": fallback},
+              "theirs": {"metadata": {"name": "theirs"}, "spec": theirs},
+              "held": {"metadata": {"name": "held"}, **held}}
+    templates_of = {n: {"metadata": {"name": n}, "spec": {"spec": p["spec"]}} for n, p in params.items() if n != "held"}
+    checks = DraChecks(DRIVER, (f"gpu.{DRIVER}", f"nvswitch.{DRIVER}"), lambda ns, n: params.get(n),
+                       lambda ns, n: templates_of.get(n), lambda ns, n: None)
+    policy = Policy(dra=checks)
+    for runtime_class in (None, "runc", podkit.KATA, "kata-qemu-nvidia-gpu-tdx-runtime-rs", "kata"):
+        for field, pool, policy_obj in (("resourceClaimName", params, claims),
+                                        ("resourceClaimTemplateName", templates_of, templates)):
+            for name, param in pool.items():
+                pod = podkit.pod(podkit.container(claims=["gpu"]), runtime_class=runtime_class)
+                pod["spec"]["resourceClaims"] = [{"name": "gpu", field: name}]
+                webhook = pod_problem(pod, "default", policy, checks)
+                said = _evaluate(policy_obj, pod, param)
+                assert said == (webhook.removeprefix('pod "demo": ') if webhook else None), (
+                    runtime_class, field, name)
+                # The param names another claim: not this pod's, never judged.
+                assert _evaluate(policy_obj, pod, {**param, "metadata": {"name": "other"}}) is None
+    assert "no runtimeClassName (runc)" in _evaluate(claims, {
+        "spec": {"containers": [], "resourceClaims": [{"name": "gpu", "resourceClaimName": "held"}]}}, params["held"])
+    # Without DRA, or without the policy, none of them.
+    for values in (FULL, merged(DRA, {"isolation": {"admissionPolicy": {"enabled": False}}})):
+        assert render(chart, values).find("ValidatingAdmissionPolicy", "-dra-claims-need-kata") is None
