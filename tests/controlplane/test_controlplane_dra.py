@@ -335,3 +335,61 @@ class LocalWebhook:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         return self.log.read_text()
+
+
+def test_the_admission_policy_alone_refuses_a_runc_pod_naming_a_passthrough_claim(kube):
+    """With the webhook off, the chart's DRA policies (every ResourceClaim, and every
+    ResourceClaimTemplate, of the pod's namespace a param) type-check on the real API server
+    with no warning and refuse a runc pod naming a passthrough claim, with the webhook's words;
+    a Kata pod naming it is admitted."""
+    namespace = "dra-policy"
+    values = {"sandboxWorkloads": {"enabled": True}, "dra": {"enabled": True},
+              "isolation": {"webhook": {"enabled": False}, "admissionPolicy": {"enabled": True}}}
+    objects = render_release(values, RELEASE)
+    policies = [o for o in objects if o["kind"].startswith("ValidatingAdmissionPolicy")
+                and o["metadata"]["name"].endswith(("-dra-claims-need-kata", "-dra-templates-need-kata"))]
+    assert len(policies) == 4
+    kube.namespace(namespace)
+    runtime_class = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                     "metadata": {"name": "kata-qemu-nvidia-gpu"}, "handler": "kata-qemu-nvidia-gpu"}
+    kube.apply([runtime_class], manager="test")
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": "shared", "namespace": namespace},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": f"gpu.{DRIVER}"}}]}}}
+    kube.apply([claim], manager="test", namespace=namespace)
+
+    def claim_pod(name: str, runtime_class: str | None) -> str:
+        spec = {"containers": [{"name": "app", "image": "example.invalid/app:1",
+                                "resources": {"claims": [{"name": "gpu"}]}}],
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": "shared"}]}
+        if runtime_class:
+            spec["runtimeClassName"] = runtime_class
+        return yaml.safe_dump({"apiVersion": "v1", "kind": "Pod",
+                               "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+
+    try:
+        kube.apply(policies)
+        for policy in (o for o in policies if o["kind"] == "ValidatingAdmissionPolicy"):
+            def checked(name=policy["metadata"]["name"]):
+                status = kube.get("validatingadmissionpolicy", name).get("status", {})
+                return status if "typeChecking" in status else None
+
+            status = wait_for(checked, f"status.typeChecking of {policy['metadata']['name']}", timeout=60)
+            assert not status["typeChecking"].get("expressionWarnings"), status["typeChecking"]
+
+        def refused():
+            result = kube.kubectl("create", "-f", "-", "--dry-run=server", check=False,
+                                  input=claim_pod("plain", None))
+            return result.stderr if result.returncode else None
+
+        message = wait_for(refused, "the runc pod refused by the policy", timeout=30, every=0.5)
+        assert ('its resourceClaims entry "gpu" names ResourceClaim "shared", which requests passthrough '
+                f"GPUs of DRA driver {DRIVER}, but the pod sets no runtimeClassName (runc)") in message
+        assert "-dra-claims-need-kata" in message
+        kata = kube.kubectl("create", "-f", "-", "--dry-run=server", check=False,
+                            input=claim_pod("vm", "kata-qemu-nvidia-gpu"))
+        assert kata.returncode == 0, kata.stderr
+    finally:
+        kube.delete(policies)
+        kube.kubectl("delete", "resourceclaims", "--all", "-n", namespace, "--wait=false", check=False)
+        kube.delete([runtime_class])
