@@ -11,6 +11,7 @@ handler is a Kata GPU runtime's (``KATA_GPU_HANDLERS``), whatever its name.
 from __future__ import annotations
 
 import re
+from fnmatch import fnmatchcase
 
 GPU = "kata-qemu-nvidia-gpu"
 GPU_SNP = "kata-qemu-nvidia-gpu-snp"
@@ -41,6 +42,33 @@ PASSTHROUGH_RUNTIME_CLASSES: tuple[str, ...] = (
 # kata-deploy's does (its CPU one is qemu-nvidia-cpu). A passthrough pod may use any
 # RuntimeClass whose handler matches, whatever the class is called.
 KATA_GPU_HANDLERS: tuple[str, ...] = (f"{GPU}*",)
+
+# The handlers of Kata's shims (containerd-shim-kata-v2's runtime names: kata, kata-qemu-*,
+# kata-clh, kata-qemu-nvidia-gpu-snp ...), as kata-deploy registers them with containerd: a
+# class named in the allow-list (a custom Kata runtime) must have one of these.
+KATA_HANDLERS: tuple[str, ...] = ("kata", "kata-*")
+
+
+def kata_gpu_class_problem(name: str, handler: str | None, *, named: tuple[str, ...] | frozenset[str],
+                           kata_handlers: tuple[str, ...] = KATA_HANDLERS,
+                           gpu_handlers: tuple[str, ...] = KATA_GPU_HANDLERS) -> str | None:
+    """Why the RuntimeClass ``name`` with ``handler`` (None: no such class) may not run a
+    passthrough GPU's pod, or None when it may: its handler is a Kata GPU runtime's, or the
+    class is one of ``named`` and its handler a Kata runtime's. Judged by the handler, never the
+    name alone: a class deleted and made again with handler runc is not Kata's whatever its
+    name. The one rule the webhook's claim checks and the DRA driver share."""
+    if handler is None:
+        return f"runtime class {name} does not exist"
+    if any(fnmatchcase(handler, p) for p in gpu_handlers):
+        return None
+    if name in named and any(fnmatchcase(handler, p) for p in kata_handlers):
+        return None
+    if name in named:
+        return (f"runtime class {name} has handler {handler}, which is not a Kata runtime's "
+                f"({', '.join(kata_handlers)}): recreate the RuntimeClass with its Kata handler "
+                "(helm upgrade restores it)")
+    return (f"runtime class {name} has handler {handler}, which is not a Kata GPU runtime's "
+            f"({', '.join(gpu_handlers)})")
 
 # Confidential classes: their VMs are AMD SEV-SNP or Intel TDX guests, which need their GPUs
 # in CC mode (kata-deploy's qemu-nvidia-gpu-snp and qemu-nvidia-gpu-tdx shims, and their

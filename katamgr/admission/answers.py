@@ -15,7 +15,7 @@ import json
 import logging
 from typing import Any
 
-from katamgr.admission import httpio, review, rules
+from katamgr.admission import draclaims, httpio, review, rules
 
 log = logging.getLogger("katamgr.webhook")
 
@@ -57,6 +57,8 @@ def review_answer(path: str, body: bytes | bytearray, policy: rules.Policy) -> h
 def judge(path: str, request: dict[str, Any], policy: rules.Policy) -> dict[str, Any]:
     """The AdmissionReview answering ``request`` on ``path`` (/mutate or /validate)."""
     uid = request["uid"]
+    if draclaims.is_claim(request) and policy.dra is not None:
+        return _judge_claim(path, request, policy, policy.dra)
     if not review.is_pod(request):
         return review.response(uid, allowed=False, code=400, message=(
             f"katamgr webhook reviews Pods only, got {httpio.shorten(review.kind_of(request))}; "
@@ -95,6 +97,9 @@ def judge(path: str, request: dict[str, Any], policy: rules.Policy) -> dict[str,
             denial = rules.validate_update(pod, old if isinstance(old, dict) else None, policy)
         else:
             denial = rules.validate(pod, policy, subresource=subresource)
+            if not denial and policy.dra is not None and not subresource:
+                namespace = request.get("namespace") or (pod.get("metadata") or {}).get("namespace") or ""
+                denial = draclaims.pod_problem(pod, str(namespace), policy, policy.dra)
     except RecursionError:
         # parse_review bounds the depth, so the rules should never meet this; if they do,
         # the pod is refused as malformed, in one line.
@@ -105,6 +110,24 @@ def judge(path: str, request: dict[str, Any], policy: rules.Policy) -> dict[str,
         log.exception("cannot review pod %s", httpio.shorten(_name(pod)))
         return review.response(uid, allowed=False, code=500, message=(
             f"katamgr webhook failed reviewing this pod: {httpio.shorten(str(exc))}"))
+    if denial:
+        log.info("denied: %s", httpio.shorten(denial, 1000))
+        return review.response(uid, allowed=False, code=403, message=denial)
+    return review.response(uid)
+
+
+def _judge_claim(path: str, request: dict[str, Any], policy: rules.Policy,
+                 dra: draclaims.DraChecks) -> dict[str, Any]:
+    """A ResourceClaim's status write (the scheduler reserving it for a pod), on /validate."""
+    uid = request["uid"]
+    if path != "/validate" or request.get("operation") != "UPDATE":
+        return review.response(uid)  # nothing to change, nothing else judged
+    try:
+        denial = draclaims.status_problem(request, policy, dra)
+    except Exception as exc:  # noqa: BLE001 - a read that failed, or a bug: deny, fail closed
+        log.warning("cannot review a ResourceClaim status write: %s", exc)
+        return review.response(uid, allowed=False, code=500, message=(
+            f"katamgr webhook failed reviewing this ResourceClaim: {httpio.shorten(str(exc))}"))
     if denial:
         log.info("denied: %s", httpio.shorten(denial, 1000))
         return review.response(uid, allowed=False, code=403, message=denial)

@@ -47,11 +47,13 @@ from typing import Any
 from gpunode.k8snames import NVIDIA_CONTAINER_RESOURCES
 from gpunode.kataclasses import (
     KATA_GPU_HANDLERS,
+    KATA_HANDLERS,
     PASSTHROUGH_RUNTIME_CLASSES,
     confidential_by_name,
     not_cc_capable_model,
 )
 from katamgr.admission import hostpaths
+from katamgr.admission.draclaims import DraChecks
 from katamgr.admission.podparts import (
     EPHEMERAL,
     VISIBLE_DEVICES,
@@ -72,9 +74,8 @@ CONTAINER_GPU_RESOURCES = NVIDIA_CONTAINER_RESOURCES
 # kata-deploy's (TDX and runtime-rs included; gpunode.kataclasses).
 DEFAULT_RUNTIME_CLASSES = PASSTHROUGH_RUNTIME_CLASSES
 DEFAULT_PASSTHROUGH = ("nvidia.com/*",)
-# The handlers of Kata's shims (containerd-shim-kata-v2's runtime names: kata, kata-qemu-*,
-# kata-clh, kata-qemu-nvidia-gpu-snp ...), as kata-deploy registers them with containerd.
-DEFAULT_KATA_HANDLERS = ("kata", "kata-*")
+# The handlers of Kata's shims (gpunode.kataclasses).
+DEFAULT_KATA_HANDLERS = KATA_HANDLERS
 # The handlers of Kata's NVIDIA GPU runtimes (gpunode.kataclasses): a RuntimeClass with one of
 # them takes a passthrough pod whatever its name.
 DEFAULT_GPU_HANDLERS = KATA_GPU_HANDLERS
@@ -100,6 +101,8 @@ class Policy:
     # The handler of a RuntimeClass by name (None: no such class), where the webhook can read
     # them; without it the handler rule is the admission policy's alone.
     handler_of: Callable[[str], str | None] | None = None
+    # Passthrough GPUs through DRA claims (draclaims), where the webhook reads claims.
+    dra: DraChecks | None = None
 
     def is_confidential(self, runtime_class: str | None) -> bool:
         return bool(runtime_class) and (runtime_class in self.confidential_classes

@@ -287,6 +287,15 @@ def _webhook_parser(sub) -> None:
                    help="on /validate, read a passthrough pod's RuntimeClass from the API server (in-cluster "
                         "service account or KUBECONFIG; it needs get on runtimeclasses) and deny it unless its "
                         "handler is a --kata-gpu-handler, or, for a --runtime-class, a --kata-handler")
+    p.add_argument("--dra-driver", metavar="NAME",
+                   help="the DRA driver of passthrough GPUs (sandbox-dra-driver's --driver-name): on /validate, "
+                        "read the ResourceClaims and ResourceClaimTemplates a pod names and deny it outside a "
+                        "Kata GPU class when one requests them, and deny adding a pod outside one to the "
+                        "status.reservedFor of a claim holding them (it needs get on resourceclaims, "
+                        "resourceclaimtemplates and pods)")
+    p.add_argument("--dra-device-class", action="append", metavar="NAME",
+                   help="a DeviceClass of that driver's passthrough devices (repeatable; default "
+                        "gpu.<driver> and nvswitch.<driver>, the chart's)")
     limits.add_arguments(p)  # --max-connections, --workers, --request-timeout, --idle-timeout
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     options.add_log_format(p)

@@ -28,7 +28,8 @@ def cmd_webhook(args: argparse.Namespace) -> int:
                     confidential_classes=tuple(args.confidential_runtime_class or ()),
                     kata_handlers=tuple(args.kata_handler or DEFAULT_KATA_HANDLERS),
                     gpu_handlers=tuple(args.kata_gpu_handler or DEFAULT_GPU_HANDLERS),
-                    handler_of=_handler_lookup() if args.check_handlers else None)
+                    handler_of=_handler_lookup() if args.check_handlers else None,
+                    dra=_dra_checks(args) if args.dra_driver else None)
     server = make_server(args.listen, args.tls_cert_file, args.tls_private_key_file, policy,
                          from_args(args))
     log.warning("katamgr webhook serving on https://%s (runtime classes %s)", args.listen,
@@ -40,12 +41,28 @@ def cmd_webhook(args: argparse.Namespace) -> int:
     return 0
 
 
-def _handler_lookup():
+def _api(flag: str, what: str):
     from gpunode.services.apiclient import connect
-    from katamgr.cluster.handlers import handler_lookup
 
     api = connect(home_kubeconfig=False)
     if api is None:
-        raise ConfigError("--check-handlers reads RuntimeClasses from the API server, but there is no "
+        raise ConfigError(f"{flag} reads {what} from the API server, but there is no "
                           "in-cluster service account and no KUBECONFIG")
-    return handler_lookup(api)
+    return api
+
+
+def _handler_lookup():
+    from katamgr.cluster.handlers import handler_lookup
+
+    return handler_lookup(_api("--check-handlers", "RuntimeClasses"))
+
+
+def _dra_checks(args: argparse.Namespace):
+    from katamgr.admission.draclaims import DraChecks
+    from katamgr.cluster.claimreads import claim_reads
+
+    driver = args.dra_driver
+    classes = tuple(args.dra_device_class or (f"gpu.{driver}", f"nvswitch.{driver}"))
+    claim_of, template_of, pod_of = claim_reads(
+        _api("--dra-driver", "ResourceClaims, ResourceClaimTemplates and Pods"))
+    return DraChecks(driver, classes, claim_of, template_of, pod_of)

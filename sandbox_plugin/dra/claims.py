@@ -16,22 +16,24 @@ pkg/kubelet/cm/dra/manager.go ``prepareResources``).
 The pods a claim is for are its ``status.reservedFor`` entries of resource ``pods``
 (the scheduler reserves the claim for the pod before binding it; the kubelet refuses
 to prepare a claim not reserved for the pod). ``check_runtime_classes`` reads each
-and refuses a pod outside the Kata runtime classes (those named, or any whose handler is a
-Kata GPU runtime's, read from its RuntimeClass, as the admission layers take them): the
-claim's CDI names would put the raw VFIO device into a runc container.
+and its RuntimeClass, and refuses a pod outside a Kata GPU runtime class, judged by the
+class's handler as the admission layers judge it (a Kata GPU runtime's handler, or a named
+class with a Kata handler; a name alone is never enough: a class remade with handler runc
+keeps its name): the claim's CDI names would put the raw VFIO device into a runc container.
+Every pod in ``reservedFor`` is judged, on every prepare: a claim shared by several pods is
+Kata's only while all of them are.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 
 from kubernetes.client import ApiClient, CoreV1Api, NodeV1Api, ResourceV1Api
 from kubernetes.client.exceptions import ApiException
 from urllib3.exceptions import HTTPError
 
-from gpunode.kataclasses import KATA_GPU_HANDLERS
+from gpunode.kataclasses import KATA_GPU_HANDLERS, KATA_HANDLERS, kata_gpu_class_problem
 from gpunode.services.kube import api_error_message
 
 READ_TIMEOUT = 10.0  # seconds for one read of a claim
@@ -96,12 +98,18 @@ def our_devices(claim: dict, ref: ClaimRef, driver: str, pool: str) -> list[Allo
 
 
 def check_runtime_classes(api: ApiClient, claim: dict, ref: ClaimRef, allowed: frozenset[str], *,
+                          kata_handlers: tuple[str, ...] = KATA_HANDLERS,
+                          gpu_handlers: tuple[str, ...] = KATA_GPU_HANDLERS,
                           timeout: float = READ_TIMEOUT) -> None:
-    """ClaimError unless every pod the claim is reserved for runs in one of ``allowed``."""
+    """ClaimError unless every pod the claim is reserved for runs in a Kata GPU runtime class,
+    judged by the class's handler as read now (``gpunode.kataclasses.kata_gpu_class_problem``:
+    a Kata GPU runtime's handler, or one of ``allowed`` with a Kata runtime's handler). A pod
+    or class that cannot be read fails the claim: the kubelet asks again."""
     reserved = (claim.get("status") or {}).get("reservedFor") or []
     pods = [r for r in reserved if r.get("resource") == "pods" and not r.get("apiGroup")]
     if not pods:
         raise ClaimError(f"{ref} is reserved for no pod (status.reservedFor), so no pod may use it yet")
+    handlers: dict[str, str | None] = {}
     for consumer in pods:
         name = consumer.get("name", "")
         try:
@@ -114,24 +122,33 @@ def check_runtime_classes(api: ApiClient, claim: dict, ref: ClaimRef, allowed: f
         except HTTPError as e:
             raise ClaimError(f"{ref}: cannot read its pod {ref.namespace}/{name}: API server "
                              f"unreachable ({e})") from e
-        spec = json.loads(pod.data).get("spec") or {}
-        runtime_class = spec.get("runtimeClassName")
-        if runtime_class not in allowed and not _kata_gpu_class(api, runtime_class, timeout):
+        runtime_class = (json.loads(pod.data).get("spec") or {}).get("runtimeClassName")
+        fix = ("; set runtimeClassName to a Kata GPU runtime class (one whose handler is a Kata GPU "
+               f"runtime's: {', '.join(gpu_handlers)}, or one of {', '.join(sorted(allowed))} "
+               "with a Kata handler)")
+        if not runtime_class:
             raise ClaimError(
-                f"{ref}: pod {ref.namespace}/{name} runs in runtime class {runtime_class or '(none: runc)'}, "
-                f"not a Kata one ({', '.join(sorted(allowed))}): its containers would get the GPU's raw "
-                "VFIO device; set runtimeClassName to a Kata runtime class (one of those, or one whose "
-                f"handler is a Kata GPU runtime's: {', '.join(KATA_GPU_HANDLERS)})")
+                f"{ref}: pod {ref.namespace}/{name} runs in runtime class (none: runc), not a Kata "
+                "one: its containers would get the GPU's raw VFIO device" + fix)
+        if runtime_class not in handlers:
+            handlers[runtime_class] = _handler_of(api, ref, runtime_class, timeout)
+        problem = kata_gpu_class_problem(runtime_class, handlers[runtime_class], named=allowed,
+                                         kata_handlers=kata_handlers, gpu_handlers=gpu_handlers)
+        if problem:
+            raise ClaimError(
+                f"{ref}: pod {ref.namespace}/{name}: {problem}, so its containers would get the "
+                "GPU's raw VFIO device" + fix)
 
 
-def _kata_gpu_class(api: ApiClient, name: str | None, timeout: float) -> bool:
-    """Whether the RuntimeClass ``name`` has a Kata GPU runtime's handler (kata-deploy's
-    classes under any name, as the admission layers take them: ``gpunode.kataclasses``).
-    A class that cannot be read is not one: the claim is refused, and the kubelet asks again."""
-    if not name:
-        return False
+def _handler_of(api: ApiClient, ref: ClaimRef, name: str, timeout: float) -> str | None:
+    """The handler of RuntimeClass ``name`` (None: there is none); ClaimError when it cannot be
+    read, so the claim fails closed and the kubelet asks again."""
     try:
-        handler = NodeV1Api(api).read_runtime_class(name, _request_timeout=timeout).handler
-    except (ApiException, HTTPError):
-        return False
-    return any(fnmatchcase(handler or "", p) for p in KATA_GPU_HANDLERS)
+        return NodeV1Api(api).read_runtime_class(name, _request_timeout=timeout).handler or ""
+    except ApiException as e:
+        if e.status == 404:
+            return None
+        hint = "; grant the driver's service account get on runtimeclasses" if e.status in (401, 403) else ""
+        raise ClaimError(f"{ref}: cannot read RuntimeClass {name}: {api_error_message(e)}{hint}") from e
+    except HTTPError as e:
+        raise ClaimError(f"{ref}: cannot read RuntimeClass {name}: API server unreachable ({e})") from e

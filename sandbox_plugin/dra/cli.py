@@ -11,7 +11,7 @@ import threading
 from gpunode.errors import GpuNodeError
 from gpunode.host.root import HostRoot
 from gpunode.k8snames import is_dns1123_subdomain
-from gpunode.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
+from gpunode.kataclasses import KATA_GPU_HANDLERS, KATA_HANDLERS, PASSTHROUGH_RUNTIME_CLASSES
 from gpunode.policy.workload import AUTO, NoCluster, Resolution, Workload, resolve_workload
 from gpunode.services import options
 from gpunode.services.process import (
@@ -54,12 +54,17 @@ nvidia.com/gpu.workload.config asks for vm-passthrough (or, unlabeled,
 out of the sandbox device plugin (nvidia.com/gpu.deploy.sandbox-device-plugin=false);
 otherwise it is deleted, and put back when the label asks again.
 
-A claim is prepared only for pods in a Kata runtime class (--kata-runtime-class,
-default {", ".join(PASSTHROUGH_RUNTIME_CLASSES)}): a runc container given the CDI
+A claim is prepared only while every pod it is reserved for runs in a Kata GPU
+runtime class, judged by the class's handler on every prepare (a claim prepared
+before included): a handler of a Kata GPU runtime ({", ".join(KATA_GPU_HANDLERS)}),
+(--kata-gpu-handler), or a class named by --kata-runtime-class (default
+{", ".join(PASSTHROUGH_RUNTIME_CLASSES)}) with a Kata handler ({", ".join(KATA_HANDLERS)};
+--kata-handler), as the admission layers judge it. A runc container given the CDI
 names would get the raw VFIO device. --any-runtime-class turns the check off.
 
-Needs the Kubernetes API (in-cluster, else a kubeconfig): get on resourceclaims and
-pods, list/create/update/delete on resourceslices, get/watch on its node.
+Needs the Kubernetes API (in-cluster, else a kubeconfig): get on resourceclaims,
+pods and runtimeclasses, list/create/update/delete on resourceslices, get/watch on
+its node.
 Stops cleanly (sockets removed, exit 0) on SIGTERM or SIGINT.
 """
 
@@ -76,7 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the kubelet's root directory on the host (default: {KUBELET_DIR})")
     parser.add_argument("--kata-runtime-class", action="append", default=[], metavar="NAME",
                         help="a runtime class whose pods may be prepared claims of this driver "
-                             f"(repeatable; default: {', '.join(PASSTHROUGH_RUNTIME_CLASSES)})")
+                             "while its handler is a Kata runtime's (repeatable; default: "
+                             f"{', '.join(PASSTHROUGH_RUNTIME_CLASSES)})")
+    parser.add_argument("--kata-handler", action="append", default=[], metavar="PATTERN",
+                        help="a RuntimeClass handler (glob) of a Kata runtime: a --kata-runtime-class "
+                             f"must have one (repeatable; default: {', '.join(KATA_HANDLERS)})")
+    parser.add_argument("--kata-gpu-handler", action="append", default=[], metavar="PATTERN",
+                        help="a RuntimeClass handler (glob) of a Kata GPU runtime: a class with one takes "
+                             f"claims whatever its name (repeatable; default: {', '.join(KATA_GPU_HANDLERS)})")
     parser.add_argument("--any-runtime-class", action="store_true",
                         help="prepare claims for pods of any runtime class (a runc pod then gets "
                              "the raw VFIO device)")
@@ -162,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             driver.publishing(mode is not None, why)
 
         driver = DraDriver(host, naming, api, driver=args.driver_name, node=args.node_name,
-                           kubelet_dir=args.kubelet_dir, runtime_classes=runtime_classes, fabric=gate)
+                           kubelet_dir=args.kubelet_dir, runtime_classes=runtime_classes, fabric=gate,
+                           handlers=(tuple(args.kata_handler or KATA_HANDLERS),
+                                     tuple(args.kata_gpu_handler or KATA_GPU_HANDLERS)))
         decide()  # at start a bad label or an unreadable Node is an error, as for the plugin
         stop_on_signals(stop.set, log)
         changed = threading.Event()

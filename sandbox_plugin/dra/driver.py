@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from gpunode.errors import GpuNodeError
 from gpunode.host.root import HostRoot
+from gpunode.kataclasses import KATA_GPU_HANDLERS, KATA_HANDLERS
 from gpunode.policy.naming import Naming
 from gpunode.services.backoff import Backoff, Retries
 from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
@@ -62,7 +63,9 @@ class DraDriver:
     def __init__(self, host: HostRoot, naming: Naming, api: ApiClient, *, driver: str, node: str,
                  kubelet_dir: str = KUBELET_DIR, rescan_interval: float = 30.0,
                  resync_interval: float = RESYNC_INTERVAL, recheck_interval: float = 1.0,
-                 runtime_classes: frozenset[str] | None = None, link_policy: str = "degrade",
+                 runtime_classes: frozenset[str] | None = None,
+                 handlers: tuple[tuple[str, ...], tuple[str, ...]] = (KATA_HANDLERS, KATA_GPU_HANDLERS),
+                 link_policy: str = "degrade",
                  health_interval: float = HEALTH_INTERVAL, fabric: FabricGate | None = None) -> None:
         self.host = host
         self.naming = naming
@@ -82,7 +85,7 @@ class DraDriver:
         self.poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)
         self.publisher = SlicePublisher(api, driver, node)
         self.checkpoint = Checkpoint(host.path(self.layout.checkpoint))
-        self.preparer = ClaimPreparer(api, driver, node, self.checkpoint, self.cdi_ids, runtime_classes,
+        self.preparer = ClaimPreparer(api, driver, node, self.checkpoint, self.cdi_ids, runtime_classes, handlers,
                                       activate=self._activate, release=self._release)
         self._wake = threading.Event()
         # A serving loop that died wakes the driver's thread, which serves again.

@@ -4,8 +4,9 @@ by which the runtime, and Kata, reach them.
 Nothing on the host changes when a claim is prepared: katamgr has already bound
 each unit to vfio-pci and described it in a CDI spec, exactly as for the device
 plugin. Preparing is checking and naming: the claim is read from the API server
-(``claims``), the pods it is reserved for must run in a Kata runtime class (when
-the driver is given them: a runc container would get the raw VFIO device), each
+(``claims``), the pods it is reserved for must run in a Kata GPU runtime class, judged
+by the class's handler, on every prepare, a claim already prepared included (a runc
+container would get the raw VFIO device; ``--any-runtime-class`` turns it off), each
 device it was allocated must be one of this node's units, healthy
 now (the sysfs and /dev re-check the device plugin's Allocate makes), held by no
 other prepared claim, and named by a CDI spec on the host; the answer lists, per
@@ -24,6 +25,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from gpunode.kataclasses import KATA_GPU_HANDLERS, KATA_HANDLERS
 from sandbox_plugin.dra.checkpoint import Checkpoint, PreparedClaim, PreparedDevice
 from sandbox_plugin.dra.claims import (
     ClaimError,
@@ -50,6 +52,7 @@ Resolve = Callable[[str], tuple[str, ...]]
 class ClaimPreparer:
     def __init__(self, api: ApiClient, driver: str, node: str, checkpoint: Checkpoint,
                  resolve: Resolve, runtime_classes: frozenset[str] | None = None,
+                 handlers: tuple[tuple[str, ...], tuple[str, ...]] = (KATA_HANDLERS, KATA_GPU_HANDLERS),
                  activate: Callable[[list[str]], None] | None = None,
                  release: Callable[[list[str]], None] | None = None) -> None:
         """``activate(devices)``: the NVLink partition of exactly these devices made active
@@ -59,6 +62,8 @@ class ClaimPreparer:
         self.release = release
         self.api = api
         self.runtime_classes = runtime_classes  # None: any pod may have the devices
+        # (Kata runtimes' handlers, Kata GPU runtimes' handlers), globs: how a class is judged.
+        self.handlers = handlers
         self.driver = driver
         self.node = node
         self.checkpoint = checkpoint
@@ -66,6 +71,14 @@ class ClaimPreparer:
 
     def prepare(self, ref: ClaimRef) -> PreparedClaim:
         """The claim's devices with their CDI names; ClaimError saying why not."""
+        # The pods are judged on every prepare, the claim held or not: a kubelet that restarted
+        # asks again for a claim it prepared before, whose reservedFor may since have gained a
+        # pod outside Kata (a claim shared by name), and a RuntimeClass may have been made again
+        # with another handler.
+        claim = read_claim(self.api, ref)
+        if self.runtime_classes is not None:
+            check_runtime_classes(self.api, claim, ref, self.runtime_classes,
+                                  kata_handlers=self.handlers[0], gpu_handlers=self.handlers[1])
         held = self.checkpoint.get(ref.uid)
         if held is not None:
             # Asked again (a kubelet or driver restart): the same answer, if its devices
@@ -73,9 +86,6 @@ class ClaimPreparer:
             for device in held.devices:
                 self._resolve(ref, device.device)
             return held
-        claim = read_claim(self.api, ref)
-        if self.runtime_classes is not None:
-            check_runtime_classes(self.api, claim, ref, self.runtime_classes)
         devices: dict[str, PreparedDevice] = {}
         for allocated in our_devices(claim, ref, self.driver, self.node):
             other = self.checkpoint.holder(allocated.device, allocated.pool)

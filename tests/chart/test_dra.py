@@ -46,6 +46,8 @@ def test_the_driver_replaces_the_sandbox_device_plugin(chart):
     assert driver["command"] == ["sandbox-dra-driver"]
     assert driver["args"] == ["--driver-name", DRIVER, *NODE_ARGS,
                               *[a for c in PASSTHROUGH_RUNTIME_CLASSES for a in ("--kata-runtime-class", c)],
+                              "--kata-handler", "kata", "--kata-handler", "kata-*",
+                              "--kata-gpu-handler", "kata-qemu-nvidia-gpu*",
                               "--containerd-config", "/etc/containerd/config.toml"]
     assert driver["securityContext"]["privileged"] is False
     assert driver["securityContext"]["capabilities"] == {"drop": ["ALL"]}
@@ -94,6 +96,11 @@ def test_the_driver_gets_the_same_devices_and_naming_as_katamgr(chart):
     custom = render(chart, merged(values, {"isolation": {"runtimeClasses": ["kata-fc"]}}))
     args = container(custom, "-sandbox-agent", "dra-driver")["args"]
     assert [args[i + 1] for i, a in enumerate(args) if a == "--kata-runtime-class"] == ["kata-fc"]
+    # The handlers a class is judged by are isolation's, as the admission layers take them.
+    custom = render(chart, merged(values, {"isolation": {"kataGpuHandlers": ["lab-gpu-*"], "kataHandlers": ["lab"]}}))
+    args = container(custom, "-sandbox-agent", "dra-driver")["args"]
+    assert [args[i + 1] for i, a in enumerate(args) if a in ("--kata-handler", "--kata-gpu-handler")] == [
+        "lab", "lab-gpu-*"]
     classes = sorted(o["metadata"]["name"] for o in rendered.objects if o["kind"] == "DeviceClass")
     assert classes == ["gpu.vfio.example.com", "nvswitch.vfio.example.com"]
 
@@ -164,3 +171,104 @@ def test_an_old_cluster_is_told_dra_needs_1_34(chart):
     with pytest.raises(Exception, match="dra.enabled=true needs Kubernetes 1.34 or later"):
         render(chart, DRA, cluster_at("1.33.0"))
     assert render(chart, FULL, cluster_at("1.33.0")).objects  # without dra: fine
+
+
+def test_the_webhook_keeps_a_passthrough_claim_katas_at_pod_create_and_at_reservation(chart):
+    """With DRA the webhook reads the claims a pod names (--dra-driver) and reviews every write
+    of a claim's reservation that holds the driver's devices, fail closed whatever the pods'
+    failurePolicy; without DRA neither."""
+    rendered = render(chart, merged(DRA, {"isolation": {"webhook": {"failurePolicy": "Ignore"}}}))
+    args = rendered.get("Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--dra-")] == [
+        f"--dra-driver={DRIVER}", f"--dra-device-class=gpu.{DRIVER}", f"--dra-device-class=nvswitch.{DRIVER}"]
+    pods_hook, claims_hook = rendered.get("ValidatingWebhookConfiguration", "-webhook")["webhooks"]
+    assert pods_hook["failurePolicy"] == "Ignore"
+    assert claims_hook["name"] == "claims.isolation.kata-sandbox-manager.io"
+    assert claims_hook["failurePolicy"] == "Fail"
+    assert claims_hook["clientConfig"] == {**pods_hook["clientConfig"]}
+    # kube-scheduler's PreBind writes the allocation and reservedFor through the status
+    # subresource (an UPDATE); in every namespace.
+    assert claims_hook["rules"] == [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["v1"],
+                                     "operations": ["UPDATE"], "resources": ["resourceclaims/status"],
+                                     "scope": "Namespaced"}]
+    assert "namespaceSelector" not in claims_hook and "objectSelector" not in claims_hook
+    (condition,) = claims_hook["matchConditions"]
+    assert condition["expression"].endswith(f"object.status.allocation.devices.results.exists(r, r.driver == "
+                                            f"'{DRIVER}')")
+    off = render(chart, FULL)
+    assert len(off.get("ValidatingWebhookConfiguration", "-webhook")["webhooks"]) == 1
+    assert not [a for a in off.get("Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]["args"]
+                if a.startswith("--dra-")]
+
+
+def _evaluate(policy: dict, pod: dict, param: dict) -> str | None:
+    """A ValidatingAdmissionPolicy on a pod with one param, as the API server runs it (its
+    matchConditions, variables, then the first failing validation's message); cel-python."""
+    celpy = pytest.importorskip("celpy")
+    from celpy import celtypes, json_to_cel
+
+    env, variables = celpy.Environment(), {}
+    activation = {"object": json_to_cel(pod), "params": json_to_cel(param),
+                  "request": json_to_cel({"operation": "CREATE"})}
+
+    def run(expression: str):
+        activation["variables"] = celtypes.MapType(variables)
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    if not all(bool(run(c["expression"])) for c in policy["spec"].get("matchConditions", [])):
+        return None
+    for var in policy["spec"]["variables"]:
+        variables[celtypes.StringType(var["name"])] = run(var["expression"])
+    for check in policy["spec"]["validations"]:
+        if not bool(run(check["expression"])):
+            return str(run(check["messageExpression"]))
+    return None
+
+
+def test_the_admission_policy_refuses_a_passthrough_claim_outside_kata_as_the_webhook_does(chart):
+    """With the webhook off, the policies (one per param kind: every claim, every template of
+    the pod's namespace) give the webhook's answer at a pod's create, the class judged by name
+    (as the webhook without --check-handlers: a policy cannot also read the RuntimeClass)."""
+    from support import podkit
+
+    from katamgr.admission.draclaims import DraChecks, pod_problem
+    from katamgr.admission.rules import Policy
+
+    rendered = render(chart, merged(DRA, {"isolation": {"webhook": {"enabled": False}}}))
+    claims = rendered.get("ValidatingAdmissionPolicy", "-dra-claims-need-kata")
+    templates = rendered.get("ValidatingAdmissionPolicy", "-dra-templates-need-kata")
+    for suffix in ("-dra-claims-need-kata", "-dra-templates-need-kata"):
+        binding = rendered.get("ValidatingAdmissionPolicyBinding", suffix)
+        # No namespace: the params of the pod's own namespace (ParamRef, admissionregistration/v1).
+        assert binding["spec"]["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Allow"}
+        assert binding["spec"]["validationActions"] == ["Deny"]
+    ours = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": f"gpu.{DRIVER}"}}]}}
+    fallback = {"devices": {"requests": [{"name": "gpu", "firstAvailable": [
+        {"name": "c", "deviceClassName": "gpu.nvidia.com"}, {"name": "vm", "deviceClassName": f"nvswitch.{DRIVER}"}]}]}}
+    theirs = {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}}
+    held = {"spec": theirs, "status": {"allocation": {"devices": {"results": [{"driver": DRIVER}]}}}}
+    params = {"claim": {"metadata": {"name": "claim"}, "spec": ours},
+              "fallback": {"metadata": {"name": "fallback"}, "spec": fallback},
+              "theirs": {"metadata": {"name": "theirs"}, "spec": theirs},
+              "held": {"metadata": {"name": "held"}, **held}}
+    templates_of = {n: {"metadata": {"name": n}, "spec": {"spec": p["spec"]}} for n, p in params.items() if n != "held"}
+    checks = DraChecks(DRIVER, (f"gpu.{DRIVER}", f"nvswitch.{DRIVER}"), lambda ns, n: params.get(n),
+                       lambda ns, n: templates_of.get(n), lambda ns, n: None)
+    policy = Policy(dra=checks)
+    for runtime_class in (None, "runc", podkit.KATA, "kata-qemu-nvidia-gpu-tdx-runtime-rs", "kata"):
+        for field, pool, policy_obj in (("resourceClaimName", params, claims),
+                                        ("resourceClaimTemplateName", templates_of, templates)):
+            for name, param in pool.items():
+                pod = podkit.pod(podkit.container(claims=["gpu"]), runtime_class=runtime_class)
+                pod["spec"]["resourceClaims"] = [{"name": "gpu", field: name}]
+                webhook = pod_problem(pod, "default", policy, checks)
+                said = _evaluate(policy_obj, pod, param)
+                assert said == (webhook.removeprefix('pod "demo": ') if webhook else None), (
+                    runtime_class, field, name)
+                # The param names another claim: not this pod's, never judged.
+                assert _evaluate(policy_obj, pod, {**param, "metadata": {"name": "other"}}) is None
+    assert "no runtimeClassName (runc)" in _evaluate(claims, {
+        "spec": {"containers": [], "resourceClaims": [{"name": "gpu", "resourceClaimName": "held"}]}}, params["held"])
+    # Without DRA, or without the policy, none of them.
+    for values in (FULL, merged(DRA, {"isolation": {"admissionPolicy": {"enabled": False}}})):
+        assert render(chart, values).find("ValidatingAdmissionPolicy", "-dra-claims-need-kata") is None

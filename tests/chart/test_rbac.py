@@ -18,9 +18,9 @@ from chartvalues import CUSTOM_CLASSES, VALUE_SETS
 from support.chartkit import FULL, NAMESPACE, RELEASE, SANDBOX, Rendered, merged, render
 from support.paths import EXAMPLES, REPO
 
-# The webhook's API reader (katamgr webhook: a pod's RuntimeClass handler) and the rest of
-# its code.
-WEBHOOK_CALLERS = [REPO / "katamgr" / "cluster" / "handlers.py",
+# The webhook's API readers (katamgr webhook: a pod's RuntimeClass handler; with DRA the claims,
+# templates and pods) and the rest of its code.
+WEBHOOK_CALLERS = [REPO / "katamgr" / "cluster" / "handlers.py", REPO / "katamgr" / "cluster" / "claimreads.py",
                    *sorted((REPO / "katamgr" / "admission").glob("*.py"))]
 # The code the sandbox agent's pod runs that talks to the Kubernetes API with its token:
 # katamgr's cluster layer (less the webhook's reader) and agent (katamgr run), the Node
@@ -45,7 +45,8 @@ KINDS = {"node": ("", "nodes"), "node_status": ("", "nodes/status"), "event": ("
          "secret": ("", "secrets"),
          "runtime_class": ("node.k8s.io", "runtimeclasses"), "pod": ("", "pods"),
          "resource_slice": ("resource.k8s.io", "resourceslices"),
-         "resource_claim": ("resource.k8s.io", "resourceclaims")}
+         "resource_claim": ("resource.k8s.io", "resourceclaims"),
+         "resource_claim_template": ("resource.k8s.io", "resourceclaimtemplates")}
 APPLY = "application/apply-patch+yaml"
 
 # (apiGroup, resource, verb, resourceNames or None: any, namespace or None: cluster-wide)
@@ -65,6 +66,11 @@ DRA: set[Grant] = ({("resource.k8s.io", "resourceslices", v, None, None)
                       # A pod's class not named: its handler, a Kata GPU runtime's or not.
                       ("node.k8s.io", "runtimeclasses", "get", None, None)})
 READ_RUNTIME_CLASSES: set[Grant] = {("node.k8s.io", "runtimeclasses", "get", None, None)}
+# With DRA the webhook reads the claims and templates a pod names and the pods a claim's
+# reservation adds.
+WEBHOOK_DRA: set[Grant] = READ_RUNTIME_CLASSES | {
+    ("resource.k8s.io", "resourceclaims", "get", None, None),
+    ("resource.k8s.io", "resourceclaimtemplates", "get", None, None), ("", "pods", "get", None, None)}
 READ_REVERT_DS: set[Grant] = {("apps", "daemonsets", "get", (REVERT,), NAMESPACE)}
 
 
@@ -94,9 +100,10 @@ EXPECTED: dict[str, tuple[dict[str, Any], dict[str, set[Grant]]]] = {
     "sandbox-kata-cdi-no-gpu-labels": (merged(FULL, {"gpuLabels": {"enabled": False}}), {
         **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
     "ccManager": (merged(FULL, CC), {**ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | NODE_STATUS}),
-    "dra": (merged(FULL, DRA_ON), {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS | DRA}),
+    "dra": (merged(FULL, DRA_ON), {**ALWAYS, **HOOK, WEBHOOK: WEBHOOK_DRA,
+                                   AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS | DRA}),
     "ccManager-dra-pull-secrets": (merged(CUSTOM_CLASSES, CC, DRA_ON), {
-        **ALWAYS, **HOOK,
+        **ALWAYS, **HOOK, WEBHOOK: WEBHOOK_DRA,
         AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | NODE_STATUS | DRA | pull_secrets("lab", "mirror")}),
     # Only the passthrough plugin in the pod: it reads and watches its Node, nothing else.
     "plugin-only": (VALUE_SETS["plugin-only-annotated"], {**ALWAYS, AGENT: NODE_READ}),
@@ -279,8 +286,12 @@ def test_the_sandbox_agents_grants_are_exactly_what_its_code_calls(chart):
 @pytest.mark.integration
 def test_the_webhooks_grant_is_exactly_what_its_code_calls(chart):
     needed = api_calls(WEBHOOK_CALLERS)
-    assert set(needed) == {("runtimeclasses", "get")}, needed
+    assert set(needed) == {("runtimeclasses", "get"), ("resourceclaims", "get"),
+                           ("resourceclaimtemplates", "get"), ("pods", "get")}, needed
     assert identities(render(chart, {}))[WEBHOOK] == READ_RUNTIME_CLASSES
+    # The claim reads are granted only where the webhook makes them (dra.enabled: --dra-driver).
+    assert {(g[1], g[2]) for g in WEBHOOK_DRA} == set(needed)
+    assert identities(render(chart, merged(FULL, DRA_ON)))[WEBHOOK] == WEBHOOK_DRA
 
 
 @pytest.mark.integration

@@ -170,3 +170,226 @@ def scheduled(kube) -> dict | None:
     if pod and pod["spec"].get("nodeName") and (pod.get("status") or {}).get("resourceClaimStatuses"):
         return pod
     return None
+
+
+def test_a_runc_pod_sharing_a_kata_pods_claim_stays_pending_with_the_reason(kube, tmp_path):
+    """A passthrough claim is Kata's at pod create and at the real scheduler's reservation:
+    ``katamgr webhook --dra-driver`` with the chart's webhook ServiceAccount (so its RBAC is
+    the chart's) and the chart's ValidatingWebhookConfiguration pointed at it. Two Kata pods
+    share a claim by name and are both bound; a runc pod naming it is refused at create; a
+    runc pod whose claim is made after it is left Pending, kube-scheduler's reservation in
+    PreBind (an UPDATE of resourceclaims/status) refused with the reason."""
+    namespace = "dra-share"
+    values = {"sandboxWorkloads": {"enabled": True}, "dra": {"enabled": True},
+              "isolation": {"webhook": {"enabled": True}, "admissionPolicy": {"enabled": False}}}
+    objects = render_release(values, RELEASE)
+    accounts = [o for o in objects if o["kind"] in
+                ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+                and "helm.sh/hook" not in o["metadata"].get("annotations", {})]
+    classes = [o for o in objects if o["kind"] == "DeviceClass"]
+    (validating,) = [o for o in objects if o["kind"] == "ValidatingWebhookConfiguration"]
+    kube.namespace(RELEASE)
+    kube.namespace(namespace)
+    kube.apply(accounts, namespace=RELEASE)
+    kube.apply(classes)
+    runtime_class = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                     "metadata": {"name": RUNTIME_CLASS}, "handler": "kata-qemu-nvidia-gpu"}
+    kube.apply([runtime_class], manager="test")
+    kube.apply([{"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}], manager="test")
+    kube.kubectl("patch", "node", NODE, "--subresource=status", "--type=merge", "-p", json.dumps(
+        {"status": {"capacity": {"cpu": "8", "memory": "64Gi", "pods": "110"},
+                    "allocatable": {"cpu": "8", "memory": "64Gi", "pods": "110"}}}))
+    # The driver's slice as it publishes it (two GPUs): the scheduler allocates from it.
+    slice_ = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{NODE}-share"},
+              "spec": {"driver": DRIVER, "nodeName": NODE, "pool": {"name": NODE, "generation": 1,
+                                                                     "resourceSliceCount": 1},
+                       "devices": [{"name": f"gpu-{i}", "attributes": {"type": {"string": "gpu"}}}
+                                   for i in range(2)]}}
+    kube.apply([slice_], manager="test")
+    account = next(o for o in accounts if o["kind"] == "ServiceAccount"
+                   and o["metadata"]["name"].endswith("-webhook"))["metadata"]["name"]
+    hook = LocalWebhook(tmp_path, kube.service_account_kubeconfig(RELEASE, account, tmp_path / "hook.kubeconfig"))
+    config = hook.point(validating)
+    try:
+        kube.apply([config])
+
+        def claim(name: str) -> dict:
+            return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+                    "metadata": {"name": name, "namespace": namespace},
+                    "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                        "deviceClassName": f"gpu.{DRIVER}"}}]}}}
+
+        def claim_pod(name: str, claim_name: str, runtime_class: str | None) -> dict:
+            spec = {"containers": [{"name": "app", "image": "example.invalid/app:1",
+                                    "resources": {"claims": [{"name": "gpu"}]}}],
+                    "resourceClaims": [{"name": "gpu", "resourceClaimName": claim_name}],
+                    "tolerations": [{"operator": "Exists"}]}
+            if runtime_class:
+                spec["runtimeClassName"] = runtime_class
+            return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+                    "spec": spec}
+
+        kube.apply([claim("shared")], manager="test", namespace=namespace)
+        kube.apply([claim_pod("vm-1", "shared", RUNTIME_CLASS), claim_pod("vm-2", "shared", RUNTIME_CLASS)],
+                   manager="test", namespace=namespace)
+
+        def bound(name: str):
+            pod = kube.get("pod", name, "-n", namespace)
+            return pod if pod["spec"].get("nodeName") else None
+
+        for name in ("vm-1", "vm-2"):  # a claim shared between Kata pods still works
+            wait_for(lambda n=name: bound(n), f"Kata pod {name} bound", timeout=60)
+        reserved = kube.get("resourceclaim", "shared", "-n", namespace)["status"]["reservedFor"]
+        assert sorted(r["name"] for r in reserved) == ["vm-1", "vm-2"]
+
+        # At create: the webhook reads the claim the runc pod names (with the chart's RBAC).
+        def refused_at_create():
+            result = kube.kubectl("create", "-f", "-", "-o", "json", check=False,
+                                  input=yaml.safe_dump(claim_pod("plain", "shared", None)))
+            if result.returncode == 0:
+                kube.kubectl("delete", "pod", "plain", "-n", namespace, "--wait=false", check=False)
+                return None
+            return result.stderr
+
+        message = wait_for(refused_at_create, "the runc pod refused", timeout=30, every=0.5)
+        assert ('its resourceClaims entry "gpu" names ResourceClaim "shared", which requests passthrough '
+                f"GPUs of DRA driver {DRIVER}, but the pod sets no runtimeClassName (runc)") in message
+
+        # At reservation: the claim is made after the pod, so the create saw nothing to judge.
+        kube.apply([claim_pod("late", "later", None)], manager="test", namespace=namespace)
+        kube.apply([claim("later")], manager="test", namespace=namespace)
+
+        def refused_reservation():
+            pod = kube.get("pod", "late", "-n", namespace)
+            said = [c.get("message", "") for c in (pod.get("status") or {}).get("conditions", [])
+                    if c["type"] == "PodScheduled"]
+            events = kube.get("events", "-n", namespace, "--field-selector", "involvedObject.name=late")
+            said += [e.get("message", "") for e in events["items"]]
+            return next((m for m in said if "may not be added to its reservedFor" in m), None)
+
+        reason = wait_for(refused_reservation, "the runc pod's reservation refused", timeout=60)
+        assert (f'ResourceClaim "{namespace}/later" holds passthrough GPUs of DRA driver {DRIVER}: pod '
+                f"{namespace}/late may not be added to its reservedFor: the pod sets no runtimeClassName "
+                "(runc)") in reason
+        assert not kube.get("pod", "late", "-n", namespace)["spec"].get("nodeName")
+        later = kube.get("resourceclaim", "later", "-n", namespace)
+        assert not (later.get("status") or {}).get("reservedFor")
+    finally:
+        kube.delete([config])
+        log = hook.stop()
+        kube.kubectl("delete", "pods", "--all", "-n", namespace, "--wait=false", check=False)
+        kube.kubectl("delete", "resourceclaims", "--all", "-n", namespace, "--wait=false", check=False)
+        kube.delete([slice_])
+        kube.kubectl("delete", "node", NODE, "--wait=false", check=False)
+        kube.delete(classes)
+        kube.delete([runtime_class])
+        kube.delete(accounts, namespace=RELEASE)
+    assert "forbidden" not in log.lower(), log
+
+
+class LocalWebhook:
+    """``katamgr webhook --check-handlers --dra-driver`` on a loopback port, as the chart runs
+    it, with a CA of the test's own and the given kubeconfig."""
+
+    def __init__(self, tmp, kubeconfig) -> None:
+        from support.registry_server import free_port
+        from support.tlskit import make_ca, write_server_pair
+
+        self.ca = make_ca()
+        cert, key = tmp / "tls.crt", tmp / "tls.key"
+        write_server_pair(self.ca, cert, key)
+        self.port = free_port()
+        self.log = tmp / "webhook.log"
+        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "katamgr.cli", "webhook", "-v", "--listen", f"127.0.0.1:{self.port}",
+                 "--tls-cert-file", str(cert), "--tls-private-key-file", str(key), "--check-handlers",
+                 "--runtime-class", RUNTIME_CLASS, "--dra-driver", DRIVER],
+                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        wait_for(self._answers, "katamgr webhook serving")
+
+    def _answers(self) -> bool:
+        import socket
+
+        with socket.socket() as s:
+            s.settimeout(1)
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
+
+    def point(self, config: dict) -> dict:
+        """The chart's configuration with each webhook's Service swapped for this URL."""
+        import base64
+
+        config = json.loads(json.dumps(config))
+        for hook in config["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {"url": f"https://127.0.0.1:{self.port}{path}",
+                                    "caBundle": base64.b64encode(self.ca.pem).decode()}
+        return config
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        return self.log.read_text()
+
+
+def test_the_admission_policy_alone_refuses_a_runc_pod_naming_a_passthrough_claim(kube):
+    """With the webhook off, the chart's DRA policies (every ResourceClaim, and every
+    ResourceClaimTemplate, of the pod's namespace a param) type-check on the real API server
+    with no warning and refuse a runc pod naming a passthrough claim, with the webhook's words;
+    a Kata pod naming it is admitted."""
+    namespace = "dra-policy"
+    values = {"sandboxWorkloads": {"enabled": True}, "dra": {"enabled": True},
+              "isolation": {"webhook": {"enabled": False}, "admissionPolicy": {"enabled": True}}}
+    objects = render_release(values, RELEASE)
+    policies = [o for o in objects if o["kind"].startswith("ValidatingAdmissionPolicy")
+                and o["metadata"]["name"].endswith(("-dra-claims-need-kata", "-dra-templates-need-kata"))]
+    assert len(policies) == 4
+    kube.namespace(namespace)
+    runtime_class = {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                     "metadata": {"name": "kata-qemu-nvidia-gpu"}, "handler": "kata-qemu-nvidia-gpu"}
+    kube.apply([runtime_class], manager="test")
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": "shared", "namespace": namespace},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": f"gpu.{DRIVER}"}}]}}}
+    kube.apply([claim], manager="test", namespace=namespace)
+
+    def claim_pod(name: str, runtime_class: str | None) -> str:
+        spec = {"containers": [{"name": "app", "image": "example.invalid/app:1",
+                                "resources": {"claims": [{"name": "gpu"}]}}],
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": "shared"}]}
+        if runtime_class:
+            spec["runtimeClassName"] = runtime_class
+        return yaml.safe_dump({"apiVersion": "v1", "kind": "Pod",
+                               "metadata": {"name": name, "namespace": namespace}, "spec": spec})
+
+    try:
+        kube.apply(policies)
+        for policy in (o for o in policies if o["kind"] == "ValidatingAdmissionPolicy"):
+            def checked(name=policy["metadata"]["name"]):
+                status = kube.get("validatingadmissionpolicy", name).get("status", {})
+                return status if "typeChecking" in status else None
+
+            status = wait_for(checked, f"status.typeChecking of {policy['metadata']['name']}", timeout=60)
+            assert not status["typeChecking"].get("expressionWarnings"), status["typeChecking"]
+
+        def refused():
+            result = kube.kubectl("create", "-f", "-", "--dry-run=server", check=False,
+                                  input=claim_pod("plain", None))
+            return result.stderr if result.returncode else None
+
+        message = wait_for(refused, "the runc pod refused by the policy", timeout=30, every=0.5)
+        assert ('its resourceClaims entry "gpu" names ResourceClaim "shared", which requests passthrough '
+                f"GPUs of DRA driver {DRIVER}, but the pod sets no runtimeClassName (runc)") in message
+        assert "-dra-claims-need-kata" in message
+        kata = kube.kubectl("create", "-f", "-", "--dry-run=server", check=False,
+                            input=claim_pod("vm", "kata-qemu-nvidia-gpu"))
+        assert kata.returncode == 0, kata.stderr
+    finally:
+        kube.delete(policies)
+        kube.kubectl("delete", "resourceclaims", "--all", "-n", namespace, "--wait=false", check=False)
+        kube.delete([runtime_class])

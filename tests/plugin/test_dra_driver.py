@@ -147,7 +147,8 @@ def test_prepare_and_unprepare_are_idempotent(node):
     first = node.dra.call_prepare(DRIVER, [node.ref(claim)])
     again = node.dra.call_prepare(DRIVER, [node.ref(claim)])
     assert first == again and first.claims[claim["metadata"]["uid"]].error == ""
-    assert node.claim_reads() == 1  # asked again: answered from the checkpoint
+    # Asked again: the claim is read again (its pods judged again), the answer the checkpoint's.
+    assert node.claim_reads() == 2
     on_disk = json.loads(node.host.path(f"/var/lib/kubelet/plugins/{DRIVER}/checkpoint.json").read_text())
     assert list(on_disk["claims"]) == [claim["metadata"]["uid"]]
     for _ in range(2):
@@ -161,9 +162,6 @@ def test_a_restarted_driver_answers_from_its_checkpoint(node):
     node.dra.prepare_pod("default", "kept", "pod-3", {"c": ["kept"]})
     before = node.driver.checkpoint.claims()
     node.stop_driver()
-    # A driver gone deregisters; the claim object may be gone from the API too by the
-    # time the driver is back: the checkpoint answers.
-    node.server.remove("resourceclaims", "kept", "default")
     node.start_driver()
     node.dra.wait_for(lambda s: s.deregistrations == [DRIVER] and s.current(DRIVER) is not None,
                       timeout=10)
@@ -173,7 +171,7 @@ def test_a_restarted_driver_answers_from_its_checkpoint(node):
     assert answer.claims[claim["metadata"]["uid"]].error == ""
     assert [d.device_name for d in answer.claims[claim["metadata"]["uid"]].devices] == [
         d.device for d in before[0].devices]
-    assert node.claim_reads() == reads
+    assert node.claim_reads() == reads + 1  # read to judge its pods again, answered from the checkpoint
     # A restarted kubelet registers the driver again and asks for the claim again.
     node.dra.restart()
     node.dra.wait_for(lambda s: len([r for r in s.registrations if r.driver == DRIVER]) == 3, timeout=10)
@@ -263,21 +261,35 @@ def test_a_corrupt_checkpoint_stops_the_driver_naming_the_file(tmp_path):
         Checkpoint(path)
 
 
+def runtime_class(node, name: str, handler: str) -> None:
+    node.server.seed({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
+                      "metadata": {"name": name}, "handler": handler})
+
+
+KATA_ONLY = frozenset({"kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu-snp"})
+FIX = ("; set runtimeClassName to a Kata GPU runtime class (one whose handler is a Kata GPU runtime's: "
+       "kata-qemu-nvidia-gpu*, or one of kata-qemu-nvidia-gpu, kata-qemu-nvidia-gpu-snp with a Kata "
+       "handler)")
+
+
 def test_claims_go_only_to_pods_in_a_kata_runtime_class(node):
     node.stop_driver()
-    node.start_driver(runtime_classes=frozenset({"kata-qemu-nvidia-gpu"}))
+    node.start_driver(runtime_classes=KATA_ONLY)
     node.dra.wait_for(lambda s: s.current(DRIVER) is not None and len(s.registrations) == 2, timeout=10)
+    # kata-deploy's default class (runtimeClasses.createDefault): named "kata", the handler of its
+    # NVIDIA GPU shim; in no list, taken by its handler as the admission layers take it. A
+    # class "kata-qemu" is a Kata runtime without the GPU one. kata-qemu-nvidia-gpu-snp deleted
+    # and made again with handler runc keeps the name the list allows, not the VM.
+    for name, handler in (("kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu"), ("kata", "kata-qemu-nvidia-gpu"),
+                          ("kata-qemu", "kata-qemu"), ("gvisor", "runsc"),
+                          ("kata-qemu-nvidia-gpu-snp", "runc")):
+        runtime_class(node, name, handler)
     kata = node.pod("vm", "kata-qemu-nvidia-gpu")
     runc = node.pod("plain", None)
     other = node.pod("other", "gvisor")
-    # kata-deploy's default class (runtimeClasses.createDefault): named "kata", the handler of its
-    # NVIDIA GPU shim; in no list, taken by its handler as the admission layers take it. A
-    # class "kata-qemu" is a Kata runtime without the GPU one.
-    for name, handler in (("kata", "kata-qemu-nvidia-gpu"), ("kata-qemu", "kata-qemu")):
-        node.server.seed({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass",
-                          "metadata": {"name": name}, "handler": handler})
     renamed = node.pod("renamed", "kata")
     plain_kata = node.pod("plain-kata", "kata-qemu")
+    remade = node.pod("remade", "kata-qemu-nvidia-gpu-snp")
     claims = [node.claim("for-vm", ["gpu-0000-83-00-0"], pod_name="vm", pod_uid=kata["metadata"]["uid"]),
               node.claim("for-runc", ["gpu-0000-84-00-0"], pod_name="plain", pod_uid=runc["metadata"]["uid"]),
               node.claim("for-gvisor", ["gpu-0000-93-00-0"], pod_name="other", pod_uid=other["metadata"]["uid"]),
@@ -285,16 +297,71 @@ def test_claims_go_only_to_pods_in_a_kata_runtime_class(node):
               node.claim("for-renamed", ["gpu-0000-13-00-0"], pod_name="renamed",
                          pod_uid=renamed["metadata"]["uid"]),
               node.claim("for-plain-kata", ["gpu-0000-14-00-0"], pod_name="plain-kata",
-                         pod_uid=plain_kata["metadata"]["uid"])]
+                         pod_uid=plain_kata["metadata"]["uid"]),
+              node.claim("for-remade", ["gpu-0000-03-00-0"], pod_name="remade",
+                         pod_uid=remade["metadata"]["uid"])]
     answer = node.dra.call_prepare(DRIVER, [node.ref(c) for c in claims])
     errors = [answer.claims[c["metadata"]["uid"]].error for c in claims]
     assert errors[0] == ""
     assert errors[1] == (
         "ResourceClaim default/for-runc: pod default/plain runs in runtime class (none: runc), not a "
-        "Kata one (kata-qemu-nvidia-gpu): its containers would get the GPU's raw VFIO device; set "
-        "runtimeClassName to a Kata runtime class (one of those, or one whose handler is a Kata GPU "
-        "runtime's: kata-qemu-nvidia-gpu*)")
-    assert "pod default/other runs in runtime class gvisor, not a Kata one" in errors[2]
+        "Kata one: its containers would get the GPU's raw VFIO device" + FIX)
+    assert errors[2] == (
+        "ResourceClaim default/for-gvisor: pod default/other: runtime class gvisor has handler runsc, "
+        "which is not a Kata GPU runtime's (kata-qemu-nvidia-gpu*), so its containers would get the "
+        "GPU's raw VFIO device" + FIX)
     assert errors[3].startswith("ResourceClaim default/for-nobody: cannot read its pod default/ghost: HTTP 404")
     assert errors[4] == ""
-    assert "pod default/plain-kata runs in runtime class kata-qemu, not a Kata one" in errors[5]
+    assert "pod default/plain-kata: runtime class kata-qemu has handler kata-qemu, which is not a Kata GPU" in errors[5]
+    # By its handler, never its name: the allowed name with handler runc is refused.
+    assert errors[6] == (
+        "ResourceClaim default/for-remade: pod default/remade: runtime class kata-qemu-nvidia-gpu-snp has "
+        "handler runc, which is not a Kata runtime's (kata, kata-*): recreate the RuntimeClass with its "
+        "Kata handler (helm upgrade restores it), so its containers would get the GPU's raw VFIO "
+        "device" + FIX)
+    assert [c.name for c in node.driver.checkpoint.claims()] == ["for-vm", "for-renamed"]
+    # The handlers are the operator's (the chart passes isolation.kataGpuHandlers): with its own
+    # GPU runtime's, kata-deploy's handler is no longer taken.
+    node.stop_driver()
+    node.start_driver(runtime_classes=KATA_ONLY, handlers=(("kata", "kata-*"), ("kata-qemu",)))
+    node.dra.wait_for(lambda s: len(s.registrations) == 3, timeout=10)
+    again = node.dra.call_prepare(DRIVER, [node.ref(claims[4]), node.ref(claims[5])])
+    assert "runtime class kata has handler kata-qemu-nvidia-gpu, which is not a Kata GPU runtime's (kata-qemu)" in (
+        again.claims[claims[4]["metadata"]["uid"]].error)
+    assert again.claims[claims[5]["metadata"]["uid"]].error == ""
+
+
+def test_a_shared_claim_is_judged_by_every_pod_again_when_the_kubelet_asks_again(node):
+    """A claim shared by name: kubelet 1.35 prepares a claim once for all its pods
+    (pkg/kubelet/cm/dra/manager.go skips a claim its cache holds as prepared) and forgets that
+    on a restart, when it asks the driver again. The driver judges every pod of reservedFor
+    then too, the checkpoint notwithstanding."""
+    node.stop_driver()
+    node.start_driver(runtime_classes=KATA_ONLY)
+    node.dra.wait_for(lambda s: s.current(DRIVER) is not None and len(s.registrations) == 2, timeout=10)
+    runtime_class(node, "kata-qemu-nvidia-gpu", "kata-qemu-nvidia-gpu")
+    first, second = node.pod("vm-1", "kata-qemu-nvidia-gpu"), node.pod("vm-2", "kata-qemu-nvidia-gpu")
+    claim = node.claim("shared", ["gpu-0000-83-00-0"], pod_name="vm-1", pod_uid=first["metadata"]["uid"])
+    uid = claim["metadata"]["uid"]
+    assert node.dra.call_prepare(DRIVER, [node.ref(claim)]).claims[uid].error == ""
+
+    def reserve(pod: dict) -> None:
+        node.server.update("resourceclaims", "shared", lambda c: c["status"]["reservedFor"].append(
+            {"resource": "pods", "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}),
+            "default")
+
+    reserve(second)  # shared between Kata pods: still prepared
+    node.dra.restart()
+    node.dra.wait_for(lambda s: s.current(DRIVER) is not None and len(s.registrations) == 3, timeout=10)
+    assert node.dra.call_prepare(DRIVER, [node.ref(claim)]).claims[uid].error == ""
+    reserve(node.pod("plain", None))  # then a runc pod names the claim too
+    node.dra.restart()
+    node.dra.wait_for(lambda s: len(s.registrations) == 4, timeout=10)
+    error = node.dra.call_prepare(DRIVER, [node.ref(claim)]).claims[uid].error
+    assert error == ("ResourceClaim default/shared: pod default/plain runs in runtime class (none: runc), "
+                     "not a Kata one: its containers would get the GPU's raw VFIO device" + FIX)
+    # A restarted driver, too, judges the pods before answering from its checkpoint.
+    node.stop_driver()
+    node.start_driver(runtime_classes=KATA_ONLY)
+    node.dra.wait_for(lambda s: len(s.registrations) == 5, timeout=10)
+    assert node.dra.call_prepare(DRIVER, [node.ref(claim)]).claims[uid].error == error

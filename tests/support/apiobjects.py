@@ -48,6 +48,7 @@ RESOURCES = {
         Resource("", "v1", "pods", "Pod", True),
         Resource("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", False),
         Resource("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", True),
+        Resource("resource.k8s.io", "v1", "resourceclaimtemplates", "ResourceClaimTemplate", True),
         Resource("resource.k8s.io", "v1", "deviceclasses", "DeviceClass", False),
     )
 }

@@ -6,7 +6,7 @@ its own module:
 
 - ``support.apiobjects``: the URL layout (``/api/v1/...``, ``/apis/<group>/<version>/...``,
   namespaced or cluster scoped) of RuntimeClasses (node.k8s.io/v1), Secrets, Nodes, Events
-  and Pods (core v1, stored as given), and ResourceSlices, ResourceClaims and DeviceClasses
+  and Pods (core v1, stored as given), and ResourceSlices, ResourceClaims, ResourceClaimTemplates and DeviceClasses
   (resource.k8s.io/v1, with the ResourceSlice rules of ``support.resourceapi``); errors as
   ``Status`` objects with reason and code (404 NotFound, 409 AlreadyExists / Conflict,
   422 Invalid, 400 BadRequest, 401, 415); RuntimeClass ``handler`` validation and
