@@ -164,8 +164,9 @@ def test_the_charts_container_gpu_names_are_the_programs():
     import json
     import re
 
-    from gpunode.k8snames import NVIDIA_CONTAINER_RESOURCES
     from support.chartkit import CHART
+
+    from gpunode.k8snames import NVIDIA_CONTAINER_RESOURCES
 
     text = (CHART / "templates" / "_validate.tpl").read_text()
     body = re.search(r'define "ksm.containerGpuResources" -}}\s*(\[.*?\])\s*{{- end', text, re.S)
