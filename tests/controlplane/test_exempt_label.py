@@ -14,6 +14,7 @@ from support.kubecluster import wait_for
 pytestmark = pytest.mark.integration
 
 RELEASE = "ksm-exempt"
+GUARD = f"{RELEASE}-kata-sandbox-manager-exempt-label"  # ksm.fullname: the release, then the chart
 LABEL = "isolation.kata-sandbox-manager.io/exempt"
 TENANT = "tenant-alice"
 WRITER = "platform-bob"
@@ -23,7 +24,7 @@ VALUES = {"isolation": {"exemptLabelWriters": {"users": [WRITER], "groups": ["sy
 @pytest.fixture(scope="module")
 def guarded(kube):
     objects = [o for o in render_release(VALUES, RELEASE)
-               if o["metadata"]["name"] == f"{RELEASE}-exempt-label"]
+               if o["metadata"]["name"] == GUARD]
     assert {o["kind"] for o in objects} == {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
     # Both users may create, update and delete namespaces: RBAC is not what refuses them.
     rbac = [{"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
