@@ -441,7 +441,7 @@ def test_with_every_webhook_replica_gone_only_the_excluded_namespaces_create_pod
         # The release namespace of this test's render (RELEASE's namespace) is excluded too.
         release_ns = configs[0]["webhooks"][0]["namespaceSelector"]["matchExpressions"][0]["values"][0]
         kube.namespace(release_ns)
-        for namespace in ("kube-system", "gpu-operator", "ksm-infra", release_ns):
+        for namespace in ("kube-system", "ksm-infra", release_ns):
             result = create(kube, pod("infra"), namespace)
             assert result.returncode == 0, (namespace, result.stderr)
             kube.kubectl("delete", "pod", "infra", "-n", namespace, "--wait=false", check=False)
