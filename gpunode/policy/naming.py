@@ -33,10 +33,11 @@ import hashlib
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from fnmatch import fnmatchcase
 
 from gpunode.host.pci import Device
 from gpunode.host.pciids import PciIds, known_model
-from gpunode.k8snames import QUALIFIED_NAME_MAX
+from gpunode.k8snames import NVIDIA_CONTAINER_RESOURCES, QUALIFIED_NAME_MAX
 from gpunode.policy.selection import DEFAULT_SELECTION, Selection, select
 
 RESOURCE_VENDOR = "nvidia.com"
@@ -143,12 +144,30 @@ def resource_name(
     return derive_resource_name(pci_ids, vendor, device, rule, alias).name
 
 
+def reserved_alias(alias: str) -> str | None:
+    """The container GPU resource (``gpunode.k8snames.NVIDIA_CONTAINER_RESOURCES``) that
+    ``nvidia.com/<alias>`` would be, or None. Compared without case, as an include rule's
+    name is (``gpunode.policy.selection.resource_problem``)."""
+    name = f"{RESOURCE_VENDOR}/{alias}".lower()
+    return next((p for p in NVIDIA_CONTAINER_RESOURCES if fnmatchcase(name, p)), None)
+
+
 def validate_alias(alias: str) -> str:
-    """An alias must already be a valid name part: we never rewrite what the operator typed."""
+    """An alias must already be a valid name part: we never rewrite what the operator typed.
+    Nor may it be a container GPU's name: the admission layers let a runc container ask for
+    nvidia.com/gpu or nvidia.com/mig-*, and the plugin would hand it a VFIO device."""
     if not _ALIAS.match(alias or ""):
         raise ValueError(
             f"alias {alias!r} is not usable as a resource name and CDI kind (letters, digits, '-', '_'; "
             f"start with a letter, end with a letter or digit; at most {MAX_NAME} characters)"
+        )
+    taken = reserved_alias(alias)
+    if taken is not None:
+        raise ValueError(
+            f"alias {alias!r} would advertise passthrough devices as {RESOURCE_VENDOR}/{alias}, a container "
+            f"GPU's name ({taken}, what NVIDIA's container device plugin advertises): the admission "
+            f"layers let an ordinary (runc) container ask for it, and it would be handed the raw VFIO "
+            f"device; choose another alias (e.g. pgpu), or none for model names"
         )
     return alias
 

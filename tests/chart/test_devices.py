@@ -155,3 +155,55 @@ def test_bad_devices_values_are_refused(helm, chart, values, fragments):
     message = str(caught.value)
     for fragment in fragments:
         assert fragment in message, message
+
+
+# --- an alias may not be a container GPU's name -------------------------------------------
+
+def test_the_charts_container_gpu_names_are_the_programs():
+    """_validate.tpl's copy of the container GPU names is gpunode.k8snames' list."""
+    import json
+    import re
+
+    from support.chartkit import CHART
+
+    from gpunode.k8snames import NVIDIA_CONTAINER_RESOURCES
+
+    text = (CHART / "templates" / "_validate.tpl").read_text()
+    body = re.search(r'define "ksm.containerGpuResources" -}}\s*(\[.*?\])\s*{{- end', text, re.S)
+    assert body, "ksm.containerGpuResources is not a JSON list in _validate.tpl"
+    assert json.loads(body.group(1)) == list(NVIDIA_CONTAINER_RESOURCES)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("values", "named", "taken"), [
+    ({"sandboxDevicePlugin": {"alias": "gpu"}}, "sandboxDevicePlugin.alias=gpu", "nvidia.com/gpu"),
+    ({"sandboxDevicePlugin": {"env": [{"name": "P_GPU_ALIAS", "value": "GPU"}]}},
+     "sandboxDevicePlugin.env P_GPU_ALIAS=GPU", "nvidia.com/gpu"),
+    ({"kataSandboxDevicePlugin": {"env": [{"name": "P_GPU_ALIAS", "value": "mig-1g"}]}},
+     "kataSandboxDevicePlugin.env P_GPU_ALIAS=mig-1g", "nvidia.com/mig-*"),
+    ({"kataSandboxDevicePlugin": {"env": [{"name": "NVSWITCH_ALIAS", "value": "gpu"}]}},
+     "kataSandboxDevicePlugin.env NVSWITCH_ALIAS=gpu", "nvidia.com/gpu"),
+    # Overridden by the chart's own alias, still refused: it says what the operator meant.
+    ({"sandboxDevicePlugin": {"alias": "pgpu", "env": [{"name": "P_GPU_ALIAS", "value": "gpu"}]}},
+     "sandboxDevicePlugin.env P_GPU_ALIAS=gpu", "nvidia.com/gpu"),
+], ids=["alias", "plugin-env", "kata-plugin-env-mig", "nvswitch-alias", "overridden"])
+def test_an_alias_naming_a_container_gpu_is_refused_at_render(helm, chart, values, named, taken):
+    """A passthrough GPU published as nvidia.com/gpu would be handed, as /dev/vfio/*, to a runc
+    pod: both admission layers admit a container asking for a container GPU's name."""
+    with pytest.raises(helm.HelmError) as caught:
+        render(chart, merged(FULL, values))
+    message = str(caught.value)
+    assert named in message and taken in message, message
+    assert "set another alias" in message, message
+    # Refused with sandbox workloads off too: a later --set sandboxWorkloads.enabled=true
+    # must not be what makes it bite.
+    with pytest.raises(helm.HelmError):
+        render(chart, values)
+
+
+@pytest.mark.integration
+def test_aliases_beside_the_container_names_render(chart):
+    rendered = render(chart, merged(FULL, {"sandboxDevicePlugin": {
+        "alias": "pgpu", "env": [{"name": "NVSWITCH_ALIAS", "value": "nvswitch"}]}}))
+    args = container(rendered, "-sandbox-agent", "sandbox-device-plugin")["args"]
+    assert parse_args(args).alias == "pgpu" and parse_args(args).nvswitch_alias == "nvswitch"

@@ -215,15 +215,15 @@ def test_notes_list_nothing_when_no_gpu_operator_value_is_ignored(chart, values)
     # Empty: model names, as NVIDIA's plugin does.
     (with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": ""}]), None, None),
     (with_kata_plugin(env=[{"name": "NVSWITCH_ALIAS", "value": "nvswitch"}]), None, "nvswitch"),
-    (with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpu"},
-                           {"name": "NVSWITCH_ALIAS", "value": "nvsw"}]), "gpu", "nvsw"),
+    (with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpus"},
+                           {"name": "NVSWITCH_ALIAS", "value": "nvsw"}]), "gpus", "nvsw"),
     # The chart's own sandboxDevicePlugin.alias wins.
-    (merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpu"}]),
+    (merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpus"}]),
             {"sandboxDevicePlugin": {"alias": "pgpu"}}), "pgpu", None),
     (merged(SANDBOX, {"sandboxDevicePlugin": {"alias": "pgpu"}}), "pgpu", None),
     # The same env names in the chart's own block are read too, and win over the GPU
     # Operator block's; an empty value there still means model names.
-    (merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpu"},
+    (merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpus"},
                                   {"name": "NVSWITCH_ALIAS", "value": "nvsw"}]),
             {"sandboxDevicePlugin": {"env": [{"name": "P_GPU_ALIAS", "value": ""},
                                              {"name": "NVSWITCH_ALIAS", "value": "switch"}]}}),
@@ -240,7 +240,7 @@ def test_aliases_reach_both_commands(chart, values, alias, nvswitch):
 
 @pytest.mark.integration
 def test_an_overridden_alias_is_listed(chart):
-    values = merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpu"}]),
+    values = merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "gpus"}]),
                     {"sandboxDevicePlugin": {"alias": "pgpu"}})
     assert ignored(chart, values) == ["kataSandboxDevicePlugin.env P_GPU_ALIAS"]
     same = merged(with_kata_plugin(env=[{"name": "P_GPU_ALIAS", "value": "pgpu"}]),
@@ -248,7 +248,7 @@ def test_an_overridden_alias_is_listed(chart):
     assert ignored(chart, same) == []
     env = merged(with_kata_plugin(env=[{"name": "NVSWITCH_ALIAS", "value": "nvsw"}]),
                  {"sandboxDevicePlugin": {"alias": "pgpu",
-                                          "env": [{"name": "P_GPU_ALIAS", "value": "gpu"},
+                                          "env": [{"name": "P_GPU_ALIAS", "value": "gpus"},
                                                   {"name": "NVSWITCH_ALIAS", "value": "sw"}]}})
     assert ignored(chart, env) == ["sandboxDevicePlugin.env P_GPU_ALIAS",
                                    "kataSandboxDevicePlugin.env NVSWITCH_ALIAS"]

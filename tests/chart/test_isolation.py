@@ -75,9 +75,14 @@ def test_a_cluster_without_the_policy_api_gets_the_webhook_and_a_warning(chart):
 
 def test_each_layer_turns_off_by_its_value(chart):
     assert kinds_of(render(chart, WEBHOOK_OFF)) & ISOLATION_KINDS == POLICY_KINDS
-    assert kinds_of(render(chart, POLICY_OFF)) & ISOLATION_KINDS == WEBHOOK_KINDS
-    # Policy off on purpose: no warning that it was left out.
-    assert "WARNING" not in notes(chart, POLICY_OFF, BEFORE_1_30)
+    # The webhook alone still honours the exempt label, guarded by its own policy
+    # (test_isolation_exemption.py).
+    assert kinds_of(render(chart, POLICY_OFF)) & ISOLATION_KINDS == WEBHOOK_KINDS | POLICY_KINDS
+    assert kinds_of(render(chart, POLICY_OFF, BEFORE_1_30)) & ISOLATION_KINDS == WEBHOOK_KINDS
+    # Policy off on purpose: no warning that it was left out (only that the label is not honoured).
+    text = notes(chart, POLICY_OFF, BEFORE_1_30)
+    assert POLICY_LEFT_OUT not in text and text.count("WARNING") == 1
+    assert "isolation.kata-sandbox-manager.io/exempt is not honoured" in text
     both = merged(WEBHOOK_OFF, POLICY_OFF)
     assert not kinds_of(render(chart, both)) & ISOLATION_KINDS
     assert "WARNING: isolation is off" in notes(chart, both)
@@ -160,7 +165,7 @@ def test_helm_makes_a_ca_whose_bundle_the_webhooks_trust(chart):
         plain_update = [(["pods"], ["UPDATE"])] if path == "/validate" else []
         assert [(r["resources"], r["operations"]) for r in hook["rules"]] == [
             (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"]), *plain_update]
-        assert excluded_namespaces(hook["namespaceSelector"]) == [NAMESPACE, "kube-system", "gpu-operator"]
+        assert excluded_namespaces(hook["namespaceSelector"]) == [NAMESPACE, "kube-system"]
         assert {"key": "isolation.kata-sandbox-manager.io/exempt", "operator": "NotIn",
                 "values": ["true"]} in hook["namespaceSelector"]["matchExpressions"]
 

@@ -271,7 +271,7 @@ def test_the_policy_binding(chart):
     assert binding["spec"]["policyName"] == RELEASE + "-passthrough-needs-kata"
     assert binding["spec"]["validationActions"] == ["Deny"]
     assert excluded_namespaces(binding["spec"]["matchResources"]["namespaceSelector"]) == [
-        NAMESPACE, "kube-system", "gpu-operator"]
+        NAMESPACE, "kube-system"]
     policy = rendered.get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
     assert [(r["resources"], r["operations"]) for r in policy["spec"]["matchConstraints"]["resourceRules"]] == [
         (["pods"], ["CREATE"]), (["pods/ephemeralcontainers"], ["UPDATE"]), (["pods"], ["UPDATE"])]

@@ -93,9 +93,16 @@ def test_rendered_with_the_sandbox_agent_pod_where_the_api_is_served(chart):
 
 
 def test_the_notes_say_what_is_unbound_without_the_policy_api(chart):
-    text = notes(chart, merged(FULL, CC), BEFORE_1_30)
-    assert "binding the sandbox agent's writes to its own node was not" in text
-    assert "patch any Node (labels and taints)" in text
-    # Nothing to bind, nothing to say: without ccManager or DRA the agent writes no Node or slice.
-    assert "its own node" not in notes(chart, FULL, BEFORE_1_30)
-    assert "its own node" not in notes(chart, merged(FULL, CC))
+    text = " ".join(notes(chart, merged(FULL, CC), BEFORE_1_30).split())
+    assert "the policies binding the chart's writes to their own node were not installed" in text
+    assert "the sandbox agent's token may patch any Node (labels and taints)" in text
+    assert "while helm uninstall runs, the revert's token may patch any Node" in text
+    # Nothing to bind, nothing to say: an agent that writes no Node (no CC manager, no GPU
+    # labels, no Kata offer labels), a revert that takes no label off. (DRA needs 1.34, which
+    # always serves the policy API.)
+    quiet = merged(FULL, {"gpuLabels": {"enabled": False}, "kataManager": {"enabled": False}})
+    assert "their own node" not in notes(chart, quiet, BEFORE_1_30)
+    assert "their own node" not in notes(chart, merged(FULL, CC))
+    # Without the hook, the agent alone.
+    text = " ".join(notes(chart, merged(FULL, {"uninstall": {"revertNodes": False}}), BEFORE_1_30).split())
+    assert "the sandbox agent's token may patch any Node" in text and "revert's token" not in text

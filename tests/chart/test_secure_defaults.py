@@ -95,3 +95,61 @@ def test_the_uninstall_helpers_requests_are_a_value(chart):
         assert containers[name]["resources"] == {**own, "limits": {"memory": "160Mi"}}
     # The revert is katamgr, as in the agent: the kata-manager container's requests.
     assert containers["revert"]["resources"] == containers["kata-manager"]["resources"]
+
+
+# The capabilities a container may add, and why (docs/isolation.md, "What each container may
+# do"): katamgr without vfioManager finds containerd's PID among the host's processes to
+# signal it (containerd.restartMode=signal).
+ADDED_CAPABILITIES = {"kata-manager": {"SYS_PTRACE"}}
+# The containers that run privileged: katamgr rebinding PCI drivers (vfioManager), and the
+# uninstall revert undoing it. Never in plan-only mode.
+PRIVILEGED = {"kata-manager", "revert"}
+PLAN_ONLY = merged(FULL, {"kataManager": {"planOnly": True}})
+WITH_PLAN_ONLY = {**SETS, "plan-only": PLAN_ONLY,
+                  "no-vfio": merged(FULL, {"vfioManager": {"enabled": False}})}
+
+
+@pytest.mark.parametrize("values", WITH_PLAN_ONLY.values(), ids=WITH_PLAN_ONLY.keys())
+def test_every_container_has_a_seccomp_profile_and_only_the_capabilities_it_uses(chart, values):
+    for workload in workloads(render(chart, values)):
+        pod = workload["spec"]["template"]["spec"]
+        pod_profile = ((pod.get("securityContext") or {}).get("seccompProfile") or {}).get("type")
+        for container in pod_containers(workload):
+            context = container.get("securityContext") or {}
+            if context.get("privileged"):
+                assert container["name"] in PRIVILEGED, where(workload, container)
+                continue
+            profile = (context.get("seccompProfile") or {}).get("type") or pod_profile
+            assert profile == "RuntimeDefault", where(workload, container)
+            assert context.get("allowPrivilegeEscalation") is False, where(workload, container)
+            capabilities = context.get("capabilities") or {}
+            assert capabilities.get("drop") == ["ALL"], where(workload, container)
+            assert set(capabilities.get("add") or ()) <= ADDED_CAPABILITIES.get(container["name"], set()), \
+                where(workload, container)
+
+
+def test_the_plan_only_agent_runs_unprivileged_on_the_host_read_only(chart):
+    """katamgr run --plan-only only reads (tests/cli/test_plan_only.py runs it with no
+    capability at all): the vfioManager's privileges are not given to it."""
+    rendered = render(chart, PLAN_ONLY)
+    ds = rendered.get("DaemonSet", "-sandbox-agent")
+    [agent] = ds["spec"]["template"]["spec"]["containers"]
+    assert agent["securityContext"] == {"runAsUser": 0, "privileged": False, "allowPrivilegeEscalation": False,
+                                        "capabilities": {"drop": ["ALL"]}}
+    assert all(m["readOnly"] for m in agent["volumeMounts"])
+    assert not ds["spec"]["template"]["spec"].get("hostPID")
+    full = render(chart, FULL).get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]["containers"]
+    assert next(c for c in full if c["name"] == "kata-manager")["securityContext"]["privileged"] is True
+
+
+def test_host_pid_only_where_containerd_is_signalled(chart):
+    """hostPID is the sandbox agent pod's (and the revert's) only to signal containerd after
+    its config changed; containerd.restartMode=none leaves the reload to the operator and
+    the pod, its device plugin or DRA driver included, in its own PID namespace."""
+    for values, signalled in ((FULL, True), (merged(FULL, {"containerd": {"restartMode": "none"}}), False),
+                              (merged(FULL, {"kataManager": {"enabled": False}}), False)):
+        rendered = render(chart, values)
+        for workload in workloads(rendered):
+            pod = workload["spec"]["template"]["spec"]
+            wanted = signalled and workload["metadata"]["name"] in (f"{RELEASE}-sandbox-agent", f"{RELEASE}-revert")
+            assert bool(pod.get("hostPID")) is wanted, workload["metadata"]["name"]

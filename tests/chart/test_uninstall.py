@@ -11,7 +11,9 @@ from support.chartkit import FULL, NAMESPACE, RELEASE, host_mounts, merged, rend
 
 REVERT = RELEASE + "-revert"
 WAIT = REVERT + "-wait"
-POLICY = "before-hook-creation,hook-succeeded"
+# Deleted after a failed uninstall too: no privileged DaemonSet, token or Node right stays.
+POLICY = "before-hook-creation,hook-succeeded,hook-failed"
+NODES = REVERT + "-nodes"
 
 
 def revert_container(rendered):
@@ -29,6 +31,8 @@ def test_defaults_render_the_hook_objects_as_post_delete_hooks(chart):
                      ("Role", WAIT), ("RoleBinding", WAIT),
                      # gpuLabels.enabled (the default): the revert removes the agent's GPU labels.
                      ("ClusterRole", REVERT + "-node-labels"), ("ClusterRoleBinding", REVERT + "-node-labels"),
+                     # ... bound to its own Node by a policy of its own (the release's is gone).
+                     ("ValidatingAdmissionPolicy", NODES), ("ValidatingAdmissionPolicyBinding", NODES),
                      ("DaemonSet", REVERT), ("Job", WAIT)}
     assert rendered.get("ClusterRole", "-revert-node-labels")["rules"] == [
         {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]}]
@@ -41,7 +45,12 @@ def test_defaults_render_the_hook_objects_as_post_delete_hooks(chart):
         assert annotations["helm.sh/hook"] == "post-delete"
         assert annotations["helm.sh/hook-delete-policy"] == POLICY
     weight = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in rendered.hooks()}
-    assert weight["ServiceAccount"] < weight["DaemonSet"] < weight["Job"]
+    # Helm creates hooks by weight and deletes them in reverse after a success, in creation
+    # order after a failure (helm pkg/action/hooks.go, execHookWithDelayedShutdown): the
+    # policy is in place before any pod holds the token, and outlives the token either way.
+    assert weight["ServiceAccount"] == weight["ClusterRoleBinding"] < weight["ValidatingAdmissionPolicy"]
+    assert weight["ValidatingAdmissionPolicy"] == weight["ValidatingAdmissionPolicyBinding"]
+    assert weight["ValidatingAdmissionPolicy"] < weight["DaemonSet"] < weight["Job"]
     # The hook's config is the release's.
     assert (rendered.get("ConfigMap", "-revert-config")["data"]
             == rendered.get("ConfigMap", "-config")["data"])
@@ -131,3 +140,53 @@ def test_revert_mounts_what_the_agent_mounts_and_katamgr_parses_its_args(chart, 
     assert parsed.no_runtime_classes and not parsed.delete_runtimeclasses
     agent_args = cli.build_parser().parse_args(agent["args"])
     assert parsed.resource_naming == agent_args.resource_naming
+
+
+def revert_policy(rendered):
+    policy = next((o for o in rendered.hooks() if o["kind"] == "ValidatingAdmissionPolicy"), None)
+    if policy is None:
+        return None, {}
+    return policy, {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+
+
+@pytest.mark.integration
+def test_the_reverts_node_writes_are_bound_to_its_own_node(chart):
+    """The revert's ClusterRole may patch every Node; its policy holds it to the Node its
+    token names and to taking off labels the agent sets (the real API server's answers:
+    tests/controlplane/test_identities.py)."""
+    import json
+
+    from gpunode.kataclasses import OFFER_LABEL_PREFIX
+    from gpunode.policy import gpulabels, katadetect
+
+    rendered = render(chart, CUSTOM_CLASSES)
+    policy, variables = revert_policy(rendered)
+    assert policy["metadata"]["name"] == NODES
+    assert policy["spec"]["failurePolicy"] == "Fail"
+    assert policy["spec"]["matchConditions"] == [{
+        "name": "revert",
+        "expression": f"request.userInfo.username == 'system:serviceaccount:{NAMESPACE}:{REVERT}'"}]
+    assert "'authentication.kubernetes.io/node-name'" in variables["nodeName"]
+    assert json.loads(variables["owned"]) == [*gpulabels.KEYS, katadetect.RELEASE_LABEL]
+    assert f"'{OFFER_LABEL_PREFIX}'" in variables["removedOthers"]
+    binding = next(o for o in rendered.hooks() if o["kind"] == "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": NODES, "validationActions": ["Deny"]}
+    # The identity it names is the revert DaemonSet's.
+    ds, _ = revert_container(rendered)
+    assert ds["spec"]["template"]["spec"]["serviceAccountName"] == REVERT
+    # Without the GPU labels, only the offer labels; without Kata either, nothing to bind.
+    _, variables = revert_policy(render(chart, merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}})))
+    assert variables["owned"] == "[]" and f"'{OFFER_LABEL_PREFIX}'" in variables["removedOthers"]
+    _, variables = revert_policy(render(chart, merged(FULL, {"kataManager": {"enabled": False}})))
+    assert OFFER_LABEL_PREFIX not in variables["removedOthers"]
+    off = merged(CUSTOM_CLASSES, {"gpuLabels": {"enabled": False}, "kataManager": {"enabled": False}})
+    assert revert_policy(render(chart, off)) == (None, {})
+
+
+@pytest.mark.integration
+def test_before_1_30_the_revert_policy_is_left_out_and_the_notes_say_so(chart):
+    from support.chartkit import BEFORE_1_30, notes
+
+    assert revert_policy(render(chart, CUSTOM_CLASSES, BEFORE_1_30)) == (None, {})
+    text = " ".join(notes(chart, CUSTOM_CLASSES, BEFORE_1_30).split())
+    assert "while helm uninstall runs, the revert's token may patch any Node" in text

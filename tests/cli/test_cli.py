@@ -78,6 +78,7 @@ def test_demo_runs_and_tells_the_story():
     (("plan", "--host-root", "/nonexistent/dir"), "--host-root '/nonexistent/dir' is not a directory"),
     (("plan", "--host", "no-such-profile"), "shipped: a10-server"),
     (("plan", "--host", "a10-server", "--alias", "bad alias!"), "alias 'bad alias!'"),
+    (("plan", "--host", "a10-server", "--alias", "gpu"), "--alias: alias 'gpu' would advertise"),
     (("plan", "--host", "a10-server", "--pci-ids", "/nonexistent/pci.ids"), "/nonexistent/pci.ids"),
 ])
 def test_bad_usage_exits_2_with_one_clear_sentence(args, message):

@@ -107,6 +107,26 @@ def test_run_plan_only_on_a_read_only_host_root(tmp_path):
     assert "nothing is carried out" in result.stderr and "0000:02:00.0" in result.stderr
 
 
+def test_run_plan_only_without_any_capability(tmp_path):
+    """The chart runs the plan-only agent unprivileged: root (the host's root-owned files),
+    every capability dropped, no_new_privs (allowPrivilegeEscalation: false), the host
+    read-only. The plan is still worked out in full."""
+    if os.geteuid() != 0:
+        message = "a read-only bind mount and dropping capabilities need root"
+        if REQUIRE_INTEGRATION:
+            pytest.fail(message)
+        pytest.skip(message)
+    host, config = node(tmp_path)
+    before = tree(host.root)
+    script = ('mount --bind -o ro "$1" "$1" && exec setpriv --bounding-set=-all --inh-caps=-all '
+              '--ambient-caps=-all --no-new-privs "$2" run --plan-only --once --host-root "$1" --config "$3"')
+    result = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+                             str(host.root), KATAMGR, str(config)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "nothing is carried out" in result.stderr and "0000:01:00.0" in result.stderr
+    assert tree(host.root) == before
+
+
 @pytest.mark.parametrize("flag", ["--revert-on-exit", "--cc-manager"])
 def test_plan_only_refuses_a_flag_that_would_change_the_node(tmp_path, flag):
     host, _ = node(tmp_path)

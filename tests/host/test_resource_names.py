@@ -163,7 +163,8 @@ def test_any_model_name_gives_a_usable_name(model, rule):
     assert usable(derive_resource_name(ids, 0x10DE, 0x1234, rule).name)
 
 
-@given(st.from_regex(r"^[A-Za-z]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$", fullmatch=True))
+@given(st.from_regex(r"^[A-Za-z]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?$", fullmatch=True)
+       .filter(lambda a: a.lower() != "gpu" and not a.lower().startswith("mig-")))
 def test_valid_aliases_are_kept_verbatim(alias):
     assert validate_alias(alias) == alias
     assert usable(f"nvidia.com/{alias}")
@@ -173,3 +174,21 @@ def test_valid_aliases_are_kept_verbatim(alias):
 def test_aliases_that_cannot_be_a_cdi_kind_are_refused(alias):
     with pytest.raises(ValueError, match="alias"):
         validate_alias(alias)
+
+
+@pytest.mark.parametrize(("alias", "taken"), [
+    ("gpu", "nvidia.com/gpu"), ("GPU", "nvidia.com/gpu"),
+    ("mig-1g", "nvidia.com/mig-*"), ("mig-1g_10gb", "nvidia.com/mig-*"), ("MIG-3g", "nvidia.com/mig-*")])
+def test_an_alias_that_is_a_container_gpu_name_is_refused(alias, taken):
+    """nvidia.com/gpu and nvidia.com/mig-* are what NVIDIA's container plugin advertises; both
+    admission layers let a runc container have them. A passthrough GPU under such a name would
+    be handed to a runc container as /dev/vfio/*."""
+    with pytest.raises(ValueError) as refused:
+        validate_alias(alias)
+    message = str(refused.value)
+    assert repr(alias) in message and taken in message and "another alias" in message
+
+
+@pytest.mark.parametrize("alias", ["pgpu", "gpus", "gpu-passthrough", "nvswitch", "migrated", "mig"])
+def test_aliases_beside_the_container_names_are_kept(alias):
+    assert validate_alias(alias) == alias

@@ -90,6 +90,9 @@ def test_mode_still_works_as_the_deprecated_spelling_of_workload(capsys):
         (["--host-root", "/no/such/root"], "/no/such/root"),
         (["--alias", "p gpu"], "p gpu"),
         (["--nvswitch-alias=-x-"], "-x-"),
+        # A container GPU's name: a runc pod asking for nvidia.com/gpu would get /dev/vfio.
+        (["--alias", "gpu"], "'gpu'"),
+        (["--nvswitch-alias", "mig-nvlink"], "'mig-nvlink'"),
         (["--pci-ids", "/no/such/pci.ids"], "/no/such/pci.ids"),
         (["--gpu-module-ids", "17=0000:1b:00.0"], "17=0000:1b:00.0"),
     ],

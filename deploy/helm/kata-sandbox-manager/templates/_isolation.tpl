@@ -86,11 +86,23 @@ oldObject.metadata.annotations[k] == object.metadata.annotations[k])))
 {{- end -}}
 
 {{/*
+The exempt label is honoured only where isolation-exempt-label.yaml guards it (a
+ValidatingAdmissionPolicy letting only isolation.exemptLabelWriters set or remove it): "true"
+or "". Unguarded, whoever may update a namespace could take it out of both layers.
+*/}}
+{{- define "ksm.exemptLabelGuarded" -}}
+{{- $i := .Values.isolation | default dict -}}
+{{- if and (include "ksm.admissionPolicyServed" .) (or (dig "webhook" "enabled" false $i) (dig "admissionPolicy" "enabled" false $i)) }}true{{ end -}}
+{{- end -}}
+
+{{/*
 The pods an isolation layer looks at, as the namespaceSelector and objectSelector of a
-webhook entry or an admission policy binding's matchResources. Call with (list $ VALUES),
-VALUES isolation.webhook or isolation.admissionPolicy: its own selectors, with the release
-namespace and isolation.excludedNamespaces (default kube-system, gpu-operator) excluded, and
-every namespace labeled isolation.kata-sandbox-manager.io/exempt=true.
+webhook entry or an admission policy binding's matchResources (one helper: both layers
+leave out the same namespaces). Call with (list $ VALUES), VALUES isolation.webhook or
+isolation.admissionPolicy: its own selectors, with the release namespace and
+isolation.excludedNamespaces (default kube-system) excluded by name, and, where the label is
+guarded (ksm.exemptLabelGuarded), every namespace labeled
+isolation.kata-sandbox-manager.io/exempt=true.
 */}}
 {{- define "ksm.isolationSelectors" -}}
 {{- $root := index . 0 -}}
@@ -98,7 +110,8 @@ every namespace labeled isolation.kata-sandbox-manager.io/exempt=true.
 {{- $selector := deepCopy ($layer.namespaceSelector | default dict) -}}
 {{- $excluded := concat (list $root.Release.Namespace) ($root.Values.isolation.excludedNamespaces | default list) | uniq -}}
 {{- $exempt := dict "key" "isolation.kata-sandbox-manager.io/exempt" "operator" "NotIn" "values" (list "true") -}}
-{{- $exprs := concat ($selector.matchExpressions | default list) (list (dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" $excluded) $exempt) -}}
+{{- $exprs := concat ($selector.matchExpressions | default list) (list (dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" $excluded)) -}}
+{{- if include "ksm.exemptLabelGuarded" $root }}{{ $exprs = append $exprs $exempt }}{{ end -}}
 {{- $_ := set $selector "matchExpressions" $exprs -}}
 namespaceSelector:
   {{- toYaml $selector | nindent 2 }}

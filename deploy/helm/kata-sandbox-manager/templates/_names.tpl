@@ -54,9 +54,14 @@ run. A bad digest fails here too, for a render that skipped the schema.
 {{- end -}}
 {{- end -}}
 
-{{/* The annotations of every uninstall hook object; call with its hook weight. */}}
+{{/*
+The annotations of every uninstall hook object; call with its hook weight. Deleted once the
+hook is done, whether it succeeded or failed: a failed uninstall leaves no privileged
+DaemonSet, token or Node right behind (Helm 3.19+ and 4 delete the hooks that ran before the
+failed one by their hook-succeeded policy, the failed one by hook-failed).
+*/}}
 {{- define "ksm.revertHook" -}}
 helm.sh/hook: post-delete
 helm.sh/hook-weight: {{ . | quote }}
-helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded,hook-failed
 {{- end -}}

@@ -70,6 +70,18 @@ labels (gpuLabels.enabled) and the runtime classes' offer labels (kataManager): 
 {{- if or (include "ksm.gpuLabels" .) (and (include "ksm.agent" .) (include "ksm.kata" .)) }}true{{ end -}}
 {{- end -}}
 
+{{/* The GPU labels the agent publishes with gpuLabels.enabled (gpunode.policy.gpulabels.LABELS)
+and the Kata release label (gpunode.policy.katadetect.RELEASE_LABEL), as a JSON list: the
+labels the node-binding policies let the agent set and the uninstall revert take off. */}}
+{{- define "ksm.gpuLabelKeys" -}}
+["nvidia.com/gpu.product", "nvidia.com/gpu.family", "nvidia.com/gpu.count", "nvidia.com/gpu.memory", "nvidia.com/cc.capable", "katacontainers.io/kata-version"]
+{{- end -}}
+
+{{/* The uninstall hook runs katamgr revert (uninstall.revertNodes with katamgr on): "true" or "". */}}
+{{- define "ksm.revertHookOn" -}}
+{{- if and (include "ksm.agent" .) (dig "revertNodes" true (.Values.uninstall | default dict)) }}true{{ end -}}
+{{- end -}}
+
 {{/* The containers serve /metrics, /healthz and /readyz (metrics.enabled). */}}
 {{- define "ksm.metricsOn" -}}
 {{- if dig "enabled" false (.Values.metrics | default dict) }}true{{ end -}}

@@ -5,7 +5,7 @@ resources, the metrics port and probes, and the device plugins' security context
 */}}
 
 {{/*
-Pod-level settings every DaemonSet shares. Call with (list $ SECRETS SERVICEACCOUNT TOKEN):
+Pod-level settings every DaemonSet shares, the RuntimeDefault seccomp profile among them. Call with (list $ SECRETS SERVICEACCOUNT TOKEN):
 SECRETS are the imagePullSecrets of the operands the pod runs, added to image.pullSecrets;
 SERVICEACCOUNT is the workload's own (ksm.serviceAccountName: one per workload, each with
 only the rights its pods use); TOKEN false: the pod calls no API, so it is given no token
@@ -20,6 +20,11 @@ serviceAccountName: {{ index . 2 }}
 automountServiceAccountToken: false
 {{- end }}
 priorityClassName: {{ $root.Values.daemonsets.priorityClassName }}
+# The runtime's default seccomp profile for every container (a privileged one runs without
+# any: the runtime applies none to it).
+securityContext:
+  seccompProfile:
+    type: RuntimeDefault
 {{- with $root.Values.daemonsets.tolerations }}
 tolerations:
   {{- toYaml . | nindent 2 }}

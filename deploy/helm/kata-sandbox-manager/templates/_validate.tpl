@@ -4,7 +4,47 @@ validate.yaml), each with a message saying why and what to set instead. Checks t
 value stay where the value is used (ksm.image: the digest; ksm.ociLayoutDirs: the layout dirs).
 */}}
 
+{{/*
+The names NVIDIA's container device plugin advertises container GPUs under (whole GPUs,
+time-sliced shares, MIG slices; a trailing * is a prefix), as a JSON list: the chart's copy
+of gpunode.k8snames.NVIDIA_CONTAINER_RESOURCES (tests/chart/test_devices.py holds them equal).
+Both admission layers let an ordinary container ask for these.
+*/}}
+{{- define "ksm.containerGpuResources" -}}
+["nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-*"]
+{{- end -}}
+
+{{/*
+Refuses an alias (sandboxDevicePlugin.alias, or P_GPU_ALIAS / NVSWITCH_ALIAS in
+sandboxDevicePlugin.env or kataSandboxDevicePlugin.env) that would publish passthrough
+devices under a container GPU's name: a runc pod asking for nvidia.com/gpu would be handed
+/dev/vfio/*. Compared without case, as katamgr and the plugin compare it
+(gpunode.policy.naming.validate_alias).
+*/}}
+{{- define "ksm.validateAliases" -}}
+{{- $k := index .Values "kataSandboxDevicePlugin" | default dict -}}
+{{- $set := list (list "sandboxDevicePlugin.alias" .Values.sandboxDevicePlugin.alias) -}}
+{{- range $block, $env := dict "sandboxDevicePlugin" (.Values.sandboxDevicePlugin.env | default list) "kataSandboxDevicePlugin" ($k.env | default list) -}}
+{{- range $env -}}
+{{- if has .name (list "P_GPU_ALIAS" "NVSWITCH_ALIAS") -}}
+{{- $set = append $set (list (printf "%s.env %s" $block .name) .value) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $set -}}
+{{- $source := index . 0 -}}
+{{- $value := toString (index . 1 | default "") -}}
+{{- $name := printf "nvidia.com/%s" (lower $value) -}}
+{{- range $taken := include "ksm.containerGpuResources" $ | fromJsonArray -}}
+{{- if and $value (or (eq $name $taken) (and (hasSuffix "*" $taken) (hasPrefix (trimSuffix "*" $taken) $name))) -}}
+{{- fail (printf "%s=%s would publish passthrough devices as nvidia.com/%s, a container GPU's name (%s, what NVIDIA's container device plugin advertises): both admission layers let an ordinary (runc) container ask for it, and the plugin would hand it the raw VFIO device; set another alias (e.g. pgpu), or none for model names" $source $value $value $taken) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "ksm.validate" -}}
+{{- include "ksm.validateAliases" . -}}
 {{- if eq (toString .Values.sandboxWorkloads.mode) "kubevirt" -}}
 {{- fail "sandboxWorkloads.mode=kubevirt: this chart runs Kata Containers only; use the NVIDIA GPU Operator for KubeVirt, or set sandboxWorkloads.mode=kata (the default)" -}}
 {{- end -}}
