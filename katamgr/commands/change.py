@@ -60,7 +60,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
         report = reconcile(host, naming, steps, setup.ctx, force=args.force,
                            wait=args.device_wait,
                            lock_wait=args.wait, command="katamgr apply", journal=_journal(host, "katamgr apply"))
-        report.merge(_offer(setup, steps, args, report))
+        if not report.interrupted:  # a stopped run offers nothing new
+            report.merge(_offer(setup, steps, args, report))
         # "Nothing to change" only where nothing was left out either.
         _show_report(args, "ApplyReport", report,
                      "" if report.problems else "nothing to change: the node is already as planned")
@@ -111,6 +112,10 @@ def _tell_how_to_undo(report: Report, args: argparse.Namespace) -> None:
               "are not offered on this node; the rest is in place (`katamgr run` retries them, or run apply "
               "again once the cause is fixed)", file=sys.stderr)
         return
+    if report.interrupted:
+        print(f"katamgr: apply stopped at a safe point; the changes listed above are in place: run "
+              f"`katamgr apply` again to finish, or `katamgr revert{where}` to undo them", file=sys.stderr)
+        return
     if not report.failures or not report.changes:
         return
     print(f"katamgr: apply failed after the changes listed above, which are still in place; "
@@ -133,6 +138,10 @@ def cmd_revert(args: argparse.Namespace) -> int:
 
             report.merge(offers.withdraw(node_labels(ctx.api, args.node_name)))
         _show_report(args, "RevertReport", report, "nothing to revert: katamgr has no changes recorded on this node")
+    if report.interrupted:
+        print("katamgr: revert stopped at a safe point; what it undid is listed above, the rest is still "
+              "recorded: run `katamgr revert` again to finish", file=sys.stderr)
+        return report.exit_code()
     return 0 if report.ok else 1
 
 

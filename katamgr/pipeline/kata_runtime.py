@@ -19,6 +19,7 @@ from gpunode.errors import ConfigError, GpuNodeError
 from gpunode.host.files import remove_stale_temps
 from gpunode.host.root import HostRoot
 from gpunode.policy import katadetect
+from gpunode.services import interrupt
 from katamgr.artifacts import (
     DEFAULT_DEADLINES,
     ArtifactError,
@@ -265,26 +266,27 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
         ready.append(rc.name)
 
     entries = runtimes(host, ctx, ready)
-    remove_stale_temps(host.path(config.containerd.config_path))  # a killed earlier write's
-    try:
-        kata_record.note_containerd(host, config.containerd.config_path, str(config.containerd.restart_mode),
-                                    config.containerd.socket)
-        change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
-                                      enable_cdi=enable_cdi)
-    except OSError as exc:
-        report.failures.append(f"containerd config {config.containerd.config_path} was not written: "
-                               f"{exc.strerror or exc}")
-        return report.merge(_cluster(ctx, config))
-    report.classes_ready = sorted({e.name for e in entries} | set(theirs))
-    remove_stale_temps(host.path(change.path))  # the drop-in's, where that is the target
-    if change.changed:
-        what = ", ".join(filter(None, [
-            f"added {', '.join(change.runtimes_added)}" if change.runtimes_added else "",
-            f"updated {', '.join(change.runtimes_updated)}" if change.runtimes_updated else "",
-            f"removed {', '.join(change.runtimes_removed)}" if change.runtimes_removed else "",
-        ])) or "settings"
-        report.changes.append(f"edited {change.path} ({what})")
-        report.merge(_reload(host, config, "load the Kata runtimes"))
+    with interrupt.deferred():  # containerd's config and its reload: both, or neither
+        remove_stale_temps(host.path(config.containerd.config_path))  # a killed earlier write's
+        try:
+            kata_record.note_containerd(host, config.containerd.config_path, str(config.containerd.restart_mode),
+                                        config.containerd.socket)
+            change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
+                                          enable_cdi=enable_cdi)
+        except OSError as exc:
+            report.failures.append(f"containerd config {config.containerd.config_path} was not written: "
+                                   f"{exc.strerror or exc}")
+            return report.merge(_cluster(ctx, config))
+        report.classes_ready = sorted({e.name for e in entries} | set(theirs))
+        remove_stale_temps(host.path(change.path))  # the drop-in's, where that is the target
+        if change.changed:
+            what = ", ".join(filter(None, [
+                f"added {', '.join(change.runtimes_added)}" if change.runtimes_added else "",
+                f"updated {', '.join(change.runtimes_updated)}" if change.runtimes_updated else "",
+                f"removed {', '.join(change.runtimes_removed)}" if change.runtimes_removed else "",
+            ])) or "settings"
+            report.changes.append(f"edited {change.path} ({what})")
+            report.merge(_reload(host, config, "load the Kata runtimes"))
     # RuntimeClasses are cluster-wide: one node whose pull failed must not
     # delete a class the other nodes serve, so the whole config is applied.
     report.merge(_cluster(ctx, config))

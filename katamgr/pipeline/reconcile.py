@@ -21,6 +21,8 @@ from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
 from gpunode.policy.workload import Operand, Workload
+from gpunode.services import interrupt
+from gpunode.services.interrupt import Interrupted
 from gpunode.services.journal import Journal, quiet
 from gpunode.services.lock import node_lock, tidy_state_dir
 from gpunode.services.nvlinkfabric import FabricSettings
@@ -190,7 +192,7 @@ def _journalled(journal: Journal, run: Callable[[], Report]) -> Report:
     except BaseException:
         journal.end("failed")
         raise
-    journal.end("succeeded" if report.ok else "failed")
+    journal.end("interrupted" if report.interrupted else "succeeded" if report.ok else "failed")
     return report
 
 
@@ -251,6 +253,13 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         # what is still in place is named, for the `katamgr revert` that undoes it.
         report.failures.append(hostpaths.failed_write(host, exc, doing))
         report.changes += [k for k in hostpaths.kept(host, kata_dirs) if k not in report.changes]
+    except Interrupted as exc:
+        # Raised at a safe point (between IOMMU groups, steps or download chunks): what the
+        # steps before it did is in place, named from the node's records.
+        report.interrupted = exc.exit_code
+        report.failures.append(f"stopped by {exc.name} while {doing}; the steps before it are done "
+                               f"(steps done: {'; '.join(journal.record.stepsDone) or 'none'})")
+        report.changes += [k for k in hostpaths.kept(host, kata_dirs) if k not in report.changes]
     return report
 
 
@@ -271,8 +280,18 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
                 with journal.step("remove the GPU labels katamgr set") as step:
                     report = gpulabels.revert(host, node_labels)
                     step.failed = not report.ok
-            return report.merge(_revert_all(host, steps, kata_ctx, force=force,
-                                            delete_runtime_classes=delete_runtime_classes, journal=journal))
+            try:
+                return report.merge(_revert_all(host, steps, kata_ctx, force=force,
+                                                delete_runtime_classes=delete_runtime_classes,
+                                                journal=journal))
+            except Interrupted as exc:
+                # Between two steps: each step done is whole; the rest is still recorded.
+                report.interrupted = exc.exit_code
+                report.failures.append(
+                    f"stopped by {exc.name} before the revert finished (steps done: "
+                    f"{'; '.join(journal.record.stepsDone) or 'none'}); what is left is still recorded: "
+                    "run `katamgr revert` again to finish")
+                return report
         report = _journalled(journal, run)
         try:
             tidy_state_dir(host)
@@ -308,7 +327,7 @@ def _undo(report: Report, host: HostRoot, journal: Journal, title: str, doing: s
           step: Callable[[], Report]) -> None:
     """``step()`` as the journal step ``title``; a write that fails is named (``doing``) and
     the revert goes on."""
-    with journal.step(title) as outcome:
+    with journal.step(title) as outcome, interrupt.deferred():
         try:
             done = step()
         except OSError as exc:
