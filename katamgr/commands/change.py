@@ -155,7 +155,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(documents.dump(documents.status_document(status, summary), args.output))
     else:
         print(status_text(status))
-    return 0
+    # A damaged record is an error a script must see: revert would not undo what it lost.
+    return Exit.RECORD if status.problems else Exit.OK
 
 
 def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataContext | None,

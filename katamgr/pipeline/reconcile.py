@@ -33,7 +33,7 @@ from gpunode.services.podresources import (
     wait_not_offered,
 )
 from gpunode.services.toolkit import isolation_problem, read_toolkit_config, toml_value
-from katamgr.pipeline import cdi_specs, gpulabels, hostpaths, kata_record, nvlinkfabric
+from katamgr.pipeline import cdi_specs, gpulabels, hostpaths, kata_record, nvlinkfabric, records
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import LeaveReport, Report
@@ -177,6 +177,7 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
     """
     journal = journal or quiet()
     with node_lock(host, command, lock_wait):
+        records.verify(host)  # a damaged record stops the run before anything is read from it
         return _journalled(journal, lambda: _reconcile(host, naming, steps, kata_ctx, force=force, wait=wait,
                                                        gives_back=gives_back, journal=journal))
 
@@ -273,6 +274,8 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
     lock file too. ``node_labels``: our Node's labels, to remove the GPU labels katamgr set."""
     journal = journal or quiet()
     with node_lock(host, command, lock_wait):
+        records.verify(host)
+
         def run() -> Report:
             if not host_gpulabels.recorded(host):
                 report = gpulabels.revert(host, node_labels)  # nothing set: not a step to say
