@@ -133,7 +133,8 @@ def cmd_revert(args: argparse.Namespace) -> int:
                             delete_runtime_classes=args.delete_runtimeclasses, lock_wait=args.wait,
                             node_labels=_revert_node_labels(args, host, ctx, extras),
                             journal=_journal(host, "katamgr revert"))
-        if steps.kata and ctx is not None and ctx.api is not None and args.node_name:
+        # The offer labels go whatever --no-kata says: they name runtimes this node no longer has.
+        if ctx is not None and ctx.api is not None and args.node_name:
             from katamgr.pipeline import offers
 
             report.merge(offers.withdraw(node_labels(ctx.api, args.node_name)))

@@ -308,19 +308,23 @@ def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, f
     """Each step as far as it goes: a write that fails (a read-only dir) is named with its
     cause, and the steps after it still run (exit 1: what was left is said)."""
     report = Report()
-    if steps.kata and (kata_ctx is not None or kata_record.recorded(host)):
+    # What the records list is undone whatever the steps say now: an opt-out (--no-kata,
+    # --no-vfio, --no-cdi: a manager turned off since) stops new work, never the undoing of
+    # what katamgr did while it was on (the chart's uninstall hook passes today's values).
+    if kata_record.recorded(host) or (steps.kata and kata_ctx is not None):
+        ctx = kata_ctx if steps.kata else None  # off: the record alone says what is there
         _undo(report, host, journal, "remove the Kata runtimes (containerd config, artifacts)",
               "undoing the Kata runtimes (containerd, artifacts)",
-              lambda: _kata_runtime().revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
+              lambda: _kata_runtime().revert(host, ctx, delete_runtime_classes=delete_runtime_classes))
     elif steps.kata and _kata_runtime().changes_recorded(host):
         # Applied by a katamgr older than the Kata record: only its config names the paths.
         report.failures.append(
             "katamgr has Kata changes recorded on this node (containerd config, artifacts) by a release "
             "that did not record their paths; pass the same --config FILE that applied them to revert them too")
-    if steps.cdi:
+    if steps.cdi or cdi_specs.recorded(host):
         _undo(report, host, journal, "remove the CDI specs", "removing the CDI specs",
               lambda: cdi_specs.remove_specs(host))
-    if steps.vfio:
+    if steps.vfio or vfio.bound_by_us(host):
         _undo(report, host, journal, "give the devices back to their drivers", "giving the GPUs back",
               lambda: revert_host(host, force=force))
     return report

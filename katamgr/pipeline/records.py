@@ -52,7 +52,10 @@ def _kata(data: Any) -> bool:
                        and isinstance(v.get("dir"), str) and v["dir"].startswith("/"))
     edited = _dict_of(data.get("containerd", {}), lambda k, v: k.startswith("/") and isinstance(v, dict))
     drop_ins = data.get("dropIns", [])
-    return classes and edited and isinstance(drop_ins, list) and all(isinstance(p, str) for p in drop_ins)
+    earlier = data.get("earlierDirs", [])
+    moved = isinstance(earlier, list) and all(isinstance(e, dict) and isinstance(e.get("dir"), str)
+                                              and isinstance(e.get("name"), str) for e in earlier)
+    return classes and edited and moved and isinstance(drop_ins, list) and all(isinstance(p, str) for p in drop_ins)
 
 
 def _run(data: Any) -> bool:
