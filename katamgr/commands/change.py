@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from gpunode.errors import ConfigError
 from gpunode.host.root import HostRoot
+from gpunode.services.lock import refuse_beside_agent
 from gpunode.services.simulator import NodeExtras
 from katamgr.commands.setup import (
     NodeSetup,
@@ -54,6 +55,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     with host_from(args) as (host, extras):
+        refuse_beside_agent(host, "katamgr apply")
         naming = with_node_kata(with_fabric(naming, host, fabric_settings(args, config, extras)), host, config)
         setup = node_setup(args, host, config, extras=extras)
         steps = setup.steps.without(setup.opted_out)
