@@ -97,7 +97,8 @@ def _note(host: HostRoot, key: str, name: str, value: dict[str, Any] | None) -> 
         before = entries.get(name, {})
         if key == "runtimeClasses":
             _keep_earlier_dir(data, name, before, value["dir"])
-        entries[name] = {**value, "since": before.get("since") or now()}
+        # What else the entry holds (a pending reload) stays.
+        entries[name] = {**before, **value, "since": before.get("since") or now()}
         data[key] = entries
     write_json(host.state_path(STATE_FILE), data)
 
@@ -126,6 +127,25 @@ def note_containerd(host: HostRoot, config_path: str, restart_mode: str, socket:
 def note_drop_in(host: HostRoot, path: str) -> None:
     """A drop-in of ours is about to be written at host path ``path``."""
     _note(host, "dropIns", path, None)
+
+
+def mark_reload(host: HostRoot, config_path: str, pending: str | None) -> None:
+    """containerd has (None) or has not (why) read the edit of ``config_path``."""
+    data = _read(host)
+    entry = data.get("containerd", {}).get(config_path)
+    if not isinstance(entry, dict) or entry.get("reloadPending") == pending:
+        return
+    if pending is None:
+        entry.pop("reloadPending", None)
+    else:
+        entry["reloadPending"] = pending
+    write_json(host.state_path(STATE_FILE), data)
+
+
+def reload_pending(host: HostRoot, config_path: str) -> str | None:
+    """Why containerd has not read katamgr's edit of ``config_path`` (None: it has)."""
+    entry = _read(host).get("containerd", {}).get(config_path)
+    return entry.get("reloadPending") if isinstance(entry, dict) else None
 
 
 def forget(host: HostRoot) -> None:

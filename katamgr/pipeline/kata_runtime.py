@@ -36,14 +36,13 @@ from katamgr.artifacts import (
     remove_install,
 )
 from katamgr.config import KataManagerConfig, RuntimeClassConfig
-from katamgr.pipeline import kata_record
+from katamgr.pipeline import kata_record, kata_reload
 from katamgr.pipeline.kata_checked import Preflight
 from katamgr.pipeline.plan import PlanSection
 from katamgr.pipeline.report import Report
 from katamgr.runtime import (
     KataRuntime,
     configure_containerd,
-    reload_containerd,
     revert_containerd,
     transform_kata_config,
 )
@@ -286,7 +285,9 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
                 f"removed {', '.join(change.runtimes_removed)}" if change.runtimes_removed else "",
             ])) or "settings"
             report.changes.append(f"edited {change.path} ({what})")
-            report.merge(_reload(host, config, "load the Kata runtimes"))
+            report.merge(kata_reload.reload(host, config, "load the Kata runtimes"))
+        elif kata_record.reload_pending(host, config.containerd.config_path):
+            report.merge(kata_reload.retry(host, config))  # an earlier edit containerd never read
     # RuntimeClasses are cluster-wide: one node whose pull failed must not
     # delete a class the other nodes serve, so the whole config is applied.
     report.merge(_cluster(ctx, config))
@@ -350,17 +351,6 @@ def _kata_deploy_settings(host: HostRoot, ctx: KataContext, name: str,
     return report
 
 
-def _reload(host: HostRoot, config: KataManagerConfig, purpose: str) -> Report:
-    return _reload_with(host, config.containerd.restart_mode, config.containerd.socket, purpose)
-
-
-def _reload_with(host: HostRoot, restart_mode: str, socket: str, purpose: str) -> Report:
-    report = Report()
-    result = reload_containerd(host, restart_mode, socket_path=socket, purpose=purpose)
-    (report.changes if result.done else report.warnings).append(result.message)
-    return report
-
-
 def _cluster(ctx: KataContext, config: KataManagerConfig) -> Report:
     report = Report()
     if not ctx.manage_runtime_classes:
@@ -404,7 +394,7 @@ def revert(host: HostRoot, ctx: KataContext | None, *, delete_runtime_classes: b
         remove_stale_temps(host.path(change.path))
         if change.changed:
             report.changes.append(f"restored {change.path}")
-            report.merge(_reload_with(host, restart_mode, socket, "drop the Kata runtimes"))
+            report.merge(kata_reload.reload_with(host, path, restart_mode, socket, "drop the Kata runtimes"))
     # Our GPU settings beside kata-deploy's configs (the drop-ins only: its own files stay).
     report.changes += [f"removed {p}" for p in remove_gpu_drop_ins(host, katadetect.KATA_DEPLOY_DIR)]
     dirs = [c.dir for c in record.runtime_classes]
