@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.parse_args([args.topic, "--help"] if args.topic else ["--help"])
     log_format = getattr(args, "log_format", TEXT)
     setup_logging(logging.INFO if args.verbose else logging.WARNING, log_format)
+    if not args.verbose:
+        # urllib3 logs each retry of an unanswered API call as a warning; the command says
+        # what the API server's silence means once, in its own words.
+        logging.getLogger("urllib3").setLevel(logging.ERROR)
     if args.command in STOPPED_AT_SAFE_POINTS:
         interrupt.install()
     try:
