@@ -284,9 +284,8 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
                     report = gpulabels.revert(host, node_labels)
                     step.failed = not report.ok
             try:
-                return report.merge(_revert_all(host, steps, kata_ctx, force=force,
-                                                delete_runtime_classes=delete_runtime_classes,
-                                                journal=journal))
+                return _revert_all(report, host, steps, kata_ctx, force=force,
+                                   delete_runtime_classes=delete_runtime_classes, journal=journal)
             except Interrupted as exc:
                 # Between two steps: each step done is whole; the rest is still recorded.
                 report.interrupted = exc.exit_code
@@ -303,11 +302,11 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
         return report
 
 
-def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool,
+def _revert_all(report: Report, host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool,
                 delete_runtime_classes: bool, journal: Journal) -> Report:
-    """Each step as far as it goes: a write that fails (a read-only dir) is named with its
-    cause, and the steps after it still run (exit 1: what was left is said)."""
-    report = Report()
+    """Each step as far as it goes, into ``report`` (kept when a stop signal ends the revert
+    between two steps): a write that fails (a read-only dir) is named with its cause, and the
+    steps after it still run (exit 1: what was left is said)."""
     # What the records list is undone whatever the steps say now: an opt-out (--no-kata,
     # --no-vfio, --no-cdi: a manager turned off since) stops new work, never the undoing of
     # what katamgr did while it was on (the chart's uninstall hook passes today's values).
@@ -334,13 +333,14 @@ def _undo(report: Report, host: HostRoot, journal: Journal, title: str, doing: s
           step: Callable[[], Report]) -> None:
     """``step()`` as the journal step ``title``; a write that fails is named (``doing``) and
     the revert goes on."""
-    with journal.step(title) as outcome, interrupt.deferred():
-        try:
-            done = step()
-        except OSError as exc:
-            done = Report(failures=[hostpaths.failed_write(host, exc, doing) + "; left as it is"])
-        outcome.failed = not done.ok
-    report.merge(done)
+    with interrupt.deferred():  # a stop signal waits for the step's end, and what it did is kept
+        with journal.step(title) as outcome:
+            try:
+                done = step()
+            except OSError as exc:
+                done = Report(failures=[hostpaths.failed_write(host, exc, doing) + "; left as it is"])
+            outcome.failed = not done.ok
+        report.merge(done)
 
 
 def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: bool | None = None,

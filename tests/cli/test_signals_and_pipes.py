@@ -153,3 +153,26 @@ def test_revert_into_head_reverts_and_says_nothing_about_the_pipe(tmp_path):
     assert proc.returncode == 0, text
     assert "BrokenPipe" not in text and "Exception ignored" not in text
     assert _bound(host.root) == []
+
+
+def test_a_signal_during_a_revert_finishes_that_step_and_running_it_again_finishes(tmp_path):
+    host = materialise(find_profile("dgx-h100"), tmp_path / "node")
+    assert subprocess.run([KATAMGR, "apply", "--host-root", str(host.root)], capture_output=True, timeout=120,
+                          env=_env()).returncode == 0
+    log = tmp_path / "log"
+    # The first write point of the revert: removing the CDI specs (the devices' step comes after).
+    proc = subprocess.Popen([KATAMGR, "revert", "--host-root", str(host.root)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env=_env(**{faults.PAUSE_AT: "1:1.0", faults.WRITE_LOG: str(log)}))
+    _wait_for(lambda: log.exists() and log.read_text().strip())
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == Exit.INTERRUPTED, err
+    assert "stopped by SIGINT before the revert finished" in err
+    assert "run `katamgr revert` again to finish" in err
+    assert "removed /var/run/cdi/" in out  # the step under way finished whole
+    assert len(_bound(host.root)) == DGX_GPUS  # the step after it never started
+    again = subprocess.run([KATAMGR, "revert", "--host-root", str(host.root)], capture_output=True, text=True,
+                           timeout=120, env=_env())
+    assert again.returncode == 0, again.stderr
+    assert not host.path("/var/lib/kata-sandbox-manager").exists()
