@@ -47,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         # urllib3 logs each retry of an unanswered API call as a warning; the command says
         # what the API server's silence means once, in its own words.
         logging.getLogger("urllib3").setLevel(logging.ERROR)
-    if args.command in STOPPED_AT_SAFE_POINTS:
-        interrupt.install()
     try:
-        return args.func(args)
+        if args.command not in STOPPED_AT_SAFE_POINTS:
+            return args.func(args)
+        with interrupt.handled():
+            return args.func(args)
     except KeyboardInterrupt as exc:
         code = exc.exit_code if isinstance(exc, interrupt.Interrupted) else 130
         name = exc.name if isinstance(exc, interrupt.Interrupted) else "SIGINT"

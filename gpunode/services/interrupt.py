@@ -2,7 +2,7 @@
 point, never half-way through a change that must be whole.
 
 Python turns SIGINT into KeyboardInterrupt and lets SIGTERM kill the process (exit 143,
-nothing said). A command that changes the host installs ``install()``: both signals then
+nothing said). A command that changes the host runs in ``handled()``: both signals then
 raise ``Interrupted`` in the main thread, at once where that is safe (waiting for a lock or
 a download, between IOMMU groups or steps) and at the end of the section where it is not
 (``deferred()``: one IOMMU group's bind with its rollback, containerd's config and its
@@ -47,14 +47,22 @@ def _handler(signum: int, _frame: object) -> None:
     raise Interrupted(signum)
 
 
-def install() -> bool:
-    """Raise ``Interrupted`` on SIGINT and SIGTERM (the main thread only: Python runs signal
-    handlers there; elsewhere nothing is installed and False is returned)."""
+@contextmanager
+def handled() -> Iterator[bool]:
+    """Within the block, SIGINT and SIGTERM raise ``Interrupted`` (the main thread only:
+    Python runs signal handlers there; elsewhere nothing is installed and False is given);
+    the handlers before it are put back after it (a test calling ``main`` keeps its own)."""
+    global _pending
     if threading.current_thread() is not threading.main_thread():
-        return False
-    for signum in SIGNALS:
-        signal.signal(signum, _handler)
-    return True
+        yield False
+        return
+    before = {signum: signal.signal(signum, _handler) for signum in SIGNALS}
+    _pending = None
+    try:
+        yield True
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
 
 
 def checkpoint() -> None:

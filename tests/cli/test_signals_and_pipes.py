@@ -35,6 +35,9 @@ from trickle import TrickleRegistry  # noqa: E402 - the artifact tests' tricklin
 
 KATAMGR = str(Path(sys.executable).parent / "katamgr")
 DGX_GPUS = 8
+# Within 2 s on an idle machine; the bound leaves a loaded CI machine its slack and stays far
+# below what waiting would take (a trickled blob: 60 s before the registry gives up).
+STOP_BOUND = 5.0
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -79,7 +82,7 @@ def test_a_signal_during_a_bind_finishes_that_group_then_stops_and_lists_what_wa
     proc.send_signal(signum)
     sent = time.monotonic()
     out, err = proc.communicate(timeout=60)
-    assert time.monotonic() - sent < 1.0 + 2.0  # the paused write, then the group's end
+    assert time.monotonic() - sent < 1.0 + STOP_BOUND  # the paused write, then the group's end
     assert proc.returncode == 128 + signum, err
     name = signal.Signals(signum).name
     assert f"stopped by {name} while binding the GPUs" in err
@@ -97,7 +100,7 @@ def test_a_signal_during_a_bind_finishes_that_group_then_stops_and_lists_what_wa
     assert len(_bound(host.root)) == DGX_GPUS
 
 
-def test_sigterm_cuts_a_slow_blob_download_within_two_seconds(tmp_path):
+def test_sigterm_cuts_a_slow_blob_download_at_once(tmp_path):
     from support.paths import EXAMPLES
 
     server = TrickleRegistry(EXAMPLES / "oci-layout", trickle=frozenset({"blob"}), give_up=60.0)
@@ -112,7 +115,7 @@ def test_sigterm_cuts_a_slow_blob_download_within_two_seconds(tmp_path):
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         out, err = proc.communicate(timeout=60)
-        assert time.monotonic() - sent < 2.0, err
+        assert time.monotonic() - sent < STOP_BOUND, err
     finally:
         server.close()
     assert proc.returncode == Exit.TERMINATED, err
