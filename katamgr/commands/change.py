@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import TYPE_CHECKING
 
@@ -199,7 +200,8 @@ class _ApiOnce:
                 try:
                     return call(*args)
                 except GpuNodeError as exc:
-                    self.error = str(exc)
+                    if _UNANSWERED.search(str(exc)):  # a refusal (404, 403) is said as it is
+                        self.error = str(exc)
                     raise
             return run
         return NodeLabels(once(labels.read), once(labels.patch), labels.read_fresh and once(labels.read_fresh))
@@ -223,10 +225,11 @@ class _ApiOnce:
             "is kept for it)")
 
 
+_UNANSWERED = re.compile(r"unreachable|timed out|Max retries exceeded|Failed to establish a new connection")
+
+
 def _short(error: str) -> str:
     """The cause in an API client's error, without the connection pool's wrapping."""
-    import re
-
     found = re.search(r"(Failed to establish a new connection: [^\"')]+|Read timed out[^\"')]*|"
                       r"Name or service not known|timed out)", error)
     return found.group(1) if found else error[:300]
