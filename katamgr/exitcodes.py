@@ -18,7 +18,9 @@ class Exit(enum.IntEnum):
     PARTLY = 3        # partly done: some runtime classes failed (named); the rest is in place
     PROBLEMS = 4      # done, with problems: plan found some, or apply skipped a device (named)
     FORCED = 5        # done, with --force: devices were taken from the processes named
-    INTERRUPTED = 130  # SIGINT/SIGTERM: what was done is listed, as for FAILED
+    RECORD = 6        # a record of katamgr's on the node is damaged or foreign (named): nothing changed
+    INTERRUPTED = 130  # SIGINT (128 + 2): stopped at a safe point, what was done is listed
+    TERMINATED = 143  # SIGTERM (128 + 15): the same, as a shell reports a process a signal ended
 
 
 MEANING: dict[Exit, str] = {
@@ -28,15 +30,20 @@ MEANING: dict[Exit, str] = {
     Exit.PARTLY: "partly done: the runtime classes named failed and are not offered; the rest is in place",
     Exit.PROBLEMS: "done with problems: `plan` found problems, or `apply` left out a device (named)",
     Exit.FORCED: "done with --force: devices were taken from the running processes named",
-    Exit.INTERRUPTED: "interrupted; what was done is listed, as for 1",
+    Exit.RECORD: "a record katamgr keeps on the node (named) is damaged or not katamgr's; nothing changed; "
+                 "the message says how to repair it",
+    Exit.INTERRUPTED: "stopped by SIGINT (Ctrl-C) at a safe point; what was done is listed with the command that "
+                      "finishes or undoes it",
+    Exit.TERMINATED: "stopped by SIGTERM at a safe point; what was done is listed, as for 130",
 }
 
 _SEVERITY = (Exit.PARTLY, Exit.PROBLEMS, Exit.FORCED)
 
 
 def most_serious(codes: list[Exit]) -> Exit:
-    """The code a run ends with when several things happened (a failure beats everything)."""
-    for code in (Exit.FAILED, Exit.USAGE, *_SEVERITY):
+    """The code a run ends with when several things happened (a stop signal beats
+    everything: the run did not reach its end; then a failure)."""
+    for code in (Exit.INTERRUPTED, Exit.TERMINATED, Exit.RECORD, Exit.FAILED, Exit.USAGE, *_SEVERITY):
         if code in codes:
             return code
     return Exit.OK

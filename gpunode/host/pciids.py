@@ -35,8 +35,12 @@ class PciIds:
         an empty database (every name falls back to the hex id)."""
         if override:
             path = Path(override)
-            if not path.is_file():
+            if not path.exists():
                 raise FileNotFoundError(f"pci.ids file {path} does not exist; pass an existing file or omit --pci-ids")
+            if not path.is_file():
+                what = "a directory" if path.is_dir() else "not a regular file (a device, pipe or socket)"
+                raise FileNotFoundError(f"pci.ids file {path} is {what}; pass the pci.ids database file "
+                                        f"(the system's is {' or '.join(DEFAULT_PCI_IDS)}) or omit --pci-ids")
             return cls(path)
         for candidate in DEFAULT_PCI_IDS:
             if Path(candidate).is_file():

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from gpunode import __version__
 from gpunode.host.files import read_json, write_json
 from gpunode.host.root import HostRoot
+from gpunode.services import interrupt
 from gpunode.services.lock import RUN_FILE, lock_held
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class Journal:
         """One step: said and recorded as it starts and as it ends; the caller marks a
         step that failed without raising (``outcome.failed = True``). A step that only
         reads (``writes=False``, the checks before the first write) is said, not recorded."""
+        interrupt.checkpoint()  # a stop signal held back by a section that then failed: stop here
         outcome = StepOutcome()
         self._recording = self._recording or writes
         self.record.step = what

@@ -9,8 +9,10 @@ It sits in ``gpunode.services`` (the services both programs share) because the d
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -113,3 +115,49 @@ def stop_on_signals(stop: Callable[[], None], log: logging.Logger) -> bool:
     for signum in STOP_SIGNALS:
         signal.signal(signum, handler)
     return True
+
+
+class _ClosedReaderSafe:
+    """A standard stream whose reader may go away: ``katamgr apply | head -1`` closes the pipe
+    after one line, and Python (which ignores SIGPIPE) raises BrokenPipeError on the next
+    write. The work must go on and keep its exit code, so once the reader is gone the
+    stream's descriptor is pointed at /dev/null (the interpreter's flush at exit then has
+    nowhere to fail) and what would have been written is dropped."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (BrokenPipeError, ValueError, OSError) as exc:
+            self._gone(exc)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (BrokenPipeError, ValueError, OSError) as exc:
+            self._gone(exc)
+
+    def _gone(self, exc: Exception) -> None:
+        if isinstance(exc, OSError) and not isinstance(exc, BrokenPipeError) and exc.errno not in (
+                errno.EPIPE, errno.ECONNRESET, errno.EINVAL):
+            return  # another write error on a terminal or file: dropped too, never fatal
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def guard_std_streams() -> None:
+    """Make stdout and stderr safe from a reader that goes away (see ``_ClosedReaderSafe``)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _ClosedReaderSafe):
+            setattr(sys, name, _ClosedReaderSafe(stream))

@@ -53,9 +53,11 @@ class KataFound:
         """What detection read for the target's selection (at start)."""
         self._inputs = katadetect.inputs(target.host, self.containerd_config, target.naming.selection.kata_found)
 
-    def follow(self, target: Target) -> str | None:
+    def follow(self, target: Target, *, ours: bool = False) -> str | None:
         """Why the node's Kata changed, with the target's naming following it; None when the
-        files detection reads are as they were, or say the same after a look."""
+        files detection reads are as they were, or say the same after a look. ``ours``: looked
+        at right after the agent's own reconcile, whose install (its artifacts, its containerd
+        entries) is then what changed, never kata-deploy's doing."""
         before = target.naming.selection
         now = katadetect.inputs(target.host, self.containerd_config, before.kata_found)
         if self._inputs is None or now == self._inputs:
@@ -68,7 +70,11 @@ class KataFound:
         self._inputs = katadetect.inputs(target.host, self.containerd_config, after.kata_found)
         if _summary(before.kata_found) == _summary(after.kata_found) and before.kata == after.kata:
             return None
-        why = (f"the node's Kata changed (kata-deploy installed or upgraded it?): "
-               f"{_said(before.kata_found, before)} before, {_said(after.kata_found, after)} now")
+        if ours:
+            why = (f"the Kata runtimes katamgr installed are found on the node: "
+                   f"{_said(after.kata_found, after)} now ({_said(before.kata_found, before)} before)")
+        else:
+            why = (f"the node's Kata changed (kata-deploy installed or upgraded it?): "
+                   f"{_said(before.kata_found, before)} before, {_said(after.kata_found, after)} now")
         log.info("%s", why)
         return why

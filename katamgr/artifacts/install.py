@@ -220,6 +220,12 @@ def _fill(
         futures = [pool.submit(fill_one, layer) for layer in manifest.layers]
         try:
             wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException:  # a stop signal: the layer threads' reads are cut, not waited for
+            stop.set()
+            from katamgr.artifacts.remote import cut_transfers
+
+            cut_transfers()
+            raise
         finally:
             stop.set()  # a no-op once all are done; stops the rest after a failure or interrupt
             pool.shutdown(wait=True, cancel_futures=True)
@@ -231,6 +237,8 @@ def _fill(
 
 
 def _download(source: Source, layer: Layer, target: Path, ref: str, stop: threading.Event) -> int:
+    if stop.is_set():  # a retry after the others stopped (or a stop signal cut this one)
+        raise Stopped(f"{ref}: stopped {layer.name} before its download")
     with source.open_blob(layer) as chunks:
         write_verified(chunks, target, layer, ref, stop, progress=True)
     return layer.size

@@ -101,9 +101,20 @@ def parse_manifest(
             "the registry or layout served different content, check the ref and the source"
         )
     try:
-        doc = json.loads(data)
+        # An OCI manifest is UTF-8 JSON; json.loads would guess UTF-16 or -32 from the first
+        # bytes of anything else and fail in that codec's words.
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ArtifactError(
+            f"{ref}: what was served as the manifest is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+            f"{exc.start}), so not an OCI manifest; check that the ref names a Kata artifact and that the "
+            "registry or layout serves it"
+        ) from None
+    try:
+        doc = json.loads(text)
     except ValueError as exc:
-        raise ArtifactError(f"{ref}: the manifest is not valid JSON ({exc}); check the ref") from exc
+        raise ArtifactError(f"{ref}: the manifest is not valid JSON ({exc}); check that the ref names a Kata "
+                            "artifact") from exc
     if not isinstance(doc, dict):
         raise ArtifactError(f"{ref}: the manifest is not a JSON object; check the ref")
     kind = doc.get("mediaType") or media_type or MANIFEST_MEDIA_TYPES[0]
@@ -152,8 +163,9 @@ def _parse_layer(raw: Any, ref: str, max_layer_bytes: int) -> Layer:
     name = check_file_name(title, ref, digest)
     if size > max_layer_bytes:
         raise ArtifactError(
-            f"{ref}: layer {name!r} ({digest}) is {size} bytes, over the {max_layer_bytes}-byte "
-            "cap; raise max_layer_bytes if this artifact is genuine"
+            f"{ref}: layer {name!r} ({digest}) is {size} bytes, over katamgr's {max_layer_bytes}-byte "
+            "cap on one artifact file (a Kata kernel, image or config is far smaller; the cap is fixed, "
+            "not a setting); check that the ref names a Kata runtime class artifact"
         )
     media_type = raw.get("mediaType")
     return Layer(name, digest, size, media_type if isinstance(media_type, str) else "")

@@ -25,6 +25,7 @@ import ipaddress
 import logging
 import socket
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -43,6 +44,7 @@ from .errors import ArtifactError
 from .manifest import INDEX_MEDIA_TYPES, MANIFEST_MEDIA_TYPES, MAX_MANIFEST_BYTES, Layer
 from .refs import RegistryRef
 from .source import FetchedManifest, TransientError
+from .verified import Stopped
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,7 @@ class _Watchdog:
         self._lock = threading.Lock()
         self._held: dict[object, socket.socket] = {}  # connection -> duplicate of its socket
         self._done = False
+        self.stopped = False  # cut by a stop signal (``cut_transfers``), not by the deadline
         self._outer: _Watchdog | None = None
         self._timer = threading.Timer(seconds, self._cut)
         self._timer.daemon = True
@@ -104,11 +107,13 @@ class _Watchdog:
     def __enter__(self) -> _Watchdog:
         self._outer = getattr(_watching, "dog", None)
         _watching.dog = self
+        _live.add(self)
         self._timer.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
         _watching.dog = self._outer
+        _live.discard(self)
         self._timer.cancel()
         with self._lock:
             self._done = True
@@ -147,6 +152,14 @@ class _Watchdog:
                     _shut(dup)
 
 
+def cut_transfers() -> None:
+    """Cut every transfer under way in this process, as a passed deadline does: a stop
+    signal must not wait for a layer thread's chunk read to fill (a slow registry's blob)."""
+    for dog in list(_live):
+        dog.stopped = True
+        dog._cut()
+
+
 def _shut(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
@@ -154,6 +167,7 @@ def _shut(sock: socket.socket) -> None:
         pass  # already closed: the reader has finished or failed
 
 
+_live: weakref.WeakSet[_Watchdog] = weakref.WeakSet()  # the watchdogs of the requests under way
 _watching = threading.local()  # .dog: the watchdog of the request this thread is making
 
 
@@ -330,7 +344,9 @@ class RegistrySource:
         if dog.expired.is_set():
             raise self._too_slow(what, dog)
 
-    def _too_slow(self, what: str, dog: _Watchdog) -> TransientError:
+    def _too_slow(self, what: str, dog: _Watchdog) -> ArtifactError:
+        if dog.stopped:  # never retried, never blamed on the registry
+            return Stopped(f"{self.description}: {what} was cut: katamgr is stopping")
         return TransientError(
             f"{self.description}: {what} took longer than its {dog.seconds:g} s deadline "
             f"({dog.url} was still sending when it was cut; registry {self.ref.registry} "
@@ -393,7 +409,7 @@ class RegistrySource:
                                 "the ref and that it was pushed")
         raise ArtifactError(f"{where}; expected 200, check the ref and the registry")
 
-    def _dropped(self, what: str, exc: Exception, dog: _Watchdog) -> TransientError:
+    def _dropped(self, what: str, exc: Exception, dog: _Watchdog) -> ArtifactError:
         if dog.expired.is_set():
             return self._too_slow(what, dog)
         return TransientError(

@@ -46,13 +46,41 @@ def write_verified(
 ) -> None:
     """Write ``chunks`` to ``target``, checking size and digest as they stream, then fsync."""
     hasher = hashlib.sha256()
-    written = flushed = 0
-    started = last_report = time.monotonic()
+    started = time.monotonic()
     report = progress and layer.size >= PROGRESS_MIN_BYTES
     if report:
         log.info("%s: downloading %s (%.1f MiB)", ref, layer.name, layer.size / 2**20)
     # a retry starts the file afresh ("wb")
     write_point(f"write {target}")
+    try:
+        written = _write(chunks, target, layer, ref, stop, hasher, report, started)
+    except OSError as exc:
+        if exc.filename is None:  # write(2) and fsync(2) name no file: a full disk must say which
+            raise OSError(exc.errno, exc.strerror, str(target)) from exc
+        raise
+    os.chmod(target, FILE_MODE)
+    if written != layer.size:
+        raise ArtifactError(
+            f"{ref}: blob {layer.digest} ({layer.name}) ended after {written} of {layer.size} "
+            "bytes; the source serves truncated data, re-push the artifact"
+        )
+    actual = "sha256:" + hasher.hexdigest()
+    if actual != layer.digest:
+        raise ArtifactError(
+            f"{ref}: blob {layer.digest} ({layer.name}) has digest {actual}, not the manifest's; "
+            "the source serves corrupt data, re-push the artifact or check the registry storage"
+        )
+    if report:
+        seconds = max(time.monotonic() - started, 1e-6)
+        log.info("%s: downloaded %s, %.1f MiB in %.1fs (%.0f MiB/s)", ref, layer.name,
+                 layer.size / 2**20, seconds, layer.size / 2**20 / seconds)
+
+
+def _write(chunks: Iterator[bytes], target: Path, layer: Layer, ref: str, stop: threading.Event, hasher: Any,
+           report: bool, started: float) -> int:
+    """The stream into ``target``, hashed as it goes and fsynced; the bytes written."""
+    written = flushed = 0
+    last_report = started
     with target.open("wb") as out, _hashing(hasher, layer.size) as hash_chunk:
         for chunk in chunks:
             if stop.is_set():
@@ -76,22 +104,7 @@ def write_verified(
         hash_chunk(None)
         out.flush()
         os.fsync(out.fileno())
-    os.chmod(target, FILE_MODE)
-    if written != layer.size:
-        raise ArtifactError(
-            f"{ref}: blob {layer.digest} ({layer.name}) ended after {written} of {layer.size} "
-            "bytes; the source serves truncated data, re-push the artifact"
-        )
-    actual = "sha256:" + hasher.hexdigest()
-    if actual != layer.digest:
-        raise ArtifactError(
-            f"{ref}: blob {layer.digest} ({layer.name}) has digest {actual}, not the manifest's; "
-            "the source serves corrupt data, re-push the artifact or check the registry storage"
-        )
-    if report:
-        seconds = max(time.monotonic() - started, 1e-6)
-        log.info("%s: downloaded %s, %.1f MiB in %.1fs (%.0f MiB/s)", ref, layer.name,
-                 layer.size / 2**20, seconds, layer.size / 2**20 / seconds)
+    return written
 
 
 @contextlib.contextmanager

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import TYPE_CHECKING
 
-from gpunode.errors import ConfigError
+from gpunode.errors import ConfigError, GpuNodeError
 from gpunode.host.root import HostRoot
+from gpunode.services.lock import refuse_beside_agent
 from gpunode.services.simulator import NodeExtras
 from katamgr.commands.setup import (
     NodeSetup,
@@ -54,13 +56,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
     config = config_from(args)
     naming = naming_from(args, config)
     with host_from(args) as (host, extras):
+        refuse_beside_agent(host, "katamgr apply")
         naming = with_node_kata(with_fabric(naming, host, fabric_settings(args, config, extras)), host, config)
         setup = node_setup(args, host, config, extras=extras)
         steps = setup.steps.without(setup.opted_out)
         report = reconcile(host, naming, steps, setup.ctx, force=args.force,
                            wait=args.device_wait,
                            lock_wait=args.wait, command="katamgr apply", journal=_journal(host, "katamgr apply"))
-        report.merge(_offer(setup, steps, args, report))
+        if not report.interrupted:  # a stopped run offers nothing new
+            report.merge(_offer(setup, steps, args, report))
         # "Nothing to change" only where nothing was left out either.
         _show_report(args, "ApplyReport", report,
                      "" if report.problems else "nothing to change: the node is already as planned")
@@ -111,6 +115,10 @@ def _tell_how_to_undo(report: Report, args: argparse.Namespace) -> None:
               "are not offered on this node; the rest is in place (`katamgr run` retries them, or run apply "
               "again once the cause is fixed)", file=sys.stderr)
         return
+    if report.interrupted:
+        print(f"katamgr: apply stopped at a safe point; the changes listed above are in place: run "
+              f"`katamgr apply` again to finish, or `katamgr revert{where}` to undo them", file=sys.stderr)
+        return
     if not report.failures or not report.changes:
         return
     print(f"katamgr: apply failed after the changes listed above, which are still in place; "
@@ -124,15 +132,24 @@ def cmd_revert(args: argparse.Namespace) -> int:
                           "RuntimeClasses left to the chart are deleted by helm uninstall")
     with host_from(args) as (host, extras):
         steps, ctx = steps_and_context(args, host, extras=extras)
+        api = _ApiOnce()  # one unanswered call to the API server: the node is reverted all the same
+        labels = _revert_node_labels(args, host, ctx, extras)
         report = revert_all(host, steps, ctx, force=args.force,
                             delete_runtime_classes=args.delete_runtimeclasses, lock_wait=args.wait,
-                            node_labels=_revert_node_labels(args, host, ctx, extras),
+                            node_labels=api.guard(labels) if labels is not None else None,
                             journal=_journal(host, "katamgr revert"))
-        if steps.kata and ctx is not None and ctx.api is not None and args.node_name:
+        # The offer labels go whatever --no-kata says: they name runtimes this node no longer has.
+        if ctx is not None and ctx.api is not None and args.node_name:
             from katamgr.pipeline import offers
 
-            report.merge(offers.withdraw(node_labels(ctx.api, args.node_name)))
+            report.merge(offers.withdraw(api.guard(node_labels(ctx.api, args.node_name))))
+        api.left_on_the_node(report, host, args.node_name,
+                             offers=ctx is not None and ctx.api is not None and bool(args.node_name))
         _show_report(args, "RevertReport", report, "nothing to revert: katamgr has no changes recorded on this node")
+    if report.interrupted:
+        print("katamgr: revert stopped at a safe point; what it undid is listed above, the rest is still "
+              "recorded: run `katamgr revert` again to finish", file=sys.stderr)
+        return report.exit_code()
     return 0 if report.ok else 1
 
 
@@ -146,7 +163,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(documents.dump(documents.status_document(status, summary), args.output))
     else:
         print(status_text(status))
-    return 0
+    # A damaged record is an error a script must see: revert would not undo what it lost.
+    return Exit.RECORD if status.problems else Exit.OK
 
 
 def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataContext | None,
@@ -162,3 +180,57 @@ def _revert_node_labels(args: argparse.Namespace, host: HostRoot, ctx: KataConte
 
         api = connect(home_kubeconfig=extras.home_kubeconfig)
     return node_labels(api, args.node_name) if api is not None else None
+
+
+class _ApiOnce:
+    """The Node's labels for a revert: after the first call the API server did not answer,
+    the others fail at once (no second wait of the client's timeouts and retries), and
+    ``left_on_the_node`` says in one sentence what is left there and how to finish."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def guard(self, labels):
+        from katamgr.pipeline.gpulabels import NodeLabels
+
+        def once(call):
+            def run(*args):
+                if self.error is not None:
+                    raise GpuNodeError(self.error)
+                try:
+                    return call(*args)
+                except GpuNodeError as exc:
+                    if _UNANSWERED.search(str(exc)):  # a refusal (404, 403) is said as it is
+                        self.error = str(exc)
+                    raise
+            return run
+        return NodeLabels(once(labels.read), once(labels.patch), labels.read_fresh and once(labels.read_fresh))
+
+    def left_on_the_node(self, report: Report, host: HostRoot, node: str | None, *, offers: bool) -> None:
+        if self.error is None:
+            return
+        from gpunode.kataclasses import OFFER_LABEL_PREFIX
+        from gpunode.policy import gpulabels
+
+        said = self.error
+        report.warnings = [w for w in report.warnings if said not in w]
+        report.failures = [f for f in report.failures if said not in f]
+        left = sorted(gpulabels.recorded(host))
+        names = ", ".join([*left, *([f"{OFFER_LABEL_PREFIX}*"] if offers else [])])
+        unset = " ".join([*(f"{k}-" for k in left), *([f"<each {OFFER_LABEL_PREFIX}* label>-"] if offers else [])])
+        report.failures.append(
+            f"the API server did not answer ({_short(said)}): this node's host state is reverted as listed, but "
+            f"on its Node object {node} the labels {names} are left; finish with `kubectl label node {node} "
+            f"{unset}`, or run this revert again once the API server answers (the record of the GPU labels "
+            "is kept for it)")
+
+
+_UNANSWERED = re.compile(r"unreachable|timed out|Max retries exceeded|Failed to establish a new connection")
+
+
+def _short(error: str) -> str:
+    """The cause in an API client's error, without the connection pool's wrapping."""
+    found = re.search(r"(Failed to establish a new connection: [^\"')]+|Read timed out[^\"')]*|"
+                      r"Name or service not known|timed out)", error)
+    return found.group(1) if found else error[:300]
+

@@ -10,6 +10,7 @@ from gpunode.errors import ConfigError
 from gpunode.host import cc
 from gpunode.host.root import HostRoot
 from gpunode.policy.naming import Naming
+from gpunode.services.lock import agent_lock
 from katamgr.commands.setup import (
     NodeSetup,
     by_hand,
@@ -61,7 +62,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             node_name=args.node_name, workload=args.workload, default_workload=args.default_workload,
             follow=not args.once, gpu_labels=not args.no_gpu_labels)
         agent = build(settings, setup.api)
-        return agent.run(once=args.once)
+        # One agent per node, for its whole life (each reconcile takes the node lock besides).
+        with agent_lock(host, "katamgr run" + (" --once" if args.once else ""), args.config, args.wait):
+            return agent.run(once=args.once)
 
 
 def _run_plan_only(args: argparse.Namespace, host: HostRoot, naming: Naming, setup: NodeSetup) -> int:

@@ -130,3 +130,11 @@ def status_document(status: NodeStatus, summary: str = "") -> dict[str, Any]:
         "lastRun": camel_keys(dataclasses.asdict(run)) if run is not None else None,
         "problems": _messages(status.problems),
     })
+
+
+def error_document(command: str, message: str, exit_code: int) -> dict[str, Any]:
+    """A command that stopped before its report (a busy node lock, a bad config, a stop
+    signal before any change): kind ``Error``, so a script reading ``-o json`` always gets one
+    document with the exit code."""
+    return document("Error", {"command": command, "succeeded": False, "message": message,
+                              "exitCode": int(exit_code)})

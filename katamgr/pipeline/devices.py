@@ -9,6 +9,7 @@ from gpunode.host.root import HostRoot
 from gpunode.host.vfiogroups import Action
 from gpunode.policy import readiness as readiness_files
 from gpunode.policy.workload import Workload
+from gpunode.services import interrupt
 from gpunode.services.journal import Journal, quiet
 from katamgr.pipeline.plan import Plan
 from katamgr.pipeline.report import Report
@@ -34,7 +35,8 @@ def apply_host(host: HostRoot, plan: Plan, *, workload: Workload | str = Workloa
             report.warnings += taken
         bdfs = ", ".join(d.bdf for d in decision.to_move)
         with journal.step(f"bind IOMMU group {decision.group} ({bdfs}) to VFIO") as step:
-            result = vfio.bind(host, [decision], wait=wait)
+            with interrupt.deferred():  # a group moves whole or is rolled back: never cut half-way
+                result = vfio.bind(host, [decision], wait=wait)
             step.failed = bool(result.failures)
         report.changes += result.changes
         report.failures += result.failures

@@ -11,6 +11,7 @@ back to its driver), and ``kept`` says what is still in place, for the report th
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -70,7 +71,14 @@ def failed_write(host: HostRoot, exc: OSError, doing: str) -> str:
     name = exc.filename
     if isinstance(name, (str, Path)) and str(name).startswith(str(host.root)) and not host.is_real_root:
         name = host.host_path(Path(name))
-    return f"{doing} stopped: a write failed ({name or 'a host file'}: {exc.strerror or exc})"
+    fix = {errno.ENOSPC: "free space on the filesystem holding it (df shows which), then run the command again",
+           errno.EDQUOT: "raise the quota or free space on the filesystem holding it, then run the command again",
+           errno.EROFS: "that filesystem is mounted read-only: make it writable (or give katamgr another path), "
+                        "then run the command again",
+           errno.EACCES: "katamgr runs without the right to write there: run it as root",
+           }.get(exc.errno or 0)
+    return (f"{doing} stopped: a write failed ({name or 'a host file'}: {exc.strerror or exc})"
+            + (f"; {fix}" if fix else ""))
 
 
 def kept(host: HostRoot, kata_dirs: tuple[str, ...] = ()) -> list[str]:

@@ -8,7 +8,7 @@ killed mid-write leaves a record of what may be there; revert acts on what it fi
 artifacts dir without our install record in it is never removed, a containerd config
 with no edit state of ours is left). Revert then undoes exactly this, whatever config it
 is given: an apply with one ``artifactsDir`` and a revert with another still removes the
-first one's files.
+first one's files, and a class whose dir moved keeps the earlier dir listed until then.
 
 The other records stay where they were (``vfio.json``: each device's driver before;
 ``cdi.json``: the spec kinds; ``containerd/*.json``: the edits, byte for byte); this one
@@ -72,6 +72,8 @@ def load(host: HostRoot) -> KataRecord:
     try:
         classes = tuple(InstalledClass(name, str(v["dir"]), str(v.get("ref", "")), str(v.get("since", "")))
                         for name, v in sorted(data.get("runtimeClasses", {}).items()))
+        classes += tuple(InstalledClass(str(e["name"]), str(e["dir"]), str(e.get("ref", "")), str(e.get("since", "")))
+                         for e in data.get("earlierDirs", []))
         edited = tuple(EditedContainerd(path, str(v.get("restartMode", "")), str(v.get("socket", "")),
                                         str(v.get("since", "")))
                        for path, v in sorted(data.get("containerd", {}).items()))
@@ -93,9 +95,23 @@ def _note(host: HostRoot, key: str, name: str, value: dict[str, Any] | None) -> 
     else:
         entries = dict(data.get(key, {}))
         before = entries.get(name, {})
-        entries[name] = {**value, "since": before.get("since") or now()}
+        if key == "runtimeClasses":
+            _keep_earlier_dir(data, name, before, value["dir"])
+        # What else the entry holds (a pending reload) stays.
+        entries[name] = {**before, **value, "since": before.get("since") or now()}
         data[key] = entries
     write_json(host.state_path(STATE_FILE), data)
+
+
+def _keep_earlier_dir(data: dict[str, Any], name: str, before: dict[str, Any], directory: str) -> None:
+    """A class whose dir moved (``artifactsDir`` changed) keeps its earlier dir in the record
+    (``earlierDirs``) until revert removes it: its files are still on the node."""
+    earlier = [e for e in data.get("earlierDirs", []) if e.get("dir") != directory]
+    if before.get("dir") and before["dir"] != directory and all(e.get("dir") != before["dir"] for e in earlier):
+        earlier.append({"name": name, "dir": before["dir"], "ref": before.get("ref", ""),
+                        "since": before.get("since", "")})
+    if earlier or "earlierDirs" in data:
+        data["earlierDirs"] = earlier
 
 
 def note_class(host: HostRoot, name: str, directory: str, ref: str) -> None:
@@ -111,6 +127,25 @@ def note_containerd(host: HostRoot, config_path: str, restart_mode: str, socket:
 def note_drop_in(host: HostRoot, path: str) -> None:
     """A drop-in of ours is about to be written at host path ``path``."""
     _note(host, "dropIns", path, None)
+
+
+def mark_reload(host: HostRoot, config_path: str, pending: str | None) -> None:
+    """containerd has (None) or has not (why) read the edit of ``config_path``."""
+    data = _read(host)
+    entry = data.get("containerd", {}).get(config_path)
+    if not isinstance(entry, dict) or entry.get("reloadPending") == pending:
+        return
+    if pending is None:
+        entry.pop("reloadPending", None)
+    else:
+        entry["reloadPending"] = pending
+    write_json(host.state_path(STATE_FILE), data)
+
+
+def reload_pending(host: HostRoot, config_path: str) -> str | None:
+    """Why containerd has not read katamgr's edit of ``config_path`` (None: it has)."""
+    entry = _read(host).get("containerd", {}).get(config_path)
+    return entry.get("reloadPending") if isinstance(entry, dict) else None
 
 
 def forget(host: HostRoot) -> None:

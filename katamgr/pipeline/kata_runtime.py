@@ -20,6 +20,7 @@ from gpunode.errors import ConfigError, GpuNodeError
 from gpunode.host.files import remove_stale_temps
 from gpunode.host.root import HostRoot
 from gpunode.policy import katadetect
+from gpunode.services import interrupt
 from katamgr.artifacts import (
     DEFAULT_DEADLINES,
     ArtifactError,
@@ -36,14 +37,13 @@ from katamgr.artifacts import (
     remove_install,
 )
 from katamgr.config import KataManagerConfig, RuntimeClassConfig
-from katamgr.pipeline import kata_record
+from katamgr.pipeline import kata_record, kata_reload
 from katamgr.pipeline.kata_checked import Preflight
 from katamgr.pipeline.plan import PlanSection
 from katamgr.pipeline.report import Report
 from katamgr.runtime import (
     KataRuntime,
     configure_containerd,
-    reload_containerd,
     revert_containerd,
     transform_kata_config,
 )
@@ -267,26 +267,29 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
         ready.append(rc.name)
 
     entries = runtimes(host, ctx, ready)
-    remove_stale_temps(host.path(config.containerd.config_path))  # a killed earlier write's
-    try:
-        kata_record.note_containerd(host, config.containerd.config_path, str(config.containerd.restart_mode),
-                                    config.containerd.socket)
-        change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
-                                      enable_cdi=enable_cdi)
-    except OSError as exc:
-        report.failures.append(f"containerd config {config.containerd.config_path} was not written: "
-                               f"{exc.strerror or exc}")
-        return report.merge(_cluster(ctx, config))
-    report.classes_ready = sorted({e.name for e in entries} | set(theirs))
-    remove_stale_temps(host.path(change.path))  # the drop-in's, where that is the target
-    if change.changed:
-        what = ", ".join(filter(None, [
-            f"added {', '.join(change.runtimes_added)}" if change.runtimes_added else "",
-            f"updated {', '.join(change.runtimes_updated)}" if change.runtimes_updated else "",
-            f"removed {', '.join(change.runtimes_removed)}" if change.runtimes_removed else "",
-        ])) or "settings"
-        report.changes.append(f"edited {change.path} ({what})")
-        report.merge(_reload(host, config, "load the Kata runtimes"))
+    with interrupt.deferred():  # containerd's config and its reload: both, or neither
+        remove_stale_temps(host.path(config.containerd.config_path))  # a killed earlier write's
+        try:
+            kata_record.note_containerd(host, config.containerd.config_path, str(config.containerd.restart_mode),
+                                        config.containerd.socket)
+            change = configure_containerd(host, entries, config.containerd.config_path, config.containerd.version,
+                                          enable_cdi=enable_cdi)
+        except OSError as exc:
+            report.failures.append(f"containerd config {config.containerd.config_path} was not written: "
+                                   f"{exc.strerror or exc}")
+            return report.merge(_cluster(ctx, config))
+        report.classes_ready = sorted({e.name for e in entries} | set(theirs))
+        remove_stale_temps(host.path(change.path))  # the drop-in's, where that is the target
+        if change.changed:
+            what = ", ".join(filter(None, [
+                f"added {', '.join(change.runtimes_added)}" if change.runtimes_added else "",
+                f"updated {', '.join(change.runtimes_updated)}" if change.runtimes_updated else "",
+                f"removed {', '.join(change.runtimes_removed)}" if change.runtimes_removed else "",
+            ])) or "settings"
+            report.changes.append(f"edited {change.path} ({what})")
+            report.merge(kata_reload.reload(host, config, "load the Kata runtimes"))
+        elif kata_record.reload_pending(host, config.containerd.config_path):
+            report.merge(kata_reload.retry(host, config))  # an earlier edit containerd never read
     # RuntimeClasses are cluster-wide: one node whose pull failed must not
     # delete a class the other nodes serve, so the whole config is applied.
     report.merge(_cluster(ctx, config))
@@ -350,17 +353,6 @@ def _kata_deploy_settings(host: HostRoot, ctx: KataContext, name: str,
     return report
 
 
-def _reload(host: HostRoot, config: KataManagerConfig, purpose: str) -> Report:
-    return _reload_with(host, config.containerd.restart_mode, config.containerd.socket, purpose)
-
-
-def _reload_with(host: HostRoot, restart_mode: str, socket: str, purpose: str) -> Report:
-    report = Report()
-    result = reload_containerd(host, restart_mode, socket_path=socket, purpose=purpose)
-    (report.changes if result.done else report.warnings).append(result.message)
-    return report
-
-
 def _cluster(ctx: KataContext, config: KataManagerConfig) -> Report:
     report = Report()
     if not ctx.manage_runtime_classes:
@@ -404,7 +396,7 @@ def revert(host: HostRoot, ctx: KataContext | None, *, delete_runtime_classes: b
         remove_stale_temps(host.path(change.path))
         if change.changed:
             report.changes.append(f"restored {change.path}")
-            report.merge(_reload_with(host, restart_mode, socket, "drop the Kata runtimes"))
+            report.merge(kata_reload.reload_with(host, path, restart_mode, socket, "drop the Kata runtimes"))
     # Our GPU settings beside kata-deploy's configs (the drop-ins only: its own files stay).
     # Below /opt/kata, and beside each config the record names (an install below another prefix).
     under = [katadetect.KATA_DEPLOY_DIR, *(posixpath.dirname(posixpath.dirname(p)) for p in record.drop_ins

@@ -21,6 +21,8 @@ from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
 from gpunode.policy.workload import Operand, Workload
+from gpunode.services import interrupt
+from gpunode.services.interrupt import Interrupted
 from gpunode.services.journal import Journal, quiet
 from gpunode.services.lock import node_lock, tidy_state_dir
 from gpunode.services.nvlinkfabric import FabricSettings
@@ -31,7 +33,7 @@ from gpunode.services.podresources import (
     wait_not_offered,
 )
 from gpunode.services.toolkit import isolation_problem, read_toolkit_config, toml_value
-from katamgr.pipeline import cdi_specs, gpulabels, hostpaths, kata_record, nvlinkfabric
+from katamgr.pipeline import cdi_specs, gpulabels, hostpaths, kata_record, nvlinkfabric, records
 from katamgr.pipeline.devices import apply_host, revert_host
 from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import LeaveReport, Report
@@ -175,6 +177,7 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
     """
     journal = journal or quiet()
     with node_lock(host, command, lock_wait):
+        records.verify(host)  # a damaged record stops the run before anything is read from it
         return _journalled(journal, lambda: _reconcile(host, naming, steps, kata_ctx, force=force, wait=wait,
                                                        gives_back=gives_back, journal=journal))
 
@@ -190,7 +193,7 @@ def _journalled(journal: Journal, run: Callable[[], Report]) -> Report:
     except BaseException:
         journal.end("failed")
         raise
-    journal.end("succeeded" if report.ok else "failed")
+    journal.end("interrupted" if report.interrupted else "succeeded" if report.ok else "failed")
     return report
 
 
@@ -251,6 +254,13 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         # what is still in place is named, for the `katamgr revert` that undoes it.
         report.failures.append(hostpaths.failed_write(host, exc, doing))
         report.changes += [k for k in hostpaths.kept(host, kata_dirs) if k not in report.changes]
+    except Interrupted as exc:
+        # Raised at a safe point (between IOMMU groups, steps or download chunks): what the
+        # steps before it did is in place, named from the node's records.
+        report.interrupted = exc.exit_code
+        report.failures.append(f"stopped by {exc.name} while {doing}; the steps before it are done "
+                               f"(steps done: {'; '.join(journal.record.stepsDone) or 'none'})")
+        report.changes += [k for k in hostpaths.kept(host, kata_dirs) if k not in report.changes]
     return report
 
 
@@ -264,6 +274,8 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
     lock file too. ``node_labels``: our Node's labels, to remove the GPU labels katamgr set."""
     journal = journal or quiet()
     with node_lock(host, command, lock_wait):
+        records.verify(host)
+
         def run() -> Report:
             if not host_gpulabels.recorded(host):
                 report = gpulabels.revert(host, node_labels)  # nothing set: not a step to say
@@ -271,8 +283,17 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
                 with journal.step("remove the GPU labels katamgr set") as step:
                     report = gpulabels.revert(host, node_labels)
                     step.failed = not report.ok
-            return report.merge(_revert_all(host, steps, kata_ctx, force=force,
-                                            delete_runtime_classes=delete_runtime_classes, journal=journal))
+            try:
+                return _revert_all(report, host, steps, kata_ctx, force=force,
+                                   delete_runtime_classes=delete_runtime_classes, journal=journal)
+            except Interrupted as exc:
+                # Between two steps: each step done is whole; the rest is still recorded.
+                report.interrupted = exc.exit_code
+                report.failures.append(
+                    f"stopped by {exc.name} before the revert finished (steps done: "
+                    f"{'; '.join(journal.record.stepsDone) or 'none'}); what is left is still recorded: "
+                    "run `katamgr revert` again to finish")
+                return report
         report = _journalled(journal, run)
         try:
             tidy_state_dir(host)
@@ -281,24 +302,28 @@ def revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, fo
         return report
 
 
-def _revert_all(host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool,
+def _revert_all(report: Report, host: HostRoot, steps: Steps, kata_ctx: KataContext | None, *, force: bool,
                 delete_runtime_classes: bool, journal: Journal) -> Report:
-    """Each step as far as it goes: a write that fails (a read-only dir) is named with its
-    cause, and the steps after it still run (exit 1: what was left is said)."""
-    report = Report()
-    if steps.kata and (kata_ctx is not None or kata_record.recorded(host)):
+    """Each step as far as it goes, into ``report`` (kept when a stop signal ends the revert
+    between two steps): a write that fails (a read-only dir) is named with its cause, and the
+    steps after it still run (exit 1: what was left is said)."""
+    # What the records list is undone whatever the steps say now: an opt-out (--no-kata,
+    # --no-vfio, --no-cdi: a manager turned off since) stops new work, never the undoing of
+    # what katamgr did while it was on (the chart's uninstall hook passes today's values).
+    if kata_record.recorded(host) or (steps.kata and kata_ctx is not None):
+        ctx = kata_ctx if steps.kata else None  # off: the record alone says what is there
         _undo(report, host, journal, "remove the Kata runtimes (containerd config, artifacts)",
               "undoing the Kata runtimes (containerd, artifacts)",
-              lambda: _kata_runtime().revert(host, kata_ctx, delete_runtime_classes=delete_runtime_classes))
+              lambda: _kata_runtime().revert(host, ctx, delete_runtime_classes=delete_runtime_classes))
     elif steps.kata and _kata_runtime().changes_recorded(host):
         # Applied by a katamgr older than the Kata record: only its config names the paths.
         report.failures.append(
             "katamgr has Kata changes recorded on this node (containerd config, artifacts) by a release "
             "that did not record their paths; pass the same --config FILE that applied them to revert them too")
-    if steps.cdi:
+    if steps.cdi or cdi_specs.recorded(host):
         _undo(report, host, journal, "remove the CDI specs", "removing the CDI specs",
               lambda: cdi_specs.remove_specs(host))
-    if steps.vfio:
+    if steps.vfio or vfio.bound_by_us(host):
         _undo(report, host, journal, "give the devices back to their drivers", "giving the GPUs back",
               lambda: revert_host(host, force=force))
     return report
@@ -308,13 +333,14 @@ def _undo(report: Report, host: HostRoot, journal: Journal, title: str, doing: s
           step: Callable[[], Report]) -> None:
     """``step()`` as the journal step ``title``; a write that fails is named (``doing``) and
     the revert goes on."""
-    with journal.step(title) as outcome:
-        try:
-            done = step()
-        except OSError as exc:
-            done = Report(failures=[hostpaths.failed_write(host, exc, doing) + "; left as it is"])
-        outcome.failed = not done.ok
-    report.merge(done)
+    with interrupt.deferred():  # a stop signal waits for the step's end, and what it did is kept
+        with journal.step(title) as outcome:
+            try:
+                done = step()
+            except OSError as exc:
+                done = Report(failures=[hostpaths.failed_write(host, exc, doing) + "; left as it is"])
+            outcome.failed = not done.ok
+        report.merge(done)
 
 
 def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: bool | None = None,

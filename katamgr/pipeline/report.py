@@ -32,6 +32,9 @@ class Report:
     problems: list[str] = field(default_factory=list)
     # Processes that lost a device to --force, one sentence each (PID, command, device).
     forced: list[str] = field(default_factory=list)
+    # The stop signal's exit code (130 SIGINT, 143 SIGTERM) when the run stopped at a safe
+    # point before its end: what it did is in ``changes``, where it stopped in ``failures``.
+    interrupted: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -46,7 +49,8 @@ class Report:
     def exit_code(self) -> Exit:
         """What a run that did this ends with (``katamgr.exitcodes``): failed, partly done,
         done with problems, done with --force, or done."""
-        return most_serious([Exit.FAILED if self.failures else Exit.OK,
+        return most_serious([Exit(self.interrupted) if self.interrupted else Exit.OK,
+                             Exit.FAILED if self.failures else Exit.OK,
                              Exit.PARTLY if self.classes_failed else Exit.OK,
                              Exit.PROBLEMS if self.problems else Exit.OK,
                              Exit.FORCED if self.forced else Exit.OK])
@@ -61,6 +65,7 @@ class Report:
         self.offered.update(other.offered)
         self.problems += other.problems
         self.forced += other.forced
+        self.interrupted = self.interrupted or other.interrupted
         if other.classes_ready is not None:
             self.classes_ready = [*(self.classes_ready or []), *other.classes_ready]
         return self

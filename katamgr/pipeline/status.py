@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpunode.errors import GpuNodeError
 from gpunode.host import vfio
-from gpunode.host.errors import HostError
 from gpunode.host.root import STATE_DIR, HostRoot
 from gpunode.policy import gpulabels
 from gpunode.services import journal
@@ -71,16 +69,17 @@ class NodeStatus:
 
 
 def node_status(host: HostRoot) -> NodeStatus:
+    from katamgr.pipeline import records
+
     status = NodeStatus(STATE_DIR)
-    try:
+    # Every damaged record named once with its fix; what the sound ones hold is shown.
+    bad = records.damaged(host)
+    status.problems = list(bad.values())
+    if vfio.STATE_FILE not in bad:
         status.devices = [BoundDevice(bdf, entry.get("driver"), entry.get("group"))
                           for bdf, entry in sorted(vfio.bound_by_us(host).items())]
-    except HostError as exc:  # a broken record is shown, not a crash
-        status.problems.append(str(exc))
-    try:
+    if cdi_specs.STATE_FILE not in bad:
         status.cdi_specs = [cdi_specs.spec_path(kind) for kind in cdi_specs.recorded(host)]
-    except (GpuNodeError, ValueError) as exc:
-        status.problems.append(str(exc))
     record = kata_record.load(host)
     # Noted before each install: one whose install failed is listed in the record, not on disk.
     status.runtime_classes = [c for c in record.runtime_classes if read_install(host.path(c.dir)) is not None]
@@ -88,17 +87,14 @@ def node_status(host: HostRoot) -> NodeStatus:
     for edited in record.containerd:
         try:
             state = containerd_state.load(host, edited.config_path)
-        except ValueError as exc:
-            status.problems.append(str(exc))
-            continue
+        except (ValueError, TypeError):
+            continue  # named among the problems
         if state is not None:
             status.containerd.append(ContainerdEdit(edited.config_path, state.target,
                                                     tuple(state.runtime_names()), edited.restart_mode,
                                                     edited.since))
-    try:
+    if gpulabels.STATE_FILE not in bad:
         status.gpu_labels = gpulabels.recorded(host)
-    except ValueError as exc:
-        status.problems.append(str(exc))
     status.since, status.version = record.since, record.version
     run = journal.read_run(host)
     if run is not None:

@@ -110,7 +110,7 @@ def test_kata_manager_off_drops_runtime_class_rights_and_containerd_mounts(chart
     assert mounts["/host/etc/containerd"] == ("/etc/containerd", True)
     assert mounts["/host/opt/kata"] == ("/opt/kata", True)
     assert not any("artifacts" in path for path in mounts)
-    assert set(rules(rendered.get("ClusterRole", "-sandbox-agent"))) == {"nodes"}
+    assert set(rules(rendered.get("ClusterRole", "-sandbox-agent"))) == {"nodes", "nodes/status"}  # its labels, and its Sandbox* conditions
     assert set(rules(rendered.get("Role", "-sandbox-agent-node-events"))) == {"events"}
     assert rendered.find("Role", "-sandbox-agent") is None  # no pull secrets to read
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]

@@ -132,6 +132,7 @@ def test_status_shows_a_record_it_cannot_read_as_a_problem(node, capsys):
     node.state_path("vfio.json").write_text("{not json")
     code, out, _ = katamgr(capsys, "status", "--host-root", root, "-o", "json")
     doc = json.loads(out)
-    assert code == 0 and doc["devices"] == []
+    # Named with its fix, and an exit code a script sees (revert would lose what it recorded).
+    assert code == 6 and doc["devices"] == []
     assert any("vfio.json is not valid JSON" in p["message"] for p in doc["problems"])
     assert doc["cdiSpecs"]  # the other records are still shown
