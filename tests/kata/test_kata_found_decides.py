@@ -38,7 +38,7 @@ def naming_found(profile, tmp_path, nvswitches: bool | str = "auto") -> Naming:
                                                                  GPU_CLASSES))
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_the_release_found_keeps_nvswitches_home_and_kata_plugs_every_gpu(kata_node, tmp_path, release):
     profile = dataclasses.replace(find_profile("dgx-h100"),
                                   kata=KataInstall("kata-deploy", release, ("go", "runtime-rs")))
@@ -51,7 +51,7 @@ def test_the_release_found_keeps_nvswitches_home_and_kata_plugs_every_gpu(kata_n
     assert len(kata.plugged) == 8 and not set(kata.plugged) & set(NVSWITCHES)
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_passed_through_anyway_the_release_found_fails_an_nvswitch_as_katamgr_warned(kata_node, tmp_path, release):
     profile = dataclasses.replace(find_profile("dgx-h100"), kata=KataInstall("kata-deploy", release, ("go",)))
     naming = naming_found(profile, tmp_path, nvswitches=True)
@@ -62,7 +62,7 @@ def test_passed_through_anyway_the_release_found_fails_an_nvswitch_as_katamgr_wa
     assert (switch.stage, switch.error) == ("sandbox", "unsupported device type")
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_kata_reads_katamgr_s_drop_in_over_kata_deploy_s_config(kata_node, tmp_path, release):
     """kataDeploy auto: katamgr leaves kata-deploy's config as it is and writes the GPU settings
     in config.d; Kata's own configuration loader (decodeConfig, which reads config.d after the
