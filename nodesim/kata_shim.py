@@ -33,7 +33,7 @@ is set and ``pod_resource_api_sock`` names a socket (file names under ``src/runt
    NVSwitch is plugged; an iommufd cdev ``/dev/vfio/devices/vfioN`` gives the one
    device it belongs to (Kata follows ``/sys/dev/char/<major:minor>``);
 6. QEMU gets one ``-device vfio-pci,host=<bdf>,x-pci-vendor-id=...,x-pci-device-id=...``
-   per VFIO device: for its *first* function only (``virtcontainers/sandbox.go``
+   (4.1 adds ``id=vfio-<ID><n>`` after ``host=``: govmm's ``VFIODevice.QemuParams``) per VFIO device: for its *first* function only (``virtcontainers/sandbox.go``
    ``AppendDevice`` returns after the first), and a device with no function left fails the
    sandbox with "unsupported device type" (an NVSwitch alone in its group, before Kata 4.1).
    A PCI Express function (config space over 256 bytes, ``IsPCIeDevice``) is put on a root
@@ -54,6 +54,7 @@ it does what those pull requests describe, so a test can show both.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -97,10 +98,12 @@ class Plugged:
     vendor: str  # "0x10de", as sysfs has it
     device: str
     bus: str | None  # "rp0", or None for a conventional PCI function
+    qemu_id: str | None = None  # Kata 4.1's id= (the VFIO device's ID), None before
 
     @property
     def arg(self) -> str:
-        arg = f"vfio-pci,host={self.bdf},x-pci-vendor-id={self.vendor},x-pci-device-id={self.device}"
+        named = f",id={self.qemu_id}" if self.qemu_id else ""
+        arg = f"vfio-pci,host={self.bdf}{named},x-pci-vendor-id={self.vendor},x-pci-device-id={self.device}"
         return arg + (f",bus={self.bus}" if self.bus else "")
 
 
@@ -319,6 +322,7 @@ def cold_plug(host: HostRoot, socket: os.PathLike[str] | str, annotations: Mappi
     pcie = [bdf for _node, functions in devices for bdf in functions if _is_pcie(host, bdf)]
     root_ports = max(len(pcie), pcie_root_port)
     plugged: list[Plugged] = []
+    exact = _version(release) >= EXACT_BRIDGES_FROM
     port = 0
     for _node, functions in devices:
         if not functions:
@@ -332,7 +336,10 @@ def cold_plug(host: HostRoot, socket: os.PathLike[str] | str, annotations: Mappi
                 buses.append(None)
         first = functions[0]
         attrs = host.path(f"/sys/bus/pci/devices/{first}")
-        plugged.append(Plugged(first, _read(attrs / "vendor"), _read(attrs / "device"), buses[0]))
+        # Kata 4.1 names the device on QEMU's command line so QMP finds it: "vfio-", the device
+        # manager's random ID (here one drawn from the node's path) and the function's index.
+        named = f"vfio-{hashlib.sha256(_node.encode()).hexdigest()[:16]}0" if exact else None
+        plugged.append(Plugged(first, _read(attrs / "vendor"), _read(attrs / "device"), buses[0], named))
     return ColdPlug(tuple(names), tuple(nodes), tuple(plugged), root_ports)
 
 

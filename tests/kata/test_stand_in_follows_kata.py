@@ -43,8 +43,10 @@ def stand_in(node, pod: str, release: str) -> kata_shim.ColdPlug | str:
 
 
 def without_ids(args):
-    # iommufd objects carry the device manager's random ID.
-    return [a.split(",iommufd=")[0] for a in args if a != "-device" and not a.startswith("iommufd,")]
+    # iommufd objects carry the device manager's random ID, and so does Kata 4.1's id= of
+    # each vfio-pci device (kataoracle.Outcome.plain_vfio_args).
+    return [kataoracle.VFIO_ID.sub("", a.split(",iommufd=")[0])
+            for a in args if a != "-device" and not a.startswith("iommufd,")]
 
 
 def assert_same(kata: kataoracle.Outcome, ours: kata_shim.ColdPlug | str) -> None:
@@ -56,6 +58,7 @@ def assert_same(kata: kataoracle.Outcome, ours: kata_shim.ColdPlug | str) -> Non
     assert list(kata.device_nodes) == list(ours.device_nodes)
     assert list(kata.plugged) == list(ours.functions)
     assert without_ids(kata.vfio_args) == without_ids(ours.qemu_args)
+    assert [",id=vfio-" in a for a in kata.vfio_args] == [",id=vfio-" in a for a in ours.qemu_args if a != "-device"]
     assert kata.root_ports == ours.root_ports
 
 

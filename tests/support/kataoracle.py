@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterable, Mapping
@@ -116,6 +117,9 @@ def bin_dir() -> Path:
     pytest.skip(why)
 
 
+VFIO_ID = re.compile(r",id=vfio-[0-9a-f]+")
+
+
 @dataclass(frozen=True)
 class Function:
     bdf: str
@@ -151,6 +155,19 @@ class Outcome:
         args = self.qemu_args
         return [args[i + 1] for i in range(len(args) - 1)
                 if args[i] == "-device" and args[i + 1].startswith("vfio-pci,")]
+
+    @property
+    def plain_vfio_args(self) -> list[str]:
+        """``vfio_args`` less the ``id=`` Kata 4.1 writes after ``host=`` (govmm's
+        ``VFIODevice.QemuParams``, so that QMP finds a cold-plugged device: the VFIO device's
+        ID, ``vfio-`` and the device manager's random hex ID and the function's index). It is
+        there in 4.1 and later, not before."""
+        out = []
+        for arg in self.vfio_args:
+            plain, n = VFIO_ID.subn("", arg)
+            assert n == (1 if exact_bridges(self.kata) else 0), f"Kata {self.kata}: {arg}"
+            out.append(plain)
+        return out
 
 
 def run(release: str, *, pod: tuple[str, str] | None, root: os.PathLike | str = "/",
