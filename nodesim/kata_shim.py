@@ -1,7 +1,7 @@
 """A stand-in for the Kata shim's cold-plug of a pod's devices.
 
 Kata's own code is the test of record: ``hack/kata/build`` builds a cold-plug oracle on the
-runtime code of Kata 3.25.0 and 3.29.0, and ``tests/kata`` runs it on every simulated host
+runtime code of Kata 3.25.0, 3.29.0 and 4.1.0, and ``tests/kata`` runs it on every simulated host
 profile, the real node and the real kernel (``tests/support/kataoracle.py``). This stand-in
 stays for the fast tests, ``katamgr demo`` and Kata's pending DRA cold-plug (which no release
 has yet), and ``tests/kata/test_stand_in_follows_kata.py`` checks it against that code on
@@ -26,14 +26,16 @@ is set and ``pod_resource_api_sock`` names a socket (file names under ``src/runt
    (``pkg/device/manager/utils.go`` ``IsVFIODevice``), one per node
    (``manager.go`` ``FindDevice``: one major:minor, one device). Its functions
    (``pkg/device/drivers/utils.go``): ``/dev/vfio/<group>`` gives every device in
-   ``/sys/kernel/iommu_groups/<group>/devices``, in name order, less those whose class
-   ``& 0x0600 == 0x0600`` ("bridges": host and PCI bridges, and an NVSwitch, class 0x0680;
-   ``checkIgnorePCIClass``); an iommufd cdev ``/dev/vfio/devices/vfioN`` gives the one
+   ``/sys/kernel/iommu_groups/<group>/devices``, in name order, less the "bridges"
+   (``checkIgnorePCIClass``): in 3.x those whose class ``& 0x0600 == 0x0600`` (host and PCI
+   bridges, and an NVSwitch, class 0x0680, too); from 4.1 only a host bridge (0x0600) or a
+   PCI-to-PCI bridge (0x0604), matched exactly (``pciClassesIgnoredForPassthrough``), so an
+   NVSwitch is plugged; an iommufd cdev ``/dev/vfio/devices/vfioN`` gives the one
    device it belongs to (Kata follows ``/sys/dev/char/<major:minor>``);
 6. QEMU gets one ``-device vfio-pci,host=<bdf>,x-pci-vendor-id=...,x-pci-device-id=...``
-   per VFIO device: for its *first* function only (``virtcontainers/sandbox.go``
+   (4.1 adds ``id=vfio-<ID><n>`` after ``host=``: govmm's ``VFIODevice.QemuParams``) per VFIO device: for its *first* function only (``virtcontainers/sandbox.go``
    ``AppendDevice`` returns after the first), and a device with no function left fails the
-   sandbox with "unsupported device type" (an NVSwitch alone in its group: fixed in Kata 4.1).
+   sandbox with "unsupported device type" (an NVSwitch alone in its group, before Kata 4.1).
    A PCI Express function (config space over 256 bytes, ``IsPCIeDevice``) is put on a root
    port, ``bus=rp<n>``, numbered over every PCIe function of every device, plugged or not;
    a conventional PCI one gets no bus. The VM has as many root ports as those functions, or
@@ -52,6 +54,7 @@ it does what those pull requests describe, so a test can show both.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -68,6 +71,9 @@ NAME_ANNOTATIONS = ("io.kubernetes.cri.sandbox-name", "io.kubernetes.cri-o.KubeN
 NAMESPACE_ANNOTATIONS = ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri-o.Namespace")
 # Kata 3.x's bridge test: the class masked with 0x0600 (so 0x0680, an NVSwitch, is one too).
 BRIDGE_MASK = 0x0600
+# Kata 4.1's: these classes exactly (host bridge, PCI-to-PCI bridge).
+BRIDGES_FROM_4_1 = (0x0600, 0x0604)
+EXACT_BRIDGES_FROM = (4, 1)
 PCI_CONFIG_SIZE = 256
 DEVICE_PLUGIN = "device-plugin"  # ContainerResources.devices
 DRA = "dra"  # ContainerResources.dynamic_resources (pending upstream)
@@ -92,10 +98,12 @@ class Plugged:
     vendor: str  # "0x10de", as sysfs has it
     device: str
     bus: str | None  # "rp0", or None for a conventional PCI function
+    qemu_id: str | None = None  # Kata 4.1's id= (the VFIO device's ID), None before
 
     @property
     def arg(self) -> str:
-        arg = f"vfio-pci,host={self.bdf},x-pci-vendor-id={self.vendor},x-pci-device-id={self.device}"
+        named = f",id={self.qemu_id}" if self.qemu_id else ""
+        arg = f"vfio-pci,host={self.bdf}{named},x-pci-vendor-id={self.vendor},x-pci-device-id={self.device}"
         return arg + (f",bus={self.bus}" if self.bus else "")
 
 
@@ -233,7 +241,13 @@ def _read(path) -> str:
     return path.read_text().split("\n", 1)[0]
 
 
-def functions_of(host: HostRoot, node: str) -> list[str]:
+def _is_bridge(pci_class: int, release: str) -> bool:
+    if _version(release) >= EXACT_BRIDGES_FROM:
+        return pci_class in BRIDGES_FROM_4_1
+    return pci_class & BRIDGE_MASK == BRIDGE_MASK
+
+
+def functions_of(host: HostRoot, node: str, release: str = LATEST) -> list[str]:
     """Step 5: the PCI functions Kata finds for one VFIO device node (the first is plugged)."""
     if not node.startswith(_VFIO_DIR) or node.startswith(_VFIO_CONTAINER):
         return []
@@ -250,7 +264,7 @@ def functions_of(host: HostRoot, node: str) -> list[str]:
         bdfs = sorted(os.listdir(members))
     except FileNotFoundError:
         raise ColdPlugError(f"open {members}: no such file or directory") from None
-    return [b for b in bdfs if (int(_read(members / b / "class"), 16) >> 8) & BRIDGE_MASK != BRIDGE_MASK]
+    return [b for b in bdfs if not _is_bridge(int(_read(members / b / "class"), 16) >> 8, release)]
 
 
 def _is_pcie(host: HostRoot, bdf: str) -> bool:
@@ -261,7 +275,7 @@ def _is_pcie(host: HostRoot, bdf: str) -> bool:
 
 
 def _check_sources(host: HostRoot, by_source: dict[str, list[str]], sources: tuple[str, ...],
-                   spec_dirs: Iterable[str]) -> None:
+                   spec_dirs: Iterable[str], release: str) -> None:
     """The pending pull requests' refusals (module doc)."""
     registry = _registry(host, spec_dirs)
 
@@ -283,7 +297,7 @@ def _check_sources(host: HostRoot, by_source: dict[str, list[str]], sources: tup
         for source in SOURCES:
             nodes = {n for d in resolvable(by_source[source])
                      for e in (d.device.container_edits,) for n in (x.path for x in e.device_nodes)}
-            reached.append({f for n in nodes for f in functions_of(host, n)})
+            reached.append({f for n in nodes for f in functions_of(host, n, release)})
         if both := sorted(reached[0] & reached[1]):
             raise ColdPlugError(f"cold plug: {', '.join(both)} is reached through both device-plugin and dra")
 
@@ -299,15 +313,16 @@ def cold_plug(host: HostRoot, socket: os.PathLike[str] | str, annotations: Mappi
     else:
         sources = check_sources(sources)
         by_source = _names_by_source(_pod_resources(socket, annotations, release))
-        _check_sources(host, by_source, sources, spec_dirs)
+        _check_sources(host, by_source, sources, spec_dirs, release)
         names = list(dict.fromkeys(n for s in sources for n in by_source[s]))
     nodes = resolve(host, names, spec_dirs) if names else []
     host_paths = _host_nodes(host, names, spec_dirs)
-    devices = [(node, functions_of(host, host_paths.get(node, node)))
+    devices = [(node, functions_of(host, host_paths.get(node, node), release))
                for node in nodes if node.startswith(_VFIO_DIR) and not node.startswith(_VFIO_CONTAINER)]
     pcie = [bdf for _node, functions in devices for bdf in functions if _is_pcie(host, bdf)]
     root_ports = max(len(pcie), pcie_root_port)
     plugged: list[Plugged] = []
+    exact = _version(release) >= EXACT_BRIDGES_FROM
     port = 0
     for _node, functions in devices:
         if not functions:
@@ -321,7 +336,10 @@ def cold_plug(host: HostRoot, socket: os.PathLike[str] | str, annotations: Mappi
                 buses.append(None)
         first = functions[0]
         attrs = host.path(f"/sys/bus/pci/devices/{first}")
-        plugged.append(Plugged(first, _read(attrs / "vendor"), _read(attrs / "device"), buses[0]))
+        # Kata 4.1 names the device on QEMU's command line so QMP finds it: "vfio-", the device
+        # manager's random ID (here one drawn from the node's path) and the function's index.
+        named = f"vfio-{hashlib.sha256(_node.encode()).hexdigest()[:16]}0" if exact else None
+        plugged.append(Plugged(first, _read(attrs / "vendor"), _read(attrs / "device"), buses[0], named))
     return ColdPlug(tuple(names), tuple(nodes), tuple(plugged), root_ports)
 
 

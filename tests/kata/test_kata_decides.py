@@ -1,4 +1,4 @@
-"""Kata's own code decides the cold-plug: katamgr's nodes put to Kata 3.25.0 and 3.29.0.
+"""Kata's own code decides the cold-plug: katamgr's nodes put to Kata 3.25.0, 3.29.0 and 4.1.0.
 
 Each test sets a simulated node up as an operator would (katamgr binds the groups and writes
 the CDI specs, the device plugin advertises the units, the kubelet simulator admits the pod),
@@ -19,6 +19,7 @@ from support.paths import HOST_PROFILES
 
 from gpunode.host.pciids import PciIds
 from gpunode.policy.inventory import discover
+from gpunode.policy.kata import parse_release
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
 from gpunode.policy.selection import Selection, parse_exclude, parse_include
@@ -29,7 +30,6 @@ from nodesim.podresources import ContainerRecord, PodRecord
 from nodesim.profile import parse_profile
 from nodesim.profiles import find_profile
 
-RELEASES = kataoracle.RELEASES
 PCI_IDS = PciIds.find()
 NAMING = Naming(PCI_IDS)
 # The qemu-standins profile's stand-ins, selected as docs/devices.md does.
@@ -47,7 +47,7 @@ def units_by_id(node):
     return {u.id: u for u in resource_units(node.host, discover(node.host, node.naming.selection), node.naming)}
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 @pytest.mark.parametrize("profile", [p.stem for p in HOST_PROFILES])
 def test_kata_plugs_the_head_of_every_unit_the_node_advertises(kata_node, release, profile):
     """On every shipped profile, a pod given every unit of a resource gets a sandbox that
@@ -65,11 +65,13 @@ def test_kata_plugs_the_head_of_every_unit_the_node_advertises(kata_node, releas
         node.kubelet.remove_pod("default", pod)
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_nvswitches_are_not_advertised_by_default_since_kata_fails_them(kata_node, release):
     """dgx-h100 with the defaults (Kata's release unknown): the GPUs only. Passed through
-    anyway (--nvswitches true), a pod given an NVSwitch fails in Kata: it takes class 0x0680
-    for a bridge, leaves the group empty, and AppendDevice has nothing to plug."""
+    anyway (--nvswitches true), a pod given an NVSwitch fails in Kata before 4.1: it takes
+    class 0x0680 for a bridge, leaves the group empty, and AppendDevice has nothing to plug.
+    Kata 4.1 leaves out only classes 0x0600 and 0x0604, so it plugs the NVSwitch, as katamgr
+    says once told the release."""
     node = kata_node("dgx-h100")
     assert list(node.units) == ["nvidia.com/GH100H100_SXM5_80GB"]
     assert "NVSwitches 0000:05:00.0, 0000:15:00.0, 0000:85:00.0, 0000:95:00.0 stay on their drivers" in \
@@ -82,6 +84,15 @@ def test_nvswitches_are_not_advertised_by_default_since_kata_fails_them(kata_nod
     gpus = opted.kata(release, opted.admit({"nvidia.com/GH100H100_SXM5_80GB": 8}))
     assert gpus.ok and len(gpus.plugged) == 8
     switch = opted.kata(release, opted.admit({"nvidia.com/PCI_22a3": 1}))
+    if kataoracle.exact_bridges(release):
+        assert switch.ok, switch.error
+        assert switch.plugged == ("0000:05:00.0",) and switch.root_ports == 1
+        told = Naming(PCI_IDS, selection=Selection(nvswitches=True, kata=parse_release(release)))
+        units = {u.id: u for u in resource_units(opted.host, discover(opted.host, told.selection), told)}
+        # katamgr, told the release, offers NVSwitches only with the whole board (the full
+        # passthrough unit), and says Kata plugs them there.
+        assert "0000:05:00.0" not in units and "0000:05:00.0" in units["x8-0000:03:00.0"].plugged
+        return
     assert (switch.stage, switch.error) == ("sandbox", "unsupported device type")
     assert any("Ignoring PCI (Host) Bridge deviceBDF 0000:05:00.0 Class 680" in line for line in switch.log)
     assert switch.plugged == ()
@@ -89,7 +100,7 @@ def test_nvswitches_are_not_advertised_by_default_since_kata_fails_them(kata_nod
     assert units_by_id(opted)["0000:05:00.0"].plugged == ()
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_a_graphics_gpu_goes_to_the_vm_without_its_audio_function(kata_node, release):
     """workstation-a6000: the GPU and its HDMI audio function share IOMMU group 15 and both
     are bound, but Kata puts one device per group on QEMU's command line: the GPU, first in
@@ -100,7 +111,7 @@ def test_a_graphics_gpu_goes_to_the_vm_without_its_audio_function(kata_node, rel
     assert kata.ok and kata.plugged == ("0000:01:00.0",)
     ((group, functions),) = kata.vfio
     assert group == "/dev/vfio/15" and [f.bdf for f in functions] == ["0000:01:00.0", "0000:01:00.1"]
-    assert kata.vfio_args == ["vfio-pci,host=0000:01:00.0,x-pci-vendor-id=0x10de,x-pci-device-id=0x2230,bus=rp0"]
+    assert kata.plain_vfio_args == ["vfio-pci,host=0000:01:00.0,x-pci-vendor-id=0x10de,x-pci-device-id=0x2230,bus=rp0"]
     assert kata.root_ports == 2
     lines = build_plan(node.host, NAMING)
     unit = units_by_id(node)["0000:01:00.0"]
@@ -117,7 +128,7 @@ def companion_first():
     ]})
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_a_gpu_behind_its_companion_is_not_advertised(kata_node, release):
     """Kata would plug the audio function at 01:00.0 and leave the GPU out of the VM, so the
     unit is not advertised and the plan says why; Kata itself, given the GPU by the
@@ -142,7 +153,7 @@ def shared_group():
     ]})
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_two_gpus_sharing_a_group_give_the_vm_one(kata_node, release):
     node = kata_node(shared_group())
     assert node.units == {"nvidia.com/GA102GL_A10": ["0000:01:00.0"]}
@@ -158,7 +169,7 @@ def iommufd_workstation():
                                       dev("0000:0a:00.1", AUDIO_A6000, "snd_hda_intel", 15)]})
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_an_iommufd_node_gives_kata_a_cdev_per_function_and_kata_plugs_each(kata_node, release):
     node = kata_node(iommufd_workstation())
     (resource,) = node.units
@@ -166,25 +177,25 @@ def test_an_iommufd_node_gives_kata_a_cdev_per_function_and_kata_plugs_each(kata
     assert kata.ok
     assert kata.device_nodes == ("/dev/iommu", "/dev/vfio/devices/vfio0", "/dev/vfio/devices/vfio1")
     assert kata.plugged == ("0000:0a:00.0", "0000:0a:00.1")
-    assert [a.split(",iommufd=")[0] for a in kata.vfio_args] == [
+    assert [a.split(",iommufd=")[0] for a in kata.plain_vfio_args] == [
         "vfio-pci,host=0000:0a:00.0,x-pci-vendor-id=0x10de,x-pci-device-id=0x2230,bus=rp0",
         "vfio-pci,host=0000:0a:00.1,x-pci-vendor-id=0x10de,x-pci-device-id=0x1aef,bus=rp1"]
     assert kata.qemu_args.count("-object") == 2
     assert units_by_id(node)["0000:0a:00.0"].plugged == kata.plugged
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_conventional_pci_stand_ins_get_no_root_port(kata_node, release):
     """qemu-standins' edu is conventional PCI (256 bytes of config space): Kata plugs it
     straight onto the root bus, no root port."""
     node = kata_node("qemu-standins", STANDINS)
     kata = node.kata(release, node.admit({"example.com/edu": 1}))
     assert kata.ok and kata.plugged == ("0000:01:00.0",)
-    assert kata.vfio_args == ["vfio-pci,host=0000:01:00.0,x-pci-vendor-id=0x1234,x-pci-device-id=0x11e8"]
+    assert kata.plain_vfio_args == ["vfio-pci,host=0000:01:00.0,x-pci-vendor-id=0x1234,x-pci-device-id=0x11e8"]
     assert kata.root_ports == 0
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_failures_are_kata_s_own(kata_node, release):
     node = kata_node("a10-server")
     ghost = node.kata(release, "ghost")
@@ -200,7 +211,7 @@ def test_failures_are_kata_s_own(kata_node, release):
     assert "unresolvable CDI devices nvidia.com/GA102GL_A10=" in gone.error
 
 
-@pytest.mark.parametrize("release", RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_a_device_named_twice_is_injected_once_at_its_last_place(kata_node, release):
     """The kubelet may list one device under two containers; Kata keeps both names and CDI
     moves the repeated node to the end of the spec's device list."""
@@ -237,13 +248,13 @@ def test_the_real_device_nodes_of_the_local_node_are_told_apart(tmp_path, oracle
           f"          hostPath: {host.path(f'/dev/vfio/{g}')}" for g in (20, 21)]])
     (cdi_dir / "example.com-gpu.yaml").write_text(spec + "\n")
     ask = {"cdi.k8s.io/gpus": "example.com/gpu=g20,example.com/gpu=g21"}
-    for release in RELEASES:
+    for release in kataoracle.here():
         apart = kataoracle.run(release, pod=None, root=host.root, cdi_dirs=[cdi_dir], annotations=ask)
         assert apart.ok and apart.plugged == ("0000:17:00.0", "0000:31:00.0")
     for name in ("20", "21"):  # what the udev stand-in made before
         node = host.path(f"/dev/vfio/{name}")
         node.unlink()
         os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    one = kataoracle.run(RELEASES[0], pod=None, root=host.root, cdi_dirs=[cdi_dir], annotations=ask)
+    one = kataoracle.run(kataoracle.OLDEST, pod=None, root=host.root, cdi_dirs=[cdi_dir], annotations=ask)
     assert one.ok and one.plugged == ("0000:17:00.0",)
     assert udev.numbers("20") != udev.numbers("21")

@@ -2,8 +2,8 @@
 (Fabric Manager User Guide §4):
 
 - Shared NVSwitch (§7, dgx-h100: FM on the host, the stand-in libnvfm): a pod is given one FM
-  partition's GPUs; Kata 3.25.0 and 3.29.0 put exactly those GPUs on QEMU's command line, and
-  no NVSwitch (they stay with FM on the host).
+  partition's GPUs; Kata 3.25.0, 3.29.0 and 4.1.0 put exactly those GPUs on QEMU's command
+  line, and no NVSwitch (they stay with FM on the host).
 - Full passthrough (§6, hgx-h100-passthrough: Kata 4.1.0, which cold-plugs NVSwitches): a pod
   given the board unit gets a VM with the 8 GPUs and the 4 NVSwitches, and a pod given one GPU
   a VM with that GPU alone (§6.1's two configurations for HGX H100).
@@ -43,7 +43,7 @@ def pod_devices(node, pod: str) -> dict[str, list[str]]:
     return next(p for p in node.kubelet.state.pods if p.name == pod).containers[0].devices
 
 
-@pytest.mark.parametrize("release", kataoracle.RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_shared_nvswitch_a_pod_gets_exactly_its_partitions_gpus(kata_node, release):
     node = kata_node("dgx-h100", fabric=fm_guard)
     for size, partition, gpus in ((2, 3, ["0000:03:00.0", "0000:13:00.0"]), (4, 2, GPUS[4:])):
@@ -56,7 +56,7 @@ def test_shared_nvswitch_a_pod_gets_exactly_its_partitions_gpus(kata_node, relea
         assert sorted(kata.cdi_devices) == [f"{H100}={g}" for g in gpus]
 
 
-@pytest.mark.kata_git
+@pytest.mark.kata_source
 def test_full_passthrough_the_board_unit_brings_every_gpu_and_nvswitch(kata_node, monkeypatch):
     monkeypatch.setattr(fullpassthrough, "GRACE", 0.5)
     monkeypatch.setattr(fullpassthrough, "WATCH_INTERVAL", 0.1)

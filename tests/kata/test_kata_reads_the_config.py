@@ -1,4 +1,4 @@
-"""The Kata config katamgr renders, as Kata 3.25.0 and 3.29.0 read it.
+"""The Kata config katamgr renders, as Kata 3.25.0, 3.29.0 and 4.1.0 read it.
 
 katamgr sets ``[runtime] pod_resource_device_sources`` to match the chart (``device-plugin``,
 and ``dra`` with ``dra.enabled``) for Kata's pending DRA cold-plug. Kata's own configuration
@@ -29,7 +29,7 @@ def render(node, sources):
     return local / "rendered" / SHIPPED.name
 
 
-@pytest.mark.parametrize("release", kataoracle.RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_kata_reads_the_rendered_config_and_ignores_the_sources_it_does_not_know(kata_node, release):
     node = kata_node("a10-server")
     rendered = render(node, ("device-plugin", "dra"))

@@ -1,7 +1,7 @@
 """The stand-in (nodesim.kata_shim) against Kata's own code, on the same inputs.
 
 Where the stand-in still answers (the fast tests, ``katamgr demo``, DRA claims), it must say
-what Kata 3.25.0 and 3.29.0 say: the CDI names, the device nodes in the spec's order, the
+what Kata 3.25.0, 3.29.0 and 4.1.0 say: the CDI names, the device nodes in the spec's order, the
 functions QEMU gets with their ``-device`` arguments and root ports, or the failure, word for
 word.
 """
@@ -43,8 +43,10 @@ def stand_in(node, pod: str, release: str) -> kata_shim.ColdPlug | str:
 
 
 def without_ids(args):
-    # iommufd objects carry the device manager's random ID.
-    return [a.split(",iommufd=")[0] for a in args if a != "-device" and not a.startswith("iommufd,")]
+    # iommufd objects carry the device manager's random ID, and so does Kata 4.1's id= of
+    # each vfio-pci device (kataoracle.Outcome.plain_vfio_args).
+    return [kataoracle.VFIO_ID.sub("", a.split(",iommufd=")[0])
+            for a in args if a != "-device" and not a.startswith("iommufd,")]
 
 
 def assert_same(kata: kataoracle.Outcome, ours: kata_shim.ColdPlug | str) -> None:
@@ -56,10 +58,11 @@ def assert_same(kata: kataoracle.Outcome, ours: kata_shim.ColdPlug | str) -> Non
     assert list(kata.device_nodes) == list(ours.device_nodes)
     assert list(kata.plugged) == list(ours.functions)
     assert without_ids(kata.vfio_args) == without_ids(ours.qemu_args)
+    assert [",id=vfio-" in a for a in kata.vfio_args] == [",id=vfio-" in a for a in ours.qemu_args if a != "-device"]
     assert kata.root_ports == ours.root_ports
 
 
-@pytest.mark.parametrize("release", kataoracle.RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_resource_of_every_profile(kata_node, release, case):
     node = kata_node(find_profile(CASES[case][0]) if isinstance(CASES[case][0], str) else CASES[case][0],
@@ -75,7 +78,7 @@ def test_every_resource_of_every_profile(kata_node, release, case):
         node.kubelet.remove_pod("default", pod)
 
 
-@pytest.mark.parametrize("release", kataoracle.RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_failures_and_repeats(kata_node, release):
     node = kata_node("a10-server")
     assert_same(node.kata(release, "ghost"), stand_in(node, "ghost", release))
@@ -100,9 +103,9 @@ def test_failures_and_repeats(kata_node, release):
     assert_same(node.kata(release, "twice"), stand_in(node, "twice", release))
 
 
-@pytest.mark.parametrize("release", kataoracle.RELEASES)
+@pytest.mark.parametrize("release", kataoracle.judges())
 def test_claims_are_not_read_by_released_kata(kata_node, release):
-    """A pod whose GPU came from a DRA claim: Kata 3.25/3.29 read only the device plugin's
+    """A pod whose GPU came from a DRA claim: Kata 3.25/3.29/4.1 read only the device plugin's
     devices, so its VM boots without the GPU; the stand-in in its released mode agrees. (Its
     pending-pull-request mode, sources=(DRA,), is what tests/plugin/test_dra_driver.py uses.)"""
     node = kata_node("a10-server")

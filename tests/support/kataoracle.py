@@ -1,7 +1,9 @@
 """Kata's own cold-plug code, as the tests ask it: the oracle hack/kata/build builds.
 
 ``hack/kata/oracle`` is a small Go program of ours on the runtime code of each Kata release
-pinned in ``hack/kata/versions`` (Kata 3.25.0 and 3.29.0). Given the kubelet's PodResources
+pinned in ``hack/kata/versions`` (Kata 3.25.0 and 3.29.0 from the Go module proxy; Kata 4.1.0,
+which the proxy does not serve, from a source tree the runner gives: ``KATA_SRC_DIR`` holding
+its ``git archive`` tarball, or a kata-containers clone ``KATA_GIT_DIR``). Given the kubelet's PodResources
 socket, the CDI spec dirs, the node's root (its /sys and /dev) and the pod, it runs the
 shim's sandbox cold-plug and the sandbox's VFIO assembly and prints what Kata does: the CDI
 names, the device nodes injected, the VFIO functions, QEMU's ``-device`` arguments, or
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterable, Mapping
@@ -35,23 +38,59 @@ BUILD_TIMEOUT = 1800
 RUN_TIMEOUT = 60
 
 
-def releases(*, from_git: bool = False) -> tuple[str, ...]:
-    """The pinned Kata releases the module proxy serves (``from_git``: those built from a Kata
-    git clone instead, KATA_GIT_DIR), oldest first."""
+def releases(*, from_source: bool = False) -> tuple[str, ...]:
+    """The pinned Kata releases the module proxy serves (``from_source``: those built from a
+    source tree the proxy does not serve, a tarball or a git clone), oldest first."""
     out = []
     for line in VERSIONS.read_text().splitlines():
         fields = line.split()
-        if fields and not fields[0].startswith("#") and (fields[2:3] == ["git"]) == from_git:
+        if fields and not fields[0].startswith("#") and (fields[2:3] == ["source"]) == from_source:
             out.append(fields[0])
     return tuple(out)
 
 
 RELEASES = releases()
-# The NVSwitch and one-device-per-group behaviour is the same in every release above.
+SOURCE_RELEASES = releases(from_source=True)
+# The NVSwitch and one-device-per-group behaviour of 3.x is the same in every release above.
 OLDEST, NEWEST = RELEASES[0], RELEASES[-1]
-# Kata 4.1 cold-plugs NVSwitches (the full passthrough model); the proxy does not serve it here.
+# Kata 4.1 cold-plugs NVSwitches (the full passthrough model); the proxy does not serve it.
 NVSWITCH_RELEASE = "4.1.0"
-assert NVSWITCH_RELEASE in releases(from_git=True)
+assert NVSWITCH_RELEASE in SOURCE_RELEASES
+
+
+def exact_bridges(release: str) -> bool:
+    """Whether Kata ``release`` leaves out only host bridges (class 0x0600) and PCI-to-PCI
+    bridges (0x0604) of a VFIO group, so an NVSwitch (0x0680) reaches the VM: Kata 4.1's
+    ``pciClassesIgnoredForPassthrough`` and ``checkIgnorePCIClass``
+    (``src/runtime/pkg/device/drivers/utils.go``). Before, any class with ``& 0x0600 ==
+    0x0600`` was left out (``checkIgnorePCIClass`` of 3.x), an NVSwitch with it."""
+    return tuple(int(p) for p in release.split(".")) >= (4, 1)
+
+
+def source_given() -> bool:
+    """Whether the runner gave the source of the releases the proxy does not serve: a dir of
+    ``kata-runtime-<release>.tar.gz`` (KATA_SRC_DIR; .ci/run's, where shared/ is beside the
+    checkout) or a kata-containers clone (KATA_GIT_DIR). hack/kata/build reads the same."""
+    return bool(os.environ.get("KATA_SRC_DIR") or os.environ.get("KATA_GIT_DIR"))
+
+
+NOT_GIVEN = ("is built from a source tree the Go module proxy does not serve: set KATA_SRC_DIR "
+             "(a dir holding kata-runtime-<release>.tar.gz, `git archive <tag> src/runtime`) or "
+             "KATA_GIT_DIR (a kata-containers clone); hack/kata/versions")
+
+
+def judges() -> list:
+    """Every pinned release, oldest first, as pytest parameters: the cold-plug cases run on
+    each. A release built from a source tree is marked ``kata_source``: without its source
+    (KATA_SRC_DIR, KATA_GIT_DIR) its cases are left out, and the summary names them."""
+    return [pytest.param(r, marks=pytest.mark.kata_source) if r in SOURCE_RELEASES else r
+            for r in sorted(RELEASES + SOURCE_RELEASES, key=lambda r: tuple(map(int, r.split("."))))]
+
+
+def here() -> tuple[str, ...]:
+    """The pinned releases whose oracle can be built here, oldest first."""
+    return tuple(p if isinstance(p, str) else p.values[0] for p in judges()
+                 if isinstance(p, str) or source_given())
 
 
 def missing_part() -> str | None:
@@ -65,7 +104,8 @@ def missing_part() -> str | None:
 
 @functools.cache
 def bin_dir() -> Path:
-    """hack/kata/build's bin dir (built once, then cached); skips (fails in CI) when it cannot."""
+    """hack/kata/build's bin dir (built once, then cached: every release here, those from a
+    source tree too where it is given); skips (fails in CI) when it cannot."""
     why = missing_part()
     if why is None:
         done = subprocess.run([str(BUILD)], capture_output=True, text=True, timeout=BUILD_TIMEOUT)
@@ -77,23 +117,7 @@ def bin_dir() -> Path:
     pytest.skip(why)
 
 
-@functools.cache
-def git_release_bin(release: str) -> Path:
-    """The bin dir holding the oracle on a release built from a Kata git clone (KATA_GIT_DIR);
-    skips without KATA_GIT_DIR, and (failing in CI) when it cannot be built here."""
-    why = missing_part()
-    if why is None and not os.environ.get("KATA_GIT_DIR"):
-        # Where its code comes from is the runner's to say; CI without a clone skips, saying so.
-        pytest.skip(f"Kata {release} is built from a kata-containers git clone (the module proxy does not "
-                    f"serve it): set KATA_GIT_DIR (hack/kata/versions)")
-    if why is None:
-        done = subprocess.run([str(BUILD), release], capture_output=True, text=True, timeout=BUILD_TIMEOUT)
-        if done.returncode == 0:
-            return Path(done.stdout.strip())
-        why = f"hack/kata/build {release} failed ({done.returncode}): {done.stderr[-2000:]}"
-    if REQUIRE_INTEGRATION:
-        pytest.fail(why)
-    pytest.skip(why)
+VFIO_ID = re.compile(r",id=vfio-[0-9a-f]+")
 
 
 @dataclass(frozen=True)
@@ -132,6 +156,19 @@ class Outcome:
         return [args[i + 1] for i in range(len(args) - 1)
                 if args[i] == "-device" and args[i + 1].startswith("vfio-pci,")]
 
+    @property
+    def plain_vfio_args(self) -> list[str]:
+        """``vfio_args`` less the ``id=`` Kata 4.1 writes after ``host=`` (govmm's
+        ``VFIODevice.QemuParams``, so that QMP finds a cold-plugged device: the VFIO device's
+        ID, ``vfio-`` and the device manager's random hex ID and the function's index). It is
+        there in 4.1 and later, not before."""
+        out = []
+        for arg in self.vfio_args:
+            plain, n = VFIO_ID.subn("", arg)
+            assert n == (1 if exact_bridges(self.kata) else 0), f"Kata {self.kata}: {arg}"
+            out.append(plain)
+        return out
+
 
 def run(release: str, *, pod: tuple[str, str] | None, root: os.PathLike | str = "/",
         pod_resources: os.PathLike | str | None = None, cdi_dirs: Iterable[os.PathLike | str] = (),
@@ -139,8 +176,10 @@ def run(release: str, *, pod: tuple[str, str] | None, root: os.PathLike | str = 
         annotations: Mapping[str, str] | None = None) -> Outcome:
     """Ask Kata ``release`` what it does for the pod (namespace, name) on the node at ``root``.
     ``cdi_dirs`` are paths as this machine sees them (default Kata's: /etc/cdi, /var/run/cdi)."""
-    where = git_release_bin(release) if release in releases(from_git=True) else bin_dir()
-    argv = [str(where / f"kata-oracle-{release}"), "--root", str(root)]
+    if release in SOURCE_RELEASES and not source_given():
+        # Where its code comes from is the runner's to say; conftest leaves such cases out.
+        pytest.skip(f"Kata {release} {NOT_GIVEN}")
+    argv = [str(bin_dir() / f"kata-oracle-{release}"), "--root", str(root)]
     if pod is not None:
         argv += ["--pod", f"{pod[0]}/{pod[1]}"]
     if pod_resources is not None:
