@@ -1,7 +1,7 @@
 """What the node's Kata does with a passthrough unit when it cold-plugs it, by Kata release.
 
-Facts from Kata's runtime code, which ``tests/kata`` runs (``hack/kata/build``: Kata 3.25.0
-and 3.29.0) on every simulated host profile, the real node and the real kernel:
+Facts from Kata's runtime code, which ``tests/kata`` runs (``hack/kata/build``: Kata 3.25.0,
+3.29.0 and 4.1.0) on every simulated host profile, the real node and the real kernel:
 
 - Legacy VFIO (``/dev/vfio/<group>``): Kata lists the group's devices in name (bus) order,
   drops each one whose class ANDed with 0x0600 is 0x0600 (meant for host and PCI bridges,
@@ -12,7 +12,8 @@ and 3.29.0) on every simulated host profile, the real node and the real kernel:
 - iommufd (``/dev/vfio/devices/vfioN``): a cdev is one device, and each one is plugged; a
   unit hands Kata the cdev of every function of its group.
 
-Upstream fixed the NVSwitch case in Kata 4.1; a node whose Kata release is unknown is taken
+Kata 4.1 matches the two bridge classes exactly (0x0600, 0x0604), so an NVSwitch and the
+other classes the mask matched are plugged; a node whose Kata release is unknown is taken
 to be an older one, which is the safe guess (an NVSwitch then stays on the host).
 """
 
@@ -29,11 +30,19 @@ if TYPE_CHECKING:  # the inventory's selection asks this module about releases
 BRIDGE_MASK = 0x0600
 
 
+# Kata 4.1 leaves out exactly these classes (base class and subclass): host and PCI-to-PCI
+# bridges (``pciClassesIgnoredForPassthrough`` in pkg/device/drivers/utils.go).
+BRIDGES_4_1 = frozenset({0x0600, 0x0604})
+
+
 def is_kata_bridge(device: Device, kata: KataRelease = UNKNOWN) -> bool:
-    """Whether Kata leaves this function out of a VM as a "bridge" (an NVSwitch too, before 4.1)."""
-    if device.is_nvswitch and kata.cold_plugs_nvswitches:
+    """Whether Kata leaves this function out of a VM as a "bridge": before 4.1 every class the
+    0x0600 mask matches (an NVSwitch's 0x0680 too), from 4.1 exactly 0x0600 and 0x0604."""
+    if device.base_class is None:
         return False
-    return device.base_class is not None and device.base_class & BRIDGE_MASK == BRIDGE_MASK
+    if kata.cold_plugs_nvswitches:
+        return device.base_class in BRIDGES_4_1
+    return device.base_class & BRIDGE_MASK == BRIDGE_MASK
 
 
 def plugged(inv: Inventory, group: int) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ from support.paths import HOST_PROFILES
 
 from gpunode.host.pciids import PciIds
 from gpunode.policy.inventory import discover
-from gpunode.policy.kata import parse_release
+from gpunode.policy.katarelease import parse_release
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
 from gpunode.policy.selection import Selection, parse_exclude, parse_include
