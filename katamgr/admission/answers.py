@@ -110,10 +110,7 @@ def judge(path: str, request: dict[str, Any], policy: rules.Policy) -> dict[str,
         log.exception("cannot review pod %s", httpio.shorten(_name(pod)))
         return review.response(uid, allowed=False, code=500, message=(
             f"katamgr webhook failed reviewing this pod: {httpio.shorten(str(exc))}"))
-    if denial:
-        log.info("denied: %s", httpio.shorten(denial, 1000))
-        return review.response(uid, allowed=False, code=403, message=denial)
-    return review.response(uid)
+    return _verdict(uid, denial)
 
 
 def _judge_claim(path: str, request: dict[str, Any], policy: rules.Policy,
@@ -128,10 +125,7 @@ def _judge_claim(path: str, request: dict[str, Any], policy: rules.Policy,
         log.warning("cannot review a ResourceClaim status write: %s", exc)
         return review.response(uid, allowed=False, code=500, message=(
             f"katamgr webhook failed reviewing this ResourceClaim: {httpio.shorten(str(exc))}"))
-    if denial:
-        log.info("denied: %s", httpio.shorten(denial, 1000))
-        return review.response(uid, allowed=False, code=403, message=denial)
-    return review.response(uid)
+    return _verdict(uid, denial)
 
 
 def _name(pod: dict[str, Any]) -> str:
@@ -139,3 +133,11 @@ def _name(pod: dict[str, Any]) -> str:
         return rules.pod_name(pod)
     except Exception:  # noqa: BLE001 - a name for a log line, of a pod the rules choked on
         return "(unnamed)"
+
+
+def _verdict(uid: str, denial: str | None) -> dict[str, Any]:
+    """The review's answer: allowed, or refused with the rule's sentence (HTTP 403)."""
+    if denial:
+        log.info("denied: %s", httpio.shorten(denial, 1000))
+        return review.response(uid, allowed=False, code=403, message=denial)
+    return review.response(uid)

@@ -15,12 +15,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +23,8 @@ import yaml
 from support.chartkit import render_release
 from support.kubecluster import wait_for
 from support.registry_server import free_port
-from support.tlskit import make_ca, write_server_pair
+from support.tlskit import make_ca
+from support.webhookkit import Webhook
 
 from gpunode.kataclasses import PASSTHROUGH_RUNTIME_CLASSES
 
@@ -74,55 +70,6 @@ def envs(stored_pod: dict[str, Any]) -> dict[str, dict[str, str]]:
     spec = stored_pod["spec"]
     return {c["name"]: {e["name"]: e.get("value") for e in c.get("env", [])}
             for c in spec.get("initContainers", []) + spec["containers"]}
-
-
-class Webhook:
-    """``katamgr webhook`` on a loopback port with a CA of the test's own."""
-
-    def __init__(self, tmp: Path, inject: bool = False, kubeconfig: Path | None = None) -> None:
-        self.ca = make_ca()
-        cert, key = tmp / "tls.crt", tmp / "tls.key"
-        write_server_pair(self.ca, cert, key)
-        self.port = free_port()
-        argv = [str(Path(sys.executable).parent / "katamgr"), "webhook", "-v",
-                "--listen", f"127.0.0.1:{self.port}",
-                "--tls-cert-file", str(cert), "--tls-private-key-file", str(key)]
-        if inject:
-            argv.append("--inject-runtime-class")
-        env = dict(os.environ)
-        if kubeconfig is not None:
-            # As the chart runs it: the handler rule reads RuntimeClasses from the API server.
-            argv.append("--check-handlers")
-            env["KUBECONFIG"] = str(kubeconfig)
-        self.log = tmp / "webhook.log"
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-        wait_for(self._answers, "katamgr webhook serving")
-
-    def _answers(self) -> bool:
-        with socket.socket() as s:
-            s.settimeout(1)
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
-
-    def point(self, configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The chart's webhook configurations, each webhook's Service swapped for this
-        process's URL (same path) and CA; rules, selectors and policies as rendered."""
-        bundle = base64.b64encode(self.ca.pem).decode()
-        configs = copy.deepcopy(configs)
-        for config in configs:
-            for hook in config["webhooks"]:
-                path = hook["clientConfig"]["service"]["path"]
-                hook["clientConfig"] = {"url": f"https://127.0.0.1:{self.port}{path}",
-                                        "caBundle": bundle}
-        return configs
-
-    def stop(self) -> str:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        return self.log.read_text()
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import yaml
 from support.chartkit import render_release
 from support.kubecluster import wait_for
 from support.paths import EXAMPLES, REPO
+from support.webhookkit import Webhook
 
 from gpunode.host.pciids import PciIds
 from gpunode.policy.naming import Naming
@@ -208,8 +209,9 @@ def test_a_runc_pod_sharing_a_kata_pods_claim_stays_pending_with_the_reason(kube
     kube.apply([slice_], manager="test")
     account = next(o for o in accounts if o["kind"] == "ServiceAccount"
                    and o["metadata"]["name"].endswith("-webhook"))["metadata"]["name"]
-    hook = LocalWebhook(tmp_path, kube.service_account_kubeconfig(RELEASE, account, tmp_path / "hook.kubeconfig"))
-    config = hook.point(validating)
+    hook = Webhook(tmp_path, kubeconfig=kube.service_account_kubeconfig(RELEASE, account, tmp_path / "hook.kubeconfig"),
+                   extra=("--runtime-class", RUNTIME_CLASS, "--dra-driver", DRIVER))
+    config = hook.point([validating])[0]
     try:
         kube.apply([config])
 
@@ -285,56 +287,6 @@ def test_a_runc_pod_sharing_a_kata_pods_claim_stays_pending_with_the_reason(kube
         kube.delete([runtime_class])
         kube.delete(accounts, namespace=RELEASE)
     assert "forbidden" not in log.lower(), log
-
-
-class LocalWebhook:
-    """``katamgr webhook --check-handlers --dra-driver`` on a loopback port, as the chart runs
-    it, with a CA of the test's own and the given kubeconfig."""
-
-    def __init__(self, tmp, kubeconfig) -> None:
-        from support.registry_server import free_port
-        from support.tlskit import make_ca, write_server_pair
-
-        self.ca = make_ca()
-        cert, key = tmp / "tls.crt", tmp / "tls.key"
-        write_server_pair(self.ca, cert, key)
-        self.port = free_port()
-        self.log = tmp / "webhook.log"
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-        env.pop("KUBERNETES_SERVICE_HOST", None)
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "katamgr.cli", "webhook", "-v", "--listen", f"127.0.0.1:{self.port}",
-                 "--tls-cert-file", str(cert), "--tls-private-key-file", str(key), "--check-handlers",
-                 "--runtime-class", RUNTIME_CLASS, "--dra-driver", DRIVER],
-                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        wait_for(self._answers, "katamgr webhook serving")
-
-    def _answers(self) -> bool:
-        import socket
-
-        with socket.socket() as s:
-            s.settimeout(1)
-            return s.connect_ex(("127.0.0.1", self.port)) == 0
-
-    def point(self, config: dict) -> dict:
-        """The chart's configuration with each webhook's Service swapped for this URL."""
-        import base64
-
-        config = json.loads(json.dumps(config))
-        for hook in config["webhooks"]:
-            path = hook["clientConfig"]["service"]["path"]
-            hook["clientConfig"] = {"url": f"https://127.0.0.1:{self.port}{path}",
-                                    "caBundle": base64.b64encode(self.ca.pem).decode()}
-        return config
-
-    def stop(self) -> str:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        return self.log.read_text()
 
 
 def test_the_admission_policy_alone_refuses_a_runc_pod_naming_a_passthrough_claim(kube):
