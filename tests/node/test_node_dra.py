@@ -144,3 +144,68 @@ def test_a_claim_that_cannot_be_met_leaves_the_pod_pending_with_the_reason(node,
     message = wait_for(reason, "the scheduler's reason", 60, every=0.5)
     assert "cannot allocate all claims" in message, message
     node.delete_pod("too-many", NAMESPACE)
+
+
+def shared_claim_pod(name: str, runtime_class: str | None) -> dict:
+    """A pod naming the ResourceClaim ``shared`` by name (sharing it), listing /dev/vfio."""
+    spec = {"containers": [{"name": "app", "image": IMAGE, "imagePullPolicy": "Never",
+                            "command": ["sh", "-c", "ls /dev/vfio; sleep 3600"],
+                            "resources": {"claims": [{"name": "gpu"}]}}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimName": "shared"}],
+            "restartPolicy": "Never", "terminationGracePeriodSeconds": 1}
+    if runtime_class:
+        spec["runtimeClassName"] = runtime_class
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": spec}
+
+
+def test_a_runc_pod_sharing_a_kata_pods_claim_gets_nothing_even_after_a_kubelet_restart(node, dra):
+    """A passthrough claim is Kata's at every step, on the real scheduler and kubelet with the
+    chart's own webhook: a runc pod made before the claim it names (so its create saw nothing to
+    judge) stays Pending, kube-scheduler's reservation of the claim for it (PreBind, an UPDATE
+    of resourceclaims/status) refused with the reason, while a Kata pod sharing the same claim
+    runs; a runc pod made after is refused at create. kubelet 1.35 keeps no "prepared" flag
+    across a restart (pkg/kubelet/cm/dra/manager.go asks the driver again for the claims of the
+    pods it runs), and the restart gives the runc pod nothing: it is never bound."""
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+             "metadata": {"name": "shared", "namespace": NAMESPACE},
+             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                 "deviceClassName": f"gpu.{DRIVER}"}}]}}}
+    try:
+        node.run(shared_claim_pod("runc-first", None))
+        node.run({"apiVersion": "v1", "kind": "List",
+                  "items": [claim, shared_claim_pod("vm-shared", KATA_CLASS)]})
+        vm = node.wait_phase("vm-shared", NAMESPACE)
+        assert vm["spec"]["runtimeClassName"] == KATA_CLASS
+
+        def refused_reservation():
+            pod = node.pod("runc-first", NAMESPACE)
+            said = [c.get("message", "") for c in (pod.get("status") or {}).get("conditions", [])
+                    if c["type"] == "PodScheduled"]
+            events = json.loads(node.cluster.kubectl(
+                "get", "events", "-n", NAMESPACE, "--field-selector", "involvedObject.name=runc-first",
+                "-o", "json").stdout)["items"]
+            said += [e.get("message", "") for e in events]
+            return next((m for m in said if "may not be added to its reservedFor" in m), None)
+        reason = wait_for(refused_reservation, "the runc pod's reservation refused", 90, every=1)
+        assert "the pod sets no runtimeClassName (runc)" in reason, reason
+
+        after = node.run(shared_claim_pod("runc-after", None), check=False)
+        assert after.returncode != 0, "a runc pod naming a Kata pod's claim was created"
+        assert 'names ResourceClaim "shared"' in after.stderr, after.stderr
+
+        node.cluster.component("restart", "kubelet")
+        wait_for(lambda: is_ready(node.pod("vm-shared", NAMESPACE)) or None,
+                 "the Kata pod Ready again after the kubelet's restart", 120, every=1)
+        reserved = json.loads(node.cluster.kubectl("get", "resourceclaim", "shared", "-n", NAMESPACE,
+                                                   "-o", "json").stdout)["status"]["reservedFor"]
+        assert [r["name"] for r in reserved] == ["vm-shared"]
+        runc = node.pod("runc-first", NAMESPACE)
+        assert not runc["spec"].get("nodeName") and runc["status"].get("phase") == "Pending"
+        assert not runc["status"].get("containerStatuses")
+    finally:
+        for name in ("runc-first", "runc-after", "vm-shared"):
+            node.cluster.kubectl("delete", "pod", name, "-n", NAMESPACE, "--wait=false",
+                                 "--ignore-not-found", check=False)
+        node.cluster.kubectl("delete", "resourceclaim", "shared", "-n", NAMESPACE, "--wait=false",
+                             "--ignore-not-found", check=False)
