@@ -49,7 +49,9 @@ def admitted_until(kube, body: dict[str, Any], namespace: str = TENANT) -> None:
 
 
 def test_the_api_server_refuses_dotdot_in_a_hostpath_and_a_subpath_but_not_in_a_mountpath(kube):
-    # kube-system: neither layer looks there, so this is the API server's own validation.
+    # kube-system: neither layer looks there, so this is the API server's own validation (on a
+    # cluster just started, once its default ServiceAccount is made).
+    kube.namespace("kube-system")
     for case in ("hostpath-dotdot", "subpath-dotdot"):
         result = create(kube, tenant(podkit.path_cases()[case], case), "kube-system")
         assert result.returncode != 0 and "must not contain '..'" in result.stderr, (case, result.stderr)
