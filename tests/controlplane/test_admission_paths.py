@@ -118,12 +118,18 @@ def test_with_every_webhook_replica_gone_plain_updates_go_on_but_a_cdi_annotatio
     kube.apply(configs)
     try:
         def annotate_refused():
+            # Until the configuration is in force, and while an earlier test's layer may still
+            # be in the API server's caches, another answer may come first: try again (an
+            # annotation that got through is taken off first).
             result = kube.kubectl("annotate", "pod", "running", "-n", TENANT, GPU_ALL, check=False)
-            return result.stderr if result.returncode else None
+            if result.returncode == 0:
+                kube.kubectl("annotate", "pod", "running", "-n", TENANT, GPU_ALL.split("=", 1)[0] + "-")
+                return None
+            return result.stderr if "failed calling webhook" in result.stderr else None
 
         refusal = wait_for(annotate_refused, "a CDI annotation refused with the webhook down", timeout=30,
                            every=0.5)
-        assert "failed calling webhook" in refusal, refusal
+        assert 'failed calling webhook "validate.isolation.kata-sandbox-manager.io"' in refusal, refusal
         for args in (("label", "pod", "running", "team=a"), ("annotate", "pod", "running", "example.com/x=y")):
             result = kube.kubectl(*args, "-n", TENANT, check=False)
             assert result.returncode == 0, (args, result.stderr)
