@@ -12,11 +12,9 @@ import json
 from collections.abc import Iterable
 
 from kubernetes.client import ApiClient, CoreV1Api
-from kubernetes.client.exceptions import ApiException
-from urllib3.exceptions import HTTPError
 
-from gpunode.errors import GpuNodeError
-from gpunode.services.kube import READ_TIMEOUT, api_error_message
+from gpunode.services.kube import READ_TIMEOUT
+from katamgr.cluster.nodes import node_call
 
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 FIELDS = ("type", "status", "reason", "message", "lastHeartbeatTime", "lastTransitionTime")
@@ -25,12 +23,8 @@ FIELDS = ("type", "status", "reason", "message", "lastHeartbeatTime", "lastTrans
 def read_node_conditions(api: ApiClient, node_name: str, types: Iterable[str]) -> dict[str, dict[str, str]]:
     """The Node's conditions of ``types``, by type, in the API's wire form."""
     wanted = set(types)
-    try:
+    with node_call(f"read node {node_name}"):
         raw = CoreV1Api(api).read_node(node_name, _request_timeout=READ_TIMEOUT, _preload_content=False)
-    except ApiException as e:
-        raise GpuNodeError(f"cannot read node {node_name}: {api_error_message(e)}") from e
-    except HTTPError as e:
-        raise GpuNodeError(f"cannot read node {node_name}: API server unreachable ({e})") from e
     node = json.loads(raw.data)
     found = {}
     for c in (node.get("status") or {}).get("conditions") or []:
@@ -42,12 +36,6 @@ def read_node_conditions(api: ApiClient, node_name: str, types: Iterable[str]) -
 def patch_node_conditions(api: ApiClient, node_name: str, conditions: list[dict[str, str]]) -> None:
     """Set these conditions (whole, each by its type) on the Node's status, touching no other."""
     body = {"status": {"conditions": conditions}}
-    try:
+    with node_call(f"set conditions on node {node_name}", "patch on nodes/status (the chart does)"):
         CoreV1Api(api).patch_node_status(node_name, body, _content_type=STRATEGIC_MERGE,
                                          _request_timeout=READ_TIMEOUT)
-    except ApiException as e:
-        hint = "; grant this service account patch on nodes/status (the chart does)" \
-            if e.status in (401, 403) else ""
-        raise GpuNodeError(f"cannot set conditions on node {node_name}: {api_error_message(e)}{hint}") from e
-    except HTTPError as e:
-        raise GpuNodeError(f"cannot set conditions on node {node_name}: API server unreachable ({e})") from e

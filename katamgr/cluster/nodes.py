@@ -3,7 +3,8 @@ the reader, shared with the device plugin, ``gpunode.services.kube``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
@@ -25,28 +26,31 @@ def node_workload_mode(api: ApiClient, node_name: str,
     return mode
 
 
+@contextmanager
+def node_call(what: str, grant: str = "") -> Iterator[None]:
+    """An API call about our Node, its failure a GpuNodeError: ``what`` could not be done, why,
+    and on a refusal (401, 403) ``grant``, the right this service account lacks."""
+    try:
+        yield
+    except ApiException as e:
+        hint = f"; grant this service account {grant}" if grant and e.status in (401, 403) else ""
+        raise GpuNodeError(f"cannot {what}: {api_error_message(e)}{hint}") from e
+    except HTTPError as e:
+        raise GpuNodeError(f"cannot {what}: API server unreachable ({e})") from e
+
+
 def set_node_labels(api: ApiClient, node_name: str, labels: Mapping[str, str | None]) -> None:
     """Set (or, for None, remove) labels on our Node with one merge patch; a refusal or an
     API server that does not answer is a GpuNodeError naming the fix."""
-    try:
+    with node_call(f"label node {node_name}", "patch on nodes (the chart does with ccManager.enabled)"):
         CoreV1Api(api).patch_node(node_name, {"metadata": {"labels": dict(labels)}},
                                   _request_timeout=READ_TIMEOUT)
-    except ApiException as e:
-        hint = "; grant this service account patch on nodes (the chart does with ccManager.enabled)" \
-            if e.status in (401, 403) else ""
-        raise GpuNodeError(f"cannot label node {node_name}: {api_error_message(e)}{hint}") from e
-    except HTTPError as e:
-        raise GpuNodeError(f"cannot label node {node_name}: API server unreachable ({e})") from e
 
 
 def node_resources(api: ApiClient, node_name: str) -> tuple[dict[str, str], dict[str, str]]:
     """Our Node's ``status.capacity`` and ``status.allocatable``, as the kubelet last reported
     them; a GpuNodeError when the Node cannot be read."""
-    try:
+    with node_call(f"read node {node_name}"):
         node = CoreV1Api(api).read_node(node_name, _request_timeout=READ_TIMEOUT)
-    except ApiException as e:
-        raise GpuNodeError(f"cannot read node {node_name}: {api_error_message(e)}") from e
-    except HTTPError as e:
-        raise GpuNodeError(f"cannot read node {node_name}: API server unreachable ({e})") from e
     status = node.status
     return dict((status.capacity if status else None) or {}), dict((status.allocatable if status else None) or {})
