@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from gpunode.services.process import STOP_SIGNALS
 
 _depth = 0  # deferred() sections the main thread is in
 _pending: int | None = None  # the signal that arrived inside one
@@ -56,7 +56,7 @@ def handled() -> Iterator[bool]:
     if threading.current_thread() is not threading.main_thread():
         yield False
         return
-    before = {signum: signal.signal(signum, _handler) for signum in SIGNALS}
+    before = {signum: signal.signal(signum, _handler) for signum in STOP_SIGNALS}
     _pending = None
     try:
         yield True
