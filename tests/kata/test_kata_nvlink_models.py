@@ -72,6 +72,9 @@ def test_full_passthrough_the_board_unit_brings_every_gpu_and_nvswitch(kata_node
     assert kata.cdi_devices == (f"{BOARD}=x8-0000:03:00.0",)
     assert sorted(kata.plugged) == sorted(GPUS + SWITCHES)  # §6.1: 8 GPUs with all 4 NVSwitches
     assert sorted(kata.plugged) == sorted(units["x8-0000:03:00.0"].plugged)  # what katamgr says Kata plugs
+    # While the board is held its GPUs are Unhealthy in ListAndWatch; only after the plugin saw the
+    # pod go does it offer them again, so the wait must see both turns, not the state before the first.
+    node.kubelet.wait_for(lambda s: not s.healthy(H100))
     node.kubelet.remove_pod("default", whole)
     node.kubelet.wait_for(lambda s: len(s.healthy(H100)) == 8)  # the board's GPUs free again
 
