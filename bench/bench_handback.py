@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gpunode.host import handback, pcihealth, vfio
 from gpunode.host.pciids import PciIds
+from gpunode.policy.health import HealthPolicy
 from gpunode.policy.naming import Naming
 from katamgr.pipeline.plan import build_plan
 from nodesim import pcierrors
@@ -46,7 +47,7 @@ def main() -> None:
         checks, judged = [], []
         for _ in range(10):
             for bdf in gpus:
-                verdict = handback.check(host, bdf, None)
+                verdict = HealthPolicy().hand_back(host, bdf, None)
                 assert verdict is not None and verdict.ok, verdict
                 checks.append(verdict.seconds * 1000)
         figures("hand-back check per GPU (target < 1000 ms)", checks)
@@ -78,7 +79,7 @@ def fault_to_unhealthy(host, naming: Naming, gpus: list[str]) -> None:
                 kubelet.wait_for(lambda s, b=bdf: any(d.id == b and not d.healthy
                                                       for v in s.devices.values() for d in v), timeout=5)
                 samples.append((time.perf_counter() - started) * 1000)
-                verdict = handback.check(host, bdf, None)
+                verdict = HealthPolicy().hand_back(host, bdf, None)
                 handback.write_verdict(host, verdict)
                 kubelet.wait_for(lambda s, b=bdf: any(d.id == b and d.healthy
                                                       for v in s.devices.values() for d in v), timeout=5)

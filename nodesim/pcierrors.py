@@ -17,8 +17,9 @@ tests/data/kernel/aer):
   ones (its vendor ID 0xffff).
 
 A reset written to the device's ``reset`` (``nodesim.kernel``) brings such a device back
-(config space as before, its link at its maximum) unless the node's marker says the reset
-fails for it (``fail_reset``); the AER counts stay, as on Linux.
+(config space as before, its link at its maximum, or at what the slot allows: ``limit_link``)
+unless the node's marker says the reset fails for it (``fail_reset``); the AER counts stay, as
+on Linux.
 """
 
 from __future__ import annotations
@@ -130,6 +131,15 @@ def set_reset_methods(host: HostRoot, bdf: str, methods: str | None) -> None:
         (directory / "reset").touch()
 
 
+def limit_link(host: HostRoot, bdf: str, speed: str, width: int) -> None:
+    """The link trains at ``speed``/``width`` now and after every reset (a slot, riser or
+    retimer that cannot carry more), below what the device's ``max_link_*`` says."""
+    data = marker(host)
+    data.setdefault("link_limits", {})[bdf] = [speed, width]
+    save_marker(host, data)
+    train_link(host, bdf, speed, width)
+
+
 def fail_reset(host: HostRoot, bdf: str, fails: bool = True) -> None:
     data = marker(host)
     data.setdefault("failing_resets", {})[bdf] = fails
@@ -148,4 +158,4 @@ def on_reset(host: HostRoot, bdf: str) -> None:
         (directory / "config").write_bytes(bytes.fromhex(saved))
         save_marker(host, data)
     if (directory / "max_link_speed").exists():
-        train_link(host, bdf)
+        train_link(host, bdf, *data.get("link_limits", {}).get(bdf, (None, None)))

@@ -11,9 +11,9 @@ import threading
 import time
 
 from gpunode.errors import GpuNodeError
-from gpunode.host.pcihealth import LINK_POLICIES
 from gpunode.host.root import HostRoot
 from gpunode.policy import selection as device_selection
+from gpunode.policy.health import LINK_POLICIES
 from gpunode.policy.naming import Naming
 from gpunode.policy.workload import (
     AUTO,

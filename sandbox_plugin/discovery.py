@@ -22,9 +22,10 @@ import importlib
 import threading
 
 from gpunode.host.root import HostRoot
+from gpunode.policy.health import BEGUN
 from gpunode.policy.naming import Naming
 from sandbox_plugin.cdinames import HostCdiSpecs
-from sandbox_plugin.devhealth import BEGUN, DeviceHealth
+from sandbox_plugin.devhealth import DeviceHealth
 from sandbox_plugin.fabric import FabricGuard
 from sandbox_plugin.fabricgate import FabricGate
 from sandbox_plugin.fullpassthrough import BoardWatch

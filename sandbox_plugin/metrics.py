@@ -15,6 +15,8 @@ from __future__ import annotations
 import bisect
 import threading
 
+from gpunode.policy import health
+
 ALLOCATE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -93,8 +95,9 @@ class PluginMetrics:
             ("resource",), _CounterChild)
         self.health_transitions = _Family(
             "sandbox_device_plugin_device_health_transitions",
-            "A passthrough device turning Unhealthy (by reason) or Healthy again, from the host "
-            "kernel's facts: AER, link, config space, reset method, hand-back.",
+            "A passthrough device turning Unhealthy (by reason: "
+            f"{', '.join(health.codes(health.LASTING, health.TRIP, health.HAND_BACK))}) or Healthy again, "
+            "from the host kernel's facts: AER, link, config space, reset method, hand-back.",
             ("device", "health", "reason"), _CounterChild)
         # The NVSwitch board's model (sandbox_plugin.fabricgate): "none" while its GPUs are
         # withheld; None on a node without NVSwitches (no series).
@@ -103,8 +106,8 @@ class PluginMetrics:
         self._lock = threading.Lock()
 
     def health_changed(self, bdf: str, code: str, message: str) -> None:
-        """``devhealth.DeviceHealth``'s transition: ``code`` (``gpunode.host.pcihealth``'s
-        reasons) "" when Healthy again."""
+        """``devhealth.DeviceHealth``'s transition: ``code`` (one of ``gpunode.policy.health``'s
+        reasons), "" when Healthy again."""
         self.health_transitions.labels(bdf, "Unhealthy" if code else "Healthy", code).inc()
 
     @property

@@ -1,15 +1,16 @@
-"""The hand-back check between tenants, and its verdict that the device plugin reads.
+"""The hand-back check's mechanics between tenants, and its verdict that the plugins read.
 
 When the kubelet stops listing a passthrough GPU for any pod, its VM has let go (or is
 letting go) of it. vfio-pci resets a device when its last user closes it, if the kernel has a
 reset method for it (drivers/vfio/pci/vfio_pci_core.c, ``vfio_pci_core_disable``); whether
 that happened is not recorded anywhere we can read, so the check resets the device itself
-through sysfs ``reset`` (``pci_reset_function``, the same methods) once no process holds its
-VFIO nodes, then reads it back: present, config space answering (vendor not 0xffff), link
-trained at its maximum, no new fatal AER error since just before the reset
-(``gpunode.host.pcihealth``). A GPU that fails stays out (the device plugin lists it
-Unhealthy, the DRA driver leaves it out of the slice) with the reason, until a later check
-passes.
+through sysfs ``reset`` (``reset`` here: ``pci_reset_function``, the same methods) once no
+process holds its VFIO nodes, then reads it back. What the read-back must show (present,
+config space answering, the link as the node's link policy wants it, no new fatal AER error
+since just before the reset) is the health policy's (``gpunode.policy.health``,
+``HealthPolicy.hand_back``), the same rule the plugins judge by. A GPU that fails stays out
+(the device plugin lists it Unhealthy, the DRA driver leaves it out of the slice) with the
+reason, until a later check passes.
 
 The verdict is a small JSON file per device under ``VERDICTS`` (the agent's state dir, which
 the chart mounts read-only into the device plugin's and the DRA driver's containers), written
@@ -20,12 +21,10 @@ was written in: a reboot resets every device, so a verdict of an earlier boot is
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpunode.host import files, pcihealth, sysfs, vfio
-from gpunode.host.errors import HostError
+from gpunode.host import files, sysfs
 from gpunode.host.pcihealth import AerCounts
 from gpunode.host.root import HostRoot
 
@@ -44,6 +43,7 @@ class Verdict:
     aer: AerCounts | None  # the counts read back (the plugin's new baseline when ok)
     reset: str = ""  # "sysfs reset", or why no reset was done
     seconds: float = 0.0  # how long the check took
+    code: str = ""  # the reason code of what failed it (gpunode.policy.health.REASONS); "" when it passed
 
 
 def _path(host: HostRoot, bdf: str):
@@ -59,7 +59,7 @@ def read_verdict(host: HostRoot, bdf: str) -> Verdict | None:
         aer = raw.get("aer")
         return Verdict(bdf, bool(raw["ok"]), str(raw.get("reason", "")), float(raw["checked"]),
                        AerCounts(**aer) if isinstance(aer, dict) else None, str(raw.get("reset", "")),
-                       float(raw.get("seconds", 0.0)))
+                       float(raw.get("seconds", 0.0)), str(raw.get("code", "")))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -67,7 +67,7 @@ def read_verdict(host: HostRoot, bdf: str) -> Verdict | None:
 def write_verdict(host: HostRoot, verdict: Verdict) -> None:
     aer = verdict.aer
     body = {"boot": _boot_id(), "ok": verdict.ok, "reason": verdict.reason, "checked": verdict.checked, "reset": verdict.reset,
-            "seconds": round(verdict.seconds, 4),
+            "code": verdict.code, "seconds": round(verdict.seconds, 4),
             "aer": None if aer is None else {"correctable": aer.correctable, "nonfatal": aer.nonfatal,
                                               "fatal": aer.fatal}}
     files.write_atomic(_path(host, verdict.bdf), json.dumps(body, sort_keys=True) + "\n")
@@ -84,29 +84,7 @@ def clear_verdict(host: HostRoot, bdf: str) -> None:
     _path(host, bdf).unlink(missing_ok=True)
 
 
-def check(host: HostRoot, bdf: str, group: int | None, *, link_policy: str = "degrade") -> Verdict | None:
-    """Reset ``bdf`` and read it back; None while a process still holds its VFIO nodes
-    (its VM is still letting go: look again at the next check)."""
-    started = time.monotonic()
-    if vfio.vfio_holders(host, bdf, group):
-        return None
-    before = pcihealth.read_health(host, bdf)
-
-    def verdict(ok: bool, reason: str, reset: str, aer: AerCounts | None) -> Verdict:
-        return Verdict(bdf, ok, reason, time.time(), aer, reset, time.monotonic() - started)
-
-    if not before.present:
-        return verdict(False, "it is gone from the host", "none: gone", None)
-    if not before.resettable:
-        return verdict(False, "the kernel has no reset method for it, so the last tenant's state stays",
-                       "none: no reset method", before.aer)
-    try:
-        host.kernel.write(host, f"{sysfs.PCI_DEVICES}/{bdf}/reset", "1")
-    except HostError as exc:
-        return verdict(False, f"its reset failed ({exc})", "sysfs reset failed", before.aer)
-    after = pcihealth.read_health(host, bdf)
-    found = pcihealth.problems(after, before.aer, link_policy=link_policy)
-    bad = [p for p in found if p.fatal and p.reason != pcihealth.AER_NONFATAL]
-    if bad:
-        return verdict(False, f"after its reset: {bad[0].message}", "sysfs reset", after.aer)
-    return verdict(True, "", "sysfs reset", after.aer)
+def reset(host: HostRoot, bdf: str) -> None:
+    """Reset ``bdf`` through sysfs ``reset`` (``pci_reset_function``: the kernel's reset methods,
+    the ones vfio-pci would use); raises ``HostError`` when the kernel refuses."""
+    host.kernel.write(host, f"{sysfs.PCI_DEVICES}/{bdf}/reset", "1")

@@ -23,10 +23,9 @@ A device on vfio-pci is invisible to NVML, but the kernel keeps four facts about
   ``pci_dev_reset_method_attr_is_visible``). vfio-pci resets a device between users only
   through one of them.
 
-``read_health`` reads them; ``problems`` says which of them make a device unfit for a VM,
-against a baseline of AER counts (the last ones accepted as healthy). Both the device
-plugin (its health at ListAndWatch, the DRA driver's slice) and the agent (its Events,
-its metrics, the hand-back check between tenants) judge by ``problems``.
+``read_health`` reads them, and judges nothing: what they mean for a VM (a verdict, a trip
+and its recovery, the hand-back check) is the health policy's, ``gpunode.policy.health``,
+which the device plugin, the DRA driver, the agent and ``katamgr plan`` all read.
 """
 
 from __future__ import annotations
@@ -42,17 +41,6 @@ AER_FILES = {"correctable": "aer_dev_correctable", "nonfatal": "aer_dev_nonfatal
 _TOTAL = re.compile(r"^TOTAL_ERR_[A-Z]+$")
 _SPEED = re.compile(r"^([0-9.]+) GT/s")
 OFF_BUS_VENDOR = 0xFFFF
-LINK_POLICIES = ("degrade", "warn")  # a link below its maximum: Unhealthy, or a warning only
-
-# The reasons, as the Node's Events and the metrics' label name them.
-OFF_BUS = "OffTheBus"
-AER_FATAL = "AerFatal"
-AER_NONFATAL = "AerNonFatal"
-LINK_DOWN = "LinkDown"
-LINK_DEGRADED = "LinkDegraded"
-NO_RESET = "NoResetMethod"
-GONE = "Gone"
-AER_CORRECTABLE = "AerCorrectable"  # counted and rate-alerted, never Unhealthy
 
 
 @dataclass(frozen=True)
@@ -145,13 +133,6 @@ class PciHealth:
         return "; ".join(parts)
 
 
-@dataclass(frozen=True)
-class Problem:
-    reason: str  # one of the reasons above
-    message: str  # a sentence naming the device
-    fatal: bool  # makes the device Unhealthy (else a warning)
-
-
 def read_health(host: HostRoot, bdf: str) -> PciHealth:
     """The device's health facts; a file that cannot be read is a fact left unknown."""
     base = host.path(f"{sysfs.PCI_DEVICES}/{bdf}")
@@ -232,41 +213,3 @@ def _int(text: str | None, unknown: int | None = None) -> int | None:
     except ValueError:
         return None
     return None if value == unknown else value
-
-
-def problems(facts: PciHealth, baseline: AerCounts | None, *, link_policy: str = "degrade") -> list[Problem]:
-    """What makes the device unfit for a VM now (``fatal``) or worth a warning, most
-    serious first. ``baseline``: the AER counts last accepted as healthy."""
-    bdf = facts.bdf
-    if not facts.present:
-        return [Problem(GONE, f"{bdf} is gone from the host (hot-unplugged or removed)", True)]
-    if facts.off_bus:
-        return [Problem(OFF_BUS, f"{bdf} fell off the bus: its config space reads 0xffff", True)]
-    found: list[Problem] = []
-    if facts.aer is not None:
-        cor, nonfatal, fatal = facts.aer.rise(baseline)
-        if fatal:
-            found.append(Problem(AER_FATAL, f"{bdf} reported {fatal} new fatal AER error(s) "
-                                 f"(the kernel's counts: {facts.aer.names('fatal') or 'unnamed'})", True))
-        if nonfatal:
-            found.append(Problem(AER_NONFATAL, f"{bdf} reported {nonfatal} new non-fatal AER error(s) "
-                                 f"(the kernel's counts: {facts.aer.names('nonfatal') or 'unnamed'})", True))
-        if cor:
-            found.append(Problem(AER_CORRECTABLE, f"{bdf} reported {cor} new correctable AER error(s) "
-                                 f"(the kernel's counts: {facts.aer.names('correctable') or 'unnamed'})", False))
-    link = facts.link
-    if link is not None and link.down:
-        found.append(Problem(LINK_DOWN, f"{bdf}'s PCIe link is down ({link.describe()})", True))
-    elif link is not None and link.degraded:
-        found.append(Problem(LINK_DEGRADED, f"{bdf}'s PCIe link trained below its maximum: {link.describe()}",
-                             link_policy == "degrade"))
-    if not facts.resettable:
-        why = "reset_method is empty" if facts.reset_methods == () else "no reset or reset_method attribute"
-        found.append(Problem(NO_RESET, f"{bdf} has no reset method the kernel can use ({why}), "
-                             "so vfio-pci cannot reset it between tenants", True))
-    return found
-
-
-def unfit(found: list[Problem]) -> Problem | None:
-    """The first problem that makes the device Unhealthy, if any."""
-    return next((p for p in found if p.fatal), None)

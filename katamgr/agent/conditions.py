@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from gpunode.errors import GpuNodeError
+from gpunode.policy.health import HAND_BACK_FAILED
 from katamgr.agent.metrics import AgentMetrics
 
 log = logging.getLogger("katamgr.agent")
@@ -78,7 +79,7 @@ def node_conditions(metrics: AgentMetrics, binds: bool) -> list[Condition]:
             found.append(Condition(HEALTHY, "False", "GPUUnhealthy",
                                    f"unfit for a VM and not offered: {_list(unfit)} (Events GpuUnhealthy say why)"))
         elif held:
-            found.append(Condition(HEALTHY, "False", "HandBackFailed",
+            found.append(Condition(HEALTHY, "False", HAND_BACK_FAILED,
                                    f"held out after a failed hand-back check: {_list(held)}"))
         else:
             found.append(Condition(HEALTHY, "True", "GPUsHealthy", "no passthrough device is unfit for a VM"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gpunode.policy import health
 from gpunode.policy.workload import Operand
 from katamgr.pipeline.plan import Plan
 
@@ -62,8 +63,8 @@ class AgentMetrics:
                                 "(aer_dev_*'s TOTAL_ERR_*), by severity.", ["device", "severity"], registry=r)
         self.gpu_health_transitions = Counter(
             "katamgr_gpu_health_transitions",
-            "A passthrough device turning unfit for a VM (by reason: OffTheBus, LinkDown, LinkDegraded, "
-            "NoResetMethod, Gone) or fit again.", ["device", "health", "reason"], registry=r)
+            "A passthrough device turning unfit for a VM (by reason: "
+            f"{', '.join(health.codes(health.LASTING))}) or fit again.", ["device", "health", "reason"], registry=r)
         self.handbacks = Counter("katamgr_gpu_handbacks",
                                  "Hand-back checks between tenants (reset, read back sane), by result.",
                                  ["result"], registry=r)

@@ -16,6 +16,7 @@ from gpunode.host.pciids import DEFAULT_PCI_IDS
 from gpunode.host.root import HostRoot
 from gpunode.host.vfiogroups import Action, GroupDecision, VfioModule
 from gpunode.policy import kata, nvlinkunits, vfiodecide
+from gpunode.policy.health import HealthPolicy
 from gpunode.policy.inventory import Inventory, Kind, discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import unit_head
@@ -46,7 +47,8 @@ class DevicePlan:
     cc_capable: bool | None = None
     cc_mode_message: str = ""
     # What the host kernel shows of its health (gpunode.host.pcihealth: AER counts, link,
-    # reset methods), and what would make it unfit for a VM now; None for an unselected device.
+    # reset methods), and what would make it unfit for a VM now by the default health policy
+    # (gpunode.policy.health); None for an unselected device.
     health: str | None = None
     unfit: list[str] = field(default_factory=list)
 
@@ -127,7 +129,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
                 plan, vfio_driver=current or (driver.name if driver else None),
                 vfio_driver_why=("already bound" if current else driver.why if driver else ""),
                 health=facts.summary() if facts else None,
-                unfit=[p.message for p in pcihealth.problems(facts, None) if p.fatal] if facts else [],
+                unfit=[p.message for p in HealthPolicy().problems(facts, None) if p.fatal] if facts else [],
                 **_cc_fields(modes.get(device.bdf))))
         for device in inv.foreign(decision.group) if decision.group is not None else []:
             devices.append(_device_plan(inv, naming, device, Action.SKIP.value, _left_alone(inv, device, bound)))

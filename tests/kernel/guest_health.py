@@ -103,12 +103,13 @@ def facts(bdf: str) -> dict:
     """Our host facts module's reading, and the rule's verdict, on the real sysfs."""
     from gpunode.host import pcihealth
     from gpunode.host.root import HostRoot
+    from gpunode.policy.health import HealthPolicy
 
     found = pcihealth.read_health(HostRoot.at("/"), bdf)
     return {"summary": found.summary(), "resettable": found.resettable, "reset_methods": found.reset_methods,
             "off_bus": found.off_bus, "aer": None if found.aer is None else
             [found.aer.correctable, found.aer.nonfatal, found.aer.fatal],
-            "problems": [[p.reason, p.message, p.fatal] for p in pcihealth.problems(found, None)]}
+            "problems": [[p.reason, p.message, p.fatal] for p in HealthPolicy().problems(found, None)]}
 
 
 def _health(kubelet, bdf: str) -> str | None:
@@ -168,9 +169,10 @@ def hand_back(bdf: str) -> dict:
     where the plugin reads it."""
     from gpunode.host import handback
     from gpunode.host.root import HostRoot
+    from gpunode.policy.health import HealthPolicy
 
     host = HostRoot.at("/")
-    verdict = handback.check(host, bdf, None)
+    verdict = HealthPolicy().hand_back(host, bdf, None)
     if verdict is not None:
         handback.write_verdict(host, verdict)
     return None if verdict is None else {"ok": verdict.ok, "reason": verdict.reason, "reset": verdict.reset,

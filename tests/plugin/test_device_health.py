@@ -1,5 +1,6 @@
 """A passthrough GPU's health from what the host kernel sees: AER counts, its link, its config
-space, its reset methods and the agent's hand-back verdict (sandbox_plugin.devhealth).
+space, its reset methods and the agent's hand-back verdict (sandbox_plugin.devhealth, judging
+by gpunode.policy.health).
 
 The simulated node's sysfs carries the files as Linux writes them (nodesim.pcierrors, from
 what tests/kernel recorded on Debian's 6.1 kernel); a fault is what the kernel's AER driver,
@@ -19,11 +20,13 @@ from test_passthrough_plugin import A10, A10_IDS, FAST, NAMING, bind, health
 
 from gpunode.host import handback
 from gpunode.host.uevents import UEvent
+from gpunode.policy.health import HealthPolicy
 from nodesim import pcierrors
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.resources import HEALTHY, UNHEALTHY
 
 GPU = A10_IDS[1]  # 0000:31:00.0
+POLICY = HealthPolicy()  # the agent's hand-back check, under the plugin's default link policy
 
 
 @pytest.fixture
@@ -66,7 +69,7 @@ def test_a_fatal_aer_error_makes_the_gpu_unhealthy_until_a_hand_back_reset_reads
         kubelet.allocate(A10, [GPU])
     assert "new fatal AER" in refused.value.details()
     # The counts never go down; a reset that reads back sane is what ends it.
-    verdict = handback.check(host, GPU, None)
+    verdict = POLICY.hand_back(host, GPU, None)
     assert verdict is not None and verdict.ok, verdict
     handback.write_verdict(host, verdict)
     turns(kubelet, HEALTHY)
@@ -145,7 +148,7 @@ def test_a_gpu_off_the_bus_is_unhealthy_and_back_after_a_reset(a10):
     pcierrors.fall_off_bus(host, GPU)
     turns(kubelet, UNHEALTHY)
     assert unit(manager).reason == f"{GPU} fell off the bus: its config space reads 0xffff"
-    verdict = handback.check(host, GPU, None)
+    verdict = POLICY.hand_back(host, GPU, None)
     assert verdict.ok, verdict
     turns(kubelet, HEALTHY)
 
@@ -154,7 +157,7 @@ def test_a_reset_that_fails_keeps_the_gpu_out_with_the_reason(a10):
     host, kubelet, manager = a10()
     pcierrors.fall_off_bus(host, GPU)
     pcierrors.fail_reset(host, GPU)
-    verdict = handback.check(host, GPU, None)
+    verdict = POLICY.hand_back(host, GPU, None)
     assert not verdict.ok and "its reset failed" in verdict.reason
     handback.write_verdict(host, verdict)
     turns(kubelet, UNHEALTHY)
@@ -191,7 +194,7 @@ def test_each_transition_is_counted_by_reason(a10):
     host, kubelet, manager = a10()
     pcierrors.fall_off_bus(host, GPU)
     turns(kubelet, UNHEALTHY)
-    handback.check(host, GPU, None)
+    POLICY.hand_back(host, GPU, None)
     turns(kubelet, HEALTHY)
     counts = {labels: child.value for labels, child in manager.metrics.health_transitions.snapshot()}
     assert counts == {(GPU, "Unhealthy", "OffTheBus"): 1, (GPU, "Healthy", ""): 1}
@@ -218,8 +221,8 @@ def test_the_dra_driver_takes_an_unhealthy_gpu_out_of_the_slice():
         while name in node.device_names() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert name not in node.device_names()
-        handback.check(node.host, "0000:03:00.0", None)
-        handback.write_verdict(node.host, handback.check(node.host, "0000:03:00.0", None))
+        POLICY.hand_back(node.host, "0000:03:00.0", None)
+        handback.write_verdict(node.host, POLICY.hand_back(node.host, "0000:03:00.0", None))
         deadline = time.monotonic() + 2
         while name not in node.device_names() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -245,7 +248,7 @@ def test_the_kernels_error_recovery_events_are_followed(a10):
     assert health.heard(UEvent("change", "pci", devpath.rsplit("/", 1)[0], "pcieport", "FAILED_RECOVERY"))
     kubelet.wait_for(lambda s: "could not recover" in unit(manager).reason, timeout=1)
     assert port in devpath
-    handback.write_verdict(host, handback.check(host, GPU, None))  # a reset that reads back sane
+    handback.write_verdict(host, POLICY.hand_back(host, GPU, None))  # a reset that reads back sane
     turns(kubelet, HEALTHY)
     health.heard(UEvent("change", "pci", devpath, "vfio-pci", "BEGIN_RECOVERY"))
     turns(kubelet, UNHEALTHY)
