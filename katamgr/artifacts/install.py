@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,12 +97,15 @@ def install_artifact(
     *,
     verify_files: bool = False,
     fetched: FetchedManifest | None = None,
+    check: Callable[[Path, Manifest], None] | None = None,
     **how: Any,
 ) -> InstallResult:
     """Make ``dest`` hold exactly the files of the artifact; see the module doc.
 
     ``fetched`` is the manifest ``resolve_artifact`` already read (not fetched again,
-    so what was checked is what gets installed). ``verify_files`` re-hashes installed
+    so what was checked is what gets installed). ``check(staging, manifest)`` runs on the
+    complete staged files before the swap: its ArtifactError refuses them, nothing changed
+    (the guest images' dm-verity root hashes). ``verify_files`` re-hashes installed
     files even when their size and mtime match the record. ``how``: ``Pull.of``'s options,
     when ``pull`` is a reference. Raises ArtifactError (the previous install untouched) or
     ConfigError (bad reference).
@@ -134,7 +138,7 @@ def install_artifact(
             log.debug("%s: %s already holds %s, nothing to do", pull.label, dest, manifest.digest)
             return InstallResult(dest.name, dest, pull.label, manifest.digest, False,
                                  [layer.name for layer in manifest.layers], 0)
-        transferred = _stage_and_swap(source, manifest, pull.label, dest, intact, pull.retry)
+        transferred = _stage_and_swap(source, manifest, pull.label, dest, intact, pull.retry, check)
         return InstallResult(dest.name, dest, pull.label, manifest.digest, True,
                              [layer.name for layer in manifest.layers], transferred)
 
@@ -175,12 +179,14 @@ def _manifest(pull: Pull, fetched: FetchedManifest) -> Manifest:
 
 def _stage_and_swap(
     source: Source, manifest: Manifest, ref: str, dest: Path, intact: dict[str, Path],
-    policy: RetryPolicy,
+    policy: RetryPolicy, check: Callable[[Path, Manifest], None] | None = None,
 ) -> int:
     write_point(f"stage {dest}")
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
     try:
         files, transferred = _fill(source, manifest, ref, staging, intact, policy)
+        if check is not None:
+            check(staging, manifest)
         record = InstallRecord(ref, manifest.digest, tuple(files))
         with (staging / RECORD_NAME).open("w") as out:
             out.write(record.text())

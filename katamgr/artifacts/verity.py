@@ -1,0 +1,151 @@
+"""A guest image's dm-verity root hash, checked before the image is installed.
+
+Kata 4.x boots the NVIDIA guest from a read-only EROFS ``image`` protected by dm-verity,
+and adds guest extension images the same way. The parameters are Kata's
+``kernel_verity_params`` (and each extension's ``verity_params``): comma-separated
+``key=value`` fields ``root_hash``, ``salt``, ``data_blocks``, ``data_block_size`` and
+``hash_block_size``, every one required, the sizes non-zero multiples of 512
+(``ParseKernelVerityParams``, src/runtime/virtcontainers/hypervisor.go, Kata 4.1.0). The
+runtime hands the guest kernel the table ``verity 1 /dev/vda1 /dev/vda2 <data_block_size>
+<hash_block_size> <data_blocks> 0 sha256 <root_hash> <salt>`` (``kernelVerityRootParams``,
+same file): the data is the image's first partition, the hash tree its second from block
+0 (no verity superblock), format 1, sha256.
+
+So the root hash is recomputed here from the first partition alone, with that salt and
+those sizes, the way dm-verity (and cryptsetup's ``veritysetup format``) builds the tree:
+each block hashed as sha256(salt || block), the digests packed into hash blocks, level by
+level, until one block is left; the root hash is sha256(salt || that block). A wrong
+hash partition only stops the guest at boot; a data partition that is not the one the
+root hash names is refused before anything is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ArtifactError
+
+FIELDS = ("root_hash", "salt", "data_blocks", "data_block_size", "hash_block_size")
+SECTOR = 512  # Kata's verityBlockSizeBytes, and the partition tables' sector
+DIGEST_BYTES = 32  # sha256, the only algorithm Kata's table names
+
+
+@dataclass(frozen=True)
+class VerityParams:
+    root_hash: str
+    salt: str
+    data_blocks: int
+    data_block_size: int
+    hash_block_size: int
+
+    def text(self) -> str:
+        """The ``kernel_verity_params`` value Kata reads back as these parameters."""
+        return (f"root_hash={self.root_hash},salt={self.salt},data_blocks={self.data_blocks},"
+                f"data_block_size={self.data_block_size},hash_block_size={self.hash_block_size}")
+
+
+def parse_params(text: str, what: str) -> VerityParams:
+    """``text`` as Kata 4.1's ParseKernelVerityParams reads it; ArtifactError naming the field."""
+    values: dict[str, str] = {}
+    for field in str(text).split(","):
+        field = field.strip()
+        if not field:
+            continue
+        key, sep, value = field.partition("=")
+        if not sep:
+            raise ArtifactError(f"{what}: the dm-verity parameter {field!r} is not key=value; give "
+                                f"{', '.join(f + '=...' for f in FIELDS)}")
+        values[key] = value
+    missing = [f for f in FIELDS if not values.get(f)]
+    if missing:
+        raise ArtifactError(f"{what}: the dm-verity parameters {text!r} lack {', '.join(missing)}; Kata refuses "
+                            "them too, give every one of " + ", ".join(FIELDS))
+    sizes = {}
+    for key in FIELDS[2:]:
+        try:
+            sizes[key] = int(values[key], 10)
+        except ValueError:
+            raise ArtifactError(f"{what}: dm-verity {key}={values[key]!r} is not a whole number") from None
+        if sizes[key] <= 0 or (key != "data_blocks" and sizes[key] % SECTOR):
+            raise ArtifactError(f"{what}: dm-verity {key}={sizes[key]} must be non-zero"
+                                + ("" if key == "data_blocks" else f" and a multiple of {SECTOR}"))
+    try:
+        bytes.fromhex(values["salt"])
+        if len(bytes.fromhex(values["root_hash"])) != DIGEST_BYTES:
+            raise ValueError
+    except ValueError:
+        raise ArtifactError(f"{what}: dm-verity root_hash and salt must be hex, the root hash "
+                            f"{DIGEST_BYTES} bytes (sha256)") from None
+    return VerityParams(values["root_hash"].lower(), values["salt"].lower(), sizes["data_blocks"],
+                        sizes["data_block_size"], sizes["hash_block_size"])
+
+
+def partitions(path: Path) -> list[tuple[int, int]]:
+    """(offset, length) in bytes of each partition of the disk image, in table order: an
+    MBR's primary entries (what Kata's image builder writes, ``parted mklabel msdos``) or,
+    behind a protective MBR, the GPT's entries."""
+    with path.open("rb") as disk:
+        mbr = disk.read(SECTOR)
+        if len(mbr) < SECTOR or mbr[510:512] != b"\x55\xaa":
+            return []
+        entries = [struct.unpack_from("<4xB3xII", mbr, 446 + 16 * i) for i in range(4)]
+        if entries[0][0] != 0xEE:
+            return [(start * SECTOR, count * SECTOR) for kind, start, count in entries if kind and count]
+        disk.seek(SECTOR)
+        header = disk.read(92)
+        if header[:8] != b"EFI PART":
+            return []
+        table_lba, count, size = struct.unpack_from("<QII", header, 72)
+        if not 128 <= size <= 4096 or count > 1024:
+            return []
+        disk.seek(table_lba * SECTOR)
+        raw = disk.read(count * size)
+    found = []
+    for i in range(len(raw) // size):
+        kind, first, last = raw[i * size:i * size + 16], *struct.unpack_from("<QQ", raw, i * size + 32)
+        if kind != bytes(16) and last >= first:
+            found.append((first * SECTOR, (last - first + 1) * SECTOR))
+    return found
+
+
+def root_hash(path: Path, params: VerityParams, offset: int = 0) -> str:
+    """The dm-verity root hash of ``params.data_blocks`` blocks of ``path`` from ``offset``."""
+    salt = bytes.fromhex(params.salt)
+    per_block = params.hash_block_size // DIGEST_BYTES
+    digests: list[bytes] = []
+    with path.open("rb") as data:
+        data.seek(offset)
+        for _ in range(params.data_blocks):
+            block = data.read(params.data_block_size)
+            if len(block) != params.data_block_size:
+                raise ArtifactError(f"{path.name}: the data ends before dm-verity's {params.data_blocks} blocks of "
+                                    f"{params.data_block_size} bytes; the image and its parameters do not match")
+            digests.append(hashlib.sha256(salt + block).digest())
+    while len(digests) > 1:  # one data block is its own root: the tree has no level
+        blocks = [b"".join(digests[i:i + per_block]).ljust(params.hash_block_size, b"\0")
+                  for i in range(0, len(digests), per_block)]
+        digests = [hashlib.sha256(salt + block).digest() for block in blocks]
+    return digests[0].hex()
+
+
+def check_image(path: Path, params_text: str, what: str) -> VerityParams:
+    """Refuse ``path`` unless its first partition has the root hash ``params_text`` names."""
+    params = parse_params(params_text, what)
+    parts = partitions(path)
+    if len(parts) < 2:
+        raise ArtifactError(f"{what}: {path.name} has {len(parts)} partition(s); a dm-verity guest image holds its "
+                            "data in the first partition and the hash tree in the second, as Kata's image builder "
+                            "writes it")
+    (start, length), _ = parts[0], parts[1]
+    if params.data_blocks * params.data_block_size > length:
+        raise ArtifactError(f"{what}: dm-verity covers {params.data_blocks} blocks of {params.data_block_size} bytes, "
+                            f"more than {path.name}'s data partition ({length} bytes)")
+    actual = root_hash(path, params, start)
+    if actual != params.root_hash:
+        raise ArtifactError(f"{what}: {path.name} has dm-verity root hash {actual}, not the {params.root_hash} its "
+                            "parameters name; the image was altered or belongs to other parameters, refusing to "
+                            "install it (re-push the image with its own parameters)")
+    return params
