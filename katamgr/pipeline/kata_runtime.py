@@ -47,7 +47,7 @@ from katamgr.runtime import (
     revert_containerd,
     transform_kata_config,
 )
-from katamgr.runtime.guest_images import verify_staged
+from katamgr.runtime.guest_images import plan_guest, verify_staged
 from katamgr.runtime.kata_config import (
     DROP_IN_DIR,
     DROP_IN_NAME,
@@ -71,8 +71,7 @@ class KataContext:
     namespace: str = "default"
     root_ports: int = 0  # passthrough GPUs + NVSwitches on this node
     deadlines: Deadlines = DEFAULT_DEADLINES  # every registry transfer ends by these
-    # The Kata runtimes found on the node (katadetect.KataOnNode; None: not looked for).
-    kata_found: katadetect.KataOnNode | None = None
+    kata_found: katadetect.KataOnNode | None = None  # the Kata runtimes found; None: not looked for
     # False (katamgr --no-runtime-classes): someone else owns the cluster's RuntimeClasses,
     # the chart (Helm) when the chart runs katamgr, so no step applies, updates or deletes
     # one and this identity needs no RuntimeClass rights.
@@ -194,6 +193,7 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
             gaps = installed_cold_plug_gaps(host, host.path(entry["dir"]))
             entry["coldPlugGaps"] = gaps
             lines += [f"  warning: {gap}" for gap in gaps]
+        lines.append(plan_guest(entry, class_release(ctx, rc.name)))  # what its Kata boots, and why
         artifacts.append(entry)
     sections = [PlanSection("artifacts", "Kata artifacts", artifacts, lines,
                             pending=any(a["action"] == "pull" for a in artifacts))]

@@ -68,6 +68,13 @@ def guest_format(release: KataRelease) -> GuestFormat:
                        f"{release} boots image with kernel_verity_params and cold-plugs guest_extension_images")
 
 
+def plan_guest(entry: dict, release: KataRelease) -> str:
+    """``plan``'s word on a runtime class's guest: ``entry["guest"]`` set, its line returned."""
+    guest = guest_format(release)
+    entry["guest"] = {"format": guest.name, "why": guest.why}
+    return f"  guest: {guest.name} ({guest.why})"
+
+
 def release_problems(doc: dict, release: KataRelease, where: str) -> list[str]:
     """Why ``release``'s Kata would not boot the guest the config ``doc`` describes as meant."""
     version = release.version
