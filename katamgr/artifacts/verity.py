@@ -31,6 +31,7 @@ from .errors import ArtifactError
 FIELDS = ("root_hash", "salt", "data_blocks", "data_block_size", "hash_block_size")
 SECTOR = 512  # Kata's verityBlockSizeBytes, and the partition tables' sector
 DIGEST_BYTES = 32  # sha256, the only algorithm Kata's table names
+READ_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -113,22 +114,31 @@ def partitions(path: Path) -> list[tuple[int, int]]:
 
 def root_hash(path: Path, params: VerityParams, offset: int = 0) -> str:
     """The dm-verity root hash of ``params.data_blocks`` blocks of ``path`` from ``offset``."""
-    salt = bytes.fromhex(params.salt)
-    per_block = params.hash_block_size // DIGEST_BYTES
+    salted = hashlib.sha256(bytes.fromhex(params.salt))  # each block's hash starts from the salt's state
+    size, per_block = params.data_block_size, params.hash_block_size // DIGEST_BYTES
     digests: list[bytes] = []
-    with path.open("rb") as data:
+    left = params.data_blocks
+    with path.open("rb", buffering=0) as data:
         data.seek(offset)
-        for _ in range(params.data_blocks):
-            block = data.read(params.data_block_size)
-            if len(block) != params.data_block_size:
+        while left:
+            count = min(left, max(1, READ_BYTES // size))
+            chunk = memoryview(data.read(count * size))
+            if len(chunk) != count * size:
                 raise ArtifactError(f"{path.name}: the data ends before dm-verity's {params.data_blocks} blocks of "
-                                    f"{params.data_block_size} bytes; the image and its parameters do not match")
-            digests.append(hashlib.sha256(salt + block).digest())
+                                    f"{size} bytes; the image and its parameters do not match")
+            digests += [_hash(salted, chunk[i:i + size]) for i in range(0, count * size, size)]
+            left -= count
     while len(digests) > 1:  # one data block is its own root: the tree has no level
         blocks = [b"".join(digests[i:i + per_block]).ljust(params.hash_block_size, b"\0")
                   for i in range(0, len(digests), per_block)]
-        digests = [hashlib.sha256(salt + block).digest() for block in blocks]
+        digests = [_hash(salted, block) for block in blocks]
     return digests[0].hex()
+
+
+def _hash(salted, block) -> bytes:
+    digest = salted.copy()
+    digest.update(block)
+    return digest.digest()
 
 
 def check_image(path: Path, params_text: str, what: str) -> VerityParams:

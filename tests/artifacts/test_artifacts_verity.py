@@ -1,10 +1,8 @@
 """Kata 4.x guest images: each one's dm-verity root hash checked before it is installed.
 
-The images are built the way Kata's image builder lays them out (an MBR disk, the data in
-partition 1, the hash tree in partition 2 from its first block, no verity superblock: the
-table Kata 4.1's kernelVerityRootParams hands the guest, virtcontainers/hypervisor.go), and
-their hash trees and root hashes are made by cryptsetup's ``veritysetup format``, not by
-our code. Pulled from a real registry (docker-registry) and from an OCI layout.
+The images are built the way Kata's image builder lays them out, their hash trees and root
+hashes made by cryptsetup's ``veritysetup format``, not by our code (support.veritykit).
+Pulled from a real registry (docker-registry) and from an OCI layout.
 """
 
 from __future__ import annotations
@@ -12,58 +10,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
-import shutil
-import struct
-import subprocess
 from pathlib import Path
 
 import pytest
 from artifactkit import leftovers, snapshot
+from support.veritykit import SECTOR, START, VERITYSETUP, guest_image
 
 from gpunode.host.root import HostRoot
 from katamgr.artifacts import ArtifactError, install_artifact
 from katamgr.runtime.guest_images import verify_staged
 from katamgr.runtime.kata_config import transform_kata_config
 
-VERITYSETUP = shutil.which("veritysetup") or next(
-    (p for p in ("/usr/sbin/veritysetup", "/sbin/veritysetup") if os.path.exists(p)), None)
 if VERITYSETUP is None:
     if os.environ.get("REQUIRE_INTEGRATION") == "1":
         raise RuntimeError("veritysetup (Debian's cryptsetup-bin) is missing; run .ci/setup")
     pytest.skip("veritysetup (Debian's cryptsetup-bin) is not installed", allow_module_level=True)
 
-SECTOR, BLOCK, START = 512, 4096, 2048  # partition 1 at 1 MiB, as parted -a optimal puts it
 KERNEL = "vmlinux-nvidia-gpu"
 BASE = "kata-containers-nvidia.img"
 GPU = "kata-containers-nvidia-gpu-extension.img"
 CONFIG = "configuration-qemu-nvidia-gpu.toml"
-
-
-def guest_image(path: Path, blocks: int) -> str:
-    """An MBR disk image at ``path`` with random data and its verity tree; its kernel_verity_params."""
-    work = path.parent / f".{path.name}.parts"
-    work.mkdir(parents=True)
-    data, tree = work / "data", work / "hash"
-    data.write_bytes(os.urandom(blocks * BLOCK))
-    salt = os.urandom(32).hex()
-    out = subprocess.run([VERITYSETUP, "format", "--no-superblock", f"--salt={salt}", str(data), str(tree)],
-                         capture_output=True, text=True, check=True).stdout
-    root = re.search(r"Root hash:\s*([0-9a-f]{64})", out).group(1)
-    tree_bytes = tree.read_bytes()
-    data_sectors = blocks * BLOCK // SECTOR
-    hash_sectors = -(-len(tree_bytes) // SECTOR)
-    mbr = bytearray(SECTOR)
-    struct.pack_into("<4xB3xII", mbr, 446, 0x83, START, data_sectors)
-    struct.pack_into("<4xB3xII", mbr, 462, 0x83, START + data_sectors, hash_sectors)
-    mbr[510:512] = b"\x55\xaa"
-    with path.open("wb") as disk:
-        disk.write(mbr)
-        disk.seek(START * SECTOR)
-        disk.write(data.read_bytes())
-        disk.write(tree_bytes.ljust(hash_sectors * SECTOR, b"\0"))
-    shutil.rmtree(work)
-    return f"root_hash={root},salt={salt},data_blocks={blocks},data_block_size={BLOCK},hash_block_size={BLOCK}"
 
 
 def kata_config(base_params: str, gpu_params: str) -> str:
