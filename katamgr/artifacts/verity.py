@@ -9,7 +9,8 @@ and adds guest extension images the same way. The parameters are Kata's
 runtime hands the guest kernel the table ``verity 1 /dev/vda1 /dev/vda2 <data_block_size>
 <hash_block_size> <data_blocks> 0 sha256 <root_hash> <salt>`` (``kernelVerityRootParams``,
 same file): the data is the image's first partition, the hash tree its second from block
-0 (no verity superblock), format 1, sha256.
+0 (no verity superblock), format 1, sha256; Kata's image builder partitions the disk with an
+MBR (``parted mklabel msdos``, tools/osbuilder/image-builder/image_builder.sh).
 
 So the root hash is recomputed here from the first partition alone, with that salt and
 those sizes, the way dm-verity (and cryptsetup's ``veritysetup format``) builds the tree:
@@ -85,31 +86,14 @@ def parse_params(text: str, what: str) -> VerityParams:
 
 
 def partitions(path: Path) -> list[tuple[int, int]]:
-    """(offset, length) in bytes of each partition of the disk image, in table order: an
-    MBR's primary entries (what Kata's image builder writes, ``parted mklabel msdos``) or,
-    behind a protective MBR, the GPT's entries."""
+    """(offset, length) in bytes of each primary partition of the disk image's MBR, in table
+    order: the layout Kata's image builder writes (``parted mklabel msdos``)."""
     with path.open("rb") as disk:
         mbr = disk.read(SECTOR)
-        if len(mbr) < SECTOR or mbr[510:512] != b"\x55\xaa":
-            return []
-        entries = [struct.unpack_from("<4xB3xII", mbr, 446 + 16 * i) for i in range(4)]
-        if entries[0][0] != 0xEE:
-            return [(start * SECTOR, count * SECTOR) for kind, start, count in entries if kind and count]
-        disk.seek(SECTOR)
-        header = disk.read(92)
-        if header[:8] != b"EFI PART":
-            return []
-        table_lba, count, size = struct.unpack_from("<QII", header, 72)
-        if not 128 <= size <= 4096 or count > 1024:
-            return []
-        disk.seek(table_lba * SECTOR)
-        raw = disk.read(count * size)
-    found = []
-    for i in range(len(raw) // size):
-        kind, first, last = raw[i * size:i * size + 16], *struct.unpack_from("<QQ", raw, i * size + 32)
-        if kind != bytes(16) and last >= first:
-            found.append((first * SECTOR, (last - first + 1) * SECTOR))
-    return found
+    if len(mbr) < SECTOR or mbr[510:512] != b"\x55\xaa":
+        return []
+    entries = [struct.unpack_from("<4xB3xII", mbr, 446 + 16 * i) for i in range(4)]
+    return [(start * SECTOR, count * SECTOR) for kind, start, count in entries if kind and count]
 
 
 def root_hash(path: Path, params: VerityParams, offset: int = 0) -> str:
@@ -146,9 +130,9 @@ def check_image(path: Path, params_text: str, what: str) -> VerityParams:
     params = parse_params(params_text, what)
     parts = partitions(path)
     if len(parts) < 2:
-        raise ArtifactError(f"{what}: {path.name} has {len(parts)} partition(s); a dm-verity guest image holds its "
-                            "data in the first partition and the hash tree in the second, as Kata's image builder "
-                            "writes it")
+        raise ArtifactError(f"{what}: {path.name} has {len(parts)} MBR partition(s); a dm-verity guest image holds "
+                            "its data in the first partition and the hash tree in the second, as Kata's image "
+                            "builder writes it")
     (start, length), _ = parts[0], parts[1]
     if params.data_blocks * params.data_block_size > length:
         raise ArtifactError(f"{what}: dm-verity covers {params.data_blocks} blocks of {params.data_block_size} bytes, "

@@ -109,6 +109,9 @@ def images_of(table: dict) -> list[tuple[str, str, str, str]]:
         if not _EXTENSION_NAME.match(name):
             raise ArtifactError(f"{EXTENSIONS_KEY}[{i}] name {name!r} is not ASCII letters, digits, '-' or '_' "
                                 "(Kata puts it in the virtio-blk serial and the kernel command line); rename it")
+        if any(extension == name for *_, extension in found):
+            raise ArtifactError(f"{EXTENSIONS_KEY} lists {name!r} twice; each extension needs its own name (Kata "
+                                "gives each its virtio-blk serial extension-<name>)")
         found.append((f"{EXTENSIONS_KEY} {name}", PurePosixPath(entry["path"]).name,
                       str(entry.get("verity_params") or ""), name))
     return found

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,34 @@ def test_a_running_vm_keeps_the_image_it_booted_across_an_update(registry_server
         assert install_artifact(f"{registry_server.host}/kata/running:v2", dest, check=verify_staged).changed
         assert qemu.read() == booted
     assert (dest / BASE).read_bytes() == (tmp_path / "v2" / BASE).read_bytes() != booted
+
+
+@pytest.mark.parametrize(("params", "said"), [
+    ("root_hash=" + "ab" * 32 + ",salt=01,data_blocks=8,data_block_size=4096", "lack hash_block_size"),
+    ("root_hash=" + "ab" * 32 + ",salt=01,data_blocks=8,data_block_size=1000,hash_block_size=4096",
+     "data_block_size=1000 must be non-zero and a multiple of 512"),
+    ("root_hash=" + "ab" * 32 + ",salt=01,data_blocks=0,data_block_size=4096,hash_block_size=4096",
+     "data_blocks=0 must be non-zero"),
+    ("root_hash,salt=01", "'root_hash' is not key=value"),
+])
+def test_parameters_kata_refuses_are_refused_by_name(tmp_path, params, said):
+    """Kata 4.1's ParseKernelVerityParams rules (virtcontainers/hypervisor.go): every field, sizes
+    non-zero multiples of 512; the image is not installed."""
+    files, base, _ = artifact(tmp_path / "v1")
+    config = tmp_path / "v1" / CONFIG
+    config.write_text(config.read_text().replace(base, params))
+    _layout(tmp_path / "layout", files, {})
+    dest = tmp_path / "classes" / "kata-qemu-nvidia-gpu"
+    with pytest.raises(ArtifactError, match=re.escape(said)):
+        install_artifact(f"oci-layout://{tmp_path / 'layout'}:v1", dest, check=verify_staged)
+    assert not dest.exists()
+
+
+def test_an_image_without_a_partition_table_is_refused(tmp_path):
+    files, base, _ = artifact(tmp_path / "v1")
+    image = tmp_path / "v1" / BASE
+    image.write_bytes(image.read_bytes()[START * SECTOR:])  # the bare data and tree, no MBR
+    _layout(tmp_path / "layout", files, {})
+    dest = tmp_path / "classes" / "kata-qemu-nvidia-gpu"
+    with pytest.raises(ArtifactError, match="has 0 MBR partition"):
+        install_artifact(f"oci-layout://{tmp_path / 'layout'}:v1", dest, check=verify_staged)
