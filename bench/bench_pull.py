@@ -23,7 +23,7 @@ With ``--guest erofs`` the artifact is a Kata 4.1 NVIDIA guest instead: a kernel
 base image and a GPU extension image (each an MBR disk with its dm-verity tree, made by
 veritysetup: tests/support/veritykit.py) and the Kata config naming them with their
 parameters; install_artifact then also recomputes each image's dm-verity root hash before
-the swap (``katamgr.runtime.guest_images.verify_staged``), work the baseline does not do.
+the swap (``katamgr.runtime.guest_images.GuestCheck``, the blocks hashed as they stream), work the baseline does not do.
 
     .venv/bin/python bench/bench_pull.py [--mib 64] [--rounds 11] [--guest initrd|erofs]
 """
@@ -51,7 +51,7 @@ from support.veritykit import BLOCK, guest_image  # noqa: E402
 
 from katamgr.artifacts import install_artifact  # noqa: E402
 from katamgr.artifacts.verified import WRITEBACK_BYTES, start_writeback  # noqa: E402
-from katamgr.runtime.guest_images import verify_staged  # noqa: E402
+from katamgr.runtime.guest_images import GuestCheck  # noqa: E402
 
 CHUNK = 1024 * 1024
 
@@ -160,7 +160,7 @@ def main() -> int:
     parser.add_argument("--guest", choices=("initrd", "erofs"), default="initrd",
                         help="kernel + initrd, or kernel + EROFS base + extension with dm-verity")
     args = parser.parse_args()
-    check = verify_staged if args.guest == "erofs" else None
+    check = GuestCheck if args.guest == "erofs" else (lambda: None)
 
     times: dict[str, list[float]] = {case: [] for case in CASES}
     with tempfile.TemporaryDirectory(prefix="bench-pull-") as tmp:
@@ -177,7 +177,7 @@ def main() -> int:
             def run(case: str, out: Path) -> None:
                 started = time.perf_counter()
                 if case == "install_artifact":
-                    result = install_artifact(ref, out, check=check)
+                    result = install_artifact(ref, out, check=check())
                     assert result.changed and result.bytes_transferred == size
                 elif case == "raw GET + fsync, overlapped":
                     assert raw_get_overlapped(registry.host, repo, digests, out) == size
@@ -187,7 +187,7 @@ def main() -> int:
                 times[case].append(time.perf_counter() - started)
 
             raw_get(registry.host, repo, digests, work / "warm-up")  # registry page cache
-            install_artifact(ref, work / "warm-up-install", check=check)  # imports, first connection
+            install_artifact(ref, work / "warm-up-install", check=check())  # imports, first connection
             for number in range(args.rounds):
                 shift = number % len(CASES)  # each case goes first in some rounds
                 for index, case in enumerate(CASES[shift:] + CASES[:shift]):
@@ -196,9 +196,9 @@ def main() -> int:
                     shutil.rmtree(out)  # keep the page cache from filling up with earlier rounds
 
             dest = work / "again"
-            install_artifact(ref, dest, check=check)
+            install_artifact(ref, dest, check=check())
             started = time.perf_counter()
-            again = install_artifact(ref, dest, check=check)
+            again = install_artifact(ref, dest, check=check())
             no_change = time.perf_counter() - started
 
     mib = size / 2**20

@@ -89,7 +89,10 @@ def partitions(path: Path) -> list[tuple[int, int]]:
     """(offset, length) in bytes of each primary partition of the disk image's MBR, in table
     order: the layout Kata's image builder writes (``parted mklabel msdos``)."""
     with path.open("rb") as disk:
-        mbr = disk.read(SECTOR)
+        return mbr_partitions(disk.read(SECTOR))
+
+
+def mbr_partitions(mbr: bytes) -> list[tuple[int, int]]:
     if len(mbr) < SECTOR or mbr[510:512] != b"\x55\xaa":
         return []
     entries = [struct.unpack_from("<4xB3xII", mbr, 446 + 16 * i) for i in range(4)]
@@ -99,7 +102,7 @@ def partitions(path: Path) -> list[tuple[int, int]]:
 def root_hash(path: Path, params: VerityParams, offset: int = 0) -> str:
     """The dm-verity root hash of ``params.data_blocks`` blocks of ``path`` from ``offset``."""
     salted = hashlib.sha256(bytes.fromhex(params.salt))  # each block's hash starts from the salt's state
-    size, per_block = params.data_block_size, params.hash_block_size // DIGEST_BYTES
+    size = params.data_block_size
     digests: list[bytes] = []
     left = params.data_blocks
     with path.open("rb", buffering=0) as data:
@@ -112,11 +115,89 @@ def root_hash(path: Path, params: VerityParams, offset: int = 0) -> str:
                                     f"{size} bytes; the image and its parameters do not match")
             digests += [_hash(salted, chunk[i:i + size]) for i in range(0, count * size, size)]
             left -= count
+    return root_of(digests, params)
+
+
+def root_of(digests: list[bytes], params: VerityParams) -> str:
+    """The root hash over the data blocks' digests: the tree's levels, up to one block."""
+    salted = hashlib.sha256(bytes.fromhex(params.salt))
+    per_block = params.hash_block_size // DIGEST_BYTES
     while len(digests) > 1:  # one data block is its own root: the tree has no level
         blocks = [b"".join(digests[i:i + per_block]).ljust(params.hash_block_size, b"\0")
                   for i in range(0, len(digests), per_block)]
         digests = [_hash(salted, block) for block in blocks]
     return digests[0].hex()
+
+
+HEAD_CAP = 16 * 1024 * 1024  # bytes held while the parameters are not known yet
+
+
+class StreamingBlocks:
+    """The data blocks' digests of a guest image hashed as its bytes stream in (a download's
+    ``tap``), so that its root hash costs no second pass. ``params_for()`` says whether the
+    parameters can be known yet and names them (None: the image has none, nothing is hashed
+    and the check reads the file instead); until they can, the first bytes are held, up to
+    HEAD_CAP."""
+
+    def __init__(self, params_for) -> None:
+        self.params_for = params_for
+        self.head = bytearray()
+        self.seen = 0  # bytes of the image so far
+        self.params: VerityParams | None = None
+        self.offset = -1  # where the data partition starts; -1: not known yet, -2: not hashed
+        self.digests: list[bytes] = []
+        self.partial = bytearray()
+
+    def __call__(self, chunk: bytes) -> None:
+        start, self.seen = self.seen, self.seen + len(chunk)
+        if self.offset == -2:
+            return
+        if self.offset == -1:
+            self.head += chunk
+            if len(self.head) < SECTOR or not self._begin():
+                return
+            chunk, start, self.head = bytes(self.head), 0, bytearray()
+        params = self.params
+        end = self.offset + params.data_blocks * params.data_block_size
+        low, high = max(start, self.offset + len(self.digests) * params.data_block_size + len(self.partial)), \
+            min(self.seen, end)
+        if high <= low:
+            return
+        piece = memoryview(chunk)[low - start:high - start]
+        size = params.data_block_size
+        if self.partial:
+            need = size - len(self.partial)
+            self.partial += piece[:need]
+            piece = piece[need:]
+            if len(self.partial) < size:
+                return
+            self.digests.append(_hash(self.salted, self.partial))
+            self.partial = bytearray()
+        whole = len(piece) - len(piece) % size
+        self.digests += [_hash(self.salted, piece[i:i + size]) for i in range(0, whole, size)]
+        self.partial += piece[whole:]
+
+    def _begin(self) -> bool:
+        """Whether hashing starts now (else the head is held, or hashing is given up)."""
+        ready, params = self.params_for()
+        parts = mbr_partitions(bytes(self.head[:SECTOR]))
+        if not ready and len(self.head) <= HEAD_CAP:
+            return False
+        if params is None or len(parts) < 2:
+            self.offset, self.head = -2, bytearray()
+            return False
+        self.params, self.offset = params, parts[0][0]
+        self.salted = hashlib.sha256(bytes.fromhex(params.salt))
+        return True
+
+    def root(self, params: VerityParams, offset: int) -> str | None:
+        """The root hash, when every block streamed by with these parameters and offset."""
+        if self.offset == -1 and len(self.head) >= SECTOR and self._begin():  # all of it held
+            head, self.head, self.seen = bytes(self.head), bytearray(), 0
+            self(head)
+        if self.params != params or self.offset != offset or len(self.digests) != params.data_blocks:
+            return None
+        return root_of(self.digests, params)
 
 
 def _hash(salted, block) -> bytes:
@@ -125,8 +206,9 @@ def _hash(salted, block) -> bytes:
     return digest.digest()
 
 
-def check_image(path: Path, params_text: str, what: str) -> VerityParams:
-    """Refuse ``path`` unless its first partition has the root hash ``params_text`` names."""
+def check_image(path: Path, params_text: str, what: str, streamed: StreamingBlocks | None = None) -> VerityParams:
+    """Refuse ``path`` unless its first partition has the root hash ``params_text`` names
+    (from the blocks ``streamed`` hashed during the download, when it has them all)."""
     params = parse_params(params_text, what)
     parts = partitions(path)
     if len(parts) < 2:
@@ -137,7 +219,7 @@ def check_image(path: Path, params_text: str, what: str) -> VerityParams:
     if params.data_blocks * params.data_block_size > length:
         raise ArtifactError(f"{what}: dm-verity covers {params.data_blocks} blocks of {params.data_block_size} bytes, "
                             f"more than {path.name}'s data partition ({length} bytes)")
-    actual = root_hash(path, params, start)
+    actual = (streamed.root(params, start) if streamed is not None else None) or root_hash(path, params, start)
     if actual != params.root_hash:
         raise ArtifactError(f"{what}: {path.name} has dm-verity root hash {actual}, not the {params.root_hash} its "
                             "parameters name; the image was altered or belongs to other parameters, refusing to "

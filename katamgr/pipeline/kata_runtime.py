@@ -47,7 +47,7 @@ from katamgr.runtime import (
     revert_containerd,
     transform_kata_config,
 )
-from katamgr.runtime.guest_images import plan_guest, verify_staged
+from katamgr.runtime.guest_images import GuestCheck, plan_guest
 from katamgr.runtime.kata_config import (
     DROP_IN_DIR,
     DROP_IN_NAME,
@@ -320,7 +320,7 @@ def _install(host: HostRoot, ctx: KataContext, rc: RuntimeClassConfig, checked: 
             # Recorded before the install: revert finds the dir whatever config it is given.
             kata_record.note_class(host, rc.name, class_dir(config, rc.name), rc.artifacts.url)
         result = None if resolution.warning else install_artifact(  # source down: keep
-            pull, dest, fetched=resolution.fetched, check=verify_staged)
+            pull, dest, fetched=resolution.fetched, check=GuestCheck())
     except NotOursError as exc:
         report.classes_failed[rc.name] = not_ours(rc, config, exc)
         return False

@@ -23,8 +23,10 @@ annotations are kept in ``.katamgr-verity.json`` for the rendered config.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -33,8 +35,8 @@ from tomlkit.exceptions import TOMLKitError
 
 from gpunode.policy.katarelease import KataRelease
 from katamgr.artifacts.errors import ArtifactError
-from katamgr.artifacts.manifest import Manifest
-from katamgr.artifacts.verity import check_image
+from katamgr.artifacts.manifest import Layer, Manifest
+from katamgr.artifacts.verity import StreamingBlocks, VerityParams, check_image, parse_params
 from katamgr.runtime.tomledit import plain
 
 CONFIG_GLOB = "configuration-*.toml"
@@ -117,9 +119,52 @@ def images_of(table: dict) -> list[tuple[str, str, str, str]]:
     return found
 
 
-def verify_staged(staging: Path, manifest: Manifest) -> None:
+class GuestCheck:
+    """``verify_staged`` for one install, each image's blocks hashed while it downloads (the
+    Kata config, fetched first as the smallest file, names the parameters before the images'
+    data arrives): ``install_artifact``'s ``check``."""
+
+    def __init__(self) -> None:
+        self.config_done = threading.Event()
+        self.streams: dict[str, StreamingBlocks] = {}
+        self.lock = threading.Lock()
+        self.found: dict[str, str] | None = None
+
+    def tap(self, layer: Layer, path: Path) -> StreamingBlocks | None:
+        if fnmatch.fnmatch(layer.name, CONFIG_GLOB):
+            return None
+        stream = StreamingBlocks(lambda: self._params(layer, path.parent))
+        self.streams[layer.name] = stream  # a retry's stream replaces the attempt before
+        return stream
+
+    def layer_done(self, name: str) -> None:
+        if fnmatch.fnmatch(name, CONFIG_GLOB):
+            self.config_done.set()
+
+    def _params(self, layer: Layer, staging: Path) -> tuple[bool, VerityParams | None]:
+        if not self.config_done.is_set():
+            return False, None  # not yet: the stream holds the image's first bytes
+        with self.lock:
+            if self.found is None:
+                try:
+                    self.found = {file_name: params for config in staging.glob(CONFIG_GLOB)
+                                  for table in (plain(tomlkit.parse(config.read_text())).get("hypervisor") or {}).values()
+                                  if isinstance(table, dict) for _, file_name, params, _ in images_of(table)}
+                except (OSError, TOMLKitError, ArtifactError, AttributeError):
+                    self.found = {}
+        try:
+            return True, parse_params(self.found.get(layer.name) or layer.verity_params, layer.name)
+        except ArtifactError:
+            return True, None  # named by the check, with the image's place in the config
+
+    def __call__(self, staging: Path, manifest: Manifest) -> None:
+        verify_staged(staging, manifest, self.streams)
+
+
+def verify_staged(staging: Path, manifest: Manifest, streams: dict[str, StreamingBlocks] | None = None) -> None:
     """The ``check`` of ``install_artifact``: each guest image's dm-verity root hash, in the
-    staging dir, before the swap. ArtifactError refuses the install."""
+    staging dir, before the swap (from ``streams``' blocks hashed during the download where
+    they are whole). ArtifactError refuses the install."""
     configs = sorted(staging.glob(CONFIG_GLOB))
     if len(configs) != 1:
         return  # no Kata config to read: transform_kata_config names the problem
@@ -144,7 +189,7 @@ def verify_staged(staging: Path, manifest: Manifest) -> None:
                 raise ArtifactError(f"{what} has no dm-verity parameters in the config ({VERITY_KEY} / verity_params) "
                                     "nor in its layer's kata-sandbox-manager.io/verity-params annotation; an "
                                     "unverified guest image is not installed")
-            check_image(path, params, what)
+            check_image(path, params, what, (streams or {}).get(file_name))
             if file_name in annotated:
                 taken[file_name] = params
     if taken:

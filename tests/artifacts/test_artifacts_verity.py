@@ -19,7 +19,7 @@ from support.veritykit import SECTOR, START, VERITYSETUP, guest_image
 
 from gpunode.host.root import HostRoot
 from katamgr.artifacts import ArtifactError, install_artifact
-from katamgr.runtime.guest_images import verify_staged
+from katamgr.runtime.guest_images import GuestCheck, verify_staged
 from katamgr.runtime.kata_config import transform_kata_config
 
 if VERITYSETUP is None:
@@ -69,13 +69,16 @@ def flip_data_byte(image: Path) -> None:
         disk.write(bytes([byte[0] ^ 1]))
 
 
-def test_verified_images_install_and_a_second_pull_transfers_nothing(registry_server, tmp_path):
+def test_verified_images_install_hashed_as_they_stream_and_a_second_pull_transfers_nothing(registry_server, tmp_path):
     files, _, _ = artifact(tmp_path / "v1")
     registry_server.push_files("kata/erofs:v1", files)
     dest = tmp_path / "classes" / "kata-qemu-nvidia-gpu"
     ref = f"{registry_server.host}/kata/erofs:v1"
-    first = install_artifact(ref, dest, check=verify_staged, retries=1, backoff=0.01)
+    check = GuestCheck()
+    first = install_artifact(ref, dest, check=check, retries=1, backoff=0.01)
     assert first.changed and sorted(first.files) == sorted(p.name for p in files)
+    # Both images were hashed as they streamed (the config came first), no second pass.
+    assert {name: len(check.streams[name].digests) for name in (BASE, GPU)} == {BASE: 40, GPU: 300}
     assert (dest / BASE).read_bytes() == (tmp_path / "v1" / BASE).read_bytes()
     again = install_artifact(ref, dest, check=verify_staged, retries=1, backoff=0.01)
     assert (again.changed, again.bytes_transferred) == (False, 0)
@@ -90,8 +93,10 @@ def test_an_image_whose_root_hash_differs_is_refused_and_nothing_changes(registr
     files2, _, gpu = artifact(tmp_path / "v2")
     flip_data_byte(tmp_path / "v2" / GPU)  # the extension no longer matches its parameters
     registry_server.push_files("kata/tampered:v2", files2)
+    check = GuestCheck()
     with pytest.raises(ArtifactError) as refused:
-        install_artifact(f"{registry_server.host}/kata/tampered:v2", dest, check=verify_staged, retries=0)
+        install_artifact(f"{registry_server.host}/kata/tampered:v2", dest, check=check, retries=0)
+    assert len(check.streams[GPU].digests) == 300  # judged from the streamed blocks
     message = str(refused.value)
     assert "guest_extension_images nvidia-gpu" in message and GPU in message
     assert gpu.split(",")[0].split("=")[1] in message  # the root hash it should have had
