@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,12 +97,17 @@ def install_artifact(
     *,
     verify_files: bool = False,
     fetched: FetchedManifest | None = None,
+    check: Callable[[Path, Manifest], None] | None = None,
     **how: Any,
 ) -> InstallResult:
     """Make ``dest`` hold exactly the files of the artifact; see the module doc.
 
     ``fetched`` is the manifest ``resolve_artifact`` already read (not fetched again,
-    so what was checked is what gets installed). ``verify_files`` re-hashes installed
+    so what was checked is what gets installed). ``check(staging, manifest)`` runs on the
+    complete staged files before the swap: its ArtifactError refuses them, nothing changed
+    (the guest images' dm-verity root hashes); where it has them, ``check.tap(layer, path)`` gives
+    what sees a download's bytes as they stream and ``check.layer_done(name)`` hears of each
+    file complete (layers are then fetched smallest first). ``verify_files`` re-hashes installed
     files even when their size and mtime match the record. ``how``: ``Pull.of``'s options,
     when ``pull`` is a reference. Raises ArtifactError (the previous install untouched) or
     ConfigError (bad reference).
@@ -134,7 +140,7 @@ def install_artifact(
             log.debug("%s: %s already holds %s, nothing to do", pull.label, dest, manifest.digest)
             return InstallResult(dest.name, dest, pull.label, manifest.digest, False,
                                  [layer.name for layer in manifest.layers], 0)
-        transferred = _stage_and_swap(source, manifest, pull.label, dest, intact, pull.retry)
+        transferred = _stage_and_swap(source, manifest, pull.label, dest, intact, pull.retry, check)
         return InstallResult(dest.name, dest, pull.label, manifest.digest, True,
                              [layer.name for layer in manifest.layers], transferred)
 
@@ -175,12 +181,14 @@ def _manifest(pull: Pull, fetched: FetchedManifest) -> Manifest:
 
 def _stage_and_swap(
     source: Source, manifest: Manifest, ref: str, dest: Path, intact: dict[str, Path],
-    policy: RetryPolicy,
+    policy: RetryPolicy, check: Callable[[Path, Manifest], None] | None = None,
 ) -> int:
     write_point(f"stage {dest}")
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
     try:
-        files, transferred = _fill(source, manifest, ref, staging, intact, policy)
+        files, transferred = _fill(source, manifest, ref, staging, intact, policy, check)
+        if check is not None:
+            check(staging, manifest)
         record = InstallRecord(ref, manifest.digest, tuple(files))
         with (staging / RECORD_NAME).open("w") as out:
             out.write(record.text())
@@ -200,7 +208,7 @@ def _stage_and_swap(
 
 def _fill(
     source: Source, manifest: Manifest, ref: str, staging: Path, intact: dict[str, Path],
-    policy: RetryPolicy,
+    policy: RetryPolicy, check: Any = None,
 ) -> tuple[list[InstalledFile], int]:
     """Put every layer's file, verified and fsynced, into ``staging``; bytes downloaded."""
     stop = threading.Event()  # set when one layer failed: the others give up at their next chunk
@@ -210,14 +218,19 @@ def _fill(
         local = intact.get(layer.digest)
         transferred = 0
         if not (local and _copy_local(local, target, layer, ref, stop)):
-            transferred = with_retries(policy, lambda: _download(source, layer, target, ref, stop))
+            transferred = with_retries(policy, lambda: _download(source, layer, target, ref, stop, check))
         entry = InstalledFile(layer.name, layer.digest, layer.size, target.stat().st_mtime_ns)
+        if hasattr(check, "layer_done"):
+            check.layer_done(layer.name)
         return entry, transferred
 
     # layers download side by side: one blob's fsync and hashing overlap another's transfer
     with ThreadPoolExecutor(min(LAYER_THREADS, len(manifest.layers)) or 1,
                             thread_name_prefix="artifact-layer") as pool:
-        futures = [pool.submit(fill_one, layer) for layer in manifest.layers]
+        # for a check that looks at streams, the small files first: a Kata config is written
+        # before the images it describes stream
+        order = sorted(manifest.layers, key=lambda x: x.size) if hasattr(check, "tap") else manifest.layers
+        futures = [pool.submit(fill_one, layer) for layer in order]
         try:
             wait(futures, return_when=FIRST_EXCEPTION)
         except BaseException:  # a stop signal: the layer threads' reads are cut, not waited for
@@ -232,15 +245,19 @@ def _fill(
         failures = [f.exception() for f in futures if not f.cancelled() and f.exception()]
         if failures:  # the cause, not a layer that stopped because of it
             raise next((e for e in failures if not isinstance(e, Stopped)), failures[0])
-        results = [future.result() for future in futures]
+        done = {entry.name: (entry, count) for entry, count in (future.result() for future in futures)}
+        results = [done[layer.name] for layer in manifest.layers]
     return [entry for entry, _ in results], sum(count for _, count in results)
 
 
-def _download(source: Source, layer: Layer, target: Path, ref: str, stop: threading.Event) -> int:
+def _download(source: Source, layer: Layer, target: Path, ref: str, stop: threading.Event,
+              check: Any = None) -> int:
     if stop.is_set():  # a retry after the others stopped (or a stop signal cut this one)
         raise Stopped(f"{ref}: stopped {layer.name} before its download")
+    # a check may look at the bytes as they stream (each attempt afresh): the work overlaps the transfer
+    tap = check.tap(layer, target) if hasattr(check, "tap") else None
     with source.open_blob(layer) as chunks:
-        write_verified(chunks, target, layer, ref, stop, progress=True)
+        write_verified(chunks, target, layer, ref, stop, progress=True, tap=tap)
     return layer.size
 
 

@@ -24,6 +24,9 @@ INDEX_MEDIA_TYPES = (
     "application/vnd.docker.distribution.manifest.list.v2+json",
 )
 TITLE_ANNOTATION = "org.opencontainers.image.title"
+# A guest image's dm-verity parameters (Kata's kernel_verity_params form), for an artifact
+# whose Kata config leaves them out; the root hash is checked against them before install.
+VERITY_ANNOTATION = "kata-sandbox-manager.io/verity-params"
 MAX_MANIFEST_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_LAYER_BYTES = 4 * 1024 * 1024 * 1024
 # our record lives in the install dir; no layer may overwrite it
@@ -39,6 +42,7 @@ class Layer:
     digest: str
     size: int
     media_type: str
+    verity_params: str = ""  # VERITY_ANNOTATION's value, when the layer has one
 
 
 @dataclass(frozen=True)
@@ -168,4 +172,6 @@ def _parse_layer(raw: Any, ref: str, max_layer_bytes: int) -> Layer:
             "not a setting); check that the ref names a Kata runtime class artifact"
         )
     media_type = raw.get("mediaType")
-    return Layer(name, digest, size, media_type if isinstance(media_type, str) else "")
+    verity = annotations.get(VERITY_ANNOTATION) if isinstance(annotations, dict) else None
+    return Layer(name, digest, size, media_type if isinstance(media_type, str) else "",
+                 verity if isinstance(verity, str) else "")

@@ -40,12 +40,27 @@ class Stopped(ArtifactError):
     """A layer gave up because another layer of the same install failed."""
 
 
+class _Tapped:
+    """A sha256 whose every chunk also goes to ``tap`` (on the same thread, in order)."""
+
+    def __init__(self, tap: Callable[[bytes], None]) -> None:
+        self.inner, self.tap = hashlib.sha256(), tap
+
+    def update(self, chunk: bytes) -> None:
+        self.inner.update(chunk)
+        self.tap(chunk)
+
+    def hexdigest(self) -> str:
+        return self.inner.hexdigest()
+
+
 def write_verified(
     chunks: Iterator[bytes], target: Path, layer: Layer, ref: str, stop: threading.Event,
-    progress: bool = False,
+    progress: bool = False, tap: Callable[[bytes], None] | None = None,
 ) -> None:
-    """Write ``chunks`` to ``target``, checking size and digest as they stream, then fsync."""
-    hasher = hashlib.sha256()
+    """Write ``chunks`` to ``target``, checking size and digest as they stream, then fsync.
+    ``tap`` sees every chunk too, on the hashing thread (a guest image's dm-verity blocks)."""
+    hasher: Any = _Tapped(tap) if tap is not None else hashlib.sha256()
     started = time.monotonic()
     report = progress and layer.size >= PROGRESS_MIN_BYTES
     if report:

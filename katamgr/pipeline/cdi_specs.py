@@ -152,11 +152,28 @@ def changes(host: HostRoot, inv: Inventory, naming: Naming) -> tuple[list[SpecCh
     return out, found
 
 
+IOMMUFD, GROUP = "iommufd", "group"
+MODE_TEXT = {IOMMUFD: "iommufd (/dev/iommu + each function's /dev/vfio/devices/vfioN)",
+             GROUP: "legacy group (/dev/vfio/vfio + /dev/vfio/<group>)"}
+# Kata 3.25, 3.29 and 4.1 take both: a host path under /dev/vfio/devices is one device
+# (GetDeviceFromVFIODev), any other VFIO node its whole group (virtcontainers/qemu.go: 3.25
+# line 857, 3.29 line 843, 4.1 line 1416); 3.29 and 4.1 refuse a group node for a confidential
+# guest (qemu.go 849-851, 1422-1424), so the cdev is what a CC class needs.
+MODE_WHY = ("iommufd where the host has /dev/iommu and the function a vfio-dev/vfioN cdev, else the group; "
+            "Kata 3.25, 3.29 and 4.1 take both, 3.29 and 4.1 only the cdev for a confidential guest")
+
+
+def device_mode(nodes) -> str:
+    """How a unit is handed to Kata: by iommufd cdev, or by its legacy VFIO group."""
+    return IOMMUFD if any(n.startswith("/dev/vfio/devices/") for n in nodes) else GROUP
+
+
 def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision], naming: Naming) -> PlanSection:
     found, passthrough = changes(host, projected(inv, decisions), naming)
     cold_plug = [
         {"name": u.cdi_name, "resource": u.resource_name, "device_id": u.id, "iommu_group": u.group,
-         "functions": list(u.functions), "plugged": list(u.plugged), "nodes": list(u.nodes)}
+         "functions": list(u.functions), "plugged": list(u.plugged), "nodes": list(u.nodes),
+         "mode": device_mode(u.nodes)}
         for u in passthrough.units
     ]
     data = {
@@ -169,6 +186,9 @@ def plan_section(host: HostRoot, inv: Inventory, decisions: list[GroupDecision],
     }
     lines = [f"{c.action} {c.path}" for c in found]
     if passthrough.units:
+        modes = [device_mode(u.nodes) for u in passthrough.units]
+        lines.append(f"device mode: {modes.count(IOMMUFD)} unit(s) {MODE_TEXT[IOMMUFD]}, {modes.count(GROUP)} "
+                     f"{MODE_TEXT[GROUP]}; {MODE_WHY}")
         lines.append("Kata cold-plug resolves (resource=device ID -> device nodes -> what QEMU gets):")
         for u in passthrough.units:
             rest = [f for f in u.functions if f not in u.plugged]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from gpunode.errors import ConfigError, GpuNodeError
 from gpunode.host.files import remove_stale_temps
 from gpunode.host.root import HostRoot
-from gpunode.policy import katadetect
+from gpunode.policy import katadetect, katarelease
 from gpunode.services import interrupt
 from katamgr.artifacts import (
     DEFAULT_DEADLINES,
@@ -47,6 +47,7 @@ from katamgr.runtime import (
     revert_containerd,
     transform_kata_config,
 )
+from katamgr.runtime.guest_images import GuestCheck, plan_guest
 from katamgr.runtime.kata_config import (
     DROP_IN_DIR,
     DROP_IN_NAME,
@@ -70,8 +71,7 @@ class KataContext:
     namespace: str = "default"
     root_ports: int = 0  # passthrough GPUs + NVSwitches on this node
     deadlines: Deadlines = DEFAULT_DEADLINES  # every registry transfer ends by these
-    # The Kata runtimes found on the node (katadetect.KataOnNode; None: not looked for).
-    kata_found: katadetect.KataOnNode | None = None
+    kata_found: katadetect.KataOnNode | None = None  # the Kata runtimes found; None: not looked for
     # False (katamgr --no-runtime-classes): someone else owns the cluster's RuntimeClasses,
     # the chart (Helm) when the chart runs katamgr, so no step applies, updates or deletes
     # one and this identity needs no RuntimeClass rights.
@@ -79,6 +79,12 @@ class KataContext:
     # A retry of the runtime classes that failed (the agent's, ``Reconciler``): the other
     # classes, installed, are not looked up again. None: every class is checked.
     retry_classes: frozenset[str] | None = None
+
+
+def class_release(ctx: KataContext, name: str) -> katarelease.KataRelease:
+    """The Kata release that reads class ``name``'s config: devices.kataVersion, else the shim found."""
+    typed = ctx.config.devices.selection.kata
+    return typed if typed.version or ctx.kata_found is None else ctx.kata_found.release_for([name])
 
 
 def kata_deploy_runtime(ctx: KataContext, name: str) -> katadetect.FoundRuntime | None:
@@ -187,6 +193,7 @@ def plan_sections(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True) 
             gaps = installed_cold_plug_gaps(host, host.path(entry["dir"]))
             entry["coldPlugGaps"] = gaps
             lines += [f"  warning: {gap}" for gap in gaps]
+        lines.append(plan_guest(entry, class_release(ctx, rc.name)))  # what its Kata boots, and why
         artifacts.append(entry)
     sections = [PlanSection("artifacts", "Kata artifacts", artifacts, lines,
                             pending=any(a["action"] == "pull" for a in artifacts))]
@@ -257,7 +264,8 @@ def apply(host: HostRoot, ctx: KataContext, *, enable_cdi: bool = True,
         dest = host.path(class_dir(config, rc.name))
         try:
             kata = transform_kata_config(host, dest, root_ports=ctx.root_ports,
-                                         device_sources=config.pod_resource_device_sources)
+                                         device_sources=config.pod_resource_device_sources,
+                                         release=class_release(ctx, rc.name))
         except GpuNodeError as exc:
             report.classes_failed[rc.name] = f"runtime class {rc.name}: {exc}"
             continue
@@ -312,7 +320,7 @@ def _install(host: HostRoot, ctx: KataContext, rc: RuntimeClassConfig, checked: 
             # Recorded before the install: revert finds the dir whatever config it is given.
             kata_record.note_class(host, rc.name, class_dir(config, rc.name), rc.artifacts.url)
         result = None if resolution.warning else install_artifact(  # source down: keep
-            pull, dest, fetched=resolution.fetched)
+            pull, dest, fetched=resolution.fetched, check=GuestCheck())
     except NotOursError as exc:
         report.classes_failed[rc.name] = not_ours(rc, config, exc)
         return False

@@ -13,6 +13,12 @@ devices from: ``device-plugin`` (the kubelet's device-plugin devices) and, with 
 it and ignore it (their configuration parser skips unknown keys, as tests/kata shows), so it is
 written for the Kata that reads it.
 
+For a Kata that boots a dm-verity EROFS ``image`` (3.29 and later), ``kernel_verity_params``
+and each ``guest_extension_images`` entry's ``path`` and ``verity_params`` are written too
+(the paths to the installed files, the parameters the install checked the images against:
+``katamgr.runtime.guest_images``), in place where the shipped file has them, and a release
+that would not read what the config asks for is refused by name.
+
 The shipped file stays as the artifact delivered it (its digest is what the
 install record checks); the rewritten copy goes to ``rendered/`` inside the
 runtime class's dir, a name no artifact layer can take, and that copy is what
@@ -31,7 +37,10 @@ from tomlkit.exceptions import TOMLKitError
 from gpunode.errors import ConfigError, GpuNodeError
 from gpunode.host.files import write_atomic
 from gpunode.host.root import HostRoot
+from gpunode.policy.katarelease import UNKNOWN, KataRelease
+from katamgr.artifacts.errors import ArtifactError
 from katamgr.artifacts.manifest import RENDERED_DIR
+from katamgr.runtime import guest_images
 from katamgr.runtime.tomledit import plain
 
 log = logging.getLogger(__name__)
@@ -108,12 +117,12 @@ def find_kata_config(host: HostRoot, artifact_dir: Path) -> Path:
 
 def transform_kata_config(
     host: HostRoot, artifact_dir: Path, root_ports: int = 0,
-    device_sources: tuple[str, ...] = DEFAULT_SOURCES,
+    device_sources: tuple[str, ...] = DEFAULT_SOURCES, release: KataRelease = UNKNOWN,
 ) -> KataConfigResult:
     """Rewrite the Kata config in ``artifact_dir`` (local path, reached through ``host``).
 
     ``root_ports`` is the node's passthrough GPU + NVSwitch count; ``device_sources`` what
-    ``[runtime] pod_resource_device_sources`` is set to.
+    ``[runtime] pod_resource_device_sources`` is set to; ``release`` the Kata that reads it.
     """
     if root_ports < 0:
         raise ConfigError(f"root port count {root_ports} is negative; pass the device count")
@@ -132,11 +141,16 @@ def transform_kata_config(
     hypervisors = doc.get("hypervisor")
     if not isinstance(hypervisors, dict) or not hypervisors:
         raise GpuNodeError(f"Kata config {config_host} has no [hypervisor.*] table")
+    problems = guest_images.release_problems(plain(doc), release, f"Kata config {config_host}")
+    if problems:
+        raise GpuNodeError("; ".join(problems))
     changes: list[str] = []
+    annotated = guest_images.annotated_params(artifact_dir)
     for name, table in hypervisors.items():
         if not isinstance(table, dict):
             continue
         section = f"hypervisor.{name}"
+        _set_guest_images(host, artifact_dir, table, section, annotated, changes)
         for key in ASSET_KEYS:
             value = table.get(key)
             if not isinstance(value, str) or not value:
@@ -170,6 +184,35 @@ def transform_kata_config(
         log.info("Kata config %s (from %s): %s", rendered_host, config_host, "; ".join(changes) or "copied")
     gaps = tuple(cold_plug_gaps(doc, f"Kata config {config_host}"))
     return KataConfigResult(rendered_host, changed, tuple(changes) if changed else (), gaps)
+
+
+def _set_guest_images(host: HostRoot, artifact_dir: Path, table, section: str, annotated: dict[str, str],
+                      changes: list[str]) -> None:
+    """``kernel_verity_params`` and the extensions' ``path`` and ``verity_params``: the installed
+    files and the parameters they were checked against, changed in place (comments kept)."""
+    try:
+        found = guest_images.images_of(plain(table))
+    except ArtifactError as exc:
+        raise GpuNodeError(f"{section}: {exc}") from exc
+    extensions = table.get(guest_images.EXTENSIONS_KEY)
+    for label, file_name, params, extension in found:
+        wanted_params = params or annotated.get(file_name, "")
+        if not extension:
+            if wanted_params and table.get(guest_images.VERITY_KEY) != wanted_params:
+                table[guest_images.VERITY_KEY] = wanted_params
+                changes.append(f"{section}.{guest_images.VERITY_KEY}: set from the image layer's annotation")
+            continue
+        installed = artifact_dir / file_name
+        if not installed.is_file():
+            raise GpuNodeError(f"{section} {label} needs {file_name}, which is missing from "
+                               f"{host.host_path(artifact_dir)}; re-pull the runtime class artifact")
+        entry = next(e for e in extensions if e.get("name") == extension)
+        if entry.get("path") != host.host_path(installed):
+            changes.append(f"{section} {label}.path: {entry.get('path')} -> {host.host_path(installed)}")
+            entry["path"] = host.host_path(installed)
+        if wanted_params and entry.get("verity_params") != wanted_params:
+            entry["verity_params"] = wanted_params
+            changes.append(f"{section} {label}.verity_params: set from the image layer's annotation")
 
 
 def _set_device_sources(doc, sources: tuple[str, ...], changes: list[str]) -> None:

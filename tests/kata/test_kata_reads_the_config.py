@@ -13,6 +13,8 @@ import pytest
 from support import kataoracle
 from support.paths import REPO
 
+from gpunode.errors import GpuNodeError
+from gpunode.policy.katarelease import parse_release
 from katamgr.runtime.kata_config import transform_kata_config
 from nodesim.podresources import ClaimDevice, ClaimRecord, ContainerRecord, PodRecord
 
@@ -55,3 +57,68 @@ def test_kata_reads_the_rendered_config_and_ignores_the_sources_it_does_not_know
     # So the claim's GPU is not cold-plugged by this Kata; the device plugin's is.
     assert kata.ok and kata.plugged == (other,)
     assert kata.root_ports == 2  # pcie_root_port from the rendered config
+
+
+# A Kata 4.1 NVIDIA guest as configuration-qemu-nvidia-gpu.toml.in shapes it (kernel, an EROFS
+# image, kernel_verity_params), with one guest extension (pkg/katautils/config.go
+# guestExtensionImage). The parameters are well-formed for Kata's ParseKernelVerityParams.
+BASE_PARAMS = ("root_hash=" + "ab" * 32 + ",salt=" + "01" * 32
+               + ",data_blocks=40,data_block_size=4096,hash_block_size=4096")
+GPU_PARAMS = ("root_hash=" + "cd" * 32 + ",salt=" + "02" * 32
+              + ",data_blocks=300,data_block_size=4096,hash_block_size=4096")
+EXTENSION = f"""
+# the GPU userspace, its own EROFS image
+[[hypervisor.qemu.guest_extension_images]]
+name = "nvidia-gpu"
+path = "/opt/kata/share/kata-containers/kata-nvidia-gpu-extension.img"
+verity_params = "{GPU_PARAMS}"
+"""
+
+
+def render_guest(node, release, extension: bool):
+    local = node.host.path("/opt/kata-classes/kata-qemu-nvidia-gpu")
+    local.mkdir(parents=True, exist_ok=True)
+    text = SHIPPED.read_text().replace(
+        'initrd = "/opt/kata/share/kata-containers/kata-ubuntu-jammy-nvidia-gpu.initrd"',
+        'image = "/opt/kata/share/kata-containers/kata-containers-nvidia.img"\nrootfs_type = "erofs"\n'
+        f'# dm-verity of the image\nkernel_verity_params = "{BASE_PARAMS}"')
+    head, sep, tail = text.partition("\n[agent.kata]")
+    (local / SHIPPED.name).write_text(head + (EXTENSION if extension else "") + sep + tail)
+    for name in ("vmlinux-nvidia-gpu", "kata-containers-nvidia.img", "kata-nvidia-gpu-extension.img"):
+        (local / name).write_bytes(b"\x7fELF")
+    transform_kata_config(node.host, local, root_ports=1, release=parse_release(release))
+    return local, local / "rendered" / SHIPPED.name
+
+
+@pytest.mark.parametrize("release", kataoracle.judges())
+def test_kata_reads_the_erofs_verity_and_extension_keys_we_render(kata_node, release):
+    """Kata 4.1's loader reads image, kernel_verity_params and guest_extension_images with the
+    values we meant, and its own checks pass; a release that would not read them is refused
+    at render (3.25: no kernel_verity_params; 3.29: no guest_extension_images), and 3.29 reads
+    the EROFS image and its parameters alone."""
+    node = kata_node("a10-server")
+    version = parse_release(release).version
+    if version[:2] < (3, 29):
+        with pytest.raises(GpuNodeError, match="kernel_verity_params, which Kata 3.25.0 does not read"):
+            render_guest(node, release, extension=False)
+        return
+    if version[:2] < (4, 1):
+        with pytest.raises(GpuNodeError, match="guest_extension_images, which Kata 3.29.0 does not read"):
+            render_guest(node, release, extension=True)
+    local, rendered = render_guest(node, release, extension=version[:2] >= (4, 1))
+    text = rendered.read_text()
+    assert "# dm-verity of the image" in text  # comments kept
+    settings = kataoracle.run(release, pod=None, kata_config=rendered).config
+    guest = settings["guest"]
+    assert guest["Image"] == "/opt/kata-classes/kata-qemu-nvidia-gpu/kata-containers-nvidia.img"
+    assert guest["Kernel"] == "/opt/kata-classes/kata-qemu-nvidia-gpu/vmlinux-nvidia-gpu"
+    assert guest["KernelVerityParams"] == BASE_PARAMS
+    assert guest["RootfsType"] == "erofs"
+    assert settings["guest_invalid"] == ""  # ParseKernelVerityParams (and toGuestExtensionImages) accept them
+    if version[:2] >= (4, 1):
+        assert guest["GuestExtensionImages"] == [{
+            "Name": "nvidia-gpu", "Path": "/opt/kata-classes/kata-qemu-nvidia-gpu/kata-nvidia-gpu-extension.img",
+            "VerityParams": GPU_PARAMS}]
+        assert "hypervisor.qemu.guest_extension_images" not in " ".join(settings["ignored_keys"])
+    else:
+        assert "GuestExtensionImages" not in guest

@@ -153,3 +153,18 @@ def test_two_gpus_in_one_group_get_one_group_name(tmp_path):
     for name in ("0", "15", "1"):
         assert [n.path for n in spec.device(name).container_edits.device_nodes] == ["/dev/vfio/15"]
     assert list(SCHEMA.iter_errors(yaml.safe_load(host.path(PGPU).read_text()))) == []
+
+
+def test_plan_says_which_device_mode_each_gpu_is_handed_in(tmp_path):
+    """iommufd where the kernel has /dev/iommu and the GPU its vfio-dev cdev, the group elsewhere;
+    the reason names the Kata releases that take each (virtcontainers/qemu.go)."""
+    for iommufd, mode, nodes in ((True, "iommufd", ["/dev/iommu", "/dev/vfio/devices/vfio0"]),
+                                 (False, "group", ["/dev/vfio/vfio", "/dev/vfio/4"])):
+        host = make_host(tmp_path / mode, [dev("0000:01:00.0", GPU_A10, "nvidia", 4)], iommufd=iommufd)
+        apply(host)
+        plan = full_plan(host, NAMING, Steps(), None)
+        (unit,) = plan.to_json()["cdi"]["cold_plug"]
+        assert (unit["mode"], unit["nodes"]) == (mode, nodes)
+        lines = next(s for s in plan.sections if s.key == "cdi").lines
+        said = next(line for line in lines if line.startswith("device mode:"))
+        assert ("1 unit(s) iommufd" in said) is iommufd and "3.29 and 4.1 only the cdev for a confidential" in said

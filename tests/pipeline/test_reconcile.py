@@ -372,3 +372,17 @@ def test_agent_carries_an_edit_into_its_drop_in(tmp_path):
     agent.reconcile("drift")
     assert 'default_runtime_name = "runc"' in drop_in.read_text()
     assert agent.containerd_drift() is None
+
+
+@pytest.mark.parametrize(("release", "guest"), [
+    ("3.25.0", "kernel + initrd"), ("3.29.0", "kernel + EROFS image (dm-verity)"),
+    ("4.1.0", "kernel + EROFS image (dm-verity) + guest extension images"), ("", "what the artifact's Kata config")])
+def test_plan_says_which_guest_each_runtime_class_gets_and_why(tmp_path, release, guest):
+    host = node(tmp_path)
+    config = CONFIG + (f"devices:\n  kataVersion: {release}\n" if release else "")
+    plan = full_plan(host, NAMING, Steps(), KataContext(parse_config(config)))
+    entries = plan.to_json()["artifacts"]
+    assert [e["guest"]["format"].startswith(guest) for e in entries] == [True, True]
+    lines = next(s for s in plan.sections if s.key == "artifacts").lines
+    said = [line for line in lines if line.startswith("  guest: ")]
+    assert len(said) == 2 and (f"Kata {release}" if release else "not known") in said[0]

@@ -126,6 +126,7 @@ func run() int {
 		settings.MachineType = decoded.MachineType
 		settings.PodResourceAPISock = decoded.PodResourceAPISock
 		settings.Ignored = decoded.Undecoded
+		settings.Guest, settings.GuestInvalid = decoded.Guest, decoded.GuestInvalid
 		if sources, err := readDeviceSources(decoded.Path); err != nil {
 			return usage("--kata-config %s: %v", *kataConfig, err)
 		} else if sources != nil {

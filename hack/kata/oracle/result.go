@@ -44,6 +44,10 @@ type Settings struct {
 	// Whether this release reads pod_resource_device_sources at all.
 	DeviceSourcesRead bool     `json:"pod_resource_device_sources_read"`
 	Ignored           []string `json:"ignored_keys"`
+	// The guest keys as this release's decoder read them (absent: a key it does not have),
+	// and what its own checks of them said.
+	Guest        map[string]any `json:"guest"`
+	GuestInvalid string         `json:"guest_invalid"`
 }
 
 // DeviceNode is one device node of the sandbox's OCI spec after CDI injection (the spec
