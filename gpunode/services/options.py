@@ -23,6 +23,7 @@ import sys
 from pathlib import Path, PurePosixPath
 
 from gpunode.errors import ConfigError
+from gpunode.host import pcihealth
 from gpunode.host.pciids import PciIds
 from gpunode.policy import katadetect
 from gpunode.policy import naming as names
@@ -303,14 +304,35 @@ def fabric_from(args: argparse.Namespace, base: nf.FabricSettings | None = None)
     return settings
 
 
+# ---- the health policy --------------------------------------------------------------------
+
+LINK_POLICY_FLAG = "--link-policy"
+DEFAULT_LINK_POLICY = "degrade"
+# What each value means, for the three programs, the config's devices.linkPolicy and the chart.
+LINK_POLICY_MEANING = (
+    "a passthrough GPU whose PCIe link trained below its maximum (speed or width) is Unhealthy: "
+    "degrade (the default), where the device plugin and the DRA driver stop offering it and the "
+    "agent's hand-back check between tenants fails it; or warn, where all three only log and count "
+    "it. A link that is down is Unhealthy either way")
+
+
+def add_health(parser) -> None:
+    """``--link-policy`` (``gpunode.host.pcihealth.LINK_POLICIES``): the plugins and the agent's
+    hand-back check must judge a GPU's link alike, or one offers what the other fails."""
+    parser.add_argument(LINK_POLICY_FLAG, choices=pcihealth.LINK_POLICIES, default=None,
+                        help=f"{LINK_POLICY_MEANING} (the chart's devices.linkPolicy; unset: the config's, "
+                             f"else {DEFAULT_LINK_POLICY})")
+
+
 def add_node_options(parser) -> None:
     """What the plugins take as katamgr's node commands do: the host, the node and its
-    workload, the devices and their names, the NVLink fabric, the log format (katamgr adds
-    them one by one among its own: ``--host-root`` beside ``--host``). Each program adds
-    its own options beside them."""
+    workload, the devices and their names, the NVLink fabric, the health policy, the log
+    format (katamgr adds them one by one among its own: ``--host-root`` beside ``--host``).
+    Each program adds its own options beside them."""
     add_host_root(parser)
     add_runtime_root(parser)
     add_node(parser)
     add_devices(parser)
     add_fabric(parser)
+    add_health(parser)
     add_log_format(parser)

@@ -61,7 +61,7 @@ class Agent:
                           read_labels=links.read_labels, publish=links.publish_labels,
                           read_resources=links.read_resources)
         self.gpu_labels = GpuLabels(self.target, self.events, links.node_labels)
-        self.gpu_health = GpuHealth(self.target, self.metrics, self.events)
+        self.gpu_health = GpuHealth(self.target, self.metrics, self.events, link_policy=s.link_policy)
         self.conditions = links.conditions
         self.kata_found = s.kata_found
         if s.kata_found is not None:

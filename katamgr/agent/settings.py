@@ -13,6 +13,7 @@ from gpunode.host.root import HostRoot
 from gpunode.policy.naming import Naming
 from gpunode.policy.workload import AUTO, DEFAULT_WORKLOAD, Operand, Resolution, Workload
 from gpunode.services.nvlinkfabric import FabricSettings
+from gpunode.services.options import DEFAULT_LINK_POLICY
 from katamgr.agent.reconciler import RETRY_INITIAL, RETRY_MAX
 from katamgr.pipeline.gpulabels import NodeLabels
 from katamgr.pipeline.kata_runtime import KataContext
@@ -45,6 +46,9 @@ class AgentSettings:
     retry_max: float = RETRY_MAX
     metrics_address: str | None = None
     fabric: FabricSettings | None = None
+    # The node's health policy (``--link-policy``): the hand-back check judges a GPU's link as
+    # the device plugin does, or a GPU it offered would fail between tenants for good.
+    link_policy: str = DEFAULT_LINK_POLICY
     kata_found: KataFound | None = None
     cc_default_mode: CcMode | None = None
     node_name: str | None = None

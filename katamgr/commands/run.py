@@ -11,18 +11,7 @@ from gpunode.host import cc
 from gpunode.host.root import HostRoot
 from gpunode.policy.naming import Naming
 from gpunode.services.lock import agent_lock
-from katamgr.commands.setup import (
-    NodeSetup,
-    by_hand,
-    config_from,
-    fabric_settings,
-    host_from,
-    naming_from,
-    node_kata_inputs,
-    node_setup,
-    with_fabric,
-    with_node_kata,
-)
+from katamgr.commands.setup import NodeSetup, by_hand, config_from, node_context, node_setup
 from katamgr.pipeline.reconcile import full_plan
 
 
@@ -37,7 +26,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--plan-only changes nothing, so it cannot be given with "
                           f"{'--revert-on-exit' if args.revert_on_exit else '--cc-manager'}")
     config = config_from(args)
-    naming = naming_from(args, config)
     if args.metrics_address:
         from gpunode.services.metrics_server import parse_address
 
@@ -45,19 +33,19 @@ def cmd_run(args: argparse.Namespace) -> int:
             parse_address(args.metrics_address)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    with host_from(args) as (host, extras):
-        fabric = fabric_settings(args, config, extras)
-        # Decided once at start, as the NVSwitches' binding is: the agent does not move them later.
-        given = naming = with_fabric(naming, host, fabric)
-        naming = with_node_kata(naming, host, config)
-        setup = node_setup(args, host, config, extras=extras)
+    with node_context(args, config) as node:
+        host = node.host
+        setup = node_setup(args, host, config, extras=node.extras, workload=node.workload)
         if args.plan_only:
-            return _run_plan_only(args, host, naming, setup)
+            return _run_plan_only(args, host, node.naming, setup)
+        # The fabric model is decided once at start, as the NVSwitches' binding is: the agent
+        # finds the Kata release again when the node's Kata changes, from the naming given.
         settings = AgentSettings(
-            host, naming, setup.steps, setup.ctx, setup.opted_out, force=args.force, wait=args.device_wait,
+            host, node.naming, setup.steps, setup.ctx, setup.opted_out, force=args.force, wait=args.device_wait,
             lock_wait=args.wait, repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
-            metrics_address=args.metrics_address, fabric=fabric,
-            kata_found=KataFound(given.selection, *node_kata_inputs(config)),
+            metrics_address=args.metrics_address, fabric=node.fabric, link_policy=node.link_policy,
+            kata_found=KataFound(node.given.selection, node.containerd_config, node.base.artifacts_dir,
+                                 node.base.runtime_classes),
             cc_default_mode=cc.CcMode(args.cc_default_mode) if args.cc_manager else None,
             node_name=args.node_name, workload=args.workload, default_workload=args.default_workload,
             follow=not args.once, gpu_labels=not args.no_gpu_labels)

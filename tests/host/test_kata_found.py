@@ -266,15 +266,14 @@ def test_two_installs_are_decided_alike_by_katamgr_and_the_plugins(tmp_path):
     (the -lts classes), nothing configured: the classes pods are given decide, for plan and
     apply (the agent's default classes) and for the device plugin and the DRA driver (which
     know no classes) alike, so they bind and advertise the same NVSwitches."""
-    from katamgr.commands.setup import with_node_kata as katamgr_decides
-    from sandbox_plugin.commands import with_node_kata as plugin_decides
+    from support.nodecontextkit import katamgr_context, plugin_context
 
     host = node(tmp_path, "4.1.0")
     _second_install(host, "3.29.0")
     found = katadetect.detect(host, CONTAINERD)
     assert {r.name: str(r.release) for r in found.runtimes}["kata-qemu-nvidia-gpu-lts"] == "Kata 3.29.0"
-    agent = katamgr_decides(NAMING, host, None).selection
-    plugin = plugin_decides(NAMING, host, CONTAINERD).selection
+    agent = katamgr_context(host).selection
+    plugin = plugin_context(host, "--containerd-config", CONTAINERD).selection
     assert agent.kata == plugin.kata == KataRelease((4, 1, 0))
     assert agent.takes_nvswitches and plugin.takes_nvswitches
 

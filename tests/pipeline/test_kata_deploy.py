@@ -10,11 +10,11 @@ from pathlib import Path
 
 import tomlkit
 from support.kataconfig import LAYOUT_ON_NODE, kata_manager_yaml, prepare_node
+from support.nodecontextkit import katamgr_context
 
 from gpunode.host.pciids import PciIds
 from gpunode.kataclasses import GPU, GPU_SNP
 from gpunode.policy.naming import Naming
-from katamgr.commands import setup as cli_setup
 from katamgr.config import parse_config
 from katamgr.pipeline.kata_runtime import KataContext, class_dir
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
@@ -39,7 +39,7 @@ def files_under(host, directory: str) -> dict[str, bytes]:
 def setup(tmp_path, extra: str = "", classes=(GPU, GPU_SNP), release: str = "3.29.0"):
     host = kata_deploy_node(tmp_path, release)
     config = parse_config(kata_manager_yaml(classes) + extra)
-    return host, config, cli_setup.with_node_kata(NAMING, host, config)
+    return host, config, katamgr_context(host, config).naming
 
 
 def test_kata_deploy_s_classes_get_only_the_gpu_settings(tmp_path):
@@ -113,7 +113,7 @@ def test_kata_deploy_under_another_installation_prefix_serves_its_classes(tmp_pa
     main.write_text(main.read_text().replace('"/opt/kata/', f'"{prefix}/opt/kata/'))
     before = files_under(host, prefix + "/opt/kata")
     config = parse_config(kata_manager_yaml((GPU,)) + "kataDeploy: true\n")
-    naming = cli_setup.with_node_kata(NAMING, host, config)
+    naming = katamgr_context(host, config).naming
     found = {r.name: r for r in naming.selection.kata_found.runtimes}
     assert found[GPU].installed_by == "kata-deploy" and found[GPU].config_path.startswith(prefix + "/opt/kata/")
 

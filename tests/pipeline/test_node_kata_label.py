@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
+from support.nodecontextkit import katamgr_context
 
 from gpunode.host.pciids import PciIds
 from gpunode.policy import gpulabels as facts
@@ -52,7 +53,7 @@ def _driver(host, bdf: str) -> str | None:
 def test_the_release_label_is_recorded_and_comes_off_on_revert(tmp_path, monkeypatch, capsys):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.25.0", ("go",)))
-    naming = cli_setup.with_node_kata(NAMING, host, None)
+    naming = katamgr_context(host).naming
     with FakeApiServer() as api:
         _node(api, {WORKLOAD_LABEL: "vm-passthrough"})
         node = cli_setup.node_labels(api.client(), NODE)
@@ -74,7 +75,7 @@ def test_a_release_label_set_before_the_record_is_taken_as_katamgr_s(tmp_path):
     left, and said."""
     host = materialise(find_profile("a10-server"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.29.0", ("go",)))
-    naming = cli_setup.with_node_kata(NAMING, host, None)
+    naming = katamgr_context(host).naming
     with FakeApiServer() as api:
         _node(api, {KATA_LABEL: "3.29.0"})
         node = cli_setup.node_labels(api.client(), NODE)
@@ -97,7 +98,7 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
     with FakeApiServer() as api:
         _node(api, {WORKLOAD_LABEL: "vm-passthrough"})
         client = api.client()
-        naming = cli_setup.with_node_kata(NAMING, host, None)  # no Kata yet
+        naming = katamgr_context(host).naming  # no Kata yet
         assert naming.selection.kata_found.runtimes == ()
         agent = make_agent(host, naming, Steps(kata=False), None, events=EventRecorder(client, NODE),
                       node_labels=cli_setup.node_labels(client, NODE),
@@ -134,7 +135,7 @@ def test_a_typed_release_stays_the_override_when_kata_changes(tmp_path):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.29.0", ("go",)))
     typed = Naming(NAMING.pci_ids, selection=Selection(kata=parse_release("3.29.0")))
-    agent = make_agent(host, cli_setup.with_node_kata(typed, host, None), Steps(kata=False), None,
+    agent = make_agent(host, katamgr_context(host, None, "--kata-version", "3.29.0").naming, Steps(kata=False), None,
                   kata_found=KataFound(typed.selection, CONTAINERD, names=GPU_CLASSES))
     lay_out(host, KataInstall("kata-deploy", "4.1.0", ("go",)))
     assert agent.follow_kata()
