@@ -106,7 +106,7 @@ class NodeContext:
     given: Naming
     naming: Naming
     containerd_config: str
-    kata_found: katadetect.KataOnNode | None
+    kata_found: katadetect.KataOnNode
     kata_warning: str
     fabric: nf.FabricSettings
     fabric_choice: nf.ModelChoice | None
@@ -163,13 +163,13 @@ def opened(args: argparse.Namespace, host: HostRoot, extras: NodeExtras = REAL_N
     containerd = (base.containerd_config or getattr(args, "containerd_config", None)
                   or katadetect.CONTAINERD_CONFIG)
     # 3: the Kata release found on the node, where none was typed.
-    found = katadetect.node_selection(operator.selection, host, containerd, artifacts_dir=base.artifacts_dir,
-                                      names=base.runtime_classes,
-                                      **({"read_version": read_version} if read_version else {}))
+    deciding, kata_found = katadetect.on_node(operator.selection, host, containerd,
+                                              artifacts_dir=base.artifacts_dir, names=base.runtime_classes,
+                                              **({"read_version": read_version} if read_version else {}))
     # 4: the fabric model, decided as plan decides it; the NVSwitches kept for FM or not. Where
     # it keeps them the model does not hang on the Kata release (FM answering picks Shared
     # NVSwitch whatever Kata takes), so the decision holds while the release found changes.
-    choice = _fabric_choice(host, fabric, found, ask)
+    choice = _fabric_choice(host, fabric, deciding, ask)
     keeps = nf.keeps_nvswitches(fabric, choice)
 
     def folded(selection: sel.Selection) -> sel.Selection:
@@ -177,8 +177,8 @@ def opened(args: argparse.Namespace, host: HostRoot, extras: NodeExtras = REAL_N
 
     # 5: the naming over the selection 3 and 4 decided.
     given = dataclasses.replace(operator, selection=folded(operator.selection))
-    naming = dataclasses.replace(operator, selection=folded(found))
-    return NodeContext(host, extras, base, given, naming, containerd, found.kata_found, found.kata_warning,
+    naming = dataclasses.replace(operator, selection=folded(deciding))
+    return NodeContext(host, extras, base, given, naming, containerd, kata_found, kata_found.warning,
                        fabric, choice, keeps, workload_rule(args), link_policy(args, base))
 
 

@@ -38,7 +38,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         setup = node_setup(args, node.host, config, extras=node.extras, workload=node.workload)
         plan = full_plan(node.host, node.naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
-                         fabric=node.fabric)
+                         fabric=node.fabric, kata_found=node.kata_found)
         if args.output in FORMATS:
             print(documents.dump(documents.plan_document(plan), args.output))
         else:
@@ -53,7 +53,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         refuse_beside_agent(host, "katamgr apply")
         setup = node_setup(args, host, config, extras=node.extras, workload=node.workload)
         steps = setup.steps.without(setup.opted_out)
-        report = reconcile(host, node.naming, steps, setup.ctx, force=args.force,
+        report = reconcile(host, node.naming, steps, setup.ctx, force=args.force, kata_found=node.kata_found,
                            wait=args.device_wait,
                            lock_wait=args.wait, command="katamgr apply", journal=_journal(host, "katamgr apply"))
         if not report.interrupted:  # a stopped run offers nothing new

@@ -47,7 +47,7 @@ def naming_found(profile, tmp_path, nvswitches: bool | str = "auto") -> Naming:
     host: HostRoot = materialise(profile, tmp_path / "look")
     found = katadetect.detect(host, "/etc/containerd/config.toml")
     return Naming(PciIds.find(), selection=katadetect.with_found(Selection(nvswitches=nvswitches), found,
-                                                                 GPU_CLASSES))
+                                                                 GPU_CLASSES)[0])
 
 
 @pytest.mark.parametrize("release", kataoracle.judges())

@@ -38,9 +38,9 @@ def test_the_agent_s_first_install_is_not_taken_for_kata_deploy_s(tmp_path, capl
     config = parse_config(kata_manager_yaml())
     node = katamgr_context(host, config)
     naming = node.naming
-    assert naming.selection.kata_found.runtimes == ()  # nothing yet: the agent installs its own
+    assert node.kata_found.runtimes == ()  # nothing yet: the agent installs its own
     agent = make_agent(host, naming, Steps(), KataContext(config),
-                       kata_found=kata_found(node))
+                       kata_on_node=node.kata_found, kata_found=kata_found(node))
     said = Said()
     agent.events.kata_changed = said.kata_changed
     caplog.set_level("INFO", logger="katamgr.agent")

@@ -1,5 +1,5 @@
 """The device plugin and the DRA driver learn the node's Kata release as katamgr does
-(``katadetect.node_selection``, through the node's context, ``gpunode.services.nodecontext``) where
+(``katadetect.on_node``, through the node's context, ``gpunode.services.nodecontext``) where
 --kata-version gives none: on a node where kata-deploy installed Kata 4.1 (whose shims
 cold-plug NVSwitches), the NVSwitches katamgr bound to vfio-pci are advertised without a typed
 release; on 3.29 katamgr keeps them on the host and nothing advertises them."""
