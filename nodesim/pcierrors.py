@@ -106,6 +106,15 @@ def train_link(host: HostRoot, bdf: str, speed: str | None = None, width: int | 
     (directory / "current_link_width").write_text(f"{best_width if width is None else width}\n")
 
 
+def limit_link(host: HostRoot, bdf: str, speed: str, width: int | None = None) -> None:
+    """A link that trains at ``speed``/``width`` every time, after a reset too (a slot or riser
+    that cannot carry the device's maximum): Linux reads the same current_link_* each time."""
+    data = marker(host)
+    data.setdefault("link_limits", {})[bdf] = [speed, width]
+    save_marker(host, data)
+    train_link(host, bdf, speed, width)
+
+
 def fall_off_bus(host: HostRoot, bdf: str) -> None:
     """Config space reads all ones from now on; the original is kept for a reset."""
     directory = _dir(host, bdf)
@@ -148,4 +157,5 @@ def on_reset(host: HostRoot, bdf: str) -> None:
         (directory / "config").write_bytes(bytes.fromhex(saved))
         save_marker(host, data)
     if (directory / "max_link_speed").exists():
-        train_link(host, bdf)
+        speed, width = data.get("link_limits", {}).get(bdf, (None, None))
+        train_link(host, bdf, speed, width)
