@@ -107,6 +107,15 @@ def train_link(host: HostRoot, bdf: str, speed: str | None = None, width: int | 
     (directory / "current_link_width").write_text(f"{best_width if width is None else width}\n")
 
 
+def limit_link(host: HostRoot, bdf: str, speed: str, width: int | None = None) -> None:
+    """A link that trains at ``speed``/``width`` every time, after a reset too (a slot or riser
+    that cannot carry the device's maximum): Linux reads the same current_link_* each time."""
+    data = marker(host)
+    data.setdefault("link_limits", {})[bdf] = [speed, width]
+    save_marker(host, data)
+    train_link(host, bdf, speed, width)
+
+
 def fall_off_bus(host: HostRoot, bdf: str) -> None:
     """Config space reads all ones from now on; the original is kept for a reset."""
     directory = _dir(host, bdf)
@@ -129,15 +138,6 @@ def set_reset_methods(host: HostRoot, bdf: str, methods: str | None) -> None:
     else:
         (directory / "reset_method").write_text(methods + "\n")
         (directory / "reset").touch()
-
-
-def limit_link(host: HostRoot, bdf: str, speed: str, width: int) -> None:
-    """The link trains at ``speed``/``width`` now and after every reset (a slot, riser or
-    retimer that cannot carry more), below what the device's ``max_link_*`` says."""
-    data = marker(host)
-    data.setdefault("link_limits", {})[bdf] = [speed, width]
-    save_marker(host, data)
-    train_link(host, bdf, speed, width)
 
 
 def fail_reset(host: HostRoot, bdf: str, fails: bool = True) -> None:

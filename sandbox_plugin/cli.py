@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import logging
 import sys
 import threading
@@ -13,29 +12,21 @@ import time
 from gpunode.errors import GpuNodeError
 from gpunode.host.root import HostRoot
 from gpunode.policy import selection as device_selection
-from gpunode.policy.health import LINK_POLICIES
-from gpunode.policy.naming import Naming
-from gpunode.policy.workload import (
-    AUTO,
-    NoCluster,
-    Resolution,
-    Workload,
-    resolve_workload,
-)
+from gpunode.policy.workload import AUTO, NoCluster, Resolution, Workload
 from gpunode.services import options
+from gpunode.services.nodecontext import NodeContext, WorkloadRule
 from gpunode.services.process import (
     report_error,
     setup_logging,
     stop_on_signals,
 )
-from gpunode.services.simulator import NodeExtras, node_extras
+from gpunode.services.simulator import NodeExtras
 from sandbox_plugin.commands import (
     UsageError,
     cluster_client,
-    fabric_settings,
     mode_from_host,
+    node_context,
     read_labels,
-    with_node_kata,
 )
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
 from sandbox_plugin.fabricgate import FabricGate, gate_for
@@ -138,9 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="container mode: how Allocate names the GPUs, any of "
                              f"{', '.join(DEVICE_LIST_STRATEGIES)} (comma-separated or repeated; "
                              "default: envvar,cdi-cri; toolkit settings each needs: above)")
-    parser.add_argument("--link-policy", choices=LINK_POLICIES, default="degrade",
-                        help="vm-passthrough: a GPU whose PCIe link trained below its maximum is "
-                             "Unhealthy (degrade, the default) or only logged and counted (warn)")
     options.add_metrics_address(parser)
     options.add_verbose(parser, "log debug details")
     return parser
@@ -175,23 +163,21 @@ def decide_mode(
 
 
 def _resolve(host: HostRoot, node_name: str | None, read_labels, default: Workload | str | None,
-             selection: device_selection.Selection) -> Resolution:
+             selection: device_selection.Selection, rule: WorkloadRule | None = None) -> Resolution:
+    """``rule`` (the node context's; None: ``auto`` for ``node_name`` with ``default``) with what
+    the host shows as the fallback."""
     def from_host() -> tuple[Workload, str]:
         mode, why = mode_from_host(host, selection)
         return Workload(mode.value), why
 
-    return resolve_workload(node_name, read_labels, default=default, fallback=from_host)
+    rule = rule or WorkloadRule(node_name, AUTO, default)
+    return rule.resolve(read_labels, from_host)
 
 
-def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
-    root = options.host_root(args)
+def _build(args: argparse.Namespace) -> NodeContext:
+    """What runs before the plugins register: the options' checks and the node's context."""
     options.metrics_address(args)
-    try:
-        host = HostRoot.at(root, runtime_root=args.runtime_root)
-        naming = options.naming_from(args, options.selection_from(args))
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
-    return host, with_node_kata(naming, host, args.containerd_config)
+    return node_context(args)
 
 
 def _device_list_strategies(args: argparse.Namespace):
@@ -207,35 +193,34 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     watch = None
     try:
-        host, naming = _build(args)
+        node = _build(args)
+        host, naming, extras = node.host, node.naming, node.extras
         strategies = _device_list_strategies(args)
         stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
         # What the node brings (gpunode.services.simulator): a simulated node its own NVML
         # (answering from the node's sysfs and, as NVML, listing again only when started
         # again: the driver watch does that), its Fabric Manager and its kubeconfig rule.
-        extras = node_extras(host.root, args.runtime_root)
         nvml = extras.nvml() if extras.nvml is not None else None
-        fabric = _fabric_gate(args, host, naming, extras)
-        naming = _fabric_keeps_nvswitches(naming, fabric)
+        fabric = _fabric_gate(node)
         runner = PluginRunner(lambda m, metrics, held_only=False: PluginManager(
             host, m, naming=naming, device_list_strategies=strategies, metrics=metrics, nvml=nvml,
-            held_only=held_only, fabric=fabric, link_policy=args.link_policy))
+            held_only=held_only, fabric=fabric, link_policy=node.link_policy))
         held = False
         follower = None
-        if args.workload != AUTO:
-            mode, why = mode_for(Resolution(Workload(args.workload), "chosen with --workload"))
+        if not node.workload.follows:
+            mode, why = mode_for(node.workload.resolve(None))
         else:
             watch = _label_watch(args, extras)
             if watch is None:
                 mode, why = decide_mode(host, args.node_name,
-                                        lambda node: read_labels(node, extras),
+                                        lambda name: read_labels(name, extras),
                                         default=args.default_workload,
                                         selection=naming.selection, modes=args.auto_modes)
             else:
                 # Followed live: a relabel switches the plugins without a restart.
                 follower = LabelFollower(runner, lambda: _resolve(
-                    host, args.node_name, lambda node: watch.labels(), args.default_workload,
-                    naming.selection), args.auto_modes)
+                    host, args.node_name, lambda _node: watch.labels(), args.default_workload,
+                    naming.selection, node.workload), args.auto_modes)
                 watch.on_change = follower.changed.set
                 resolved = follower.resolve()
                 mode, why = mode_for(resolved, args.auto_modes)
@@ -262,28 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _fabric_gate(args: argparse.Namespace, host: HostRoot, naming: Naming,
-                 extras: NodeExtras) -> FabricGate | None:
-    """The NVSwitch board's model (``sandbox_plugin.fabricgate``): None without NVSwitches or
-    with ``--nvlink-fabric off``; a gate withholding the board's GPUs where neither model holds."""
-    try:
-        settings = fabric_settings(args, extras)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+def _fabric_gate(node: NodeContext) -> FabricGate | None:
+    """The NVSwitch board's model (``sandbox_plugin.fabricgate``) as the node's context decided
+    it: None without NVSwitches or with ``--nvlink-fabric off``; a gate withholding the board's
+    GPUs where neither model holds."""
     from gpunode.policy.inventory import discover
 
-    return gate_for(host, settings, discover(host, naming.selection))
-
-
-def _fabric_keeps_nvswitches(naming: Naming, gate: FabricGate | None) -> Naming:
-    """``naming`` that leaves the NVSwitches out where the board's model keeps them on the host
-    with Fabric Manager (Shared NVSwitch, Fabric Manager User Guide §7): the gate's decision."""
-    from gpunode.services import nvlinkfabric as nf
-
-    if gate is None or not nf.keeps_nvswitches(gate.settings, gate.choice):
-        return naming
-    return dataclasses.replace(naming, selection=dataclasses.replace(naming.selection,
-                                                                     fabric_keeps_nvswitches=True))
+    return gate_for(node.host, node.fabric, discover(node.host, node.naming.selection), choice=node.fabric_choice)
 
 
 def _label_watch(args: argparse.Namespace, extras: NodeExtras):

@@ -1,16 +1,15 @@
 """What both plugin commands share (``sandbox-device-plugin`` and ``sandbox-dra-driver``):
-their usage error, how they reach the cluster, the node's Kata release, and the mode the host
+their usage error, how they reach the cluster, the node's context, and the mode the host
 alone suggests."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from gpunode.errors import ConfigError
 from gpunode.host.root import HostRoot
-from gpunode.policy import inventory, katadetect
+from gpunode.policy import inventory
 from gpunode.policy import selection as device_selection
-from gpunode.policy.naming import Naming
+from gpunode.services import nodecontext
+from gpunode.services.nodecontext import NodeContext
 from gpunode.services.simulator import REAL_NODE, NodeExtras
 from sandbox_plugin.manager import Mode
 
@@ -36,12 +35,12 @@ def read_labels(node_name: str, extras: NodeExtras = REAL_NODE) -> dict[str, str
     return read_node_labels(cluster_client(extras), node_name)
 
 
-def with_node_kata(naming: Naming, host: HostRoot, containerd_config: str) -> Naming:
-    """``naming`` deciding by the Kata release found on the node, as katamgr decides
-    (``katadetect.node_selection``: the release of its Kata GPU runtimes, where --kata-version
-    gives none; a typed one stays the override)."""
-    return dataclasses.replace(naming, selection=katadetect.node_selection(naming.selection, host,
-                                                                           containerd_config))
+def node_context(args) -> NodeContext:
+    """The node's context (``gpunode.services.nodecontext``) as both programs build it: their
+    fabric step asks Fabric Manager as their gate does (``fabricgate.ask_guarded``)."""
+    from sandbox_plugin.fabricgate import ask_guarded
+
+    return nodecontext.build(args, ask=ask_guarded)
 
 
 def mode_from_host(
@@ -54,22 +53,3 @@ def mode_from_host(
     if selection.is_default:
         return Mode.CONTAINER, "no NVIDIA GPU is bound to vfio-pci"
     return Mode.CONTAINER, "no passthrough device (as --include-device/--exclude-device select) is bound to vfio-pci"
-
-
-def fabric_settings(args, extras: NodeExtras = REAL_NODE):
-    """The NVLink fabric flags (``options.fabric_from``; ValueError naming a bad one);
-    where the node brings its own Fabric Manager (``extras``, a simulated node's), FM and its
-    library unless told, as ``katamgr plan`` finds them (``katamgr.commands.setup``)."""
-    import dataclasses as dc
-
-    from gpunode.services import nvlinkfabric as nf
-    from gpunode.services import options
-
-    settings = options.fabric_from(args)
-    brought = extras.fabric_manager() if extras.fabric_manager is not None else None
-    default = nf.FabricSettings()
-    if brought is not None and (settings.address, settings.library) == (default.address, default.library):
-        library, socket, modules = brought
-        settings = dc.replace(settings, address=socket, library=library,
-                              gpu_module_ids=settings.gpu_module_ids or modules)
-    return settings

@@ -37,12 +37,16 @@ class FabricGate:
     None for a gate fixed on ``guard`` (``sharedNvswitch`` configured, or a test's guard)."""
 
     def __init__(self, host: HostRoot, settings: nf.FabricSettings, decide: Decide | None = None,
-                 guard: FabricGuard | None = None, make_guard: Callable[[], FabricGuard] | None = None) -> None:
+                 guard: FabricGuard | None = None, make_guard: Callable[[], FabricGuard] | None = None,
+                 first: nf.ModelChoice | None = None) -> None:
         self.host = host
         self.settings = settings
         self._make_guard = make_guard or (lambda: FabricGuard(host, settings))
         self._decide = decide
-        self.choice = decide() if decide is not None else nf.ModelChoice(nf.SHARED, "given")
+        if first is not None:  # decided already (the node's context): FM is not asked twice
+            self.choice = first
+        else:
+            self.choice = decide() if decide is not None else nf.ModelChoice(nf.SHARED, "given")
         self.guard = guard
         if self.choice.model == nf.SHARED and self.guard is None:
             self.guard = self._make_guard()
@@ -125,12 +129,25 @@ class FabricGate:
                 log.exception("NVLink fabric: asking Fabric Manager again failed")
 
 
+def ask_guarded(host: HostRoot, settings: nf.FabricSettings, gpus: list[str]) -> tuple[nf.Fabric | None, str | None]:
+    """FM asked as the plugins ask it (``FabricGuard.ask``: our record restored into an FM
+    waiting after its restart first): the node context's fabric step for both plugin programs."""
+    asking = FabricGuard(host, settings)
+    try:
+        return asking.ask(gpus)
+    finally:
+        asking.stop()
+
+
 def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory,
-             make_guard: Callable[[], FabricGuard] | None = None) -> FabricGate | None:
+             make_guard: Callable[[], FabricGuard] | None = None,
+             choice: nf.ModelChoice | None = None) -> FabricGate | None:
     """The gate of the node's NVSwitch board (``inventory``: ``gpunode.policy.inventory``'s,
     with the Kata release its selection found); None without NVSwitches, with
     ``devices.nvlinkFabric: off`` (the operator's documented opt-out), or full passthrough
-    configured where Kata takes NVSwitches (nothing to set up on the host)."""
+    configured where Kata takes NVSwitches (nothing to set up on the host). ``choice``: the
+    model the node's context decided at start (``gpunode.services.nodecontext``; None: decided
+    here); FM is asked again only while neither model holds."""
     nvswitches = sum(1 for d in inventory.devices if d.is_nvswitch)
     if nvswitches == 0 or settings.model == nf.OFF:
         return None
@@ -140,13 +157,9 @@ def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory,
     gpus = [d.bdf for d in inventory.devices if d.is_gpu]
 
     def decide() -> nf.ModelChoice:
-        asking = FabricGuard(host, settings)  # restores our record into an FM waiting for it
-        try:
-            return nf.decide(host, settings, nvswitches=nvswitches, gpus=gpus,
-                             kata_takes_nvswitches=kata.cold_plugs_nvswitches, kata=str(kata),
-                             ask=lambda: asking.ask(gpus))[0]
-        finally:
-            asking.stop()
+        return nf.decide(host, settings, nvswitches=nvswitches, gpus=gpus,
+                         kata_takes_nvswitches=kata.cold_plugs_nvswitches, kata=str(kata),
+                         ask=lambda: ask_guarded(host, settings, gpus))[0]
 
-    gate = FabricGate(host, settings, decide, make_guard=make_guard)
+    gate = FabricGate(host, settings, decide, make_guard=make_guard, first=choice)
     return None if gate.choice.model == nf.FULL else gate

@@ -31,6 +31,12 @@ from gpunode.host.root import HostRoot
 
 LINK_POLICIES = ("degrade", "warn")  # a link below its maximum: Unhealthy, or a warning only
 DEFAULT_LINK_POLICY = "degrade"
+# What each value means, for the three programs, the config's devices.linkPolicy and the chart.
+LINK_POLICY_MEANING = (
+    "a passthrough GPU whose PCIe link trained below its maximum (speed or width) is Unhealthy: "
+    "degrade (the default), where the device plugin and the DRA driver stop offering it and the "
+    "agent's hand-back check between tenants fails it; or warn, where all three only log and count "
+    "it. A link that is down is Unhealthy either way")
 
 # How long a reason lasts: while the fact does (LASTING), until the kernel or a hand-back says
 # the device recovered (TRIP: AER counts never go down), until a later hand-back passes

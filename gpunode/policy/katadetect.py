@@ -124,6 +124,8 @@ class KataOnNode:
     # whether it took the place of an empty devices.kataVersion.
     release: KataRelease = UNKNOWN
     decides: bool = False
+    # Why the release typed by hand is not the one found ("": it is, or none was typed).
+    warning: str = ""
 
     def release_for(self, names: Iterable[str] = ()) -> KataRelease:
         """The release that decides for the runtimes ``names`` (every Kata runtime found when
@@ -324,14 +326,15 @@ def deciding_runtimes(found: KataOnNode, names: Iterable[str] | None = None) -> 
     return tuple(r.name for r in found.runtimes if r.name in wanted) or gpu_runtimes(found)
 
 
-def node_selection(selection: Selection, host: HostRoot, containerd_config: str, *,
-                   artifacts_dir: str = "", names: Iterable[str] | None = None,
-                   read_version: VersionReader = run_version) -> Selection:
+def on_node(selection: Selection, host: HostRoot, containerd_config: str, *,
+            artifacts_dir: str = "", names: Iterable[str] | None = None,
+            read_version: VersionReader = run_version) -> tuple[Selection, KataOnNode]:
     """``selection`` deciding by the Kata found on the node now (``detect``, then
-    ``with_found``): the one way katamgr's plan and agent, the device plugin and the DRA driver
-    learn the node's Kata. ``selection`` is the one the operator gave (a typed release stays the
-    override); ``names``: the runtime classes configured (None: the agent's defaults), whose
-    release decides (``deciding_runtimes``)."""
+    ``with_found``), and what was found: the one way katamgr's plan and agent, the device
+    plugin and the DRA driver learn the node's Kata (through ``gpunode.services.nodecontext``).
+    ``selection`` is the one the operator gave (a typed release stays the override);
+    ``names``: the runtime classes configured (None: the agent's defaults), whose release
+    decides (``deciding_runtimes``)."""
     found = detect(host, containerd_config, artifacts_dir=artifacts_dir, read_version=read_version)
     for problem in found.problems:
         log.info("%s", problem)
@@ -360,20 +363,20 @@ def inputs(host: HostRoot, containerd_config: str, found: KataOnNode | None) -> 
     return tuple(out)
 
 
-def with_found(selection: Selection, found: KataOnNode, names: Iterable[str] = ()) -> Selection:
+def with_found(selection: Selection, found: KataOnNode, names: Iterable[str] = ()) -> tuple[Selection, KataOnNode]:
     """``selection`` deciding by the release of the Kata runtimes ``names`` found on the node
     (``found.release_for``) where no release was typed (``devices.kataVersion``,
-    ``--kata-version``); a typed one stays the override, with a warning when it is not the
-    release found."""
+    ``--kata-version``), and ``found`` with that release; a typed one stays the override, with
+    a warning (``found.warning``) when it is not the release found."""
     detected = found.release_for(names)
     found = dataclasses.replace(found, release=detected)
     if selection.kata.version is None:
         found = dataclasses.replace(found, decides=detected.version is not None)
-        return dataclasses.replace(selection, kata=detected, kata_found=found)
+        return dataclasses.replace(selection, kata=detected), found
     warning = ""
     if detected.version is not None and detected.version != selection.kata.version:
         runtimes = ", ".join(r.name for r in found.runtimes if r.release == detected)
         warning = (f"devices.kataVersion ({KATA_VERSION_FLAG}) says the node runs {selection.kata}, but its "
                    f"Kata runtimes {runtimes} are {detected}: {selection.kata} decides what Kata can "
                    f"cold-plug (NVSwitches) until the typed release is corrected or removed")
-    return dataclasses.replace(selection, kata_found=found, kata_warning=warning)
+    return selection, dataclasses.replace(found, warning=warning)

@@ -19,7 +19,7 @@ with a warning where Kata will fail), ``false`` never: the chart's and the confi
 ``devices.nvswitches`` spelling (the options live in ``gpunode.services.options``). Where the
 node's NVLink fabric model keeps them on the host (NVIDIA's Shared NVSwitch model: Fabric Manager
 on the host sets the GPUs' partitions up with them, Fabric Manager User Guide §7;
-``fabric_keeps_nvswitches``, set by the commands that know the model), ``auto`` keeps them there
+``fabric_keeps_nvswitches``, set by the node's context, which knows the model), ``auto`` keeps them there
 whatever Kata takes, and ``true`` is a plan problem: it would take them from Fabric Manager.
 
 An excluded device is treated like any device that is none of ours: it is never
@@ -32,9 +32,9 @@ record alone, and every "is this a passthrough device" question
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Any, Literal
+from typing import Literal
 
 import cdi
 from gpunode import k8snames
@@ -127,13 +127,11 @@ class Selection:
     exclude: tuple[ExcludeRule, ...] = ()
     # The chart's and the config's devices.nvswitches as they write it: auto, true or false.
     nvswitches: bool | Literal["auto"] = "auto"
+    # The two inputs of the NVSwitch rule besides ``nvswitches``, resolved by the node's context
+    # (``gpunode.services.nodecontext``): the Kata release that decides (typed, or found on the
+    # node), and whether the node's NVLink fabric model keeps NVSwitches on the host for Fabric
+    # Manager (Shared NVSwitch model, ``gpunode.services.nvlinkfabric.keeps_nvswitches``).
     kata: KataRelease = UNKNOWN
-    # The Kata runtimes found on the node (``gpunode.policy.katadetect.KataOnNode``; None: not
-    # looked for), and why the release typed by hand is not theirs ("": it is, or none typed).
-    kata_found: Any = field(default=None, compare=False)
-    kata_warning: str = field(default="", compare=False)
-    # The node's NVLink fabric model keeps NVSwitches on the host for Fabric Manager (Shared
-    # NVSwitch model, ``gpunode.services.nvlinkfabric.keeps_nvswitches``).
     fabric_keeps_nvswitches: bool = False
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 
 from gpunode.errors import ConfigError
 from gpunode.host.pciids import PciIds
-from gpunode.policy import katadetect
+from gpunode.policy import health, katadetect
 from gpunode.policy import naming as names
 from gpunode.policy import selection as sel
 from gpunode.policy.katarelease import parse_release
@@ -303,14 +303,28 @@ def fabric_from(args: argparse.Namespace, base: nf.FabricSettings | None = None)
     return settings
 
 
+# ---- the health policy --------------------------------------------------------------------
+
+LINK_POLICY_FLAG = "--link-policy"
+
+
+def add_health(parser) -> None:
+    """``--link-policy`` (``gpunode.policy.health.LINK_POLICIES``): the plugins and the agent's
+    hand-back check must judge a GPU's link alike, or one offers what the other fails."""
+    parser.add_argument(LINK_POLICY_FLAG, choices=health.LINK_POLICIES, default=None,
+                        help=f"{health.LINK_POLICY_MEANING} (the chart's devices.linkPolicy; unset: the config's, "
+                             f"else {health.DEFAULT_LINK_POLICY})")
+
+
 def add_node_options(parser) -> None:
     """What the plugins take as katamgr's node commands do: the host, the node and its
-    workload, the devices and their names, the NVLink fabric, the log format (katamgr adds
-    them one by one among its own: ``--host-root`` beside ``--host``). Each program adds
-    its own options beside them."""
+    workload, the devices and their names, the NVLink fabric, the health policy, the log
+    format (katamgr adds them one by one among its own: ``--host-root`` beside ``--host``).
+    Each program adds its own options beside them."""
     add_host_root(parser)
     add_runtime_root(parser)
     add_node(parser)
     add_devices(parser)
     add_fabric(parser)
+    add_health(parser)
     add_log_format(parser)

@@ -106,9 +106,10 @@ class NodeEvents:
         """The node's Kata installed, upgraded or removed while the agent ran."""
         self._record("KataChanged", message)
 
-    def nvswitches(self, inv: Inventory) -> None:
+    def nvswitches(self, inv: Inventory, kata_warning: str = "") -> None:
         """What the node does with its NVSwitches, where its Kata cannot cold-plug them:
-        kept on the host (``--nvswitches auto``), or passed through at the operator's word."""
+        kept on the host (``--nvswitches auto``), or passed through at the operator's word;
+        ``kata_warning``: why a typed Kata release is not the one found (the node's context)."""
         selection = inv.selection
         held = [d.bdf for d in inv.devices
                 if d.is_nvswitch and not inv.selected(d) and not inv.verdict(d).excluded]
@@ -117,6 +118,6 @@ class NodeEvents:
                          f"NVSwitches {', '.join(held)} stay on their drivers: {selection.nvswitch_held_back}")
         if inv.nvswitches and selection.nvswitch_warning:
             self._record("NVSwitchesFailKata", selection.nvswitch_warning, "Warning")
-        if selection.kata_warning:
+        if kata_warning:
             # devices.kataVersion typed by hand, and not the release of the node's Kata runtimes.
-            self._record("KataVersionDisagrees", selection.kata_warning, "Warning")
+            self._record("KataVersionDisagrees", kata_warning, "Warning")

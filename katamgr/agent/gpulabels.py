@@ -32,7 +32,7 @@ class GpuLabels:
             return None
         t = self.target
         try:
-            report = gpulabels.publish(t.host, t.scan(), t.naming, self.node)
+            report = gpulabels.publish(t.host, t.scan(), t.naming, self.node, t.kata_found)
         except (GpuNodeError, OSError, ValueError) as exc:
             report = Report(failures=[f"cannot work out the node labels: {exc}"])
         said = (tuple(report.warnings), tuple(report.failures))

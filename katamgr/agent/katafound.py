@@ -4,8 +4,8 @@ kata-deploy may install or upgrade Kata after the agent started: it writes its c
 drop-in (``kata-deploy.toml``) and replaces the shims and the ``VERSION`` file under
 ``/opt/kata``. Each check compares the files detection read (``katadetect.inputs``: a stat
 each, no shim run); where one changed, the node's Kata is detected again
-(``katadetect.node_selection``, the one way every part learns it) and the target's selection
-follows: the release label (published from the target), the plan, and, through the
+(``katadetect.on_node``, the one way every part learns it) and the target's selection
+and the Kata it found follow: the release label (published from the target), the plan, and, through the
 reconcile the loop then runs, what the release decides (NVSwitches passed through on 4.1 and
 later, or kept back before it).
 """
@@ -51,30 +51,31 @@ class KataFound:
 
     def remember(self, target: Target) -> None:
         """What detection read for the target's selection (at start)."""
-        self._inputs = katadetect.inputs(target.host, self.containerd_config, target.naming.selection.kata_found)
+        self._inputs = katadetect.inputs(target.host, self.containerd_config, target.kata_found)
 
     def follow(self, target: Target, *, ours: bool = False) -> str | None:
         """Why the node's Kata changed, with the target's naming following it; None when the
         files detection reads are as they were, or say the same after a look. ``ours``: looked
         at right after the agent's own reconcile, whose install (its artifacts, its containerd
         entries) is then what changed, never kata-deploy's doing."""
-        before = target.naming.selection
-        now = katadetect.inputs(target.host, self.containerd_config, before.kata_found)
+        before, found_before = target.naming.selection, target.kata_found
+        now = katadetect.inputs(target.host, self.containerd_config, found_before)
         if self._inputs is None or now == self._inputs:
             self._inputs = now
             return None
-        after = katadetect.node_selection(self.given, target.host, self.containerd_config,
+        after, found = katadetect.on_node(self.given, target.host, self.containerd_config,
                                           artifacts_dir=self.artifacts_dir, names=self.names,
                                           read_version=self.read_version)
         target.naming = dataclasses.replace(target.naming, selection=after)
-        self._inputs = katadetect.inputs(target.host, self.containerd_config, after.kata_found)
-        if _summary(before.kata_found) == _summary(after.kata_found) and before.kata == after.kata:
+        target.kata_found = found
+        self._inputs = katadetect.inputs(target.host, self.containerd_config, found)
+        if _summary(found_before) == _summary(found) and before.kata == after.kata:
             return None
         if ours:
             why = (f"the Kata runtimes katamgr installed are found on the node: "
-                   f"{_said(after.kata_found, after)} now ({_said(before.kata_found, before)} before)")
+                   f"{_said(found, after)} now ({_said(found_before, before)} before)")
         else:
             why = (f"the node's Kata changed (kata-deploy installed or upgraded it?): "
-                   f"{_said(before.kata_found, before)} before, {_said(after.kata_found, after)} now")
+                   f"{_said(found_before, before)} before, {_said(found, after)} now")
         log.info("%s", why)
         return why

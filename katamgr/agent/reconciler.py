@@ -96,7 +96,8 @@ class Reconciler:
             caught_up, told = self.catch_up()
             report.merge(caught_up)
         report.merge(reconcile(t.host, t.naming, t.steps, ctx, force=t.force, wait=t.wait,
-                               lock_wait=t.lock_wait, command="katamgr run", gives_back=gives_back))
+                               lock_wait=t.lock_wait, command="katamgr run", gives_back=gives_back,
+                               kata_found=t.kata_found))
         t.settled = True
         report.merge(self._offer(report))
         return report, told
@@ -140,7 +141,7 @@ class Reconciler:
             plan = self.target.plan()
             m.observe_plan(plan)
             if self.target.binds:
-                self.events.nvswitches(plan.inventory)
+                self.events.nvswitches(plan.inventory, plan.kata_found.warning if plan.kata_found else "")
                 if self.target.fabric is not None:
                     self._nvlink_fabric(plan)
             self.in_use = self.target.binds and any(

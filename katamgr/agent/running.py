@@ -42,7 +42,7 @@ class Agent:
         s = settings
         self.settings = settings
         self.target = Target(s.host, s.naming, s.steps, s.ctx, s.opted_out, force=s.force, wait=s.wait,
-                             lock_wait=s.lock_wait, fabric=s.fabric)
+                             lock_wait=s.lock_wait, fabric=s.fabric, kata_found=s.kata_on_node)
         self.repull_interval = s.repull_interval
         self.check_interval = s.check_interval
         self.revert_on_exit = s.revert_on_exit
@@ -61,7 +61,7 @@ class Agent:
                           read_labels=links.read_labels, publish=links.publish_labels,
                           read_resources=links.read_resources)
         self.gpu_labels = GpuLabels(self.target, self.events, links.node_labels)
-        self.gpu_health = GpuHealth(self.target, self.metrics, self.events)
+        self.gpu_health = GpuHealth(self.target, self.metrics, self.events, link_policy=s.link_policy)
         self.conditions = links.conditions
         self.kata_found = s.kata_found
         if s.kata_found is not None:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from gpunode.host.cc import CcMode
 from gpunode.host.root import HostRoot
+from gpunode.policy.health import DEFAULT_LINK_POLICY
+from gpunode.policy.katadetect import KataOnNode
 from gpunode.policy.naming import Naming
 from gpunode.policy.workload import AUTO, DEFAULT_WORKLOAD, Operand, Resolution, Workload
 from gpunode.services.nvlinkfabric import FabricSettings
@@ -45,6 +47,12 @@ class AgentSettings:
     retry_max: float = RETRY_MAX
     metrics_address: str | None = None
     fabric: FabricSettings | None = None
+    # The node's health policy (``--link-policy``): the hand-back check judges a GPU's link as
+    # the device plugin does, or a GPU it offered would fail between tenants for good.
+    link_policy: str = DEFAULT_LINK_POLICY
+    # The Kata runtimes the node's context found at start (``NodeContext.kata_found``), and
+    # how the agent looks for them again (``kata_found``).
+    kata_on_node: KataOnNode | None = None
     kata_found: KataFound | None = None
     cc_default_mode: CcMode | None = None
     node_name: str | None = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from gpunode.host.root import HostRoot
 from gpunode.policy.inventory import Inventory, discover
+from gpunode.policy.katadetect import KataOnNode
 from gpunode.policy.naming import Naming
 from gpunode.policy.workload import Operand
 from gpunode.services.nvlinkfabric import FabricSettings
@@ -30,6 +31,9 @@ class Target:
     lock_wait: float = DEFAULT_LOCK_WAIT
     # The NVLink fabric settings (an NVSwitch board's model: docs/devices.md); None: not looked at.
     fabric: FabricSettings | None = None
+    # The Kata runtimes found on the node (the node's context's; the agent's ``KataFound``
+    # follows them, with ``naming``); None: not looked for.
+    kata_found: KataOnNode | None = None
     steps: Steps = field(init=False)
     # Whether a reconcile or a switch of this agent's has set the node's GPUs: until then,
     # GPUs katamgr's records list against the node's wish were left by a relabel while no
@@ -55,4 +59,5 @@ class Target:
 
     def plan(self, steps: Steps | None = None) -> Plan:
         """The devices' plan (read-only), without the Kata sections."""
-        return full_plan(self.host, self.naming, self.steps if steps is None else steps, None, force=self.force)
+        return full_plan(self.host, self.naming, self.steps if steps is None else steps, None, force=self.force,
+                         kata_found=self.kata_found)

@@ -14,14 +14,11 @@ from gpunode.services.simulator import NodeExtras
 from katamgr.commands.setup import (
     NodeSetup,
     config_from,
-    fabric_settings,
     host_from,
-    naming_from,
+    node_context,
     node_labels,
     node_setup,
     steps_and_context,
-    with_fabric,
-    with_node_kata,
 )
 from katamgr.exitcodes import Exit
 from katamgr.output import documents
@@ -37,14 +34,11 @@ if TYPE_CHECKING:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     config = config_from(args)
-    naming = naming_from(args, config)
-    with host_from(args) as (host, extras):
-        fabric = fabric_settings(args, config, extras)
-        naming = with_node_kata(with_fabric(naming, host, fabric), host, config)
-        setup = node_setup(args, host, config, extras=extras)
-        plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
+    with node_context(args, config) as node:
+        setup = node_setup(args, node.host, config, extras=node.extras, workload=node.workload)
+        plan = full_plan(node.host, node.naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
-                         fabric=fabric)
+                         fabric=node.fabric, kata_found=node.kata_found)
         if args.output in FORMATS:
             print(documents.dump(documents.plan_document(plan), args.output))
         else:
@@ -54,13 +48,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_apply(args: argparse.Namespace) -> int:
     config = config_from(args)
-    naming = naming_from(args, config)
-    with host_from(args) as (host, extras):
+    with node_context(args, config) as node:
+        host = node.host
         refuse_beside_agent(host, "katamgr apply")
-        naming = with_node_kata(with_fabric(naming, host, fabric_settings(args, config, extras)), host, config)
-        setup = node_setup(args, host, config, extras=extras)
+        setup = node_setup(args, host, config, extras=node.extras, workload=node.workload)
         steps = setup.steps.without(setup.opted_out)
-        report = reconcile(host, naming, steps, setup.ctx, force=args.force,
+        report = reconcile(host, node.naming, steps, setup.ctx, force=args.force, kata_found=node.kata_found,
                            wait=args.device_wait,
                            lock_wait=args.wait, command="katamgr apply", journal=_journal(host, "katamgr apply"))
         if not report.interrupted:  # a stopped run offers nothing new

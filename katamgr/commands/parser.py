@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     options.add_selection(p)
     options.add_fabric(p)
+    options.add_health(p)
     _output(p, ("text", "wide", *FORMATS),
             "text (default: the device table fits the terminal, long cells cut with ...), wide (every "
             "column and cell in full), or a versioned json or yaml document (kind Plan)")
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     options.add_selection(p)
     options.add_fabric(p)
+    options.add_health(p)
     p.add_argument("--force", action="store_true",
                    help="unbind GPUs even while a process holds /dev/nvidiaN (that workload will crash)")
     _waits(p)
@@ -193,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     options.add_selection(p)
     options.add_fabric(p)
+    options.add_health(p)
     p.add_argument("--force", action="store_true", help="as for apply")
     _waits(p)
     p.add_argument("--repull-interval", type=float, default=3600.0, metavar="SECONDS",

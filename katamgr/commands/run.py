@@ -8,21 +8,9 @@ from dataclasses import replace
 
 from gpunode.errors import ConfigError
 from gpunode.host import cc
-from gpunode.host.root import HostRoot
-from gpunode.policy.naming import Naming
 from gpunode.services.lock import agent_lock
-from katamgr.commands.setup import (
-    NodeSetup,
-    by_hand,
-    config_from,
-    fabric_settings,
-    host_from,
-    naming_from,
-    node_kata_inputs,
-    node_setup,
-    with_fabric,
-    with_node_kata,
-)
+from gpunode.services.nodecontext import NodeContext
+from katamgr.commands.setup import NodeSetup, by_hand, config_from, node_context, node_setup
 from katamgr.pipeline.reconcile import full_plan
 
 
@@ -37,7 +25,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--plan-only changes nothing, so it cannot be given with "
                           f"{'--revert-on-exit' if args.revert_on_exit else '--cc-manager'}")
     config = config_from(args)
-    naming = naming_from(args, config)
     if args.metrics_address:
         from gpunode.services.metrics_server import parse_address
 
@@ -45,19 +32,19 @@ def cmd_run(args: argparse.Namespace) -> int:
             parse_address(args.metrics_address)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-    with host_from(args) as (host, extras):
-        fabric = fabric_settings(args, config, extras)
-        # Decided once at start, as the NVSwitches' binding is: the agent does not move them later.
-        given = naming = with_fabric(naming, host, fabric)
-        naming = with_node_kata(naming, host, config)
-        setup = node_setup(args, host, config, extras=extras)
+    with node_context(args, config) as node:
+        host = node.host
+        setup = node_setup(args, host, config, extras=node.extras, workload=node.workload)
         if args.plan_only:
-            return _run_plan_only(args, host, naming, setup)
+            return _run_plan_only(args, node, setup)
+        # The fabric model is decided once at start, as the NVSwitches' binding is: the agent
+        # finds the Kata release again when the node's Kata changes, from the naming given.
         settings = AgentSettings(
-            host, naming, setup.steps, setup.ctx, setup.opted_out, force=args.force, wait=args.device_wait,
+            host, node.naming, setup.steps, setup.ctx, setup.opted_out, force=args.force, wait=args.device_wait,
             lock_wait=args.wait, repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
-            metrics_address=args.metrics_address, fabric=fabric,
-            kata_found=KataFound(given.selection, *node_kata_inputs(config)),
+            metrics_address=args.metrics_address, fabric=node.fabric, link_policy=node.link_policy,
+            kata_on_node=node.kata_found, kata_found=KataFound(node.given.selection, node.containerd_config, node.base.artifacts_dir,
+                                 node.base.runtime_classes),
             cc_default_mode=cc.CcMode(args.cc_default_mode) if args.cc_manager else None,
             node_name=args.node_name, workload=args.workload, default_workload=args.default_workload,
             follow=not args.once, gpu_labels=not args.no_gpu_labels)
@@ -67,15 +54,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             return agent.run(once=args.once)
 
 
-def _run_plan_only(args: argparse.Namespace, host: HostRoot, naming: Naming, setup: NodeSetup) -> int:
+def _run_plan_only(args: argparse.Namespace, node: NodeContext, setup: NodeSetup) -> int:
     """``katamgr run --plan-only``: the plan, kept up to date and published, never carried out.
     The Node's labels are only read (by the watch when it follows them)."""
     from katamgr.agent.following import node_follower
     from katamgr.agent.planonly import PlanOnlyAgent
 
     follower = None if args.once else node_follower(
-        setup.api, args.node_name, workload=args.workload,
-        default_workload=args.default_workload, fallback=by_hand)
+        setup.api, node.workload.node_name, workload=node.workload.setting,
+        default_workload=node.workload.default, fallback=by_hand)
     watch = follower.watch.start() if follower else None
 
     def make_plan():
@@ -83,8 +70,8 @@ def _run_plan_only(args: argparse.Namespace, host: HostRoot, naming: Naming, set
         if follower is not None:
             resolved = follower.read()
             steps, out, why = replace(steps, workload=resolved.workload), resolved.opted_out, resolved.why
-        return full_plan(host, naming, steps.without(out), setup.ctx, force=args.force, workload_why=why,
-                         gpu_labels=not args.no_gpu_labels)
+        return full_plan(node.host, node.naming, steps.without(out), setup.ctx, force=args.force, workload_why=why,
+                         gpu_labels=not args.no_gpu_labels, kata_found=node.kata_found)
 
     try:
         return PlanOnlyAgent(make_plan, metrics_address=args.metrics_address).run(once=args.once)

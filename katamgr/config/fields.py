@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError, PydanticUseDefault
 
 from gpunode import k8snames
 from gpunode.errors import ConfigError
-from gpunode.policy import katarelease
+from gpunode.policy import health, katarelease
 from gpunode.policy import selection as device_selection
 from gpunode.services import nvlinkfabric
 from katamgr.artifacts.refs import LayoutRef, parse_ref
@@ -176,6 +176,12 @@ def _nvlink_fabric(value: Any) -> str:
     return value
 
 
+def _link_policy(value: Any) -> str:
+    if value not in health.LINK_POLICIES:
+        raise ValueError(f"{quote(value)} is not a link policy; use one of {', '.join(health.LINK_POLICIES)}")
+    return value
+
+
 def _module_ids_problem(value: str) -> str | None:
     try:
         nvlinkfabric.parse_module_ids(value)
@@ -298,6 +304,9 @@ KataRelease = Annotated[
 ]
 NvlinkFabricModel = Annotated[
     str, BeforeValidator(_nvlink_fabric), WithJsonSchema({"type": "string", "enum": list(nvlinkfabric.MODELS)}),
+]
+LinkPolicy = Annotated[
+    str, BeforeValidator(_link_policy), WithJsonSchema({"type": "string", "enum": list(health.LINK_POLICIES)}),
 ]
 GpuModuleIds = Annotated[str, _text(_module_ids_problem), WithJsonSchema({"type": "string"})]
 DeviceSource = Annotated[

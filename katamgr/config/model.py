@@ -16,10 +16,10 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from gpunode import k8snames, kataclasses
-from gpunode.policy import katarelease
+from gpunode.policy import health, katarelease
 from gpunode.policy import selection as device_selection
 from gpunode.policy.workload import WORKLOAD_LABEL, Workload
-from gpunode.services import fabricmanager
+from gpunode.services import fabricmanager, nvlinkfabric
 from katamgr.artifacts.refs import ArtifactRef, parse_ref
 from katamgr.config.fields import (
     NULL_IS_DEFAULT,
@@ -34,6 +34,7 @@ from katamgr.config.fields import (
     GpuModuleIds,
     KataDeployMode,
     KataRelease,
+    LinkPolicy,
     NodeSelector,
     NvlinkFabricModel,
     NvswitchMode,
@@ -200,9 +201,18 @@ class DevicesConfig(_Model):
     kata_version: Annotated[KataRelease, NULL_IS_DEFAULT] = Field(
         default="",
         description="The Kata Containers release the nodes run (containerd-shim-kata-v2 "
-                    "--version), e.g. 3.25.0; empty: the agent finds it on each node (its Kata "
-                    "runtimes in containerd's config), unknown to the device plugin and the DRA "
-                    "driver (taken as a release before 4.1). Set, it overrides what the agent finds.")
+                    "--version), e.g. 3.25.0; empty: the agent, the device plugin and the DRA "
+                    "driver find it on each node (its Kata runtimes in containerd's config), each "
+                    "alike. Set, it overrides what they find.")
+    link_policy: Annotated[LinkPolicy, NULL_IS_DEFAULT] = Field(
+        default=health.DEFAULT_LINK_POLICY, description=health.LINK_POLICY_MEANING[0].upper()
+        + health.LINK_POLICY_MEANING[1:] + ".")
+
+    @property
+    def fabric(self) -> nvlinkfabric.FabricSettings:
+        """The NVLink fabric settings these devices give (the flags of the same names override them)."""
+        fm = self.fabric_manager
+        return nvlinkfabric.FabricSettings(self.nvlink_fabric, fm.address, fm.library, fm.gpu_module_ids)
 
     @property
     def selection(self) -> device_selection.Selection:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gpunode.errors import GpuNodeError
 from gpunode.host.root import HostRoot
@@ -22,6 +23,9 @@ from gpunode.policy.kata import release_json
 from gpunode.policy.naming import Naming
 from katamgr.pipeline.plan import PlanSection
 from katamgr.pipeline.report import Report
+
+if TYPE_CHECKING:
+    from gpunode.policy.katadetect import KataOnNode
 
 
 @dataclass(frozen=True)
@@ -84,19 +88,19 @@ def _decide(wanted: Mapping[str, str], current: Mapping[str, str], owned: Mappin
     return patch, keep, warnings
 
 
-def kata_label(naming: Naming) -> dict[str, str]:
+def kata_label(found: KataOnNode | None) -> dict[str, str]:
     """The Kata release label where containerd has Kata runtimes and their release is known
-    (none otherwise: a label katamgr set comes off)."""
-    found = naming.selection.kata_found
+    (none otherwise: a label katamgr set comes off); ``found``: the node context's."""
     release = release_json(found.release) if found is not None and found.runtimes else None
     return {gpulabels.KATA_RELEASE: release} if release else {}
 
 
-def publish(host: HostRoot, inventory: Inventory, naming: Naming, node: NodeLabels) -> Report:
-    """Make the Node carry the GPU labels and the Kata release label; one patch, and only
-    when something differs."""
+def publish(host: HostRoot, inventory: Inventory, naming: Naming, node: NodeLabels,
+            kata_found: KataOnNode | None = None) -> Report:
+    """Make the Node carry the GPU labels and the Kata release label (from ``kata_found``, the
+    Kata the node's context found); one patch, and only when something differs."""
     report = Report()
-    wanted = {**gpulabels.node_gpu_labels(host, inventory, naming.pci_ids).labels, **kata_label(naming)}
+    wanted = {**gpulabels.node_gpu_labels(host, inventory, naming.pci_ids).labels, **kata_label(kata_found)}
     keys = gpulabels.RECORDED_KEYS
     owned = gpulabels.recorded(host)
     try:

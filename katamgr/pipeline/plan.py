@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpunode.host import cc, pcihealth, vfio, vfiogroups
 from gpunode.host.pci import Device
@@ -20,6 +20,9 @@ from gpunode.policy.health import HealthPolicy
 from gpunode.policy.inventory import Inventory, Kind, discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import unit_head
+
+if TYPE_CHECKING:
+    from gpunode.policy.katadetect import KataOnNode
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ class Plan:
     # What does not stop the plan but the operator should know (a driverless
     # device sharing a group that will be moved).
     warnings: list[str] = field(default_factory=list)
+    # The Kata runtimes found on the node (``gpunode.policy.katadetect.KataOnNode``; None: not
+    # looked for), as the node's context found them.
+    kata_found: KataOnNode | None = field(default=None, repr=False)
 
     @property
     def changes_pending(self) -> bool:
@@ -106,9 +112,11 @@ class Plan:
         return out
 
 
-def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes: bool = True) -> Plan:
+def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes: bool = True,
+               kata_found: KataOnNode | None = None) -> Plan:
     """The plan; with ``cc_modes`` each NVIDIA GPU's and NVSwitch's CC mode is read with
-    NVIDIA's tool (never from a device a VM or process holds)."""
+    NVIDIA's tool (never from a device a VM or process holds); ``kata_found``: the Kata the
+    node's context found (its section, and the warning where a typed release disagrees)."""
     inv = discover(host, naming.selection)
     decisions = vfiodecide.decide(host, inv, force=force)
     module = vfiogroups.vfio_module(host)
@@ -185,14 +193,14 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
         decisions=decisions,
         inventory=inv,
         warnings=([w for decision in decisions for w in decision.warnings] + _selection_warnings(inv, decisions)
-                  + warnings + ([inv.selection.kata_warning] if inv.selection.kata_warning else [])),
-        sections=_kata_found(inv),
+                  + warnings + ([kata_found.warning] if kata_found is not None and kata_found.warning else [])),
+        sections=_kata_found(inv, kata_found),
+        kata_found=kata_found,
     )
 
 
-def _kata_found(inv: Inventory) -> list[PlanSection]:
+def _kata_found(inv: Inventory, found: KataOnNode | None) -> list[PlanSection]:
     """The Kata runtimes found on the node (``gpunode.policy.katadetect``), where they were looked for."""
-    found = inv.selection.kata_found
     if found is None:
         return []
     lines = [f"deciding: {inv.selection.kata}" + (" (typed by hand)" if inv.selection.kata != found.release

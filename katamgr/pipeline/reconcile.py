@@ -39,6 +39,7 @@ from katamgr.pipeline.plan import Plan, PlanSection, build_plan
 from katamgr.pipeline.report import LeaveReport, Report
 
 if TYPE_CHECKING:
+    from gpunode.policy.katadetect import KataOnNode
     from katamgr.pipeline.kata_runtime import KataContext
 
 PASSTHROUGH = Workload.VM_PASSTHROUGH
@@ -90,12 +91,14 @@ def _kata_runtime():
 
 def full_plan(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None,
               *, force: bool = False, workload_why: str = "", gpu_labels: bool | None = None,
-              fabric: FabricSettings | None = None, check_sources: bool = True) -> Plan:
+              fabric: FabricSettings | None = None, check_sources: bool = True,
+              kata_found: KataOnNode | None = None) -> Plan:
     """``gpu_labels``: show the GPU labels the agent publishes (False: say they are off; None:
     no section); ``fabric``: the NVLink fabric section (an NVSwitch board's model, FM's partitions).
     ``check_sources``: ask each runtime class's artifact source for its manifest (reads only) and
-    list a class that would fail among the problems."""
-    plan = build_plan(host, naming, force=force)
+    list a class that would fail among the problems. ``kata_found``: the Kata the node's
+    context found (``gpunode.services.nodecontext``)."""
+    plan = build_plan(host, naming, force=force, kata_found=kata_found)
     if fabric is not None:
         nvlinkfabric.add_section(host, plan, fabric, naming)
     plan.workload = {"mode": steps.workload.value, "why": workload_why}
@@ -159,13 +162,13 @@ def _toolkit_isolation(host: HostRoot, plan: Plan) -> None:
 
 
 def _with_root_ports(ctx: KataContext, plan: Plan) -> KataContext:
-    return replace(ctx, root_ports=_root_ports(plan), kata_found=plan.inventory.selection.kata_found)
+    return replace(ctx, root_ports=_root_ports(plan), kata_found=plan.kata_found)
 
 
 def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
               force: bool = False, wait: float = 5.0, lock_wait: float = DEFAULT_LOCK_WAIT,
               command: str = "katamgr apply", gives_back: bool = False,
-              journal: Journal | None = None) -> Report:
+              journal: Journal | None = None, kata_found: KataOnNode | None = None) -> Report:
     """Bring the node to the plan, holding the node lock (NodeBusyError after ``lock_wait``).
 
     Every input is checked before the first write (``kata_checks.preflight``, ``hostpaths``): a
@@ -173,13 +176,15 @@ def reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContex
     the caller gives the GPUs an earlier vm-passthrough left on vfio-pci back itself once
     nothing holds them (``katamgr run``, by ``leave_passthrough``), so a node that does
     not run VMs does not send the operator to ``katamgr revert`` for them. ``journal``:
-    where each step is recorded and said as it starts and ends (``gpunode.services.journal``).
+    where each step is recorded and said as it starts and ends (``gpunode.services.journal``);
+    ``kata_found``: the Kata the node's context found.
     """
     journal = journal or quiet()
     with node_lock(host, command, lock_wait):
         records.verify(host)  # a damaged record stops the run before anything is read from it
         return _journalled(journal, lambda: _reconcile(host, naming, steps, kata_ctx, force=force, wait=wait,
-                                                       gives_back=gives_back, journal=journal))
+                                                       gives_back=gives_back, journal=journal,
+                                                       kata_found=kata_found))
 
 
 def _journalled(journal: Journal, run: Callable[[], Report]) -> Report:
@@ -198,7 +203,8 @@ def _journalled(journal: Journal, run: Callable[[], Report]) -> Report:
 
 
 def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataContext | None, *,
-               force: bool, wait: float, gives_back: bool, journal: Journal) -> Report:
+               force: bool, wait: float, gives_back: bool, journal: Journal,
+               kata_found: KataOnNode | None) -> Report:
     report = Report()
     if not steps.passthrough:
         report.warnings.append(f"node workload is {steps.workload.value!r}: nothing to do for VM passthrough here")
@@ -219,9 +225,9 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
         from katamgr.pipeline import kata_checks
 
         with journal.step("check the Kata inputs (config, containerd, artifact sources)", writes=False):
-            checked = kata_checks.preflight(host, replace(kata_ctx, kata_found=naming.selection.kata_found),
+            checked = kata_checks.preflight(host, replace(kata_ctx, kata_found=kata_found),
                                             enable_cdi=steps.cdi)
-    plan = build_plan(host, naming, force=force)
+    plan = build_plan(host, naming, force=force, kata_found=kata_found)
     doing = "binding the GPUs"
     try:
         rescan = False

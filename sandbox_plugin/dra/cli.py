@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import threading
 
 from gpunode.errors import GpuNodeError
-from gpunode.host.root import HostRoot
 from gpunode.k8snames import is_dns1123_subdomain
 from gpunode.kataclasses import KATA_GPU_HANDLERS, KATA_HANDLERS, PASSTHROUGH_RUNTIME_CLASSES
-from gpunode.policy.workload import AUTO, NoCluster, Resolution, Workload, resolve_workload
+from gpunode.policy.workload import NoCluster, Workload
 from gpunode.services import options
 from gpunode.services.process import (
     report_error,
     setup_logging,
     stop_on_signals,
 )
-from gpunode.services.simulator import node_extras
-from sandbox_plugin.commands import (
-    UsageError,
-    cluster_client,
-    fabric_settings,
-    mode_from_host,
-    with_node_kata,
-)
+from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host, node_context
 from sandbox_plugin.dra.registration import KUBELET_DIR
 from sandbox_plugin.follow import mode_for
 from sandbox_plugin.manager import Mode
@@ -123,33 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     driver = watch = None
     try:
-        root = options.host_root(args)
         if not args.node_name:
             raise UsageError("no node name: pass --node-name or set NODE_NAME (the pool and the "
                              "slice's spec.nodeName are the node's)")
         check_driver_name(args.driver_name)
         runtime_classes = runtime_classes_from(args)
-        try:
-            host = HostRoot.at(root, runtime_root=args.runtime_root)
-            naming = options.naming_from(args, options.selection_from(args))
-            extras = node_extras(host.root, args.runtime_root)
-            fabric = fabric_settings(args, extras)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        naming = with_node_kata(naming, host, args.containerd_config)
+        node = node_context(args)
+        host, naming, extras = node.host, node.naming, node.extras
         from gpunode.policy.inventory import discover
-        from gpunode.services import nvlinkfabric as nf
         from sandbox_plugin.fabric import DRA_RECORD, FabricGuard
         from sandbox_plugin.fabricgate import gate_for
 
-        # Where neither of NVIDIA's models holds, the board's GPUs stay out of the slice.
+        # Where neither of NVIDIA's models holds, the board's GPUs stay out of the slice; in the
+        # Shared NVSwitch model the NVSwitches stay with FM, unpublished (the context's naming).
         # Its own record, released at NodeUnprepareResources (not by PodResources).
-        gate = gate_for(host, fabric, discover(host, naming.selection), lambda: FabricGuard(
-            host, fabric, given=lambda: None, record=DRA_RECORD))
-        if gate is not None and nf.keeps_nvswitches(fabric, gate.choice):
-            # Shared NVSwitch (Fabric Manager User Guide §7): the NVSwitches stay with FM, unpublished.
-            naming = dataclasses.replace(naming, selection=dataclasses.replace(
-                naming.selection, fabric_keeps_nvswitches=True))
+        gate = gate_for(host, node.fabric, discover(host, naming.selection), lambda: FabricGuard(
+            host, node.fabric, given=lambda: None, record=DRA_RECORD), choice=node.fabric_choice)
         try:
             api = cluster_client(extras)
         except NoCluster as exc:
@@ -165,18 +145,16 @@ def main(argv: list[str] | None = None) -> int:
                 mode, why = mode_from_host(host, naming.selection)
                 return Workload(mode.value), why
 
-            if args.workload != AUTO:  # as the device plugin: the node's labels are not asked
-                resolved = Resolution(Workload(args.workload), "chosen with --workload")
-            else:
-                resolved = resolve_workload(args.node_name, lambda node: watch.labels(),
-                                            default=args.default_workload, fallback=from_host)
+            # As the device plugin: a fixed --workload does not ask the node's labels.
+            resolved = node.workload.resolve(lambda _node: watch.labels(), from_host)
             mode, why = mode_for(resolved, frozenset({Mode.VM_PASSTHROUGH}))
             driver.publishing(mode is not None, why)
 
         driver = DraDriver(host, naming, api, driver=args.driver_name, node=args.node_name,
                            kubelet_dir=args.kubelet_dir, runtime_classes=runtime_classes, fabric=gate,
                            handlers=(tuple(args.kata_handler or KATA_HANDLERS),
-                                     tuple(args.kata_gpu_handler or KATA_GPU_HANDLERS)))
+                                     tuple(args.kata_gpu_handler or KATA_GPU_HANDLERS)),
+                           link_policy=node.link_policy)
         decide()  # at start a bad label or an unreadable Node is an error, as for the plugin
         stop_on_signals(stop.set, log)
         changed = threading.Event()

@@ -77,4 +77,4 @@ NODE_ARGS = ["--host-root", "/host", "--runtime-root", "/", "--node-name", "$(NO
              "--default-workload", "container", "--log-format", "text", "--resource-naming", "nvidia",
              "--nvswitches", "auto", "--kata-version", "", "--nvlink-fabric", "auto",
              "--fabric-manager-address", "127.0.0.1:6666", "--fabric-manager-library", "libnvfm.so.1",
-             "--gpu-module-ids", ""]
+             "--gpu-module-ids", "", "--link-policy", "degrade"]

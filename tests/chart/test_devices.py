@@ -56,7 +56,8 @@ def test_the_default_selects_as_before(chart):
         assert nvswitch_flags(args) == ["--nvswitches", "auto", "--kata-version", ""]
     assert chart.merge_values({})["devices"] == {
         "include": [], "exclude": [], "nvswitches": "auto", "kataVersion": "", "nvlinkFabric": "auto",
-        "fabricManager": {"address": "127.0.0.1:6666", "library": "libnvfm.so.1", "gpuModuleIds": ""}}
+        "fabricManager": {"address": "127.0.0.1:6666", "library": "libnvfm.so.1", "gpuModuleIds": ""},
+        "linkPolicy": "degrade"}
     # Passed through, the defaults select and decide as no flag at all would.
     agent = build_parser().parse_args(container(rendered, "-sandbox-agent", "kata-manager")["args"])
     plugin = parse_args(container(rendered, "-sandbox-agent", "sandbox-device-plugin")["args"])

@@ -30,7 +30,7 @@ FLAG_SETS = {
         "exclude": ["0000:01:00.0", "10de:1eb8"], "nvswitches": False, "kataVersion": "4.1.0",
         "nvlinkFabric": "sharedNvswitch", "fabricManager": {
             "address": "/run/nvidia-fabricmanager/fm.sock", "library": "/usr/lib/libnvfm.so.1",
-            "gpuModuleIds": "1=0000:1b:00.0"}},
+            "gpuModuleIds": "1=0000:1b:00.0"}, "linkPolicy": "warn"},
         "sandboxDevicePlugin": {"alias": "pgpu", "resourceNaming": "compact"},
         "hostPaths": {"rootFS": "/srv/node/"}}),
     "devices-dra": merged(FULL, {"dra": {"enabled": True}, "devices": {"nvswitches": True}}),
@@ -39,7 +39,7 @@ FLAG_SETS = {
 # What every program that names or selects devices must read alike from its flags.
 SHARED = ("runtime_root", "node_name", "default_workload", "resource_naming", "alias", "nvswitch_alias",
           "include_device", "exclude_device", "nvswitches", "kata_version", "nvlink_fabric",
-          "fabric_manager_address", "fabric_manager_library", "gpu_module_ids", "log_format")
+          "fabric_manager_address", "fabric_manager_library", "gpu_module_ids", "link_policy", "log_format")
 
 
 def program_lines(rendered) -> list[tuple[str, str, list[str]]]:
@@ -93,3 +93,4 @@ def test_the_values_reach_the_programs_in_their_own_spelling(chart):
         assert (fabric.model, fabric.address, fabric.module_ids) == (
             "sharedNvswitch", "/run/nvidia-fabricmanager/fm.sock", {1: "0000:1b:00.0"})
         assert options.naming_from(ns, selection).gpu_alias == "pgpu"
+        assert ns.link_policy == "warn"  # devices.linkPolicy: the plugin and the hand-back check judge alike

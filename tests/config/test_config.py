@@ -200,6 +200,7 @@ def test_devices_are_normalised_and_quoted_by_origin():
         "kataVersion": "",
         "nvlinkFabric": "auto",
         "fabricManager": {"address": "127.0.0.1:6666", "library": "libnvfm.so.1", "gpuModuleIds": ""},
+        "linkPolicy": "degrade",
     }
     selection = config.devices.selection
     assert [str(r) for r in selection.include] == ["1234:11e8=example.com/edu"]

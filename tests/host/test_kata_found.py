@@ -176,23 +176,23 @@ def test_no_containerd_config_finds_nothing(tmp_path):
 
 def test_the_release_found_decides_where_none_was_typed(tmp_path):
     found = katadetect.detect(node(tmp_path, "4.1.0"), CONTAINERD)
-    chosen = katadetect.with_found(Selection(), found, GPU_CLASSES)
-    assert chosen.kata == KataRelease((4, 1, 0)) and chosen.takes_nvswitches and chosen.kata_warning == ""
+    chosen, found = katadetect.with_found(Selection(), found, GPU_CLASSES)
+    assert chosen.kata == KataRelease((4, 1, 0)) and chosen.takes_nvswitches and found.warning == ""
 
 
 def test_a_typed_release_stays_the_override_with_a_warning_and_an_event(tmp_path):
     found = katadetect.detect(node(tmp_path, "4.1.0"), CONTAINERD)
-    chosen = katadetect.with_found(Selection(kata=parse_release("3.29.0")), found, GPU_CLASSES)
+    chosen, disagreeing = katadetect.with_found(Selection(kata=parse_release("3.29.0")), found, GPU_CLASSES)
     assert chosen.kata == KataRelease((3, 29, 0)) and not chosen.takes_nvswitches
     assert "devices.kataVersion (--kata-version) says the node runs Kata 3.29.0, but its Kata runtimes " \
            "kata-qemu-nvidia-gpu, kata-qemu-nvidia-gpu-snp, kata-qemu-nvidia-gpu-tdx are Kata 4.1.0" \
-           in chosen.kata_warning
-    same = katadetect.with_found(Selection(kata=parse_release("4.1")), found, GPU_CLASSES)
-    assert same.kata_warning == ""
+           in disagreeing.warning
+    _, same = katadetect.with_found(Selection(kata=parse_release("4.1")), found, GPU_CLASSES)
+    assert same.warning == ""
 
     plan = build_plan(node(tmp_path / "again", "4.1.0"), dataclasses.replace(NAMING, selection=chosen),
-                      cc_modes=False)
-    assert chosen.kata_warning in plan.warnings
+                      cc_modes=False, kata_found=disagreeing)
+    assert disagreeing.warning in plan.warnings
 
     recorded = []
 
@@ -200,16 +200,15 @@ def test_a_typed_release_stays_the_override_with_a_warning_and_an_event(tmp_path
         def record(self, reason, message, type_, limited):
             recorded.append((reason, type_, message))
 
-    NodeEvents(Recorder()).nvswitches(plan.inventory)
-    assert ("KataVersionDisagrees", "Warning", chosen.kata_warning) in recorded
+    NodeEvents(Recorder()).nvswitches(plan.inventory, plan.kata_found.warning)
+    assert ("KataVersionDisagrees", "Warning", disagreeing.warning) in recorded
 
 
 @pytest.mark.parametrize(("release", "passed"), [("3.29.0", False), ("4.1.0", True)])
 def test_the_nvswitch_decision_follows_the_release_found(tmp_path, release, passed):
     host = node(tmp_path, release)
-    naming = dataclasses.replace(NAMING, selection=katadetect.with_found(
-        Selection(), katadetect.detect(host, CONTAINERD), GPU_CLASSES))
-    plan = build_plan(host, naming, cc_modes=False)
+    selection, found = katadetect.with_found(Selection(), katadetect.detect(host, CONTAINERD), GPU_CLASSES)
+    plan = build_plan(host, dataclasses.replace(NAMING, selection=selection), cc_modes=False, kata_found=found)
     switches = [d for d in plan.devices if d.bdf in NVSWITCHES]
     assert len(switches) == 4
     assert all((d.action == "bind") == passed for d in switches)
@@ -266,15 +265,14 @@ def test_two_installs_are_decided_alike_by_katamgr_and_the_plugins(tmp_path):
     (the -lts classes), nothing configured: the classes pods are given decide, for plan and
     apply (the agent's default classes) and for the device plugin and the DRA driver (which
     know no classes) alike, so they bind and advertise the same NVSwitches."""
-    from katamgr.commands.setup import with_node_kata as katamgr_decides
-    from sandbox_plugin.commands import with_node_kata as plugin_decides
+    from support.nodecontextkit import katamgr_context, plugin_context
 
     host = node(tmp_path, "4.1.0")
     _second_install(host, "3.29.0")
     found = katadetect.detect(host, CONTAINERD)
     assert {r.name: str(r.release) for r in found.runtimes}["kata-qemu-nvidia-gpu-lts"] == "Kata 3.29.0"
-    agent = katamgr_decides(NAMING, host, None).selection
-    plugin = plugin_decides(NAMING, host, CONTAINERD).selection
+    agent = katamgr_context(host).selection
+    plugin = plugin_context(host, "--containerd-config", CONTAINERD).selection
     assert agent.kata == plugin.kata == KataRelease((4, 1, 0))
     assert agent.takes_nvswitches and plugin.takes_nvswitches
 

@@ -47,7 +47,7 @@ def naming_found(profile, tmp_path, nvswitches: bool | str = "auto") -> Naming:
     host: HostRoot = materialise(profile, tmp_path / "look")
     found = katadetect.detect(host, "/etc/containerd/config.toml")
     return Naming(PciIds.find(), selection=katadetect.with_found(Selection(nvswitches=nvswitches), found,
-                                                                 GPU_CLASSES))
+                                                                 GPU_CLASSES)[0])
 
 
 @pytest.mark.parametrize("release", kataoracle.judges())
@@ -92,6 +92,7 @@ def test_kata_reads_katamgr_s_drop_in_over_kata_deploy_s_config(kata_node, tmp_p
     file) gives the VM as many root ports as the node has passthrough GPUs (and, with Kata 4.1.0,
     NVSwitches)."""
     from support.kataconfig import kata_manager_yaml
+    from support.nodecontextkit import katamgr_context
 
     from katamgr.config import parse_config
     from katamgr.pipeline.kata_runtime import KataContext
@@ -103,7 +104,9 @@ def test_kata_reads_katamgr_s_drop_in_over_kata_deploy_s_config(kata_node, tmp_p
     config = parse_config(kata_manager_yaml(("kata-qemu-nvidia-gpu",)))
     shipped = "/opt/kata/share/defaults/kata-containers/runtimes/qemu-nvidia-gpu/configuration-qemu-nvidia-gpu.toml"
     before = node.host.path(shipped).read_text()
-    report = reconcile(node.host, naming, Steps(), KataContext(config))
+    # As katamgr apply runs: the Kata found (kata-deploy's) from the node's context.
+    found = katamgr_context(node.host, config).kata_found
+    report = reconcile(node.host, naming, Steps(), KataContext(config), kata_found=found)
     assert report.ok, report.failures
     assert node.host.path(shipped).read_text() == before
     ask = {BOARD: 1} if kataoracle.exact_bridges(release) else {GPU: 8}

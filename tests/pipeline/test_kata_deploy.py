@@ -10,11 +10,11 @@ from pathlib import Path
 
 import tomlkit
 from support.kataconfig import LAYOUT_ON_NODE, kata_manager_yaml, prepare_node
+from support.nodecontextkit import katamgr_context
 
 from gpunode.host.pciids import PciIds
 from gpunode.kataclasses import GPU, GPU_SNP
 from gpunode.policy.naming import Naming
-from katamgr.commands import setup as cli_setup
 from katamgr.config import parse_config
 from katamgr.pipeline.kata_runtime import KataContext, class_dir
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
@@ -39,21 +39,22 @@ def files_under(host, directory: str) -> dict[str, bytes]:
 def setup(tmp_path, extra: str = "", classes=(GPU, GPU_SNP), release: str = "3.29.0"):
     host = kata_deploy_node(tmp_path, release)
     config = parse_config(kata_manager_yaml(classes) + extra)
-    return host, config, cli_setup.with_node_kata(NAMING, host, config)
+    return host, config, katamgr_context(host, config)
 
 
 def test_kata_deploy_s_classes_get_only_the_gpu_settings(tmp_path):
-    host, config, naming = setup(tmp_path)
+    host, config, node = setup(tmp_path)
+    naming = node.naming
     before = files_under(host, "/opt/kata")
     kata_deploy_drop_in = host.path("/opt/kata/containerd/config.d/kata-deploy.toml").read_bytes()
 
-    plan = full_plan(host, naming, Steps(), KataContext(config))
+    plan = full_plan(host, naming, Steps(), KataContext(config), kata_found=node.kata_found)
     artifacts = {a["runtimeClass"]: a for a in next(s for s in plan.sections if s.key == "artifacts").data}
     assert {a["action"] for a in artifacts.values()} == {"kata-deploy"}
     assert artifacts[GPU]["dropIn"] == CONFIG_D.format(shim="qemu-nvidia-gpu")
     assert next(s for s in plan.sections if s.key == "containerd").data["pendingArtifacts"] == []
 
-    report = reconcile(host, naming, Steps(), KataContext(config))
+    report = reconcile(host, naming, Steps(), KataContext(config), kata_found=node.kata_found)
     assert report.ok, report.failures
     # Nothing pulled, nothing of katamgr's registered for these classes in containerd.
     assert not host.path(class_dir(config, GPU)).exists()
@@ -69,7 +70,7 @@ def test_kata_deploy_s_classes_get_only_the_gpu_settings(tmp_path):
     ours = {k for k in after if k.endswith("90-kata-sandbox-manager.toml")}
     assert {k: v for k, v in after.items() if k not in ours} == before  # kata-deploy's files as they were
 
-    again = reconcile(host, naming, Steps(), KataContext(config))
+    again = reconcile(host, naming, Steps(), KataContext(config), kata_found=node.kata_found)
     assert again.ok and not [c for c in again.changes if "kata-sandbox-manager.toml" in c]
 
     undone = revert_all(host, Steps(), KataContext(config))
@@ -78,17 +79,19 @@ def test_kata_deploy_s_classes_get_only_the_gpu_settings(tmp_path):
 
 
 def test_kata_deploy_false_pulls_katamgr_s_own(tmp_path):
-    host, config, naming = setup(tmp_path, "kataDeploy: false\n", classes=(GPU,))
+    host, config, node = setup(tmp_path, "kataDeploy: false\n", classes=(GPU,))
+    naming = node.naming
     assert host.path(LAYOUT_ON_NODE).is_dir()
-    report = reconcile(host, naming, Steps(), KataContext(config))
+    report = reconcile(host, naming, Steps(), KataContext(config), kata_found=node.kata_found)
     assert report.ok, report.failures
     assert host.path(class_dir(config, GPU)).is_dir()
     assert not host.path(CONFIG_D.format(shim="qemu-nvidia-gpu")).exists()
 
 
 def test_kata_deploy_true_refuses_a_class_kata_deploy_does_not_provide(tmp_path):
-    host, config, naming = setup(tmp_path, "kataDeploy: true\n", classes=(GPU, "kata-qemu-nvidia-gpu-custom"))
-    report = reconcile(host, naming, Steps(), KataContext(config))
+    host, config, node = setup(tmp_path, "kataDeploy: true\n", classes=(GPU, "kata-qemu-nvidia-gpu-custom"))
+    naming = node.naming
+    report = reconcile(host, naming, Steps(), KataContext(config), kata_found=node.kata_found)
     # That class alone fails, by name; kata-deploy's own class gets its GPU settings all the same.
     assert report.partly and list(report.classes_failed) == ["kata-qemu-nvidia-gpu-custom"]
     assert ("kataDeploy is true but kata-deploy registered no runtime kata-qemu-nvidia-gpu-custom on this node"
@@ -113,11 +116,12 @@ def test_kata_deploy_under_another_installation_prefix_serves_its_classes(tmp_pa
     main.write_text(main.read_text().replace('"/opt/kata/', f'"{prefix}/opt/kata/'))
     before = files_under(host, prefix + "/opt/kata")
     config = parse_config(kata_manager_yaml((GPU,)) + "kataDeploy: true\n")
-    naming = cli_setup.with_node_kata(NAMING, host, config)
-    found = {r.name: r for r in naming.selection.kata_found.runtimes}
+    node = katamgr_context(host, config)
+    naming = node.naming
+    found = {r.name: r for r in node.kata_found.runtimes}
     assert found[GPU].installed_by == "kata-deploy" and found[GPU].config_path.startswith(prefix + "/opt/kata/")
 
-    report = reconcile(host, naming, Steps(), KataContext(config))
+    report = reconcile(host, naming, Steps(), KataContext(config), kata_found=node.kata_found)
     assert report.ok, report.failures
     assert report.classes_ready == [GPU]
     assert not host.path(class_dir(config, GPU)).exists()  # nothing pulled

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from support.agentkit import make_agent
 from support.apiserver import FakeApiServer
+from support.nodecontextkit import katamgr_context
 
 from gpunode.host.pciids import PciIds
 from gpunode.policy import gpulabels as facts
@@ -52,11 +53,11 @@ def _driver(host, bdf: str) -> str | None:
 def test_the_release_label_is_recorded_and_comes_off_on_revert(tmp_path, monkeypatch, capsys):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.25.0", ("go",)))
-    naming = cli_setup.with_node_kata(NAMING, host, None)
+    context = katamgr_context(host)
     with FakeApiServer() as api:
         _node(api, {WORKLOAD_LABEL: "vm-passthrough"})
         node = cli_setup.node_labels(api.client(), NODE)
-        report = gpulabels.publish(host, discover(host), naming, node)
+        report = gpulabels.publish(host, discover(host), context.naming, node, context.kata_found)
         assert report.ok and f"{KATA_LABEL}=3.25.0" in report.changes[0]
         assert _labels(api)[KATA_LABEL] == "3.25.0"
         assert set(facts.recorded(host)) == {*facts.KEYS, KATA_LABEL}
@@ -74,17 +75,18 @@ def test_a_release_label_set_before_the_record_is_taken_as_katamgr_s(tmp_path):
     left, and said."""
     host = materialise(find_profile("a10-server"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.29.0", ("go",)))
-    naming = cli_setup.with_node_kata(NAMING, host, None)
+    context = katamgr_context(host)
+    naming, found = context.naming, context.kata_found
     with FakeApiServer() as api:
         _node(api, {KATA_LABEL: "3.29.0"})
         node = cli_setup.node_labels(api.client(), NODE)
-        report = gpulabels.publish(host, discover(host), naming, node)
+        report = gpulabels.publish(host, discover(host), naming, node, found)
         assert report.ok and KATA_LABEL not in " ".join(report.changes)
         assert facts.recorded(host)[KATA_LABEL] == "3.29.0"
         assert "removed node labels" in gpulabels.revert(host, node).changes[0]
         assert KATA_LABEL not in _labels(api)
         api.update("nodes", NODE, lambda n: n["metadata"]["labels"].__setitem__(KATA_LABEL, "9.9"))
-        report = gpulabels.publish(host, discover(host), naming, node)
+        report = gpulabels.publish(host, discover(host), naming, node, found)
         assert any(f"node label {KATA_LABEL}=9.9 is set by someone else" in w for w in report.warnings)
         assert KATA_LABEL not in facts.recorded(host)
 
@@ -97,10 +99,10 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
     with FakeApiServer() as api:
         _node(api, {WORKLOAD_LABEL: "vm-passthrough"})
         client = api.client()
-        naming = cli_setup.with_node_kata(NAMING, host, None)  # no Kata yet
-        assert naming.selection.kata_found.runtimes == ()
-        agent = make_agent(host, naming, Steps(kata=False), None, events=EventRecorder(client, NODE),
-                      node_labels=cli_setup.node_labels(client, NODE),
+        context = katamgr_context(host)  # no Kata yet
+        assert context.kata_found.runtimes == ()
+        agent = make_agent(host, context.naming, Steps(kata=False), None, events=EventRecorder(client, NODE),
+                      node_labels=cli_setup.node_labels(client, NODE), kata_on_node=context.kata_found,
                       kata_found=KataFound(NAMING.selection, CONTAINERD, names=GPU_CLASSES))
         assert agent.run(once=True) == 0
         assert KATA_LABEL not in _labels(api)
@@ -134,10 +136,11 @@ def test_a_typed_release_stays_the_override_when_kata_changes(tmp_path):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.29.0", ("go",)))
     typed = Naming(NAMING.pci_ids, selection=Selection(kata=parse_release("3.29.0")))
-    agent = make_agent(host, cli_setup.with_node_kata(typed, host, None), Steps(kata=False), None,
+    context = katamgr_context(host, None, "--kata-version", "3.29.0")
+    agent = make_agent(host, context.naming, Steps(kata=False), None, kata_on_node=context.kata_found,
                   kata_found=KataFound(typed.selection, CONTAINERD, names=GPU_CLASSES))
     lay_out(host, KataInstall("kata-deploy", "4.1.0", ("go",)))
     assert agent.follow_kata()
     selection = agent.target.naming.selection
     assert selection.kata == KataRelease((3, 29, 0)) and not selection.takes_nvswitches
-    assert "says the node runs Kata 3.29.0, but its Kata runtimes" in selection.kata_warning
+    assert "says the node runs Kata 3.29.0, but its Kata runtimes" in agent.target.kata_found.warning

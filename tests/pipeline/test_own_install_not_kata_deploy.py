@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from support.agentkit import make_agent
 from support.kataconfig import kata_manager_yaml, prepare_node
+from support.nodecontextkit import kata_found, katamgr_context
 
 from gpunode.host.pciids import PciIds
 from gpunode.policy.naming import Naming
-from katamgr.agent.katafound import KataFound
-from katamgr.commands import setup as cli_setup
 from katamgr.config import parse_config
 from katamgr.pipeline.kata_runtime import KataContext
 from katamgr.pipeline.reconcile import Steps
@@ -37,10 +36,11 @@ class Said:
 def test_the_agent_s_first_install_is_not_taken_for_kata_deploy_s(tmp_path, caplog):
     host = prepare_node(materialise(find_profile("workstation-a6000"), tmp_path / "host"))
     config = parse_config(kata_manager_yaml())
-    naming = cli_setup.with_node_kata(NAMING, host, config)
-    assert naming.selection.kata_found.runtimes == ()  # nothing yet: the agent installs its own
+    node = katamgr_context(host, config)
+    naming = node.naming
+    assert node.kata_found.runtimes == ()  # nothing yet: the agent installs its own
     agent = make_agent(host, naming, Steps(), KataContext(config),
-                       kata_found=KataFound(NAMING.selection, *cli_setup.node_kata_inputs(config)))
+                       kata_on_node=node.kata_found, kata_found=kata_found(node))
     said = Said()
     agent.events.kata_changed = said.kata_changed
     caplog.set_level("INFO", logger="katamgr.agent")

@@ -1,5 +1,5 @@
 """The device plugin and the DRA driver learn the node's Kata release as katamgr does
-(``katadetect.node_selection``, through ``sandbox_plugin.commands.with_node_kata``) where
+(``katadetect.on_node``, through the node's context, ``gpunode.services.nodecontext``) where
 --kata-version gives none: on a node where kata-deploy installed Kata 4.1 (whose shims
 cold-plug NVSwitches), the NVSwitches katamgr bound to vfio-pci are advertised without a typed
 release; on 3.29 katamgr keeps them on the host and nothing advertises them."""
@@ -9,10 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from support.nodecontextkit import katamgr_context, plugin_context
 
-from gpunode.host.pciids import PciIds
-from gpunode.policy.naming import Naming
-from katamgr.commands import setup as cli_setup
 from katamgr.pipeline.reconcile import Steps, reconcile
 from nodesim.katadeploy import KataInstall
 from nodesim.materialise import materialise
@@ -28,13 +26,13 @@ def _node(tmp_path, release: str):
     profile = dataclasses.replace(find_profile("dgx-h100"), kata=KataInstall("kata-deploy", release, ("go",)))
     host = materialise(profile, tmp_path / "root")
     # katamgr binds what the release found lets it (NVSwitches on 4.1 and later).
-    naming = cli_setup.with_node_kata(Naming(PciIds.find()), host, None)
+    naming = katamgr_context(host).naming
     assert reconcile(host, naming, Steps(kata=False, cdi=False), None).ok
     return host
 
 
 def _advertised_nvswitches(host, *extra: str) -> set[str]:
-    _, naming = plugin_cli._build(plugin_cli.parse_args(["--host-root", str(host.root), *extra]))
+    naming = plugin_context(host, *extra).naming
     return {d.bdf for unit in scan_units(host, naming) for d in unit.devices if d.bdf in NVSWITCHES}
 
 

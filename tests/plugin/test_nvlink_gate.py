@@ -19,6 +19,7 @@ import pytest
 import yaml
 from drakit import DRIVER, make_node
 from prometheus_client import generate_latest
+from support.nodecontextkit import plugin_context
 
 from gpunode.host.pciids import PciIds
 from gpunode.policy.inventory import discover
@@ -31,7 +32,7 @@ from katamgr.pipeline.plan import build_plan
 from nodesim import fabricmanager as fmsim
 from nodesim.node import open_node
 from sandbox_plugin import fabric, fabricgate
-from sandbox_plugin.cli import _fabric_gate, parse_args
+from sandbox_plugin.cli import _fabric_gate
 from sandbox_plugin.manager import Mode, PluginManager
 
 PCI_IDS = PciIds.find()
@@ -87,27 +88,32 @@ def test_no_gpu_is_advertised_until_fabric_manager_answers(board, caplog):
         manager.stop()
 
 
-def _gate(args, host, naming):
-    """The plugin command's gate, as its main() makes it: with what the node brings."""
-    return _fabric_gate(args, host, naming, node_extras(host.root))
+def _node(flags, host):
+    """The plugin command's node context, as its main() builds it: with what the node brings."""
+    return plugin_context(host, *flags, extras=node_extras(host.root))
+
+
+def _gate(flags, host):
+    """The plugin command's gate, as its main() makes it from the node's context."""
+    return _fabric_gate(_node(flags, host))
 
 
 def test_the_plugin_command_decides_as_plan_and_off_opts_out(board):
     host, _, naming, settings = board
-    args = parse_args(["--fabric-manager-address", settings.address, "--fabric-manager-library",
-                       settings.library, "--gpu-module-ids", settings.gpu_module_ids])
-    answering = _gate(args, host, naming)
+    args = ["--fabric-manager-address", settings.address, "--fabric-manager-library",
+            settings.library, "--gpu-module-ids", settings.gpu_module_ids]
+    answering = _gate(args, host)
     assert answering.withheld is None and answering.guard is not None
     fmsim.stop(host.root)
-    withheld = _gate(args, host, naming)
+    withheld = _gate(args, host)
     assert NEITHER in withheld.withheld and withheld.guard is None
     # The same sentence katamgr plan lists as its problem.
     plan = build_plan(host, naming)
     plan_section.add_section(host, plan, settings)
     assert withheld.withheld in plan.problems
     # Asked for, the Shared model holds (Allocate says why while FM does not answer).
-    assert _gate(parse_args(["--nvlink-fabric", "sharedNvswitch"]), host, naming).withheld is None
-    assert _gate(parse_args(["--nvlink-fabric", "off"]), host, naming) is None
+    assert _gate(["--nvlink-fabric", "sharedNvswitch"], host).withheld is None
+    assert _gate(["--nvlink-fabric", "off"], host) is None
 
 
 def test_the_dra_driver_publishes_no_gpu_of_the_board_until_fm_answers(monkeypatch):
@@ -189,18 +195,15 @@ def test_in_the_shared_model_the_plugin_command_leaves_the_nvswitches_to_fabric_
     katamgr left them on vfio-pci."""
     from gpunode.policy.katarelease import parse_release
     from gpunode.policy.selection import Selection
-    from sandbox_plugin.cli import _fabric_keeps_nvswitches
-
     host, kubelet = sim_host("dgx-h100")
     naming = Naming(PCI_IDS, selection=Selection(kata=parse_release("4.1.0")))
     assert apply_host(host, build_plan(host, naming)).ok  # NVSwitches on vfio-pci too
     library, socket, modules = open_node(host.root).fabric_manager()
-    args = parse_args(["--fabric-manager-address", socket, "--fabric-manager-library", library,
-                       "--gpu-module-ids", modules])
-    gate = _gate(args, host, naming)
-    assert gate.model == nf.SHARED
-    kept = _fabric_keeps_nvswitches(naming, gate)
-    manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=kept, fabric=gate)
+    node = _node(["--kata-version", "4.1.0", "--fabric-manager-address", socket, "--fabric-manager-library",
+                  library, "--gpu-module-ids", modules], host)
+    gate = _fabric_gate(node)
+    assert gate.model == nf.SHARED and node.keeps_nvswitches
+    manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=node.naming, fabric=gate)
     manager.start()
     try:
         kubelet.wait_for(lambda s: len(s.healthy(H100)) == 8, timeout=10)
@@ -209,7 +212,7 @@ def test_in_the_shared_model_the_plugin_command_leaves_the_nvswitches_to_fabric_
     finally:
         manager.stop()
     # Configured sharedNvswitch keeps them whatever FM answers.
-    shared = _gate(parse_args(["--nvlink-fabric", "sharedNvswitch"]), host, naming)
-    assert _fabric_keeps_nvswitches(naming, shared).selection.fabric_keeps_nvswitches
+    assert _node(["--nvlink-fabric", "sharedNvswitch"], host).naming.selection.fabric_keeps_nvswitches
     # Full passthrough (FM not on the host) leaves the selection as it was.
-    assert _fabric_keeps_nvswitches(naming, None) is naming
+    full = _node(["--kata-version", "4.1.0", "--nvlink-fabric", "fullPassthrough"], host)
+    assert not full.keeps_nvswitches and full.naming.selection.takes_nvswitches

@@ -13,8 +13,10 @@ sees the node's /), the node and the workload of a node without the
 nvidia.com/gpu.workload.config label (the same default the container plugin's node
 affinity schedules by), the log format, the device names, the device selection
 (devices.include, exclude, nvswitches: auto, true or false; kataVersion, empty: found on
-the node) and the NVLink fabric (devices.nvlinkFabric, devices.fabricManager). They must
-agree: the plugins advertise exactly the devices katamgr binds and writes CDI specs for.
+the node), the NVLink fabric (devices.nvlinkFabric, devices.fabricManager) and the health
+policy (devices.linkPolicy). They must agree: the plugins advertise exactly the devices
+katamgr binds and writes CDI specs for, and judge a GPU's link as the agent's hand-back
+check between tenants does.
 */}}
 {{- define "ksm.nodeArgs" -}}
 {{- $devices := .Values.devices | default dict -}}
@@ -50,6 +52,8 @@ agree: the plugins advertise exactly the devices katamgr binds and writes CDI sp
 - {{ $fm.library | default "" | quote }}
 - --gpu-module-ids
 - {{ $fm.gpuModuleIds | default "" | quote }}
+- --link-policy
+- {{ $devices.linkPolicy | default "degrade" | quote }}
 {{- end -}}
 
 {{/*
