@@ -65,8 +65,12 @@ def venv(tmp_path_factory) -> Path:
                 continue  # console scripts outside site-packages: not needed
             (site / file).parent.mkdir(parents=True, exist_ok=True)
             (site / file).symlink_to(Path(dist.locate_file(file)).resolve())
+    # Without PYTHONPATH: pip would see a checkout's kata_sandbox_manager.egg-info (an editable
+    # install leaves one) on the path as the package installed already, and install nothing.
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     installed = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
-                                "--no-index", "-q", str(wheel)], capture_output=True, text=True, timeout=300)
+                                "--no-index", "-q", str(wheel)], capture_output=True, text=True, timeout=300,
+                               env=clean)
     assert installed.returncode == 0, installed.stderr
     return env_dir
 
