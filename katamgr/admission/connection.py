@@ -19,12 +19,12 @@ from __future__ import annotations
 import enum
 import errno
 import logging
-import selectors
 import socket
 import ssl
 
 import h11
 
+from grpcwire.loop import READ, WRITE
 from katamgr.admission import answers, httpio, review
 from katamgr.admission.limits import Limits
 
@@ -59,6 +59,7 @@ _PEER_GONE = (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ENOTCONN)
 class Connection:
     def __init__(self, sock: ssl.SSLSocket, peer: str, limits: Limits, now: float) -> None:
         self.sock, self.peer, self.limits = sock, peer, limits
+        self.fd = sock.fileno()  # kept: the loop forgets it by number after the socket closed
         self.state = State.HANDSHAKE
         self.since = now  # when the current phase began (the oldest is closed first)
         self.deadline = now + limits.request_timeout
@@ -77,7 +78,7 @@ class Connection:
         self.running = False  # a worker took it: the bytes cannot be given back any more
         self.ready = False  # more may be there without the socket saying so (h11's, TLS)
         self._read_needs_write = self._write_needs_read = False
-        self._handshake_wants = selectors.EVENT_READ
+        self._handshake_wants = READ
         self.why = ""  # why it was closed, for the server's tally and log
 
     # What the server asks
@@ -92,14 +93,14 @@ class Connection:
         return len(self.buf) + self.http.buffered + len(self.out) - self.sent + self.job_bytes
 
     def wants(self) -> int:
-        """The selector events to wait for (0: none, a worker has it)."""
+        """The events to wait for (0: none, a worker has it)."""
         if self.state is State.HANDSHAKE:
             return self._handshake_wants
         events = 0
         if self.state in READING or self._write_needs_read:
-            events |= selectors.EVENT_READ
+            events |= READ
         if self.sent < len(self.out) or self._read_needs_write:
-            events |= selectors.EVENT_WRITE
+            events |= WRITE
         return events
 
     def step(self, now: float) -> None:
@@ -164,10 +165,10 @@ class Connection:
         try:
             self.sock.do_handshake()
         except ssl.SSLWantReadError:
-            self._handshake_wants = selectors.EVENT_READ
+            self._handshake_wants = READ
             return
         except ssl.SSLWantWriteError:
-            self._handshake_wants = selectors.EVENT_WRITE
+            self._handshake_wants = WRITE
             return
         except (OSError, ssl.SSLError) as exc:  # not TLS, an old version, no cipher in common
             log.debug("TLS handshake with %s failed: %s", self.peer, exc)
