@@ -24,9 +24,9 @@ import h2.events as ev
 import pytest
 
 import grpcwire.status as st
-from grpcwire.limits import Limits
+from grpcwire.limits import DEFAULT, Limits
 from grpcwire.server import GrpcServer
-from grpcwire.status import StatusCode
+from grpcwire.status import RpcError, StatusCode
 
 ECHO = b"/test.Echo/Echo"
 HEADERS = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", ECHO),
@@ -86,16 +86,35 @@ class SocketClient:
         return self.fields.get(stream, {}).get(b"grpc-status")
 
 
+def refuse_long_ids(request: bytes) -> bytes:
+    """As the device plugin's Allocate refuses a device ID it does not know: quoting it."""
+    if len(request) > 1024:
+        raise RpcError(StatusCode.INVALID_ARGUMENT, f"unknown device {request.decode()!r}")
+    return request
+
+
 @pytest.fixture
-def server():
-    directory = tempfile.mkdtemp(prefix="kf-")
-    path = os.path.join(directory, "s.sock")
-    served = GrpcServer(path, {ECHO.decode(): lambda request: request}, name="test", limits=LIMITS)
-    served.start()
-    yield served
-    served.stop()
-    os.unlink(path)
-    os.rmdir(directory)
+def serve():
+    made = []
+
+    def start(limits: Limits = LIMITS, handler=lambda request: request) -> GrpcServer:
+        directory = tempfile.mkdtemp(prefix="kf-")
+        served = GrpcServer(os.path.join(directory, "s.sock"), {ECHO.decode(): handler},
+                            name="test", limits=limits)
+        served.start()
+        made.append(served)
+        return served
+
+    yield start
+    for served in made:
+        served.stop()
+        os.unlink(served.path)
+        os.rmdir(os.path.dirname(served.path))
+
+
+@pytest.fixture
+def server(serve):
+    return serve()
 
 
 def test_a_refused_failed_or_reset_streams_data_is_credited_to_the_connection(server):
@@ -133,4 +152,42 @@ def test_a_refused_failed_or_reset_streams_data_is_credited_to_the_connection(se
     client.flush()
     client.pump(lambda: stream in client.ended, seconds=2.0)
     assert client.status(stream) == b"0" and st.split_messages(client.data[stream]) == [b"after"]
+    client.sock.close()
+
+
+def _call(client: SocketClient, payload: bytes, seconds: float) -> int:
+    stream = client.open()
+    # h2 sends as the windows allow: the rest goes as the server's WINDOW_UPDATEs come.
+    message, sent = st.message(payload), 0
+    while sent < len(message):
+        size = min(len(message) - sent, client.h2.local_flow_control_window(stream),
+                   client.h2.max_outbound_frame_size)
+        if size:
+            client.h2.send_data(stream, message[sent:sent + size], end_stream=sent + size == len(message))
+            sent += size
+            client.flush()
+        else:
+            client.pump(lambda s=stream: client.h2.local_flow_control_window(s) > 0 or s in client.ended, seconds)
+            if stream in client.ended:
+                break
+    client.pump(lambda: stream in client.ended, seconds)
+    return stream
+
+
+def test_a_megabyte_request_is_answered_at_once_and_the_connection_serves_on(serve):
+    """A request of a megabyte (the device plugin's Allocate of a 1 MiB device ID) is within
+    the message limit: its handler's refusal comes at once, cut to fit a header list, and the
+    next ordinary call on the connection is answered; one past the limit is
+    RESOURCE_EXHAUSTED at once, and the connection serves on too."""
+    served = serve(DEFAULT, refuse_long_ids)
+    client = SocketClient(served.path)
+    client.pump(lambda: client.h2.outbound_flow_control_window > 65535)
+    for payload, status in [(b"x" * (1 << 20), StatusCode.INVALID_ARGUMENT), (b"ok", StatusCode.OK),
+                            (b"y" * (DEFAULT.max_message + 1), StatusCode.RESOURCE_EXHAUSTED),
+                            (b"ok", StatusCode.OK)]:
+        began = time.monotonic()
+        stream = _call(client, payload, seconds=3.0)
+        assert client.status(stream) == b"%d" % status, (len(payload), client.fields.get(stream))
+        assert time.monotonic() - began < 2.5
+        assert len(client.fields[stream].get(b"grpc-message", b"")) < 8 * 1024
     client.sock.close()
