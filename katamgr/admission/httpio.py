@@ -1,6 +1,6 @@
 """The webhook's HTTP/1.1, the protocol half: python-hyper's h11 underneath, bytes in and
-what they mean out, answers to bytes. No socket, clock or thread (``connection`` does the
-I/O, as grpcwire's connection drives h2).
+what they mean out, answers to bytes. No socket or thread, and no clock but the Date
+header's (``connection`` does the I/O, as grpcwire's connection drives h2).
 
 The API server's Go client sends ``POST /mutate HTTP/1.1`` with a ``Content-Length`` and
 keeps the connection open; probes send ``GET /healthz``. h11 frames the messages (request
@@ -16,12 +16,22 @@ from __future__ import annotations
 
 import email.utils
 import json
+import time
 from dataclasses import dataclass, field
 from http import HTTPStatus
 
 import h11
 
 _VERSIONS = (b"1.0", b"1.1")
+_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+_dated = [0, b""]  # the second and its Date header, formatted once a second
+
+
+def _date() -> bytes:
+    now = int(time.time())
+    if now != _dated[0]:
+        _dated[:] = [now, email.utils.formatdate(now, usegmt=True).encode()]
+    return _dated[1]
 
 
 class BadRequest(Exception):
@@ -153,15 +163,13 @@ class Exchange:
     def answer(self, reply: Reply, close: bool) -> bytes:
         """The whole answer; with ``close`` it says ``Connection: close``. h11 says so too
         where the client asked it (HTTP/1.0 without keep-alive, ``Connection: close``)."""
-        try:
-            reason = HTTPStatus(reply.status).phrase
-        except ValueError:
-            reason = ""
-        headers = [("Server", "katamgr-webhook"), ("Date", email.utils.formatdate(usegmt=True)),
-                   ("Content-Type", reply.content_type), ("Content-Length", str(len(reply.body)))]
+        headers = [(b"Server", b"katamgr-webhook"), (b"Date", _date()),
+                   (b"Content-Type", reply.content_type.encode()),
+                   (b"Content-Length", b"%d" % len(reply.body))]
         if close:
-            headers.append(("Connection", "close"))
-        out = [self.h11.send(h11.Response(status_code=reply.status, headers=headers, reason=reason))]
+            headers.append((b"Connection", b"close"))
+        out = [self.h11.send(h11.Response(status_code=reply.status, headers=headers,
+                                          reason=_REASONS.get(reply.status, b"")))]
         if self.method != b"HEAD":  # an answer to HEAD has no body (RFC 9110 9.3.2)
             out.append(self.h11.send(h11.Data(data=reply.body)))
         out.append(self.h11.send(h11.EndOfMessage()))
