@@ -81,7 +81,6 @@ class ServerConnection:
         self.protocol = ServerProtocol(self.limits, server.held, now)
         self.out = bytearray()  # bytes the socket did not take yet
         self.budget = budget  # the client process's, shared by its connections
-        self.events = 0  # what the loop watches this connection's socket for
         self.moved_at = now  # the last time waiting output moved
         self._moved = (0, 0)  # the protocol's (moved, started) when last looked at
         self.closed = False

@@ -6,13 +6,14 @@ loading it costs 17 MiB and a handful of threads; 20 half-open calls stall it
 whole. What the kubelet needs is small: unary calls and one server-streaming call
 (ListAndWatch), uncompressed, in cleartext HTTP/2 with prior knowledge.
 
-The loop reads each ready connection once per turn (so one busy client cannot
-starve the others), hands the bytes to its ``ServerConnection`` (h2 underneath)
-and runs the handler of every call whose request is complete; every handler here
-answers from memory or a few sysfs reads. Once a second it looks at the clock's
-limits (request deadlines, stalled output, idle connections). When the process
-runs out of file descriptors it stops accepting for a while, backing off, and
-closes the least recently active connection of the process holding the most.
+The loop (``grpcwire.loop``, shared with the admission webhook: accepting, the
+out-of-descriptors pause, waking) reads each ready connection once per turn (so one busy
+client cannot starve the others), hands the bytes to its ``ServerConnection`` (h2
+underneath) and runs the handler of every call whose request is complete; every handler
+here answers from memory or a few sysfs reads. Once a second it looks at the clock's
+limits (request deadlines, stalled output, idle connections). When the process runs out
+of file descriptors it stops accepting for a while, backing off, and closes the least
+recently active connection of the process holding the most.
 
 A failure of the loop itself ends the server (``alive`` turns False) and calls
 ``on_failure``, whose owner serves again (``sandbox_plugin.served``); a failure
@@ -21,10 +22,7 @@ while handling one connection closes that connection only.
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
-import select
 import socket
 import struct
 import threading
@@ -35,6 +33,7 @@ from grpcwire import limits as _limits
 from grpcwire.connection import ServerConnection, ServerStream
 from grpcwire.guards import Budget, QuietLog
 from grpcwire.limits import Limits, shorten
+from grpcwire.loop import READ, WRITE, ServingLoop
 from grpcwire.protocol import Call, Held
 from grpcwire.status import RpcError, StatusCode, split_messages
 
@@ -48,7 +47,8 @@ Streaming = Callable[[bytes, ServerStream], None]
 _READ = 4096
 _TICK = 1.0
 _TICK_BATCH = 4
-_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# A unix socket's connection costs no handshake: take every one waiting.
+_ACCEPT_BATCH = 1024
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
@@ -73,18 +73,16 @@ class GrpcServer:
         self.failure: str | None = None
         self._unary = {k.encode(): v for k, v in unary.items()}
         self._streaming = {k.encode(): v for k, v in (streaming or {}).items()}
-        self._epoll: select.epoll | None = None
-        self._listener: socket.socket | None = None
-        self._connections: dict[int, ServerConnection] = {}  # by fd
+        self._loop: ServingLoop | None = None
+        self._connections: dict[int, ServerConnection] = {}  # by fd: the loop's
         self._budgets: dict[int, Budget] = {}  # by client process
         self._lock = threading.Lock()
         self._want_write: set[ServerConnection] = set()
         self._want_close: set[ServerConnection] = set()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._wake_r = self._wake_w = -1
-        self._accept_backoff = 0.0
-        self._accepting_at: float | None = None  # paused until then
+        self._next_tick = 0.0
+        self._ticking: list[ServerConnection] = []  # still to look at this second
 
     @property
     def alive(self) -> bool:
@@ -99,12 +97,8 @@ class GrpcServer:
         except OSError:
             listener.close()
             raise
-        listener.setblocking(False)
-        self._listener = listener
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._epoll = select.epoll()
-        self._epoll.register(listener.fileno(), select.EPOLLIN)
-        self._epoll.register(self._wake_r, select.EPOLLIN)
+        self._loop = ServingLoop(listener, self, _ACCEPT_BATCH)
+        self._connections = self._loop.watched
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self._thread.start()
 
@@ -113,7 +107,8 @@ class GrpcServer:
         file stays for the caller to remove."""
         with self._lock:
             self._stopping = True
-        self._wake()
+        if self._loop is not None:
+            self._loop.stop()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -130,59 +125,18 @@ class GrpcServer:
         self._wake()
 
     def _wake(self) -> None:
-        # Under the lock, as the loop closes the pipe under it: a number written to after
-        # its close may belong to any file or socket the process opened since.
-        with self._lock:
-            if self._wake_w < 0:
-                return  # the loop is gone
-            try:
-                os.write(self._wake_w, b"x")
-            except OSError:
-                pass  # a wake-up is pending already
+        if self._loop is not None:
+            self._loop.wake()
 
-    # -- the loop -------------------------------------------------------------------
+    # -- the loop (ServingLoop calls) ----------------------------------------------------
 
     def _run(self) -> None:
-        epoll = self._epoll
-        listener = self._listener
-        assert epoll is not None and listener is not None
-        connections = self._connections
-        listening, waking = listener.fileno(), self._wake_r
-        readable = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
-        next_tick = time.monotonic() + _TICK
-        ticking: list[ServerConnection] = []  # still to look at this second
+        loop = self._loop
+        assert loop is not None
+        self._next_tick = time.monotonic() + _TICK
         try:
-            while not self._stopping:
-                timeout = -1.0
-                if ticking:
-                    timeout = 0.0
-                elif connections or self._accepting_at is not None:
-                    timeout = max(0.0, min(next_tick, self._accepting_at or next_tick) - time.monotonic())
-                for fd, events in epoll.poll(timeout):
-                    connection = connections.get(fd)
-                    if connection is not None:
-                        self._serve(connection, events & readable, events & select.EPOLLOUT)
-                    elif fd == listening:
-                        self._accept()
-                    elif fd == waking:
-                        _drain(waking)
-                self._service()
-                now = time.monotonic()
-                if self._accepting_at is not None and now >= self._accepting_at:
-                    self._accepting_at = None
-                    epoll.register(listening, select.EPOLLIN)
-                if now >= next_tick:
-                    next_tick = now + _TICK
-                    ticking = list(connections.values())
-                    self._forget_budgets()
-                if ticking:
-                    # A few connections a turn: thousands of calls past their deadline at
-                    # once must not hold up the answers to everyone else.
-                    batch, ticking = ticking[:_TICK_BATCH], ticking[_TICK_BATCH:]
-                    for connection in batch:
-                        if connections.get(connection.fd) is connection:
-                            self._guarded(connection, connection.tick, now)
-                    self._service()
+            if not self._stopping:
+                loop.run()
         except BaseException as exc:  # MemoryError included: the owner must know
             self.failure = f"{type(exc).__name__}: {exc}"
             log.exception("%s: the gRPC loop failed; closing its connections", self.name)
@@ -191,7 +145,31 @@ class GrpcServer:
         if self.failure is not None and self.on_failure is not None:
             self.on_failure()
 
-    def _serve(self, connection: ServerConnection, readable: int, writable: int) -> None:
+    def event(self, connection: ServerConnection, readable: bool, writable: bool) -> None:
+        self._serve(connection, readable, writable)
+
+    def turn(self, now: float) -> float | None:
+        connections = self._connections
+        self._service()
+        if now >= self._next_tick:
+            self._next_tick = now + _TICK
+            self._ticking = list(connections.values())
+            self._forget_budgets()
+        if self._ticking:
+            # A few connections a turn: thousands of calls past their deadline at once
+            # must not hold up the answers to everyone else.
+            batch, self._ticking = self._ticking[:_TICK_BATCH], self._ticking[_TICK_BATCH:]
+            for connection in batch:
+                if connections.get(connection.fd) is connection:
+                    self._guarded(connection, connection.tick, now)
+            self._service()
+        if self._ticking:
+            return 0.0
+        if connections:
+            return max(0.0, self._next_tick - time.monotonic())
+        return None
+
+    def _serve(self, connection: ServerConnection, readable: bool, writable: bool) -> None:
         if readable and not connection.backlogged:
             try:
                 data = connection.sock.recv(_READ)
@@ -215,14 +193,8 @@ class GrpcServer:
     def _rearm(self, connection: ServerConnection) -> None:
         """Watch for what the connection waits on: input unless its output is backed up,
         writability while output waits."""
-        events = (0 if connection.backlogged else select.EPOLLIN) | (select.EPOLLOUT if connection.out else 0)
-        if events != connection.events:
-            connection.events = events
-            assert self._epoll is not None
-            try:
-                self._epoll.modify(connection.fd, events)
-            except (ValueError, OSError):
-                pass  # closed meanwhile
+        assert self._loop is not None
+        self._loop.modify(connection.fd, (0 if connection.backlogged else READ) | (WRITE if connection.out else 0))
 
     def _guarded(self, connection: ServerConnection, step, *args):
         """Run one connection's step; a failure closes that connection, not the loop."""
@@ -247,56 +219,41 @@ class GrpcServer:
                 connection.on_writable()
                 self._rearm(connection)
 
-    def _accept(self) -> None:
-        assert self._listener is not None and self._epoll is not None
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in _OUT_OF_FDS:
-                    self._pause_accepting(exc)
-                else:
-                    self.quiet.warning("accept", "%s: accept failed: %s", self.name, exc)
-                return
-            self._accept_backoff = 0.0
-            try:
-                peer = _PEERCRED.unpack(sock.getsockopt(
-                    socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
-                sock.setblocking(False)
-                if len(self._connections) >= self.limits.max_connections and not self._make_room(peer):
-                    self.quiet.warning("connections", "%s: refusing a connection from pid %d: %d "
-                                       "connections are open, one from each process", self.name,
-                                       peer, len(self._connections))
-                    sock.close()
-                    continue
-                budget = self._budgets.get(peer)
-                if budget is None:
-                    budget = self._budgets[peer] = Budget(self.limits.flood_burst, self.limits.flood_rate)
-                connection = ServerConnection(self, sock, peer, budget)
-            except OSError as exc:
+    def accepted(self, sock: socket.socket, _address: object) -> None:
+        assert self._loop is not None
+        try:
+            peer = _PEERCRED.unpack(sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+            sock.setblocking(False)
+            if len(self._connections) >= self.limits.max_connections and not self._make_room(peer):
+                self.quiet.warning("connections", "%s: refusing a connection from pid %d: %d "
+                                   "connections are open, one from each process", self.name,
+                                   peer, len(self._connections))
                 sock.close()
-                self.quiet.warning("accept", "%s: could not set up a connection: %s", self.name, exc)
-                continue
-            if budget.overdrawn:  # it flooded us and has not earned its way back
-                with connection.lock:
-                    connection.calm("too many frames that do no work; wait before connecting again")
-                connection.close(goodbye=False)
-                continue
-            self._connections[connection.fd] = connection
-            connection.events = select.EPOLLIN
-            self._epoll.register(connection.fd, select.EPOLLIN)
+                return
+            budget = self._budgets.get(peer)
+            if budget is None:
+                budget = self._budgets[peer] = Budget(self.limits.flood_burst, self.limits.flood_rate)
+            connection = ServerConnection(self, sock, peer, budget)
+        except OSError as exc:
+            sock.close()
+            self.quiet.warning("accept", "%s: could not set up a connection: %s", self.name, exc)
+            return
+        if budget.overdrawn:  # it flooded us and has not earned its way back
+            with connection.lock:
+                connection.calm("too many frames that do no work; wait before connecting again")
+            connection.close(goodbye=False)
+            return
+        self._loop.watch(connection.fd, connection, READ)
 
-    def _pause_accepting(self, exc: OSError) -> None:
-        """Out of file descriptors: stop accepting for a while (the listener stays readable,
-        so accepting on would spin), and free one if a process holds several."""
-        assert self._listener is not None and self._epoll is not None
-        self._accept_backoff = min(1.0, max(0.01, self._accept_backoff * 2))
-        self._accepting_at = time.monotonic() + self._accept_backoff
-        self._epoll.unregister(self._listener.fileno())
+    def accept_failed(self, exc: OSError) -> None:
+        self.quiet.warning("accept", "%s: accept failed: %s", self.name, exc)
+
+    def out_of_fds(self, exc: OSError, backoff: float) -> None:
+        """Out of file descriptors (the loop pauses accepting): free one if a process holds
+        several."""
         self.quiet.warning("fds", "%s: cannot accept a connection (%s); pausing %.2f s, %d "
-                           "connections open", self.name, exc.strerror, self._accept_backoff,
+                           "connections open", self.name, exc.strerror, backoff,
                            len(self._connections))
         self._make_room(None)
 
@@ -326,12 +283,8 @@ class GrpcServer:
     def _drop(self, connection: ServerConnection, goodbye: bool) -> None:
         if self._connections.get(connection.fd) is not connection:
             return  # gone already (its number may be another connection's by now)
-        del self._connections[connection.fd]
-        assert self._epoll is not None
-        try:
-            self._epoll.unregister(connection.fd)
-        except (ValueError, OSError):
-            pass
+        assert self._loop is not None
+        self._loop.forget(connection.fd)
         connection.close(goodbye)
 
     def _shutdown(self) -> None:
@@ -340,17 +293,8 @@ class GrpcServer:
                 self._drop(connection, goodbye=self.failure is None)
             except Exception:  # noqa: S110 (closing the rest matters more)
                 pass
-        if self._epoll is not None:
-            self._epoll.close()
-        if self._listener is not None:
-            self._listener.close()
-        with self._lock:
-            pipe, (self._wake_r, self._wake_w) = (self._wake_r, self._wake_w), (-1, -1)
-        for fd in pipe:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        if self._loop is not None:
+            self._loop.close()
 
     def _dispatch(self, connection: ServerConnection, call: Call) -> None:
         """Run the handler of a call whose request is complete (on the loop thread)."""
@@ -374,10 +318,3 @@ class GrpcServer:
             log.exception("%s: %s failed", self.name, shorten(call.path.decode(errors="replace"), 100))
             connection.fail(call, StatusCode.UNKNOWN, f"Exception calling application: {exc}")
 
-
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except OSError:
-        pass

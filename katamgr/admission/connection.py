@@ -4,8 +4,9 @@ A connection goes HANDSHAKE → HEAD → BODY → WORKING → WRITING, then IDLE
 and HEAD again at the next request's first byte, or closed. It holds no thread: the loop
 calls ``step`` when its socket is ready and ``expire`` once its deadline has passed; a
 worker thread only ever sees a complete request's body (``job``), and its answer comes
-back through ``finish``. So a client that sends slowly holds a few kilobytes and a slot,
-never a thread, and only until its deadline:
+back through ``finish``. What the bytes mean is ``httpio.Exchange``'s (h11); this holds the
+socket, the TLS and the clock. So a client that sends slowly holds a few kilobytes and a
+slot, never a thread, and only until its deadline:
 
 - from the accept, the TLS handshake, the head and the body together: ``request_timeout``;
 - a keep-alive request, from its first byte: ``request_timeout`` again;
@@ -18,10 +19,12 @@ from __future__ import annotations
 import enum
 import errno
 import logging
-import selectors
 import socket
 import ssl
 
+import h11
+
+from grpcwire.loop import READ, WRITE
 from katamgr.admission import answers, httpio, review
 from katamgr.admission.limits import Limits
 
@@ -45,6 +48,8 @@ class State(enum.Enum):
     CLOSED = "closed"
 
 
+# What a closed connection holds of HTTP: nothing (its h11 and buffer are let go).
+_CLOSED = httpio.Exchange(1, 1)
 READING = (State.IDLE, State.HEAD, State.BODY, State.DRAIN)
 # Not being answered: what the server may close to make room for a new connection.
 UNANSWERED = (State.HANDSHAKE, *READING)
@@ -54,13 +59,14 @@ _PEER_GONE = (errno.ECONNRESET, errno.EPIPE, errno.ETIMEDOUT, errno.ENOTCONN)
 class Connection:
     def __init__(self, sock: ssl.SSLSocket, peer: str, limits: Limits, now: float) -> None:
         self.sock, self.peer, self.limits = sock, peer, limits
+        self.fd = sock.fileno()  # kept: the loop forgets it by number after the socket closed
         self.state = State.HANDSHAKE
         self.since = now  # when the current phase began (the oldest is closed first)
         self.deadline = now + limits.request_timeout
-        self.buf = bytearray()  # the head, then the body, as they come
-        self.pushback = b""  # bytes past the request (pipelined): read again after the answer
+        self.http = httpio.Exchange(limits.max_head, limits.max_headers)
+        self.buf = bytearray()  # the body, as it comes
         self.head: httpio.Head | None = None
-        self.left = 0  # body bytes still to come (BODY, DRAIN)
+        self.length = 0  # the body's, from its Content-Length (BODY, DRAIN)
         self.reply: httpio.Reply | None = None  # answered after DRAIN
         self.close_after = False
         self.out = b""  # what is being written, from ``sent``
@@ -70,9 +76,9 @@ class Connection:
         self.job_bytes = 0  # counted from the body's end until the answer is there
         self.queued = False  # handed to the workers
         self.running = False  # a worker took it: the bytes cannot be given back any more
-        self.ready = False  # more may be there without the socket saying so (pushback, TLS)
+        self.ready = False  # more may be there without the socket saying so (h11's, TLS)
         self._read_needs_write = self._write_needs_read = False
-        self._handshake_wants = selectors.EVENT_READ
+        self._handshake_wants = READ
         self.why = ""  # why it was closed, for the server's tally and log
 
     # What the server asks
@@ -84,17 +90,17 @@ class Connection:
     @property
     def held(self) -> int:
         """Bytes this connection makes the server hold."""
-        return len(self.buf) + len(self.pushback) + len(self.out) - self.sent + self.job_bytes
+        return len(self.buf) + self.http.buffered + len(self.out) - self.sent + self.job_bytes
 
     def wants(self) -> int:
-        """The selector events to wait for (0: none, a worker has it)."""
+        """The events to wait for (0: none, a worker has it)."""
         if self.state is State.HANDSHAKE:
             return self._handshake_wants
         events = 0
         if self.state in READING or self._write_needs_read:
-            events |= selectors.EVENT_READ
+            events |= READ
         if self.sent < len(self.out) or self._read_needs_write:
-            events |= selectors.EVENT_WRITE
+            events |= WRITE
         return events
 
     def step(self, now: float) -> None:
@@ -111,17 +117,17 @@ class Connection:
         """A worker's answer to ``job``."""
         self.job_bytes, self.queued, self.running = 0, False, False
         if not self.closed:
-            self._answer(reply, now, close=not self.head or not self.head.keep_alive)
+            self._answer(reply, now, close=False)  # unless h11 says so (next_cycle)
             self._flush(now)
 
     def expire(self, now: float) -> None:
         """The deadline passed: say so if a request was under way, and close."""
-        if self.state in (State.HEAD, State.BODY, State.DRAIN) and (self.buf or self.head):
-            data = httpio.encode(httpio.error(408, f"the request did not arrive within "
-                                                   f"{self.limits.request_timeout:g} s"), close=True)
+        if self.state in (State.HEAD, State.BODY, State.DRAIN) and (self.http.buffered or self.head):
             try:  # one try: a client this slow may well not be reading either
-                self.sock.send(data)
-            except (OSError, ssl.SSLError):
+                self.sock.send(self.http.answer(httpio.error(
+                    408, f"the request did not arrive within {self.limits.request_timeout:g} s"),
+                    close=True))
+            except (OSError, ssl.SSLError, h11.LocalProtocolError):
                 pass
         self.close(f"cut off at the deadline ({self.state.value})")
 
@@ -129,7 +135,8 @@ class Connection:
         if self.closed:
             return
         self.state, self.why = State.CLOSED, why
-        self.buf, self.pushback, self.out, self.sent = bytearray(), b"", b"", 0
+        self.buf, self.out, self.sent = bytearray(), b"", 0
+        self.http = _CLOSED
         self.job, self.job_bytes = None, 0  # a queued body is let go at once
         try:
             # Bytes left unread make close() send a reset, which can overtake what was sent
@@ -158,10 +165,10 @@ class Connection:
         try:
             self.sock.do_handshake()
         except ssl.SSLWantReadError:
-            self._handshake_wants = selectors.EVENT_READ
+            self._handshake_wants = READ
             return
         except ssl.SSLWantWriteError:
-            self._handshake_wants = selectors.EVENT_WRITE
+            self._handshake_wants = WRITE
             return
         except (OSError, ssl.SSLError) as exc:  # not TLS, an old version, no cipher in common
             log.debug("TLS handshake with %s failed: %s", self.peer, exc)
@@ -170,9 +177,8 @@ class Connection:
         self.state = State.HEAD  # the deadline from the accept goes on
 
     def _read(self, now: float) -> None:
-        if self.pushback:
-            data, self.pushback = self.pushback, b""
-            self._feed(data, now)
+        if self.http.buffered:  # a pipelined request, read with the last
+            self._feed(b"", now)
         self._read_needs_write = False
         while self.state in READING:
             try:
@@ -193,44 +199,41 @@ class Connection:
     def _feed(self, data: bytes, now: float) -> None:
         if self.state is State.IDLE:
             self.state, self.since, self.deadline = State.HEAD, now, now + self.limits.request_timeout
-        if self.state is State.HEAD:
-            start = max(0, len(self.buf) - 3)
-            self.buf += data
-            end = httpio.HEAD_END.search(self.buf, start)
-            if end is None or end.start() > self.limits.max_head:
-                if end is not None or len(self.buf) > self.limits.max_head:
-                    self._answer(httpio.error(431, f"the request head is over "
-                                                   f"{self.limits.max_head} bytes"), now, close=True)
-                return
-            raw, rest = bytes(self.buf[:end.start()]), bytes(self.buf[end.end():])
-            self.buf = bytearray()
-            self._start(raw, rest, now)
-        elif self.state is State.BODY:
-            self.buf += data
-            if len(self.buf) >= self.left:
-                self._body_done()
-        elif self.state is State.DRAIN:
-            self.left -= len(data)
-            if self.left <= 0:
-                self._after_drain(data[len(data) + self.left:] if self.left else b"", now)
-
-    def _start(self, raw: bytes, rest: bytes, now: float) -> None:
-        """A request's head is in: frame its body, or answer it."""
+        if data:
+            self.http.receive(data)
         try:
-            head = httpio.parse_head(raw, self.limits.max_headers)
-            length = httpio.content_length(head)
+            while self.state in READING:
+                got = self.http.next()
+                if got is httpio.NEED_DATA or got is httpio.PAUSED:
+                    break
+                if isinstance(got, httpio.Head):
+                    self._start(got, now)
+                elif isinstance(got, bytes | bytearray):
+                    if self.state is State.BODY:
+                        self.buf += got
+                elif got is httpio.END:
+                    self._ended(now)
+                else:  # CLOSED
+                    self.close("ended by the client")
         except httpio.BadRequest as exc:
             self._answer(httpio.error(exc.status, str(exc)), now, close=True)
             return
+        if self.state in (State.BODY, State.DRAIN) and self.http.waiting_for_continue and not self.out:
+            self.out, self.sent = self.http.continue_(), 0
+
+    def _start(self, head: httpio.Head, now: float) -> None:
+        """A request's head is in: frame its body, or answer it."""
         self.head = head
         log.debug("%s %s %s", self.peer, head.method, httpio.shorten(head.target))
         early = answers.route(head)
+        length = self.http.content_length(head)
         if length is None:
             if head.method == "POST":  # where this body ends is unknown: answer and close
                 reply = early or httpio.error(411, "send the AdmissionReview with a Content-Length")
                 self._answer(reply, now, close=True)
                 return
             length = 0
+        self.length = length
         if length > review.MAX_BODY:
             too_big = httpio.error(413, f"the request body is {length} bytes, over the "
                                         f"{review.MAX_BODY}-byte limit of an AdmissionReview")
@@ -241,39 +244,25 @@ class Connection:
             # so that a client still writing it reads the answer rather than a reset.
             self.reply, self.close_after = too_big, True
         elif early is not None:
-            self.reply, self.close_after = early, not head.keep_alive
-        if length > len(rest) and head.headers.get("expect", "").lower() == "100-continue":
-            self.out, self.sent = httpio.CONTINUE, 0
-        if self.reply is not None:  # the body is not looked at
-            self.state, self.left = State.DRAIN, length
-            if rest:
-                self._feed(rest, now)
-            if self.state is State.DRAIN and self.left <= 0:
-                self._after_drain(b"", now)
+            self.reply, self.close_after = early, False
+        self.state = State.DRAIN if self.reply is not None else State.BODY
+
+    def _ended(self, now: float) -> None:
+        """The request's body is complete: answer what was decided from its head, or hand
+        the review to a worker."""
+        if self.state is State.DRAIN:
+            reply, self.reply = self.reply, None
+            assert reply is not None
+            self._answer(reply, now, close=self.close_after)
             return
-        self.state, self.left, self.buf = State.BODY, length, bytearray(rest)
-        if len(self.buf) >= length:
-            self._body_done()
-
-    def _after_drain(self, surplus: bytes, now: float) -> None:
-        reply, self.reply = self.reply, None
-        assert reply is not None
-        self.pushback = surplus + self.pushback
-        self._answer(reply, now, close=self.close_after)
-
-    def _body_done(self) -> None:
         assert self.head is not None
-        if len(self.buf) == self.left:  # the usual case: no copy of up to 3 MiB
-            body: bytes | bytearray = self.buf
-        else:  # a pipelined request behind it
-            body, self.pushback = self.buf[:self.left], bytes(self.buf[self.left:]) + self.pushback
-        self.buf = bytearray()
+        body, self.buf = self.buf, bytearray()  # no copy of up to 3 MiB
         self.state, self.deadline = State.WORKING, float("inf")
         self.job, self.job_bytes = (self.head.path, body), len(body)
 
     def _answer(self, reply: httpio.Reply, now: float, close: bool) -> None:
         log.debug("%s answered %d", self.peer, reply.status)
-        self.out = self.out[self.sent:] + httpio.encode(reply, close)  # after a 100 Continue
+        self.out = self.out[self.sent:] + self.http.answer(reply, close)  # after a 100 Continue
         self.sent, self.close_after, self.buf = 0, close, bytearray()
         self.state, self.since, self.deadline = State.WRITING, now, now + self.limits.request_timeout
 
@@ -295,12 +284,12 @@ class Connection:
         self.out, self.sent = b"", 0
         if self.state is not State.WRITING:
             return  # a 100 Continue went out
-        if self.close_after:
+        if self.close_after or not self.http.next_cycle():
             self.close("answered and closed")
             return
-        # Keep-alive: the next request may already be here (pipelined, or in TLS's buffer),
-        # which the selector would not report; the server steps this connection again.
-        self.head, self.state = None, State.IDLE
+        # Keep-alive: the next request may already be here (pipelined, in h11's buffer or
+        # TLS's), which the selector would not report; the server steps this connection again.
+        self.head, self.state, self.close_after = None, State.IDLE, False
         self.since, self.deadline = now, now + self.limits.idle_timeout
         self.ready = True
 

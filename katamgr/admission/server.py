@@ -4,9 +4,10 @@
 ``GET /healthz`` answers ``ok`` for probes (``answers``). The TLS certificate is read again
 when its files change (``tls.CertReloader``).
 
-One thread runs a selector loop (epoll) over the listening socket and every connection:
-it accepts, does the TLS handshakes, reads requests and writes answers, none of it
-blocking (``connection``). A complete review goes to a fixed pool of ``--workers`` threads,
+One thread runs the serving loop the gRPC server runs too (``grpcwire.loop``: epoll over
+the listening socket and every connection, accepting, the out-of-descriptors pause): it
+accepts, does the TLS handshakes, reads requests and writes answers, none of it blocking
+(``connection``; the HTTP/1.1 is h11's, ``httpio``). A complete review goes to a fixed pool of ``--workers`` threads,
 whose answer comes back to the loop. So the threads are a fixed number whatever the
 clients do, and what a client can make the server hold is bounded (``limits``):
 
@@ -27,10 +28,8 @@ cannot flood the log.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import os
-import selectors
 import socket
 import ssl
 import threading
@@ -38,6 +37,7 @@ import time
 from typing import Any
 
 from gpunode.errors import ConfigError
+from grpcwire.loop import ServingLoop
 from katamgr.admission import answers, httpio, rules
 from katamgr.admission.connection import UNANSWERED, Connection
 from katamgr.admission.limits import DEFAULT, Limits
@@ -48,7 +48,6 @@ __all__ = ["CertReloader", "WebhookServer", "make_server", "parse_listen"]
 
 log = logging.getLogger("katamgr.webhook")
 
-_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # Accepts per loop turn (each may do a TLS handshake's crypto, about a millisecond), so that
 # connections already open get their turn during a flood of new ones.
 ACCEPT_BATCH = 16
@@ -74,33 +73,23 @@ class WebhookServer:
             self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.socket.bind(address)
             self.socket.listen(512)
-            self.socket.setblocking(False)
         except OSError:
             self.socket.close()
             raise
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        for end in (self._wake_r, self._wake_w):
-            end.setblocking(False)
-        self._selector.register(self.socket, selectors.EVENT_READ, "accept")
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._loop = ServingLoop(self.socket, self, ACCEPT_BATCH)
         self._workers = Workers(limits.workers)
         self._conns: set[Connection] = set()
-        self._registered: dict[Connection, int] = {}
         self._counted: dict[Connection, int] = {}
         self.buffered = 0  # bytes the connections hold together
         # Answers from the workers: (connection, reply, error).
         self._done: collections.deque[tuple[Connection, Any, BaseException | None]] = \
             collections.deque()
         self._ready: list[Connection] = []
-        self._paused_until: float | None = None  # accepting, when out of file descriptors
-        self._backoff = 0.0
         # Connections ended, by why (Connection.why), since the start.
         self.ended: collections.Counter[str] = collections.Counter()
         self._reported: collections.Counter[str] = collections.Counter()
         self._next_report = time.monotonic() + REPORT_EVERY
-        self._next_check = 0.0  # when the loop next looks at deadlines and the pause
-        self._stop = False
+        self._next_check = 0.0  # when the loop next looks at deadlines
         self._stopped = threading.Event()
         self._stopped.set()
 
@@ -124,42 +113,39 @@ class WebhookServer:
         self._stopped.clear()
         try:
             self._next_check = 0.0
-            while not self._stop:
-                now = time.monotonic()
-                timeout = 0.0 if self._ready else max(0.0, self._next_check - now)
-                for key, _ in self._selector.select(timeout):
-                    if key.data == "accept":
-                        self._accept()
-                    elif key.data == "wake":
-                        self._drain_wake()
-                    else:
-                        self._step(key.data)
-                self._collect_answers()
-                ready, self._ready = self._ready, []
-                for conn in ready:
-                    if not conn.closed:
-                        self._step(conn)
-                now = time.monotonic()
-                if now >= self._next_check:
-                    self._next_check = self._sweep(now)
+            self._loop.run()
         finally:
             self._stopped.set()
 
     def shutdown(self) -> None:
         """Stop serve_forever (from another thread) and wait until it has."""
-        self._stop = True
-        self._wake()
+        self._loop.stop()
         self._stopped.wait()
 
     def server_close(self) -> None:
-        self._stop = True
+        self._loop.stopping = True
         for conn in list(self._conns):
             conn.close("shutdown")
         self._conns.clear()
         self._workers.stop()
-        for sock in (self.socket, self._wake_r, self._wake_w):
-            sock.close()
-        self._selector.close()
+        self._loop.close()
+
+    # What the serving loop calls
+
+    def event(self, conn: Connection, readable: bool, writable: bool) -> None:
+        self._step(conn)
+
+    def turn(self, now: float) -> float | None:
+        """After the events: the workers' answers, connections with more to do, deadlines."""
+        self._collect_answers()
+        ready, self._ready = self._ready, []
+        for conn in ready:
+            if not conn.closed:
+                self._step(conn)
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = self._sweep(now)
+        return 0.0 if self._ready else max(0.0, self._next_check - time.monotonic())
 
     def _step(self, conn: Connection) -> None:
         try:
@@ -184,17 +170,15 @@ class WebhookServer:
             self._workers.submit(conn.job_bytes, lambda c=conn: self._review(c),
                                  lambda reply, error, c=conn: self._answered(c, reply, error))
         events = conn.wants()
-        registered = self._registered.get(conn, 0)
-        if events != registered:
-            if not events:
-                self._selector.unregister(conn.sock)
-                del self._registered[conn]
-            elif not registered:
-                self._selector.register(conn.sock, events, conn)
-                self._registered[conn] = events
-            else:
-                self._selector.modify(conn.sock, events, conn)
-                self._registered[conn] = events
+        # Not watched at all while a worker has it: epoll reports a hang-up even to a
+        # socket watched for nothing, which would spin the loop until the answer.
+        if conn.fd not in self._loop.watched:
+            if events:
+                self._loop.watch(conn.fd, conn, events)
+        elif not events:
+            self._loop.forget(conn.fd)
+        else:
+            self._loop.modify(conn.fd, events)
         if conn.ready:
             self._ready.append(conn)
         if self.buffered > self.limits.max_buffered:
@@ -204,53 +188,41 @@ class WebhookServer:
         """A closed connection: nothing of it is kept (it may be forgotten twice, closed
         while an event of it waited in the same turn)."""
         self.buffered -= self._counted.pop(conn, 0)
-        if self._registered.pop(conn, 0):
-            try:
-                self._selector.unregister(conn.sock)
-            except (KeyError, ValueError):
-                pass  # the socket is closed: epoll dropped it already
+        if self._loop.watched.get(conn.fd) is conn:
+            self._loop.forget(conn.fd)
         if conn in self._conns:
             self._conns.remove(conn)
             self.ended[conn.why] += 1
 
     # Accepting
 
-    def _accept(self) -> None:
-        for _ in range(ACCEPT_BATCH):
-            try:
-                sock, address = self.socket.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in _OUT_OF_FDS:
-                    self._pause_accepting(exc)
-                else:
-                    log.warning("accept failed: %s", exc)
-                return
-            self._backoff = 0.0
-            peer = str(address[0])
-            if len(self._conns) >= self.limits.max_connections:
-                victim = self._victim_for_room(peer)
-                if victim is None:  # every connection is being answered
-                    sock.close()
-                    self.ended["refused at --max-connections"] += 1
-                    continue
-                victim.close("closed to make room")
-                self._sync(victim)
-            try:
-                sock.setblocking(False)
-                # An answer goes out as TLS records of up to 16 KiB: without this, Nagle can
-                # hold the last, small one back until the client's delayed ACK (40 ms).
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                tls = self.certs.current().wrap_socket(sock, server_side=True,
-                                                       do_handshake_on_connect=False)
-            except (OSError, ssl.SSLError, ConfigError) as exc:
-                log.debug("cannot set up a connection from %s: %s", peer, exc)
+    def accepted(self, sock: socket.socket, address: Any) -> None:
+        peer = str(address[0])
+        if len(self._conns) >= self.limits.max_connections:
+            victim = self._victim_for_room(peer)
+            if victim is None:  # every connection is being answered
                 sock.close()
-                continue
-            conn = Connection(tls, peer, self.limits, time.monotonic())
-            self._conns.add(conn)
-            self._step(conn)  # the ClientHello is often there already
+                self.ended["refused at --max-connections"] += 1
+                return
+            victim.close("closed to make room")
+            self._sync(victim)
+        try:
+            sock.setblocking(False)
+            # An answer goes out as TLS records of up to 16 KiB: without this, Nagle can
+            # hold the last, small one back until the client's delayed ACK (40 ms).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls = self.certs.current().wrap_socket(sock, server_side=True,
+                                                   do_handshake_on_connect=False)
+        except (OSError, ssl.SSLError, ConfigError) as exc:
+            log.debug("cannot set up a connection from %s: %s", peer, exc)
+            sock.close()
+            return
+        conn = Connection(tls, peer, self.limits, time.monotonic())
+        self._conns.add(conn)
+        self._step(conn)  # the ClientHello is often there already
+
+    def accept_failed(self, exc: OSError) -> None:
+        log.warning("accept failed: %s", exc)
 
     def _victim_for_room(self, newcomer: str) -> Connection | None:
         """The oldest connection not being answered of the address that holds the most (the
@@ -263,14 +235,9 @@ class WebhookServer:
             return None
         return max(candidates, key=lambda c: (per_peer[c.peer], -c.since))
 
-    def _pause_accepting(self, exc: OSError) -> None:
-        # The listening socket stays readable while the accept fails: waiting on it again at
-        # once would spin. Pause, and close the oldest waiting connections to free
+    def out_of_fds(self, exc: OSError, backoff: float) -> None:
+        # The loop pauses accepting; close the oldest waiting connections to free
         # descriptors for those queued behind them.
-        self._backoff = min(1.0, max(0.01, self._backoff * 2))
-        self._paused_until = time.monotonic() + self._backoff
-        self._next_check = min(self._next_check, self._paused_until)
-        self._selector.unregister(self.socket)
         self.ended["accepting paused, out of file descriptors"] += 1
         for _ in range(FREED_WHEN_OUT_OF_FDS):
             victim = self._victim_for_room("")
@@ -278,7 +245,7 @@ class WebhookServer:
                 break
             victim.close("closed to make room")
             self._sync(victim)
-        log.debug("cannot accept (%s): pausing %.2f s", exc.strerror, self._backoff)
+        log.debug("cannot accept (%s): pausing %.2f s", exc.strerror, backoff)
 
     # Workers
 
@@ -295,17 +262,7 @@ class WebhookServer:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:
-            pass  # full (the loop has been woken already) or closed (shutting down)
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except OSError:
-            pass
+        self._loop.wake()
 
     def _collect_answers(self) -> None:
         while self._done:
@@ -341,16 +298,10 @@ class WebhookServer:
         for conn in [c for c in self._conns if now >= c.deadline]:
             conn.expire(now)
             self._sync(conn)
-        if self._paused_until is not None and now >= self._paused_until:
-            self._paused_until = None
-            self._selector.register(self.socket, selectors.EVENT_READ, "accept")
         if now >= self._next_report:
             self._next_report = now + REPORT_EVERY
             self._report()
-        wakes = [now + CHECK_EVERY, *(c.deadline for c in self._conns)]
-        if self._paused_until is not None:
-            wakes.append(self._paused_until)
-        return min(wakes)
+        return min([now + CHECK_EVERY, *(c.deadline for c in self._conns)])
 
     def _report(self) -> None:
         # Closes that say something about the clients; ends of ordinary requests are not news.

@@ -58,18 +58,21 @@ def test_http_framing_corner_cases(webhook_process):
     assert _statuses(answer) == [200] and answer.endswith(b"ok\n") and time.monotonic() - began < 1
     # What cannot be framed is answered and the connection closed.
     for request, status in [
-            (b"POST /mutate HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 411),
-            (b"POST /mutate HTTP/1.1\r\n\r\n", 411),
-            (b"POST /mutate HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
-            (b"POST /mutate HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+            (b"POST /mutate HTTP/1.1\r\nHost: w\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", 411),
+            (b"POST /mutate HTTP/1.1\r\nHost: w\r\n\r\n", 411),
+            (b"POST /mutate HTTP/1.1\r\nHost: w\r\nContent-Length: -1\r\n\r\n", 400),
+            (b"POST /mutate HTTP/1.1\r\nHost: w\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n", 400),
+            # RFC 9112 section 3.2: an HTTP/1.1 request without a Host is answered 400.
+            (b"GET /healthz HTTP/1.1\r\n\r\n", 400),
             (b"GET /healthz HTTP/2.0\r\n\r\n", 505),
-            (b"GET /healthz HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+            (b"GET /healthz HTTP/1.1\r\nHost: w\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
             (b"\x16\x03\x01 not http\r\n\r\n", 400)]:
         answer = _exchange(webhook_process, request + health)
         assert _statuses(answer) == [status], (request[:40], answer[:200])
         assert b"Connection: close" in answer and answer.endswith(b"}\n")
     # A method the webhook_process does not serve: 405, and the connection goes on.
-    assert _statuses(_exchange(webhook_process, b"HEAD /healthz HTTP/1.1\r\n\r\n" + health)) == [405, 200]
+    # (An answer to HEAD has no body, RFC 9110 section 9.3.2: the next answer follows its head.)
+    assert _statuses(_exchange(webhook_process, b"HEAD /healthz HTTP/1.1\r\nHost: w\r\n\r\n" + health)) == [405, 200]
 
 
 def _permissive_server(cert: str, key: str) -> tuple[int, threading.Thread]:
