@@ -176,6 +176,10 @@ class Agent:
 
     def run(self, once: bool = False) -> int:
         server = self.serve_metrics(self.metrics_address) if self.metrics_address and not once else None
+        if not once:
+            # From the start: a pod deleted during its first reconcile (and its verification)
+            # finishes that step and stops, rather than dying half-way with the default action.
+            stop_on_signals(self.request_stop, log)
         try:
             first = self.reconcile("start", raise_errors=once)
             self.follow_cc()
@@ -184,7 +188,6 @@ class Agent:
                 if (self.cc.last is not None and not self.cc.last.ok) or (labelled is not None and not labelled.ok):
                     return Exit.FAILED
                 return first.exit_code()
-            stop_on_signals(self.request_stop, log)
             self._loop_and_revert()
         finally:
             if server is not None:

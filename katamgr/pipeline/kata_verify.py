@@ -35,12 +35,11 @@ from gpunode.host.files import write_atomic
 from gpunode.host.root import HostRoot
 from katamgr.artifacts import read_install
 from katamgr.artifacts.record import InstallRecord, file_digest
-from katamgr.pipeline.kata_runtime import KataContext, class_dir, kata_deploy_runtime
+from katamgr.pipeline.kata_runtime import VERIFIED_NAME, KataContext, class_dir, kata_deploy_runtime
 from katamgr.runtime.kata_config import ASSET_KEYS, rendered_config
 
 log = logging.getLogger(__name__)
 
-VERIFIED_NAME = "verified.json"
 CHECKS = ("reference", "hashes", "config")  # what a class passed, in the order they run
 
 

@@ -123,6 +123,12 @@ def test_a_corrupt_artifact_keeps_the_new_agent_unready_and_the_old_artifacts_in
     rolled_back.reconcile("start")
     assert rolled_back.readiness()[0]
 
+    # A revert takes the verdict away with the artifacts it was about.
+    from katamgr.pipeline.reconcile import revert_all
+
+    assert revert_all(host, Steps(), rolled_back.target.ctx).ok
+    assert not host.state_path("verified.json").exists()
+
 
 def test_a_file_changed_after_the_install_fails_its_hash_and_a_broken_config_fails_its_load(tmp_path):
     host = node(tmp_path)
