@@ -9,8 +9,8 @@ stays in ``katamgr.cluster``.
 
 Following (``NodeLabelWatch``) is a watch on the Node, the way ``kubectl get node N -w``
 does it: a list watch with the field selector ``metadata.name=<node>``, each request
-ended by the server after ``timeoutSeconds`` (and by our read timeout a little later,
-should the server not end it) and resumed from the last ``resourceVersion`` seen, so no
+ended by the server after ``timeoutSeconds`` (or by us once it stays silent past the
+period of the server's bookmarks) and resumed from the last ``resourceVersion`` seen, so no
 change between two requests is lost. A 410 Gone (that version is older than the server
 keeps) starts over from a fresh read of the Node. Any other failure (no ``watch`` right,
 an API server that went away, a broken stream) falls back to polling: the Node is read
@@ -33,14 +33,22 @@ from dataclasses import dataclass
 from kubernetes.client import ApiClient, CoreV1Api
 from kubernetes.client.exceptions import ApiException
 from kubernetes.watch.watch import iter_resp_lines
-from urllib3.exceptions import HTTPError
+from urllib3.exceptions import HTTPError, ReadTimeoutError
 
 from gpunode.errors import GpuNodeError
 
 log = logging.getLogger(__name__)
 
 READ_TIMEOUT = 10.0  # seconds for one read of the Node (connect, then the answer)
-WATCH_TIMEOUT = 300  # seconds the server keeps one watch request open (timeoutSeconds)
+# Seconds the server keeps one watch request open (timeoutSeconds): the API server's own
+# --min-request-timeout default, what it gives a watch that names none. At rest a watch costs
+# one request per period, so 1,800 s is 2 requests an hour per watcher (bench/bench_fleet.py).
+WATCH_TIMEOUT = 1800
+# Seconds a watch stream may stay silent before it is taken for dead and resumed. The API
+# server's watch cache sends each watcher that allows bookmarks a BOOKMARK about once a
+# minute (k8s.io/apiserver cacher: bookmarkFrequency, one minute; seen every 60 s on
+# the 1.35 API server of tests/controlplane), so a stream quiet for longer lost its peer.
+SILENCE_LIMIT = 150.0
 POLL_INTERVAL = 10.0  # seconds between reads while the watch fails
 MIN_WATCH_INTERVAL = 1.0  # seconds at least between the starts of two watch requests
 GONE = 410
@@ -101,7 +109,8 @@ class NodeLabelWatch:
 
     def __init__(self, api: ApiClient, node_name: str, *, on_change: Callable[[], None] | None = None,
                  poll_interval: float = POLL_INTERVAL, watch_timeout: int = WATCH_TIMEOUT,
-                 read_timeout: float = READ_TIMEOUT, min_watch_interval: float = MIN_WATCH_INTERVAL) -> None:
+                 read_timeout: float = READ_TIMEOUT, min_watch_interval: float = MIN_WATCH_INTERVAL,
+                 silence_limit: float = SILENCE_LIMIT) -> None:
         self.api = api
         self.node_name = node_name
         self.on_change = on_change
@@ -109,6 +118,7 @@ class NodeLabelWatch:
         self.watch_timeout = watch_timeout
         self.read_timeout = read_timeout
         self.min_watch_interval = min_watch_interval
+        self.silence_limit = silence_limit
         self._last_watch: float | None = None  # monotonic start of the last watch request
         self._lock = threading.Lock()
         self._labels: dict[str, str] | None = None
@@ -200,7 +210,8 @@ class NodeLabelWatch:
                 field_selector=f"metadata.name={self.node_name}", watch=True,
                 resource_version=self._version, timeout_seconds=self.watch_timeout,
                 allow_watch_bookmarks=True, _preload_content=False,
-                _request_timeout=(self.read_timeout, self.watch_timeout + self.read_timeout))
+                _request_timeout=(self.read_timeout,
+                                  min(self.silence_limit, self.watch_timeout + self.read_timeout)))
         except ApiException as e:
             if e.status == GONE:
                 raise _Gone() from e
@@ -218,6 +229,12 @@ class NodeLabelWatch:
                     return
                 if line:
                     self._event(json.loads(line))
+        except ReadTimeoutError:
+            # Silent past the bookmarks' period: resumed from the last version seen, as after
+            # the server's timeoutSeconds (an API server sending no periodic bookmarks costs a
+            # request per silence_limit instead).
+            log.debug("the watch on node %s was silent for %g s; resuming it", self.node_name,
+                      self.silence_limit)
         finally:
             with self._lock:
                 self._response = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from pathlib import Path
 
 from gpunode.policy.workload import Operand, Workload
@@ -25,7 +26,7 @@ from katamgr.agent.settings import NO_CLUSTER, AgentSettings, NodeLinks
 from katamgr.agent.switch import Switch
 from katamgr.agent.target import Target
 from katamgr.exitcodes import Exit
-from katamgr.pipeline import offers
+from katamgr.pipeline import kata_verify, offers
 from katamgr.pipeline.reconcile import revert_all
 from katamgr.pipeline.report import Report
 from katamgr.render import log_report
@@ -66,6 +67,9 @@ class Agent:
         self.kata_found = s.kata_found
         if s.kata_found is not None:
             s.kata_found.remember(self.target)
+        # After each reconcile the node's Kata artifacts are verified and the verdict written
+        # (kata_verify); /readyz reads it back, stamped with this agent, as a rollout's gate.
+        self.verifier = kata_verify.Verifier(f"katamgr-run-{uuid.uuid4().hex[:12]}")
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=s.retry_initial, retry_max=s.retry_max,
                                      offer_labels=links.offer_labels)
@@ -83,9 +87,15 @@ class Agent:
                 report = self.reconciler.run(found, raise_errors=raise_errors, retry=retry)
                 if self.kata_found is not None:
                     self.kata_found.follow(self.target, ours=True)
+            self.verify()
             return report
         finally:
             self.publish_conditions()
+
+    def verify(self) -> kata_verify.Verification:
+        """Verify the node's Kata artifacts as the config asks for them (``verified.json``)."""
+        t = self.target
+        return self.verifier.verify(t.host, t.ctx, kata=t.steps.kata)
 
     def publish_conditions(self) -> None:
         """The Node's conditions from the metrics just observed (an API write only on a change)."""
@@ -151,7 +161,13 @@ class Agent:
         return self.probes.healthy()
 
     def readiness(self) -> tuple[bool, str]:
-        return readiness(self.reconciler.last_result, self.reconciler.retry_at)
+        """/readyz: the last reconcile succeeded and this agent verified the node's artifacts."""
+        ready, why = readiness(self.reconciler.last_result, self.reconciler.retry_at)
+        if not ready:
+            return ready, why
+        verified, how = kata_verify.readiness(self.target.host, self.verifier.writer)
+        return verified, f"{why}; {how}"
+
 
     def serve_metrics(self, address: str) -> MetricsServer:
         return MetricsServer(address, self.metrics.registry, healthy=self.health, ready=self.readiness).start()
@@ -160,6 +176,10 @@ class Agent:
 
     def run(self, once: bool = False) -> int:
         server = self.serve_metrics(self.metrics_address) if self.metrics_address and not once else None
+        if not once:
+            # From the start: a pod deleted during its first reconcile (and its verification)
+            # finishes that step and stops, rather than dying half-way with the default action.
+            stop_on_signals(self.request_stop, log)
         try:
             first = self.reconcile("start", raise_errors=once)
             self.follow_cc()
@@ -168,7 +188,6 @@ class Agent:
                 if (self.cc.last is not None and not self.cc.last.ok) or (labelled is not None and not labelled.ok):
                     return Exit.FAILED
                 return first.exit_code()
-            stop_on_signals(self.request_stop, log)
             self._loop_and_revert()
         finally:
             if server is not None:

@@ -63,6 +63,9 @@ if TYPE_CHECKING:  # the client is imported only where a cluster is talked to
 
 log = logging.getLogger(__name__)
 
+# The agent's verdict on the installed artifacts (``kata_verify``), in katamgr's state dir.
+VERIFIED_NAME = "verified.json"
+
 
 @dataclass(frozen=True)
 class KataContext:
@@ -420,6 +423,7 @@ def revert(host: HostRoot, ctx: KataContext | None, *, delete_runtime_classes: b
             report.changes.append(f"removed {directory}")
     if report.ok:
         kata_record.forget(host)
+        host.state_path(VERIFIED_NAME).unlink(missing_ok=True)  # the agent's verdict on them
     return report
 
 

@@ -80,7 +80,9 @@ affinity:
 {{- end -}}
 {{- end -}}
 
+{{- /* The rollout node by node: minReadySeconds and the strategy (values.yaml, daemonsets). */}}
 {{- define "ksm.updateStrategy" -}}
+minReadySeconds: {{ .Values.daemonsets.minReadySeconds | default 0 | int }}
 updateStrategy:
   type: {{ .Values.daemonsets.updateStrategy }}
   {{- if eq .Values.daemonsets.updateStrategy "RollingUpdate" }}
