@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 from support.chartkit import FULL, SANDBOX, merged
-from support.paths import EXAMPLES
+from support.paths import EXAMPLES, TEST_DATA
 
 CUSTOM_CLASSES = merged(FULL, {
     "kataManager": {"config": {
@@ -67,6 +67,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "example-mixed-cluster": yaml.safe_load((EXAMPLES / "values" / "mixed-cluster.yaml").read_text()),
     "example-air-gapped": yaml.safe_load((EXAMPLES / "values" / "air-gapped.yaml").read_text()),
     "example-gpu-operator": yaml.safe_load((EXAMPLES / "values" / "gpu-operator.yaml").read_text()),
+    # The GPU Operator's own values file, unchanged, with its sandbox workloads turned on.
+    "gpu-operator-v26.7.0": merged(yaml.safe_load((TEST_DATA / "gpu-operator" / "values-v26.7.0.yaml").read_text()),
+                                   {"sandboxWorkloads": {"enabled": True, "mode": "kata"}}),
     # What the GPU Operator's users switch on: CDI comes from its default.
     "sandbox-kata-default-cdi": {"sandboxWorkloads": {"enabled": True}, "kataManager": {"enabled": True}},
 }

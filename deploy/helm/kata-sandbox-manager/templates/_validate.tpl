@@ -45,7 +45,9 @@ devices under a container GPU's name: a runc pod asking for nvidia.com/gpu would
 
 {{- define "ksm.validate" -}}
 {{- include "ksm.validateAliases" . -}}
-{{- if eq (toString .Values.sandboxWorkloads.mode) "kubevirt" -}}
+{{- /* With sandbox workloads off no sandbox operand runs, so the mode (kubevirt in the GPU
+       Operator's own defaults) chooses nothing: it is listed as ignored (ksm.ignoredValues). */ -}}
+{{- if and .Values.sandboxWorkloads.enabled (eq (toString .Values.sandboxWorkloads.mode) "kubevirt") -}}
 {{- fail "sandboxWorkloads.mode=kubevirt: this chart runs Kata Containers only; use the NVIDIA GPU Operator for KubeVirt, or set sandboxWorkloads.mode=kata (the default)" -}}
 {{- end -}}
 {{- if eq (toString .Values.sandboxWorkloads.defaultWorkload) "vm-vgpu" -}}
