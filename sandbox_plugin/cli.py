@@ -187,7 +187,7 @@ def _build(args: argparse.Namespace) -> tuple[HostRoot, Naming]:
     root = options.host_root(args)
     options.metrics_address(args)
     try:
-        host = HostRoot.at(root, runtime_root=args.runtime_root)
+        host = HostRoot.at(root, runtime_root=args.runtime_root, kubelet_dir=args.kubelet_dir)
         naming = options.naming_from(args, options.selection_from(args))
     except ValueError as exc:
         raise UsageError(str(exc)) from None

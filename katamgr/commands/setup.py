@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpunode.errors import ConfigError
-from gpunode.host.root import HostRoot
+from gpunode.host.root import KUBELET_DIR, HostRoot
 from gpunode.policy import selection as device_selection
 from gpunode.policy.naming import Naming
 from gpunode.policy.workload import (
@@ -51,7 +51,8 @@ def host_from(args: argparse.Namespace) -> Iterator[tuple[HostRoot, NodeExtras]]
         return
     root = options.host_root(args)
     # A dir `katamgr simulate` made gets its emulated kernel back; any other root the real one.
-    yield simulator.open_host(root, getattr(args, "runtime_root", "/"))
+    yield simulator.open_host(root, getattr(args, "runtime_root", "/"),
+                              getattr(args, "kubelet_dir", None) or KUBELET_DIR)
 
 
 def config_from(args: argparse.Namespace) -> KataManagerConfig | None:

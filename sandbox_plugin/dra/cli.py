@@ -27,7 +27,6 @@ from sandbox_plugin.commands import (
     mode_from_host,
     with_node_kata,
 )
-from sandbox_plugin.dra.registration import KUBELET_DIR
 from sandbox_plugin.follow import mode_for
 from sandbox_plugin.manager import Mode
 
@@ -77,8 +76,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--driver-name", default=DEFAULT_DRIVER, metavar="NAME",
                         help=f"the DRA driver name, a DNS subdomain of at most {DRIVER_NAME_MAX} "
                              f"characters (default: {DEFAULT_DRIVER})")
-    parser.add_argument("--kubelet-dir", default=KUBELET_DIR, metavar="DIR", type=options.absolute_path,
-                        help=f"the kubelet's root directory on the host (default: {KUBELET_DIR})")
     parser.add_argument("--kata-runtime-class", action="append", default=[], metavar="NAME",
                         help="a runtime class whose pods may be prepared claims of this driver "
                              "while its handler is a Kata runtime's (repeatable; default: "
@@ -130,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         check_driver_name(args.driver_name)
         runtime_classes = runtime_classes_from(args)
         try:
-            host = HostRoot.at(root, runtime_root=args.runtime_root)
+            host = HostRoot.at(root, runtime_root=args.runtime_root, kubelet_dir=args.kubelet_dir)
             naming = options.naming_from(args, options.selection_from(args))
             extras = node_extras(host.root, args.runtime_root)
             fabric = fabric_settings(args, extras)

@@ -42,6 +42,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "kata-off": merged(FULL, {"kataManager": {"enabled": False}}),
     "vfio-off": merged(FULL, {"vfioManager": {"enabled": False}}),
     "custom-classes": CUSTOM_CLASSES,
+    # k0s's kubelet root: every mount of the kubelet's dirs but the device plugins' moves.
+    "k0s-kubelet": merged(FULL, {"hostPaths": {"kubeletRootDir": "/var/lib/k0s/kubelet"}}),
     "tolerations-rootfs-vm-default": merged(FULL, {
         "sandboxWorkloads": {"defaultWorkload": "vm-passthrough"},
         "daemonsets": {"tolerations": TOLERATIONS, "updateStrategy": "OnDelete"},
@@ -76,7 +78,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
 
 # The options the three node programs share (gpunode.services.options), as the chart renders
 # them for its default values (ksm.nodeArgs): each value passed as values.yaml writes it.
-NODE_ARGS = ["--host-root", "/host", "--runtime-root", "/", "--node-name", "$(NODE_NAME)",
+NODE_ARGS = ["--host-root", "/host", "--runtime-root", "/", "--kubelet-dir", "/var/lib/kubelet",
+             "--node-name", "$(NODE_NAME)",
              "--default-workload", "container", "--log-format", "text", "--resource-naming", "nvidia",
              "--nvswitches", "auto", "--kata-version", "", "--nvlink-fabric", "auto",
              "--fabric-manager-address", "127.0.0.1:6666", "--fabric-manager-library", "libnvfm.so.1",

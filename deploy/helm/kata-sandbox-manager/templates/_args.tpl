@@ -23,6 +23,8 @@ agree: the plugins advertise exactly the devices katamgr binds and writes CDI sp
 - /host
 - --runtime-root
 - {{ .Values.hostPaths.rootFS | quote }}
+- --kubelet-dir
+- {{ include "ksm.kubeletDir" . | quote }}
 - --node-name
 - $(NODE_NAME)
 - --default-workload

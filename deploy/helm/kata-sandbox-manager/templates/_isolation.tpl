@@ -62,14 +62,18 @@ scope), the webhooks' rules (scope Namespaced).
 {{- end -}}
 
 {{/*
-The node's GPU control points, as a CEL list (katamgr/admission/hostpaths.py CONTROL_POINTS,
-in the same order): a hostPath at, under or above one is refused by both layers.
+The node's GPU control points, as a CEL list (katamgr/admission/hostpaths.py
+control_points, in the same order): a hostPath at, under or above one is refused by both
+layers. The kubelet's dirs below another root dir (hostPaths.kubeletRootDir) come last.
 */}}
 {{- define "ksm.gpuControlPoints" -}}
+{{- $kubelet := include "ksm.kubeletDir" . -}}
 ['/var/lib/kubelet/device-plugins', '/var/lib/kubelet/pod-resources', '/var/lib/kubelet/plugins',
 '/var/lib/kubelet/plugins_registry', '/etc/cdi', '/var/run/cdi', '/run/cdi', '/run/containerd',
 '/var/run/containerd', '/run/crio', '/var/run/crio', '/sys/bus/pci', '/sys/devices',
-'/sys/kernel/iommu_groups', '/sys/class', '/sys/dev', '/sys/module', '/dev/char']
+'/sys/kernel/iommu_groups', '/sys/class', '/sys/dev', '/sys/module', '/dev/char'
+{{- if ne $kubelet "/var/lib/kubelet" }}, '{{ $kubelet }}/pod-resources', '{{ $kubelet }}/plugins',
+'{{ $kubelet }}/plugins_registry'{{ end }}]
 {{- end -}}
 
 {{/*
