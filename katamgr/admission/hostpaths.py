@@ -104,8 +104,9 @@ def control_point_problem(pod: dict[str, Any], points: tuple[str, ...] = CONTROL
         if point:
             return (f'volume "{volume}" is the host path {path}, which reaches {point}, where the node '
                     f"controls its GPUs (device plugins, DRA drivers, CDI specs, the container runtime, "
-                    f"PCI devices in sysfs); node software that needs it runs in an exempt namespace, "
-                    f"other pods request a GPU resource")
+                    f"PCI devices in sysfs); node software that needs it runs in a namespace isolation "
+                    f"leaves out (list it in isolation.excludedNamespaces, or label it "
+                    f"isolation.kata-sandbox-manager.io/exempt=true), other pods request a GPU resource")
     return None
 
 
