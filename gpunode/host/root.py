@@ -19,6 +19,12 @@ from gpunode.host.kernel import LINUX, Kernel
 
 # Where katamgr keeps what it needs to undo its own changes.
 STATE_DIR = "/var/lib/kata-sandbox-manager"
+# The kubelet's root directory (its --root-dir) unless the node's kubelet has another (k0s:
+# /var/lib/k0s/kubelet; microk8s: /var/snap/microk8s/common/var/lib/kubelet). Its
+# pod-resources, plugins and plugins_registry dirs are below it (kubelet_getters.go
+# getPodResourcesDir, getPluginsDir, getPluginsRegistrationDir); the device plugins' dir is
+# not (kubeletapi.deviceplugin_paths).
+KUBELET_DIR = "/var/lib/kubelet"
 
 
 @dataclass(frozen=True)
@@ -29,10 +35,14 @@ class HostRoot:
     # chart's hostPaths.rootFS when the node's files live below another dir (the local
     # node of hack/local-cluster runs on a simulated root).
     runtime_root: str = "/"
+    # The kubelet's root directory on this host (--kubelet-dir; the chart's
+    # hostPaths.kubeletRootDir).
+    kubelet_dir: str = KUBELET_DIR
 
     @classmethod
-    def at(cls, root: str | Path, kernel: Kernel = LINUX, runtime_root: str = "/") -> HostRoot:
-        return cls(Path(root).resolve(), kernel, runtime_root)
+    def at(cls, root: str | Path, kernel: Kernel = LINUX, runtime_root: str = "/",
+           kubelet_dir: str = KUBELET_DIR) -> HostRoot:
+        return cls(Path(root).resolve(), kernel, runtime_root, kubelet_dir)
 
     def path(self, host_path: str | PurePosixPath) -> Path:
         """Map a host path ("/sys/bus/pci") to where we can reach it."""

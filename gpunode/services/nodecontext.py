@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from gpunode import kataclasses
 from gpunode.errors import ConfigError
-from gpunode.host.root import HostRoot
+from gpunode.host.root import KUBELET_DIR, HostRoot
 from gpunode.policy import health, katadetect
 from gpunode.policy import selection as sel
 from gpunode.policy.inventory import discover
@@ -135,7 +135,8 @@ def open_host(args: argparse.Namespace) -> tuple[HostRoot, NodeExtras]:
     """Step 1: the ``--host-root`` (ConfigError naming it when it is no directory) and what
     its node brings; a root ``katamgr simulate`` made gets its emulated kernel back."""
     try:
-        return simulator.open_host(options.host_root(args), getattr(args, "runtime_root", "/"))
+        return simulator.open_host(options.host_root(args), getattr(args, "runtime_root", "/"),
+                                   getattr(args, "kubelet_dir", None) or KUBELET_DIR)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 
 from gpunode.errors import ConfigError
 from gpunode.host.pciids import PciIds
+from gpunode.host.root import KUBELET_DIR
 from gpunode.policy import health, katadetect
 from gpunode.policy import naming as names
 from gpunode.policy import selection as sel
@@ -67,6 +68,13 @@ def add_runtime_root(parser) -> None:
                         help="where the node's / is as the kubelet and containerd see it, for the device "
                              "nodes CDI specs and Allocate answers name and the sockets the kubelet dials "
                              "(default /; the chart passes hostPaths.rootFS)")
+
+
+def add_kubelet_dir(parser) -> None:
+    parser.add_argument("--kubelet-dir", default=KUBELET_DIR, metavar="DIR", type=absolute_path,
+                        help="the kubelet's root directory (its --root-dir) on the host, where its "
+                             "pod-resources, plugins and plugins_registry dirs are (default: "
+                             f"{KUBELET_DIR}; the chart passes hostPaths.kubeletRootDir)")
 
 
 def add_containerd_config(parser) -> None:
@@ -323,6 +331,7 @@ def add_node_options(parser) -> None:
     Each program adds its own options beside them."""
     add_host_root(parser)
     add_runtime_root(parser)
+    add_kubelet_dir(parser)
     add_node(parser)
     add_devices(parser)
     add_fabric(parser)

@@ -26,6 +26,8 @@ from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
 
 POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+# Below the kubelet's root dir wherever it is (kubelet_getters.go getPodResourcesDir).
+SOCKET_BELOW_KUBELET_DIR = "pod-resources/kubelet.sock"
 DEFAULT_TIMEOUT = 5.0
 
 
@@ -56,9 +58,11 @@ _METHODS = {"List": "/v1.PodResourcesLister/List",
             "GetAllocatableResources": "/v1.PodResourcesLister/GetAllocatableResources"}
 
 
-def _ask(host: HostRoot, method: str, timeout: float, socket: str):
+def _ask(host: HostRoot, method: str, timeout: float, socket: str | None):
     """(the answer, None) of one PodResources call, or (None, why) when the kubelet could not
-    be asked (no socket, no answer within ``timeout``, an error)."""
+    be asked (no socket, no answer within ``timeout``, an error). ``socket`` None: below the
+    host's kubelet dir."""
+    socket = socket or f"{host.kubelet_dir.rstrip('/')}/{SOCKET_BELOW_KUBELET_DIR}"
     path = host.path(socket)
     if not path.exists():
         return None, f"the kubelet's PodResources socket {socket} does not exist"
@@ -88,7 +92,7 @@ def _ask(host: HostRoot, method: str, timeout: float, socket: str):
 
 
 def list_pod_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
-                     socket: str = POD_RESOURCES_SOCKET) -> PodDevices:
+                     socket: str | None = None) -> PodDevices:
     """Every device of every pod, by the kubelet's PodResources ``List``, within ``timeout``."""
     answer, why = _ask(host, "List", timeout, socket)
     if answer is None:
@@ -103,7 +107,7 @@ def list_pod_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
 
 
 def offered_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
-                    socket: str = POD_RESOURCES_SOCKET) -> tuple[frozenset[str], str | None]:
+                    socket: str | None = None) -> tuple[frozenset[str], str | None]:
     """The device IDs the kubelet can hand out now: PodResources ``GetAllocatableResources``,
     which lists only the healthy devices of its plugins (pkg/kubelet/cm/devicemanager
     manager.go ``GetAllocatableDevices``); a plugin that stood down has none there

@@ -19,6 +19,7 @@ simulated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import pkgutil
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from gpunode.errors import ConfigError
-from gpunode.host.root import HostRoot
+from gpunode.host.root import KUBELET_DIR, HostRoot
 
 GROUP = "kata_sandbox_manager.simulator"
 NAME = "node"
@@ -112,14 +113,17 @@ def required(what: str) -> Simulator:
     return sim
 
 
-def open_host(root: str | Path, runtime_root: str = "/") -> tuple[HostRoot, NodeExtras]:
+def open_host(root: str | Path, runtime_root: str = "/",
+              kubelet_dir: str = KUBELET_DIR) -> tuple[HostRoot, NodeExtras]:
     """The host root at ``root`` and what its node brings: an installed simulator's own root
     (``katamgr simulate`` made it) with its emulated kernel, else the real kernel's."""
     if not (Path(root) / MARKER).is_file():
-        return HostRoot.at(root, runtime_root=runtime_root), REAL_NODE
+        return HostRoot.at(root, runtime_root=runtime_root, kubelet_dir=kubelet_dir), REAL_NODE
     sim = installed()
     opened = sim.open_root(Path(root), runtime_root) if sim is not None else None
-    return opened or (HostRoot.at(root, runtime_root=runtime_root), REAL_NODE)
+    if opened is not None:
+        return dataclasses.replace(opened[0], kubelet_dir=kubelet_dir), opened[1]
+    return HostRoot.at(root, runtime_root=runtime_root, kubelet_dir=kubelet_dir), REAL_NODE
 
 
 def node_extras(root: str | Path, runtime_root: str = "/") -> NodeExtras:

@@ -66,10 +66,22 @@ def has_backstep(path: str) -> bool:
     return ".." in path.split("/")
 
 
-def control_point_of(host_path: str) -> str | None:
+# The kubelet's dirs below its --root-dir (kubelet_getters.go getPodResourcesDir, getPluginsDir,
+# getPluginsRegistrationDir): control points too where the root dir is not /var/lib/kubelet.
+KUBELET_ROOT_DIRS = ("pod-resources", "plugins", "plugins_registry")
+
+
+def control_points(kubelet_dir: str = "/var/lib/kubelet") -> tuple[str, ...]:
+    """CONTROL_POINTS, then the kubelet's own dirs below another root dir (k0s, microk8s)."""
+    root = canonical(kubelet_dir).rstrip("/")
+    extra = tuple(f"{root}/{d}" for d in KUBELET_ROOT_DIRS)
+    return CONTROL_POINTS + tuple(p for p in extra if p not in CONTROL_POINTS)
+
+
+def control_point_of(host_path: str, points: tuple[str, ...] = CONTROL_POINTS) -> str | None:
     """The first control point a hostPath of this path reaches (at, under or above it)."""
     path = canonical(host_path)
-    for point in CONTROL_POINTS:
+    for point in points:
         if path == "/" or path == point or path.startswith(point + "/") or point.startswith(path + "/"):
             return point
     return None
@@ -86,14 +98,15 @@ def backstep_volume_problem(pod: dict[str, Any]) -> str | None:
     return None
 
 
-def control_point_problem(pod: dict[str, Any]) -> str | None:
+def control_point_problem(pod: dict[str, Any], points: tuple[str, ...] = CONTROL_POINTS) -> str | None:
     for volume, path in host_paths(pod):
-        point = control_point_of(path)
+        point = control_point_of(path, points)
         if point:
             return (f'volume "{volume}" is the host path {path}, which reaches {point}, where the node '
                     f"controls its GPUs (device plugins, DRA drivers, CDI specs, the container runtime, "
-                    f"PCI devices in sysfs); node software that needs it runs in an exempt namespace, "
-                    f"other pods request a GPU resource")
+                    f"PCI devices in sysfs); node software that needs it runs in a namespace isolation "
+                    f"leaves out (list it in isolation.excludedNamespaces, or label it "
+                    f"isolation.kata-sandbox-manager.io/exempt=true), other pods request a GPU resource")
     return None
 
 

@@ -103,6 +103,9 @@ class Policy:
     handler_of: Callable[[str], str | None] | None = None
     # Passthrough GPUs through DRA claims (draclaims), where the webhook reads claims.
     dra: DraChecks | None = None
+    # The node paths no pod's hostPath may reach (hostpaths.control_points: the kubelet's
+    # dirs below its root dir too).
+    control_points: tuple[str, ...] = hostpaths.CONTROL_POINTS
 
     def is_confidential(self, runtime_class: str | None) -> bool:
         return bool(runtime_class) and (runtime_class in self.confidential_classes
@@ -188,7 +191,8 @@ def validate(pod: dict[str, Any], policy: Policy, *, subresource: str = "") -> s
     """Why the pod is denied, or None when it is allowed."""
     problem = None if subresource else (_kata_problem(pod, policy) or _cdi_problem(pod, policy)
                                         or hostpaths.backstep_volume_problem(pod)
-                                        or _host_path_problem(pod) or hostpaths.control_point_problem(pod))
+                                        or _host_path_problem(pod)
+                                        or hostpaths.control_point_problem(pod, policy.control_points))
     scope = _scope(subresource)
     problem = (problem or hostpaths.backstep_mount_problem(pod, scope) or _mount_problem(pod, scope)
                or _env_problem(pod, policy, scope))

@@ -20,6 +20,24 @@ _HOST = re.compile(
     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*)(?::[0-9]{1,5})?"
 )
 
+# What parse_ref accepts (and, for a layout, the config's absolute-path rule short of '/' and
+# '..', which the chart checks apart), as one regular expression that means the same to
+# Python's re and to Go's RE2 (no lookaround): the chart refuses at render time, with
+# regexMatch, an artifacts.url this does not match (templates/_validate.tpl,
+# ksm.validateArtifactRefs, holds a copy; tests/chart/test_artifact_refs.py holds them equal
+# and checks both on a table of references).
+_SPACE = r"[ \t\n\r\f\v]*"  # parse_ref strips the text first
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_PORT = r":[0-9]{1,5}"
+_REGISTRY_HOST = (rf"(?:\[[0-9A-Fa-f:.]+\](?:{_PORT})?|{_LABEL}(?:\.{_LABEL})*{_PORT}"
+                  rf"|{_LABEL}(?:\.{_LABEL})+|localhost)")
+_COMPONENT = _PATH_COMPONENT.pattern
+_REGISTRY_REF = (rf"{_REGISTRY_HOST}/{_COMPONENT}(?:/{_COMPONENT})*(?::{_TAG.pattern})?"
+                 rf"(?:@{_DIGEST.pattern})?")
+_LAYOUT_REF = (rf"oci-layout://(?:/[^\x00]*@{_DIGEST.pattern}"
+               rf"|(?:/[^@\x00]*)?/(?:[^@\x00:/]*|[^@\x00/]*:{_TAG.pattern}))")
+REFERENCE_PATTERN = rf"^{_SPACE}(?:{_REGISTRY_REF}|{_LAYOUT_REF}){_SPACE}$"
+
 
 @dataclass(frozen=True)
 class RegistryRef:

@@ -56,6 +56,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--host", metavar="PROFILE",
                        help="simulate PROFILE (a file or a shipped profile name) in a temp dir and work on that")
     options.add_runtime_root(parser)
+    options.add_kubelet_dir(parser)
     options.add_naming(parser)
     parser.add_argument("--config", metavar="FILE",
                         help="kataManager config (YAML, the GPU Operator's kataManager.config shape); "
@@ -300,6 +301,9 @@ def _webhook_parser(sub) -> None:
                    help="a DeviceClass of that driver's passthrough devices (repeatable; default "
                         "gpu.<driver> and nvswitch.<driver>, the chart's)")
     limits.add_arguments(p)  # --max-connections, --workers, --request-timeout, --idle-timeout
+    # The nodes' kubelet root dir: its pod-resources, plugins and plugins_registry dirs are
+    # control points no pod's hostPath may reach.
+    options.add_kubelet_dir(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log every request")
     options.add_log_format(p)
     p.set_defaults(func=cmd_webhook, host=None, host_root=None)

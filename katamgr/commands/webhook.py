@@ -11,6 +11,7 @@ log = logging.getLogger("katamgr")
 
 
 def cmd_webhook(args: argparse.Namespace) -> int:
+    from katamgr.admission.hostpaths import control_points
     from katamgr.admission.limits import from_args
     from katamgr.admission.rules import (
         DEFAULT_GPU_HANDLERS,
@@ -29,7 +30,8 @@ def cmd_webhook(args: argparse.Namespace) -> int:
                     kata_handlers=tuple(args.kata_handler or DEFAULT_KATA_HANDLERS),
                     gpu_handlers=tuple(args.kata_gpu_handler or DEFAULT_GPU_HANDLERS),
                     handler_of=_handler_lookup() if args.check_handlers else None,
-                    dra=_dra_checks(args) if args.dra_driver else None)
+                    dra=_dra_checks(args) if args.dra_driver else None,
+                    control_points=control_points(args.kubelet_dir))
     server = make_server(args.listen, args.tls_cert_file, args.tls_private_key_file, policy,
                          from_args(args))
     log.warning("katamgr webhook serving on https://%s (runtime classes %s)", args.listen,

@@ -52,6 +52,8 @@ PLUG_KEYS = ("cold_plug_vfio", "hot_plug_vfio")
 SOURCES_KEY = "pod_resource_device_sources"
 POD_RESOURCE_SOURCES = ("device-plugin", "dra")
 DEFAULT_SOURCES = ("device-plugin",)
+# Where Kata's GPU configs point the shim at the kubelet's PodResources API.
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,7 @@ def transform_kata_config(
                 table["pcie_root_port"] = root_ports
                 changes.append(f"{section}.pcie_root_port: {current} -> {root_ports}")
     _set_device_sources(doc, device_sources, changes)
+    _set_pod_resources_socket(doc, host, changes)
     rendered = artifact_dir / RENDERED_DIR / local.name
     rendered_host = host.host_path(rendered)
     changed = write_atomic(rendered, tomlkit.dumps(doc))
@@ -237,6 +240,20 @@ def _set_device_sources(doc, sources: tuple[str, ...], changes: list[str]) -> No
                                     "chart (dra.enabled); Kata releases without the setting ignore it."))
         runtime.add(SOURCES_KEY, array)
     changes.append(f"runtime.{SOURCES_KEY}: {current} -> {wanted}")
+
+
+def _set_pod_resources_socket(doc, host: HostRoot, changes: list[str]) -> None:
+    """``[runtime] pod_resource_api_sock`` moved below the node's kubelet root dir when that is
+    not /var/lib/kubelet (k0s, microk8s): the kubelet serves PodResources at
+    <root-dir>/pod-resources/kubelet.sock, where the shim must ask it which devices to cold-plug.
+    A socket the shipped config does not name at the default place is left as it is."""
+    runtime = doc.get("runtime")
+    wanted = f"{host.kubelet_dir.rstrip('/')}/pod-resources/kubelet.sock"
+    if not isinstance(runtime, dict) or runtime.get("pod_resource_api_sock") != DEFAULT_POD_RESOURCES_SOCKET:
+        return
+    if wanted != DEFAULT_POD_RESOURCES_SOCKET:
+        runtime["pod_resource_api_sock"] = wanted
+        changes.append(f"runtime.pod_resource_api_sock: {DEFAULT_POD_RESOURCES_SOCKET} -> {wanted}")
 
 
 def rendered_config(host: HostRoot, artifact_dir: Path) -> Path | None:

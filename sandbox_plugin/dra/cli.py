@@ -18,7 +18,6 @@ from gpunode.services.process import (
     stop_on_signals,
 )
 from sandbox_plugin.commands import UsageError, cluster_client, mode_from_host, node_context
-from sandbox_plugin.dra.registration import KUBELET_DIR
 from sandbox_plugin.follow import mode_for
 from sandbox_plugin.manager import Mode
 
@@ -68,8 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--driver-name", default=DEFAULT_DRIVER, metavar="NAME",
                         help=f"the DRA driver name, a DNS subdomain of at most {DRIVER_NAME_MAX} "
                              f"characters (default: {DEFAULT_DRIVER})")
-    parser.add_argument("--kubelet-dir", default=KUBELET_DIR, metavar="DIR", type=options.absolute_path,
-                        help=f"the kubelet's root directory on the host (default: {KUBELET_DIR})")
     parser.add_argument("--kata-runtime-class", action="append", default=[], metavar="NAME",
                         help="a runtime class whose pods may be prepared claims of this driver "
                              "while its handler is a Kata runtime's (repeatable; default: "

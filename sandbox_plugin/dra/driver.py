@@ -32,7 +32,7 @@ import time
 from typing import TYPE_CHECKING
 
 from gpunode.errors import GpuNodeError
-from gpunode.host.root import HostRoot
+from gpunode.host.root import KUBELET_DIR, HostRoot
 from gpunode.kataclasses import KATA_GPU_HANDLERS, KATA_HANDLERS
 from gpunode.policy.naming import Naming
 from gpunode.services.backoff import Backoff, Retries
@@ -42,7 +42,7 @@ from sandbox_plugin.dra import devices as dra_devices
 from sandbox_plugin.dra.checkpoint import Checkpoint
 from sandbox_plugin.dra.devices import DraDevice
 from sandbox_plugin.dra.preparing import ClaimPreparer, DeviceError
-from sandbox_plugin.dra.registration import KUBELET_DIR, Layout, Registration
+from sandbox_plugin.dra.registration import Layout, Registration
 from sandbox_plugin.dra.service import dra_socket
 from sandbox_plugin.dra.slices import SlicePublisher
 from sandbox_plugin.fabric import gpus_of_units

@@ -30,7 +30,6 @@ from sandbox_plugin.served import ServedSocket
 
 log = logging.getLogger(__name__)
 
-KUBELET_DIR = "/var/lib/kubelet"
 DRA_PLUGIN_TYPE = "DRAPlugin"
 # k8s.io/kubelet pkg/apis/dra/v1/types.go DRAPluginService: the name a driver lists
 # in supported_versions for the v1 DRAPlugin service.

@@ -38,7 +38,9 @@ REFUSED = {
     "hostpath-device-plugins": ('volume "dp" is the host path /var/lib/kubelet/device-plugins, which reaches '
                                 "/var/lib/kubelet/device-plugins, where the node controls its GPUs (device "
                                 "plugins, DRA drivers, CDI specs, the container runtime, PCI devices in sysfs); node "
-                                "software that needs it runs in an exempt namespace, other pods request a GPU resource"),
+                                "software that needs it runs in a namespace isolation leaves out (list it in "
+                                "isolation.excludedNamespaces, or label it isolation.kata-sandbox-manager.io/exempt=true), "
+                                "other pods request a GPU resource"),
     "hostpath-kubelet": "host path /var/lib/kubelet, which reaches /var/lib/kubelet/device-plugins,",
     "hostpath-var-run-cdi": "host path /var/run/cdi, which reaches /var/run/cdi,",
     "hostpath-etc-cdi": "host path /etc/cdi/nvidia.yaml, which reaches /etc/cdi,",

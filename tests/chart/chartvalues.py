@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 from support.chartkit import FULL, SANDBOX, merged
-from support.paths import EXAMPLES
+from support.paths import EXAMPLES, TEST_DATA
 
 CUSTOM_CLASSES = merged(FULL, {
     "kataManager": {"config": {
@@ -42,6 +42,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "kata-off": merged(FULL, {"kataManager": {"enabled": False}}),
     "vfio-off": merged(FULL, {"vfioManager": {"enabled": False}}),
     "custom-classes": CUSTOM_CLASSES,
+    # k0s's kubelet root: every mount of the kubelet's dirs but the device plugins' moves.
+    "k0s-kubelet": merged(FULL, {"hostPaths": {"kubeletRootDir": "/var/lib/k0s/kubelet"}}),
     "tolerations-rootfs-vm-default": merged(FULL, {
         "sandboxWorkloads": {"defaultWorkload": "vm-passthrough"},
         "daemonsets": {"tolerations": TOLERATIONS, "updateStrategy": "OnDelete"},
@@ -67,13 +69,17 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "example-mixed-cluster": yaml.safe_load((EXAMPLES / "values" / "mixed-cluster.yaml").read_text()),
     "example-air-gapped": yaml.safe_load((EXAMPLES / "values" / "air-gapped.yaml").read_text()),
     "example-gpu-operator": yaml.safe_load((EXAMPLES / "values" / "gpu-operator.yaml").read_text()),
+    # The GPU Operator's own values file, unchanged, with its sandbox workloads turned on.
+    "gpu-operator-v26.7.0": merged(yaml.safe_load((TEST_DATA / "gpu-operator" / "values-v26.7.0.yaml").read_text()),
+                                   {"sandboxWorkloads": {"enabled": True, "mode": "kata"}}),
     # What the GPU Operator's users switch on: CDI comes from its default.
     "sandbox-kata-default-cdi": {"sandboxWorkloads": {"enabled": True}, "kataManager": {"enabled": True}},
 }
 
 # The options the three node programs share (gpunode.services.options), as the chart renders
 # them for its default values (ksm.nodeArgs): each value passed as values.yaml writes it.
-NODE_ARGS = ["--host-root", "/host", "--runtime-root", "/", "--node-name", "$(NODE_NAME)",
+NODE_ARGS = ["--host-root", "/host", "--runtime-root", "/", "--kubelet-dir", "/var/lib/kubelet",
+             "--node-name", "$(NODE_NAME)",
              "--default-workload", "container", "--log-format", "text", "--resource-naming", "nvidia",
              "--nvswitches", "auto", "--kata-version", "", "--nvlink-fabric", "auto",
              "--fabric-manager-address", "127.0.0.1:6666", "--fabric-manager-library", "libnvfm.so.1",

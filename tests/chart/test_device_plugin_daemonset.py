@@ -21,7 +21,7 @@ def test_defaults_run_only_the_container_gpu_plugin_unprivileged(chart):
     ]
     plugin = container(rendered, "-device-plugin", "device-plugin")
     assert plugin["command"] == ["sandbox-device-plugin"]
-    assert plugin["args"] == ["--host-root", "/host", "--workload", "container",
+    assert plugin["args"] == ["--host-root", "/host", "--kubelet-dir", "/var/lib/kubelet", "--workload", "container",
                               "--node-name", "$(NODE_NAME)", "--log-format", "text",
                               "--metrics-address", "0.0.0.0:9411"]
     assert env_names(plugin)["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"

@@ -378,10 +378,9 @@ def test_both_commands_understand_the_naming_arguments(chart, values):
 # --- refused values ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("values", [
-    {"sandboxWorkloads": {"mode": "kubevirt"}},
     {"sandboxWorkloads": {"enabled": True, "mode": "kubevirt"}},
     merged(GPU_OPERATOR, {"sandboxWorkloads": {"mode": "kubevirt"}}),
-], ids=["sandbox-off", "sandbox-on", "gpu-operator"])
+], ids=["sandbox-on", "gpu-operator"])
 @pytest.mark.integration
 def test_kubevirt_mode_is_refused_naming_kubevirt(helm, chart, values):
     with pytest.raises(helm.HelmError) as caught:
@@ -392,6 +391,14 @@ def test_kubevirt_mode_is_refused_naming_kubevirt(helm, chart, values):
     assert "NVIDIA GPU Operator" in message, message
     # helm lint turns `fail` into a log line (so charts with required values lint); install,
     # upgrade and template all stop here.
+
+
+@pytest.mark.integration
+def test_kubevirt_mode_with_sandbox_workloads_off_is_listed_as_ignored(chart):
+    # The GPU Operator's own defaults: sandbox workloads off, mode kubevirt. No sandbox
+    # operand runs, so the mode chooses nothing.
+    text = notes(chart, {"sandboxWorkloads": {"mode": "kubevirt"}})
+    assert "sandboxWorkloads.mode" in text.split("ignored GPU Operator values:")[1]
 
 
 @pytest.mark.integration
@@ -408,10 +415,11 @@ def test_kata_mode_is_the_default(chart):
     ({"cdi": {"default": "yes"}}, ["/cdi/default", "boolean"]),
     ({"ccManager": "on"}, ["/ccManager", "object"]),
     ({"vfioManager": {"driverManager": {"args": []}}}, ["/vfioManager/driverManager", "'args'"]),
-    ({"hostPaths": {"kubeletRootDir": "/var/lib/kubelet"}}, ["/hostPaths", "'kubeletRootDir'"]),
+    ({"hostPaths": {"kubeletDir": "/var/lib/kubelet"}}, ["/hostPaths", "'kubeletDir'"]),
+    ({"hostPaths": {"kubeletRootDir": "var/lib/k0s/kubelet"}}, ["/hostPaths/kubeletRootDir"]),
     ({"hostPaths": {"driverInstallDir": "run/nvidia/driver"}}, ["/hostPaths/driverInstallDir"]),
-    # The GPU Operator's non-sandbox blocks are not carried over.
-    ({"driver": {"enabled": False}}, ["'driver'", "not allowed"]),
+    # A key neither chart knows (the GPU Operator's blocks are accepted whole).
+    ({"drivers": {"enabled": False}}, ["'drivers'", "not allowed"]),
     ({"image": {"version": "0.1.0"}}, ["/image", "'version'"]),
     ({"image": {"tag": "v1 beta"}}, ["/image/tag"]),
     ({"kataManager": {"imagePullPolicy": "Sometimes"}}, ["/kataManager/imagePullPolicy"]),
@@ -429,7 +437,7 @@ def test_kata_mode_is_the_default(chart):
      ["/kataSandboxDevicePlugin/env/0", "'value'"]),
 ], ids=["unknown-mode", "unknown-kata-plugin-key", "unknown-cdi-key", "cdi-default-not-bool",
         "cc-manager-not-a-map", "unknown-driver-manager-key", "unknown-host-path",
-        "relative-driver-install-dir", "gpu-operator-driver-block", "unknown-image-key",
+        "relative-kubelet-root-dir", "relative-driver-install-dir", "misspelt-gpu-operator-block", "unknown-image-key",
         "bad-image-tag", "bad-pull-policy", "args-not-a-list", "unknown-resource-naming",
         "alias-starts-with-digit", "bad-p-gpu-alias", "bad-chart-env-alias", "alias-from-value-from"])
 @pytest.mark.integration

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import pytest
 from support import podkit
-from support.chartkit import BEFORE_1_30, render
+from support.chartkit import BEFORE_1_30, merged, render
 from support.isolationkit import POLICY, WEBHOOK
 from test_isolation_policy import _cel_env, evaluate_policy
 
-from katamgr.admission.hostpaths import CONTROL_POINTS
+from katamgr.admission.hostpaths import CONTROL_POINTS, control_points
 from katamgr.admission.rules import Policy, validate, validate_update
+from katamgr.cli import build_parser as katamgr_parser
 
 REFUSED_PATHS = {
     "mountpath-dotdot": 'container "app" mounts volume "null" at /tmp/../var/run/nvidia-container-devices/all, '
@@ -56,8 +57,9 @@ ADMITTED_PATHS = ["hostpath-var-log", "hostpath-kubelet-pods", "hostpath-cgroup"
 REFUSED_UPDATES = ["annotate-gpu-all", "annotate-toolkit", "change-to-gpu", "change-gpu-to-other"]
 
 
-def _policy(chart) -> dict:
-    return render(chart, POLICY).get("ValidatingAdmissionPolicy", "-passthrough-needs-kata")
+def _policy(chart, values: dict | None = None) -> dict:
+    return render(chart, merged(POLICY, values or {})).get("ValidatingAdmissionPolicy",
+                                                           "-passthrough-needs-kata")
 
 
 def test_the_cases_are_all_named():
@@ -85,10 +87,31 @@ def test_a_dotdot_mount_of_kubectl_debug_is_refused_by_both(chart):
     assert message.startswith('ephemeral container "debugger" mounts volume "null" at /tmp/../')
 
 
-def test_the_policy_lists_the_control_points_the_webhook_does(chart):
-    (variable,) = [v for v in _policy(chart)["spec"]["variables"] if v["name"] == "controlPoints"]
+@pytest.mark.parametrize("kubelet", ["", "/var/lib/k0s/kubelet", "/var/snap/microk8s/common/var/lib/kubelet/"])
+def test_the_policy_lists_the_control_points_the_webhook_does(chart, kubelet):
+    values = {"hostPaths": {"kubeletRootDir": kubelet}}
+    (variable,) = [v for v in _policy(chart, values)["spec"]["variables"] if v["name"] == "controlPoints"]
     listed = variable["expression"].split("].exists(x, [", 1)[1].split("]", 1)[0]
-    assert [p.strip().strip("'") for p in listed.split(",")] == list(CONTROL_POINTS)
+    rendered = render(chart, merged(POLICY, values))
+    [webhook] = rendered.get("Deployment", "-webhook")["spec"]["template"]["spec"]["containers"]
+    args = katamgr_parser().parse_args(["webhook", *webhook["args"]])
+    assert [p.strip().strip("'") for p in listed.split(",")] == list(control_points(args.kubelet_dir))
+    if kubelet:
+        assert control_points(args.kubelet_dir)[len(CONTROL_POINTS):] == tuple(
+            f"{kubelet.rstrip('/')}/{d}" for d in ("pod-resources", "plugins", "plugins_registry"))
+    else:
+        assert control_points(args.kubelet_dir) == CONTROL_POINTS
+
+
+def test_the_kubelet_dirs_below_another_root_are_refused_by_both_layers(chart):
+    # k0s's kubelet serves PodResources at /var/lib/k0s/kubelet/pod-resources (kubelet_getters.go).
+    values = {"hostPaths": {"kubeletRootDir": "/var/lib/k0s/kubelet"}}
+    obj = podkit.pod(podkit.container(mounts={"h": "/h"}), host_paths={"h": "/var/lib/k0s/kubelet/pod-resources"})
+    ok, message = evaluate_policy(_policy(chart, values), obj)
+    denial = validate(obj, Policy(control_points=control_points("/var/lib/k0s/kubelet")))
+    assert not ok and message == denial.split(": ", 1)[1]
+    assert "reaches /var/lib/k0s/kubelet/pod-resources" in message
+    assert validate(obj, Policy()) is None  # a node of the default root has nothing there
 
 
 @pytest.mark.parametrize("point", CONTROL_POINTS)

@@ -21,7 +21,7 @@ PROGRAMS = {
     "sandbox-dra-driver": (dra_parser, []),
 }
 
-SHARED = ("host_root", "runtime_root", "node_name", "workload", "default_workload", "pci_ids",
+SHARED = ("host_root", "runtime_root", "kubelet_dir", "node_name", "workload", "default_workload", "pci_ids",
           "resource_naming", "alias", "nvswitch_alias", "include_device", "exclude_device",
           "nvswitches", "kata_version", "nvlink_fabric", "fabric_manager_address",
           "fabric_manager_library", "gpu_module_ids", "log_format", "verbose")
@@ -48,6 +48,7 @@ def test_the_three_programs_have_the_same_defaults(monkeypatch):
     ("--nvswitches", "true", "--kata-version", "4.1.0"),
     ("--nvswitches", "false"),
     ("--runtime-root", "/srv/node/"),
+    ("--kubelet-dir", "/var/lib/k0s/kubelet/"),
     ("--include-device", "1234:11e8=example.com/edu", "--exclude-device", "0000:01:00.0"),
     ("--resource-naming", "compact", "--alias", "pgpu"),
     ("--nvlink-fabric", "sharedNvswitch", "--gpu-module-ids", "1=0000:1b:00.0"),
@@ -63,6 +64,7 @@ def test_one_spelling_means_the_same_in_all_three(args):
     (("--workload", "gpu-please"), "'gpu-please'"),
     (("--default-workload", "auto"), "'auto'"),  # auto is what --workload resolves, not a workload
     (("--runtime-root", "srv/node"), "'srv/node' is not an absolute path"),
+    (("--kubelet-dir", "var/lib/k0s/kubelet"), "'var/lib/k0s/kubelet' is not an absolute path"),
     (("--nvswitches", "maybe"), "'maybe' is not one of auto, true, false"),
     (("--nvlink-fabric", "nvlink"), "'nvlink'"),
     (("--resource-naming", "short"), "'short'"),
@@ -97,3 +99,15 @@ def test_the_older_spellings_still_work_and_say_what_to_write(capsys):
     for program in PROGRAMS:
         assert parse(program, "--nvswitches", "yes").nvswitches is True
         assert "write --nvswitches true" in capsys.readouterr().err
+
+
+def test_katamgr_works_on_the_host_with_the_kubelet_dir_it_is_given(tmp_path):
+    """The node's kubelet root (k0s: /var/lib/k0s/kubelet) is where katamgr asks the
+    kubelet's PodResources service which pods hold GPUs (gpunode.services.podresources)."""
+    from katamgr.commands.setup import host_from
+
+    args = parse("katamgr", "--host-root", str(tmp_path), "--kubelet-dir", "/var/lib/k0s/kubelet/")
+    with host_from(args) as (host, _):
+        assert host.kubelet_dir == "/var/lib/k0s/kubelet"
+    with host_from(parse("katamgr", "--host-root", str(tmp_path))) as (host, _):
+        assert host.kubelet_dir == "/var/lib/kubelet"

@@ -1,6 +1,7 @@
 """The chart's schema for the agent's config is generated from the config model, and agrees
 with it: what the schema accepts the agent loads, what the agent refuses the schema refuses
-(save the artifact reference grammar, which only the agent checks)."""
+(save the artifact reference grammar, which the schema leaves to the agent and to the chart's
+render check, tests/chart/test_artifact_refs.py)."""
 
 from __future__ import annotations
 

@@ -197,3 +197,25 @@ def test_a_kubelet_that_does_not_answer_is_a_bounded_wait_and_is_reported(tmp_pa
     assert time.monotonic() - started < 3 and "UNAVAILABLE" in asked.unknown
     path.unlink()
     assert "does not exist" in list_pod_devices(host).unknown
+
+
+def test_the_kubelet_is_asked_below_its_own_root_dir():
+    """A kubelet with another --root-dir (k0s: /var/lib/k0s/kubelet) serves PodResources
+    below it (kubelet_getters.go getPodResourcesDir: <root-dir>/pod-resources); katamgr and the
+    plugins ask there once told (--kubelet-dir, the chart's hostPaths.kubeletRootDir)."""
+    import dataclasses
+
+    host = dataclasses.replace(short_host([dev(HELD, GPU_A10, "vfio-pci", 4)]),
+                               kubelet_dir="/var/lib/k0s/kubelet")
+    pods = [PodRecord("default", "vm-a", [ContainerRecord("cuda", {A10: [HELD.lower()]})])]
+    server = PodResourcesServer(host.path("/var/lib/k0s/kubelet/pod-resources/kubelet.sock"),
+                                lambda: Snapshot(pods, {}))
+    server.start()
+    try:
+        asked = list_pod_devices(host)
+        assert asked.unknown is None and [a.pod for a in asked.assignments] == ["vm-a"]
+        default = list_pod_devices(dataclasses.replace(host, kubelet_dir="/var/lib/kubelet"))
+        assert default.unknown == ("the kubelet's PodResources socket "
+                                   "/var/lib/kubelet/pod-resources/kubelet.sock does not exist")
+    finally:
+        server.stop()

@@ -193,3 +193,27 @@ def test_the_device_sources_follow_the_chart_and_a_shipped_key_is_changed_in_pla
     assert not transform_kata_config(host, local, device_sources=("device-plugin", "dra")).changed
     with pytest.raises(ConfigError, match="pod_resource_device_sources"):
         transform_kata_config(host, local, device_sources=("dra", "dra"))
+
+
+def test_the_pod_resources_socket_follows_the_kubelet_root_dir(host: HostRoot) -> None:
+    """A kubelet with --root-dir /var/lib/k0s/kubelet (k0s) serves PodResources below it
+    (kubelet_getters.go getPodResourcesDir): the shim must ask there to cold-plug a pod's GPUs."""
+    import dataclasses
+
+    # Kata 4.1.0's NVIDIA GPU configs name it (src/runtime/Makefile DEFPODRESOURCEAPISOCK_NV,
+    # $(DEFKUBELETROOTDIR)/pod-resources/kubelet.sock, the root dir /var/lib/kubelet); the
+    # [runtime] table ends the fixture.
+    shipped = FIXTURE.read_text() + 'pod_resource_api_sock = "/var/lib/kubelet/pod-resources/kubelet.sock"\n'
+    k0s = dataclasses.replace(host, kubelet_dir="/var/lib/k0s/kubelet")
+    local = install(k0s, config=shipped)
+    result = transform_kata_config(k0s, local)
+    runtime = tomllib.loads((local / "rendered" / FIXTURE.name).read_text())["runtime"]
+    assert runtime["pod_resource_api_sock"] == "/var/lib/k0s/kubelet/pod-resources/kubelet.sock"
+    assert ("runtime.pod_resource_api_sock: /var/lib/kubelet/pod-resources/kubelet.sock -> "
+            "/var/lib/k0s/kubelet/pod-resources/kubelet.sock") in result.changes
+    # On the default root it is left as shipped.
+    other = HostRoot.at(host.root / "other")
+    local = install(other, config=shipped)
+    transform_kata_config(other, local)
+    runtime = tomllib.loads((local / "rendered" / FIXTURE.name).read_text())["runtime"]
+    assert runtime["pod_resource_api_sock"] == "/var/lib/kubelet/pod-resources/kubelet.sock"

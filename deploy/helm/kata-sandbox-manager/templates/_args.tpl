@@ -25,6 +25,8 @@ check between tenants does.
 - /host
 - --runtime-root
 - {{ .Values.hostPaths.rootFS | quote }}
+- --kubelet-dir
+- {{ include "ksm.kubeletDir" . | quote }}
 - --node-name
 - $(NODE_NAME)
 - --default-workload

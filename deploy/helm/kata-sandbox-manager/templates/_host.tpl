@@ -11,6 +11,19 @@ plugins share, the kubelet's sockets and the NVLink fabric's dirs.
 {{- printf "%s%s" $root (index . 1) -}}
 {{- end -}}
 
+{{/*
+The kubelet's root dir on the node (its --root-dir): hostPaths.kubeletRootDir, as the GPU
+Operator names it (k0s: /var/lib/k0s/kubelet; microk8s:
+/var/snap/microk8s/common/var/lib/kubelet); empty, /var/lib/kubelet. Its pod-resources,
+plugins and plugins_registry dirs are below it (kubelet_getters.go), and the node programs
+are told where (--kubelet-dir). The device plugins' dir is not: the kubelet serves its
+registration socket at /var/lib/kubelet/device-plugins/kubelet.sock whatever its root dir
+(devicemanager.NewManagerImpl takes pluginapi.KubeletSocket), so that one stays.
+*/}}
+{{- define "ksm.kubeletDir" -}}
+{{- .Values.hostPaths.kubeletRootDir | default "/var/lib/kubelet" | trimSuffix "/" -}}
+{{- end -}}
+
 {{/* Where a host path is reachable inside our containers (--host-root /host). */}}
 {{- define "ksm.inHost" -}}
 {{- printf "/host%s" . -}}
@@ -69,7 +82,7 @@ uninstall hook, so a revert reaches everything the agent changed: the locals bot
   readOnly: true
 # A workload switch keeps the GPUs the kubelet gave pods (its PodResources API).
 - name: pod-resources
-  mountPath: {{ include "ksm.inHost" "/var/lib/kubelet/pod-resources" }}
+  mountPath: {{ include "ksm.inHost" (printf "%s/pod-resources" (include "ksm.kubeletDir" .)) }}
   readOnly: true
 {{- end }}
 # The node's Kata (gpunode.policy.katadetect): containerd's config and kata-deploy's install,
@@ -200,14 +213,15 @@ so that all three decide by one release. */}}
 {{- end -}}
 
 {{/*
-Kubelet sockets every device-plugin container needs: its own registration dir, and
-pod-resources (read-only: connecting to a unix socket works on a read-only mount).
+Kubelet sockets every device-plugin container needs: its own registration dir (fixed by the
+kubelet, ksm.kubeletDir), and pod-resources (read-only: connecting to a unix socket works on a
+read-only mount).
 */}}
 {{- define "ksm.kubeletMounts" -}}
 - name: device-plugins
   mountPath: {{ include "ksm.inHost" "/var/lib/kubelet/device-plugins" }}
 - name: pod-resources
-  mountPath: {{ include "ksm.inHost" "/var/lib/kubelet/pod-resources" }}
+  mountPath: {{ include "ksm.inHost" (printf "%s/pod-resources" (include "ksm.kubeletDir" .)) }}
   readOnly: true
 {{- end -}}
 
@@ -227,7 +241,7 @@ pod-resources (read-only: connecting to a unix socket works on a read-only mount
 {{- define "ksm.podResourcesVolume" -}}
 - name: pod-resources
   hostPath:
-    path: {{ include "ksm.hostPath" (list . "/var/lib/kubelet/pod-resources") }}
+    path: {{ include "ksm.hostPath" (list . (printf "%s/pod-resources" (include "ksm.kubeletDir" .))) }}
     type: Directory
 {{- end -}}
 

@@ -62,14 +62,18 @@ scope), the webhooks' rules (scope Namespaced).
 {{- end -}}
 
 {{/*
-The node's GPU control points, as a CEL list (katamgr/admission/hostpaths.py CONTROL_POINTS,
-in the same order): a hostPath at, under or above one is refused by both layers.
+The node's GPU control points, as a CEL list (katamgr/admission/hostpaths.py
+control_points, in the same order): a hostPath at, under or above one is refused by both
+layers. The kubelet's dirs below another root dir (hostPaths.kubeletRootDir) come last.
 */}}
 {{- define "ksm.gpuControlPoints" -}}
+{{- $kubelet := include "ksm.kubeletDir" . -}}
 ['/var/lib/kubelet/device-plugins', '/var/lib/kubelet/pod-resources', '/var/lib/kubelet/plugins',
 '/var/lib/kubelet/plugins_registry', '/etc/cdi', '/var/run/cdi', '/run/cdi', '/run/containerd',
 '/var/run/containerd', '/run/crio', '/var/run/crio', '/sys/bus/pci', '/sys/devices',
-'/sys/kernel/iommu_groups', '/sys/class', '/sys/dev', '/sys/module', '/dev/char']
+'/sys/kernel/iommu_groups', '/sys/class', '/sys/dev', '/sys/module', '/dev/char'
+{{- if ne $kubelet "/var/lib/kubelet" }}, '{{ $kubelet }}/pod-resources', '{{ $kubelet }}/plugins',
+'{{ $kubelet }}/plugins_registry'{{ end }}]
 {{- end -}}
 
 {{/*
@@ -96,6 +100,34 @@ or "". Unguarded, whoever may update a namespace could take it out of both layer
 {{- end -}}
 
 {{/*
+The namespaces the NVIDIA GPU Operator runs in, as a JSON list: each ClusterPolicy's
+status.namespace, which its controller writes (ClusterPolicy.SetStatus, with the namespace the
+operator runs in), looked up at helm install and upgrade (isolation.gpuOperator.findNamespace)
+where the cluster serves nvidia.com/v1 ClusterPolicy. Helm's lookup sees no cluster in helm
+template or a client dry run: none then.
+*/}}
+{{- define "ksm.gpuOperatorNamespaces" -}}
+{{- $found := list -}}
+{{- $find := dig "gpuOperator" "findNamespace" true (.Values.isolation | default dict) -}}
+{{- if and $find (.Capabilities.APIVersions.Has "nvidia.com/v1/ClusterPolicy") -}}
+{{- range (lookup "nvidia.com/v1" "ClusterPolicy" "" "").items | default list -}}
+{{- with dig "status" "namespace" "" . }}{{ $found = append $found . }}{{ end -}}
+{{- end -}}
+{{- end -}}
+{{- $found | uniq | toJson -}}
+{{- end -}}
+
+{{/*
+Every namespace both isolation layers leave out by name, as a JSON list: the release's (the
+webhook never blocks its own pods), isolation.excludedNamespaces, and the GPU Operator's found
+in the cluster (ksm.gpuOperatorNamespaces).
+*/}}
+{{- define "ksm.excludedNamespaces" -}}
+{{- $named := .Values.isolation.excludedNamespaces | default list -}}
+{{- concat (list .Release.Namespace) $named (include "ksm.gpuOperatorNamespaces" . | fromJsonArray) | uniq | toJson -}}
+{{- end -}}
+
+{{/*
 The pods an isolation layer looks at, as the namespaceSelector and objectSelector of a
 webhook entry or an admission policy binding's matchResources (one helper: both layers
 leave out the same namespaces). Call with (list $ VALUES), VALUES isolation.webhook or
@@ -108,7 +140,7 @@ isolation.kata-sandbox-manager.io/exempt=true.
 {{- $root := index . 0 -}}
 {{- $layer := index . 1 -}}
 {{- $selector := deepCopy ($layer.namespaceSelector | default dict) -}}
-{{- $excluded := concat (list $root.Release.Namespace) ($root.Values.isolation.excludedNamespaces | default list) | uniq -}}
+{{- $excluded := include "ksm.excludedNamespaces" $root | fromJsonArray -}}
 {{- $exempt := dict "key" "isolation.kata-sandbox-manager.io/exempt" "operator" "NotIn" "values" (list "true") -}}
 {{- $exprs := concat ($selector.matchExpressions | default list) (list (dict "key" "kubernetes.io/metadata.name" "operator" "NotIn" "values" $excluded)) -}}
 {{- if include "ksm.exemptLabelGuarded" $root }}{{ $exprs = append $exprs $exempt }}{{ end -}}

@@ -82,5 +82,27 @@ block overrides for the same container counts when it differs from the value use
 {{- if not (empty (index $v.cdi $key)) }}{{ $out = append $out (printf "cdi.%s" $key) }}{{ end -}}
 {{- end -}}
 {{- if not (empty $v.hostPaths.driverInstallDir) }}{{ $out = append $out "hostPaths.driverInstallDir" }}{{ end -}}
+{{- if and (not $v.sandboxWorkloads.enabled) (ne (toString $v.sandboxWorkloads.mode) "kata") -}}
+{{- $out = append $out "sandboxWorkloads.mode" -}}
+{{- end -}}
+{{- /* The GPU Operator's blocks for operands this chart does not run (its driver, toolkit,
+       NFD, DCGM, MIG, vGPU, ...): values.schema.json accepts them whole, and each set one is
+       named once here, by its top-level key. */ -}}
+{{- range $key := include "ksm.gpuOperatorOnlyKeys" . | fromJsonArray -}}
+{{- if not (empty (index $v $key)) }}{{ $out = append $out $key }}{{ end -}}
+{{- end -}}
 {{- $out | join "\n" -}}
+{{- end -}}
+
+{{/*
+The top-level keys of the GPU Operator's values.yaml (NVIDIA/gpu-operator
+deployments/gpu-operator/values.yaml, v26.7.0) for what this chart does not run, as a JSON
+list; values.schema.json has each as a property that takes anything
+(tests/chart/test_gpu_operator_values.py holds the two lists equal).
+*/}}
+{{- define "ksm.gpuOperatorOnlyKeys" -}}
+["platform", "nfd", "psa", "validator", "operator", "mig", "driver", "toolkit", "dcgm",
+ "dcgmExporter", "gfd", "migManager", "nodeStatusExporter", "gds", "gdrcopy", "vgpuManager",
+ "vgpuDeviceManager", "clusterPolicy", "gpuCluster", "draDriver", "extraObjects",
+ "node-feature-discovery"]
 {{- end -}}

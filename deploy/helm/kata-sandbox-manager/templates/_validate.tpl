@@ -43,9 +43,34 @@ devices under a container GPU's name: a runc pod asking for nvidia.com/gpu would
 {{- end -}}
 {{- end -}}
 
+{{/*
+Refuses an artifacts.url that is not an OCI reference, naming it and the fix, by the agent's
+own rule (katamgr.artifacts.refs REFERENCE_PATTERN, copied here: tests/chart/test_artifact_refs.py
+holds them equal and judges a table of references by both), so a bad reference fails the
+install instead of every agent's config. A layout's dir rule (absolute, no '..') is
+ksm.ociLayoutDirs'.
+*/}}
+{{- define "ksm.validateArtifactRefs" -}}
+{{- $pattern := `^[ \t\n\r\f\v]*(?:(?:\[[0-9A-Fa-f:.]+\](?::[0-9]{1,5})?|[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*:[0-9]{1,5}|[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+|localhost)/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?|oci-layout://(?:/[^\x00]*@sha256:[0-9a-f]{64}|(?:/[^@\x00]*)?/(?:[^@\x00:/]*|[^@\x00/]*:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})))[ \t\n\r\f\v]*$` -}}
+{{- range $i, $rc := .Values.kataManager.config.runtimeClasses | default list -}}
+{{- $url := dig "artifacts" "url" "" $rc | toString -}}
+{{- if not (regexMatch $pattern $url) -}}
+{{- $fix := "write registry-host/repository:tag or registry-host/repository@sha256:<64 hex digits> (e.g. nvcr.io/nvidia/cloud-native/kata-gpu-artifacts:TAG), or oci-layout:///absolute/dir[:TAG] for an OCI image layout on the node" -}}
+{{- $scheme := regexFind "^[A-Za-z][A-Za-z0-9+.-]*://" (trim $url) -}}
+{{- if and $scheme (ne $scheme "oci-layout://") -}}
+{{- $fix = printf "drop the %s scheme (a registry is named by its host alone) and %s" $scheme $fix -}}
+{{- end -}}
+{{- fail (printf "kataManager.config.runtimeClasses[%d].artifacts.url %q is not an OCI reference, so no agent could pull it; %s" $i $url $fix) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "ksm.validate" -}}
 {{- include "ksm.validateAliases" . -}}
-{{- if eq (toString .Values.sandboxWorkloads.mode) "kubevirt" -}}
+{{- include "ksm.validateArtifactRefs" . -}}
+{{- /* With sandbox workloads off no sandbox operand runs, so the mode (kubevirt in the GPU
+       Operator's own defaults) chooses nothing: it is listed as ignored (ksm.ignoredValues). */ -}}
+{{- if and .Values.sandboxWorkloads.enabled (eq (toString .Values.sandboxWorkloads.mode) "kubevirt") -}}
 {{- fail "sandboxWorkloads.mode=kubevirt: this chart runs Kata Containers only; use the NVIDIA GPU Operator for KubeVirt, or set sandboxWorkloads.mode=kata (the default)" -}}
 {{- end -}}
 {{- if eq (toString .Values.sandboxWorkloads.defaultWorkload) "vm-vgpu" -}}
