@@ -64,6 +64,7 @@ class Split:
     container: tuple[Device, ...]
     nvswitches_to_vm: bool
     notes: tuple[str, ...] = ()
+    nvswitches: tuple[Device, ...] = ()  # the node's selected NVSwitches, whichever side
 
     @property
     def is_split(self) -> bool:
@@ -89,8 +90,9 @@ def split(gpus: Sequence[Device], value: str | None, *, nvswitches: Sequence[Dev
     """The VM and container shares of ``gpus`` (the node's GPUs in bus order) by the split label's
     ``value`` (None or "": no label). ``products``: BDF -> ``nvidia.com/gpu.product`` name."""
     gpus = tuple(sorted(gpus, key=lambda d: d.bdf))
+    nvswitches = tuple(nvswitches)
     if value is None or value == "":
-        return Split(None, gpus, (), True)
+        return Split(None, gpus, (), True, nvswitches=nvswitches)
     if len(value) > 63 or not _LABEL_VALUE.match(value):
         raise _bad(value, "is not a Kubernetes label value (at most 63 characters of A-Z, a-z, 0-9, "
                           "'-', '_' and '.', starting and ending with a letter or digit)")
@@ -103,7 +105,7 @@ def split(gpus: Sequence[Device], value: str | None, *, nvswitches: Sequence[Dev
         notes.append(f"the NVSwitches ({', '.join(d.bdf for d in nvswitches)}) stay on the host for the "
                      "container GPUs' NVLink fabric: each VM GPU is a one-GPU VM with its NVLinks "
                      "disabled (Fabric Manager User Guide §6.1)")
-    return Split(value, vm, container, vm_all, tuple(notes))
+    return Split(value, vm, container, vm_all, tuple(notes), nvswitches)
 
 
 def _wanted(gpus: tuple[Device, ...], value: str, products: Mapping[str, str]) -> tuple[Device, ...]:
@@ -200,12 +202,12 @@ def _whole_groups(gpus: tuple[Device, ...], wanted: tuple[Device, ...], value: s
     return tuple(d for d in gpus if d.bdf in chosen)
 
 
-def selection_for(selection: Selection, share: Split, nvswitches: Sequence[Device] = ()) -> Selection:
+def selection_for(selection: Selection, share: Split) -> Selection:
     """``selection`` with the container share (and the NVSwitches it keeps on the host) excluded by
     PCI address: the agent binds, the plugin advertises and the CDI specs name only the VM share."""
     if not share.is_split:
         return selection
-    keep = [*share.container, *(() if share.nvswitches_to_vm else nvswitches)]
+    keep = [*share.container, *(() if share.nvswitches_to_vm else share.nvswitches)]
     known = {rule.bdf for rule in selection.exclude}
     rules = tuple(ExcludeRule(bdf=d.bdf, origin=SPLIT_ORIGIN) for d in keep if d.bdf not in known)
     return dataclasses.replace(selection, exclude=(*selection.exclude, *rules))

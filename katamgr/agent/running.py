@@ -22,6 +22,7 @@ from katamgr.agent.loop import keep
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.reconciler import Reconciler
 from katamgr.agent.settings import NO_CLUSTER, AgentSettings, NodeLinks
+from katamgr.agent.splitting import SplitKeeper
 from katamgr.agent.switch import Switch
 from katamgr.agent.target import Target
 from katamgr.exitcodes import Exit
@@ -57,6 +58,8 @@ class Agent:
         self.give_backs = GiveBacks(self.target, self.probes, self.events)
         self.switcher = Switch(self.target, self.give_backs, self.probes, self.metrics, self.events,
                                self.reconcile, links.read_workload)
+        self.splitter = SplitKeeper(self.target, self.metrics, self.events, self.reconcile)
+        self.switcher.splitter = self.splitter
         self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=s.cc_default_mode,
                           read_labels=links.read_labels, publish=links.publish_labels,
                           read_resources=links.read_resources)
@@ -161,6 +164,7 @@ class Agent:
     def run(self, once: bool = False) -> int:
         server = self.serve_metrics(self.metrics_address) if self.metrics_address and not once else None
         try:
+            self.switcher.split_at_start()  # the split label, before the first bind
             first = self.reconcile("start", raise_errors=once)
             self.follow_cc()
             labelled = self.gpu_labels.follow()

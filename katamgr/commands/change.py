@@ -28,6 +28,7 @@ from katamgr.output import documents
 from katamgr.output.documents import FORMATS
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
+from katamgr.pipeline.splitplan import split_plan
 from katamgr.render import plan_text, print_report, quiet, status_text
 
 if TYPE_CHECKING:
@@ -42,9 +43,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         fabric = fabric_settings(args, config, extras)
         naming = with_node_kata(with_fabric(naming, host, fabric), host, config)
         setup = node_setup(args, host, config, extras=extras)
+        naming, split = split_plan(host, naming, args.split if args.split is not None else setup.split)
         plan = full_plan(host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
                          fabric=fabric)
+        if split is not None:
+            plan.sections.insert(0, split)
         if args.output in FORMATS:
             print(documents.dump(documents.plan_document(plan), args.output))
         else:

@@ -133,6 +133,7 @@ class NodeSetup:
     api: object | None
     workload_why: str
     opted_out: frozenset[Operand] = frozenset()
+    split: str | None = None  # the node's split label (gpunode.policy.split); None: none read
 
 
 def steps_and_context(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None = None, *,
@@ -164,13 +165,13 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
             default=args.default_workload,
             fallback=by_hand,
         )
-        opted_out = resolved.opted_out
+        opted_out, split = resolved.opted_out, resolved.split
         workload, why = resolved.workload, resolved.why
         if opted_out:
             why += f"; it opts out of {describe_opt_outs(opted_out)}"
         log.info("node workload %s: %s", workload, why)
     else:
-        workload, why, opted_out = Workload(args.workload), "chosen with --workload", frozenset()
+        workload, why, opted_out, split = Workload(args.workload), "chosen with --workload", frozenset(), None
     steps = Steps(vfio=not args.no_vfio, cdi=not args.no_cdi, kata=not args.no_kata, workload=workload)
     ctx = None
     if config is not None:
@@ -178,7 +179,7 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
 
         ctx = KataContext(config, api, cluster.agent_namespace(),
                           manage_runtime_classes=not args.no_runtime_classes)
-    return NodeSetup(steps, ctx, api, why, opted_out)
+    return NodeSetup(steps, ctx, api, why, opted_out, split)
 
 
 def fabric_settings(args: argparse.Namespace, config: KataManagerConfig | None,

@@ -98,7 +98,7 @@ def test_nvswitches_go_to_vms_only_with_every_gpu():
     assert not part.nvswitches_to_vm
     assert "stay on the host for the container GPUs' NVLink fabric" in part.notes[0]
     # The selection then keeps them off vfio-pci, however the node's Kata would take them.
-    chosen = selection_for(DEFAULT_SELECTION, part, switches)
+    chosen = selection_for(DEFAULT_SELECTION, part)
     assert not select(chosen, switches[0]).selected
 
 

@@ -1,0 +1,166 @@
+"""The split label followed: a vm-passthrough node's GPUs moved between VMs and containers one
+GPU at a time, live (``gpunode.policy.split``; the label ``nvidia.com/gpu.workload.vm-passthrough.gpus``).
+
+A change of the split moves only free GPUs, and each in the order that never lets two plugins
+advertise one GPU at once: the side it leaves withdraws it first, then it changes driver, then
+the side it joins offers it.
+
+- A GPU leaving the VM share: the passthrough plugin (following the same label) withdraws it;
+  the kubelet is asked until it no longer offers it to new pods (``wait_not_offered``), then
+  whether a pod was given it (PodResources ``List``) and whether a VM holds its VFIO group open;
+  a free one is given back to its driver, where the container plugin (which follows the
+  ``nvidia`` driver) offers it. A held one stays on vfio-pci and is looked at each check
+  (``retry``), given back once its pod and VM are gone.
+- A GPU joining the VM share: the reconcile binds its IOMMU group to vfio-pci, never one a
+  process holds open (the container's CUDA program: ``vfiodecide``'s in-use rule); a held one
+  is bound by the agent's ``bind_freed`` once it is let go. The passthrough plugin offers it
+  once it is on vfio-pci.
+
+Each change is a log line, an Event (``OptOutsChanged``'s sibling ``WorkloadSwitched`` when GPUs
+moved) and the ``katamgr_workload_switches`` counter by side, per GPU, as the whole-node switch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from gpunode.errors import ConfigError
+from gpunode.host import vfio
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.passthrough import resource_units
+from gpunode.policy.split import Split, moves
+from gpunode.policy.splitnode import node_split, split_naming
+from gpunode.policy.workload import Workload
+from gpunode.services.lock import node_lock
+from gpunode.services.podresources import (
+    PodDevices,
+    assigned_functions,
+    list_pod_devices,
+    wait_not_offered,
+)
+from katamgr.agent.events import NodeEvents
+from katamgr.agent.metrics import AgentMetrics
+from katamgr.agent.target import Target
+from katamgr.pipeline import cdi_specs
+from katamgr.pipeline.report import Report
+
+log = logging.getLogger("katamgr.agent")
+
+VM, CONTAINER = Workload.VM_PASSTHROUGH.value, Workload.CONTAINER.value
+
+
+class SplitKeeper:
+    """Keeps the target's naming on the node's split and moves GPUs when it changes."""
+
+    def __init__(self, target: Target, metrics: AgentMetrics, events: NodeEvents,
+                 reconcile: Callable[[str], Report], *,
+                 pod_devices: Callable[[], PodDevices] | None = None, offer_wait: float = 5.0) -> None:
+        self.target = target
+        self.metrics = metrics
+        self.events = events
+        self.reconcile = reconcile
+        self.unsplit: Naming = target.naming  # the operator's selection, before any split
+        self.value: str | None = None
+        self.share: Split | None = None
+        self.leaving: set[str] = set()  # BDFs out of the VM share still on vfio-pci (held)
+        self.pod_devices = pod_devices or (lambda: list_pod_devices(target.host))
+        self.offer_wait = offer_wait
+        self._refused: str | None = None
+
+    def follow(self, value: str | None) -> bool:
+        """Carry the node to the split ``value``; True when GPUs moved or the split changed."""
+        if value == self.value and self.share is not None:
+            return bool(self.leaving) and self.retry()
+        t = self.target
+        try:
+            naming, share = split_naming(t.host, self.unsplit, value)
+        except ConfigError as exc:
+            if str(exc) != self._refused:
+                log.warning("%s; nothing was moved", exc)
+                self.events.label_refused(f"{exc}; nothing was moved")
+            self._refused = str(exc)
+            return False
+        self._refused = None
+        started = time.monotonic()
+        # The first look compares with the node unsplit: GPUs bound before the label came are
+        # given back as a change would.
+        old = self.share if self.share is not None else node_split(t.host, self.unsplit, None)
+        change = moves(old, share)
+        old_naming = t.naming
+        self.value, self.share = value, share
+        t.naming = naming
+        if not (change.to_vm or change.to_container) and old.value == value:
+            return False
+        what = [change.describe()]
+        if change.to_container:
+            self.leaving |= {d.bdf for d in change.to_container}
+            what.append(self._give_back(old_naming))
+        if change.to_vm:
+            report = self.reconcile(f"split changed: {change.describe()}")
+            bound = sorted(set(report.moved) & {d.bdf for d in change.to_vm})
+            waiting = [d.bdf for d in change.to_vm if d.bdf not in bound and not self._on_vfio(d.bdf)]
+            what.append(f"bound {', '.join(bound)} to vfio-pci" if bound else "no GPU bound yet")
+            if waiting:
+                what.append(f"{', '.join(waiting)} in use, bound once let go")
+            for _ in bound:
+                self.metrics.workload_switches.labels(CONTAINER, VM).inc()
+        summary = f"split now {share.describe()}: {'; '.join(what)}"
+        log.info("%s", summary)
+        if change.to_vm or change.to_container:
+            self.metrics.workload_switch_seconds.labels(VM).observe(time.monotonic() - started)
+            self.events.switched(True, summary)
+        return True
+
+    def retry(self) -> bool:
+        """Give back the GPUs that left the VM share while held, once free; True when any went."""
+        before = set(self.leaving)
+        line = self._give_back(self.unsplit)
+        gone = before - self.leaving
+        if gone:
+            message = f"GPUs out of the VM share given back once free: {', '.join(sorted(gone))}"
+            log.info("%s (%s)", message, line)
+            self.events.given_back(message)
+        return bool(gone)
+
+    def _on_vfio(self, bdf: str) -> bool:
+        return bdf in vfio.bound_by_us(self.target.host)
+
+    def _give_back(self, old_naming: Naming) -> str:
+        """Give back the free GPUs of ``leaving`` (withdrawn first), keeping the held ones."""
+        t = self.target
+        host = t.host
+        recorded = vfio.bound_by_us(host)
+        self.leaving &= set(recorded)
+        if not self.leaving:
+            return "nothing to give back"
+        inv = discover(host, old_naming.selection)
+        units = [u for u in resource_units(host, inv, old_naming) if set(u.functions) & self.leaving]
+        still = set(wait_not_offered(host, [u.id for u in units], timeout=self.offer_wait))
+        offered = {bdf for u in units if u.id.lower() in still for bdf in u.functions}
+        asked = self.pod_devices()
+        given = assigned_functions(host, inv, old_naming, asked.assignments)
+        held = {bdf for bdf in self.leaving if bdf in given or bdf in offered
+                or vfio.vfio_holders(host, bdf, recorded[bdf].get("group"))}
+        free = self.leaving - held
+        if not free:
+            return f"kept on vfio-pci while held: {', '.join(sorted(held))}"
+        keep = set(recorded) - free
+        with node_lock(host, "katamgr run (split change)", t.lock_wait):
+            result = vfio.unbind_all(host, force=False, keep=keep)
+            if t.steps.cdi:
+                cdi_specs.write_specs(host, discover(host, t.naming.selection), t.naming)
+        now = set(vfio.bound_by_us(host))
+        gone = free - now
+        self.leaving -= gone
+        for _ in gone:
+            self.metrics.workload_switches.labels(VM, CONTAINER).inc()
+        said = f"gave {', '.join(sorted(gone))} back to their drivers" if gone else "no free GPU given back"
+        if held:
+            said += f"; kept on vfio-pci while held: {', '.join(sorted(held))}"
+        if result.failures:
+            said += f"; failed: {'; '.join(result.failures)}"
+        return said
+
