@@ -22,6 +22,7 @@ moved) and the ``katamgr_workload_switches`` counter by side, per GPU, as the wh
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -31,12 +32,13 @@ from gpunode.host import vfio
 from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
-from gpunode.policy.split import Split, moves
-from gpunode.policy.splitnode import node_split, split_naming
+from gpunode.policy.split import Split, moves, selection_for
+from gpunode.policy.splitnode import node_split
 from gpunode.policy.workload import Workload
 from gpunode.services.lock import node_lock
 from gpunode.services.podresources import (
     PodDevices,
+    allocatable_of,
     assigned_functions,
     list_pod_devices,
     wait_not_offered,
@@ -50,6 +52,7 @@ from katamgr.pipeline.report import Report
 log = logging.getLogger("katamgr.agent")
 
 VM, CONTAINER = Workload.VM_PASSTHROUGH.value, Workload.CONTAINER.value
+CONTAINER_RESOURCE = "nvidia.com/gpu"  # the container plugin's resource
 
 
 class SplitKeeper:
@@ -66,6 +69,9 @@ class SplitKeeper:
         self.value: str | None = None
         self.share: Split | None = None
         self.leaving: set[str] = set()  # BDFs out of the VM share still on vfio-pci (held)
+        self.joining: set[str] = set()  # BDFs into the VM share the container plugin still lists
+        self._joined = ""
+        self.container_listed = lambda: allocatable_of(target.host, CONTAINER_RESOURCE)
         self.pod_devices = pod_devices or (lambda: list_pod_devices(target.host))
         self.offer_wait = offer_wait
         self._refused: str | None = None
@@ -73,10 +79,12 @@ class SplitKeeper:
     def follow(self, value: str | None) -> bool:
         """Carry the node to the split ``value``; True when GPUs moved or the split changed."""
         if value == self.value and self.share is not None:
-            return bool(self.leaving) and self.retry()
+            went = bool(self.leaving) and self.retry()
+            joined = bool(self.joining) and self._join()
+            return went or joined
         t = self.target
         try:
-            naming, share = split_naming(t.host, self.unsplit, value)
+            share = node_split(t.host, self.unsplit, value)
         except ConfigError as exc:
             if str(exc) != self._refused:
                 log.warning("%s; nothing was moved", exc)
@@ -91,28 +99,58 @@ class SplitKeeper:
         change = moves(old, share)
         old_naming = t.naming
         self.value, self.share = value, share
-        t.naming = naming
+        vm = {d.bdf for d in share.vm}
+        self.joining = (self.joining | {d.bdf for d in change.to_vm}) & vm
+        self.leaving -= vm
+        t.naming = self._naming()
         if not (change.to_vm or change.to_container) and old.value == value:
             return False
         what = [change.describe()]
         if change.to_container:
             self.leaving |= {d.bdf for d in change.to_container}
             what.append(self._give_back(old_naming))
-        if change.to_vm:
-            report = self.reconcile(f"split changed: {change.describe()}")
-            bound = sorted(set(report.moved) & {d.bdf for d in change.to_vm})
-            waiting = [d.bdf for d in change.to_vm if d.bdf not in bound and not self._on_vfio(d.bdf)]
-            what.append(f"bound {', '.join(bound)} to vfio-pci" if bound else "no GPU bound yet")
-            if waiting:
-                what.append(f"{', '.join(waiting)} in use, bound once let go")
-            for _ in bound:
-                self.metrics.workload_switches.labels(CONTAINER, VM).inc()
+        if self.joining:
+            self._join()
+            what.append(self._joined)
         summary = f"split now {share.describe()}: {'; '.join(what)}"
         log.info("%s", summary)
         if change.to_vm or change.to_container:
             self.metrics.workload_switch_seconds.labels(VM).observe(time.monotonic() - started)
             self.events.switched(True, summary)
         return True
+
+    def _naming(self) -> Naming:
+        """The naming of the VM share less the GPUs still joining it (not bound until the
+        container plugin no longer lists them)."""
+        assert self.share is not None
+        share = self.share
+        if self.joining:
+            waiting = tuple(d for d in share.vm if d.bdf in self.joining)
+            share = dataclasses.replace(share, vm=tuple(d for d in share.vm if d.bdf not in self.joining),
+                                        container=(*share.container, *waiting), nvswitches_to_vm=False)
+        return dataclasses.replace(self.unsplit, selection=selection_for(self.unsplit.selection, share))
+
+    def _join(self) -> bool:
+        """Bind the GPUs joining the VM share once the container plugin withdrew them: the kubelet
+        lists no more ``nvidia.com/gpu`` devices than the container share has GPUs (it lists
+        only GPUs of its share on ``nvidia``, so one more is a joining GPU still offered)."""
+        assert self.share is not None
+        listed = self.container_listed()
+        if listed is not None and len(listed) > len(self.share.container):
+            self._joined = (f"{', '.join(sorted(self.joining))} wait until the container plugin no "
+                            f"longer lists them (the kubelet lists {len(listed)} {CONTAINER_RESOURCE})")
+            return False
+        joining, self.joining = self.joining, set()
+        self.target.naming = self._naming()
+        report = self.reconcile(f"split changed: {', '.join(sorted(joining))} to VMs")
+        bound = sorted(set(report.moved) & joining)
+        busy = sorted(b for b in joining if b not in bound and not self._on_vfio(b))
+        self._joined = f"bound {', '.join(bound)} to vfio-pci" if bound else "no GPU bound yet"
+        if busy:
+            self._joined += f"; {', '.join(busy)} in use, bound once let go"
+        for _ in bound:
+            self.metrics.workload_switches.labels(CONTAINER, VM).inc()
+        return bool(bound)
 
     def retry(self) -> bool:
         """Give back the GPUs that left the VM share while held, once free; True when any went."""

@@ -63,6 +63,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         refuse_beside_agent(host, "katamgr apply")
         naming = with_node_kata(with_fabric(naming, host, fabric_settings(args, config, extras)), host, config)
         setup = node_setup(args, host, config, extras=extras)
+        naming, _ = split_plan(host, naming, setup.split)  # binds only the VM share of a split node
         steps = setup.steps.without(setup.opted_out)
         report = reconcile(host, naming, steps, setup.ctx, force=args.force,
                            wait=args.device_wait,
