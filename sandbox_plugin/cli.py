@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                     host, args.node_name, lambda node: watch.labels(), args.default_workload,
                     naming.selection), args.auto_modes)
                 watch.on_change = follower.changed.set
-                runner.share = SplitShare(host, naming)  # the split label followed too
+                runner.share = SplitShare(host)  # a split node's sides, as katamgr publishes them
                 mode, why, held = follower.first()
     except GpuNodeError as exc:  # bad usage or configuration 2, the API not answering 1
         if watch is not None:
@@ -319,6 +319,7 @@ def _wait(stop: threading.Event, follower: LabelFollower | None = None) -> None:
         woken = follower.changed.wait(0.2)
         if stop.is_set():
             return
+        follower.poll_split()  # a split node's sides, as katamgr moves GPUs between them
         if woken or time.monotonic() - last >= 30:
             follower.changed.clear()
             last = time.monotonic()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import threading
 
+from gpunode.host.pci import is_vfio_driver
 from gpunode.host.root import HostRoot
 from gpunode.policy.naming import Naming
 from sandbox_plugin.cdinames import HostCdiSpecs
@@ -129,7 +130,8 @@ class PassthroughDiscovery:
         units = scan_units(self.host, self.naming, self.health.reason)
         self.scanned = {u.id: (u.bdfs, u.pci_reason) for u in units}
         if self.share is not None:  # a split node: the VM share only (sandbox_plugin.splitshare)
-            units = self.share.passthrough_units(units, lambda u: u.bdfs, self._held)
+            units = self.share.passthrough_units(units, lambda u: u.bdfs, self._held,
+                                                 lambda u: all(is_vfio_driver(d.driver) for d in u.devices))
         if self.held_only:  # (read once: set_held_only may change it meanwhile; the next refresh follows)
             given = self._given()
             if given is not None:  # else (a kubelet restarting): the units listed last

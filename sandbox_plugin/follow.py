@@ -181,6 +181,7 @@ class LabelFollower:
         self.resolve = resolve
         self.modes = modes
         self.changed = threading.Event()  # set by the watch's on_change
+        self._split_moved = False  # the sides changed, read by poll_split
         self._error: str | None = None
 
     def first(self) -> tuple[Mode | None, str, bool]:
@@ -188,18 +189,28 @@ class LabelFollower:
         resolved = self.resolve()
         share = self.runner.share
         if share is not None:
-            share.set(resolved.split if resolved.workload is Workload.VM_PASSTHROUGH else None)
-        mode, why = mode_for(resolved, self.modes, split=share is not None and share.vm is not None)
+            share.reload()
+        mode, why = mode_for(resolved, self.modes, split=share is not None and share.split)
         return mode, why, holds_for(resolved, self.modes)
+
+    def poll_split(self) -> bool:
+        """Read the sides katamgr published (a cheap read, done often); serve them at once
+        when they changed (True)."""
+        share = self.runner.share
+        if share is None or not share.reload():
+            return False
+        self._split_moved = True
+        self.check()
+        return True
 
     def check(self) -> bool:
         """Serve what the labels ask for now; True when the mode changed."""
         try:
             resolved = self.resolve()
             share = self.runner.share
-            moved = share is not None and share.set(
-                resolved.split if resolved.workload is Workload.VM_PASSTHROUGH else None)
-            mode, why = mode_for(resolved, self.modes, split=share is not None and share.vm is not None)
+            moved = share is not None and share.reload() or self._split_moved
+            self._split_moved = False
+            mode, why = mode_for(resolved, self.modes, split=share is not None and share.split)
         except GpuNodeError as exc:
             if str(exc) != self._error:
                 log.warning("could not read the node's workload (%s); keeping mode %s", exc,

@@ -1,13 +1,13 @@
-"""The split label as each plugin serves it: the passthrough plugin lists only the VM share, the
-container plugin only the rest (``gpunode.policy.split``, the label
-``nvidia.com/gpu.workload.vm-passthrough.gpus``, read by the same label watch as the workload).
+"""A split node as each plugin serves it: the passthrough plugin lists only the VM side, the
+container plugin only the container side (``gpunode.policy.split``; the label
+``nvidia.com/gpu.workload.vm-passthrough.gpus``).
 
-Both act on the label itself, before katamgr moves a GPU, so a GPU changing side is withdrawn by
-the side it leaves first: the kubelet stops offering it there, then katamgr moves its driver
-(waiting for the kubelet where it can see it), then the side it joins offers it, once it is on
-that side's driver. A passthrough unit a pod holds stays listed until that pod is gone (as the
-held-only plugin of a node that left vm-passthrough), so a restarted kubelet keeps the pod; the
-kubelet never gives a device a pod holds to another pod.
+Both read the sides katamgr publishes as it carries the split out (``splitnode.SIDES_FILE``), not
+the label: a GPU changing side is on neither while it moves. katamgr takes it off the side it
+leaves, waits until the kubelet no longer offers it there, moves its driver, and only then puts
+it on the side it joins, so no GPU is ever offered by both plugins, however late either plugin
+sees a change. A passthrough unit a pod holds stays listed until that pod is gone (as the
+held-only plugin of a node that left vm-passthrough), so a restarted kubelet keeps the pod.
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from gpunode.errors import ConfigError
 from gpunode.host.root import HostRoot
-from gpunode.policy.naming import Naming
-from gpunode.policy.splitnode import node_split
+from gpunode.policy.splitnode import read_sides
 
 log = logging.getLogger(__name__)
 
@@ -28,52 +26,46 @@ T = TypeVar("T")
 
 
 class SplitShare:
-    """The node's split as the plugins of this process serve it. ``vm`` is None where every GPU is
-    the VM's (no split label); else the BDFs of the VM share, and ``container`` those of the rest
-    (with the NVSwitches the split keeps on the host)."""
+    """The sides as last read. ``vm`` is None where no split is carried out (every GPU is the
+    node's workload's, as before splits); else the BDFs on the VM side, and ``container``
+    those on the container side."""
 
-    def __init__(self, host: HostRoot, naming: Naming) -> None:
+    def __init__(self, host: HostRoot) -> None:
         self.host = host
-        self.naming = naming  # the operator's selection, before the split
-        self.value: str | None = None
         self.vm: frozenset[str] | None = None
         self.container: frozenset[str] = frozenset()
         self._lock = threading.Lock()
-        self._refused: str | None = None
 
-    def set(self, value: str | None) -> bool:
-        """Serve the split ``value`` from now on; True when the shares changed. A bad value keeps
-        the shares served (logged once: the agent records the Event)."""
-        try:
-            share = node_split(self.host, self.naming, value)
-        except ConfigError as exc:
-            if str(exc) != self._refused:
-                log.warning("%s; keeping the split served", exc)
-            self._refused = str(exc)
-            return False
-        self._refused = None
-        vm = frozenset(d.bdf for d in share.vm) if share.is_split else None
-        held_back = () if share.nvswitches_to_vm else share.nvswitches
-        container = frozenset(d.bdf for d in (*share.container, *held_back)) if share.is_split else frozenset()
+    def reload(self) -> bool:
+        """Read the published sides again; True when they changed."""
+        sides = read_sides(self.host)
+        vm, container = sides if sides is not None else (None, frozenset())
         with self._lock:
             changed = (vm, container) != (self.vm, self.container)
-            self.value, self.vm, self.container = value, vm, container
+            self.vm, self.container = vm, container
         if changed:
-            log.info("split %s", share.describe())
+            log.info("split sides: VMs %s; containers %s", ", ".join(sorted(vm)) or "none" if vm is not None
+                     else "every GPU (no split)", ", ".join(sorted(container)) or "none")
         return changed
 
-    def passthrough_units(self, units: Sequence[T], bdfs_of: Callable[[T], Sequence[str]],
-                          held: Callable[[T], bool]) -> list[T]:
-        """The units the passthrough plugin lists: none with a device of the container share,
-        unless a pod holds it (kept until that pod is gone)."""
-        with self._lock:
-            container = self.container
-        return [u for u in units if not set(bdfs_of(u)) & container or held(u)]
+    @property
+    def split(self) -> bool:
+        return self.vm is not None
 
-    def container_gpus(self, gpus: Sequence[T], bdf_of: Callable[[T], str | None]) -> list[T]:
-        """The GPUs the container plugin lists: none of the VM share."""
+    def passthrough_units(self, units: Sequence[T], bdfs_of: Callable[[T], Sequence[str]],
+                          held: Callable[[T], bool], on_vfio: Callable[[T], bool]) -> list[T]:
+        """The units the passthrough plugin lists: on a split node only those wholly on the VM side
+        and on vfio-pci, and any a pod holds (kept until that pod is gone)."""
         with self._lock:
             vm = self.vm
         if vm is None:
+            return list(units)
+        return [u for u in units if (set(bdfs_of(u)) <= vm and on_vfio(u)) or held(u)]
+
+    def container_gpus(self, gpus: Sequence[T], bdf_of: Callable[[T], str | None]) -> list[T]:
+        """The GPUs the container plugin lists: on a split node only those on the container side."""
+        with self._lock:
+            vm, container = self.vm, self.container
+        if vm is None:
             return list(gpus)
-        return [g for g in gpus if bdf_of(g) not in vm]
+        return [g for g in gpus if bdf_of(g) in container]

@@ -28,12 +28,12 @@ import time
 from collections.abc import Callable
 
 from gpunode.errors import ConfigError
-from gpunode.host import vfio
+from gpunode.host import holders, vfio
 from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
 from gpunode.policy.split import Split, moves, selection_for
-from gpunode.policy.splitnode import node_split
+from gpunode.policy.splitnode import clear_sides, node_split, write_sides
 from gpunode.policy.workload import Workload
 from gpunode.services.lock import node_lock
 from gpunode.services.podresources import (
@@ -101,13 +101,13 @@ class SplitKeeper:
         self.value, self.share = value, share
         vm = {d.bdf for d in share.vm}
         self.joining = (self.joining | {d.bdf for d in change.to_vm}) & vm
-        self.leaving -= vm
+        self.leaving = (self.leaving - vm) | {d.bdf for d in change.to_container}
         t.naming = self._naming()
+        self._publish()  # first: each GPU that moves is off the side it leaves
         if not (change.to_vm or change.to_container) and old.value == value:
             return False
         what = [change.describe()]
         if change.to_container:
-            self.leaving |= {d.bdf for d in change.to_container}
             what.append(self._give_back(old_naming))
         if self.joining:
             self._join()
@@ -118,6 +118,24 @@ class SplitKeeper:
             self.metrics.workload_switch_seconds.labels(VM).observe(time.monotonic() - started)
             self.events.switched(True, summary)
         return True
+
+    def reset(self) -> None:
+        """The node left vm-passthrough: no split is carried out any more."""
+        if self.share is not None or self.leaving or self.joining:
+            self.share, self.value, self.leaving, self.joining = None, None, set(), set()
+            self.target.naming = self.unsplit
+            clear_sides(self.target.host)
+
+    def _publish(self) -> None:
+        """The sides the plugins list from: a GPU leaving the VM side is on neither until it is
+        back on its driver, one joining it on neither until it is bound."""
+        assert self.share is not None
+        share, host = self.share, self.target.host
+        if not share.is_split and not self.leaving and not self.joining:
+            clear_sides(host)
+            return
+        write_sides(host, {d.bdf for d in share.vm} - self.joining,
+                    {d.bdf for d in share.container} - self.leaving)
 
     def _naming(self) -> Naming:
         """The naming of the VM share less the GPUs still joining it (not bound until the
@@ -132,17 +150,23 @@ class SplitKeeper:
 
     def _join(self) -> bool:
         """Bind the GPUs joining the VM share once the container plugin withdrew them: the kubelet
-        lists no more ``nvidia.com/gpu`` devices than the container share has GPUs (it lists
-        only GPUs of its share on ``nvidia``, so one more is a joining GPU still offered)."""
+        lists none of their UUIDs (the driver's, as NVIDIA's plugin advertises them) as
+        ``nvidia.com/gpu``; where a UUID cannot be read, it lists no more such devices than the
+        container share has GPUs (the plugin lists only GPUs of its share, so one more is a
+        joining GPU still offered)."""
         assert self.share is not None
         listed = self.container_listed()
-        if listed is not None and len(listed) > len(self.share.container):
+        uuids = [holders.gpu_uuid(self.target.host, bdf) for bdf in self.joining]
+        if listed is not None and (
+                {u.lower() for u in uuids if u} & listed if all(uuids)
+                else len(listed) > len(self.share.container)):
             self._joined = (f"{', '.join(sorted(self.joining))} wait until the container plugin no "
                             f"longer lists them (the kubelet lists {len(listed)} {CONTAINER_RESOURCE})")
             return False
         joining, self.joining = self.joining, set()
         self.target.naming = self._naming()
         report = self.reconcile(f"split changed: {', '.join(sorted(joining))} to VMs")
+        self._publish()  # then: on the VM side, listed by the passthrough plugin once on vfio-pci
         bound = sorted(set(report.moved) & joining)
         busy = sorted(b for b in joining if b not in bound and not self._on_vfio(b))
         self._joined = f"bound {', '.join(bound)} to vfio-pci" if bound else "no GPU bound yet"
@@ -171,7 +195,9 @@ class SplitKeeper:
         t = self.target
         host = t.host
         recorded = vfio.bound_by_us(host)
-        self.leaving &= set(recorded)
+        if self.leaving - set(recorded):  # not on vfio-pci by us: on the container side already
+            self.leaving &= set(recorded)
+            self._publish()
         if not self.leaving:
             return "nothing to give back"
         inv = discover(host, old_naming.selection)
@@ -193,6 +219,7 @@ class SplitKeeper:
         now = set(vfio.bound_by_us(host))
         gone = free - now
         self.leaving -= gone
+        self._publish()  # then: on the container side, listed by the container plugin
         for _ in gone:
             self.metrics.workload_switches.labels(VM, CONTAINER).inc()
         said = f"gave {', '.join(sorted(gone))} back to their drivers" if gone else "no free GPU given back"

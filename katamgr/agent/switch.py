@@ -89,7 +89,10 @@ class Switch:
     def follow_split(self, read: Resolution | Workload | str) -> bool:
         """Move GPUs between VMs and containers when the split label changed (only where the
         node binds its GPUs: a whole-node switch away from vm-passthrough gives every one back)."""
-        if self.splitter is None or not self.target.binds or not isinstance(read, Resolution):
+        if self.splitter is None or not isinstance(read, Resolution):
+            return False
+        if not self.target.binds:
+            self.splitter.reset()
             return False
         return self.splitter.follow(read.split)
 
