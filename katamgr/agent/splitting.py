@@ -32,7 +32,7 @@ from gpunode.host import holders, vfio
 from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
-from gpunode.policy.split import Split, moves, selection_for
+from gpunode.policy.split import Moves, Split, moves, selection_for
 from gpunode.policy.splitnode import clear_sides, node_split, write_sides
 from gpunode.policy.workload import Workload
 from gpunode.services.lock import node_lock
@@ -97,6 +97,9 @@ class SplitKeeper:
         # given back as a change would.
         old = self.share if self.share is not None else node_split(t.host, self.unsplit, None)
         change = moves(old, share)
+        if self.share is None:  # the VM share is bound by the reconcile that follows
+            recorded = set(vfio.bound_by_us(t.host))
+            change = Moves((), tuple(d for d in change.to_container if d.bdf in recorded))
         old_naming = t.naming
         self.value, self.share = value, share
         vm = {d.bdf for d in share.vm}
@@ -149,21 +152,27 @@ class SplitKeeper:
         return dataclasses.replace(self.unsplit, selection=selection_for(self.unsplit.selection, share))
 
     def _join(self) -> bool:
-        """Bind the GPUs joining the VM share once the container plugin withdrew them: the kubelet
-        lists none of their UUIDs (the driver's, as NVIDIA's plugin advertises them) as
-        ``nvidia.com/gpu``; where a UUID cannot be read, it lists no more such devices than the
-        container share has GPUs (the plugin lists only GPUs of its share, so one more is a
-        joining GPU still offered)."""
+        """Bind the GPUs joining the VM share once the container plugin withdrew them and no pod
+        holds them: the kubelet lists none of their UUIDs (the driver's, as NVIDIA's plugin
+        advertises them) as ``nvidia.com/gpu``, nor gave one to a pod (PodResources ``List``);
+        where a UUID cannot be read, it lists no more such devices than the container share has
+        GPUs (the plugin lists only GPUs of its share, so one more is a joining GPU still offered)."""
         assert self.share is not None
+        host = self.target.host
         listed = self.container_listed()
-        uuids = [holders.gpu_uuid(self.target.host, bdf) for bdf in self.joining]
+        uuids = {bdf: (holders.gpu_uuid(host, bdf) or "").lower() for bdf in self.joining}
         if listed is not None and (
-                {u.lower() for u in uuids if u} & listed if all(uuids)
+                set(uuids.values()) & listed if all(uuids.values())
                 else len(listed) > len(self.share.container)):
             self._joined = (f"{', '.join(sorted(self.joining))} wait until the container plugin no "
                             f"longer lists them (the kubelet lists {len(listed)} {CONTAINER_RESOURCE})")
             return False
-        joining, self.joining = self.joining, set()
+        given = {a.device_id.lower() for a in self.pod_devices().assignments if a.resource == CONTAINER_RESOURCE}
+        kept = {bdf for bdf, uuid in uuids.items() if uuid and uuid in given}
+        joining, self.joining = self.joining - kept, kept
+        if not joining:
+            self._joined = f"{', '.join(sorted(kept))} given to container pods, bound once they are gone"
+            return False
         self.target.naming = self._naming()
         report = self.reconcile(f"split changed: {', '.join(sorted(joining))} to VMs")
         self._publish()  # then: on the VM side, listed by the passthrough plugin once on vfio-pci
@@ -172,6 +181,8 @@ class SplitKeeper:
         self._joined = f"bound {', '.join(bound)} to vfio-pci" if bound else "no GPU bound yet"
         if busy:
             self._joined += f"; {', '.join(busy)} in use, bound once let go"
+        if kept:
+            self._joined += f"; {', '.join(sorted(kept))} given to container pods, bound once they are gone"
         for _ in bound:
             self.metrics.workload_switches.labels(CONTAINER, VM).inc()
         return bool(bound)

@@ -39,8 +39,8 @@ def test_the_agent_binds_only_the_vm_share_and_moves_free_gpus_live(tmp_path):
             relabel(api, "3", key=SPLIT_LABEL)  # one more GPU to VMs: only 0000:02:00.0 moves
             assert wait_for(lambda: drivers(host) == ["nvidia", "vfio-pci", "vfio-pci", "vfio-pci"])
             assert wait_for(lambda: "/dev/vfio/12" in cdi_text(host))
-            moved = events(api, "WorkloadSwitched")
-            assert moved and "to VMs: 0000:02:00.0" in moved[-1]["message"]
+            assert wait_for(lambda: [e for e in events(api, "WorkloadSwitched")
+                                     if "to VMs: 0000:02:00.0" in e["message"]])
 
             vm = hold(host, 13)  # a Kata VM holds 0000:03:00.0
             relabel(api, "1", key=SPLIT_LABEL)  # 0000:02:00.0 and 0000:03:00.0 to containers

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 
+from support.hostkit import driver_of
 from support.splitkit import CONTAINER_GPU, overlaps, split_node
 from support.waiting import wait_for
 
@@ -50,3 +51,22 @@ def test_no_gpu_is_offered_by_both_plugins_under_racing_relabels_and_pod_churn(s
         history = kubelet.state.history
     assert len(history) > 10  # both streams were recorded throughout
     assert overlaps(node, history) == []
+
+
+def test_a_gpu_a_container_pod_holds_joins_the_vm_share_only_once_the_pod_is_gone(sim_host):
+    with split_node(sim_host, "a10-server", "2") as node:
+        kubelet = node.kubelet
+        kubelet.wait_for(lambda s: offered(s, A10) == 2 and offered(s, CONTAINER_GPU) == 2, timeout=20)
+        kubelet.admit_pod("default", "cuda", {"main": {CONTAINER_GPU: 1}})
+        [uuid] = kubelet.state.pods[0].containers[0].devices[CONTAINER_GPU]
+        held = node.bdf_of(uuid)
+        node.relabel("all")
+        free = next(b for b in node.gpus[:2] if b != held)
+        # The free one moves; the pod's stays on nvidia, offered to nobody, while the pod lives.
+        kubelet.wait_for(lambda s: offered(s, A10) == 3, timeout=20)
+        assert free in {d for d in kubelet.state.healthy(A10)}
+        assert driver_of(node.host, held) == "nvidia"
+        assert node.agent.splitter.joining == {held}
+        kubelet.remove_pod("default", "cuda")
+        kubelet.wait_for(lambda s: offered(s, A10) == 4, timeout=20)
+        assert driver_of(node.host, held) == "vfio-pci"

@@ -48,7 +48,7 @@ class SplitNode:
     api: FakeApiServer
     agent: Agent
     runners: dict[Mode, PluginRunner]
-    gpus: list[str]
+    devices: list  # the node's GPUs (``Device``), bus order
     stop: threading.Event = field(default_factory=threading.Event)
 
     def relabel(self, value: str | None) -> None:
@@ -59,6 +59,10 @@ class SplitNode:
             else:
                 labels[SPLIT_LABEL] = value
         self.api.update("nodes", NODE, change)
+
+    @property
+    def gpus(self) -> list[str]:
+        return [d.bdf for d in self.devices]
 
     def bdf_of(self, device_id: str) -> str:
         return {uuid_of(b): b for b in self.gpus}.get(device_id, device_id)
@@ -95,7 +99,7 @@ def split_node(sim_host, profile: str, value: str | None) -> Iterator[SplitNode]
     host, kubelet = sim_host(profile)
     from gpunode.policy.inventory import discover
 
-    gpus = [d.bdf for d in discover(host, NAMING.selection).gpus]
+    gpus = list(discover(host, NAMING.selection).gpus)
     with FakeApiServer() as api:
         labels = {WORKLOAD_LABEL: "vm-passthrough", **({SPLIT_LABEL: value} if value else {})}
         api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": labels}})
@@ -125,18 +129,35 @@ def split_node(sim_host, profile: str, value: str | None) -> Iterator[SplitNode]
             watch.stop()
 
 
+class Replay:
+    """The kubelet's record of both plugins' ListAndWatch updates (and disconnects), replayed in
+    the order it received them; ``feed`` takes the record again and replays only what is new, so a
+    long run is replayed whole although the simulator keeps its last 1,000 entries."""
+
+    def __init__(self, node: SplitNode) -> None:
+        self.node = node
+        self.listed: dict[str, set[str]] = {}
+        self.last = float("-inf")
+        self.entries = 0
+        self.overlaps: list[tuple[float, set[str]]] = []
+
+    def feed(self, history) -> None:
+        for when, resource, devices in history:
+            if when <= self.last:
+                continue
+            self.last, self.entries = when, self.entries + 1
+            self.listed[resource] = {self.node.bdf_of(i) for i, health in devices if health == HEALTHY}
+            container = self.listed.get(CONTAINER_GPU, set())
+            vm = set().union(*(v for r, v in self.listed.items() if r != CONTAINER_GPU))
+            if container & vm:
+                self.overlaps.append((when, container & vm))
+
+
 def overlaps(node: SplitNode, history) -> list[tuple[float, set[str]]]:
     """Every moment (the kubelet's clock) some GPU was offered by both plugins (listed Healthy: what
-    the kubelet hands out; a plugin that stood down has its devices marked Unhealthy), replaying
-    the kubelet's ListAndWatch record in order: the container plugin's UUIDs mapped to addresses,
-    the passthrough plugin's unit IDs (a unit's first address) as they are."""
-    listed: dict[str, set[str]] = {}
-    found = []
-    for when, resource, devices in history:
-        ids = {node.bdf_of(i) for i, health in devices if health == HEALTHY}
-        listed[resource] = ids
-        container = listed.get(CONTAINER_GPU, set())
-        vm = set().union(*(v for r, v in listed.items() if r != CONTAINER_GPU))
-        if container & vm:
-            found.append((when, container & vm))
-    return found
+    the kubelet hands out; a plugin that stood down has its devices marked Unhealthy): the
+    container plugin's UUIDs mapped to addresses, the passthrough plugin's unit IDs (a unit's first
+    address) as they are."""
+    replay = Replay(node)
+    replay.feed(history)
+    return replay.overlaps
