@@ -10,6 +10,8 @@ from support.waiting import wait_for
 
 from gpunode.policy.split import SPLIT_LABEL
 from katamgr.pipeline.reconcile import Steps
+from katamgr.pipeline.status import node_status
+from katamgr.render import status_text
 
 GPUS = [f"0000:{bus:02x}:00.0" for bus in (1, 2, 3, 4)]  # IOMMU groups 11 to 14, bus order
 
@@ -33,6 +35,10 @@ def test_the_agent_binds_only_the_vm_share_and_moves_free_gpus_live(tmp_path):
         assert drivers(host) == ["nvidia", "nvidia", "vfio-pci", "vfio-pci"]
         specs = cdi_text(host)
         assert "/dev/vfio/13" in specs and "/dev/vfio/14" in specs and "/dev/vfio/12" not in specs
+        # katamgr status shows the sides the plugins list from.
+        shown = status_text(node_status(host), width=200)
+        assert "GPU split (a GPU moving is on neither side):" in shown
+        assert "  VMs: 0000:03:00.0, 0000:04:00.0\n  containers: 0000:01:00.0, 0000:02:00.0" in shown
 
         thread = run_loop(agent)
         try:
