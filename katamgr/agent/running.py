@@ -77,12 +77,14 @@ class Agent:
 
     def reconcile(self, why: str, *, raise_errors: bool = False, retry: bool = False) -> Report:
         try:
+            self.splitter.reapply()  # a split node binds only its VM share, whoever set the naming
             report = self.reconciler.run(why, raise_errors=raise_errors, retry=retry)
             # What this reconcile installed is the agent's own doing: detection looks again now, so
             # the next check does not take it for kata-deploy's; where the release it decides
             # changed, once more to carry that out.
             found = self.kata_found.follow(self.target, ours=True) if self.kata_found is not None else None
             if found is not None:
+                self.splitter.reapply()
                 report = self.reconciler.run(found, raise_errors=raise_errors, retry=retry)
                 if self.kata_found is not None:
                     self.kata_found.follow(self.target, ours=True)

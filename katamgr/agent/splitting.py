@@ -32,7 +32,7 @@ from gpunode.host import holders, vfio
 from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
-from gpunode.policy.split import Moves, Split, moves, selection_for
+from gpunode.policy.split import SPLIT_ORIGIN, Moves, Split, moves, selection_for
 from gpunode.policy.splitnode import clear_sides, node_split, write_sides
 from gpunode.policy.workload import Workload
 from gpunode.services.lock import node_lock
@@ -65,7 +65,6 @@ class SplitKeeper:
         self.metrics = metrics
         self.events = events
         self.reconcile = reconcile
-        self.unsplit: Naming = target.naming  # the operator's selection, before any split
         self.value: str | None = None
         self.share: Split | None = None
         self.leaving: set[str] = set()  # BDFs out of the VM share still on vfio-pci (held)
@@ -121,6 +120,19 @@ class SplitKeeper:
             self.metrics.workload_switch_seconds.labels(VM).observe(time.monotonic() - started)
             self.events.switched(True, summary)
         return True
+
+    @property
+    def unsplit(self) -> Naming:
+        """The target's naming without the split's exclusions: the operator's selection, as the
+        Kata found on the node (``katafound``) may have replaced it since."""
+        t = self.target
+        rules = tuple(r for r in t.naming.selection.exclude if r.origin != SPLIT_ORIGIN)
+        return dataclasses.replace(t.naming, selection=dataclasses.replace(t.naming.selection, exclude=rules))
+
+    def reapply(self) -> None:
+        """Narrow the target's naming to the VM share again (after something replaced it)."""
+        if self.share is not None:
+            self.target.naming = self._naming()
 
     def reset(self) -> None:
         """The node left vm-passthrough: no split is carried out any more."""

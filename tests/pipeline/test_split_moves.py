@@ -80,3 +80,17 @@ def test_a_bad_split_value_moves_nothing_and_says_why(tmp_path):
         assert refused and refused[0]["message"].startswith(
             f"{SPLIT_LABEL}='index.9' names index 9, but the node's GPUs are indices 0 to 3")
         watch.stop()
+
+
+def test_a_naming_replaced_meanwhile_still_binds_only_the_vm_share(tmp_path):
+    # The Kata found on the node replaces the target's selection (agent.katafound) and reconciles:
+    # the split's exclusions come back before that reconcile binds anything.
+    host = four_gpus(tmp_path)
+    with followed_node(host, Steps(kata=False)) as (api, agent, watch):
+        relabel(api, "1", key=SPLIT_LABEL)
+        assert wait_for(lambda: agent.switcher.read_workload().split == "1")
+        agent.switcher.split_at_start()
+        agent.target.naming = agent.splitter.unsplit  # as katafound.follow does
+        assert agent.reconcile("the node's Kata changed").ok
+        assert drivers(host) == ["nvidia", "nvidia", "nvidia", "vfio-pci"]
+        watch.stop()
