@@ -27,10 +27,11 @@ The rules the share keeps (``split``):
 - a value that names no GPU, a GPU the node does not have, or a group in halves is bad
   configuration (``ConfigError``), naming the value and the fix: nothing moves for it.
 
-``selection_for`` turns a split into the device selection the agent and the passthrough plugin
-already share (the container share and held-back NVSwitches excluded by PCI address), so the
-binding, the advertised units and the CDI specs all follow it by one rule; ``moves`` says what a
-change of split moves, for ``katamgr plan`` and the agent. This module is pure.
+``selection_for`` turns a split into katamgr's device selection (the container share and
+held-back NVSwitches excluded by PCI address), so the binding and the CDI specs follow it by one
+rule (the plugins list from the sides katamgr publishes as it moves GPUs, ``splitnode``);
+``moves`` says what a change of split moves, for ``katamgr plan`` and the agent. This module is
+pure.
 """
 
 from __future__ import annotations

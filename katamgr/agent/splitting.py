@@ -1,23 +1,23 @@
 """The split label followed: a vm-passthrough node's GPUs moved between VMs and containers one
 GPU at a time, live (``gpunode.policy.split``; the label ``nvidia.com/gpu.workload.vm-passthrough.gpus``).
 
-A change of the split moves only free GPUs, and each in the order that never lets two plugins
-advertise one GPU at once: the side it leaves withdraws it first, then it changes driver, then
-the side it joins offers it.
+A change of the split moves only free GPUs, each in the order that never lets two plugins offer
+one GPU at once: off the side it leaves, then its driver changed, then on the side it joins. The
+sides are what this module publishes (``splitnode.write_sides``), which both plugins list from
+(``sandbox_plugin.splitshare``); a GPU that moves is on neither side in between.
 
-- A GPU leaving the VM share: the passthrough plugin (following the same label) withdraws it;
-  the kubelet is asked until it no longer offers it to new pods (``wait_not_offered``), then
-  whether a pod was given it (PodResources ``List``) and whether a VM holds its VFIO group open;
-  a free one is given back to its driver, where the container plugin (which follows the
-  ``nvidia`` driver) offers it. A held one stays on vfio-pci and is looked at each check
-  (``retry``), given back once its pod and VM are gone.
-- A GPU joining the VM share: the reconcile binds its IOMMU group to vfio-pci, never one a
-  process holds open (the container's CUDA program: ``vfiodecide``'s in-use rule); a held one
-  is bound by the agent's ``bind_freed`` once it is let go. The passthrough plugin offers it
-  once it is on vfio-pci.
+- A GPU leaving the VM share: off the VM side; the kubelet is asked until it no longer offers it
+  to new pods (``wait_not_offered``), then whether a pod was given it (PodResources ``List``) and
+  whether a VM holds its VFIO group open; a free one is given back to its driver and put on the
+  container side. A held one stays on vfio-pci and is looked at each check (``retry``), given
+  back once its pod and VM are gone.
+- A GPU joining the VM share: off the container side; once the kubelet lists none of its UUIDs
+  as ``nvidia.com/gpu`` and no pod holds it, the reconcile binds its IOMMU group to vfio-pci,
+  never one a process holds open (the container's CUDA program: ``vfiodecide``'s in-use rule;
+  the agent's ``bind_freed`` binds it once let go), and it is put on the VM side.
 
-Each change is a log line, an Event (``OptOutsChanged``'s sibling ``WorkloadSwitched`` when GPUs
-moved) and the ``katamgr_workload_switches`` counter by side, per GPU, as the whole-node switch.
+Each change is a log line, a ``WorkloadSwitched`` Event and the ``katamgr_workload_switches``
+counter by side, per GPU, as the whole-node switch; a bad value a ``WorkloadLabelInvalid`` Event.
 """
 
 from __future__ import annotations
