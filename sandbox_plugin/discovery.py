@@ -129,7 +129,8 @@ class PassthroughDiscovery:
         """
         units = scan_units(self.host, self.naming, self.health.reason)
         self.scanned = {u.id: (u.bdfs, u.pci_reason) for u in units}
-        if self.share is not None:  # a split node: the VM share only (sandbox_plugin.splitshare)
+        if self.share is not None:  # a split node: the VM side only (sandbox_plugin.splitshare)
+            self.share.reload()
             units = self.share.passthrough_units(units, lambda u: u.bdfs, self._held,
                                                  lambda u: all(is_vfio_driver(d.driver) for d in u.devices))
         if self.held_only:  # (read once: set_held_only may change it meanwhile; the next refresh follows)

@@ -38,6 +38,7 @@ from gpunode.policy.naming import Naming
 from gpunode.services.backoff import Backoff, Retries
 from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
 from sandbox_plugin.discovery import PassthroughDiscovery
+from sandbox_plugin.splitshare import SplitShare
 from sandbox_plugin.dra import devices as dra_devices
 from sandbox_plugin.dra.checkpoint import Checkpoint
 from sandbox_plugin.dra.devices import DraDevice
@@ -80,6 +81,8 @@ class DraDriver:
         # fabric: the NVSwitch board's model (sandbox_plugin.fabricgate): while neither of
         # NVIDIA's models holds, the board's GPUs are not published.
         self.discovery = PassthroughDiscovery(host, naming, health=health, fabric=fabric)
+        # A split node: only the VM side is published, read again at each rescan (splitshare).
+        self.discovery.share = SplitShare(host)
         self.watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval,
                                      on_node_gone=self.discovery.node_gone, on_uevent=self.discovery.heard)
         self.poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)
