@@ -38,7 +38,6 @@ from gpunode.policy.naming import Naming
 from gpunode.services.backoff import Backoff, Retries
 from sandbox_plugin.devhealth import HEALTH_INTERVAL, DeviceHealth, HealthPoller
 from sandbox_plugin.discovery import PassthroughDiscovery
-from sandbox_plugin.splitshare import SplitShare
 from sandbox_plugin.dra import devices as dra_devices
 from sandbox_plugin.dra.checkpoint import Checkpoint
 from sandbox_plugin.dra.devices import DraDevice
@@ -49,6 +48,7 @@ from sandbox_plugin.dra.slices import SlicePublisher
 from sandbox_plugin.fabric import gpus_of_units
 from sandbox_plugin.fabricgate import FabricGate
 from sandbox_plugin.resources import AllocationError
+from sandbox_plugin.splitshare import SplitShare
 from sandbox_plugin.watch import DeviceWatcher
 
 if TYPE_CHECKING:  # the client is imported where the API is talked to (claims, slices)
