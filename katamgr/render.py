@@ -188,6 +188,10 @@ def status_text(status: NodeStatus, *, width: int | None = None) -> str:
         out += ["", "Drop-ins beside kata-deploy's configs:", *[f"  {p}" for p in status.drop_ins]]
     if status.gpu_labels:
         out += ["", "GPU labels set on the Node:", *[f"  {k}={v}" for k, v in status.gpu_labels.items()]]
+    if status.split is not None:
+        vm, container = status.split
+        out += ["", "GPU split (a GPU moving is on neither side):",
+                f"  VMs: {', '.join(vm) or 'none'}", f"  containers: {', '.join(container) or 'none'}"]
     if run is not None:
         out += ["", f"Last run: {run.command} (katamgr {run.version}, pid {run.pid}), started {run.started}"]
         if run.outcome == "interrupted":

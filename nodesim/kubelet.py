@@ -439,4 +439,8 @@ class KubeletSimulator:
                 # markResourceUnhealthy), so none is allocated or listed as allocatable.
                 self._state.devices[name] = [replace(d, health="Unhealthy")
                                              for d in self._state.devices.get(name, [])]
+                # In the record too, in order: from here on the kubelet offers none of them.
+                self._state.history.append((time.monotonic(), name, tuple(
+                    (d.id, d.health) for d in self._state.devices[name])))
+                del self._state.history[:-HISTORY]
             self._cond.notify_all()

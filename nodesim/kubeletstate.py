@@ -57,7 +57,8 @@ class KubeletState:
     # pods a restart's re-admission ended, with the kubelet's reason ("OutOf<resource>")
     ended: list[tuple[PodRecord, str]] = field(default_factory=list)
     # every ListAndWatch update as it arrived: (monotonic time, resource, ((id, health), ...)),
-    # the last HISTORY of them; the kubelet acts on each, so a test may not miss a short one
+    # and a plugin's disconnect as its devices all Unhealthy, the last HISTORY of them; the
+    # kubelet acts on each, so a test may not miss a short one
     history: list[tuple[float, str, tuple[tuple[str, str], ...]]] = field(default_factory=list)
 
     def registrations_for(self, resource_name: str) -> list[Registration]:

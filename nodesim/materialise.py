@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from pathlib import Path
 
 from gpunode.errors import ConfigError
@@ -164,10 +165,13 @@ def _create_device(host: HostRoot, profile: HostProfile, dev: ProfileDevice, by_
         kernel.relative_link(directory, group_dir / dev.bdf)
     if dev.driver:
         kernel.link_driver(host, dev.bdf, dev.driver)
-    if dev.driver == "nvidia" and dev.minor is not None:
+    if dev.driver == "nvidia" and dev.vendor == 0x10DE:
+        # As the driver writes it; the UUID is the one the simulated NVML gives (nodesim.nvml).
         info = host.path(f"/proc/driver/nvidia/gpus/{dev.bdf}/information")
         info.parent.mkdir(parents=True, exist_ok=True)
-        info.write_text(f"Model: \t\t simulated\nDevice Minor: \t {dev.minor}\nBus Location: \t {dev.bdf}\n")
+        minor = f"Device Minor: \t {dev.minor}\n" if dev.minor is not None else ""
+        info.write_text(f"Model: \t\t simulated\nGPU UUID: \t GPU-{uuid.uuid5(uuid.NAMESPACE_OID, dev.bdf)}\n"
+                        f"{minor}Bus Location: \t {dev.bdf}\n")
 
 
 def _create_proc(host: HostRoot, profile: HostProfile) -> None:

@@ -30,9 +30,10 @@ from sandbox_plugin.commands import (
 )
 from sandbox_plugin.container import DEVICE_LIST_STRATEGIES, parse_device_list_strategies
 from sandbox_plugin.fabricgate import FabricGate, gate_for
-from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, holds_for, mode_for
+from sandbox_plugin.follow import ALL_MODES, LabelFollower, PluginRunner, mode_for
 from sandbox_plugin.manager import Mode, PluginManager
 from sandbox_plugin.served import PluginServerError
+from sandbox_plugin.splitshare import SplitShare
 
 log = logging.getLogger("sandbox_plugin")
 
@@ -222,9 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                     host, args.node_name, lambda _node: watch.labels(), args.default_workload,
                     naming.selection, node.workload), args.auto_modes)
                 watch.on_change = follower.changed.set
-                resolved = follower.resolve()
-                mode, why = mode_for(resolved, args.auto_modes)
-                held = holds_for(resolved, args.auto_modes)
+                runner.share = SplitShare(host)  # a split node's sides, as katamgr publishes them
+                mode, why, held = follower.first()
     except GpuNodeError as exc:  # bad usage or configuration 2, the API not answering 1
         if watch is not None:
             watch.stop()
@@ -289,6 +289,7 @@ def _wait(stop: threading.Event, follower: LabelFollower | None = None) -> None:
         woken = follower.changed.wait(0.2)
         if stop.is_set():
             return
+        follower.poll_split()  # a split node's sides, as katamgr moves GPUs between them
         if woken or time.monotonic() - last >= 30:
             follower.changed.clear()
             last = time.monotonic()

@@ -221,6 +221,7 @@ class NvmlResource(Resource):
         self._watcher: DeviceWatcher | None = None
         self._thread: threading.Thread | None = None
         self.enumerations = 0  # NVML sessions that listed the GPUs
+        self.share = None  # a split node's shares (sandbox_plugin.splitshare); None: every GPU
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -407,14 +408,15 @@ class NvmlResource(Resource):
 
     def gpus(self) -> list[ContainerGpu]:
         with self._lock:
-            return sorted(self._gpus.values(), key=lambda g: g.index)
+            gpus = sorted(self._gpus.values(), key=lambda g: g.index)
+        # A split node's VM share is never ours, even while still on nvidia (splitshare).
+        return gpus if self.share is None else self.share.container_gpus(gpus, lambda g: g.bdf)
 
     def devices(self) -> list[PluginDevice]:
         return [g.plugin_device() for g in self.gpus()]
 
     def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation:
-        with self._lock:
-            gpus = dict(self._gpus)
+        gpus = {g.uuid: g for g in self.gpus()}
         for device_id in device_ids:
             gpu = gpus.get(device_id)
             if gpu is None:

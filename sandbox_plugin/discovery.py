@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import threading
 
+from gpunode.host.pci import is_vfio_driver
 from gpunode.host.root import HostRoot
 from gpunode.policy.health import BEGUN
 from gpunode.policy.naming import Naming
@@ -59,6 +60,7 @@ class PassthroughDiscovery:
         self.gate = FabricGate.fixed(fabric) if isinstance(fabric, FabricGuard) else fabric
         self.health = health or DeviceHealth(host)  # the kernel's health facts (devhealth)
         self.scanned: dict[str, tuple[tuple[str, ...], str]] = {}  # unit id -> (BDFs, pci_reason)
+        self.share = None  # a split node's shares (sandbox_plugin.splitshare); None: every unit
         self.boards = BoardWatch(self._given, self.refresh)  # a full passthrough board's units kept apart
         # The kubelet client imported ahead (protobuf: up to seconds on a slow machine), so a unit gone
         # from the host while a pod holds it turns Unhealthy without waiting for it.
@@ -128,6 +130,10 @@ class PassthroughDiscovery:
         """
         units = scan_units(self.host, self.naming, self.health.reason)
         self.scanned = {u.id: (u.bdfs, u.pci_reason) for u in units}
+        if self.share is not None:  # a split node: the VM side only (sandbox_plugin.splitshare)
+            self.share.reload()
+            units = self.share.passthrough_units(units, lambda u: u.bdfs, self._held,
+                                                 lambda u: all(is_vfio_driver(d.driver) for d in u.devices))
         if self.held_only:  # (read once: set_held_only may change it meanwhile; the next refresh follows)
             given = self._given()
             if given is not None:  # else (a kubelet restarting): the units listed last

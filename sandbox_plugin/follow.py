@@ -60,12 +60,17 @@ def holds_for(resolved: Resolution, modes: frozenset[Mode] = ALL_MODES) -> bool:
             and not resolved.opted_out & PASSTHROUGH_PLUGIN)
 
 
-def mode_for(resolved: Resolution, modes: frozenset[Mode] = ALL_MODES) -> tuple[Mode | None, str]:
-    """What to serve for the node's workload and opt-outs; None: stand down. And why."""
+def mode_for(resolved: Resolution, modes: frozenset[Mode] = ALL_MODES, *,
+             split: bool = False) -> tuple[Mode | None, str]:
+    """What to serve for the node's workload and opt-outs; None: stand down. And why.
+    ``split``: the node's split label leaves a container share (``splitshare``), which a
+    plugin serving only containers serves on a vm-passthrough node."""
     why = resolved.why
     if resolved.workload is Workload.VM_VGPU:
         return None, f"{why}, which the vGPU device manager serves, not this plugin"
     mode = Mode(resolved.workload.value)
+    if split and mode is Mode.VM_PASSTHROUGH and mode not in modes and Mode.CONTAINER in modes:
+        mode, why = Mode.CONTAINER, f"{why}, split: the GPUs outside the VM share are for containers"
     if mode not in modes:
         return None, (f"{why}; this plugin serves only {', '.join(sorted(modes))} (--auto-modes): "
                       f"another plugin serves {mode} nodes")
@@ -88,6 +93,26 @@ class PluginRunner:
         self.held = False  # mode None, serving only the passthrough devices pods still hold
         self.why = "not started"
         self._lock = threading.Lock()
+        # The split label's shares (``splitshare``), handed to each manager made; None: not followed.
+        self.share = None
+
+    def split_changed(self) -> None:
+        """The shares changed: the running plugins list again (the side a GPU leaves first)."""
+        manager = self.manager
+        if manager is None:
+            return
+        if manager.discovery is not None:
+            manager.refresh()
+        if manager.nvml_resource is not None:
+            manager.nvml_resource.changes.notify()
+
+    def _share(self, manager: PluginManager) -> PluginManager:
+        if self.share is not None:
+            if manager.discovery is not None:
+                manager.discovery.share = self.share
+            if manager.nvml_resource is not None:
+                manager.nvml_resource.share = self.share
+        return manager
 
     def serve(self, mode: Mode | None, why: str, held: bool = False) -> bool:
         """Run the plugins of ``mode`` (None: none, or with ``held`` only the passthrough
@@ -119,8 +144,8 @@ class PluginRunner:
         else:
             announce.info("mode %s: %s", mode.value if mode else "none (advertising nothing)", why)
         if mode is not None or held:
-            manager = (self._make(Mode.VM_PASSTHROUGH, self.metrics, held_only=True) if held
-                       else self._make(mode, self.metrics))
+            manager = self._share(self._make(Mode.VM_PASSTHROUGH, self.metrics, held_only=True) if held
+                                  else self._make(mode, self.metrics))
             with self._lock:
                 self.manager = manager
             manager.start()
@@ -156,13 +181,36 @@ class LabelFollower:
         self.resolve = resolve
         self.modes = modes
         self.changed = threading.Event()  # set by the watch's on_change
+        self._split_moved = False  # the sides changed, read by poll_split
         self._error: str | None = None
+
+    def first(self) -> tuple[Mode | None, str, bool]:
+        """What to serve at start: the mode, why, and whether held-only (errors raised)."""
+        resolved = self.resolve()
+        share = self.runner.share
+        if share is not None:
+            share.reload()
+        mode, why = mode_for(resolved, self.modes, split=share is not None and share.split)
+        return mode, why, holds_for(resolved, self.modes)
+
+    def poll_split(self) -> bool:
+        """Read the sides katamgr published (a cheap read, done often); serve them at once
+        when they changed (True)."""
+        share = self.runner.share
+        if share is None or not share.reload():
+            return False
+        self._split_moved = True
+        self.check()
+        return True
 
     def check(self) -> bool:
         """Serve what the labels ask for now; True when the mode changed."""
         try:
             resolved = self.resolve()
-            mode, why = mode_for(resolved, self.modes)
+            share = self.runner.share
+            moved = share is not None and share.reload() or self._split_moved
+            self._split_moved = False
+            mode, why = mode_for(resolved, self.modes, split=share is not None and share.split)
         except GpuNodeError as exc:
             if str(exc) != self._error:
                 log.warning("could not read the node's workload (%s); keeping mode %s", exc,
@@ -170,4 +218,7 @@ class LabelFollower:
             self._error = str(exc)
             return False
         self._error = None
-        return self.runner.serve(mode, why, holds_for(resolved, self.modes))
+        served = self.runner.serve(mode, why, holds_for(resolved, self.modes))
+        if moved and not served:
+            self.runner.split_changed()
+        return served or moved

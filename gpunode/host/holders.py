@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from gpunode.host.root import HostRoot
 
+_UUID = re.compile(r"^GPU UUID:\s*(GPU-[0-9a-fA-F-]+)\s*$", re.MULTILINE)
 _MINOR = re.compile(r"^Device Minor:\s*(\d+)", re.MULTILINE)
 
 
@@ -33,6 +34,17 @@ def gpu_minor(host: HostRoot, bdf: str) -> int | None:
         return None
     match = _MINOR.search(text)
     return int(match.group(1)) if match else None
+
+
+def gpu_uuid(host: HostRoot, bdf: str) -> str | None:
+    """The GPU's UUID as the nvidia driver shows it (``GPU UUID:`` in /proc/driver/nvidia/gpus/
+    <bdf>/information; the ID NVIDIA's device plugin advertises it by); None when not there."""
+    try:
+        text = host.path(f"/proc/driver/nvidia/gpus/{bdf}/information").read_text()
+    except OSError:
+        return None
+    match = _UUID.search(text)
+    return match.group(1) if match else None
 
 
 def holders(host: HostRoot, paths: set[str]) -> list[Holder]:

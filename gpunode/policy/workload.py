@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.policy.split import SPLIT_LABEL
 
 WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
 AUTO = "auto"
@@ -120,6 +121,9 @@ class Resolution:
     workload: Workload
     why: str
     opted_out: frozenset[Operand] = field(default_factory=frozenset)
+    # The split label's value (``gpunode.policy.split``): the VM share of a vm-passthrough
+    # node's GPUs, the rest for containers; None: no label, every GPU to VMs.
+    split: str | None = None
 
 
 def workload_from_label(node_name: str, value: str | None) -> Workload | None:
@@ -168,13 +172,14 @@ def resolve_workload(
         ) from exc
     workload = workload_from_label(node_name, labels.get(WORKLOAD_LABEL))
     out = opted_out(labels)
+    share = labels.get(SPLIT_LABEL) or None
     if workload is not None:
-        return Resolution(workload, f"node {node_name} is labeled {WORKLOAD_LABEL}={workload}", out)
+        return Resolution(workload, f"node {node_name} is labeled {WORKLOAD_LABEL}={workload}", out, share)
     if default is not None:
         return Resolution(Workload(default), f"node {node_name} has no {WORKLOAD_LABEL} label; "
-                                             f"--default-workload is {Workload(default)}", out)
+                                             f"--default-workload is {Workload(default)}", out, share)
     fell_back = _fall_back(fallback, f"node {node_name} has no {WORKLOAD_LABEL} label")
-    return Resolution(fell_back.workload, fell_back.why, out)
+    return Resolution(fell_back.workload, fell_back.why, out, share)
 
 
 def _fall_back(fallback: Callable[[], tuple[Workload, str]], why: str) -> Resolution:

@@ -158,3 +158,13 @@ def assigned_functions(host: HostRoot, inv: Inventory, naming: Naming,
             for bdf in unit.functions:
                 out[bdf] = list(dict.fromkeys(given))
     return out
+
+
+def allocatable_of(host: HostRoot, resource: str, *, timeout: float = DEFAULT_TIMEOUT,
+                   socket: str = POD_RESOURCES_SOCKET) -> frozenset[str] | None:
+    """The device IDs of one resource the kubelet lists as allocatable now (healthy, given to a
+    pod or not: ``GetAllocatableResources``); None when the kubelet could not be asked."""
+    answer, _ = _ask(host, "GetAllocatableResources", timeout, socket)
+    if answer is None:
+        return None
+    return frozenset(i.lower() for d in answer.devices if d.resource_name == resource for i in d.device_ids)

@@ -23,6 +23,7 @@ from katamgr.agent.loop import keep
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.reconciler import Reconciler
 from katamgr.agent.settings import NO_CLUSTER, AgentSettings, NodeLinks
+from katamgr.agent.splitting import SplitKeeper
 from katamgr.agent.switch import Switch
 from katamgr.agent.target import Target
 from katamgr.exitcodes import Exit
@@ -58,6 +59,8 @@ class Agent:
         self.give_backs = GiveBacks(self.target, self.probes, self.events)
         self.switcher = Switch(self.target, self.give_backs, self.probes, self.metrics, self.events,
                                self.reconcile, links.read_workload)
+        self.splitter = SplitKeeper(self.target, self.metrics, self.events, self.reconcile)
+        self.switcher.splitter = self.splitter
         self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=s.cc_default_mode,
                           read_labels=links.read_labels, publish=links.publish_labels,
                           read_resources=links.read_resources)
@@ -78,12 +81,14 @@ class Agent:
 
     def reconcile(self, why: str, *, raise_errors: bool = False, retry: bool = False) -> Report:
         try:
+            self.splitter.reapply()  # a split node binds only its VM share, whoever set the naming
             report = self.reconciler.run(why, raise_errors=raise_errors, retry=retry)
             # What this reconcile installed is the agent's own doing: detection looks again now, so
             # the next check does not take it for kata-deploy's; where the release it decides
             # changed, once more to carry that out.
             found = self.kata_found.follow(self.target, ours=True) if self.kata_found is not None else None
             if found is not None:
+                self.splitter.reapply()
                 report = self.reconciler.run(found, raise_errors=raise_errors, retry=retry)
                 if self.kata_found is not None:
                     self.kata_found.follow(self.target, ours=True)
@@ -181,6 +186,7 @@ class Agent:
             # finishes that step and stops, rather than dying half-way with the default action.
             stop_on_signals(self.request_stop, log)
         try:
+            self.switcher.split_at_start()  # the split label, before the first bind
             first = self.reconcile("start", raise_errors=once)
             self.follow_cc()
             labelled = self.gpu_labels.follow()

@@ -53,6 +53,8 @@ class Switch:
         # The node's workload and opt-outs now (its labels, resolved as at start); None: not followed.
         self.read_workload = read_workload
         self._label_error: str | None = None  # the last failure to read it, logged once
+        # The split label followed on a vm-passthrough node (``agent.splitting``); None: not followed.
+        self.splitter = None
 
     def follow(self) -> bool:
         """Switch when the node's workload label or opt-outs changed; True when one was done."""
@@ -72,8 +74,27 @@ class Switch:
         wanted, out = ((read.workload, read.opted_out) if isinstance(read, Resolution)
                        else (Workload(read), t.opted_out))
         if wanted is t.steps.workload and out == t.opted_out:
-            return False
+            return self.follow_split(read)
         return self.switch(wanted, out)
+
+    def split_at_start(self) -> None:
+        """The split label read once before the first reconcile, so it binds only the VM share."""
+        if self.read_workload is None or self.splitter is None:
+            return
+        try:
+            self.follow_split(self.read_workload())
+        except GpuNodeError as exc:  # said again, and an Event for a bad value, by follow()
+            log.warning("could not read the node's split label at start (%s)", exc)
+
+    def follow_split(self, read: Resolution | Workload | str) -> bool:
+        """Move GPUs between VMs and containers when the split label changed (only where the
+        node binds its GPUs: a whole-node switch away from vm-passthrough gives every one back)."""
+        if self.splitter is None or not isinstance(read, Resolution):
+            return False
+        if not self.target.binds:
+            self.splitter.reset()
+            return False
+        return self.splitter.follow(read.split)
 
     def _binds_again(self) -> bool:
         """Whether the labels, read now, ask for the GPUs on vfio-pci again (flipped back

@@ -25,6 +25,7 @@ from katamgr.output import documents
 from katamgr.output.documents import FORMATS
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.pipeline.report import Report
+from katamgr.pipeline.splitplan import split_plan
 from katamgr.render import plan_text, print_report, quiet, status_text
 
 if TYPE_CHECKING:
@@ -36,9 +37,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = config_from(args)
     with node_context(args, config) as node:
         setup = node_setup(args, node.host, config, extras=node.extras, workload=node.workload)
-        plan = full_plan(node.host, node.naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
+        naming, split = split_plan(node.host, node.naming, args.split if args.split is not None else setup.split)
+        plan = full_plan(node.host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
                          fabric=node.fabric, kata_found=node.kata_found)
+        if split is not None:
+            plan.sections.insert(0, split)
         if args.output in FORMATS:
             print(documents.dump(documents.plan_document(plan), args.output))
         else:
@@ -52,8 +56,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
         host = node.host
         refuse_beside_agent(host, "katamgr apply")
         setup = node_setup(args, host, config, extras=node.extras, workload=node.workload)
+        naming, _ = split_plan(host, node.naming, setup.split)  # binds only the VM share of a split node
         steps = setup.steps.without(setup.opted_out)
-        report = reconcile(host, node.naming, steps, setup.ctx, force=args.force, kata_found=node.kata_found,
+        report = reconcile(host, naming, steps, setup.ctx, force=args.force, kata_found=node.kata_found,
                            wait=args.device_wait,
                            lock_wait=args.wait, command="katamgr apply", journal=_journal(host, "katamgr apply"))
         if not report.interrupted:  # a stopped run offers nothing new

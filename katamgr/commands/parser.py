@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
             "column and cell in full), or a versioned json or yaml document (kind Plan)")
     p.add_argument("--no-headers", action="store_true", help="print the device table without its header line")
     p.add_argument("--force", action="store_true", help="plan as if --force were given to apply")
+    p.add_argument("--split", metavar="VALUE",
+                   help="plan the node split between VMs and containers as the label "
+                        "nvidia.com/gpu.workload.vm-passthrough.gpus=VALUE would (2, all, index.6_7, "
+                        "pci.c1-00.0, model.2330; default: the node's label with --node-name) and show what "
+                        "the change would move")
     _gpu_labels_argument(p)
     p.set_defaults(func=cmd_plan)
 

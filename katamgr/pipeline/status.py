@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from gpunode.host import vfio
 from gpunode.host.root import STATE_DIR, HostRoot
 from gpunode.policy import gpulabels
+from gpunode.policy.splitnode import read_sides
 from gpunode.services import journal
 from katamgr.artifacts import read_install
 from katamgr.pipeline import cdi_specs, kata_record
@@ -61,6 +62,8 @@ class NodeStatus:
     version: str | None = None
     last_run: LastRun | None = None
     problems: list[str] = field(default_factory=list)  # a record katamgr could not read
+    # A split node's sides as katamgr carries the split out (VM side, container side); None: no split.
+    split: tuple[list[str], list[str]] | None = None
 
     @property
     def installed(self) -> bool:
@@ -96,6 +99,9 @@ def node_status(host: HostRoot) -> NodeStatus:
     if gpulabels.STATE_FILE not in bad:
         status.gpu_labels = gpulabels.recorded(host)
     status.since, status.version = record.since, record.version
+    sides = read_sides(host)
+    if sides is not None:
+        status.split = (sorted(sides[0]), sorted(sides[1]))
     run = journal.read_run(host)
     if run is not None:
         outcome = "interrupted" if journal.interrupted(host, run) else run.outcome

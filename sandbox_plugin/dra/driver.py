@@ -48,6 +48,7 @@ from sandbox_plugin.dra.slices import SlicePublisher
 from sandbox_plugin.fabric import gpus_of_units
 from sandbox_plugin.fabricgate import FabricGate
 from sandbox_plugin.resources import AllocationError
+from sandbox_plugin.splitshare import SplitShare
 from sandbox_plugin.watch import DeviceWatcher
 
 if TYPE_CHECKING:  # the client is imported where the API is talked to (claims, slices)
@@ -80,6 +81,8 @@ class DraDriver:
         # fabric: the NVSwitch board's model (sandbox_plugin.fabricgate): while neither of
         # NVIDIA's models holds, the board's GPUs are not published.
         self.discovery = PassthroughDiscovery(host, naming, health=health, fabric=fabric)
+        # A split node: only the VM side is published, read again at each rescan (splitshare).
+        self.discovery.share = SplitShare(host)
         self.watcher = DeviceWatcher(host, self.refresh, rescan_interval=rescan_interval,
                                      on_node_gone=self.discovery.node_gone, on_uevent=self.discovery.heard)
         self.poller = HealthPoller(health, lambda: self.discovery.scanned, self.refresh, health_interval)

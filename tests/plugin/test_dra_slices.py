@@ -185,3 +185,23 @@ def test_an_api_server_refusing_writes_is_retried(node):
     assert "grant the driver's service account" in node.driver.last_sync
     node.server.token = None
     wait(lambda: node.slices(), "the slice after the API answers again", timeout=15)
+
+
+def test_a_split_node_publishes_only_its_vm_side(tmp_path):
+    """The sides katamgr publishes on a split node (splitnode.write_sides): only units wholly on the
+    VM side are in the slice, read again at each rescan; no sides, every unit as before."""
+    from gpunode.policy.splitnode import clear_sides, write_sides
+
+    made, cleanup = make_node(rescan_interval=0.2)
+    try:
+        made.driver.wait_synced(0)
+        gpus = sorted(n for n in made.device_names("gpu-"))
+        assert len(gpus) == 8
+        write_sides(made.host, {"0000:93:00.0", "0000:94:00.0"}, set())
+        wait(lambda: sorted(made.device_names("gpu-")) == ["gpu-0000-93-00-0", "gpu-0000-94-00-0"],
+             "only the VM side is published")
+        assert not made.device_names("nvswitch-")  # NVSwitches go to VMs only with every GPU
+        clear_sides(made.host)
+        wait(lambda: sorted(made.device_names("gpu-")) == gpus, "every unit again without a split")
+    finally:
+        cleanup()

@@ -1,0 +1,62 @@
+"""The split label applied to a node: its GPUs scanned, split (``gpunode.policy.split``), and the
+naming whose selection keeps the container share off vfio-pci. The agent, ``katamgr plan`` and the
+passthrough plugin all ask here, so they agree on which GPUs are the VM share."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from gpunode.host.files import read_json, remove_file, write_json
+from gpunode.host.root import HostRoot
+from gpunode.policy.gpulabels import gpu_facts
+from gpunode.policy.inventory import discover
+from gpunode.policy.naming import Naming
+from gpunode.policy.split import Split, selection_for, split
+
+
+def node_split(host: HostRoot, naming: Naming, value: str | None) -> Split:
+    """The node's selected GPUs split by ``value`` (the label's; None: no split). ``naming``'s
+    selection is the one before the split (the operator's include and exclude rules)."""
+    inv = discover(host, naming.selection)
+    gpus = inv.gpus
+    products = {}
+    if value and value.lower().startswith("model."):
+        products = {d.bdf: facts.product for d in gpus
+                    if (facts := gpu_facts(d, naming.pci_ids)).product is not None}
+    return split(gpus, value, nvswitches=inv.nvswitches, products=products)
+
+
+def split_naming(host: HostRoot, naming: Naming, value: str | None) -> tuple[Naming, Split]:
+    """``naming`` with its selection narrowed to the VM share, and the split itself."""
+    share = node_split(host, naming, value)
+    selection = selection_for(naming.selection, share)
+    return dataclasses.replace(naming, selection=selection), share
+
+
+# Which side each GPU is on now, as katamgr carries a split out: the plugins list from this, not
+# from the label, so a GPU moving is on neither side until it has left the other
+# (``katamgr.agent.splitting``). Under /run: the drivers' bindings do not outlive a reboot either.
+SIDES_FILE = "/run/kata-sandbox-manager/split.json"
+
+
+def write_sides(host: HostRoot, vm: Iterable[str], container: Iterable[str]) -> None:
+    """Publish the sides (atomically: a plugin reads one whole version or the one before)."""
+    write_json(host.path(SIDES_FILE), {"vm": sorted(vm), "container": sorted(container)}, marked=False)
+
+
+def clear_sides(host: HostRoot) -> None:
+    """No split: every GPU is the node's workload's."""
+    if host.path(SIDES_FILE).exists():
+        remove_file(host.path(SIDES_FILE))
+
+
+def read_sides(host: HostRoot) -> tuple[frozenset[str], frozenset[str]] | None:
+    """(VM side, container side) as published; None where no split is carried out."""
+    try:
+        data = read_json(host.path(SIDES_FILE))
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    return frozenset(data.get("vm", ())), frozenset(data.get("container", ()))
