@@ -154,3 +154,9 @@ def forget(host: HostRoot) -> None:
 
 def recorded(host: HostRoot) -> bool:
     return host.state_path(STATE_FILE).is_file()
+
+
+def changes_recorded(host: HostRoot) -> bool:
+    """Whether katamgr holds revert state for a containerd config on this node."""
+    directory = host.state_path("containerd")
+    return directory.is_dir() and any(p.suffix == ".json" for p in directory.iterdir())

@@ -447,8 +447,3 @@ def _delete_runtime_classes(ctx: KataContext | None) -> Report:
             report.failures.append(str(exc))
     return report
 
-
-def changes_recorded(host: HostRoot) -> bool:
-    """Whether katamgr holds revert state for a containerd config on this node."""
-    directory = host.state_path("containerd")
-    return directory.is_dir() and any(p.suffix == ".json" for p in directory.iterdir())

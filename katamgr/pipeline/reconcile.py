@@ -321,7 +321,7 @@ def _revert_all(report: Report, host: HostRoot, steps: Steps, kata_ctx: KataCont
         _undo(report, host, journal, "remove the Kata runtimes (containerd config, artifacts)",
               "undoing the Kata runtimes (containerd, artifacts)",
               lambda: _kata_runtime().revert(host, ctx, delete_runtime_classes=delete_runtime_classes))
-    elif steps.kata and _kata_runtime().changes_recorded(host):
+    elif steps.kata and kata_record.changes_recorded(host):
         # Applied by a katamgr older than the Kata record: only its config names the paths.
         report.failures.append(
             "katamgr has Kata changes recorded on this node (containerd config, artifacts) by a release "
