@@ -446,4 +446,3 @@ def _delete_runtime_classes(ctx: KataContext | None) -> Report:
         except GpuNodeError as exc:
             report.failures.append(str(exc))
     return report
-
