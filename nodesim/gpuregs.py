@@ -6,7 +6,7 @@ CC and PPCIe modes it booted into in a secure scratch register (0x1182cc: bits 0
 mode, 1 on, 3 devtools, 0 off; bit 5 PPCIe). Offsets and encodings are those NVIDIA's
 gpu-admin-tools reads (``nvidia_gpu_tools.py``, ``query_cc_mode_hopper``,
 ``query_ppcie_mode``; ``gpu/regs/gh100/therm.py``); the simulator writes them so that the
-tool's own query runs against a simulated node (tests/host/test_gpu_admin_tools.py). Only
+tool's own query runs against a simulated node (tests/gpunode/host/test_gpu_admin_tools.py). Only
 the emulated GPU is written here; katamgr reads modes through the tool.
 """
 

@@ -16,7 +16,7 @@ from nodesim.materialise import materialise
 from nodesim.node import open_node
 from nodesim.profiles import find_profile
 
-KERNEL_AER = Path(__file__).parents[1] / "data" / "kernel" / "aer"
+KERNEL_AER = Path(__file__).parents[2] / "data" / "kernel" / "aer"
 GPU = "0000:31:00.0"
 
 

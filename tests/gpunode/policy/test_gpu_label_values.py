@@ -35,7 +35,7 @@ from nodesim.materialise import materialise
 from nodesim.profile import parse_profile
 from nodesim.profiles import find_profile, shipped_names
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 PCI_IDS = PciIds.find(DATA / "pciids" / "pci.ids")
 
 # What each shipped profile is labelled, by GFD's names (the nvidia-smi names and memory as the
