@@ -270,7 +270,9 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
     switch_chart(node, values_with_tdx(LAYOUT), tmp_path_factory)
     agent = agent_ready(node)
     assert class_ready(node, agent) == {KATA_CLASS: 1, GPU_TDX: 1}
-    assert probe(agent, "/readyz") == (200, "ok: the last reconcile succeeded\n")
+    status, why = probe(agent, "/readyz")
+    assert status == 200 and why.startswith("ok: the last reconcile succeeded"), why
+    assert f"Kata artifacts verified ({KATA_CLASS}, {GPU_TDX})" in why, why  # the upgrade gate passed
     assert labels(node).get(offer_label(GPU_TDX)) == "true"
     offered = wait_for(lambda: new_events(node, "RuntimeClassOffered", offered_before, GPU_TDX),
                        "a RuntimeClassOffered Event naming the class", 30, every=1)
