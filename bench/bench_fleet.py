@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from bench_scale import metrics, requests_total  # noqa: E402
+from bench_scale import metrics, on_cluster, requests_total  # noqa: E402
 from support.chartkit import render_release  # noqa: E402
 from support.kubecluster import LocalCluster  # noqa: E402
 
@@ -251,18 +250,7 @@ def relabel(kube: LocalCluster, pods: list[Pod], mode: str) -> float | None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=1000)
-    parser.add_argument("--rest", type=float, default=330.0,
-                        help="seconds at rest (default 330)")
-    parser.add_argument("--kubeconfig", type=Path,
-                        help="an existing hack/local-cluster's DIR/kubeconfig (default: start one)")
-    args = parser.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
-    kube = LocalCluster(args.kubeconfig.parent) if args.kubeconfig else LocalCluster.up(tmp / "cluster")
-    try:
-        return run(kube, args, tmp)
-    finally:
-        if not args.kubeconfig:
-            kube.down()
+    return on_cluster(parser, "bench-fleet-", run)
 
 
 def run(kube: LocalCluster, args, tmp: Path) -> int:

@@ -117,22 +117,27 @@ class Follower:
         self.seen.setdefault(value, time.monotonic())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--agents", type=int, default=100)
+def on_cluster(parser: argparse.ArgumentParser, prefix: str, run) -> int:
+    """The API-server benches' common flags (--rest, --kubeconfig) parsed, then ``run(kube, args,
+    tmp)`` on the cluster given, or on one started for it and stopped after."""
     parser.add_argument("--rest", type=float, default=330.0,
                         help="seconds at rest (default 330)")
     parser.add_argument("--kubeconfig", type=Path,
                         help="an existing hack/local-cluster's DIR/kubeconfig (default: start one)")
     args = parser.parse_args()
-
-    tmp = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
     kube = LocalCluster(args.kubeconfig.parent) if args.kubeconfig else LocalCluster.up(tmp / "cluster")
     try:
         return run(kube, args, tmp)
     finally:
         if not args.kubeconfig:
             kube.down()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=100)
+    return on_cluster(parser, "bench-scale-", run)
 
 
 def run(kube: LocalCluster, args, tmp: Path) -> int:
