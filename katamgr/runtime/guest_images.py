@@ -34,6 +34,7 @@ import tomlkit
 from tomlkit.exceptions import TOMLKitError
 
 from gpunode.policy.katarelease import KataRelease
+from katamgr.artifacts import katastatic
 from katamgr.artifacts.errors import ArtifactError
 from katamgr.artifacts.manifest import Layer, Manifest
 from katamgr.artifacts.verity import StreamingBlocks, VerityParams, check_image, parse_params
@@ -133,13 +134,18 @@ class GuestCheck:
     def tap(self, layer: Layer, path: Path) -> StreamingBlocks | None:
         if fnmatch.fnmatch(layer.name, CONFIG_GLOB):
             return None
-        stream = StreamingBlocks(lambda: self._params(layer, path.parent))
+        stream = StreamingBlocks(lambda: self._params(layer, path.parent), path)
+        before = self.streams.get(layer.name)
         self.streams[layer.name] = stream  # a retry's stream replaces the attempt before
+        if before is not None:
+            before.close()
         return stream
 
     def layer_done(self, name: str) -> None:
         if fnmatch.fnmatch(name, CONFIG_GLOB):
             self.config_done.set()
+        elif name in self.streams:
+            self.streams[name].finish()  # the file is whole: its worker reads the last blocks
 
     def _params(self, layer: Layer, staging: Path) -> tuple[bool, VerityParams | None]:
         if not self.config_done.is_set():
@@ -165,15 +171,23 @@ def verify_staged(staging: Path, manifest: Manifest, streams: dict[str, Streamin
     """The ``check`` of ``install_artifact``: each guest image's dm-verity root hash, in the
     staging dir, before the swap (from ``streams``' blocks hashed during the download where
     they are whole). ArtifactError refuses the install."""
+    # Kata's own kata-static tarballs: their guest files beside them, each measured image checked
+    # against its root_hash_<variant>.txt whether or not a config here names it
+    kata = katastatic.unpack(staging, manifest, "the artifact")
+    taken: dict[str, str] = {}
+    for file_name, (params, source) in kata.items():
+        if not (staging / file_name).is_symlink():
+            check_image(staging / file_name, params, f"{file_name} ({source})")
+        taken[file_name] = params
     configs = sorted(staging.glob(CONFIG_GLOB))
     if len(configs) != 1:
+        _keep(staging, taken)
         return  # no Kata config to read: transform_kata_config names the problem
     try:
         doc = plain(tomlkit.parse(configs[0].read_text()))
     except (OSError, TOMLKitError) as exc:
         raise ArtifactError(f"{configs[0].name} is not valid TOML ({exc}); fix the artifact") from exc
-    annotated = {layer.name: layer.verity_params for layer in manifest.layers if layer.verity_params}
-    taken: dict[str, str] = {}
+    annotated = {layer.name: layer.verity_params for layer in manifest.layers if layer.verity_params} | taken
     for name, table in (doc.get("hypervisor") or {}).items():
         if not isinstance(table, dict):
             continue
@@ -189,9 +203,14 @@ def verify_staged(staging: Path, manifest: Manifest, streams: dict[str, Streamin
                 raise ArtifactError(f"{what} has no dm-verity parameters in the config ({VERITY_KEY} / verity_params) "
                                     "nor in its layer's kata-sandbox-manager.io/verity-params annotation; an "
                                     "unverified guest image is not installed")
-            check_image(path, params, what, (streams or {}).get(file_name))
+            if file_name not in kata:  # a Kata tarball's image was checked above
+                check_image(path, params, what, (streams or {}).get(file_name))
             if file_name in annotated:
                 taken[file_name] = params
+    _keep(staging, taken)
+
+
+def _keep(staging: Path, taken: dict[str, str]) -> None:
     if taken:
         (staging / PARAMS_FILE).write_text(json.dumps(taken, indent=2, sort_keys=True) + "\n")
 
