@@ -29,6 +29,7 @@ DEBS = (
     "kmod",  # modprobe, to load vfio-pci from the host's /lib/modules
     "libudev1",  # what pyudev reads the kernel's device events (uevents) through
     "ca-certificates",  # TLS to registries (Kata artifacts) and the API server
+    "zstd",  # Kata's own guest artifacts are kata-static-<target>.tar.zst (katamgr.artifacts.katastatic)
 )
 # bookworm's python3 and glibc: the wheelhouse holds CPython 3.11 wheels for manylinux
 # glibc 2.36 or older, whatever the building machine runs.
