@@ -5,17 +5,17 @@ the guest kernel and images included, is a ``kata-static-<target>.tar.zst`` (zst
 ``opt/kata/...`` tree it installs; kata-deploy-binaries.sh lines 1883, 2013) that CI pushes
 with ``oras push`` to ``ghcr.io/kata-containers/cached-artefacts/<target>:<tags>`` beside
 ``<target>-version``, ``<target>-builder-image-version`` and ``<target>-sha256sum``
-(``sha256sum`` of the tarball; same file, lines 2065, 2105-2132). oras 1.2 gives each file the
+(``sha256sum`` of the tarball; same file, lines 2063-2065, 2105-2132). oras 1.2 gives each file the
 layer media type ``application/vnd.oci.image.layer.v1.tar`` and its name as the title, and
 packs an OCI image manifest with ``artifactType`` ``application/vnd.unknown.artifact.v1`` and
-the empty config (oras cmd/oras/root/push.go; oras-go pack.go).
+the empty config (oras cmd/oras/root/push.go lines 61, 133-136; oras-go pack.go).
 
 A guest image target (``rootfs-image-nvidia``, ``rootfs-image-nvidia-gpu-extension``, ...)
 holds, under ``opt/kata/share/kata-containers/``, the image ``kata-<os>-<version>-<variant>.image``,
 the link ``kata-containers-<variant>.img`` to it (``kata-containers.img`` for the base image)
 and, when built measured, ``root_hash_<variant>.txt`` (``root_hash_base.txt`` for the base):
 one line of ``kernel_verity_params`` as Kata's image builder prints it from ``veritysetup
-format`` (tools/packaging/guest-image/build_image.sh lines 41-42, 85, 110-117, 200-207;
+format`` (tools/packaging/guest-image/build_image.sh lines 41-42, 85, 100-117, 200-207;
 tools/osbuilder/image-builder/image_builder.sh lines 464-518; the ``base`` label:
 kata-deploy-binaries.sh lines 686-691).
 

@@ -4,16 +4,17 @@ The artifacts are shaped as Kata 4.1.0's CI pushes them (tag commit ddcb1ad8): o
 target, ``oras push <registry>/<repository>/cached-artefacts/<target>:<tags>`` of
 ``kata-static-<target>.tar.zst``, ``<target>-version``, ``<target>-builder-image-version`` and
 ``<target>-sha256sum`` (tools/packaging/kata-deploy/local-build/kata-deploy-binaries.sh
-lines 2062-2065 write the three small files, 2105-2111 list the files and the reference,
+lines 2063-2065 write the three small files, 2105-2111 list the files and the reference,
 2132 pushes; the tarball is ``tar`` of the ``kata-static`` tree, line 2013). oras 1.2.0 (the
 version Kata installs: dockerbuild/install_oras.sh line 18) packs an OCI image manifest with
 ``artifactType`` ``application/vnd.unknown.artifact.v1`` and the empty config, each file a
 ``application/vnd.oci.image.layer.v1.tar`` layer titled with its name, and an
-``org.opencontainers.image.created`` annotation (oras cmd/oras/root/push.go lines 61, 131-134;
+``org.opencontainers.image.created`` annotation (oras cmd/oras/root/push.go lines 61, 133-136;
 oras-go v2 pack.go ``packManifestV1_1_RC4``). Inside the tarball, under
 ``opt/kata/share/kata-containers/``: the image ``kata-<os>-<version>-<variant>.image``, the link
 ``kata-containers-<variant>.img`` and ``root_hash_<variant>.txt``, one ``kernel_verity_params``
-line (tools/packaging/guest-image/build_image.sh lines 110-117, 200-207;
+line (tools/packaging/guest-image/build_image.sh lines 100-117, 200-207; the NVIDIA extension's
+image name ends in the driver version, lines 100-108;
 tools/osbuilder/image-builder/image_builder.sh lines 490-518). The images and their trees are
 made by cryptsetup's ``veritysetup format`` (support.veritykit), the tarballs by GNU tar and zstd.
 """
@@ -43,16 +44,16 @@ LAYER = "application/vnd.oci.image.layer.v1.tar"  # oras push's default for a fi
 EMPTY = {"mediaType": "application/vnd.oci.empty.v1+json",
          "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a", "size": 2,
          "data": "e30="}
-TAG = "latest-main-x86_64"  # the branch tag, sanitised, with the arch suffix (lines 2089-2103)
+TAG = "latest-main-x86_64"  # the branch tag, sanitised, with the arch suffix (lines 2078-2103)
 
 
-def kata_component(workdir: Path, target: str, variant: str, *, blocks: int, os_version: str = "noble",
+def kata_component(workdir: Path, target: str, variant: str, *, blocks: int, driver: str = "",
                    root_hash: str | None = None) -> tuple[list[Path], str]:
     """The four files Kata's build pushes for a measured guest image target; its verity line."""
     tree = workdir / target / "kata-static"
     share = tree / "opt/kata/share/kata-containers"
     share.mkdir(parents=True)
-    image = f"kata-ubuntu-{os_version}-{variant}.image"
+    image = f"kata-ubuntu-noble-{variant}{'-' + driver if driver else ''}.image"
     params = guest_image(share / image, blocks)
     os.symlink(image, share / f"kata-containers-{variant}.img")
     (share / f"root_hash_{variant}.txt").write_text((root_hash or params) + "\n")
@@ -131,11 +132,11 @@ def test_kata_published_base_image_installs_verified_from_a_mirror_and_again_tra
 
 def test_kata_published_extension_from_an_oci_layout_is_checked_against_its_root_hash_file(tmp_path):
     files, params = kata_component(tmp_path, "rootfs-image-nvidia-gpu-extension", "nvidia-gpu-extension",
-                                   blocks=40, os_version="noble-590.48.01")
+                                   blocks=40, driver="590.48.01")
     dest = tmp_path / "classes" / "kata-qemu-nvidia-gpu"
     install_artifact(oci_layout(tmp_path / "layout", files), dest, check=GuestCheck())
     assert json.loads((dest / PARAMS_FILE).read_text())["kata-containers-nvidia-gpu-extension.img"] == params
-    assert (dest / "kata-ubuntu-noble-590.48.01-nvidia-gpu-extension.image").is_file()
+    assert (dest / "kata-ubuntu-noble-nvidia-gpu-extension-590.48.01.image").is_file()
 
 
 def test_an_image_that_is_not_the_one_its_root_hash_file_names_is_refused_and_nothing_changes(tmp_path):
