@@ -32,8 +32,10 @@ import pytest
 from artifactkit import leftovers, snapshot
 from support.veritykit import VERITYSETUP, guest_image
 
+from gpunode.host.root import HostRoot
 from katamgr.artifacts import ArtifactError, install_artifact
 from katamgr.runtime.guest_images import PARAMS_FILE, GuestCheck, annotated_params
+from katamgr.runtime.kata_config import transform_kata_config
 
 if VERITYSETUP is None or shutil.which("zstd") is None:
     if os.environ.get("REQUIRE_INTEGRATION") == "1":
@@ -57,6 +59,12 @@ def kata_component(workdir: Path, target: str, variant: str, *, blocks: int, dri
     params = guest_image(share / image, blocks)
     os.symlink(image, share / f"kata-containers-{variant}.img")
     (share / f"root_hash_{variant}.txt").write_text((root_hash or params) + "\n")
+    return packed(workdir, target), params
+
+
+def packed(workdir: Path, target: str) -> list[Path]:
+    """The files Kata's build pushes for ``target``, from its ``kata-static`` tree."""
+    tree = workdir / target / "kata-static"
     out = workdir / target / "push"
     out.mkdir()
     tarball = out / f"kata-static-{target}.tar.zst"
@@ -65,8 +73,7 @@ def kata_component(workdir: Path, target: str, variant: str, *, blocks: int, dri
     (out / f"{target}-builder-image-version").write_text("\n")
     digest = hashlib.sha256(tarball.read_bytes()).hexdigest()
     (out / f"{target}-sha256sum").write_text(f"{digest}  {tarball.name}\n")
-    files = [tarball, *(out / f"{target}-{kind}" for kind in ("version", "builder-image-version", "sha256sum"))]
-    return files, params
+    return [tarball, *(out / f"{target}-{kind}" for kind in ("version", "builder-image-version", "sha256sum"))]
 
 
 def oras_manifest(files: list[Path]) -> tuple[dict, dict[str, bytes]]:
@@ -158,3 +165,32 @@ def test_a_sha256sum_file_from_another_build_is_refused(tmp_path):
     with pytest.raises(ArtifactError, match="rootfs-image-nvidia-sha256sum names sha256 abab"):
         install_artifact(oci_layout(tmp_path / "layout", files), dest, check=GuestCheck())
     assert not dest.exists() and leftovers(dest) == []
+
+
+def test_kata_tarballs_pushed_together_with_a_config_render_the_parameters_of_its_root_hash_file(tmp_path):
+    """Kata's unchanged tarballs of a kernel and a measured image, pushed as one artifact with the
+    class's Kata config, which names the links as Kata 4.1's configuration-qemu-nvidia-gpu.toml.in
+    does (``kernel``/``image`` lines 16-17; ``vmlinuz-nvidia-gpu.container`` and
+    ``kata-containers-nvidia-gpu.img``: src/runtime/Makefile lines 66, 963-965;
+    tools/packaging/kernel/build-kernel.sh lines 576-622) and leaves the parameters out."""
+    share = tmp_path / "kernel-nvidia-gpu" / "kata-static" / "opt/kata/share/kata-containers"
+    share.mkdir(parents=True)
+    (share / "vmlinuz-6.12.47-172-nvidia-gpu").write_bytes(b"MZ" + os.urandom(64))
+    os.symlink("vmlinuz-6.12.47-172-nvidia-gpu", share / "vmlinuz-nvidia-gpu.container")
+    kernel = packed(tmp_path, "kernel-nvidia-gpu")
+    image, params = kata_component(tmp_path, "rootfs-image-nvidia-gpu", "nvidia-gpu", blocks=40, driver="590.48.01")
+    config = tmp_path / "configuration-qemu-nvidia-gpu.toml"
+    config.write_text("""[hypervisor.qemu]
+kernel = "/opt/kata/share/kata-containers/vmlinuz-nvidia-gpu.container"
+image = "/opt/kata/share/kata-containers/kata-containers-nvidia-gpu.img"
+rootfs_type = "erofs"
+kernel_verity_params = ""
+""")
+    host = HostRoot.at(tmp_path / "root")
+    dest = host.path("/opt/kata-classes/kata-qemu-nvidia-gpu")
+    install_artifact(oci_layout(tmp_path / "layout", [*kernel, *image, config]), dest, check=GuestCheck())
+    transform_kata_config(host, dest)
+    rendered = (dest / "rendered" / config.name).read_text()
+    assert f'kernel_verity_params = "{params}"' in rendered
+    assert 'image = "/opt/kata-classes/kata-qemu-nvidia-gpu/kata-containers-nvidia-gpu.img"' in rendered
+    assert 'kernel = "/opt/kata-classes/kata-qemu-nvidia-gpu/vmlinuz-nvidia-gpu.container"' in rendered
