@@ -197,3 +197,16 @@ def test_an_image_without_a_partition_table_is_refused(tmp_path):
     dest = tmp_path / "classes" / "kata-qemu-nvidia-gpu"
     with pytest.raises(ArtifactError, match="has 0 MBR partition"):
         install_artifact(f"oci-layout://{tmp_path / 'layout'}:v1", dest, check=verify_staged)
+
+
+def test_without_its_worker_a_tampered_image_is_still_refused_from_the_file(registry_server, tmp_path, monkeypatch):
+    # the hashing process cannot start its script: the check reads the staged image instead
+    monkeypatch.setattr("katamgr.artifacts.verity.WORKER", tmp_path / "no-such-worker.py")
+    files, _, _ = artifact(tmp_path / "v1")
+    flip_data_byte(tmp_path / "v1" / BASE)
+    registry_server.push_files("kata/noworker:v1", files)
+    dest = tmp_path / "classes" / "kata-qemu-nvidia-gpu"
+    check = GuestCheck()
+    with pytest.raises(ArtifactError, match=f"{BASE} has dm-verity root hash"):
+        install_artifact(f"{registry_server.host}/kata/noworker:v1", dest, check=check, retries=0)
+    assert check.streams[BASE].hashed == 0 and not dest.exists() and leftovers(dest) == []
