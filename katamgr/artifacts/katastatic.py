@@ -121,6 +121,8 @@ def _extract(tarball: Path, staging: Path, taken: set[str], ref: str) -> list[st
                     else:
                         continue  # directories, and nothing that could point outside the dir
                     written.append(name)
+            while proc.stdout.read(CHUNK):
+                pass  # the archive's end padding: zstd finishes writing, and its exit status says all was read
         except tarfile.TarError as exc:
             raise ArtifactError(f"{ref}: {tarball.name} is not a zstd tar archive ({exc}); re-push it as "
                                 "Kata's build makes it") from exc

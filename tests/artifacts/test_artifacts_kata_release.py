@@ -194,3 +194,17 @@ kernel_verity_params = ""
     assert f'kernel_verity_params = "{params}"' in rendered
     assert 'image = "/opt/kata-classes/kata-qemu-nvidia-gpu/kata-containers-nvidia-gpu.img"' in rendered
     assert 'kernel = "/opt/kata-classes/kata-qemu-nvidia-gpu/vmlinuz-nvidia-gpu.container"' in rendered
+
+
+def test_a_tarball_link_out_of_its_dir_is_not_installed_and_its_root_hash_file_names_the_missing_image(tmp_path):
+    share = tmp_path / "rootfs-image-nvidia" / "kata-static" / "opt/kata/share/kata-containers"
+    share.mkdir(parents=True)
+    os.symlink("/etc/passwd", share / "kata-containers-nvidia.img")
+    os.symlink("../../../../../etc/shadow", share / "kata-ubuntu-noble-nvidia.image")
+    (share / "root_hash_nvidia.txt").write_text("root_hash=" + "ab" * 32 + ",salt=01,data_blocks=8,"
+                                                 "data_block_size=4096,hash_block_size=4096\n")
+    files = packed(tmp_path, "rootfs-image-nvidia")
+    dest = tmp_path / "classes" / "kata-qemu-nvidia-gpu"
+    with pytest.raises(ArtifactError, match="has root_hash_nvidia.txt but no kata-containers-nvidia.img"):
+        install_artifact(oci_layout(tmp_path / "layout", files), dest, check=GuestCheck())
+    assert not dest.exists() and leftovers(dest) == []
