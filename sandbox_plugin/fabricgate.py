@@ -153,7 +153,7 @@ def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory,
         return None
     if settings.model == nf.SHARED:  # asked for: Allocate says why when FM does not answer
         return FabricGate(host, settings, None, (make_guard or (lambda: FabricGuard(host, settings)))())
-    kata = inventory.selection.kata
+    kata = inventory.nvswitch_rule.kata
     gpus = [d.bdf for d in inventory.devices if d.is_gpu]
 
     def decide() -> nf.ModelChoice:

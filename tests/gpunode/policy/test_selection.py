@@ -19,6 +19,7 @@ from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import passthrough_devices, resource_units
 from gpunode.policy.selection import (
     DEFAULT_SELECTION,
+    NvswitchRule,
     Selection,
     parse_exclude,
     parse_include,
@@ -48,16 +49,17 @@ def test_the_default_selects_nvidia_gpus_and_the_nvswitches_kata_can_take():
     assert not held.selected and not held.excluded
     assert held.why == ("NVIDIA NVSwitch, not passed through: Kata before 4.1 cannot cold-plug one, and "
                         "--kata-version does not say the node runs a later release")
-    newer = Selection(kata=parse_release("4.1.0"))
-    assert select(newer, device("0000:05:00.0", NVSWITCH)).why == "NVIDIA NVSwitch (Kata 4.1.0 cold-plugs NVSwitches)"
-    older = Selection(kata=parse_release("v3.29"))
-    assert select(older, device("0000:05:00.0", NVSWITCH)).why == (
+    newer = NvswitchRule(parse_release("4.1.0"))
+    switch = device("0000:05:00.0", NVSWITCH)
+    assert select(DEFAULT_SELECTION, switch, newer).why == "NVIDIA NVSwitch (Kata 4.1.0 cold-plugs NVSwitches)"
+    older = NvswitchRule(parse_release("v3.29"))
+    assert select(DEFAULT_SELECTION, switch, older).why == (
         "NVIDIA NVSwitch, not passed through: Kata 3.29.0 cannot cold-plug one")
-    opted = Selection(nvswitches=True, kata=parse_release("3.25.0"))
-    assert select(opted, device("0000:05:00.0", NVSWITCH)).why == "NVIDIA NVSwitch (--nvswitches true)"
-    assert "a pod given an NVSwitch will not start" in opted.nvswitch_warning
-    assert Selection(nvswitches=True, kata=parse_release("4.1")).nvswitch_warning is None
-    assert not select(Selection(nvswitches=False, kata=parse_release("4.1")), device("0000:05:00.0", NVSWITCH)).selected
+    opted, old = Selection(nvswitches=True), NvswitchRule(parse_release("3.25.0"))
+    assert select(opted, switch, old).why == "NVIDIA NVSwitch (--nvswitches true)"
+    assert "a pod given an NVSwitch will not start" in old.nvswitch_warning(opted.nvswitches)
+    assert NvswitchRule(parse_release("4.1")).nvswitch_warning(True) is None
+    assert not select(Selection(nvswitches=False), switch, NvswitchRule(parse_release("4.1"))).selected
     with pytest.raises(ValueError, match="'3.x' is not a Kata release"):
         parse_release("3.x")
     for other in (AUDIO_A6000, NIC_I210, EDU, ROOT_PORT):
