@@ -226,9 +226,9 @@ DEFAULT_SELECTION = Selection()
 DEFAULT_NVSWITCH_RULE = NvswitchRule()
 
 
-def select(selection: Selection, device: Device, rule: NvswitchRule = DEFAULT_NVSWITCH_RULE) -> Verdict:
+def select(selection: Selection, device: Device, nvswitch_rule: NvswitchRule = DEFAULT_NVSWITCH_RULE) -> Verdict:
     """Whether ``device`` is a passthrough device under ``selection``, and why; an NVSwitch by
-    the setting ``selection.nvswitches`` and the node's ``rule``."""
+    the setting ``selection.nvswitches`` and the node's ``nvswitch_rule``."""
     for rule in selection.exclude:
         if rule.matches(device):
             return Verdict(False, f"excluded by {rule.origin} {rule.value}", excluded=True)
@@ -239,11 +239,11 @@ def select(selection: Selection, device: Device, rule: NvswitchRule = DEFAULT_NV
     if device.is_gpu:
         return Verdict(True, "NVIDIA GPU (default selection)")
     if device.is_nvswitch:
-        if not rule.takes_nvswitches(selection.nvswitches):
-            return Verdict(False, rule.nvswitch_why_not(selection.nvswitches))
+        if not nvswitch_rule.takes_nvswitches(selection.nvswitches):
+            return Verdict(False, nvswitch_rule.nvswitch_why_not(selection.nvswitches))
         if selection.nvswitches is True:
             return Verdict(True, f"NVIDIA NVSwitch ({NVSWITCHES_FLAG} true)")
-        return Verdict(True, f"NVIDIA NVSwitch ({rule.kata} cold-plugs NVSwitches)")
+        return Verdict(True, f"NVIDIA NVSwitch ({nvswitch_rule.kata} cold-plugs NVSwitches)")
     return Verdict(False, "not an NVIDIA GPU, NVSwitch or included device")
 
 

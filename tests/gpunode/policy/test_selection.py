@@ -19,6 +19,7 @@ from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import passthrough_devices, resource_units
 from gpunode.policy.selection import (
     DEFAULT_SELECTION,
+    FABRIC_KEEPS,
     NvswitchRule,
     Selection,
     parse_exclude,
@@ -117,6 +118,38 @@ def test_flags_add_to_the_config_and_one_device_cannot_get_two_resources():
     with pytest.raises(ValueError, match="1234:11e8=example.com/other and config devices.include "
                                          "1234:11e8=example.com/edu include 1234:11e8 under two"):
         selection_from(args, config)
+
+
+def test_the_nvswitch_decision_follows_the_nodes_rule_not_the_operators_selection(tmp_path):
+    """One operator selection on one NVSwitch board: the Kata release the node runs and its
+    NVLink fabric model (the node context's ``NvswitchRule``) decide whether its NVSwitches are
+    scanned, named and listed as passthrough devices; the ``Selection`` holds no node fact."""
+    assert {f.name for f in dataclasses.fields(Selection)} == {"include", "exclude", "nvswitches"}
+    host = materialise(find_profile("dgx-h100"), tmp_path / "host")
+    old, new = NvswitchRule(parse_release("3.29.0")), NvswitchRule(parse_release("4.1.0"))
+    # Kata 4.1 cold-plugs NVSwitches, but Fabric Manager on the host keeps them (Shared NVSwitch).
+    kept = NvswitchRule(parse_release("4.1.0"), fabric_keeps_nvswitches=True)
+    switches = [d.bdf for d in discover(host).devices if d.is_nvswitch]
+    assert len(switches) == 4
+
+    def passed(selection: Selection, rule: NvswitchRule) -> list[str]:
+        inv = discover(host, selection, rule)
+        naming = Naming(PCI_IDS, selection=selection, nvswitch_rule=rule)
+        named = [d.bdf for d in inv.devices if d.is_nvswitch and naming.resource(d) is not None]
+        assert named == [d.bdf for d in inv.nvswitches]  # the scan and the names agree
+        return named
+
+    assert passed(DEFAULT_SELECTION, old) == [] and passed(DEFAULT_SELECTION, kept) == []
+    assert passed(DEFAULT_SELECTION, new) == switches
+    first = discover(host, DEFAULT_SELECTION, kept).by_bdf[switches[0]]
+    assert discover(host, DEFAULT_SELECTION, kept).why(first) == f"NVIDIA NVSwitch, {FABRIC_KEEPS}"
+    # The operator's true passes them on every node; the rule says what that costs there.
+    opted = Selection(nvswitches=True)
+    assert passed(opted, old) == passed(opted, kept) == switches
+    assert "a pod given an NVSwitch will not start" in old.nvswitch_warning(opted.nvswitches)
+    assert "no GPU partition can be activated" in kept.nvswitch_fabric_conflict(opted.nvswitches)
+    assert new.nvswitch_warning(True) is None and new.nvswitch_fabric_conflict(True) is None
+    assert passed(Selection(nvswitches=False), new) == []
 
 
 def workstation(tmp_path):
