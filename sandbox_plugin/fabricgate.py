@@ -143,7 +143,7 @@ def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory,
              make_guard: Callable[[], FabricGuard] | None = None,
              choice: nf.ModelChoice | None = None) -> FabricGate | None:
     """The gate of the node's NVSwitch board (``inventory``: ``gpunode.policy.inventory``'s,
-    with the Kata release its selection found); None without NVSwitches, with
+    with the Kata release its NVSwitch rule decides by); None without NVSwitches, with
     ``devices.nvlinkFabric: off`` (the operator's documented opt-out), or full passthrough
     configured where Kata takes NVSwitches (nothing to set up on the host). ``choice``: the
     model the node's context decided at start (``gpunode.services.nodecontext``; None: decided
