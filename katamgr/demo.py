@@ -27,7 +27,7 @@ from gpunode.host.root import HostRoot
 from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
-from gpunode.services import options
+from gpunode.services import nodecontext, options
 from gpunode.services.simulator import Simulator
 from katamgr.config import load_config
 from katamgr.exitcodes import Exit
@@ -58,7 +58,9 @@ def run_demo(args: argparse.Namespace, sim: Simulator) -> int:
     """The demo on ``sim``, the simulated node (``gpunode.services.simulator``) the command found."""
     profile = sim.profile(args.profile)
     try:
-        naming = Naming(PciIds.find(), selection=options.selection_from(args))
+        # The release --kata-version types decides for the simulated node (its Kata is not looked for).
+        naming = Naming(PciIds.find(), selection=options.selection_from(args),
+                        nvswitch_rule=nodecontext.typed_rule(args))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     with contextlib.ExitStack() as stack:
@@ -128,7 +130,7 @@ def _device_plugin(sim: Simulator, host: HostRoot, naming: Naming, args: argpars
                    gpus: int = 2) -> bool:
     """What a kubelet sees of the node: the plugin's registrations, the devices it lists,
     an allocation for a pod, and what Kata's cold-plug makes of it."""
-    units = resource_units(host, discover(host, naming.selection), naming)
+    units = resource_units(host, discover(host, naming.selection, naming.nvswitch_rule), naming)
     names = sorted({u.resource_name for u in units})
     with tempfile.TemporaryFile("w+") as output, sim.kubelet(host) as kubelet, \
             _plugin_program(host, args, output):
@@ -176,7 +178,7 @@ def _device_plugin(sim: Simulator, host: HostRoot, naming: Naming, args: argpars
 
 def _gpu_resource(host: HostRoot, naming: Naming, names: list[str]) -> str | None:
     """A GPU resource if there is one, else any passthrough resource (an included device's)."""
-    inv = discover(host, naming.selection)
+    inv = discover(host, naming.selection, naming.nvswitch_rule)
     wanted = {naming.resource(d) for d in inv.gpus} or {naming.resource(d) for d in inv.passthrough}
     return next((n for n in names if n in wanted), None)
 

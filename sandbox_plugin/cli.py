@@ -152,6 +152,7 @@ def decide_mode(
     default: Workload | str | None = None,
     selection: device_selection.Selection = device_selection.DEFAULT_SELECTION,
     modes: frozenset[Mode] = ALL_MODES,
+    nvswitch_rule: device_selection.NvswitchRule = device_selection.DEFAULT_NVSWITCH_RULE,
 ) -> tuple[Mode | None, str]:
     """The mode for ``--workload auto`` and why; None means: nothing to serve here.
 
@@ -160,15 +161,16 @@ def decide_mode(
     Raises ConfigError for a label that names no workload and GpuNodeError when the
     API was asked and did not answer.
     """
-    return mode_for(_resolve(host, node_name, read_labels, default, selection), modes)
+    return mode_for(_resolve(host, node_name, read_labels, default, selection, nvswitch_rule=nvswitch_rule), modes)
 
 
 def _resolve(host: HostRoot, node_name: str | None, read_labels, default: Workload | str | None,
-             selection: device_selection.Selection, rule: WorkloadRule | None = None) -> Resolution:
+             selection: device_selection.Selection, rule: WorkloadRule | None = None, *,
+             nvswitch_rule: device_selection.NvswitchRule = device_selection.DEFAULT_NVSWITCH_RULE) -> Resolution:
     """``rule`` (the node context's; None: ``auto`` for ``node_name`` with ``default``) with what
     the host shows as the fallback."""
     def from_host() -> tuple[Workload, str]:
-        mode, why = mode_from_host(host, selection)
+        mode, why = mode_from_host(host, selection, nvswitch_rule)
         return Workload(mode.value), why
 
     rule = rule or WorkloadRule(node_name, AUTO, default)
@@ -216,12 +218,13 @@ def main(argv: list[str] | None = None) -> int:
                 mode, why = decide_mode(host, args.node_name,
                                         lambda name: read_labels(name, extras),
                                         default=args.default_workload,
-                                        selection=naming.selection, modes=args.auto_modes)
+                                        selection=naming.selection, modes=args.auto_modes,
+                                        nvswitch_rule=naming.nvswitch_rule)
             else:
                 # Followed live: a relabel switches the plugins without a restart.
                 follower = LabelFollower(runner, lambda: _resolve(
                     host, args.node_name, lambda _node: watch.labels(), args.default_workload,
-                    naming.selection, node.workload), args.auto_modes)
+                    naming.selection, node.workload, nvswitch_rule=naming.nvswitch_rule), args.auto_modes)
                 watch.on_change = follower.changed.set
                 runner.share = SplitShare(host)  # a split node's sides, as katamgr publishes them
                 mode, why, held = follower.first()
@@ -253,7 +256,9 @@ def _fabric_gate(node: NodeContext) -> FabricGate | None:
     GPUs where neither model holds."""
     from gpunode.policy.inventory import discover
 
-    return gate_for(node.host, node.fabric, discover(node.host, node.naming.selection), choice=node.fabric_choice)
+    naming = node.naming
+    return gate_for(node.host, node.fabric, discover(node.host, naming.selection, naming.nvswitch_rule),
+                    choice=node.fabric_choice)
 
 
 def _label_watch(args: argparse.Namespace, extras: NodeExtras):

@@ -45,8 +45,9 @@ def node_context(args) -> NodeContext:
 
 def mode_from_host(
     host: HostRoot, selection: device_selection.Selection = device_selection.DEFAULT_SELECTION,
+    nvswitch_rule: device_selection.NvswitchRule = device_selection.DEFAULT_NVSWITCH_RULE,
 ) -> tuple[Mode, str]:
-    inv = inventory.discover(host, selection)
+    inv = inventory.discover(host, selection, nvswitch_rule)
     on_vfio = [d.bdf for d in inv.passthrough if d.on_vfio]
     if on_vfio:
         return Mode.VM_PASSTHROUGH, f"passthrough device(s) {', '.join(on_vfio)} are bound to vfio-pci"

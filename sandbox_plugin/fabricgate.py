@@ -143,7 +143,7 @@ def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory,
              make_guard: Callable[[], FabricGuard] | None = None,
              choice: nf.ModelChoice | None = None) -> FabricGate | None:
     """The gate of the node's NVSwitch board (``inventory``: ``gpunode.policy.inventory``'s,
-    with the Kata release its selection found); None without NVSwitches, with
+    with the Kata release its NVSwitch rule decides by); None without NVSwitches, with
     ``devices.nvlinkFabric: off`` (the operator's documented opt-out), or full passthrough
     configured where Kata takes NVSwitches (nothing to set up on the host). ``choice``: the
     model the node's context decided at start (``gpunode.services.nodecontext``; None: decided
@@ -153,7 +153,7 @@ def gate_for(host: HostRoot, settings: nf.FabricSettings, inventory,
         return None
     if settings.model == nf.SHARED:  # asked for: Allocate says why when FM does not answer
         return FabricGate(host, settings, None, (make_guard or (lambda: FabricGuard(host, settings)))())
-    kata = inventory.selection.kata
+    kata = inventory.nvswitch_rule.kata
     gpus = [d.bdf for d in inventory.devices if d.is_gpu]
 
     def decide() -> nf.ModelChoice:

@@ -108,7 +108,7 @@ def _inode(directory: str) -> int:
 def scan_units(host: HostRoot, naming: Naming, judge=None) -> list[PassthroughUnit]:
     """Every passthrough unit of the host, in bus order (one PCI scan); ``judge(bdfs)``:
     why the kernel's health facts make a unit unfit, or "" (``devhealth.DeviceHealth.reason``)."""
-    inv = discover(host, naming.selection)
+    inv = discover(host, naming.selection, naming.nvswitch_rule)
     devices_dir = str(host.path(sysfs.PCI_DEVICES))
     units = []
     for unit in resource_units(host, inv, naming):

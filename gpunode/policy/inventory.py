@@ -5,7 +5,7 @@ the passthrough devices (by default GPUs and NVSwitches), their companion
 functions (the audio function of a graphics card), and for each IOMMU group
 what else lives in it, since that decides whether the group can go to a VM at
 all. Every question of which devices are ours is answered here, from the one
-selection the inventory carries.
+selection and NVSwitch rule the inventory carries.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ from gpunode.host import iommu, pci
 from gpunode.host.iommu import IommuGroup
 from gpunode.host.pci import Device
 from gpunode.host.root import HostRoot
-from gpunode.policy.selection import DEFAULT_SELECTION, Selection, Verdict, select
+from gpunode.policy.selection import (
+    DEFAULT_NVSWITCH_RULE,
+    DEFAULT_SELECTION,
+    NvswitchRule,
+    Selection,
+    Verdict,
+    select,
+)
 
 
 class Kind(StrEnum):
@@ -38,13 +45,15 @@ class Inventory:
     devices: tuple[Device, ...]
     groups: dict[int, IommuGroup]
     selection: Selection = field(default=DEFAULT_SELECTION)
+    # The node's Kata release and fabric model, as the NVSwitch rule takes them (its context's).
+    nvswitch_rule: NvswitchRule = field(default=DEFAULT_NVSWITCH_RULE)
 
     @cached_property
     def by_bdf(self) -> dict[str, Device]:
         return {d.bdf: d for d in self.devices}
 
     def verdict(self, device: Device) -> Verdict:
-        return select(self.selection, device)
+        return select(self.selection, device, self.nvswitch_rule)
 
     def selected(self, device: Device) -> bool:
         return self.verdict(device).selected
@@ -52,7 +61,7 @@ class Inventory:
     @cached_property
     def companions(self) -> dict[str, str]:
         """Companion BDF -> the passthrough device's BDF it travels with."""
-        return _companions(self.devices, self.selection)
+        return _companions(self.devices, self.selection, self.nvswitch_rule)
 
     def why(self, device: Device) -> str:
         """Why the device is in or out, in words for the plan."""
@@ -116,7 +125,8 @@ class Inventory:
         return [note for d in self.devices for note in d.notes]
 
 
-def discover(host: HostRoot, selection: Selection = DEFAULT_SELECTION) -> Inventory:
+def discover(host: HostRoot, selection: Selection = DEFAULT_SELECTION,
+             nvswitch_rule: NvswitchRule = DEFAULT_NVSWITCH_RULE) -> Inventory:
     devices = pci.scan(host)
     groups = iommu.groups(host, devices)
     return Inventory(
@@ -125,16 +135,17 @@ def discover(host: HostRoot, selection: Selection = DEFAULT_SELECTION) -> Invent
         devices=tuple(devices),
         groups=groups,
         selection=selection,
+        nvswitch_rule=nvswitch_rule,
     )
 
 
-def _companions(devices: tuple[Device, ...], selection: Selection) -> dict[str, str]:
+def _companions(devices: tuple[Device, ...], selection: Selection, rule: NvswitchRule) -> dict[str, str]:
     """The other functions a selected GPU or NVSwitch carries in its slot and IOMMU group
     (a graphics card's audio, USB and UCSI functions), of its own vendor; never a device
     an exclude rule names (that one makes the group unmovable instead). A device an
     include rule selects has no companions: its slot mates (say the disk controller
     beside a chipset's SMBus function) are foreign unless included themselves."""
-    verdicts = {d.bdf: select(selection, d) for d in devices}
+    verdicts = {d.bdf: select(selection, d, rule) for d in devices}
     heads = {(d.slot, d.iommu_group): d for d in devices
              if verdicts[d.bdf].selected and (d.is_gpu or d.is_nvswitch)}
     found = {}

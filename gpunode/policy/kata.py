@@ -51,14 +51,14 @@ def plugged(inv: Inventory, group: int) -> tuple[str, ...]:
     members = sorted(inv.members(group), key=lambda d: d.bdf)
     if inv.iommufd:
         return tuple(d.bdf for d in members if d.on_vfio and not d.is_bridge)
-    left = [d.bdf for d in members if not is_kata_bridge(d, inv.selection.kata)]
+    left = [d.bdf for d in members if not is_kata_bridge(d, inv.nvswitch_rule.kata)]
     return tuple(left[:1])
 
 
 def unit_problem(inv: Inventory, group: int, head: Device) -> str | None:
     """Why a unit whose head is ``head`` must not be advertised, or None: Kata would plug
     another function of its group in its place. An NVSwitch Kata cannot plug is the device
-    selection's business (``Selection.nvswitch_warning``: the operator passed it through)."""
+    selection's business (``NvswitchRule.nvswitch_warning``: the operator passed it through)."""
     given = plugged(inv, group)
     if head.is_nvswitch and not given:
         return None

@@ -57,7 +57,7 @@ from gpunode.host.root import HostRoot
 from gpunode.kataclasses import DEFAULT_RUNTIME_CLASSES, KATA_GPU_HANDLERS
 from gpunode.policy.kata import release_json
 from gpunode.policy.katarelease import UNKNOWN, KataRelease, parse_release
-from gpunode.policy.selection import KATA_VERSION_FLAG, Selection
+from gpunode.policy.selection import KATA_VERSION_FLAG, NvswitchRule
 
 log = logging.getLogger(__name__)
 
@@ -326,19 +326,19 @@ def deciding_runtimes(found: KataOnNode, names: Iterable[str] | None = None) -> 
     return tuple(r.name for r in found.runtimes if r.name in wanted) or gpu_runtimes(found)
 
 
-def on_node(selection: Selection, host: HostRoot, containerd_config: str, *,
+def on_node(rule: NvswitchRule, host: HostRoot, containerd_config: str, *,
             artifacts_dir: str = "", names: Iterable[str] | None = None,
-            read_version: VersionReader = run_version) -> tuple[Selection, KataOnNode]:
-    """``selection`` deciding by the Kata found on the node now (``detect``, then
+            read_version: VersionReader = run_version) -> tuple[NvswitchRule, KataOnNode]:
+    """``rule`` deciding by the Kata found on the node now (``detect``, then
     ``with_found``), and what was found: the one way katamgr's plan and agent, the device
     plugin and the DRA driver learn the node's Kata (through ``gpunode.services.nodecontext``).
-    ``selection`` is the one the operator gave (a typed release stays the override);
+    ``rule`` holds the release the operator gave (a typed release stays the override);
     ``names``: the runtime classes configured (None: the agent's defaults), whose release
     decides (``deciding_runtimes``)."""
     found = detect(host, containerd_config, artifacts_dir=artifacts_dir, read_version=read_version)
     for problem in found.problems:
         log.info("%s", problem)
-    return with_found(selection, found, deciding_runtimes(found, names))
+    return with_found(rule, found, deciding_runtimes(found, names))
 
 
 def inputs(host: HostRoot, containerd_config: str, found: KataOnNode | None) -> tuple[tuple, ...]:
@@ -363,20 +363,20 @@ def inputs(host: HostRoot, containerd_config: str, found: KataOnNode | None) -> 
     return tuple(out)
 
 
-def with_found(selection: Selection, found: KataOnNode, names: Iterable[str] = ()) -> tuple[Selection, KataOnNode]:
-    """``selection`` deciding by the release of the Kata runtimes ``names`` found on the node
+def with_found(rule: NvswitchRule, found: KataOnNode, names: Iterable[str] = ()) -> tuple[NvswitchRule, KataOnNode]:
+    """``rule`` deciding by the release of the Kata runtimes ``names`` found on the node
     (``found.release_for``) where no release was typed (``devices.kataVersion``,
     ``--kata-version``), and ``found`` with that release; a typed one stays the override, with
     a warning (``found.warning``) when it is not the release found."""
     detected = found.release_for(names)
     found = dataclasses.replace(found, release=detected)
-    if selection.kata.version is None:
+    if rule.kata.version is None:
         found = dataclasses.replace(found, decides=detected.version is not None)
-        return dataclasses.replace(selection, kata=detected), found
+        return dataclasses.replace(rule, kata=detected), found
     warning = ""
-    if detected.version is not None and detected.version != selection.kata.version:
+    if detected.version is not None and detected.version != rule.kata.version:
         runtimes = ", ".join(r.name for r in found.runtimes if r.release == detected)
-        warning = (f"devices.kataVersion ({KATA_VERSION_FLAG}) says the node runs {selection.kata}, but its "
-                   f"Kata runtimes {runtimes} are {detected}: {selection.kata} decides what Kata can "
+        warning = (f"devices.kataVersion ({KATA_VERSION_FLAG}) says the node runs {rule.kata}, but its "
+                   f"Kata runtimes {runtimes} are {detected}: {rule.kata} decides what Kata can "
                    f"cold-plug (NVSwitches) until the typed release is corrected or removed")
-    return selection, dataclasses.replace(found, warning=warning)
+    return rule, dataclasses.replace(found, warning=warning)

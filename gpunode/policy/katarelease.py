@@ -1,8 +1,8 @@
 """The Kata release a node runs, as the device selection and the cold-plug facts use it.
 
-Its own module, below both ``gpunode.policy.selection`` (``--kata-version``, which decides
+Its own module, below both ``gpunode.policy.selection`` (whose ``NvswitchRule`` decides by it
 whether NVSwitches are passed through) and ``gpunode.policy.kata`` (what that release
-cold-plugs, asked of an ``Inventory`` that carries a selection).
+cold-plugs, asked of an ``Inventory`` that carries the rule).
 """
 
 from __future__ import annotations

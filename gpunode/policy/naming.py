@@ -38,7 +38,13 @@ from fnmatch import fnmatchcase
 from gpunode.host.pci import Device
 from gpunode.host.pciids import PciIds, known_model
 from gpunode.k8snames import NVIDIA_CONTAINER_RESOURCES, QUALIFIED_NAME_MAX
-from gpunode.policy.selection import DEFAULT_SELECTION, Selection, select
+from gpunode.policy.selection import (
+    DEFAULT_NVSWITCH_RULE,
+    DEFAULT_SELECTION,
+    NvswitchRule,
+    Selection,
+    select,
+)
 
 RESOURCE_VENDOR = "nvidia.com"
 MAX_NAME = QUALIFIED_NAME_MAX  # the part after nvidia.com/ is a qualified name's
@@ -177,9 +183,10 @@ class Naming:
     """Which devices are advertised and under what extended resource names (the agent
     and the plugin share one: katamgr's CDI specs are named like the plugin's resources).
 
-    ``selection`` decides which devices are passthrough devices; it travels here
-    because every place that names devices also scans for them
-    (``inventory.discover(host, naming.selection)``).
+    ``selection`` (the operator's rules) and ``nvswitch_rule`` (the node's Kata release and
+    fabric model, resolved by its context) decide which devices are passthrough devices; they
+    travel here because every place that names devices also scans for them
+    (``inventory.discover(host, naming.selection, naming.nvswitch_rule)``).
     """
 
     pci_ids: PciIds
@@ -187,6 +194,7 @@ class Naming:
     nvswitch_alias: str | None = None
     rule: ResourceNaming = ResourceNaming.NVIDIA
     selection: Selection = DEFAULT_SELECTION
+    nvswitch_rule: NvswitchRule = DEFAULT_NVSWITCH_RULE
 
     def model(self, device: Device) -> str | None:
         """The model name to show (pci.ids', else the one katamgr knows); resource names
@@ -197,7 +205,7 @@ class Naming:
 
     def derive(self, device: Device) -> ResourceName | None:
         """The name a passthrough device is advertised under; None for any other device."""
-        verdict = select(self.selection, device)
+        verdict = select(self.selection, device, self.nvswitch_rule)
         if not verdict.selected:
             return None
         if verdict.resource is not None:

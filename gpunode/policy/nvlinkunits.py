@@ -127,7 +127,7 @@ def board_of(inv: Inventory, *, once_bound: bool = False) -> Board | None:
     and every NVSwitch of a board §6.1 knows, and its 8 GPUs, are passthrough devices on
     vfio-pci (``once_bound``: or will be, after ``apply``; a second baseboard, or a board
     missing a device, is none: no configuration of §6.1 fits it)."""
-    if not inv.selection.kata.cold_plugs_nvswitches:  # §6 needs the NVSwitches in the VM
+    if not inv.nvswitch_rule.kata.cold_plugs_nvswitches:  # §6 needs the NVSwitches in the VM
         return None
 
     def usable(d: Device) -> bool:

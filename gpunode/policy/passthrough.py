@@ -127,8 +127,8 @@ def resource_units(
     host: HostRoot, inv: Inventory, naming: Naming, devices: list[PassthroughDevice] | None = None,
 ) -> list[ResourceUnit]:
     """Every passthrough unit of the host, by ID; ``devices`` saves a second naming pass."""
-    if naming.selection != inv.selection:
-        # One selection decides both what is scanned as ours and what gets a name.
+    if (naming.selection, naming.nvswitch_rule) != (inv.selection, inv.nvswitch_rule):
+        # One selection and NVSwitch rule decide both what is scanned as ours and what gets a name.
         raise ValueError("the inventory and the naming were made with different device selections")
     if devices is None:
         devices, _notes = passthrough_devices(host, inv)

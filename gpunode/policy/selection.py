@@ -18,14 +18,16 @@ them through when ``--kata-version`` names 4.1 or later, ``true`` always (the op
 with a warning where Kata will fail), ``false`` never: the chart's and the config's
 ``devices.nvswitches`` spelling (the options live in ``gpunode.services.options``). Where the
 node's NVLink fabric model keeps them on the host (NVIDIA's Shared NVSwitch model: Fabric Manager
-on the host sets the GPUs' partitions up with them, Fabric Manager User Guide §7;
-``fabric_keeps_nvswitches``, set by the node's context, which knows the model), ``auto`` keeps them there
-whatever Kata takes, and ``true`` is a plan problem: it would take them from Fabric Manager.
+on the host sets the GPUs' partitions up with them, Fabric Manager User Guide §7), ``auto`` keeps
+them there whatever Kata takes, and ``true`` is a plan problem: it would take them from Fabric
+Manager. The Kata release and the fabric model are the node's, not the operator's rules: the
+node's context resolves them once into an ``NvswitchRule``, which ``select`` takes beside the
+``Selection``.
 
 An excluded device is treated like any device that is none of ours: it is never
 moved, and an IOMMU group that holds it beside a selected device cannot go to a
-VM. This module is pure: ``select`` answers from the rules and the ``Device``
-record alone, and every "is this a passthrough device" question
+VM. This module is pure: ``select`` answers from the rules, the ``NvswitchRule`` and the
+``Device`` record alone, and every "is this a passthrough device" question
 (``gpunode.policy.inventory``, ``gpunode.policy.naming``) goes through it.
 """
 
@@ -120,19 +122,14 @@ class Verdict:
 
 @dataclass(frozen=True)
 class Selection:
-    """The rules, in the order given (config first, then the command line), and whether
-    NVSwitches are passed through (``nvswitches``, for the node's ``kata`` release)."""
+    """The operator's rules, in the order given (config first, then the command line), and
+    their NVSwitch setting (``nvswitches``); what the node's Kata and NVLink fabric add to the
+    NVSwitch decision is the node's context's, an ``NvswitchRule``."""
 
     include: tuple[IncludeRule, ...] = ()
     exclude: tuple[ExcludeRule, ...] = ()
     # The chart's and the config's devices.nvswitches as they write it: auto, true or false.
     nvswitches: bool | Literal["auto"] = "auto"
-    # The two inputs of the NVSwitch rule besides ``nvswitches``, resolved by the node's context
-    # (``gpunode.services.nodecontext``): the Kata release that decides (typed, or found on the
-    # node), and whether the node's NVLink fabric model keeps NVSwitches on the host for Fabric
-    # Manager (Shared NVSwitch model, ``gpunode.services.nvlinkfabric.keeps_nvswitches``).
-    kata: KataRelease = UNKNOWN
-    fabric_keeps_nvswitches: bool = False
 
     def __post_init__(self) -> None:
         # Two resources for one device would advertise it twice: refuse, naming both.
@@ -155,24 +152,32 @@ class Selection:
         exclude: dict[str, ExcludeRule] = {}
         for rule in (*self.exclude, *other.exclude):
             exclude.setdefault(rule.value, rule)
-        return Selection(tuple(include.values()), tuple(exclude.values()), self.nvswitches, self.kata,
-                         fabric_keeps_nvswitches=self.fabric_keeps_nvswitches or other.fabric_keeps_nvswitches)
+        return Selection(tuple(include.values()), tuple(exclude.values()), self.nvswitches)
 
     @property
     def is_default(self) -> bool:
         return not self.include and not self.exclude
 
-    @property
-    def takes_nvswitches(self) -> bool:
-        """Whether the default selection passes NVSwitches through."""
-        if self.nvswitches == "auto":
-            return self.kata.cold_plugs_nvswitches and not self.fabric_keeps_nvswitches
-        return self.nvswitches is True
 
-    @property
-    def nvswitch_why_not(self) -> str:
+@dataclass(frozen=True)
+class NvswitchRule:
+    """The two inputs of the NVSwitch rule besides the operator's ``nvswitches`` setting, resolved
+    once per node by its context (``gpunode.services.nodecontext``): the Kata release that decides
+    (typed, or found on the node), and whether the node's NVLink fabric model keeps NVSwitches on
+    the host for Fabric Manager (Shared NVSwitch model, ``nvlinkfabric.keeps_nvswitches``)."""
+
+    kata: KataRelease = UNKNOWN
+    fabric_keeps_nvswitches: bool = False
+
+    def takes_nvswitches(self, nvswitches: bool | Literal["auto"]) -> bool:
+        """Whether the default selection passes NVSwitches through under the setting ``nvswitches``."""
+        if nvswitches == "auto":
+            return self.kata.cold_plugs_nvswitches and not self.fabric_keeps_nvswitches
+        return nvswitches is True
+
+    def nvswitch_why_not(self, nvswitches: bool | Literal["auto"]) -> str:
         """Why NVSwitches are not passed through (the plan's and the docs' words)."""
-        if self.nvswitches is False:
+        if nvswitches is False:
             return f"NVIDIA NVSwitch, not passed through ({NVSWITCHES_FLAG} false)"
         if self.fabric_keeps_nvswitches:
             return f"NVIDIA NVSwitch, {FABRIC_KEEPS}"
@@ -189,19 +194,17 @@ class Selection:
         return (f"{nvswitch_failure(self.kata)}. {NVSWITCHES_FLAG} true (chart: devices.nvswitches) passes "
                 "them through all the same")
 
-    @property
-    def nvswitch_warning(self) -> str | None:
+    def nvswitch_warning(self, nvswitches: bool | Literal["auto"]) -> str | None:
         """What the operator is told when NVSwitches are passed through to a Kata that fails them."""
-        if self.nvswitches is not True or self.kata.cold_plugs_nvswitches:
+        if nvswitches is not True or self.kata.cold_plugs_nvswitches:
             return None
         return (f"NVSwitches are passed through ({NVSWITCHES_FLAG} true), but {nvswitch_failure(self.kata)}: "
                 "a pod given an NVSwitch will not start until the node runs Kata 4.1 or later")
 
-    @property
-    def nvswitch_fabric_conflict(self) -> str | None:
+    def nvswitch_fabric_conflict(self, nvswitches: bool | Literal["auto"]) -> str | None:
         """The plan problem where NVSwitches are passed through but the fabric model keeps them on
         the host: bound to vfio-pci they are gone from Fabric Manager, and no partition comes up."""
-        if self.nvswitches is not True or not self.fabric_keeps_nvswitches:
+        if nvswitches is not True or not self.fabric_keeps_nvswitches:
             return None
         return (f"{NVSWITCHES_FLAG} true (chart: devices.nvswitches) passes the NVSwitches through, but the "
                 "node's NVLink fabric model (--nvlink-fabric, chart: devices.nvlinkFabric) is Shared NVSwitch, where "
@@ -219,10 +222,13 @@ def nvswitch_failure(kata: KataRelease) -> str:
 
 
 DEFAULT_SELECTION = Selection()
+# A node whose Kata release is unknown and whose fabric model keeps no NVSwitch on the host.
+DEFAULT_NVSWITCH_RULE = NvswitchRule()
 
 
-def select(selection: Selection, device: Device) -> Verdict:
-    """Whether ``device`` is a passthrough device under ``selection``, and why."""
+def select(selection: Selection, device: Device, nvswitch_rule: NvswitchRule = DEFAULT_NVSWITCH_RULE) -> Verdict:
+    """Whether ``device`` is a passthrough device under ``selection``, and why; an NVSwitch by
+    the setting ``selection.nvswitches`` and the node's ``nvswitch_rule``."""
     for rule in selection.exclude:
         if rule.matches(device):
             return Verdict(False, f"excluded by {rule.origin} {rule.value}", excluded=True)
@@ -233,11 +239,11 @@ def select(selection: Selection, device: Device) -> Verdict:
     if device.is_gpu:
         return Verdict(True, "NVIDIA GPU (default selection)")
     if device.is_nvswitch:
-        if not selection.takes_nvswitches:
-            return Verdict(False, selection.nvswitch_why_not)
+        if not nvswitch_rule.takes_nvswitches(selection.nvswitches):
+            return Verdict(False, nvswitch_rule.nvswitch_why_not(selection.nvswitches))
         if selection.nvswitches is True:
             return Verdict(True, f"NVIDIA NVSwitch ({NVSWITCHES_FLAG} true)")
-        return Verdict(True, f"NVIDIA NVSwitch ({selection.kata} cold-plugs NVSwitches)")
+        return Verdict(True, f"NVIDIA NVSwitch ({nvswitch_rule.kata} cold-plugs NVSwitches)")
     return Verdict(False, "not an NVIDIA GPU, NVSwitch or included device")
 
 

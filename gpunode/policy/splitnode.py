@@ -18,7 +18,7 @@ from gpunode.policy.split import Split, selection_for, split
 def node_split(host: HostRoot, naming: Naming, value: str | None) -> Split:
     """The node's selected GPUs split by ``value`` (the label's; None: no split). ``naming``'s
     selection is the one before the split (the operator's include and exclude rules)."""
-    inv = discover(host, naming.selection)
+    inv = discover(host, naming.selection, naming.nvswitch_rule)
     gpus = inv.gpus
     products = {}
     if value and value.lower().startswith("model."):

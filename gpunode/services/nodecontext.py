@@ -9,14 +9,14 @@ step   what                 from
                             the node brings (``simulator.open_host``; a simulated node's
                             kernel, NVML, Fabric Manager, kubeconfig rule)
 2      device selection     the config's ``devices`` (katamgr's ``--config``), then the
-                            flags (``options.selection_from``)
+                            flags (``options.selection_from``, ``options.kata_release_from``)
 3      Kata release         the Kata runtimes containerd registers (``katadetect``), where
                             ``--kata-version`` types none; a typed one stays the override
 4      fabric model         NVSwitch boards: NVIDIA's model (``nvlinkfabric.decide``, FM
                             asked only where ``auto`` needs its answer), and whether the
                             NVSwitches stay on the host with Fabric Manager
 5      naming               the resource names (``options.naming_from``) over the
-                            selection steps 3 and 4 decided
+                            selection, with the ``NvswitchRule`` steps 3 and 4 resolved
 6      workload rule        ``--workload`` (fixed, or ``auto``: the node's label, then
                             ``--default-workload``, then the program's fallback)
 7      health policy        ``--link-policy`` (then the config's ``devices.linkPolicy``)
@@ -40,7 +40,7 @@ from gpunode.host.root import KUBELET_DIR, HostRoot
 from gpunode.policy import health, katadetect
 from gpunode.policy import selection as sel
 from gpunode.policy.inventory import discover
-from gpunode.policy.katarelease import KataRelease
+from gpunode.policy.katarelease import UNKNOWN, KataRelease
 from gpunode.policy.naming import Naming
 from gpunode.policy.workload import AUTO, Resolution, Workload, resolve_workload
 from gpunode.services import nvlinkfabric as nf
@@ -64,6 +64,7 @@ class NodeBase:
     artifacts_dir: str = ""
     runtime_classes: tuple[str, ...] = kataclasses.DEFAULT_RUNTIME_CLASSES
     link_policy: str | None = None
+    kata: KataRelease = UNKNOWN  # devices.kataVersion: the release typed by hand (UNKNOWN: found)
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,11 @@ class WorkloadRule:
 @dataclass(frozen=True)
 class NodeContext:
     """The node as every program resolves it (``build``): ``given`` is the naming the operator
-    gave (config, then flags) with the fabric model's NVSwitch decision (step 4), ``naming`` the
-    same deciding by the Kata release found too (step 3; the agent finds it again when the
-    node's Kata changes, from ``given``); ``fabric_choice`` is the model ``auto`` chose (None
-    where it was not asked: no NVSwitch, or a model configured)."""
+    gave (config, then flags) whose NVSwitch rule holds the release typed (if any) and the fabric
+    model's NVSwitch decision (step 4), ``naming`` the same whose rule decides by the Kata release
+    found too (step 3; the agent finds it again when the node's Kata changes, from ``given``'s
+    rule); ``fabric_choice`` is the model ``auto`` chose (None where it was not asked: no
+    NVSwitch, or a model configured)."""
 
     host: HostRoot
     extras: NodeExtras
@@ -119,9 +121,15 @@ class NodeContext:
         return self.naming.selection
 
     @property
+    def nvswitch_rule(self) -> sel.NvswitchRule:
+        """The NVSwitch rule's inputs as the node resolved them: the Kata release that decides
+        and whether the fabric model keeps the NVSwitches on the host (steps 3 and 4)."""
+        return self.naming.nvswitch_rule
+
+    @property
     def kata(self) -> KataRelease:
         """The Kata release that decides what the node's Kata cold-plugs."""
-        return self.naming.selection.kata
+        return self.nvswitch_rule.kata
 
     @property
     def fabric_model(self) -> str | None:
@@ -158,29 +166,34 @@ def opened(args: argparse.Namespace, host: HostRoot, extras: NodeExtras = REAL_N
     base = base or NodeBase()
     try:
         operator = options.naming_from(args, options.selection_from(args, base.selection))  # 2, 5
+        typed = typed_rule(args, base)
         fabric = _fabric_settings(args, base.fabric, extras)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     containerd = (base.containerd_config or getattr(args, "containerd_config", None)
                   or katadetect.CONTAINERD_CONFIG)
     # 3: the Kata release found on the node, where none was typed.
-    deciding, kata_found = katadetect.on_node(operator.selection, host, containerd,
+    deciding, kata_found = katadetect.on_node(typed, host, containerd,
                                               artifacts_dir=base.artifacts_dir, names=base.runtime_classes,
                                               **({"read_version": read_version} if read_version else {}))
     # 4: the fabric model, decided as plan decides it; the NVSwitches kept for FM or not. Where
     # it keeps them the model does not hang on the Kata release (FM answering picks Shared
     # NVSwitch whatever Kata takes), so the decision holds while the release found changes.
-    choice = _fabric_choice(host, fabric, deciding, ask)
+    choice = _fabric_choice(host, fabric, operator.selection, deciding, ask)
     keeps = nf.keeps_nvswitches(fabric, choice)
 
-    def folded(selection: sel.Selection) -> sel.Selection:
-        return dataclasses.replace(selection, fabric_keeps_nvswitches=True) if keeps else selection
-
-    # 5: the naming over the selection 3 and 4 decided.
-    given = dataclasses.replace(operator, selection=folded(operator.selection))
-    naming = dataclasses.replace(operator, selection=folded(deciding))
+    # 5: the naming over the selection, with the NVSwitch rule 3 and 4 resolved.
+    given = dataclasses.replace(operator, nvswitch_rule=dataclasses.replace(typed, fabric_keeps_nvswitches=keeps))
+    naming = dataclasses.replace(operator, nvswitch_rule=dataclasses.replace(deciding, fabric_keeps_nvswitches=keeps))
     return NodeContext(host, extras, base, given, naming, containerd, kata_found, kata_found.warning,
                        fabric, choice, keeps, workload_rule(args), link_policy(args, base))
+
+
+def typed_rule(args: argparse.Namespace, base: NodeBase | None = None) -> sel.NvswitchRule:
+    """Step 2's NVSwitch rule: the Kata release typed by hand (``--kata-version``, else the
+    config's devices.kataVersion; unknown where neither says) and no fabric model yet.
+    ValueError naming the option and the bad value."""
+    return sel.NvswitchRule(options.kata_release_from(args, base.kata if base is not None else UNKNOWN))
 
 
 def workload_rule(args: argparse.Namespace) -> WorkloadRule:
@@ -209,21 +222,21 @@ def _fabric_settings(args: argparse.Namespace, base: nf.FabricSettings, extras: 
 
 
 def _fabric_choice(host: HostRoot, settings: nf.FabricSettings, selection: sel.Selection,
-                   ask: Ask | None) -> nf.ModelChoice | None:
+                   rule: sel.NvswitchRule, ask: Ask | None) -> nf.ModelChoice | None:
     """``auto``'s model on an NVSwitch board; None without NVSwitches or with a model configured.
     The GPUs asked about are the passthrough GPUs, as ``plan`` lists them."""
     if settings.model != nf.AUTO:
         return None
-    inv = discover(host, selection)
+    inv = discover(host, selection, rule)
     nvswitches = sum(1 for d in inv.devices if d.is_nvswitch)
     if not nvswitches:
         return None
     gpus = sorted(d.bdf for d in inv.passthrough if d.is_gpu)
-    kata = selection.kata
+    kata = rule.kata
     return nf.decide(host, settings, nvswitches=nvswitches, gpus=gpus,
                      kata_takes_nvswitches=kata.cold_plugs_nvswitches, kata=str(kata),
                      ask=(lambda: ask(host, settings, gpus)) if ask is not None else None)[0]
 
 
 __all__ = ["Ask", "NodeBase", "NodeContext", "WorkloadRule", "build", "link_policy", "open_host", "opened",
-           "workload_rule"]
+           "typed_rule", "workload_rule"]

@@ -28,7 +28,7 @@ from gpunode.host.root import KUBELET_DIR
 from gpunode.policy import health, katadetect
 from gpunode.policy import naming as names
 from gpunode.policy import selection as sel
-from gpunode.policy.katarelease import parse_release
+from gpunode.policy.katarelease import UNKNOWN, KataRelease, parse_release
 from gpunode.policy.workload import AUTO, DEFAULT_WORKLOAD, WORKLOADS
 from gpunode.services import nvlinkfabric as nf
 from gpunode.services.fabricmanager import DEFAULT_ADDRESS, DEFAULT_LIBRARY
@@ -224,12 +224,17 @@ def selection_from(args: argparse.Namespace, base: sel.Selection = sel.DEFAULT_S
     exclude = _parsed(args.exclude_device, sel.parse_exclude, sel.EXCLUDE_FLAG)
     merged = base.merged(sel.Selection(tuple(include), tuple(exclude)))
     nvswitches = getattr(args, "nvswitches", None)
+    return dataclasses.replace(merged, nvswitches=merged.nvswitches if nvswitches is None else nvswitches)
+
+
+def kata_release_from(args: argparse.Namespace, base: KataRelease = UNKNOWN) -> KataRelease:
+    """The Kata release typed by hand: ``--kata-version``, else ``base`` (the config's
+    devices.kataVersion); UNKNOWN where neither says, and the node's Kata is found instead.
+    ValueError naming the option and the bad value."""
     try:
-        kata = parse_release(args.kata_version) if getattr(args, "kata_version", None) else merged.kata
+        return parse_release(args.kata_version) if getattr(args, "kata_version", None) else base
     except ValueError as exc:
         raise ValueError(f"{sel.KATA_VERSION_FLAG}: {exc}") from None
-    return dataclasses.replace(merged, nvswitches=merged.nvswitches if nvswitches is None else nvswitches,
-                               kata=kata)
 
 
 def add_naming(parser) -> None:

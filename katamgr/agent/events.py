@@ -110,14 +110,14 @@ class NodeEvents:
         """What the node does with its NVSwitches, where its Kata cannot cold-plug them:
         kept on the host (``--nvswitches auto``), or passed through at the operator's word;
         ``kata_warning``: why a typed Kata release is not the one found (the node's context)."""
-        selection = inv.selection
+        rule, setting = inv.nvswitch_rule, inv.selection.nvswitches
         held = [d.bdf for d in inv.devices
                 if d.is_nvswitch and not inv.selected(d) and not inv.verdict(d).excluded]
-        if held and selection.nvswitches == "auto":
+        if held and setting == "auto":
             self._record("NVSwitchesNotPassedThrough",
-                         f"NVSwitches {', '.join(held)} stay on their drivers: {selection.nvswitch_held_back}")
-        if inv.nvswitches and selection.nvswitch_warning:
-            self._record("NVSwitchesFailKata", selection.nvswitch_warning, "Warning")
+                         f"NVSwitches {', '.join(held)} stay on their drivers: {rule.nvswitch_held_back}")
+        if inv.nvswitches and rule.nvswitch_warning(setting):
+            self._record("NVSwitchesFailKata", rule.nvswitch_warning(setting), "Warning")
         if kata_warning:
             # devices.kataVersion typed by hand, and not the release of the node's Kata runtimes.
             self._record("KataVersionDisagrees", kata_warning, "Warning")

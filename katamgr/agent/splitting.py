@@ -223,7 +223,7 @@ class SplitKeeper:
             self._publish()
         if not self.leaving:
             return "nothing to give back"
-        inv = discover(host, old_naming.selection)
+        inv = discover(host, old_naming.selection, old_naming.nvswitch_rule)
         units = [u for u in resource_units(host, inv, old_naming) if set(u.functions) & self.leaving]
         still = set(wait_not_offered(host, [u.id for u in units], timeout=self.offer_wait))
         offered = {bdf for u in units if u.id.lower() in still for bdf in u.functions}
@@ -238,7 +238,7 @@ class SplitKeeper:
         with node_lock(host, "katamgr run (split change)", t.lock_wait):
             result = vfio.unbind_all(host, force=False, keep=keep)
             if t.steps.cdi:
-                cdi_specs.write_specs(host, discover(host, t.naming.selection), t.naming)
+                cdi_specs.write_specs(host, discover(host, t.naming.selection, t.naming.nvswitch_rule), t.naming)
         now = set(vfio.bound_by_us(host))
         gone = free - now
         self.leaving -= gone

@@ -55,7 +55,7 @@ class Target:
         return self.base_steps.vfio and not self.binds
 
     def scan(self) -> Inventory:
-        return discover(self.host, self.naming.selection)
+        return discover(self.host, self.naming.selection, self.naming.nvswitch_rule)
 
     def plan(self, steps: Steps | None = None) -> Plan:
         """The devices' plan (read-only), without the Kata sections."""

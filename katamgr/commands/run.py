@@ -43,8 +43,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             host, node.naming, setup.steps, setup.ctx, setup.opted_out, force=args.force, wait=args.device_wait,
             lock_wait=args.wait, repull_interval=args.repull_interval, revert_on_exit=args.revert_on_exit,
             metrics_address=args.metrics_address, fabric=node.fabric, link_policy=node.link_policy,
-            kata_on_node=node.kata_found, kata_found=KataFound(node.given.selection, node.containerd_config, node.base.artifacts_dir,
-                                 node.base.runtime_classes),
+            kata_on_node=node.kata_found, kata_found=KataFound(node.given.nvswitch_rule, node.containerd_config,
+                                                               node.base.artifacts_dir, node.base.runtime_classes),
             cc_default_mode=cc.CcMode(args.cc_default_mode) if args.cc_manager else None,
             node_name=args.node_name, workload=args.workload, default_workload=args.default_workload,
             follow=not args.once, gpu_labels=not args.no_gpu_labels)

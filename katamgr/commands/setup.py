@@ -61,7 +61,7 @@ def node_base(config: KataManagerConfig | None) -> NodeBase:
         return NodeBase()
     devices = config.devices
     return NodeBase(devices.selection, devices.fabric, config.containerd.config_path, config.artifacts_dir,
-                    tuple(rc.name for rc in config.runtime_classes), devices.link_policy)
+                    tuple(rc.name for rc in config.runtime_classes), devices.link_policy, devices.kata_release)
 
 
 @contextlib.contextmanager

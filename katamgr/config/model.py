@@ -221,8 +221,12 @@ class DevicesConfig(_Model):
                   for e in self.include),
             tuple(device_selection.parse_exclude(e, device_selection.EXCLUDE_CONFIG) for e in self.exclude),
             self.nvswitches,
-            katarelease.parse_release(self.kata_version),
         )
+
+    @property
+    def kata_release(self) -> katarelease.KataRelease:
+        """devices.kataVersion: the release typed by hand (UNKNOWN where empty: found on each node)."""
+        return katarelease.parse_release(self.kata_version)
 
 
 def default_runtime_classes() -> tuple[RuntimeClassConfig, ...]:

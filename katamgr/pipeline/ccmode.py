@@ -105,7 +105,7 @@ def look(host: HostRoot, naming: Naming, wanted: CcMode, held: dict[str, str] | 
     NVIDIA's tool, but none in ``held``: the tool maps a device's BAR and writes to it, which is
     never done to a GPU a VM runs on)."""
     held = held or {}
-    inv = discover(host, naming.selection)
+    inv = discover(host, naming.selection, naming.nvswitch_rule)
     gpus = inv.gpus
     admin = host.kernel.gpu_admin()
     problems: list[str] = []
@@ -139,7 +139,7 @@ def look(host: HostRoot, naming: Naming, wanted: CcMode, held: dict[str, str] | 
 
 def candidates(host: HostRoot, naming: Naming) -> list[Device]:
     """Every device a switch may touch: the CC-capable GPUs and the NVSwitches."""
-    inv = discover(host, naming.selection)
+    inv = discover(host, naming.selection, naming.nvswitch_rule)
     return [g for g in inv.gpus if cc.cc_capable(g)] + list(inv.nvswitches)
 
 
@@ -158,7 +158,8 @@ def holders_of(host: HostRoot, naming: Naming, devices: list[Device],
             held[device.bdf] = "; ".join(str(h) for h in who)
     asked = (pod_devices or (lambda: list_pod_devices(host)))()
     if asked.assignments:
-        given = assigned_functions(host, discover(host, naming.selection), naming, asked.assignments)
+        inv = discover(host, naming.selection, naming.nvswitch_rule)
+        given = assigned_functions(host, inv, naming, asked.assignments)
         for device in devices:
             if given.get(device.bdf):
                 pods = ", ".join(str(a) for a in given[device.bdf])

@@ -86,7 +86,7 @@ class KataContext:
 
 def class_release(ctx: KataContext, name: str) -> katarelease.KataRelease:
     """The Kata release that reads class ``name``'s config: devices.kataVersion, else the shim found."""
-    typed = ctx.config.devices.selection.kata
+    typed = ctx.config.devices.kata_release
     return typed if typed.version or ctx.kata_found is None else ctx.kata_found.release_for([name])
 
 

@@ -17,7 +17,7 @@ def add_section(host, plan: Plan, settings: nf.FabricSettings, naming=None) -> N
     if nvswitches == 0:
         return
     gpus = sorted(d.bdf for d in inv.passthrough if d.is_gpu)
-    kata = inv.selection.kata
+    kata = inv.nvswitch_rule.kata
     choice, fabric = nf.decide(host, settings, nvswitches=nvswitches, gpus=gpus,
                                kata_takes_nvswitches=kata.cold_plugs_nvswitches, kata=str(kata))
     lines = [f"model: {nf.MODEL_TITLES.get(choice.model, 'none')}", f"why: {choice.reason}"]

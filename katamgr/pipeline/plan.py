@@ -117,7 +117,7 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
     """The plan; with ``cc_modes`` each NVIDIA GPU's and NVSwitch's CC mode is read with
     NVIDIA's tool (never from a device a VM or process holds); ``kata_found``: the Kata the
     node's context found (its section, and the warning where a typed release disagrees)."""
-    inv = discover(host, naming.selection)
+    inv = discover(host, naming.selection, naming.nvswitch_rule)
     decisions = vfiodecide.decide(host, inv, force=force)
     module = vfiogroups.vfio_module(host)
     devices: list[DevicePlan] = []
@@ -164,13 +164,14 @@ def build_plan(host: HostRoot, naming: Naming, *, force: bool = False, cc_modes:
     devices += [_device_plan(inv, naming, d, Action.SKIP.value, "stays on its driver") for d in held
                 if d.bdf not in listed]
     # Kept for Fabric Manager (Shared NVSwitch model) is the design, not a warning: their rows say why.
-    if held and inv.selection.nvswitches == "auto" and not inv.selection.fabric_keeps_nvswitches:
+    rule, setting = inv.nvswitch_rule, inv.selection.nvswitches
+    if held and setting == "auto" and not rule.fabric_keeps_nvswitches:
         warnings.append(f"NVSwitches {', '.join(d.bdf for d in held)} stay on their drivers: "
-                        f"{inv.selection.nvswitch_held_back}")
-    if inv.nvswitches and inv.selection.nvswitch_warning:
-        warnings.append(inv.selection.nvswitch_warning)
-    if inv.nvswitches and inv.selection.nvswitch_fabric_conflict:
-        problems.append(inv.selection.nvswitch_fabric_conflict)
+                        f"{rule.nvswitch_held_back}")
+    if inv.nvswitches and rule.nvswitch_warning(setting):
+        warnings.append(rule.nvswitch_warning(setting))
+    if inv.nvswitches and rule.nvswitch_fabric_conflict(setting):
+        problems.append(rule.nvswitch_fabric_conflict(setting))
 
     if not inv.iommu_enabled and inv.passthrough:
         problems.insert(0, "The IOMMU is off on this host, so no GPU can be passed through: boot with "
@@ -203,12 +204,12 @@ def _kata_found(inv: Inventory, found: KataOnNode | None) -> list[PlanSection]:
     """The Kata runtimes found on the node (``gpunode.policy.katadetect``), where they were looked for."""
     if found is None:
         return []
-    lines = [f"deciding: {inv.selection.kata}" + (" (typed by hand)" if inv.selection.kata != found.release
-                                                   else "")]
+    deciding = inv.nvswitch_rule.kata
+    lines = [f"deciding: {deciding}" + (" (typed by hand)" if deciding != found.release else "")]
     lines += [r.line() for r in found.runtimes] or ["no Kata runtime is registered with containerd"]
     lines += [f"note: {p}" for p in found.problems]
     return [PlanSection("kata_found", "Kata found on the node", {**found.to_json(),
-                                                                 "deciding": kata.release_json(inv.selection.kata)},
+                                                                 "deciding": kata.release_json(deciding)},
                         lines)]
 
 

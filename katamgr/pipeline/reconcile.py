@@ -243,8 +243,8 @@ def _reconcile(host: HostRoot, naming: Naming, steps: Steps, kata_ctx: KataConte
             doing = "writing the CDI specs"
             with journal.step("write the CDI specs") as step:
                 # The plan's scan still holds unless devices just moved driver.
-                specs = cdi_specs.write_specs(host, discover(host, naming.selection) if rescan else plan.inventory,
-                                              naming)
+                scanned = discover(host, naming.selection, naming.nvswitch_rule) if rescan else plan.inventory
+                specs = cdi_specs.write_specs(host, scanned, naming)
                 step.failed = not specs.ok
             report.merge(specs)
         if steps.kata and kata_ctx is not None:
@@ -391,7 +391,7 @@ def leave_passthrough(host: HostRoot, naming: Naming, steps: Steps, *, release: 
             report.changes += [f"removed {p}" for p in readiness.clear_ready(host)]
         if steps.cdi:
             # The specs follow the devices still on vfio-pci (the held ones, or none).
-            report.merge(cdi_specs.write_specs(host, discover(host, naming.selection), naming))
+            report.merge(cdi_specs.write_specs(host, discover(host, naming.selection, naming.nvswitch_rule), naming))
         return report
 
 
@@ -402,7 +402,7 @@ def _release_devices(host: HostRoot, naming: Naming, report: LeaveReport,
     recorded = vfio.bound_by_us(host)
     offered: dict[str, list[str]] = {}  # BDF -> why it stays: the kubelet still offers it
     if offer_wait and recorded:
-        units = [u for u in resource_units(host, discover(host, naming.selection), naming)
+        units = [u for u in resource_units(host, discover(host, naming.selection, naming.nvswitch_rule), naming)
                  if set(u.functions) & set(recorded)]
         still = set(wait_not_offered(host, [u.id for u in units], timeout=offer_wait, cancelled=cancelled))
         why = ["offered to new pods by the kubelet: its device plugin has not stood down"]
@@ -416,7 +416,8 @@ def _release_devices(host: HostRoot, naming: Naming, report: LeaveReport,
     if asked.unknown:
         report.warnings.append(f"could not ask the kubelet which pods hold GPUs ({asked.unknown}); "
                                "only GPUs a running VM holds open are kept")
-    given = assigned_functions(host, discover(host, naming.selection), naming, asked.assignments)
+    inv = discover(host, naming.selection, naming.nvswitch_rule)
+    given = assigned_functions(host, inv, naming, asked.assignments)
     report.pods = {bdf: [str(a) for a in who] for bdf, who in given.items() if bdf in recorded}
     report.waiting = {bdf: who for bdf, who in report.pods.items()
                       if not vfio.vfio_holders(host, bdf, recorded[bdf].get("group"))}

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         # Where neither of NVIDIA's models holds, the board's GPUs stay out of the slice; in the
         # Shared NVSwitch model the NVSwitches stay with FM, unpublished (the context's naming).
         # Its own record, released at NodeUnprepareResources (not by PodResources).
-        gate = gate_for(host, node.fabric, discover(host, naming.selection), lambda: FabricGuard(
+        gate = gate_for(host, node.fabric, discover(host, naming.selection, naming.nvswitch_rule), lambda: FabricGuard(
             host, node.fabric, given=lambda: None, record=DRA_RECORD), choice=node.fabric_choice)
         try:
             api = cluster_client(extras)
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def decide() -> None:
             def from_host() -> tuple[Workload, str]:
-                mode, why = mode_from_host(host, naming.selection)
+                mode, why = mode_from_host(host, naming.selection, naming.nvswitch_rule)
                 return Workload(mode.value), why
 
             # As the device plugin: a fixed --workload does not ask the node's labels.

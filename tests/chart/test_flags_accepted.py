@@ -86,7 +86,7 @@ def test_the_values_reach_the_programs_in_their_own_spelling(chart):
             continue
         ns = PARSERS[program]().parse_args(args)
         selection = options.selection_from(ns)
-        assert selection.nvswitches is False and str(selection.kata) == "Kata 4.1.0"
+        assert selection.nvswitches is False and str(options.kata_release_from(ns)) == "Kata 4.1.0"
         assert [str(r) for r in selection.include] == ["1234:11e8=example.com/edu"]
         assert ns.runtime_root == "/srv/node"  # hostPaths.rootFS as written, normalised
         fabric = options.fabric_from(ns)

@@ -10,6 +10,7 @@ from configkit import BAD_CASES
 from support.paths import EXAMPLES
 
 from gpunode.errors import ConfigError
+from gpunode.policy.selection import NvswitchRule
 from katamgr.artifacts.refs import LayoutRef, RegistryRef
 from katamgr.config import (
     DEFAULT_ARTIFACTS_DIR,
@@ -241,11 +242,12 @@ runtimeClasses:
 def test_nvswitches_are_opted_into(value, mode, takes):
     """NVSwitches pass through where the node's Kata cold-plugs them, or at the operator's word."""
     config = parse_config(f"devices: {{nvswitches: {value}, kataVersion: 3.25.0}}\n")
-    selection = config.devices.selection
-    assert (selection.nvswitches, selection.takes_nvswitches) == (mode, takes)
-    assert str(selection.kata) == "Kata 3.25.0"
+    selection, typed = config.devices.selection, NvswitchRule(config.devices.kata_release)
+    assert (selection.nvswitches, typed.takes_nvswitches(selection.nvswitches)) == (mode, takes)
+    assert str(typed.kata) == "Kata 3.25.0"
     assert parse_config(yaml.safe_dump(config.to_dict())).devices == config.devices  # round trip
-    assert parse_config("devices: {kataVersion: '4.1.0'}\n").devices.selection.takes_nvswitches
+    newer = parse_config("devices: {kataVersion: '4.1.0'}\n").devices
+    assert NvswitchRule(newer.kata_release).takes_nvswitches(newer.selection.nvswitches)
 
 
 def test_bad_nvswitch_and_kata_and_source_values_are_named():

@@ -108,7 +108,7 @@ def kata_node(oracle_bin) -> Iterator:
         assert report.ok, report.failures
         manager.start()
         wanted: dict[str, list[str]] = {}
-        for unit in resource_units(host, discover(host, naming.selection), naming):
+        for unit in resource_units(host, discover(host, naming.selection, naming.nvswitch_rule), naming):
             wanted.setdefault(unit.resource_name, []).append(unit.id)
         state = kubelet.wait_for(
             lambda s: all(sorted(s.healthy(r)) == sorted(ids) for r, ids in wanted.items()), timeout=10)

@@ -22,7 +22,7 @@ from gpunode.policy.inventory import discover
 from gpunode.policy.katarelease import parse_release
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
-from gpunode.policy.selection import Selection, parse_exclude, parse_include
+from gpunode.policy.selection import NvswitchRule, Selection, parse_exclude, parse_include
 from katamgr.pipeline.plan import build_plan
 from nodesim import udev
 from nodesim.materialise import materialise
@@ -44,7 +44,8 @@ def naming_for(profile: str) -> Naming:
 
 
 def units_by_id(node):
-    return {u.id: u for u in resource_units(node.host, discover(node.host, node.naming.selection), node.naming)}
+    naming = node.naming
+    return {u.id: u for u in resource_units(node.host, discover(node.host, naming.selection, naming.nvswitch_rule), naming)}
 
 
 @pytest.mark.parametrize("release", kataoracle.judges())
@@ -87,8 +88,8 @@ def test_nvswitches_are_not_advertised_by_default_since_kata_fails_them(kata_nod
     if kataoracle.exact_bridges(release):
         assert switch.ok, switch.error
         assert switch.plugged == ("0000:05:00.0",) and switch.root_ports == 1
-        told = Naming(PCI_IDS, selection=Selection(nvswitches=True, kata=parse_release(release)))
-        units = {u.id: u for u in resource_units(opted.host, discover(opted.host, told.selection), told)}
+        told = Naming(PCI_IDS, selection=Selection(nvswitches=True), nvswitch_rule=NvswitchRule(parse_release(release)))
+        units = {u.id: u for u in resource_units(opted.host, discover(opted.host, told.selection, told.nvswitch_rule), told)}
         # katamgr, told the release, offers NVSwitches only with the whole board (the full
         # passthrough unit), and says Kata plugs them there.
         assert "0000:05:00.0" not in units and "0000:05:00.0" in units["x8-0000:03:00.0"].plugged

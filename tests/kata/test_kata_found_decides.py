@@ -21,7 +21,7 @@ from gpunode.host.pciids import PciIds
 from gpunode.host.root import HostRoot
 from gpunode.policy import katadetect
 from gpunode.policy.naming import Naming
-from gpunode.policy.selection import Selection
+from gpunode.policy.selection import NvswitchRule, Selection
 from katamgr.pipeline.plan import build_plan
 from nodesim.katadeploy import KataInstall
 from nodesim.materialise import materialise
@@ -46,8 +46,8 @@ def naming_found(profile, tmp_path, nvswitches: bool | str = "auto") -> Naming:
     """The naming katamgr ends up with on this profile's node: the release found decides."""
     host: HostRoot = materialise(profile, tmp_path / "look")
     found = katadetect.detect(host, "/etc/containerd/config.toml")
-    return Naming(PciIds.find(), selection=katadetect.with_found(Selection(nvswitches=nvswitches), found,
-                                                                 GPU_CLASSES)[0])
+    return Naming(PciIds.find(), selection=Selection(nvswitches=nvswitches),
+                  nvswitch_rule=katadetect.with_found(NvswitchRule(), found, GPU_CLASSES)[0])
 
 
 @pytest.mark.parametrize("release", kataoracle.judges())
@@ -55,10 +55,10 @@ def test_the_release_found_keeps_nvswitches_home_and_kata_plugs_every_gpu(kata_n
     profile = dataclasses.replace(find_profile("dgx-h100"),
                                   kata=KataInstall("kata-deploy", release, ("go", "runtime-rs")))
     naming = naming_found(profile, tmp_path)
-    assert naming.selection.kata == katadetect.parse_release(release)
-    assert naming.selection.takes_nvswitches == kataoracle.exact_bridges(release)
+    assert naming.nvswitch_rule.kata == katadetect.parse_release(release)
+    assert naming.nvswitch_rule.takes_nvswitches("auto") == kataoracle.exact_bridges(release)
     if kataoracle.exact_bridges(release):
-        assert naming.selection.takes_nvswitches
+        assert naming.nvswitch_rule.takes_nvswitches("auto")
         board_pod(kata_node(profile, naming), release)
         return
     node = kata_node(profile, naming)

@@ -19,7 +19,7 @@ from gpunode.policy.inventory import discover
 from gpunode.policy.katarelease import parse_release
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
-from gpunode.policy.selection import Selection
+from gpunode.policy.selection import NvswitchRule
 from gpunode.services import nvlinkfabric as nf
 from nodesim import fabricmanager as fmsim
 from nodesim.node import open_node
@@ -61,10 +61,11 @@ def test_full_passthrough_the_board_unit_brings_every_gpu_and_nvswitch(kata_node
     monkeypatch.setattr(fullpassthrough, "GRACE", 0.5)
     monkeypatch.setattr(fullpassthrough, "WATCH_INTERVAL", 0.1)
     release = kataoracle.NVSWITCH_RELEASE
-    naming = Naming(PCI_IDS, selection=Selection(kata=parse_release(release)))
+    naming = Naming(PCI_IDS, nvswitch_rule=NvswitchRule(parse_release(release)))
     node = kata_node("hgx-h100-passthrough", naming)
     assert node.units == {H100: GPUS, BOARD: ["x8-0000:03:00.0"]}  # no NVSwitch on its own
-    units = {u.id: u for u in resource_units(node.host, discover(node.host, naming.selection), naming)}
+    inv = discover(node.host, naming.selection, naming.nvswitch_rule)
+    units = {u.id: u for u in resource_units(node.host, inv, naming)}
 
     whole = node.admit({BOARD: 1})
     kata = node.kata(release, whole)

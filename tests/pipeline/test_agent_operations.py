@@ -166,14 +166,14 @@ def test_the_node_is_told_what_becomes_of_its_nvswitches(tmp_path):
     host (a Normal Event says so); passed through at the operator's word to such a Kata, a
     Warning Event says the pods will not start."""
     from gpunode.policy.katarelease import parse_release
-    from gpunode.policy.selection import Selection
+    from gpunode.policy.selection import NvswitchRule, Selection
     from nodesim.materialise import materialise
     from nodesim.profiles import find_profile
 
     for mode, reason, kind in (("auto", "NVSwitchesNotPassedThrough", "Normal"),
                                (True, "NVSwitchesFailKata", "Warning")):
         host = materialise(find_profile("dgx-h100"), tmp_path / str(mode))
-        naming = Naming(PciIds.find(), selection=Selection(nvswitches=mode, kata=parse_release("3.25.0")))
+        naming = Naming(PciIds.find(), selection=Selection(nvswitches=mode), nvswitch_rule=NvswitchRule(parse_release("3.25.0")))
         with FakeApiServer() as api:
             api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "dgx-1"}})
             agent = make_agent(host, naming, Steps(kata=False), None,
@@ -253,7 +253,7 @@ def test_the_node_is_told_when_neither_nvlink_model_holds(tmp_path):
     NVSwitches cannot start CUDA in a Kata pod: a Warning Event and the model metric say so;
     with FM answering (dgx-h100's, Shared NVSwitch) neither complains."""
     from gpunode.policy.katarelease import parse_release
-    from gpunode.policy.selection import Selection
+    from gpunode.policy.selection import NvswitchRule
     from gpunode.services.nvlinkfabric import SHARED, FabricSettings
     from nodesim.materialise import materialise
     from nodesim.node import open_node
@@ -261,7 +261,7 @@ def test_the_node_is_told_when_neither_nvlink_model_holds(tmp_path):
 
     host = materialise(find_profile("dgx-h100"), tmp_path / "node")
     library, socket, modules = open_node(host.root).fabric_manager()
-    naming = Naming(PciIds.find(), selection=Selection(kata=parse_release("3.25.0")))
+    naming = Naming(PciIds.find(), nvswitch_rule=NvswitchRule(parse_release("3.25.0")))
     for address, model, warned in ((socket, SHARED, False), ("/run/no-fm.sock", "none", True)):
         with FakeApiServer() as api:
             api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "dgx-1"}})

@@ -18,7 +18,7 @@ from support.hostkit import (
 from gpunode.host.pciids import PciIds
 from gpunode.policy.katarelease import parse_release
 from gpunode.policy.naming import Naming
-from gpunode.policy.selection import Selection, parse_exclude, parse_include
+from gpunode.policy.selection import NvswitchRule, Selection, parse_exclude, parse_include
 from katamgr.pipeline.reconcile import Steps, full_plan, reconcile, revert_all
 from katamgr.render import plan_text
 from nodesim.materialise import materialise
@@ -78,7 +78,7 @@ def test_the_default_selection_is_the_gpus_and_the_nvswitches_kata_can_take(tmp_
 ])
 def test_nvswitches_follow_the_node_s_kata_and_the_operator(tmp_path, mode, kata, taken, warned):
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
-    chosen = Naming(PCI_IDS, selection=Selection(nvswitches=mode, kata=parse_release(kata)))
+    chosen = Naming(PCI_IDS, selection=Selection(nvswitches=mode), nvswitch_rule=NvswitchRule(parse_release(kata)))
     plan = full_plan(host, chosen, Steps(), None)
     board = "nvidia.com/GH100H100_SXM5_80GB_x8"
     assert bool({"nvidia.com/PCI_22a3", board} & set(plan.resources)) is taken

@@ -103,7 +103,7 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
         assert context.kata_found.runtimes == ()
         agent = make_agent(host, context.naming, Steps(kata=False), None, events=EventRecorder(client, NODE),
                       node_labels=cli_setup.node_labels(client, NODE), kata_on_node=context.kata_found,
-                      kata_found=KataFound(NAMING.selection, CONTAINERD, names=GPU_CLASSES))
+                      kata_found=KataFound(NAMING.nvswitch_rule, CONTAINERD, names=GPU_CLASSES))
         assert agent.run(once=True) == 0
         assert KATA_LABEL not in _labels(api)
         assert not agent.follow_kata()  # nothing changed
@@ -112,7 +112,7 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
         assert agent.follow_kata()
         agent.follow_gpu_labels()
         assert _labels(api)[KATA_LABEL] == "3.29.0"
-        assert agent.target.naming.selection.kata == KataRelease((3, 29, 0))
+        assert agent.target.naming.nvswitch_rule.kata == KataRelease((3, 29, 0))
         assert all(_driver(host, bdf) != "vfio-pci" for bdf in NVSWITCHES)
         assert not agent.follow_kata()  # looked at once: the files are as detection read them
 
@@ -120,7 +120,7 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
         assert agent.follow_kata()
         agent.follow_gpu_labels()
         assert _labels(api)[KATA_LABEL] == "4.1.0"
-        assert agent.target.naming.selection.takes_nvswitches
+        assert agent.target.naming.nvswitch_rule.takes_nvswitches("auto")
         assert all(_driver(host, bdf) == "vfio-pci" for bdf in NVSWITCHES)
         (event, *_) = [e for e in _events(api, "KataChanged") if "4.1.0" in e["message"]]
         assert "deciding: Kata 3.29.0 before" in event["message"] and "deciding: Kata 4.1.0 now" in event["message"]
@@ -131,16 +131,16 @@ def test_the_agent_follows_kata_deploy_installing_then_upgrading_kata(tmp_path):
 
 def test_a_typed_release_stays_the_override_when_kata_changes(tmp_path):
     from gpunode.policy.katarelease import parse_release
-    from gpunode.policy.selection import Selection
+    from gpunode.policy.selection import NvswitchRule
 
     host = materialise(find_profile("dgx-h100"), tmp_path / "host")
     lay_out(host, KataInstall("kata-deploy", "3.29.0", ("go",)))
-    typed = Naming(NAMING.pci_ids, selection=Selection(kata=parse_release("3.29.0")))
+    typed = Naming(NAMING.pci_ids, nvswitch_rule=NvswitchRule(parse_release("3.29.0")))
     context = katamgr_context(host, None, "--kata-version", "3.29.0")
     agent = make_agent(host, context.naming, Steps(kata=False), None, kata_on_node=context.kata_found,
-                  kata_found=KataFound(typed.selection, CONTAINERD, names=GPU_CLASSES))
+                  kata_found=KataFound(typed.nvswitch_rule, CONTAINERD, names=GPU_CLASSES))
     lay_out(host, KataInstall("kata-deploy", "4.1.0", ("go",)))
     assert agent.follow_kata()
-    selection = agent.target.naming.selection
-    assert selection.kata == KataRelease((3, 29, 0)) and not selection.takes_nvswitches
+    rule = agent.target.naming.nvswitch_rule
+    assert rule.kata == KataRelease((3, 29, 0)) and not rule.takes_nvswitches("auto")
     assert "says the node runs Kata 3.29.0, but its Kata runtimes" in agent.target.kata_found.warning

@@ -11,7 +11,7 @@ import pytest
 from gpunode.host.pciids import PciIds
 from gpunode.policy.katarelease import parse_release
 from gpunode.policy.naming import Naming, resource_name
-from gpunode.policy.selection import Selection
+from gpunode.policy.selection import NvswitchRule
 from gpunode.services.backoff import Backoff
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
@@ -34,7 +34,7 @@ def board(sim_host, monkeypatch):
     monkeypatch.setattr(fullpassthrough, "GRACE", 0.5)
     monkeypatch.setattr(fullpassthrough, "WATCH_INTERVAL", 0.1)
     host, kubelet = sim_host("hgx-h100-passthrough")
-    naming = Naming(PCI_IDS, selection=Selection(kata=parse_release("4.1.0")))
+    naming = Naming(PCI_IDS, nvswitch_rule=NvswitchRule(parse_release("4.1.0")))
     assert apply_host(host, build_plan(host, naming)).ok
     manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=naming, backoff=Backoff(0.05, 2, 0.4))
     manager.start()

@@ -55,7 +55,7 @@ def wait_for_units(host, kubelet, naming: Naming = NAMING) -> dict[str, list[str
     from gpunode.policy.passthrough import resource_units
 
     wanted: dict[str, list[str]] = {}
-    for unit in resource_units(host, discover(host, naming.selection), naming):
+    for unit in resource_units(host, discover(host, naming.selection, naming.nvswitch_rule), naming):
         wanted.setdefault(unit.resource_name, []).append(unit.id)
     state = kubelet.wait_for(lambda s: all(sorted(s.healthy(r)) == sorted(ids) for r, ids in wanted.items()),
                              timeout=10)

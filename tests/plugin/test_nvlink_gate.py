@@ -63,7 +63,7 @@ def test_no_gpu_is_advertised_until_fabric_manager_answers(board, caplog):
     host, kubelet, naming, settings = board
     fmsim.stop(host.root)
     caplog.set_level(logging.INFO)
-    gate = fabricgate.gate_for(host, settings, discover(host, naming.selection))
+    gate = fabricgate.gate_for(host, settings, discover(host, naming.selection, naming.nvswitch_rule))
     assert gate is not None and NEITHER in gate.withheld
     manager = PluginManager(host, Mode.VM_PASSTHROUGH, naming=naming, fabric=gate)
     manager.start()
@@ -123,7 +123,8 @@ def test_the_dra_driver_publishes_no_gpu_of_the_board_until_fm_answers(monkeypat
         library, socket, modules = open_node(node.host.root).fabric_manager()
         settings = nf.FabricSettings(nf.AUTO, socket, library, modules)
         fmsim.stop(node.host.root)
-        gate = fabricgate.gate_for(node.host, settings, discover(node.host, node.naming.selection))
+        inv = discover(node.host, node.naming.selection, node.naming.nvswitch_rule)
+        gate = fabricgate.gate_for(node.host, settings, inv)
         node.start_driver(fabric=gate)
         node.dra.wait_for(lambda s: s.current(DRIVER) is not None, timeout=30)
         node.driver.wait_synced(0)
@@ -150,7 +151,8 @@ def test_the_dra_driver_publishes_partitions_and_activates_one_per_claim(tmp_pat
         library, socket, modules = open_node(node.host.root).fabric_manager()
         settings = nf.FabricSettings(nf.AUTO, socket, library, modules)
         record = "/var/lib/kata-sandbox-manager/nvlink-partitions-dra.json"
-        gate = fabricgate.gate_for(node.host, settings, discover(node.host, node.naming.selection),
+        inv = discover(node.host, node.naming.selection, node.naming.nvswitch_rule)
+        gate = fabricgate.gate_for(node.host, settings, inv,
                                    lambda: fabric.FabricGuard(node.host, settings, given=lambda: None, record=record))
         node.start_driver(fabric=gate)
         node.dra.wait_for(lambda s: s.current(DRIVER) is not None, timeout=30)
@@ -194,9 +196,9 @@ def test_in_the_shared_model_the_plugin_command_leaves_the_nvswitches_to_fabric_
     neither an NVSwitch nor a whole-board unit is advertised, even on a node where an older
     katamgr left them on vfio-pci."""
     from gpunode.policy.katarelease import parse_release
-    from gpunode.policy.selection import Selection
+    from gpunode.policy.selection import NvswitchRule
     host, kubelet = sim_host("dgx-h100")
-    naming = Naming(PCI_IDS, selection=Selection(kata=parse_release("4.1.0")))
+    naming = Naming(PCI_IDS, nvswitch_rule=NvswitchRule(parse_release("4.1.0")))
     assert apply_host(host, build_plan(host, naming)).ok  # NVSwitches on vfio-pci too
     library, socket, modules = open_node(host.root).fabric_manager()
     node = _node(["--kata-version", "4.1.0", "--fabric-manager-address", socket, "--fabric-manager-library",
@@ -212,7 +214,7 @@ def test_in_the_shared_model_the_plugin_command_leaves_the_nvswitches_to_fabric_
     finally:
         manager.stop()
     # Configured sharedNvswitch keeps them whatever FM answers.
-    assert _node(["--nvlink-fabric", "sharedNvswitch"], host).naming.selection.fabric_keeps_nvswitches
-    # Full passthrough (FM not on the host) leaves the selection as it was.
+    assert _node(["--nvlink-fabric", "sharedNvswitch"], host).nvswitch_rule.fabric_keeps_nvswitches
+    # Full passthrough (FM not on the host) leaves the NVSwitch rule to the Kata release.
     full = _node(["--kata-version", "4.1.0", "--nvlink-fabric", "fullPassthrough"], host)
-    assert not full.keeps_nvswitches and full.naming.selection.takes_nvswitches
+    assert not full.keeps_nvswitches and full.nvswitch_rule.takes_nvswitches(full.selection.nvswitches)

@@ -33,5 +33,5 @@ def kata_found(node: NodeContext):
     """The agent's ``KataFound`` as ``katamgr run`` makes it from the context."""
     from katamgr.agent.katafound import KataFound
 
-    return KataFound(node.given.selection, node.containerd_config, node.base.artifacts_dir,
+    return KataFound(node.given.nvswitch_rule, node.containerd_config, node.base.artifacts_dir,
                      node.base.runtime_classes)

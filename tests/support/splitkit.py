@@ -99,7 +99,7 @@ def split_node(sim_host, profile: str, value: str | None) -> Iterator[SplitNode]
     host, kubelet = sim_host(profile)
     from gpunode.policy.inventory import discover
 
-    gpus = list(discover(host, NAMING.selection).gpus)
+    gpus = list(discover(host, NAMING.selection, NAMING.nvswitch_rule).gpus)
     with FakeApiServer() as api:
         labels = {WORKLOAD_LABEL: "vm-passthrough", **({SPLIT_LABEL: value} if value else {})}
         api.seed({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": labels}})

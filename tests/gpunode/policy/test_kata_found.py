@@ -18,7 +18,7 @@ from gpunode.host.root import HostRoot
 from gpunode.policy import katadetect
 from gpunode.policy.katarelease import KataRelease, parse_release
 from gpunode.policy.naming import Naming
-from gpunode.policy.selection import Selection
+from gpunode.policy.selection import NvswitchRule
 from katamgr.agent.events import NodeEvents
 from katamgr.pipeline.plan import build_plan
 from nodesim.katadeploy import (
@@ -176,21 +176,21 @@ def test_no_containerd_config_finds_nothing(tmp_path):
 
 def test_the_release_found_decides_where_none_was_typed(tmp_path):
     found = katadetect.detect(node(tmp_path, "4.1.0"), CONTAINERD)
-    chosen, found = katadetect.with_found(Selection(), found, GPU_CLASSES)
-    assert chosen.kata == KataRelease((4, 1, 0)) and chosen.takes_nvswitches and found.warning == ""
+    chosen, found = katadetect.with_found(NvswitchRule(), found, GPU_CLASSES)
+    assert chosen.kata == KataRelease((4, 1, 0)) and chosen.takes_nvswitches("auto") and found.warning == ""
 
 
 def test_a_typed_release_stays_the_override_with_a_warning_and_an_event(tmp_path):
     found = katadetect.detect(node(tmp_path, "4.1.0"), CONTAINERD)
-    chosen, disagreeing = katadetect.with_found(Selection(kata=parse_release("3.29.0")), found, GPU_CLASSES)
-    assert chosen.kata == KataRelease((3, 29, 0)) and not chosen.takes_nvswitches
+    chosen, disagreeing = katadetect.with_found(NvswitchRule(parse_release("3.29.0")), found, GPU_CLASSES)
+    assert chosen.kata == KataRelease((3, 29, 0)) and not chosen.takes_nvswitches("auto")
     assert "devices.kataVersion (--kata-version) says the node runs Kata 3.29.0, but its Kata runtimes " \
            "kata-qemu-nvidia-gpu, kata-qemu-nvidia-gpu-snp, kata-qemu-nvidia-gpu-tdx are Kata 4.1.0" \
            in disagreeing.warning
-    _, same = katadetect.with_found(Selection(kata=parse_release("4.1")), found, GPU_CLASSES)
+    _, same = katadetect.with_found(NvswitchRule(parse_release("4.1")), found, GPU_CLASSES)
     assert same.warning == ""
 
-    plan = build_plan(node(tmp_path / "again", "4.1.0"), dataclasses.replace(NAMING, selection=chosen),
+    plan = build_plan(node(tmp_path / "again", "4.1.0"), dataclasses.replace(NAMING, nvswitch_rule=chosen),
                       cc_modes=False, kata_found=disagreeing)
     assert disagreeing.warning in plan.warnings
 
@@ -207,8 +207,8 @@ def test_a_typed_release_stays_the_override_with_a_warning_and_an_event(tmp_path
 @pytest.mark.parametrize(("release", "passed"), [("3.29.0", False), ("4.1.0", True)])
 def test_the_nvswitch_decision_follows_the_release_found(tmp_path, release, passed):
     host = node(tmp_path, release)
-    selection, found = katadetect.with_found(Selection(), katadetect.detect(host, CONTAINERD), GPU_CLASSES)
-    plan = build_plan(host, dataclasses.replace(NAMING, selection=selection), cc_modes=False, kata_found=found)
+    rule, found = katadetect.with_found(NvswitchRule(), katadetect.detect(host, CONTAINERD), GPU_CLASSES)
+    plan = build_plan(host, dataclasses.replace(NAMING, nvswitch_rule=rule), cc_modes=False, kata_found=found)
     switches = [d for d in plan.devices if d.bdf in NVSWITCHES]
     assert len(switches) == 4
     assert all((d.action == "bind") == passed for d in switches)
@@ -271,10 +271,10 @@ def test_two_installs_are_decided_alike_by_katamgr_and_the_plugins(tmp_path):
     _second_install(host, "3.29.0")
     found = katadetect.detect(host, CONTAINERD)
     assert {r.name: str(r.release) for r in found.runtimes}["kata-qemu-nvidia-gpu-lts"] == "Kata 3.29.0"
-    agent = katamgr_context(host).selection
-    plugin = plugin_context(host, "--containerd-config", CONTAINERD).selection
+    agent = katamgr_context(host).nvswitch_rule
+    plugin = plugin_context(host, "--containerd-config", CONTAINERD).nvswitch_rule
     assert agent.kata == plugin.kata == KataRelease((4, 1, 0))
-    assert agent.takes_nvswitches and plugin.takes_nvswitches
+    assert agent.takes_nvswitches("auto") and plugin.takes_nvswitches("auto")
 
 
 def test_a_profile_says_how_kata_is_laid_out():

@@ -15,7 +15,7 @@ from gpunode.policy.inventory import discover
 from gpunode.policy.katarelease import parse_release
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
-from gpunode.policy.selection import Selection, parse_exclude
+from gpunode.policy.selection import NvswitchRule, Selection, parse_exclude
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
 from nodesim.materialise import materialise
@@ -34,11 +34,11 @@ def bound(tmp_path: Path, naming: Naming, replace: dict[str, str] | None = None)
     host = materialise(parse_profile(yaml.safe_load(text)), tmp_path / "host")
     plan = build_plan(host, naming)
     assert apply_host(host, plan).ok
-    return plan, resource_units(host, discover(host, naming.selection), naming)
+    return plan, resource_units(host, discover(host, naming.selection, naming.nvswitch_rule), naming)
 
 
 def test_an_hgx_h100_board_on_kata_4_1_is_one_unit_and_its_gpus_one_each(tmp_path):
-    naming = Naming(PCI_IDS, selection=Selection(kata=parse_release("4.1.0")))
+    naming = Naming(PCI_IDS, nvswitch_rule=NvswitchRule(parse_release("4.1.0")))
     plan, units = bound(tmp_path, naming)
     assert plan.resources == {H100: 8, f"{H100}_x8": 1}
     [board] = [u for u in units if u.resource_name == f"{H100}_x8"]
@@ -51,12 +51,12 @@ def test_an_hgx_h100_board_on_kata_4_1_is_one_unit_and_its_gpus_one_each(tmp_pat
 
 @pytest.mark.parametrize(("why", "naming", "replace"), [
     # Kata before 4.1 fails a sandbox given an NVSwitch: no full passthrough model, the operator's opt-in as before.
-    ("old Kata", Naming(PCI_IDS, selection=Selection(nvswitches=True, kata=parse_release("3.29.0"))), None),
+    ("old Kata", Naming(PCI_IDS, selection=Selection(nvswitches=True), nvswitch_rule=NvswitchRule(parse_release("3.29.0"))), None),
     # A GPU kept on the host: the board is not whole, and no row of §6.1 fits 7 GPUs.
-    ("a GPU missing", Naming(PCI_IDS, selection=Selection(
-        (), (parse_exclude("0000:94:00.0"),), kata=parse_release("4.1.0"))), None),
+    ("a GPU missing", Naming(PCI_IDS, selection=Selection((), (parse_exclude("0000:94:00.0"),)),
+                             nvswitch_rule=NvswitchRule(parse_release("4.1.0"))), None),
     # HGX A100's NVSwitch (10de:1af1), 4 of the 6 its board has: no row of §6.1 fits.
-    ("an A100 board short of NVSwitches", Naming(PCI_IDS, selection=Selection(kata=parse_release("4.1.0"))),
+    ("an A100 board short of NVSwitches", Naming(PCI_IDS, nvswitch_rule=NvswitchRule(parse_release("4.1.0"))),
      {"device: 0x22a3": "device: 0x1af1"}),
 ])
 def test_no_board_unit_where_no_configuration_fits(tmp_path, why, naming, replace):

@@ -19,6 +19,8 @@ from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import passthrough_devices, resource_units
 from gpunode.policy.selection import (
     DEFAULT_SELECTION,
+    FABRIC_KEEPS,
+    NvswitchRule,
     Selection,
     parse_exclude,
     parse_include,
@@ -48,16 +50,17 @@ def test_the_default_selects_nvidia_gpus_and_the_nvswitches_kata_can_take():
     assert not held.selected and not held.excluded
     assert held.why == ("NVIDIA NVSwitch, not passed through: Kata before 4.1 cannot cold-plug one, and "
                         "--kata-version does not say the node runs a later release")
-    newer = Selection(kata=parse_release("4.1.0"))
-    assert select(newer, device("0000:05:00.0", NVSWITCH)).why == "NVIDIA NVSwitch (Kata 4.1.0 cold-plugs NVSwitches)"
-    older = Selection(kata=parse_release("v3.29"))
-    assert select(older, device("0000:05:00.0", NVSWITCH)).why == (
+    newer = NvswitchRule(parse_release("4.1.0"))
+    switch = device("0000:05:00.0", NVSWITCH)
+    assert select(DEFAULT_SELECTION, switch, newer).why == "NVIDIA NVSwitch (Kata 4.1.0 cold-plugs NVSwitches)"
+    older = NvswitchRule(parse_release("v3.29"))
+    assert select(DEFAULT_SELECTION, switch, older).why == (
         "NVIDIA NVSwitch, not passed through: Kata 3.29.0 cannot cold-plug one")
-    opted = Selection(nvswitches=True, kata=parse_release("3.25.0"))
-    assert select(opted, device("0000:05:00.0", NVSWITCH)).why == "NVIDIA NVSwitch (--nvswitches true)"
-    assert "a pod given an NVSwitch will not start" in opted.nvswitch_warning
-    assert Selection(nvswitches=True, kata=parse_release("4.1")).nvswitch_warning is None
-    assert not select(Selection(nvswitches=False, kata=parse_release("4.1")), device("0000:05:00.0", NVSWITCH)).selected
+    opted, old = Selection(nvswitches=True), NvswitchRule(parse_release("3.25.0"))
+    assert select(opted, switch, old).why == "NVIDIA NVSwitch (--nvswitches true)"
+    assert "a pod given an NVSwitch will not start" in old.nvswitch_warning(opted.nvswitches)
+    assert NvswitchRule(parse_release("4.1")).nvswitch_warning(True) is None
+    assert not select(Selection(nvswitches=False), switch, NvswitchRule(parse_release("4.1"))).selected
     with pytest.raises(ValueError, match="'3.x' is not a Kata release"):
         parse_release("3.x")
     for other in (AUDIO_A6000, NIC_I210, EDU, ROOT_PORT):
@@ -115,6 +118,38 @@ def test_flags_add_to_the_config_and_one_device_cannot_get_two_resources():
     with pytest.raises(ValueError, match="1234:11e8=example.com/other and config devices.include "
                                          "1234:11e8=example.com/edu include 1234:11e8 under two"):
         selection_from(args, config)
+
+
+def test_the_nvswitch_decision_follows_the_nodes_rule_not_the_operators_selection(tmp_path):
+    """One operator selection on one NVSwitch board: the Kata release the node runs and its
+    NVLink fabric model (the node context's ``NvswitchRule``) decide whether its NVSwitches are
+    scanned, named and listed as passthrough devices; the ``Selection`` holds no node fact."""
+    assert {f.name for f in dataclasses.fields(Selection)} == {"include", "exclude", "nvswitches"}
+    host = materialise(find_profile("dgx-h100"), tmp_path / "host")
+    old, new = NvswitchRule(parse_release("3.29.0")), NvswitchRule(parse_release("4.1.0"))
+    # Kata 4.1 cold-plugs NVSwitches, but Fabric Manager on the host keeps them (Shared NVSwitch).
+    kept = NvswitchRule(parse_release("4.1.0"), fabric_keeps_nvswitches=True)
+    switches = [d.bdf for d in discover(host).devices if d.is_nvswitch]
+    assert len(switches) == 4
+
+    def passed(selection: Selection, rule: NvswitchRule) -> list[str]:
+        inv = discover(host, selection, rule)
+        naming = Naming(PCI_IDS, selection=selection, nvswitch_rule=rule)
+        named = [d.bdf for d in inv.devices if d.is_nvswitch and naming.resource(d) is not None]
+        assert named == [d.bdf for d in inv.nvswitches]  # the scan and the names agree
+        return named
+
+    assert passed(DEFAULT_SELECTION, old) == [] and passed(DEFAULT_SELECTION, kept) == []
+    assert passed(DEFAULT_SELECTION, new) == switches
+    first = discover(host, DEFAULT_SELECTION, kept).by_bdf[switches[0]]
+    assert discover(host, DEFAULT_SELECTION, kept).why(first) == f"NVIDIA NVSwitch, {FABRIC_KEEPS}"
+    # The operator's true passes them on every node; the rule says what that costs there.
+    opted = Selection(nvswitches=True)
+    assert passed(opted, old) == passed(opted, kept) == switches
+    assert "a pod given an NVSwitch will not start" in old.nvswitch_warning(opted.nvswitches)
+    assert "no GPU partition can be activated" in kept.nvswitch_fabric_conflict(opted.nvswitches)
+    assert new.nvswitch_warning(True) is None and new.nvswitch_fabric_conflict(True) is None
+    assert passed(Selection(nvswitches=False), new) == []
 
 
 def workstation(tmp_path):

@@ -92,7 +92,7 @@ def test_every_rendered_program_resolves_the_node_alike(chart, node_root, tmp_pa
         contexts[container] = context_of(program, on_node(args, node_root, config_file))
 
     def resolved(node) -> dict:
-        passthrough = discover(node.host, node.naming.selection).passthrough
+        passthrough = discover(node.host, node.naming.selection, node.naming.nvswitch_rule).passthrough
         return {
             "kata": node.kata, "fabric model": node.fabric_model, "keeps NVSwitches": node.keeps_nvswitches,
             "passthrough": {d.bdf: node.naming.resource(d) for d in passthrough},
