@@ -92,8 +92,8 @@ def test_a_failed_pull_is_retried_within_seconds_and_readyz_follows(tmp_path):
             publish_layout(host)
             assert wait_for(lambda: agent.reconciler.last_result is not None and agent.reconciler.last_result.ok)
             assert agent.reconciler.retry_delay is None and agent.reconciler.retry_at is None  # the backoff is reset
-            status, body = get(server.port, "/readyz")
-            assert status == 200, body
+            # Ready once the verification that follows the reconcile has written its verdict.
+            wait_for(lambda: get(server.port, "/readyz")[0] == 200, "/readyz 200 after the verification")
             settled = agent.reconciler.reconciles
             time.sleep(0.6)
             assert agent.reconciler.reconciles == settled  # no retries after a success
