@@ -100,7 +100,12 @@ class Agent:
     def verify(self) -> kata_verify.Verification:
         """Verify the node's Kata artifacts as the config asks for them (``verified.json``)."""
         t = self.target
-        return self.verifier.verify(t.host, t.ctx, kata=t.steps.kata)
+        before = self.verifier.last
+        result = self.verifier.verify(t.host, t.ctx, kata=t.steps.kata)
+        # Once per verdict: every reconcile verifies again, and a bad artifact fails it the same way.
+        if not result.ok and (before is None or before.problems() != result.problems()):
+            self.events.artifacts_unverified(result.problems())
+        return result
 
     def publish_conditions(self) -> None:
         """The Node's conditions from the metrics just observed (an API write only on a change)."""
