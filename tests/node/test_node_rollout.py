@@ -161,6 +161,11 @@ def pod_events(node, pod: dict[str, Any], reason: str) -> list[dict[str, Any]]:
     return json.loads(out)["items"]
 
 
+def containers_ready(node, pod: dict[str, Any]) -> dict[str, bool]:
+    statuses = node.pod(pod["metadata"]["name"], RELEASE_NAMESPACE)["status"].get("containerStatuses", [])
+    return {c["name"]: c["ready"] for c in statuses}
+
+
 @pytest.fixture(scope="module")
 def vm(node, tmp_path_factory):
     """A Kata pod with one GPU held by its VM; afterwards the layout, the chart and the agent as
@@ -210,10 +215,11 @@ def test_a_bad_artifact_holds_the_rollout_on_the_node_and_a_rollback_restores_it
     failing = wait_for(lambda: pod_events(node, agent, "Unhealthy"), "the agent's readiness probe failed",
                        PROBE_TIMEOUT, every=1)
     assert any("Readiness probe failed" in e["message"] and "503" in e["message"] for e in failing), failing
-    agent = node.pod(agent["metadata"]["name"], RELEASE_NAMESPACE)
-    assert not is_ready(agent)
-    ready = {c["name"]: c["ready"] for c in agent["status"]["containerStatuses"]}
+    # (The device plugin beside it passes its own probe once it has registered: waited for.)
+    ready = wait_for(lambda: (r := containers_ready(node, agent)) and r["sandbox-device-plugin"] and r,
+                     "the device plugin's container ready beside the unready agent", PROBE_TIMEOUT, every=1)
     assert ready == {"kata-manager": False, "sandbox-device-plugin": True}, ready
+    assert not is_ready(node.pod(agent["metadata"]["name"], RELEASE_NAMESPACE))
     # ... so the agent says which class, and the way back, on the Node.
     unverified = wait_for(lambda: [e for e in node.events("KataArtifactsUnverified") if BAD in e["message"]],
                           "a KataArtifactsUnverified Event naming the bad artifact", 30, every=1)
