@@ -102,6 +102,15 @@ class NodeEvents:
     def gpu_hand_back_failed(self, message: str) -> None:
         self._record("GpuHandBackFailed", message, "Warning")
 
+    def artifacts_unverified(self, problems: list[str]) -> None:
+        """The node's Kata artifacts failed verification (``kata_verify``): the agent stays
+        unready and a DaemonSet rollout waits on this node. /readyz says why, but the kubelet's
+        "Readiness probe failed" Event carries only the HTTP status (pkg/probe/http keeps the
+        body out of it), so the class and what to do are said here, where kubectl shows them."""
+        self._record("KataArtifactsUnverified", "the node's Kata artifacts failed verification, so this "
+                     "agent is not Ready and a rollout of the agent waits on this node: " + "; ".join(problems),
+                     "Warning")
+
     def kata_changed(self, message: str) -> None:
         """The node's Kata installed, upgraded or removed while the agent ran."""
         self._record("KataChanged", message)

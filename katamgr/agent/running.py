@@ -73,6 +73,7 @@ class Agent:
         # After each reconcile the node's Kata artifacts are verified and the verdict written
         # (kata_verify); /readyz reads it back, stamped with this agent, as a rollout's gate.
         self.verifier = kata_verify.Verifier(f"katamgr-run-{uuid.uuid4().hex[:12]}")
+        self._unverified_said: tuple[str, ...] = ()  # the problems last told on the Node
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=s.retry_initial, retry_max=s.retry_max,
                                      offer_labels=links.offer_labels)
@@ -92,15 +93,25 @@ class Agent:
                 report = self.reconciler.run(found, raise_errors=raise_errors, retry=retry)
                 if self.kata_found is not None:
                     self.kata_found.follow(self.target, ours=True)
-            self.verify()
+            self.verify(report)
             return report
         finally:
             self.publish_conditions()
 
-    def verify(self) -> kata_verify.Verification:
+    def verify(self, report: Report | None = None) -> kata_verify.Verification:
         """Verify the node's Kata artifacts as the config asks for them (``verified.json``)."""
         t = self.target
-        return self.verifier.verify(t.host, t.ctx, kata=t.steps.kata)
+        result = self.verifier.verify(t.host, t.ctx, kata=t.steps.kata)
+        if report is not None and not report.failures:
+            # A class the reconcile failed has its RuntimeClassFailed Event; one it went through
+            # with, yet left off the config's artifacts (a new artifact kept out, the old one
+            # running), is said here, once per verdict: every reconcile verifies again.
+            unverified = tuple(p for c in result.classes if not c.ok and c.name not in report.classes_failed
+                               for p in c.problems)
+            if unverified and unverified != self._unverified_said:
+                self.events.artifacts_unverified(list(unverified))
+            self._unverified_said = unverified
+        return result
 
     def publish_conditions(self) -> None:
         """The Node's conditions from the metrics just observed (an API write only on a change)."""

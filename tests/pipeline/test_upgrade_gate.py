@@ -56,6 +56,17 @@ def add_tag(host, tag: str, *, config_extra: str = "", corrupt: bool = False) ->
     (layout / "index.json").write_text(json.dumps(index))
 
 
+class Recorder:
+    """The Node's Events as ``katamgr.cluster.EventRecorder`` takes them: (reason, message, type)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, str]] = []
+
+    def record(self, reason: str, message: str, type_: str = "Normal", limited: bool = True) -> bool:
+        self.events.append((reason, message, type_))
+        return True
+
+
 def ctx_for(tag: str) -> KataContext:
     return KataContext(parse_config(kata_manager_yaml((GPU,), url=f"oci-layout://{LAYOUT_ON_NODE}:{tag}")),
                        manage_runtime_classes=False)
@@ -104,7 +115,8 @@ def test_a_corrupt_artifact_keeps_the_new_agent_unready_and_the_old_artifacts_in
     make_agent(host, NAMING, Steps(), ctx_for("v2")).reconcile("start")
     before = {p.name: p.read_bytes() for p in class_dir(host).iterdir() if p.is_file()}
 
-    upgraded = make_agent(host, NAMING, Steps(), ctx_for("v3-bad"))
+    recorder = Recorder()
+    upgraded = make_agent(host, NAMING, Steps(), ctx_for("v3-bad"), events=recorder)
     report = upgraded.reconcile("start")
     # The reconcile keeps the class running on what was installed (the old artifact) ...
     assert report.ok and any("keeping the artifacts already installed" in w for w in report.warnings)
@@ -114,9 +126,15 @@ def test_a_corrupt_artifact_keeps_the_new_agent_unready_and_the_old_artifacts_in
     assert not ready
     assert f"holds oci-layout://{LAYOUT_ON_NODE}:v2" in why and ":v3-bad as the config asks" in why
     assert "helm rollback" in why
-    # It stays unready on every later reconcile while the source serves the bad blob.
+    # The kubelet's "Readiness probe failed" Event says only "statuscode: 503": a Warning on the
+    # Node names the class and the way back, once for the verdict.
+    (event,) = [e for e in recorder.events if e[0] == "KataArtifactsUnverified"]
+    assert event[2] == "Warning" and f"runtime class {GPU}: " in event[1] and ":v3-bad as the config asks" in event[1]
+    assert "a rollout of the agent waits on this node" in event[1] and "helm rollback" in event[1]
+    # It stays unready on every later reconcile while the source serves the bad blob (no new Event).
     upgraded.reconcile("check")
     assert not upgraded.readiness()[0]
+    assert [e[0] for e in recorder.events].count("KataArtifactsUnverified") == 1
 
     # helm rollback: the DaemonSet's pod is the old one again, with the old config: ready.
     rolled_back = make_agent(host, NAMING, Steps(), ctx_for("v2"))
