@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from pathlib import Path
 
 from gpunode.host.files import read_json, remove_file, write_json
 from gpunode.host.root import HostRoot
@@ -45,10 +46,19 @@ def write_sides(host: HostRoot, vm: Iterable[str], container: Iterable[str]) -> 
     write_json(host.path(SIDES_FILE), {"vm": sorted(vm), "container": sorted(container)}, marked=False)
 
 
-def clear_sides(host: HostRoot) -> None:
-    """No split: every GPU is the node's workload's."""
-    if host.path(SIDES_FILE).exists():
-        remove_file(host.path(SIDES_FILE))
+def clear_sides(host: HostRoot) -> list[str]:
+    """No split: every GPU is the node's workload's. The file goes, and its dir with it where
+    nothing else is left in it (in a pod the dir is a hostPath mount, which only the kubelet
+    removes: left empty). The paths removed, as the node names them."""
+    path = host.path(SIDES_FILE)
+    removed = [SIDES_FILE] if path.exists() and remove_file(path) else []
+    try:
+        path.parent.rmdir()
+    except OSError:  # gone already, not empty, or a mount point
+        pass
+    else:
+        removed.append(str(Path(SIDES_FILE).parent))
+    return removed
 
 
 def read_sides(host: HostRoot) -> tuple[frozenset[str], frozenset[str]] | None:
