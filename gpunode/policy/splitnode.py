@@ -16,21 +16,23 @@ from gpunode.policy.naming import Naming
 from gpunode.policy.split import Split, selection_for, split
 
 
-def node_split(host: HostRoot, naming: Naming, value: str | None) -> Split:
-    """The node's selected GPUs split by ``value`` (the label's; None: no split). ``naming``'s
-    selection is the one before the split (the operator's include and exclude rules)."""
+def node_split(host: HostRoot, naming: Naming, value: str | None, origin: str | None = None) -> Split:
+    """The node's selected GPUs split by ``value`` (the label's, or the node pool ``origin``'s;
+    None: no split). ``naming``'s selection is the one before the split (the operator's include
+    and exclude rules)."""
     inv = discover(host, naming.selection)
     gpus = inv.gpus
     products = {}
     if value and value.lower().startswith("model."):
         products = {d.bdf: facts.product for d in gpus
                     if (facts := gpu_facts(d, naming.pci_ids)).product is not None}
-    return split(gpus, value, nvswitches=inv.nvswitches, products=products)
+    return split(gpus, value, nvswitches=inv.nvswitches, products=products, origin=origin)
 
 
-def split_naming(host: HostRoot, naming: Naming, value: str | None) -> tuple[Naming, Split]:
+def split_naming(host: HostRoot, naming: Naming, value: str | None,
+                 origin: str | None = None) -> tuple[Naming, Split]:
     """``naming`` with its selection narrowed to the VM share, and the split itself."""
-    share = node_split(host, naming, value)
+    share = node_split(host, naming, value, origin)
     selection = selection_for(naming.selection, share)
     return dataclasses.replace(naming, selection=selection), share
 
