@@ -13,7 +13,7 @@ from gpunode.host.root import HostRoot
 from gpunode.policy.gpulabels import gpu_facts
 from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
-from gpunode.policy.split import Split, selection_for, split
+from gpunode.policy.split import SPLIT_LABEL, Split, selection_for, split
 
 
 def node_split(host: HostRoot, naming: Naming, value: str | None, origin: str | None = None) -> Split:
@@ -43,9 +43,20 @@ def split_naming(host: HostRoot, naming: Naming, value: str | None,
 SIDES_FILE = "/run/kata-sandbox-manager/split.json"
 
 
-def write_sides(host: HostRoot, vm: Iterable[str], container: Iterable[str]) -> None:
-    """Publish the sides (atomically: a plugin reads one whole version or the one before)."""
-    write_json(host.path(SIDES_FILE), {"vm": sorted(vm), "container": sorted(container)}, marked=False)
+def write_sides(host: HostRoot, vm: Iterable[str], container: Iterable[str], source: str | None = None) -> None:
+    """Publish the sides (atomically: a plugin reads one whole version or the one before), and
+    where the split came from (``source``: a node pool; None: the split label), for status."""
+    write_json(host.path(SIDES_FILE), {"vm": sorted(vm), "container": sorted(container),
+                                       "from": source or f"the label {SPLIT_LABEL}"}, marked=False)
+
+
+def sides_from(host: HostRoot) -> str | None:
+    """Where the published split came from (``write_sides``); None: none published, or not said."""
+    try:
+        data = read_json(host.path(SIDES_FILE))
+    except ValueError:
+        return None
+    return data.get("from") if isinstance(data, dict) and isinstance(data.get("from"), str) else None
 
 
 def clear_sides(host: HostRoot) -> list[str]:

@@ -157,7 +157,7 @@ class SplitKeeper:
             clear_sides(host)
             return
         write_sides(host, {d.bdf for d in share.vm} - self.joining,
-                    {d.bdf for d in share.container} - self.leaving)
+                    {d.bdf for d in share.container} - self.leaving, share.origin)
 
     def _naming(self) -> Naming:
         """The naming of the VM share less the GPUs still joining it (not bound until the

@@ -13,6 +13,8 @@ from gpunode.policy.split import SPLIT_LABEL, SplitPool
 from gpunode.policy.splitnode import SIDES_FILE, read_sides
 from katamgr.pipeline.reconcile import Steps
 from katamgr.pipeline.splitplan import split_plan
+from katamgr.pipeline.status import node_status
+from katamgr.render import status_text
 
 GPUS = [f"0000:{bus:02x}:00.0" for bus in (1, 2, 3, 4)]  # IOMMU groups 11 to 14, bus order
 POOLS = (SplitPool({"pool": "other"}, "all", "splits[0]"), SplitPool({"pool": "mixed"}, "2", "splits[1]"))
@@ -40,6 +42,9 @@ def test_the_first_matching_pool_splits_a_node_without_the_label_and_the_label_w
         _, section = split_plan(host, agent.splitter.unsplit, read.split, read.split_from)
         assert section is not None and section.data["from"] == read.split_from
         assert "node pool splits[1] (matchLabels pool=mixed): vmGpus 2" in section.lines[0]
+        # katamgr status too, from the sides the plugins list from.
+        shown = status_text(node_status(host), width=200)
+        assert "  from: node pool splits[1] (matchLabels pool=mixed)" in shown
 
         relabel(api, "3", key=SPLIT_LABEL)  # the label, set, wins over the pool
         assert wait_for(lambda: agent.switcher.read_workload().split == "3")
