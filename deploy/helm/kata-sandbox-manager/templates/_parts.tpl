@@ -18,8 +18,8 @@ and ccManager are read as (index .Values "ccManager" | default dict): a release 
 {{- end -}}
 
 {{/* A split node's sides (gpunode.policy.splitnode, /run/kata-sandbox-manager/split.json): the
-       agent writes them as it carries the split out, both plugins and the DRA driver list from
-       them (read-only), the uninstall revert removes them. Wherever katamgr run acts. */}}
+       agent writes them as it carries the split out, both device plugins list from them
+       (read-only; a split is refused with the DRA driver), the uninstall revert removes them. Wherever katamgr run acts. */}}
 {{- define "ksm.splitSides" -}}
 {{- if and (include "ksm.agent" .) (not .Values.kataManager.planOnly) }}true{{ end -}}
 {{- end -}}
