@@ -50,6 +50,9 @@ CHART_OVERLAY: dict[str, Any] = {
     # The chart sets it from dra.enabled (the Kata config must read the claims exactly when
     # the DRA driver serves the devices), so kataManager.config does not take it.
     "chart_set_keys": ["podResourceDeviceSources"],
+    # The split per node pool is a sandbox workloads' setting (sandboxWorkloads.splits), as
+    # the workload label is; the chart renders it into the agent's config.
+    "sandbox_keys": ["splits"],
 }
 
 # Key order of the generated schema: what a reader looks for first.
@@ -75,6 +78,7 @@ def chart_parts() -> dict[tuple[str, ...], Any]:
     top_level = {key: config["properties"].pop(key) for key in CHART_OVERLAY["top_level_keys"]}
     for key in CHART_OVERLAY["chart_set_keys"]:
         config["properties"].pop(key)
+    sandbox = {key: config["properties"].pop(key) for key in CHART_OVERLAY["sandbox_keys"]}
     config["required"] = list(CHART_OVERLAY["config_required"])
     containerd["properties"] = {
         key: containerd["properties"][key] for key in CHART_OVERLAY["containerd_keys"]}
@@ -95,6 +99,8 @@ def chart_parts() -> dict[tuple[str, ...], Any]:
             _ordered(_refer(config, definitions)),
         ("properties", "containerd"): _ordered(_refer(containerd, definitions)),
         **{("properties", key): _ordered(_refer(part, definitions)) for key, part in top_level.items()},
+        **{("properties", "sandboxWorkloads", "properties", key): _ordered(_refer(part, definitions))
+           for key, part in sandbox.items()},
     }
 
 

@@ -192,6 +192,8 @@ def status_text(status: NodeStatus, *, width: int | None = None) -> str:
         vm, container = status.split
         out += ["", "GPU split (a GPU moving is on neither side):",
                 f"  VMs: {', '.join(vm) or 'none'}", f"  containers: {', '.join(container) or 'none'}"]
+        if status.split_from:
+            out.append(f"  from: {status.split_from}")
     if run is not None:
         out += ["", f"Last run: {run.command} (katamgr {run.version}, pid {run.pid}), started {run.started}"]
         if run.outcome == "interrupted":

@@ -66,6 +66,7 @@ class Split:
     nvswitches_to_vm: bool
     notes: tuple[str, ...] = ()
     nvswitches: tuple[Device, ...] = ()  # the node's selected NVSwitches, whichever side
+    origin: str | None = None  # the node pool whose value it is (``split_value``); None: the label
 
     @property
     def is_split(self) -> bool:
@@ -75,30 +76,71 @@ class Split:
         """One line for ``plan`` and ``status``: ``6 for containers, 2 for VMs (...)``."""
         def bdfs(devices: Sequence[Device]) -> str:
             return ", ".join(d.bdf for d in devices) or "none"
-        how = f"{SPLIT_LABEL}={self.value}" if self.value is not None else f"no {SPLIT_LABEL} label"
+        how = (f"no {SPLIT_LABEL} label" if self.value is None else f"{SPLIT_LABEL}={self.value}"
+               if self.origin is None else f"{self.origin}: vmGpus {self.value}")
         return (f"{len(self.vm)} for VMs ({bdfs(self.vm)}), {len(self.container)} for containers "
                 f"({bdfs(self.container)}): {how}")
 
 
-def _bad(value: str, why: str) -> ConfigError:
-    return ConfigError(
-        f"{SPLIT_LABEL}={value!r} {why}; set it to a count or a selector ({_EXAMPLES}), "
-        f"or remove it to give every GPU to VMs")
+class _Bad(Exception):
+    """What is wrong with a value; ``split`` names where the value came from and the fix."""
+
+
+def _bad(value: str, why: str) -> _Bad:
+    return _Bad(why)
+
+
+def refused(value: str, why: str, origin: str | None = None) -> ConfigError:
+    """The error for a bad split ``value``, naming where it came from (``origin``: the node pool;
+    None: the label) and the fix."""
+    if origin is None:
+        return ConfigError(f"{SPLIT_LABEL}={value!r} {why}; set it to a count or a selector ({_EXAMPLES}), "
+                           "or remove it to give every GPU to VMs")
+    return ConfigError(f"{origin}: vmGpus {value!r} {why}; set it to a count or a selector ({_EXAMPLES}), "
+                       f"or label the node {SPLIT_LABEL}=VALUE (the label wins over the pool)")
+
+
+def check_value(value: str) -> None:
+    """The value's form, without the node's GPUs (the config parser's check): raises ValueError
+    saying what is wrong and the forms it may take."""
+    try:
+        if len(value) > 63 or not _LABEL_VALUE.match(value):
+            raise _bad(value, _NOT_LABEL_VALUE)
+        if value.lower() == ALL or _COUNT.match(value):
+            return
+        kind, _, rest = value.partition(".")
+        items = rest.lower().split("_")
+        pattern = {"index": _INDEX_ITEM, "pci": _PCI_ITEM, "model": None}.get(kind.lower(), False)
+        if pattern is False:
+            raise _bad(value, "is neither a count nor a selector index., pci. or model.")
+        wrong = [i for i in items if pattern is not None and not pattern.match(i)]
+        if not rest or wrong:
+            raise _bad(value, f"has the item {(wrong or [''])[0]!r}, which is not "
+                              f"{'a number or a range like 4-7' if pattern is _INDEX_ITEM else 'a PCI address like c1-00.0' if pattern is _PCI_ITEM else 'a model'}")
+    except _Bad as exc:
+        raise ValueError(f"{value!r} {exc}; give a count or a selector ({_EXAMPLES})") from None
+
+
+_NOT_LABEL_VALUE = ("is not a Kubernetes label value (at most 63 characters of A-Z, a-z, 0-9, "
+                    "'-', '_' and '.', starting and ending with a letter or digit)")
 
 
 def split(gpus: Sequence[Device], value: str | None, *, nvswitches: Sequence[Device] = (),
-          products: Mapping[str, str] | None = None) -> Split:
+          products: Mapping[str, str] | None = None, origin: str | None = None) -> Split:
     """The VM and container shares of ``gpus`` (the node's GPUs in bus order) by the split label's
-    ``value`` (None or "": no label). ``products``: BDF -> ``nvidia.com/gpu.product`` name."""
+    ``value`` (None or "": no label), or a node pool's (``origin`` names it: ``split_value``).
+    ``products``: BDF -> ``nvidia.com/gpu.product`` name."""
     gpus = tuple(sorted(gpus, key=lambda d: d.bdf))
     nvswitches = tuple(nvswitches)
     if value is None or value == "":
         return Split(None, gpus, (), True, nvswitches=nvswitches)
-    if len(value) > 63 or not _LABEL_VALUE.match(value):
-        raise _bad(value, "is not a Kubernetes label value (at most 63 characters of A-Z, a-z, 0-9, "
-                          "'-', '_' and '.', starting and ending with a letter or digit)")
-    wanted = _wanted(gpus, value, products or {})
-    vm = _whole_groups(gpus, wanted, value)
+    try:
+        if len(value) > 63 or not _LABEL_VALUE.match(value):
+            raise _bad(value, _NOT_LABEL_VALUE)
+        wanted = _wanted(gpus, value, products or {})
+        vm = _whole_groups(gpus, wanted, value)
+    except _Bad as exc:
+        raise refused(value, str(exc), origin) from None
     container = tuple(d for d in gpus if d not in vm)
     vm_all = not container
     notes = []
@@ -106,7 +148,34 @@ def split(gpus: Sequence[Device], value: str | None, *, nvswitches: Sequence[Dev
         notes.append(f"the NVSwitches ({', '.join(d.bdf for d in nvswitches)}) stay on the host for the "
                      "container GPUs' NVLink fabric: each VM GPU is a one-GPU VM with its NVLinks "
                      "disabled (Fabric Manager User Guide §6.1)")
-    return Split(value, vm, container, vm_all, tuple(notes), nvswitches)
+    return Split(value, vm, container, vm_all, tuple(notes), nvswitches, origin)
+
+
+@dataclass(frozen=True)
+class SplitPool:
+    """A node pool's split (the chart's ``sandboxWorkloads.splits``, the config's ``splits``):
+    the nodes with all of ``match_labels`` get ``vm_gpus``, a value of the label's syntax,
+    where they have no split label (the label wins). ``where``: how the config names it."""
+
+    match_labels: Mapping[str, str]
+    vm_gpus: str
+    where: str = "splits"
+
+    def describe(self) -> str:
+        labels = ",".join(f"{k}={v}" for k, v in sorted(self.match_labels.items()))
+        return f"node pool {self.where} (matchLabels {labels or 'none: every node'})"
+
+
+def split_value(labels: Mapping[str, str], pools: Sequence[SplitPool] = ()) -> tuple[str | None, str | None]:
+    """The node's split value and the pool it came from (None: the label, or no split): its
+    split label where set, else the first pool whose ``match_labels`` the node has all of."""
+    value = labels.get(SPLIT_LABEL) or None
+    if value is not None:
+        return value, None
+    for pool in pools:
+        if all(labels.get(k) == v for k, v in pool.match_labels.items()):
+            return pool.vm_gpus, pool.describe()
+    return None, None
 
 
 def _wanted(gpus: tuple[Device, ...], value: str, products: Mapping[str, str]) -> tuple[Device, ...]:
@@ -237,3 +306,14 @@ def moves(old: Split, new: Split) -> Moves:
     every = {d.bdf: d for d in (*old.vm, *old.container, *new.vm, *new.container)}
     return Moves(tuple(every[b] for b in sorted(now_vm - was_vm)),
                  tuple(every[b] for b in sorted(was_vm - now_vm)))
+
+
+def dra_refusal(value: str, origin: str | None = None) -> str:
+    """Why a split is refused on a node whose passthrough GPUs the DRA driver serves: katamgr waits
+    for the kubelet's device plugins only, not for the DRA driver's ResourceSlice to be
+    republished, before it gives a leaving GPU back (nothing is moved for it)."""
+    where = f"{origin}: vmGpus" if origin else SPLIT_LABEL
+    return (f"{where}={value!r} splits a node whose passthrough GPUs the DRA driver serves "
+            "(podResourceDeviceSources lists dra: the chart's dra.enabled), where a claim could be given "
+            f"a GPU on its way to containers; remove the {'pool' if origin else 'label'}, or serve the "
+            "node with the device plugins (dra.enabled=false)")

@@ -29,12 +29,12 @@ passes in, so this module needs no Kubernetes client.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gpunode.errors import ConfigError, GpuNodeError
-from gpunode.policy.split import SPLIT_LABEL
+from gpunode.policy.split import SplitPool, split_value
 
 WORKLOAD_LABEL = "nvidia.com/gpu.workload.config"
 AUTO = "auto"
@@ -124,6 +124,8 @@ class Resolution:
     # The split label's value (``gpunode.policy.split``): the VM share of a vm-passthrough
     # node's GPUs, the rest for containers; None: no label, every GPU to VMs.
     split: str | None = None
+    # Where ``split`` came from: None the label, else the node pool (``split.split_value``).
+    split_from: str | None = None
 
 
 def workload_from_label(node_name: str, value: str | None) -> Workload | None:
@@ -145,6 +147,7 @@ def resolve_workload(
     *,
     default: Workload | str | None,
     fallback: Callable[[], tuple[Workload, str]],
+    splits: Sequence[SplitPool] = (),
 ) -> Resolution:
     """Resolve ``auto`` by the rule in this module's docstring.
 
@@ -172,14 +175,14 @@ def resolve_workload(
         ) from exc
     workload = workload_from_label(node_name, labels.get(WORKLOAD_LABEL))
     out = opted_out(labels)
-    share = labels.get(SPLIT_LABEL) or None
+    share, pool = split_value(labels, splits)
     if workload is not None:
-        return Resolution(workload, f"node {node_name} is labeled {WORKLOAD_LABEL}={workload}", out, share)
+        return Resolution(workload, f"node {node_name} is labeled {WORKLOAD_LABEL}={workload}", out, share, pool)
     if default is not None:
         return Resolution(Workload(default), f"node {node_name} has no {WORKLOAD_LABEL} label; "
-                                             f"--default-workload is {Workload(default)}", out, share)
+                                             f"--default-workload is {Workload(default)}", out, share, pool)
     fell_back = _fall_back(fallback, f"node {node_name} has no {WORKLOAD_LABEL} label")
-    return Resolution(fell_back.workload, fell_back.why, out, share)
+    return Resolution(fell_back.workload, fell_back.why, out, share, pool)
 
 
 def _fall_back(fallback: Callable[[], tuple[Workload, str]], why: str) -> Resolution:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gpunode import kataclasses
@@ -42,6 +42,7 @@ from gpunode.policy import selection as sel
 from gpunode.policy.inventory import discover
 from gpunode.policy.katarelease import UNKNOWN, KataRelease
 from gpunode.policy.naming import Naming
+from gpunode.policy.split import SplitPool
 from gpunode.policy.workload import AUTO, Resolution, Workload, resolve_workload
 from gpunode.services import nvlinkfabric as nf
 from gpunode.services import options, simulator
@@ -82,7 +83,8 @@ class WorkloadRule:
         return self.setting == AUTO
 
     def resolve(self, read_labels: Callable[[str], dict[str, str]] | None,
-                fallback: Callable[[], tuple[Workload, str]] | None = None) -> Resolution:
+                fallback: Callable[[], tuple[Workload, str]] | None = None,
+                splits: Sequence[SplitPool] = ()) -> Resolution:
         """The workload now: the one ``--workload`` fixes, or the label's (``read_labels``;
         None: no cluster to ask) as ``gpunode.policy.workload.resolve_workload`` rules, with the
         program's ``fallback`` where neither a label nor a cluster answers (``auto`` needs one)."""
@@ -90,7 +92,8 @@ class WorkloadRule:
             return Resolution(Workload(self.setting), "chosen with --workload")
         if fallback is None:
             raise ValueError("--workload auto needs the program's fallback")
-        return resolve_workload(self.node_name, read_labels, default=self.default, fallback=fallback)
+        return resolve_workload(self.node_name, read_labels, default=self.default, fallback=fallback,
+                                splits=splits)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,9 @@ def build(settings: AgentSettings, api: object | None) -> Agent:
 
     follower = node_follower(api, node, workload=settings.workload,
                              default_workload=settings.default_workload,
-                             fallback=by_hand) if settings.follow else None
+                             fallback=by_hand,
+                             splits=settings.ctx.config.split_pools if settings.ctx is not None else ()
+                             ) if settings.follow else None
     watch = follower.watch if follower is not None else None
     labels = node_labels(api, node, watch)
     cc = {}

@@ -3,9 +3,10 @@ into a workload and opt-outs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gpunode.policy.split import SplitPool
 from gpunode.policy.workload import AUTO, Resolution, Workload, resolve_workload
 from gpunode.services.kube import NodeLabelWatch
 
@@ -18,7 +19,7 @@ class NodeFollower:
 
 def node_follower(
     api: object | None, node_name: str | None, *, workload: str, default_workload: str | None,
-    fallback: Callable[[], tuple[Workload, str]],
+    fallback: Callable[[], tuple[Workload, str]], splits: Sequence[SplitPool] = (),
 ) -> NodeFollower | None:
     """What ``katamgr run`` follows; None (not followed) without ``--workload auto``, a node
     name or a cluster. ``fallback``: the workload when the labels name none and no default
@@ -29,6 +30,6 @@ def node_follower(
 
     def read() -> Resolution:
         return resolve_workload(node_name, lambda node: watch.labels(), default=default_workload,
-                                fallback=fallback)
+                                fallback=fallback, splits=splits)
 
     return NodeFollower(read, watch)

@@ -60,6 +60,7 @@ class Agent:
         self.switcher = Switch(self.target, self.give_backs, self.probes, self.metrics, self.events,
                                self.reconcile, links.read_workload)
         self.splitter = SplitKeeper(self.target, self.metrics, self.events, self.reconcile)
+        self.splitter.dra = s.ctx is not None and s.ctx.config.dra
         self.switcher.splitter = self.splitter
         self.cc = CcModes(self.target, self.probes, self.metrics, self.events, default_mode=s.cc_default_mode,
                           read_labels=links.read_labels, publish=links.publish_labels,

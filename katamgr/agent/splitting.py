@@ -32,7 +32,7 @@ from gpunode.host import holders, vfio
 from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
-from gpunode.policy.split import SPLIT_ORIGIN, Moves, Split, moves, selection_for
+from gpunode.policy.split import SPLIT_ORIGIN, Moves, Split, dra_refusal, moves, selection_for
 from gpunode.policy.splitnode import clear_sides, node_split, write_sides
 from gpunode.policy.workload import Workload
 from gpunode.services.lock import node_lock
@@ -74,16 +74,23 @@ class SplitKeeper:
         self.pod_devices = pod_devices or (lambda: list_pod_devices(target.host))
         self.offer_wait = offer_wait
         self._refused: str | None = None
+        # The DRA driver serves the node's passthrough GPUs: a split is refused (see ``follow``).
+        self.dra = False
 
-    def follow(self, value: str | None) -> bool:
-        """Carry the node to the split ``value``; True when GPUs moved or the split changed."""
+    def follow(self, value: str | None, origin: str | None = None) -> bool:
+        """Carry the node to the split ``value`` (the label's, or the node pool ``origin``'s); True
+        when GPUs moved or the split changed."""
         if value == self.value and self.share is not None:
             went = bool(self.leaving) and self.retry()
             joined = bool(self.joining) and self._join()
             return went or joined
         t = self.target
         try:
-            share = node_split(t.host, self.unsplit, value)
+            if self.dra and value:
+                # katamgr waits for the kubelet's device plugins only, not for the DRA driver's
+                # ResourceSlice to be republished, before it gives a leaving GPU back.
+                raise ConfigError(dra_refusal(value, origin))
+            share = node_split(t.host, self.unsplit, value, origin)
         except ConfigError as exc:
             if str(exc) != self._refused:
                 log.warning("%s; nothing was moved", exc)
@@ -150,7 +157,7 @@ class SplitKeeper:
             clear_sides(host)
             return
         write_sides(host, {d.bdf for d in share.vm} - self.joining,
-                    {d.bdf for d in share.container} - self.leaving)
+                    {d.bdf for d in share.container} - self.leaving, share.origin)
 
     def _naming(self) -> Naming:
         """The naming of the VM share less the GPUs still joining it (not bound until the

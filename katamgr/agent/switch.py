@@ -94,7 +94,7 @@ class Switch:
         if not self.target.binds:
             self.splitter.reset()
             return False
-        return self.splitter.follow(read.split)
+        return self.splitter.follow(read.split, read.split_from)
 
     def _binds_again(self) -> bool:
         """Whether the labels, read now, ask for the GPUs on vfio-pci again (flipped back

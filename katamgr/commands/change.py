@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from gpunode.errors import ConfigError, GpuNodeError
 from gpunode.host.root import HostRoot
+from gpunode.policy.split import dra_refusal
 from gpunode.services.lock import refuse_beside_agent
 from gpunode.services.simulator import NodeExtras
 from katamgr.commands.setup import (
@@ -37,12 +38,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = config_from(args)
     with node_context(args, config) as node:
         setup = node_setup(args, node.host, config, extras=node.extras, workload=node.workload)
-        naming, split = split_plan(node.host, node.naming, args.split if args.split is not None else setup.split)
+        value, origin = (args.split, None) if args.split is not None else (setup.split, setup.split_from)
+        refused = dra_refusal(value, origin) if value and setup.ctx is not None and setup.ctx.config.dra else None
+        naming, split = split_plan(node.host, node.naming, None if refused else value, origin)
         plan = full_plan(node.host, naming, setup.steps.without(setup.opted_out), setup.ctx, force=args.force,
                          workload_why=setup.workload_why, gpu_labels=not args.no_gpu_labels,
                          fabric=node.fabric, kata_found=node.kata_found)
         if split is not None:
             plan.sections.insert(0, split)
+        if refused:
+            plan.problems.append(f"{refused}; nothing is moved for it")
         if args.output in FORMATS:
             print(documents.dump(documents.plan_document(plan), args.output))
         else:
@@ -56,7 +61,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         host = node.host
         refuse_beside_agent(host, "katamgr apply")
         setup = node_setup(args, host, config, extras=node.extras, workload=node.workload)
-        naming, _ = split_plan(host, node.naming, setup.split)  # binds only the VM share of a split node
+        naming, _ = split_plan(host, node.naming, setup.split, setup.split_from)  # only a split node's VM share
         steps = setup.steps.without(setup.opted_out)
         report = reconcile(host, naming, steps, setup.ctx, force=args.force, kata_found=node.kata_found,
                            wait=args.device_wait,

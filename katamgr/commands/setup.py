@@ -83,6 +83,7 @@ class NodeSetup:
     workload_why: str
     opted_out: frozenset[Operand] = frozenset()
     split: str | None = None  # the node's split label (gpunode.policy.split); None: none read
+    split_from: str | None = None  # the node pool the split came from; None: the label
 
 
 def steps_and_context(args: argparse.Namespace, host: HostRoot, config: KataManagerConfig | None = None, *,
@@ -110,15 +111,16 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
 
             return read_node_labels(api, node)
 
-        resolved = rule.resolve(read_labels if api is not None else None, by_hand)
-        opted_out, split = resolved.opted_out, resolved.split
+        resolved = rule.resolve(read_labels if api is not None else None, by_hand,
+                                splits=config.split_pools if config is not None else ())
+        opted_out, split, split_from = resolved.opted_out, resolved.split, resolved.split_from
         workload, why = resolved.workload, resolved.why
         if opted_out:
             why += f"; it opts out of {describe_opt_outs(opted_out)}"
         log.info("node workload %s: %s", workload, why)
     else:
         resolved = rule.resolve(None, by_hand)
-        workload, why, opted_out, split = resolved.workload, resolved.why, frozenset(), None
+        workload, why, opted_out, split, split_from = resolved.workload, resolved.why, frozenset(), None, None
     steps = Steps(vfio=not args.no_vfio, cdi=not args.no_cdi, kata=not args.no_kata, workload=workload)
     ctx = None
     if config is not None:
@@ -126,7 +128,7 @@ def node_setup(args: argparse.Namespace, host: HostRoot, config: KataManagerConf
 
         ctx = KataContext(config, api, cluster.agent_namespace(),
                           manage_runtime_classes=not args.no_runtime_classes)
-    return NodeSetup(steps, ctx, api, why, opted_out, split)
+    return NodeSetup(steps, ctx, api, why, opted_out, split, split_from)
 
 
 __all__ = ["NodeSetup", "by_hand", "config_from", "host_from", "node_base", "node_context",

@@ -18,7 +18,7 @@ from pydantic_core import PydanticCustomError, PydanticUseDefault
 
 from gpunode import k8snames
 from gpunode.errors import ConfigError
-from gpunode.policy import health, katarelease
+from gpunode.policy import health, katarelease, split
 from gpunode.policy import selection as device_selection
 from gpunode.services import nvlinkfabric
 from katamgr.artifacts.refs import LayoutRef, parse_ref
@@ -309,6 +309,20 @@ LinkPolicy = Annotated[
     str, BeforeValidator(_link_policy), WithJsonSchema({"type": "string", "enum": list(health.LINK_POLICIES)}),
 ]
 GpuModuleIds = Annotated[str, _text(_module_ids_problem), WithJsonSchema({"type": "string"})]
+
+
+def _split_value_problem(value: str) -> str | None:
+    try:
+        split.check_value(value)
+    except ValueError as exc:
+        return str(exc).removeprefix(f"{value!r} ")
+    return None
+
+
+# A node pool's split, the syntax of the label nvidia.com/gpu.workload.vm-passthrough.gpus.
+SplitValue = Annotated[str, _text(_split_value_problem, required=True),
+                       WithJsonSchema({"type": "string", "minLength": 1, "maxLength": 63,
+                                       "pattern": k8snames.LABEL_VALUE_PATTERN})]
 DeviceSource = Annotated[
     str, BeforeValidator(_device_source), WithJsonSchema({"type": "string", "enum": list(POD_RESOURCE_SOURCES)}),
 ]

@@ -16,7 +16,7 @@ from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
 from gpunode import k8snames, kataclasses
-from gpunode.policy import health, katarelease
+from gpunode.policy import health, katarelease, split
 from gpunode.policy import selection as device_selection
 from gpunode.policy.workload import WORKLOAD_LABEL, Workload
 from gpunode.services import fabricmanager, nvlinkfabric
@@ -45,6 +45,7 @@ from katamgr.config.fields import (
     RestartModeField,
     RuntimeClassName,
     SecretName,
+    SplitValue,
 )
 from katamgr.config.messages import Says, quote
 from katamgr.runtime.settings import (
@@ -229,6 +230,22 @@ class DevicesConfig(_Model):
         return katarelease.parse_release(self.kata_version)
 
 
+class PoolSelector(_Model):
+    match_labels: Annotated[NodeSelector, NULL_IS_DEFAULT] = Field(
+        default_factory=dict, description="The labels a node of the pool has, all of them (none: every node).")
+
+
+class SplitPoolConfig(_Model):
+    """One node pool's split (gpunode.policy.split): its nodes' VM share where they have no split
+    label nvidia.com/gpu.workload.vm-passthrough.gpus (the label wins)."""
+
+    node_selector: Annotated[PoolSelector, NULL_IS_DEFAULT] = Field(default_factory=PoolSelector)
+    vm_gpus: Annotated[SplitValue, Says(
+        missing="give vmGpus, the pool's VM share, as the split label's value (2, all, index.6_7, ...)")] = Field(
+        description="The VM share, as the label nvidia.com/gpu.workload.vm-passthrough.gpus says it: a count "
+                    "(the last GPUs in bus order), all, index.I_J, pci.B_B or model.M; the rest for containers.")
+
+
 def default_runtime_classes() -> tuple[RuntimeClassConfig, ...]:
     return (
         RuntimeClassConfig(
@@ -278,6 +295,22 @@ class KataManagerConfig(_Model):
         description="What the rendered Kata configs set as [runtime] pod_resource_device_sources: "
                     "where Kata's cold-plug takes a pod's devices from (device-plugin, and dra for "
                     "DRA claims; Kata releases without the setting ignore it).")
+
+    splits: Annotated[
+        tuple[SplitPoolConfig, ...], NULL_IS_EMPTY, Says(expect="it must be a list of {nodeSelector, vmGpus}"),
+    ] = Field(default=(), description="The split of a vm-passthrough node's GPUs between VMs and containers "
+                                      "per node pool: the first pool whose nodeSelector.matchLabels a node has "
+                                      "gives its vmGpus, where the node has no split label (the label wins).")
+
+    @property
+    def split_pools(self) -> tuple[split.SplitPool, ...]:
+        return tuple(split.SplitPool(dict(p.node_selector.match_labels), p.vm_gpus, f"splits[{i}]")
+                     for i, p in enumerate(self.splits))
+
+    @property
+    def dra(self) -> bool:
+        """The DRA driver serves the node's passthrough GPUs (the chart's dra.enabled sets dra here)."""
+        return "dra" in self.pod_resource_device_sources
 
     @field_validator("pod_resource_device_sources", mode="after")
     @classmethod

@@ -127,7 +127,8 @@ def status_document(status: NodeStatus, summary: str = "") -> dict[str, Any]:
         "containerd": [camel_keys(dataclasses.asdict(c)) for c in status.containerd],
         "dropIns": list(status.drop_ins),
         "gpuLabels": dict(status.gpu_labels),
-        "split": ({"vm": status.split[0], "container": status.split[1]} if status.split is not None else None),
+        "split": ({"vm": status.split[0], "container": status.split[1], "from": status.split_from}
+                  if status.split is not None else None),
         "lastRun": camel_keys(dataclasses.asdict(run)) if run is not None else None,
         "problems": _messages(status.problems),
     })

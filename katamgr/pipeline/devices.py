@@ -8,6 +8,7 @@ from gpunode.host import vfio, vfiogroups
 from gpunode.host.root import HostRoot
 from gpunode.host.vfiogroups import Action
 from gpunode.policy import readiness as readiness_files
+from gpunode.policy.splitnode import SIDES_FILE, clear_sides
 from gpunode.policy.workload import Workload
 from gpunode.services import interrupt
 from gpunode.services.journal import Journal, quiet
@@ -61,4 +62,11 @@ def revert_host(host: HostRoot, *, force: bool = False) -> Report:
     result = vfio.unbind_all(host, force=force)
     report.changes += result.changes
     report.failures += result.failures
+    # A split node's published sides (gpunode.policy.splitnode): with the GPUs back on their
+    # drivers no split is carried out, and a reverted node keeps no trace of katamgr.
+    try:
+        report.changes += [f"removed {p}" for p in clear_sides(host)]
+    except OSError as exc:
+        report.failures.append(f"{SIDES_FILE} (the split's published sides) was not removed "
+                               f"({exc.strerror or exc}); left as it is")
     return report

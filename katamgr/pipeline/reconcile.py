@@ -20,6 +20,7 @@ from gpunode.policy import readiness
 from gpunode.policy.inventory import discover
 from gpunode.policy.naming import Naming
 from gpunode.policy.passthrough import resource_units
+from gpunode.policy.splitnode import SIDES_FILE
 from gpunode.policy.workload import Operand, Workload
 from gpunode.services import interrupt
 from gpunode.services.interrupt import Interrupted
@@ -329,7 +330,7 @@ def _revert_all(report: Report, host: HostRoot, steps: Steps, kata_ctx: KataCont
     if steps.cdi or cdi_specs.recorded(host):
         _undo(report, host, journal, "remove the CDI specs", "removing the CDI specs",
               lambda: cdi_specs.remove_specs(host))
-    if steps.vfio or vfio.bound_by_us(host):
+    if steps.vfio or vfio.bound_by_us(host) or host.path(SIDES_FILE).exists():
         _undo(report, host, journal, "give the devices back to their drivers", "giving the GPUs back",
               lambda: revert_host(host, force=force))
     return report

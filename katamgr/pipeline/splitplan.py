@@ -12,10 +12,12 @@ from gpunode.policy.splitnode import split_naming
 from katamgr.pipeline.plan import PlanSection
 
 
-def split_plan(host: HostRoot, naming: Naming, value: str | None) -> tuple[Naming, PlanSection | None]:
-    """``naming`` narrowed to the VM share of ``value``, and the plan's section saying the split and
-    what it moves (None where the node has no split label and nothing to move back)."""
-    split_to, share = split_naming(host, naming, value)
+def split_plan(host: HostRoot, naming: Naming, value: str | None,
+               origin: str | None = None) -> tuple[Naming, PlanSection | None]:
+    """``naming`` narrowed to the VM share of ``value`` (the label's, or the node pool ``origin``'s),
+    and the plan's section saying the split, where it came from and what it moves (None where the
+    node has no split and nothing to move back)."""
+    split_to, share = split_naming(host, naming, value, origin)
     on_vfio = {d.bdf for d in (*share.vm, *share.container) if is_vfio_driver(d.driver)}
     change = Moves(tuple(d for d in share.vm if d.bdf not in on_vfio),
                    tuple(d for d in share.container if d.bdf in on_vfio))
@@ -25,7 +27,7 @@ def split_plan(host: HostRoot, naming: Naming, value: str | None) -> tuple[Namin
              else "nothing to move: every GPU is on its side", *share.notes]
     if change.to_vm or change.to_container:
         lines.append("a GPU a pod or VM holds moves once it is let go (katamgr run follows the label live)")
-    data = {"label": SPLIT_LABEL, "value": value,
+    data = {"label": SPLIT_LABEL, "value": value, "from": origin or ("label" if value is not None else None),
             "vm": [d.bdf for d in share.vm], "container": [d.bdf for d in share.container],
             "toVm": [d.bdf for d in change.to_vm], "toContainer": [d.bdf for d in change.to_container]}
     return split_to, PlanSection("split", "GPU split (VMs / containers)", data, lines,

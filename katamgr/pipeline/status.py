@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from gpunode.host import vfio
 from gpunode.host.root import STATE_DIR, HostRoot
 from gpunode.policy import gpulabels
-from gpunode.policy.splitnode import read_sides
+from gpunode.policy.splitnode import read_sides, sides_from
 from gpunode.services import journal
 from katamgr.artifacts import read_install
 from katamgr.pipeline import cdi_specs, kata_record
@@ -64,6 +64,7 @@ class NodeStatus:
     problems: list[str] = field(default_factory=list)  # a record katamgr could not read
     # A split node's sides as katamgr carries the split out (VM side, container side); None: no split.
     split: tuple[list[str], list[str]] | None = None
+    split_from: str | None = None  # where the split came from: the label, or a node pool
 
     @property
     def installed(self) -> bool:
@@ -102,6 +103,7 @@ def node_status(host: HostRoot) -> NodeStatus:
     sides = read_sides(host)
     if sides is not None:
         status.split = (sorted(sides[0]), sorted(sides[1]))
+        status.split_from = sides_from(host)
     run = journal.read_run(host)
     if run is not None:
         outcome = "interrupted" if journal.interrupted(host, run) else run.outcome

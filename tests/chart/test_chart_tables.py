@@ -56,9 +56,10 @@ def test_the_docs_table_is_the_rendered_charts(tables, name):
 
 def test_the_identities_table_names_every_write_and_its_binding(tables):
     """What the security review asked of the doc: the revert may patch Nodes and is bound by
-    a policy of its own; the container plugin has no token."""
+    a policy of its own; the container plugin writes nothing (it reads its Node's labels only)."""
     table = in_doc("identities")
     revert = next(line for line in table.splitlines() if line.startswith("| `<release>-revert` |"))
     assert "nodes: get, patch" in revert and "`<release>-revert-nodes`" in revert
     plugin = next(line for line in table.splitlines() if line.startswith("| `<release>-device-plugin` |"))
-    assert "| no | nothing |" in plugin
+    # Where the agent splits nodes it follows its own Node's labels: a read, never a write.
+    assert "| yes | nodes: get, watch |" in plugin

@@ -76,3 +76,29 @@ def test_kata_deploy_reaches_the_agent_s_config(chart, value):
         .get("ConfigMap", "-config")["data"]["config.yaml"]
     assert yaml.safe_load(text)["kataDeploy"] == value
     assert parse_config(text).kata_deploy == value
+
+
+SPLITS = [{"nodeSelector": {"matchLabels": {"pool": "dgx-mixed"}}, "vmGpus": "2"}, {"vmGpus": "index.6_7"}]
+
+
+@pytest.mark.integration
+def test_the_split_per_node_pool_reaches_the_agent_in_order(chart):
+    from katamgr.config import parse_config
+
+    text = render(chart, merged(FULL, {"sandboxWorkloads": {"splits": SPLITS}})).get(
+        "ConfigMap", "-config")["data"]["config.yaml"]
+    pools = parse_config(text, source="ConfigMap config.yaml").split_pools
+    assert [(dict(p.match_labels), p.vm_gpus, p.where) for p in pools] == [
+        ({"pool": "dgx-mixed"}, "2", "splits[0]"), ({}, "index.6_7", "splits[1]")]
+
+
+@pytest.mark.integration
+def test_a_bad_split_value_or_a_split_with_dra_is_refused_at_render(helm, chart):
+    for bad in ({"vmGpus": "2:3"}, {"vmGpus": ""}, {"nodeSelector": {"matchLabels": {"pool": "a"}}},
+                {"vmGpus": "2", "nodeSelector": {"pool": "a"}}):
+        with pytest.raises(helm.HelmValuesError):
+            render(chart, merged(FULL, {"sandboxWorkloads": {"splits": [bad]}}))
+    # A split moves GPUs while the DRA driver's ResourceSlice may still offer a leaving one.
+    with pytest.raises(helm.HelmError, match="sandboxWorkloads.splits with dra.enabled") as caught:
+        render(chart, merged(FULL, {"sandboxWorkloads": {"splits": SPLITS}, "dra": {"enabled": True}}))
+    assert "leave sandboxWorkloads.splits empty, or set dra.enabled=false" in str(caught.value)

@@ -74,8 +74,11 @@ def with_plugin(nodes: list[str]) -> dict[str, list[str]]:
     ({}, {"unlabeled-gpu": ["device-plugin"], "container": ["device-plugin"],
           "vm-passthrough": ["device-plugin"], "vm-vgpu": ["device-plugin"],
           "container-no-device-plugin": [], "container-no-operands": [], "cpu-only": []}),
-    (FULL, with_plugin(["unlabeled-gpu", "container"])),
-    (merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-passthrough"}}), with_plugin(["container"])),
+    # Where the agent carries splits out, the container plugin runs on vm-passthrough nodes
+    # too and serves their container side (--auto-modes container; docs/devices.md).
+    (FULL, with_plugin(["unlabeled-gpu", "container", "vm-passthrough"])),
+    (merged(FULL, {"sandboxWorkloads": {"defaultWorkload": "vm-passthrough"}}),
+     with_plugin(["unlabeled-gpu", "container", "vm-passthrough"])),
     # kataManager.planOnly places the agents as they will run (vm-vgpu as defaultWorkload is
     # refused at render: tests/chart/test_notes_warnings.py).
     (merged(FULL, {"kataManager": {"planOnly": True}}), with_plugin(["unlabeled-gpu", "container"])),
@@ -107,6 +110,7 @@ def test_custom_tolerations_root_fs_and_update_strategy(chart):
         "/host/var/lib/kubelet/device-plugins": ("/node/var/lib/kubelet/device-plugins", False),
         "/host/var/lib/kubelet/pod-resources": ("/node/var/lib/kubelet/pod-resources", True),
         "/host/sys": ("/node/sys", True),
+        "/host/run/kata-sandbox-manager": ("/node/run/kata-sandbox-manager", True),
     }
 
 

@@ -62,3 +62,46 @@ def test_device_plugin_understands_its_arguments(chart, values):
         if c["command"] == ["sandbox-device-plugin"]:
             args = [a.replace("$(NODE_NAME)", "gpu-node-1") for a in c["args"]]
             cli.build_parser().parse_args(args)
+
+
+# --- split nodes: the container share is the container plugin's --------------------------
+
+@pytest.mark.integration
+def test_where_the_agent_splits_nodes_the_container_plugin_follows_its_node_and_reads_the_sides(chart):
+    rendered = render(chart, FULL)
+    plugin = container(rendered, "-device-plugin", "device-plugin")
+    assert plugin["args"][4:12] == ["--workload", "auto", "--auto-modes", "container",
+                                    "--default-workload", "container", "--node-name", "$(NODE_NAME)"]
+    # The sides katamgr publishes (gpunode.policy.splitnode.SIDES_FILE), read-only.
+    assert host_mounts(rendered, "-device-plugin", "device-plugin")["/host/run/kata-sandbox-manager"] == (
+        "/run/kata-sandbox-manager", True)
+    pod = rendered.get("DaemonSet", "-device-plugin")["spec"]["template"]["spec"]
+    assert "automountServiceAccountToken" not in pod  # it reads its Node's labels (test_rbac.py)
+    workload = [e for term in pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"] for e in term["matchExpressions"] if e["key"] == "nvidia.com/gpu.workload.config"]
+    assert workload == [{"key": "nvidia.com/gpu.workload.config", "operator": "NotIn", "values": ["vm-vgpu"]}]
+
+
+@pytest.mark.integration
+def test_the_two_plugins_never_serve_one_node_state_alike(chart):
+    """Each plugin's --auto-modes as rendered, through the plugins' own rule (follow.mode_for):
+    on each node state at most one serves a mode, and on a split node the container plugin
+    serves the container side while the sandbox agent's serves the VM side (disjoint sides:
+    gpunode.policy.splitnode, tests/plugin/test_split_overlap.py)."""
+    from gpunode.policy.workload import Resolution, Workload
+    from sandbox_plugin import cli
+    from sandbox_plugin.follow import mode_for
+    from sandbox_plugin.manager import Mode
+
+    rendered = render(chart, FULL)
+    modes = {}
+    for name, c in (("container", container(rendered, "-device-plugin", "device-plugin")),
+                    ("sandbox", container(rendered, "-sandbox-agent", "sandbox-device-plugin"))):
+        args = cli.build_parser().parse_args([a.replace("$(NODE_NAME)", "gpu-node-1") for a in c["args"]])
+        modes[name] = args.auto_modes
+    for workload, split, want in ((Workload.CONTAINER, False, {"container": Mode.CONTAINER}),
+                                  (Workload.VM_PASSTHROUGH, False, {"sandbox": Mode.VM_PASSTHROUGH}),
+                                  (Workload.VM_PASSTHROUGH, True, {"container": Mode.CONTAINER,
+                                                                   "sandbox": Mode.VM_PASSTHROUGH})):
+        served = {name: mode_for(Resolution(workload, "labeled"), m, split=split)[0] for name, m in modes.items()}
+        assert {k: v for k, v in served.items() if v is not None} == want, (workload, split)

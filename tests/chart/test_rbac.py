@@ -92,31 +92,34 @@ HOOK = {REVERT: {("", "nodes", "get", None, None), ("", "nodes", "patch", None, 
 # the CC state labels; one grant, bound to its own node and those labels by the policy.
 LABEL_PATCH = CC_PATCH
 ALWAYS = {PLUGIN: set(), WEBHOOK: READ_RUNTIME_CLASSES}
+# Where the agent carries splits out, the container plugin serves split nodes too (--workload
+# auto --auto-modes container): it reads and watches its own Node, nothing else.
+SPLIT = {**ALWAYS, PLUGIN: NODE_READ}
 EXPECTED: dict[str, tuple[dict[str, Any], dict[str, set[Grant]]]] = {
     "defaults": ({}, ALWAYS),
     "webhook-off": ({"isolation": {"webhook": {"enabled": False}}}, {PLUGIN: set()}),
-    "sandbox-kata-cdi": (FULL, {**ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
+    "sandbox-kata-cdi": (FULL, {**SPLIT, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
     # The agent still labels its Node with the runtime classes it offers (katamgr.pipeline.offers).
     "sandbox-kata-cdi-no-gpu-labels": (merged(FULL, {"gpuLabels": {"enabled": False}}), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
-    "ccManager": (merged(FULL, CC), {**ALWAYS, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | NODE_STATUS}),
-    "dra": (merged(FULL, DRA_ON), {**ALWAYS, **HOOK, WEBHOOK: WEBHOOK_DRA,
+        **SPLIT, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
+    "ccManager": (merged(FULL, CC), {**SPLIT, **HOOK, AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | NODE_STATUS}),
+    "dra": (merged(FULL, DRA_ON), {**SPLIT, **HOOK, WEBHOOK: WEBHOOK_DRA,
                                    AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS | DRA}),
     "ccManager-dra-pull-secrets": (merged(CUSTOM_CLASSES, CC, DRA_ON), {
-        **ALWAYS, **HOOK, WEBHOOK: WEBHOOK_DRA,
+        **SPLIT, **HOOK, WEBHOOK: WEBHOOK_DRA,
         AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | NODE_STATUS | DRA | pull_secrets("lab", "mirror")}),
     # Only the passthrough plugin in the pod: it reads and watches its Node, nothing else.
     "plugin-only": (VALUE_SETS["plugin-only-annotated"], {**ALWAYS, AGENT: NODE_READ}),
     "example-mixed-cluster": (example("mixed-cluster"), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS | pull_secrets("registry-mirror")}),
+        **SPLIT, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS | pull_secrets("registry-mirror")}),
     "example-air-gapped": (example("air-gapped"), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
+        **SPLIT, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
     "example-gpu-operator": (example("gpu-operator"), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
+        **SPLIT, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
     "example-local-cluster": (example("local-cluster"), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
+        **SPLIT, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
     "example-local-node": (example("local-node"), {
-        **ALWAYS, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
+        **SPLIT, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS}),
 }
 
 
@@ -195,7 +198,8 @@ def test_every_workload_runs_as_its_own_account_with_a_token_only_where_it_calls
     # workload -> (its ServiceAccount, whether its pods get a token)
     expected = {
         f"{RELEASE}-sandbox-agent": (AGENT, True),
-        f"{RELEASE}-device-plugin": (PLUGIN, False),  # --workload container: no API call
+        # --workload auto --auto-modes container: reads its Node's labels (split nodes).
+        f"{RELEASE}-device-plugin": (PLUGIN, True),
         f"{RELEASE}-webhook": (WEBHOOK, True),  # reads a pod's RuntimeClass
         f"{RELEASE}-revert": (REVERT, True),  # takes the agent's GPU labels off its Node
         f"{RELEASE}-revert-wait": (WAIT, True),  # reads the revert DaemonSet

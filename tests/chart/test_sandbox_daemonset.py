@@ -52,6 +52,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
         "/host/var/run/cdi": ("/var/run/cdi", False),
         "/host/run/nvidia/validations": ("/run/nvidia/validations", False),
         "/host/var/lib/kata-sandbox-manager": ("/var/lib/kata-sandbox-manager", False),
+        # A split node's sides (gpunode.policy.splitnode), which both plugins list from.
+        "/host/run/kata-sandbox-manager": ("/run/kata-sandbox-manager", False),
     }
     config_mount = next(m for m in agent["volumeMounts"] if m["name"] == "config")
     assert config_mount["mountPath"] == "/etc/kata-sandbox-manager"
@@ -74,6 +76,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
         # The node's Kata, read-only: the release that decides is the agent's (--containerd-config).
         "/host/etc/containerd": ("/etc/containerd", True),
         "/host/opt/kata": ("/opt/kata", True),
+        # The sides katamgr publishes on a split node: the plugin lists only the VM side.
+        "/host/run/kata-sandbox-manager": ("/run/kata-sandbox-manager", True),
     }
 
     pod = rendered.get("DaemonSet", "-sandbox-agent")["spec"]["template"]["spec"]

@@ -266,3 +266,22 @@ def test_pod_resource_device_sources_default_to_the_device_plugin():
     assert both.pod_resource_device_sources == ("device-plugin", "dra")
     with pytest.raises(ConfigError, match="lists a source twice"):
         parse_config("podResourceDeviceSources: [dra, dra]\n")
+
+
+def test_split_pools_are_parsed_in_order_and_a_bad_one_is_named_with_the_fix():
+    config = parse_config("splits:\n- {nodeSelector: {matchLabels: {pool: dgx-mixed}}, vmGpus: '2'}\n"
+                          "- {vmGpus: index.6_7}\n")
+    pools = config.split_pools
+    assert [(dict(p.match_labels), p.vm_gpus, p.where) for p in pools] == [
+        ({"pool": "dgx-mixed"}, "2", "splits[0]"), ({}, "index.6_7", "splits[1]")]
+    assert parse_config(yaml.safe_dump(config.to_dict())).splits == config.splits  # round trip
+    for bad, said in (("2:3", '"2:3" is not a Kubernetes label value'),
+                      ("index.x", "\"index.x\" has the item 'x', which is not a number or a range like 4-7"),
+                      ("gpus.2", "is neither a count nor a selector index., pci. or model.")):
+        with pytest.raises(ConfigError) as err:
+            parse_config(f"splits: [{{vmGpus: '{bad}'}}]\n")
+        assert "splits[0].vmGpus" in str(err.value) and said in str(err.value), str(err.value)
+        assert "give a count or a selector (2, all, index.6_7" in str(err.value)
+    with pytest.raises(ConfigError, match=r"splits\[0\].vmGpus is missing"):
+        parse_config("splits: [{nodeSelector: {matchLabels: {pool: a}}}]\n")
+    assert not parse_config("{}\n").dra and parse_config("podResourceDeviceSources: [dra]\n").dra

@@ -64,7 +64,10 @@ def test_the_chart_differs_from_the_model_only_by_its_overlay():
     model = config_schema()["properties"]
     chart = chart_schema()["properties"]
     config = chart["kataManager"]["properties"]["config"]
-    assert set(config["properties"]) == set(model) - {"containerd", "devices", "podResourceDeviceSources"}
+    assert set(config["properties"]) == set(model) - {"containerd", "devices", "podResourceDeviceSources", "splits"}
+    # The split per node pool is sandboxWorkloads.splits, rendered into the agent's config.
+    assert CHART_OVERLAY["sandbox_keys"] == ["splits"]
+    assert chart["sandboxWorkloads"]["properties"]["splits"] == model["splits"]
     # The chart sets the Kata config's device sources from dra.enabled.
     assert CHART_OVERLAY["chart_set_keys"] == ["podResourceDeviceSources"]
     # The device selection is the chart's top-level devices value (both containers get it).

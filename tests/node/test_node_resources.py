@@ -45,9 +45,10 @@ def test_relabel_to_container_and_back_without_restarting_the_agent(node):
     finally:
         node.label(WORKLOAD, "vm-passthrough")
     node.wait_resource(GPU_RESOURCE, 8, timeout=90)
-    wait_for(lambda: not node.pods(CONTAINER_PLUGIN), "the container plugin's pod gone", 90, every=1)
+    # The container plugin's pod stays (the chart runs it on vm-passthrough nodes too, for a
+    # split node's container share) and stands down: this node has no container side.
     wait_for(lambda: node.resources().get("nvidia.com/gpu") == "0",
-             "nvidia.com/gpu allocatable 0 again", 60, every=0.5)
+             "nvidia.com/gpu allocatable 0 again", 90, every=0.5)
     after = node.component_pod("sandbox-agent")
     assert after["metadata"]["uid"] == before["metadata"]["uid"]
     assert restart_count(after) == restart_count(before) == 0

@@ -25,5 +25,6 @@ def test_uninstall_reverts_the_node(node):
         drivers[bdf] = os.path.basename(os.readlink(link)) if link.is_symlink() else None
     assert "vfio-pci" not in drivers.values(), drivers
     assert not list((root / "var/run/cdi").glob("nvidia.com-*")), "CDI specs left behind"
+    assert not (root / "run/kata-sandbox-manager/split.json").exists(), "a split's sides left behind"
     assert node.cluster.kubectl("get", "runtimeclass", "kata-qemu-nvidia-gpu", check=False).returncode != 0
     wait_for(lambda: node.resources().get(GPU_RESOURCE) == "0", f"{GPU_RESOURCE} allocatable 0", 60)

@@ -9,7 +9,8 @@ from support.switchkit import cdi_text, events, followed_node, relabel, run_loop
 from support.waiting import wait_for
 
 from gpunode.policy.split import SPLIT_LABEL
-from katamgr.pipeline.reconcile import Steps
+from gpunode.policy.splitnode import SIDES_FILE
+from katamgr.pipeline.reconcile import Steps, revert_all
 from katamgr.pipeline.status import node_status
 from katamgr.render import status_text
 
@@ -94,3 +95,20 @@ def test_a_naming_replaced_meanwhile_still_binds_only_the_vm_share(tmp_path):
         assert agent.reconcile("the node's Kata changed").ok
         assert drivers(host) == ["nvidia", "nvidia", "nvidia", "vfio-pci"]
         watch.stop()
+
+
+def test_revert_gives_every_gpu_back_and_leaves_no_trace_of_the_split(tmp_path):
+    host = four_gpus(tmp_path)
+    with followed_node(host, Steps(kata=False)) as (api, agent, _watch):
+        relabel(api, "2", key=SPLIT_LABEL)
+        assert wait_for(lambda: agent.switcher.read_workload().split == "2")
+        agent.switcher.split_at_start()
+        assert agent.reconcile("start").ok
+    assert host.path(SIDES_FILE).exists()  # the sides both plugins list from
+    report = revert_all(host, Steps(kata=False), None)
+    assert report.ok, report.failures
+    assert drivers(host) == ["nvidia"] * 4
+    assert f"removed {SIDES_FILE}" in report.changes
+    # Nothing of katamgr's is left under /run: the sides' dir went with them.
+    assert not host.path(SIDES_FILE).parent.exists()
+    assert node_status(host).split is None

@@ -56,22 +56,23 @@ def relabel(api: FakeApiServer, workload: str | None, key: str = WORKLOAD_LABEL)
     api.update("nodes", NODE, change)
 
 
-def follower(api: FakeApiServer):
-    """What `katamgr run --workload auto --node-name NODE` follows, its watch started."""
+def follower(api: FakeApiServer, splits=()):
+    """What `katamgr run --workload auto --node-name NODE` follows, its watch started (``splits``:
+    the config's split per node pool)."""
     followed = node_follower(api.client(), NODE, workload="auto", default_workload="container",
-                             fallback=lambda: (Workload.VM_PASSTHROUGH, "by hand"))
+                             fallback=lambda: (Workload.VM_PASSTHROUGH, "by hand"), splits=splits)
     return followed.read, followed.watch.start()
 
 
 @contextlib.contextmanager
 def followed_node(host, steps: Steps, *, ctx=None, label: str = "vm-passthrough", events: bool = False,
-                  check_interval: float = 0.05):
+                  check_interval: float = 0.05, splits=()):
     """An API server holding the Node labeled ``label``, and an Agent following it as
     ``katamgr run --workload auto`` does (its loop not started): (api, agent, watch)."""
     with FakeApiServer() as api:
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: label}}})
-        read, watch = follower(api)
+        read, watch = follower(api, splits)
         agent = make_agent(host, NAMING, steps, ctx, check_interval=check_interval,
                       events=EventRecorder(api.client(), NODE) if events else None,
                       read_workload=read, node_watch=watch)

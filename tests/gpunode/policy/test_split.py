@@ -9,7 +9,15 @@ import pytest
 from gpunode.errors import ConfigError
 from gpunode.host.pci import Device
 from gpunode.policy.selection import DEFAULT_SELECTION, select
-from gpunode.policy.split import SPLIT_LABEL, moves, selection_for, split
+from gpunode.policy.split import (
+    SPLIT_LABEL,
+    SplitPool,
+    check_value,
+    moves,
+    selection_for,
+    split,
+    split_value,
+)
 
 H100, A100 = 0x2330, 0x20B2
 
@@ -116,3 +124,50 @@ def test_moves_name_only_the_gpus_that_change_side():
     back = moves(split(EIGHT, "index.6_7"), split(EIGHT, "index.0_7"))
     assert back.describe() == "to VMs: 0000:10:00.0; to containers: 0000:70:00.0"
     assert moves(split(EIGHT, "2"), split(EIGHT, "index.6-7")).describe() == "nothing moves"
+
+
+# --- the split per node pool (the config's splits) ---------------------------------------
+
+POOLS = (SplitPool({"pool": "a", "zone": "1"}, "2", "splits[0]"), SplitPool({"pool": "a"}, "all", "splits[1]"),
+         SplitPool({}, "1", "splits[2]"))
+
+
+@pytest.mark.parametrize(("labels", "want"), [
+    ({"pool": "a", "zone": "1"}, ("2", "node pool splits[0] (matchLabels pool=a,zone=1)")),
+    ({"pool": "a"}, ("all", "node pool splits[1] (matchLabels pool=a)")),  # the first that matches
+    ({"pool": "b"}, ("1", "node pool splits[2] (matchLabels none: every node)")),
+    ({"pool": "a", SPLIT_LABEL: "index.0"}, ("index.0", None)),  # the label wins
+], ids=["all-labels", "first-match", "empty-selector", "label-wins"])
+def test_the_label_wins_else_the_first_pool_whose_labels_the_node_has(labels, want):
+    assert split_value(labels, POOLS) == want
+
+
+def test_no_label_and_no_pool_is_no_split():
+    assert split_value({"pool": "b"}, POOLS[:2]) == (None, None)
+    assert split_value({}, ()) == (None, None)
+
+
+def test_a_pool_value_is_split_by_the_same_rule_and_named_by_its_pool():
+    gpus = [gpu(0x10 + i, 20 + i) for i in range(4)]
+    share = split(gpus, "2", origin="node pool splits[0] (matchLabels pool=a)")
+    assert bdfs(share.container) == bdfs(split(gpus, "2").container)
+    assert share.describe().endswith(": node pool splits[0] (matchLabels pool=a): vmGpus 2")
+    with pytest.raises(ConfigError, match=r"^node pool splits\[0\] \(matchLabels pool=a\): vmGpus '5' asks for 5"):
+        split(gpus, "5", origin="node pool splits[0] (matchLabels pool=a)")
+
+
+@pytest.mark.parametrize("value", ["2", "all", "ALL", "index.6_7", "index.4-7", "pci.c1-00.0_0000-c2-00.0",
+                                   "model.2330", "model.NVIDIA-H100-80GB-HBM3"])
+def test_every_form_the_label_takes_passes_the_config_check(value):
+    check_value(value)
+
+
+@pytest.mark.parametrize(("value", "said"), [
+    ("2:3", "is not a Kubernetes label value"), ("index.4_x", "has the item 'x'"),
+    ("pci.c1:00.0", "is not a Kubernetes label value"), ("pci.zz-00.0", "'zz-00.0', which is not a PCI address"),
+    ("gpus.2", "is neither a count nor a selector"),
+])
+def test_a_bad_form_is_named_with_the_forms_it_may_take(value, said):
+    with pytest.raises(ValueError, match="give a count or a selector") as err:
+        check_value(value)
+    assert said in str(err.value)

@@ -63,6 +63,9 @@ uninstall hook, so a revert reaches everything the agent changed: the locals bot
   mountPath: {{ include "ksm.inHost" "/run/nvidia/validations" }}
 - name: state
   mountPath: {{ include "ksm.inHost" "/var/lib/kata-sandbox-manager" }}
+# Which side each GPU of a split node is on (the plugins list from it); a revert removes it.
+- name: split-sides
+  mountPath: {{ include "ksm.inHost" "/run/kata-sandbox-manager" }}
 - name: sysfs
   mountPath: {{ include "ksm.inHost" "/sys" }}
   readOnly: {{ not $h.vfio }}
@@ -138,6 +141,10 @@ uninstall hook, so a revert reaches everything the agent changed: the locals bot
 - name: state
   hostPath:
     path: {{ include "ksm.hostPath" (list $root "/var/lib/kata-sandbox-manager") }}
+    type: DirectoryOrCreate
+- name: split-sides
+  hostPath:
+    path: {{ include "ksm.hostPath" (list $root "/run/kata-sandbox-manager") }}
     type: DirectoryOrCreate
 {{- if $h.hostProc }}
 - name: proc

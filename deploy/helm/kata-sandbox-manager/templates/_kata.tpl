@@ -28,6 +28,10 @@ classes marked confidential (ksm.confidentialClasses).
 {{- if and (hasKey $kata "kataDeploy") (not (kindIs "invalid" $kata.kataDeploy)) }}
 {{- $_ := set $config "kataDeploy" $kata.kataDeploy }}
 {{- end }}
+{{- /* The split per node pool: the agent applies it where a node has no split label. */}}
+{{- with (.Values.sandboxWorkloads.splits | default list) }}
+{{- $_ := set $config "splits" . }}
+{{- end }}
 {{- toYaml $config }}
 {{- end -}}
 

@@ -17,6 +17,13 @@ and ccManager are read as (index .Values "ccManager" | default dict): a release 
 {{- if and $v.sandboxWorkloads.enabled (or $v.kataManager.enabled $v.vfioManager.enabled $v.cdi.enabled) }}true{{ end -}}
 {{- end -}}
 
+{{/* A split node's sides (gpunode.policy.splitnode, /run/kata-sandbox-manager/split.json): the
+       agent writes them as it carries the split out, both device plugins list from them
+       (read-only; a split is refused with the DRA driver), the uninstall revert removes them. Wherever katamgr run acts. */}}
+{{- define "ksm.splitSides" -}}
+{{- if and (include "ksm.agent" .) (not .Values.kataManager.planOnly) }}true{{ end -}}
+{{- end -}}
+
 {{/* kataManager.planOnly: the agent only works out and publishes the node's plan (katamgr run
        --plan-only), on the host mounted read-only; nothing else of the sandbox agent runs. */}}
 {{- define "ksm.planOnly" -}}

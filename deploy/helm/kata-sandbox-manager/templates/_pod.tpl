@@ -47,7 +47,8 @@ every GPU node is a container node. OPERAND (e.g. "device-plugin") keeps the pod
 node labeled nvidia.com/gpu.deploy.<operand>=false or nvidia.com/gpu.deploy.operands=false,
 as the GPU Operator's own DaemonSets stay off it. Renders the whole `affinity:` block,
 or nothing when there is nothing to select on (an empty term would match no node).
-Call with (list $ WORKLOAD OPERAND); "" for either: any.
+Call with (list $ WORKLOAD OPERAND); "" for either: any. WORKLOAD may be a list of workloads
+(the container plugin on container and split vm-passthrough nodes): matched as one.
 */}}
 {{- define "ksm.nodeAffinity" -}}
 {{- $root := index . 0 -}}
@@ -59,10 +60,15 @@ Call with (list $ WORKLOAD OPERAND); "" for either: any.
 {{- $exprs = append $exprs (dict "key" $key "operator" "In" "values" (list (toString $value))) -}}
 {{- end -}}
 {{- if and $sandbox.enabled $workload -}}
-{{- if eq $sandbox.defaultWorkload $workload -}}
-{{- $exprs = append $exprs (dict "key" "nvidia.com/gpu.workload.config" "operator" "NotIn" "values" (without (list "container" "vm-passthrough" "vm-vgpu") $workload)) -}}
+{{- $served := ternary $workload (list $workload) (kindIs "slice" $workload) -}}
+{{- if has $sandbox.defaultWorkload $served -}}
+{{- $others := list -}}
+{{- range list "container" "vm-passthrough" "vm-vgpu" -}}
+{{- if not (has . $served) }}{{ $others = append $others . }}{{ end -}}
+{{- end -}}
+{{- $exprs = append $exprs (dict "key" "nvidia.com/gpu.workload.config" "operator" "NotIn" "values" $others) -}}
 {{- else -}}
-{{- $exprs = append $exprs (dict "key" "nvidia.com/gpu.workload.config" "operator" "In" "values" (list $workload)) -}}
+{{- $exprs = append $exprs (dict "key" "nvidia.com/gpu.workload.config" "operator" "In" "values" $served) -}}
 {{- end -}}
 {{- end -}}
 {{- if $operand -}}

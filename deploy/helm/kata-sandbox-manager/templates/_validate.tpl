@@ -76,6 +76,12 @@ ksm.ociLayoutDirs'.
 {{- if eq (toString .Values.sandboxWorkloads.defaultWorkload) "vm-vgpu" -}}
 {{- fail "sandboxWorkloads.defaultWorkload=vm-vgpu: this chart does not run NVIDIA vGPU, so every GPU node without a workload label would get nothing from it (no GPU bound, none advertised); serve vGPU nodes with the NVIDIA GPU Operator, and set defaultWorkload to container (the default) or vm-passthrough" -}}
 {{- end -}}
+{{- /* A split with DRA: katamgr waits for the kubelet's device plugins only before it gives a
+       GPU leaving the VM share back, not for the DRA driver's ResourceSlice to be republished,
+       so a claim scheduled meanwhile could get a GPU on its way to containers (docs/devices.md). */ -}}
+{{- if and (include "ksm.dra" .) (.Values.sandboxWorkloads.splits | default list) -}}
+{{- fail "sandboxWorkloads.splits with dra.enabled: a split moves GPUs between VMs and containers while the DRA driver's ResourceSlice may still offer a leaving GPU to a claim (katamgr does not wait for the slice); leave sandboxWorkloads.splits empty, or set dra.enabled=false and let the device plugins serve the split nodes" -}}
+{{- end -}}
 {{- /* (| default: a release upgraded with --reuse-values from before these values existed) */ -}}
 {{- $m := .Values.metrics | default dict -}}
 {{- if and (dig "serviceMonitor" "enabled" false $m) (not (include "ksm.metricsOn" .)) -}}
