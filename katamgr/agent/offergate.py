@@ -100,13 +100,15 @@ class OfferGate:
             seen = seen | now
         return sorted(f"{ns}/{name}" for ns, name in seen - first)
 
-    def stand_down(self, withdraw: Callable[[], object]) -> None:
-        """On stop: the gate shut, the labels off (``withdraw``), the pods bound before taken
-        by the kubelet, then the plugin told it may stop."""
+    def stand_down(self, withdraw: Callable[[], object] | None) -> None:
+        """On stop: the gate shut, the labels off (``withdraw``; None: there are none), the
+        pods bound before taken by the kubelet, then the plugin told it may stop."""
         self.stopping = True
         self.open, self.why = self.verdict()
-        withdraw()
-        taken = self.drain()
+        taken = []
+        if withdraw is not None:
+            withdraw()
+            taken = self.drain()
         if taken:
             log.info("the kubelet took %d pod(s) bound before the offers were withdrawn: %s",
                      len(taken), ", ".join(taken))

@@ -74,7 +74,7 @@ class Agent:
         # After each reconcile the node's Kata artifacts are verified and the verdict written
         # (kata_verify); /readyz reads it back, stamped with this agent, as a rollout's gate.
         self.verifier = kata_verify.Verifier(f"katamgr-run-{uuid.uuid4().hex[:12]}")
-        gate = OfferGate(self.target) if s.offer_gate and links.offer_labels is not None else None
+        gate = OfferGate(self.target) if s.offer_gate else None
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=s.retry_initial, retry_max=s.retry_max,
                                      offer_labels=links.offer_labels, gate=gate)
@@ -225,11 +225,12 @@ class Agent:
         """With the offer gate: the offer labels off first, the pods bound before taken by the
         kubelet, then the plugin beside told it may stop (``agent.offergate``)."""
         r = self.reconciler
-        if r.gate is None or r.offer_labels is None:
+        if r.gate is None:
             return
         labels = r.offer_labels
         try:
-            r.gate.stand_down(lambda: log_report(offers.withdraw(labels), log, ""))
+            # No labels to take off (no cluster, no Kata): the plugin is told at once all the same.
+            r.gate.stand_down(None if labels is None else lambda: log_report(offers.withdraw(labels), log, ""))
         except Exception as exc:  # noqa: BLE001 - stopping goes on; the plugin's own bound ends its wait
             log.warning("could not stand down in order: %s", exc)
 

@@ -190,3 +190,11 @@ def test_without_the_gate_pods_arriving_in_the_plugins_gap_are_refused(node):
         roll(host, kubelet, agent, old_plugin, plugins, gate=False)
     assert arrivals.rejected, arrivals.admitted
     assert all("requested 1 of nvidia.com/GA102GL_A10, 0 available" in r for r in arrivals.rejected)
+
+
+def test_with_no_offer_labels_to_take_off_the_plugin_is_told_at_once(node):
+    host, _, _, _ = node
+    agent = make_agent(host, NAMING, Steps(kata=False, cdi=False), None, offer_gate=True)
+    signalled = time.time()
+    agent.stand_down()
+    assert standdown.withdrawn_since(host, signalled) and time.time() - signalled < 2
