@@ -100,8 +100,15 @@ def test_kata_pods_arriving_through_a_rolling_update_of_the_agent_are_none_refus
     pkg/kubelet/cm/devicemanager/manager.go: a pod admitted while the plugin is gone fails with
     UnexpectedAdmissionError); the label is back once the new plugin's devices are allocatable."""
     node.wait_resource(GPU_RESOURCE, 8)
-    assert node.get()["metadata"]["labels"].get(offer_label(KATA_CLASS)) == "true"
     old = node.component_pod("sandbox-agent")
+    # The agent asks the kubelet at every check (10 s): the class is offered once it lists the devices.
+    def offered() -> bool:
+        return node.get()["metadata"]["labels"].get(offer_label(KATA_CLASS)) == "true"
+
+    try:
+        wait_for(offered, "the class offered on the node", 60, every=0.5)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{node.logs(old['metadata']['name'], old['metadata']['namespace'], 'kata-manager')[-4000:]}") from None
     names: list[str] = []
     done = threading.Event()
 
@@ -120,8 +127,7 @@ def test_kata_pods_arriving_through_a_rolling_update_of_the_agent_are_none_refus
                              "--wait=false")
         new = node.wait_ready(AGENT)[0]
         assert new["metadata"]["uid"] != old["metadata"]["uid"]
-        wait_for(lambda: node.get()["metadata"]["labels"].get(offer_label(KATA_CLASS)) == "true",
-                 "the class offered again once the new plugin's devices are allocatable", 90, every=0.5)
+        wait_for(offered, "the class offered again once the new plugin's devices are allocatable", 90, every=0.5)
         offered_again = time.monotonic() - started
         time.sleep(3)
     finally:
