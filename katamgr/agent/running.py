@@ -228,9 +228,15 @@ class Agent:
         if r.gate is None:
             return
         labels = r.offer_labels
+
+        def withdraw() -> None:
+            report = offers.withdraw(labels)
+            log_report(report, log, "")
+            self.events.offers_gated(report, "the agent is stopping, and the device plugin beside it")
+
         try:
             # No labels to take off (no cluster, no Kata): the plugin is told at once all the same.
-            r.gate.stand_down(None if labels is None else lambda: log_report(offers.withdraw(labels), log, ""))
+            r.gate.stand_down(None if labels is None else withdraw)
         except Exception as exc:  # noqa: BLE001 - stopping goes on; the plugin's own bound ends its wait
             log.warning("could not stand down in order: %s", exc)
 

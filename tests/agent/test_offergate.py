@@ -172,6 +172,9 @@ def test_a_rolling_update_with_kata_pods_arriving_rejects_none_and_keeps_the_run
         time.sleep(0.5)
         roll(host, kubelet, agent, old_plugin, plugins, gate=True)
         assert not offered(api)  # withdrawn, and not offered again by a stopped agent
+        events = [api.get("events", n, "default") for n in api.names("events")]
+        assert any(e["reason"] == "RuntimeClassNotOffered" and "the agent is stopping" in e["message"]
+                   for e in events), events
         new = agent_for(host, api)
         assert new.reconcile("start").ok and offered(api)  # the new plugin registered
         time.sleep(0.5)

@@ -275,7 +275,8 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
     status, why = probe(agent, "/readyz")
     assert status == 200 and why.startswith("ok: the last reconcile succeeded"), why
     assert f"Kata artifacts verified ({KATA_CLASS}, {GPU_TDX})" in why, why  # the upgrade gate passed
-    assert labels(node).get(offer_label(GPU_TDX)) == "true"
+    # Offered once the kubelet lists the new pod's plugin's devices (agent.offergate: every check).
+    wait_for(lambda: labels(node).get(offer_label(GPU_TDX)) == "true", "the class offered again", 30, every=0.5)
     offered = wait_for(lambda: new_events(node, "RuntimeClassOffered", offered_before, GPU_TDX),
                        "a RuntimeClassOffered Event naming the class", 30, every=1)
     assert offered[-1]["type"] == "Normal", offered
