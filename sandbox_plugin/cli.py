@@ -130,9 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
                         help="container mode: how Allocate names the GPUs, any of "
                              f"{', '.join(DEVICE_LIST_STRATEGIES)} (comma-separated or repeated; "
                              "default: envvar,cdi-cri; toolkit settings each needs: above)")
+    parser.add_argument("--stop-grace", type=_seconds, default=0.0, metavar="SECONDS",
+                        help="on SIGTERM keep serving the kubelet until katamgr beside it has taken the "
+                             "node's runtime-class offer labels off and the kubelet has taken the pods bound "
+                             "before (katamgr run --offer-gate), at most SECONDS (default 0: stop at once)")
     options.add_metrics_address(parser)
     options.add_verbose(parser, "log debug details")
     return parser
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 300:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds from 0 to 300")
+    return value
 
 
 def _modes(text: str) -> frozenset[Mode]:
@@ -199,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         node = _build(args)
         host, naming, extras = node.host, node.naming, node.extras
         strategies = _device_list_strategies(args)
-        stop_on_signals(stop.set, log)  # from here on SIGTERM ends the run cleanly
+        signalled: list[float] = []
+
+        def on_stop() -> None:
+            signalled.append(time.time())
+            stop.set()
+
+        stop_on_signals(on_stop, log)  # from here on SIGTERM ends the run cleanly
         # What the node brings (gpunode.services.simulator): a simulated node its own NVML
         # (answering from the node's sysfs and, as NVML, listing again only when started
         # again: the driver watch does that), its Fabric Manager and its kubeconfig rule.
@@ -239,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         # (startupProbe: a minute) wait well for the HTTP server and prometheus_client.
         with _metrics(args, runner.metrics, runner.health, runner.readiness):
             _wait(stop, follower)
+            if signalled and args.stop_grace > 0:
+                _stand_down(host, signalled[0], args.stop_grace)
     except PluginServerError as exc:
         log.error("%s", exc)
         return 1
@@ -248,6 +270,19 @@ def main(argv: list[str] | None = None) -> int:
             watch.stop()
     log.info("stopped")
     return 0
+
+
+def _stand_down(host: HostRoot, since: float, grace: float) -> None:
+    """Told to stop: the plugin's stream ending makes the kubelet refuse every pod it admits
+    until the next plugin registers (gpunode.host.standdown), so it serves on until katamgr
+    says the offers are off and the pods bound before are the kubelet's, at most ``grace``."""
+    from gpunode.host import standdown
+
+    log.info("stopping: serving on until the runtime-class offers are withdrawn (at most %g s)", grace)
+    if standdown.wait_withdrawn(host, since, grace):
+        log.info("the runtime-class offers are withdrawn: stopping")
+    else:
+        log.warning("no word of the runtime-class offers being withdrawn within %g s: stopping", grace)
 
 
 def _fabric_gate(node: NodeContext) -> FabricGate | None:

@@ -54,7 +54,7 @@ def read_verdict(host: HostRoot, bdf: str) -> Verdict | None:
     """The last verdict for ``bdf``, or None (none yet, or unreadable: no verdict)."""
     try:
         raw = json.loads(_path(host, bdf).read_text())
-        if raw.get("boot") != _boot_id():
+        if raw.get("boot") != boot_id():
             return None
         aer = raw.get("aer")
         return Verdict(bdf, bool(raw["ok"]), str(raw.get("reason", "")), float(raw["checked"]),
@@ -66,14 +66,15 @@ def read_verdict(host: HostRoot, bdf: str) -> Verdict | None:
 
 def write_verdict(host: HostRoot, verdict: Verdict) -> None:
     aer = verdict.aer
-    body = {"boot": _boot_id(), "ok": verdict.ok, "reason": verdict.reason, "checked": verdict.checked, "reset": verdict.reset,
+    body = {"boot": boot_id(), "ok": verdict.ok, "reason": verdict.reason, "checked": verdict.checked, "reset": verdict.reset,
             "code": verdict.code, "seconds": round(verdict.seconds, 4),
             "aer": None if aer is None else {"correctable": aer.correctable, "nonfatal": aer.nonfatal,
                                               "fatal": aer.fatal}}
     files.write_atomic(_path(host, verdict.bdf), json.dumps(body, sort_keys=True) + "\n")
 
 
-def _boot_id() -> str | None:
+def boot_id() -> str | None:
+    """The kernel's id of this boot (None: unreadable)."""
     try:
         return BOOT_ID.read_text().strip()
     except OSError:

@@ -106,6 +106,16 @@ def list_pod_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
     ))
 
 
+def kubelet_pods(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
+                 socket: str | None = None) -> frozenset[tuple[str, str]] | None:
+    """(namespace, name) of every pod the kubelet holds, device or not (``List`` reads its pod
+    manager, which holds a pod from its admission on); None when it cannot be asked."""
+    answer, _ = _ask(host, "List", timeout, socket)
+    if answer is None:
+        return None
+    return frozenset((pod.namespace, pod.name) for pod in answer.pod_resources)
+
+
 def offered_devices(host: HostRoot, *, timeout: float = DEFAULT_TIMEOUT,
                     socket: str | None = None) -> tuple[frozenset[str], str | None]:
     """The device IDs the kubelet can hand out now: PodResources ``GetAllocatableResources``,

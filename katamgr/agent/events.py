@@ -46,6 +46,15 @@ class NodeEvents:
         elif report.ok and failed_before:
             self._record("Reconciled", "the node is as planned again after a failed reconcile")
 
+    def offers_gated(self, report: Report, why: str) -> None:
+        """The offer labels changed between reconciles, because of the offer gate (``why``)."""
+        for name, on in sorted(report.offered.items()):
+            self._record("RuntimeClassOffered" if on else "RuntimeClassNotOffered",
+                         f"RuntimeClass {name} is {'offered' if on else 'no longer offered'} on this node "
+                         f"({offer_label(name)}{'=true' if on else ' removed'}): {why}")
+        if report.failures:
+            self._record("ReconcileFailed", "; ".join(report.failures), "Warning")
+
     def cdi_specs_synced(self, report: Report) -> None:
         if report.failures:
             self._record("CdiSpecsFailed", "; ".join(report.failures), "Warning")

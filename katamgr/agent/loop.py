@@ -71,6 +71,8 @@ class Kept(Protocol):
 
     def follow_gpu_health(self) -> None: ...
 
+    def follow_offers(self) -> None: ...
+
     def containerd_drift(self) -> str | None: ...
 
     def sync_cdi(self) -> object: ...
@@ -146,6 +148,7 @@ def _check(agent: Kept) -> bool:
     agent.follow_kata()
     agent.follow_gpu_labels()
     agent.follow_gpu_health()
+    agent.follow_offers()  # the kubelet's devices came or went: the offer labels follow
     # Held GPUs before drift: a GPU given back or bound changes what the CDI specs should say.
     agent.release_freed()
     agent.bind_freed()

@@ -20,6 +20,7 @@ from gpunode.services.backoff import Backoff, Retries
 from katamgr.agent.events import NodeEvents
 from katamgr.agent.health import Health
 from katamgr.agent.metrics import AgentMetrics
+from katamgr.agent.offergate import OfferGate
 from katamgr.agent.target import Target
 from katamgr.pipeline import nvlinkfabric, offers
 from katamgr.pipeline.gpulabels import NodeLabels
@@ -40,7 +41,8 @@ class Reconciler:
 
     def __init__(self, target: Target, health: Health, metrics: AgentMetrics, events: NodeEvents,
                  catch_up: Callable[[], tuple[Report, bool]], *, retry_initial: float = RETRY_INITIAL,
-                 retry_max: float = RETRY_MAX, offer_labels: NodeLabels | None = None) -> None:
+                 retry_max: float = RETRY_MAX, offer_labels: NodeLabels | None = None,
+                 gate: OfferGate | None = None) -> None:
         self.target = target
         self.health = health
         self.metrics = metrics
@@ -52,6 +54,10 @@ class Reconciler:
         self.retry_at: float | None = None  # monotonic time of the next retry
         self.in_use = False  # the last reconcile skipped a GPU a process held: bind it once free
         self.offer_labels = offer_labels  # the Node's labels, for the classes offered (None: no cluster)
+        # The offer gate (``agent.offergate``): the classes ready here are offered only while the
+        # kubelet can give our devices (None: offered once ready, as with no device plugin beside).
+        self.gate = gate
+        self.offer_ready: list[str] | None = None  # the classes the last reconcile found ready
 
     @property
     def retry_delay(self) -> float | None:
@@ -114,7 +120,25 @@ class Reconciler:
         self.metrics.observe_classes(configured, ready)
         if self.offer_labels is None or ready is None:
             return Report()
+        self.offer_ready = list(ready)
+        if self.gate is not None:
+            self.gate.look()
+            ready = ready if self.gate.open else []
         return offers.publish(self.offer_labels, offers.wanted(configured, ready))
+
+    def follow_offers(self) -> Report | None:
+        """Between reconciles: the offer gate asked again, the labels brought to its verdict
+        when it changed (None: no change, or nothing gated)."""
+        g, t = self.gate, self.target
+        if g is None or self.offer_labels is None or self.offer_ready is None or t.ctx is None:
+            return None
+        if not g.look():
+            return None
+        configured = [rc.name for rc in t.ctx.config.runtime_classes]
+        report = offers.publish(self.offer_labels, offers.wanted(configured, self.offer_ready if g.open else []))
+        log_report(report, log, "")
+        self.events.offers_gated(report, g.why)
+        return report
 
     def _after(self, report: Report, seconds: float) -> None:
         """Metrics, Events and the retry schedule after one reconcile."""

@@ -21,6 +21,7 @@ from katamgr.agent.gpulabels import GpuLabels
 from katamgr.agent.health import Health, readiness
 from katamgr.agent.loop import keep
 from katamgr.agent.metrics import AgentMetrics
+from katamgr.agent.offergate import OfferGate
 from katamgr.agent.reconciler import Reconciler
 from katamgr.agent.settings import NO_CLUSTER, AgentSettings, NodeLinks
 from katamgr.agent.splitting import SplitKeeper
@@ -75,9 +76,10 @@ class Agent:
         # (kata_verify); /readyz reads it back, stamped with this agent, as a rollout's gate.
         self.verifier = kata_verify.Verifier(f"katamgr-run-{uuid.uuid4().hex[:12]}")
         self._unverified_said: tuple[str, ...] = ()  # the problems last told on the Node
+        gate = OfferGate(self.target) if s.offer_gate else None
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=s.retry_initial, retry_max=s.retry_max,
-                                     offer_labels=links.offer_labels)
+                                     offer_labels=links.offer_labels, gate=gate)
 
     # -- the work, each piece in its module ---------------------------------------
 
@@ -130,6 +132,9 @@ class Agent:
 
     def follow_gpu_labels(self) -> None:
         self.gpu_labels.follow()
+
+    def follow_offers(self) -> None:
+        self.reconciler.follow_offers()
 
     def follow_gpu_health(self) -> None:
         self.gpu_health.follow()
@@ -218,6 +223,7 @@ class Agent:
         try:
             self.loop()
         finally:
+            self.stand_down()
             if self.revert_on_exit:
                 log.info("reverting on exit (--revert-on-exit)")
                 t = self.target
@@ -226,6 +232,25 @@ class Agent:
                 if self.reconciler.offer_labels is not None:
                     report.merge(offers.withdraw(self.reconciler.offer_labels))
                 log_report(report, log)
+
+    def stand_down(self) -> None:
+        """With the offer gate: the offer labels off first, the pods bound before taken by the
+        kubelet, then the plugin beside told it may stop (``agent.offergate``)."""
+        r = self.reconciler
+        if r.gate is None:
+            return
+        labels = r.offer_labels
+
+        def withdraw() -> None:
+            report = offers.withdraw(labels)
+            log_report(report, log, "")
+            self.events.offers_gated(report, "the agent is stopping, and the device plugin beside it")
+
+        try:
+            # No labels to take off (no cluster, no Kata): the plugin is told at once all the same.
+            r.gate.stand_down(None if labels is None else withdraw)
+        except Exception as exc:  # noqa: BLE001 - stopping goes on; the plugin's own bound ends its wait
+            log.warning("could not stand down in order: %s", exc)
 
     def loop(self) -> None:
         watcher = self._watcher = Watcher()

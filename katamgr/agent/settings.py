@@ -60,6 +60,9 @@ class AgentSettings:
     default_workload: str | None = DEFAULT_WORKLOAD.value
     follow: bool = True
     gpu_labels: bool = True
+    # ``--offer-gate``: the runtime classes offered only while the kubelet can give the device
+    # plugin's devices, and withdrawn first on stop (``agent.offergate``).
+    offer_gate: bool = False
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repull-interval", type=float, default=3600.0, metavar="SECONDS",
                    help="how often to check the registry for new artifacts (default 3600)")
     p.add_argument("--revert-on-exit", action="store_true", help="undo everything on SIGTERM/SIGINT")
+    p.add_argument("--offer-gate", action="store_true",
+                   help="offer the runtime classes on the Node (runtimeclass.kata-sandbox-manager.io/<class>=true) "
+                        "only while the kubelet's PodResources lists the device plugin's devices as allocatable, "
+                        "and on SIGTERM take them off first and wait (at most 10 s) for the kubelet to take the "
+                        "pods bound before, so no pod is refused admission in the plugin's gap (the chart sets it "
+                        "where the device plugin runs beside the agent)")
     p.add_argument("--once", action="store_true", help="reconcile once and exit (like apply)")
     p.add_argument("--plan-only", action="store_true",
                    help="change nothing: work out the plan (as `katamgr plan`) at start and every minute, "

@@ -47,7 +47,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                                                                node.base.artifacts_dir, node.base.runtime_classes),
             cc_default_mode=cc.CcMode(args.cc_default_mode) if args.cc_manager else None,
             node_name=args.node_name, workload=args.workload, default_workload=args.default_workload,
-            follow=not args.once, gpu_labels=not args.no_gpu_labels)
+            follow=not args.once, gpu_labels=not args.no_gpu_labels,
+            offer_gate=args.offer_gate)
         agent = build(settings, setup.api)
         # One agent per node, for its whole life (each reconcile takes the node lock besides).
         with agent_lock(host, "katamgr run" + (" --once" if args.once else ""), args.config, args.wait):

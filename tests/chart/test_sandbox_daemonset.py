@@ -33,7 +33,9 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     assert agent["args"] == ["run", "--config", "/etc/kata-sandbox-manager/config.yaml", *NODE_ARGS,
                              "--metrics-address", "0.0.0.0:9410",
                              # Helm owns the RuntimeClasses (test_runtimeclasses.py).
-                             "--no-runtime-classes"]
+                             "--no-runtime-classes",
+                             # The plugin beside it: offered only while the kubelet can give its devices.
+                             "--offer-gate"]
     assert set(env_names(agent)) >= {"NODE_NAME", "POD_NAMESPACE"}
     assert agent["securityContext"]["privileged"] is True
     assert host_mounts(rendered, "-sandbox-agent", "kata-manager") == {
@@ -62,7 +64,9 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
     # It follows the node's labels like katamgr and serves vm-passthrough nodes only.
     assert plugin["args"] == ["--workload", "auto", "--auto-modes", "vm-passthrough", *NODE_ARGS,
                               "--metrics-address", "0.0.0.0:9411",
-                              "--containerd-config", "/etc/containerd/config.toml"]
+                              "--containerd-config", "/etc/containerd/config.toml",
+                              # It serves on until katamgr has withdrawn the offers (--offer-gate).
+                              "--stop-grace", "15"]
     assert plugin["securityContext"]["privileged"] is False
     assert plugin["securityContext"]["allowPrivilegeEscalation"] is False
     assert host_mounts(rendered, "-sandbox-agent", "sandbox-device-plugin") == {

@@ -245,7 +245,9 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
 
     # The GPUs are bound and advertised all the same; the good class is offered, the failed one not.
     node.wait_resource(GPU_RESOURCE, 8)
-    offered = {k: v for k, v in labels(node).items() if k.startswith("runtimeclass.")}
+    # Offered once the kubelet lists the plugin's devices as allocatable (agent.offergate).
+    offered = wait_for(lambda: {k: v for k, v in labels(node).items() if k.startswith("runtimeclass.")} or None,
+                       "the good class offered", 30, every=0.5)
     assert offered == {offer_label(KATA_CLASS): "true"}, offered
     event = wait_for(lambda: new_events(node, "RuntimeClassFailed", failed_before, GPU_TDX),
                      "a RuntimeClassFailed Event naming the class", 30, every=1)[-1]
@@ -273,7 +275,8 @@ def test_a_class_whose_artifacts_cannot_be_had_is_not_offered_and_comes_back_onc
     status, why = probe(agent, "/readyz")
     assert status == 200 and why.startswith("ok: the last reconcile succeeded"), why
     assert f"Kata artifacts verified ({KATA_CLASS}, {GPU_TDX})" in why, why  # the upgrade gate passed
-    assert labels(node).get(offer_label(GPU_TDX)) == "true"
+    # Offered once the kubelet lists the new pod's plugin's devices (agent.offergate: every check).
+    wait_for(lambda: labels(node).get(offer_label(GPU_TDX)) == "true", "the class offered again", 30, every=0.5)
     offered = wait_for(lambda: new_events(node, "RuntimeClassOffered", offered_before, GPU_TDX),
                        "a RuntimeClassOffered Event naming the class", 30, every=1)
     assert offered[-1]["type"] == "Normal", offered
@@ -299,7 +302,9 @@ def test_a_class_dropped_from_the_values_is_no_longer_offered(node, broken):
     wait_for(lambda: rolled_agent(node), "the agent's pod rolled back to the node's values", ROLL_TIMEOUT, every=1)
     agent = agent_ready(node)
     # Its runtime is gone from containerd's config here: no label may still offer it.
-    offered = {k: v for k, v in labels(node).items() if k.startswith("runtimeclass.")}
+    # Offered once the kubelet lists the plugin's devices as allocatable (agent.offergate).
+    offered = wait_for(lambda: {k: v for k, v in labels(node).items() if k.startswith("runtimeclass.")} or None,
+                       "the good class offered", 30, every=0.5)
     assert offered == {offer_label(KATA_CLASS): "true"}, offered
     assert class_ready(node, agent) == {KATA_CLASS: 1, GPU_TDX: None}
     wait_for(lambda: new_events(node, "RuntimeClassNotOffered", withdrawn_before, GPU_TDX),

@@ -13,6 +13,7 @@ from support.apiserver import FakeApiServer
 from support.paths import REPO
 
 from gpunode.errors import ConfigError, GpuNodeError
+from gpunode.host import standdown
 from gpunode.host.pciids import PciIds
 from gpunode.policy.naming import Naming
 from gpunode.policy.workload import WORKLOAD_LABEL, NoCluster
@@ -154,6 +155,34 @@ def test_runs_against_a10_server_and_stops_cleanly_on_sigterm(bound_a10):
     assert code == 0, output
     assert "mode vm-passthrough" in output and "bound to vfio-pci" in output
     assert not socket.exists()
+    kubelet.wait_for(lambda s: A10 not in s.connected, timeout=5)
+
+
+def test_a_stop_grace_out_of_range_exits_2_naming_it():
+    result = run_cli("--stop-grace", "-1")
+    assert result.returncode == 2 and "--stop-grace: '-1': a number of seconds from 0 to 300" in result.stderr
+
+
+def test_told_to_stop_it_serves_on_until_the_offers_are_withdrawn(bound_a10):
+    """--stop-grace (the chart's, beside katamgr run --offer-gate): after SIGTERM the kubelet
+    still has the devices, so a pod bound before the offer labels came off is admitted; the
+    agent's word (gpunode.host.standdown) ends the wait."""
+    host, kubelet = bound_a10
+    process = start_cli("--host-root", str(host.root), "--stop-grace", "30")
+    try:
+        kubelet.wait_for(lambda s: len(s.healthy(A10)) == 4, timeout=20)
+    except TimeoutError:
+        process.kill()
+        raise AssertionError(process.communicate()[0]) from None
+    process.send_signal(signal.SIGTERM)
+    time.sleep(1.5)
+    assert process.poll() is None
+    assert len(kubelet.state.healthy(A10)) == 4
+    assert kubelet.admit_pod("tenant", "bound-before", {"main": {A10: 1}})
+    standdown.tell_withdrawn(host)
+    output, _ = process.communicate(timeout=10)
+    assert process.returncode == 0, output
+    assert "the runtime-class offers are withdrawn: stopping" in output, output
     kubelet.wait_for(lambda s: A10 not in s.connected, timeout=5)
 
 
