@@ -103,20 +103,25 @@ class SplitKeeper:
         # given back as a change would.
         old = self.share if self.share is not None else node_split(t.host, self.unsplit, None)
         change = moves(old, share)
+        recorded = set(vfio.bound_by_us(t.host))
         if self.share is None:  # the VM share is bound by the reconcile that follows
-            recorded = set(vfio.bound_by_us(t.host))
             change = Moves((), tuple(d for d in change.to_container if d.bdf in recorded))
+        # NVSwitches go to VMs only with every GPU: once a container share exists they belong to
+        # the host again, where Fabric Manager trains the container GPUs' NVLinks, and leave
+        # vfio-pci as a leaving GPU does (once no VM holds them).
+        switches = ({d.bdf for d in share.nvswitches} & recorded
+                    if old.nvswitches_to_vm and not share.nvswitches_to_vm else set())
         old_naming = t.naming
         self.value, self.share = value, share
-        vm = {d.bdf for d in share.vm}
+        vm = {d.bdf for d in share.vm} | ({d.bdf for d in share.nvswitches} if share.nvswitches_to_vm else set())
         self.joining = (self.joining | {d.bdf for d in change.to_vm}) & vm
-        self.leaving = (self.leaving - vm) | {d.bdf for d in change.to_container}
+        self.leaving = (self.leaving - vm) | {d.bdf for d in change.to_container} | switches
         t.naming = self._naming()
         self._publish()  # first: each GPU that moves is off the side it leaves
-        if not (change.to_vm or change.to_container) and old.value == value:
+        if not (change.to_vm or change.to_container or switches) and old.value == value:
             return False
         what = [change.describe()]
-        if change.to_container:
+        if change.to_container or switches:
             what.append(self._give_back(old_naming))
         if self.joining:
             self._join()
@@ -250,7 +255,8 @@ class SplitKeeper:
         gone = free - now
         self.leaving -= gone
         self._publish()  # then: on the container side, listed by the container plugin
-        for _ in gone:
+        switch_bdfs = {d.bdf for d in self.share.nvswitches} if self.share else set()
+        for _ in gone - switch_bdfs:  # the counter is of GPUs
             self.metrics.workload_switches.labels(VM, CONTAINER).inc()
         said = f"gave {', '.join(sorted(gone))} back to their drivers" if gone else "no free GPU given back"
         if held:

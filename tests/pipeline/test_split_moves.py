@@ -112,3 +112,39 @@ def test_revert_gives_every_gpu_back_and_leaves_no_trace_of_the_split(tmp_path):
     # Nothing of katamgr's is left under /run: the sides' dir went with them.
     assert not host.path(SIDES_FILE).parent.exists()
     assert node_status(host).split is None
+
+
+def test_nvswitches_go_back_to_the_host_once_a_container_share_exists(tmp_path):
+    # NVIDIA's full passthrough model (Fabric Manager User Guide §6.1): a VM gets a board's
+    # NVSwitches only with all of its GPUs; container GPUs need them on the host, where Fabric
+    # Manager trains their NVLinks. Kata 4.1 cold-plugs NVSwitches, so the unsplit node binds them.
+    from gpunode.host import vfio
+    from gpunode.host.pciids import PciIds
+    from gpunode.policy.inventory import discover
+    from gpunode.policy.naming import Naming
+    from gpunode.policy.selection import NvswitchRule, Selection
+    from gpunode.policy.katarelease import parse_release
+    from nodesim.materialise import materialise
+    from nodesim.profiles import find_profile
+
+    host = materialise(find_profile("dgx-h100"), tmp_path / "host")
+    naming = Naming(PciIds.find(), selection=Selection(nvswitches=True),
+                    nvswitch_rule=NvswitchRule(parse_release("4.1.0")))
+    inv = discover(host, naming.selection, naming.nvswitch_rule)
+    switches = {d.bdf for d in inv.nvswitches}
+    boot = {bdf: driver_of(host, bdf) for bdf in switches}
+    assert len(switches) == 4 and "vfio-pci" not in boot.values()
+    with followed_node(host, Steps(kata=False), naming=naming) as (api, agent, watch):
+        agent.switcher.split_at_start()
+        assert agent.reconcile("start").ok
+        assert switches <= set(vfio.bound_by_us(host))  # all eight GPUs and the NVSwitches to VMs
+        relabel(api, "2", key=SPLIT_LABEL)
+        assert wait_for(lambda: agent.switcher.read_workload().split == "2")
+        assert agent.follow_workload()
+        # Six GPUs and every NVSwitch are back on their drivers; two GPUs stay for one-GPU VMs.
+        assert {bdf: driver_of(host, bdf) for bdf in switches} == boot
+        assert sorted(vfio.bound_by_us(host)) == sorted(d.bdf for d in agent.splitter.share.vm)
+        assert len(agent.splitter.share.vm) == 2 and not agent.splitter.leaving
+        # The counter counts GPUs only.
+        assert agent.metrics.workload_switches.labels("vm-passthrough", "container")._value.get() == 6
+        watch.stop()

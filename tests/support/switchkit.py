@@ -66,14 +66,14 @@ def follower(api: FakeApiServer, splits=()):
 
 @contextlib.contextmanager
 def followed_node(host, steps: Steps, *, ctx=None, label: str = "vm-passthrough", events: bool = False,
-                  check_interval: float = 0.05, splits=()):
+                  check_interval: float = 0.05, splits=(), naming: Naming = NAMING):
     """An API server holding the Node labeled ``label``, and an Agent following it as
     ``katamgr run --workload auto`` does (its loop not started): (api, agent, watch)."""
     with FakeApiServer() as api:
         api.seed({"apiVersion": "v1", "kind": "Node",
                   "metadata": {"name": NODE, "labels": {WORKLOAD_LABEL: label}}})
         read, watch = follower(api, splits)
-        agent = make_agent(host, NAMING, steps, ctx, check_interval=check_interval,
+        agent = make_agent(host, naming, steps, ctx, check_interval=check_interval,
                       events=EventRecorder(api.client(), NODE) if events else None,
                       read_workload=read, node_watch=watch)
         yield api, agent, watch
