@@ -121,9 +121,9 @@ def test_nvswitches_go_back_to_the_host_once_a_container_share_exists(tmp_path):
     from gpunode.host import vfio
     from gpunode.host.pciids import PciIds
     from gpunode.policy.inventory import discover
+    from gpunode.policy.katarelease import parse_release
     from gpunode.policy.naming import Naming
     from gpunode.policy.selection import NvswitchRule, Selection
-    from gpunode.policy.katarelease import parse_release
     from nodesim.materialise import materialise
     from nodesim.profiles import find_profile
 
