@@ -93,6 +93,12 @@ def test_the_new_agent_is_ready_only_once_the_node_runs_the_new_artifact_verifie
     written = json.loads(host.state_path("verified.json").read_text())
     assert written["ok"] and written["writer"] == agent.verifier.writer
     assert written["runtimeClasses"][0]["ref"].endswith(f":{GPU}")
+    # The same verdict again is no host write: the file (its inode and time) is the one written.
+    before = host.state_path("verified.json").stat()
+    agent.reconcile("nothing changed")
+    after = host.state_path("verified.json").stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert agent.readiness()[0]
 
     # A running VM holds its files open (QEMU its kernel, initrd and image; the shim read its
     # config at start): the install swaps a whole new dir in beside them.
