@@ -40,6 +40,7 @@ IDENTITY_SETS: list[tuple[str, dict[str, Any]]] = [
     ("ccManager.enabled", {"ccManager": {"enabled": True}}),
     ("dra.enabled", {"dra": {"enabled": True}}),
     ("a runtime class's artifacts.pullSecret", CLASS_WITH_SECRET),
+    ("sandboxDevicePlugin.rejectedPods=event", {"sandboxDevicePlugin": {"rejectedPods": "event"}}),
     ("gpuLabels.enabled=false and kataManager.enabled=false",
      {"gpuLabels": {"enabled": False}, "kataManager": {"enabled": False}}),
 ]

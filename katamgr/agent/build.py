@@ -29,6 +29,7 @@ def build(settings: AgentSettings, api: object | None) -> Agent:
     from katamgr.agent.conditions import TYPES, NodeConditions
     from katamgr.cluster import EventRecorder, node_resources, set_node_labels
     from katamgr.cluster.conditions import patch_node_conditions, read_node_conditions
+    from katamgr.cluster.pods import failed_pods_on_node
 
     follower = node_follower(api, node, workload=settings.workload,
                              default_workload=settings.default_workload,
@@ -52,6 +53,7 @@ def build(settings: AgentSettings, api: object | None) -> Agent:
         offer_labels=labels if settings.ctx is not None else None,
         conditions=NodeConditions(lambda conditions: patch_node_conditions(api, node, conditions),
                                   lambda: read_node_conditions(api, node, TYPES)),
+        failed_pods=(lambda: failed_pods_on_node(api, node)) if settings.rejected_pods != "none" else None,
         **cc,
     )
     return Agent(settings, links)

@@ -8,7 +8,8 @@ from katamgr.pipeline.report import Report
 
 _ONCE_PER_ACTION = frozenset({"WorkloadSwitched", "OptOutsChanged", "GpusGivenBack", "WorkloadLabelInvalid",
                               "CcModeSwitched", "CcModeSwitchFailed", "GpuUnhealthy", "GpuHealthy",
-                              "GpuAerErrors", "GpuHandBackChecked", "GpuHandBackFailed"})
+                              "GpuAerErrors", "GpuHandBackChecked", "GpuHandBackFailed",
+                              "PodRefusedAtAdmission"})
 
 
 class NodeEvents:
@@ -64,6 +65,12 @@ class NodeEvents:
     def given_back(self, message: str) -> None:
         """GPUs a switch kept for their VMs or pods, given back once those were gone."""
         self._record("GpusGivenBack", message)
+
+    def pods_refused(self, lines: list[str]) -> None:
+        """Pods the kubelet refused for our devices before the plugin registered (``rejected``):
+        one Event each, so that none is cut off at the Event's 1 KiB."""
+        for line in lines:
+            self._record("PodRefusedAtAdmission", f"The kubelet refused pod {line}", "Warning")
 
     def label_refused(self, message: str) -> None:
         """The workload label names no workload: nothing moves until it does."""

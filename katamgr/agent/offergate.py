@@ -57,6 +57,8 @@ class OfferGate:
         self.stopping = False
         self.open: bool | None = None  # the last verdict (None: not asked yet)
         self.why = ""
+        # Called each time the gate opens (the first time too): ``agent.rejected`` looks then.
+        self.on_open: Callable[[], object] | None = None
 
     def verdict(self) -> tuple[bool, str]:
         """(open, why): whether the kubelet has our devices to give now."""
@@ -80,6 +82,8 @@ class OfferGate:
         self.open, self.why = self.verdict()
         if was is not None and was != self.open:
             log.info("offer gate %s: %s", "open" if self.open else "closed", self.why)
+        if self.open and was is not True and self.on_open is not None:
+            self.on_open()
         return was != self.open
 
     def drain(self, *, clock: Callable[[], float] = time.monotonic) -> list[str]:

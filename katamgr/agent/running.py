@@ -23,6 +23,7 @@ from katamgr.agent.loop import keep
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.offergate import OfferGate
 from katamgr.agent.reconciler import Reconciler
+from katamgr.agent.rejected import RejectedPods
 from katamgr.agent.settings import NO_CLUSTER, AgentSettings, NodeLinks
 from katamgr.agent.splitting import SplitKeeper
 from katamgr.agent.switch import Switch
@@ -77,6 +78,8 @@ class Agent:
         self.verifier = kata_verify.Verifier(f"katamgr-run-{uuid.uuid4().hex[:12]}")
         self._unverified_said: tuple[str, ...] = ()  # the problems last told on the Node
         gate = OfferGate(self.target) if s.offer_gate else None
+        if gate is not None and s.rejected_pods == "event" and links.failed_pods is not None:
+            gate.on_open = RejectedPods(links.failed_pods, self.target.resource_names, self.events).look
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=s.retry_initial, retry_max=s.retry_max,
                                      offer_labels=links.offer_labels, gate=gate)

@@ -63,6 +63,9 @@ class AgentSettings:
     # ``--offer-gate``: the runtime classes offered only while the kubelet can give the device
     # plugin's devices, and withdrawn first on stop (``agent.offergate``).
     offer_gate: bool = False
+    # ``--rejected-pods``: none, or event (``agent.rejected``: each time the offer gate opens,
+    # the pods the kubelet refused for our devices before the plugin registered, named on the Node).
+    rejected_pods: str = "none"
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class NodeLinks:
     read_resources: Callable[[], tuple[Mapping[str, str], Mapping[str, str]]] | None = None
     # A ``katamgr.agent.conditions.NodeConditions``: the node's state as Node conditions.
     conditions: Any = None
+    # The node's Failed pods (``katamgr.cluster.pods.failed_pods_on_node``), for ``--rejected-pods``.
+    failed_pods: Callable[[], list] | None = None
 
 
 NO_CLUSTER = NodeLinks()  # an agent that reaches nothing outside its node

@@ -213,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "and on SIGTERM take them off first and wait (at most 10 s) for the kubelet to take the "
                         "pods bound before, so no pod is refused admission in the plugin's gap (the chart sets it "
                         "where the device plugin runs beside the agent)")
+    p.add_argument("--rejected-pods", choices=("none", "event"), default="none",
+                   help="event: each time the offer gate opens, list the node's Failed pods and name, in a "
+                        "Warning Event on the Node (PodRefusedAtAdmission), each one the kubelet refused "
+                        "(UnexpectedAdmissionError) for a passthrough resource of this node before the device "
+                        "plugin registered, as after a node reboot; needs --offer-gate, --node-name and the "
+                        "right to list pods (the chart's sandboxDevicePlugin.rejectedPods). Default none")
     p.add_argument("--once", action="store_true", help="reconcile once and exit (like apply)")
     p.add_argument("--plan-only", action="store_true",
                    help="change nothing: work out the plan (as `katamgr plan`) at start and every minute, "

@@ -25,6 +25,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--plan-only changes nothing, so it cannot be given with "
                           f"{'--revert-on-exit' if args.revert_on_exit else '--cc-manager'}")
     config = config_from(args)
+    if args.rejected_pods != "none" and not args.offer_gate:
+        raise ConfigError(f"--rejected-pods {args.rejected_pods} looks for refused pods each time the offer gate "
+                          "opens: give --offer-gate with it (the device plugin runs beside the agent)")
     if args.metrics_address:
         from gpunode.services.metrics_server import parse_address
 
@@ -48,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             cc_default_mode=cc.CcMode(args.cc_default_mode) if args.cc_manager else None,
             node_name=args.node_name, workload=args.workload, default_workload=args.default_workload,
             follow=not args.once, gpu_labels=not args.no_gpu_labels,
-            offer_gate=args.offer_gate)
+            offer_gate=args.offer_gate, rejected_pods=args.rejected_pods)
         agent = build(settings, setup.api)
         # One agent per node, for its whole life (each reconcile takes the node lock besides).
         with agent_lock(host, "katamgr run" + (" --once" if args.once else ""), args.config, args.wait):

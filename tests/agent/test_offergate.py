@@ -201,3 +201,66 @@ def test_with_no_offer_labels_to_take_off_the_plugin_is_told_at_once(node):
     signalled = time.time()
     agent.stand_down()
     assert standdown.withdrawn_since(host, signalled) and time.time() - signalled < 2
+
+
+def refused_pod(name: str, message: str, asks: dict, *, node: str = NODE, reason: str = "UnexpectedAdmissionError",
+                owner: str | None = None) -> dict:
+    """A pod as the kubelet leaves one it refused at admission (pkg/kubelet/lifecycle/predicate.go:
+    phase Failed, reason UnexpectedAdmissionError, the device manager's error as the message)."""
+    meta = {"name": name, "namespace": "tenant", "uid": f"uid-{name}"}
+    if owner:
+        meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": owner, "uid": "rs",
+                                    "controller": True}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"nodeName": node, "containers": [{"name": "main", "image": "x",
+                                                       "resources": {"limits": asks}}]},
+            "status": {"phase": "Failed", "reason": reason, "message": message}}
+
+
+def test_pods_the_kubelet_refused_before_the_plugin_registered_are_named_on_the_node_once(node):
+    # After a node reboot the kubelet re-admits the pods bound to it in its own order: one asking
+    # for our GPUs before the plugin registered is refused, as the kubelet simulator does here.
+    from katamgr.cluster.pods import failed_pods_on_node
+
+    host, kubelet, api, plugins = node
+    with pytest.raises(AdmissionError) as refusal:
+        kubelet.admit_pod("tenant", "bare", {"main": {A10: 1}})
+    said = str(refusal.value)
+    api.seed(refused_pod("bare", said, {A10: "1"}))
+    api.seed(refused_pod("web-5d4f", said, {A10: "1"}, owner="web-5d4f"))
+    api.seed(refused_pod("runc", "no nvidia.com/gpu", {"nvidia.com/gpu": "1"}))  # not a resource of ours
+    api.seed(refused_pod("oom", "OOMKilled", {A10: "1"}, reason="OOMKilled"))  # failed, not at admission
+    api.seed(refused_pod("elsewhere", said, {A10: "1"}, node="gpu-node-2"))  # another node's
+    ctx = KataContext(parse_config(kata_manager_yaml((GPU,))), manage_runtime_classes=False)
+    agent = make_agent(host, NAMING, Steps(cdi=False), ctx, offer_labels=node_labels(api.client(), NODE),
+                       events=EventRecorder(api.client(), NODE), offer_gate=True, rejected_pods="event",
+                       failed_pods=lambda: failed_pods_on_node(api.client(), NODE))
+
+    def named() -> list[str]:
+        found = [api.get("events", n, "default") for n in api.names("events")]
+        return sorted(e["message"] for e in found if e["reason"] == "PodRefusedAtAdmission")
+
+    assert agent.reconcile("start").ok and not offered(api)
+    assert named() == []  # the gate is shut: nothing looked for yet
+    start_plugin(host, kubelet, plugins)
+    agent.follow_offers()
+    assert offered(api)
+    assert named() == [
+        f"The kubelet refused pod tenant/bare (asked for {A10}; the kubelet: {said}): a bare pod stays Failed: "
+        "delete it and create it again",
+        f"The kubelet refused pod tenant/web-5d4f (asked for {A10}; the kubelet: {said}): its controller "
+        "ReplicaSet/web-5d4f replaces it"]
+    # The plugin restarts: the gate shuts and opens again; each pod is named once, a new one too.
+    plugins.pop().stop()
+    kubelet.wait_for(lambda s: not s.healthy(A10))
+    agent.follow_offers()
+    api.seed(refused_pod("late", said, {A10: "1"}))
+    start_plugin(host, kubelet, plugins)
+    agent.follow_offers()
+    assert len(named()) == 3 and any("tenant/late " in m for m in named())
+
+
+def test_rejected_pods_needs_the_offer_gate(tmp_path):
+    from katamgr.cli import main
+
+    assert main(["run", "--host-root", str(tmp_path), "--rejected-pods", "event", "--once"]) == 2

@@ -110,6 +110,9 @@ EXPECTED: dict[str, tuple[dict[str, Any], dict[str, set[Grant]]]] = {
         AGENT: NODE_READ | CC_PATCH | NODE_EVENTS | NODE_STATUS | DRA | pull_secrets("lab", "mirror")}),
     # Only the passthrough plugin in the pod: it reads and watches its Node, nothing else.
     "plugin-only": (VALUE_SETS["plugin-only-annotated"], {**ALWAYS, AGENT: NODE_READ}),
+    # The pods the kubelet refused for our devices, named on the Node: the node's Failed pods listed.
+    "rejected-pods-event": (merged(FULL, {"sandboxDevicePlugin": {"rejectedPods": "event"}}), {
+        **SPLIT, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS | {("", "pods", "list", None, None)}}),
     "example-mixed-cluster": (example("mixed-cluster"), {
         **SPLIT, **HOOK, AGENT: NODE_READ | LABEL_PATCH | NODE_EVENTS | NODE_STATUS | pull_secrets("registry-mirror")}),
     "example-air-gapped": (example("air-gapped"), {
@@ -259,7 +262,9 @@ def test_the_call_scan_finds_the_calls_we_know_of():
                            ("runtimeclasses", "create"), ("runtimeclasses", "delete"), ("runtimeclasses", "get"),
                            ("resourceslices", "list"), ("resourceslices", "create"),
                            ("resourceslices", "update"), ("resourceslices", "delete"),
-                           ("resourceclaims", "get"), ("pods", "get")}
+                           ("resourceclaims", "get"), ("pods", "get"), ("pods", "list")}
+    # The node's Failed pods, read for sandboxDevicePlugin.rejectedPods only.
+    assert needed[("pods", "list")] == ["katamgr/cluster/pods.py:34 list_pod_for_all_namespaces"]
     assert any("gpunode/services/kube.py" in w for w in needed[("nodes", "get")])
     assert any("gpunode/services/kube.py" in w for w in needed[("nodes", "watch")])
     # Every RuntimeClass call is in the one module the chart's agent skips, but the DRA
@@ -281,10 +286,14 @@ def test_the_sandbox_agents_grants_are_exactly_what_its_code_calls(chart):
     rc_module = str(RUNTIME_CLASS_CALLS.relative_to(REPO))
     needed = {k: v for k, v in api_calls(API_CALLERS).items()
               if not (k[0] == "runtimeclasses" and all(w.startswith(rc_module) for w in v))}
+    # The rejected-pods list needs the sandbox device plugin beside the agent (its offer gate),
+    # which the DRA driver replaces: it is granted with rejectedPods: event (EXPECTED).
+    needed.pop(("pods", "list"))
     missing = {k: v for k, v in needed.items() if k not in have}
     assert not missing, f"calls the sandbox agent's roles do not allow: {missing}"
     unused = have - set(needed)
     assert not unused, f"the chart grants verbs no call uses: {sorted(unused)}"
+    assert ("", "pods", "list", None, None) in identities(render(chart, EXPECTED["rejected-pods-event"][0]))[AGENT]
 
 
 @pytest.mark.integration

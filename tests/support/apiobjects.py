@@ -91,7 +91,10 @@ def route(path: str) -> tuple[Resource, str, str]:
     if len(rest) >= 3 and rest[0] == "namespaces":
         ns, rest = rest[1], rest[2:]
     resource = RESOURCES.get((group, version, rest[0] if rest else ""))
-    if resource is None or len(rest) > 2 or bool(ns) != resource.namespaced:
+    # A namespaced resource's collection without a namespace is every namespace's (a list or a
+    # watch: ``list_pod_for_all_namespaces``); one object is always named in its namespace.
+    if resource is None or len(rest) > 2 or (bool(ns) and not resource.namespaced) or (
+            resource.namespaced and not ns and len(rest) == 2):
         raise ApiError(404, "NotFound", "the server could not find the requested resource")
     return resource, ns, rest[1] if len(rest) == 2 else ""
 

@@ -13,7 +13,14 @@ from support.apiobjects import ApiError, Resource
 
 # Field selectors a kind offers besides metadata.name and metadata.namespace; any other
 # field label is refused, as the real server refuses it.
-SELECTABLE_FIELDS = {"ResourceSlice": resourceapi.slice_fields}
+SELECTABLE_FIELDS = {"ResourceSlice": resourceapi.slice_fields, "Pod": lambda obj: pod_fields(obj)}
+
+
+def pod_fields(obj: dict) -> dict[str, str]:
+    """Some of a pod's field labels (k8s.io/kubernetes pkg/registry/core/pod/strategy.go,
+    ``PodToSelectableFields``): the node it is bound to and its phase."""
+    return {"spec.nodeName": (obj.get("spec") or {}).get("nodeName") or "",
+            "status.phase": (obj.get("status") or {}).get("phase") or ""}
 
 Requirement = tuple[str, str, set[str]]
 

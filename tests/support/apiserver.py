@@ -177,6 +177,8 @@ class FakeApiServer:
         # The Node's status subresource (PATCH only: what node agents write it with).
         status = method == "PATCH" and path.startswith("/api/v1/nodes/") and path.endswith("/status")
         resource, ns, name = route(path.removesuffix("/status") if status else path)
+        if resource.namespaced and not ns and method != "GET":  # every namespace's: read only
+            raise ApiError(405, "MethodNotAllowed", f"the server does not allow this method on {resource.plural}")
         if method != "GET" and self._warming > 0:
             self._warming -= 1
             raise ApiError(403, "Forbidden", f"{resource.plural} is forbidden: not yet ready to handle request")

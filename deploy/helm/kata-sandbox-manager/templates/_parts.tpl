@@ -37,6 +37,12 @@ and ccManager are read as (index .Values "ccManager" | default dict): a release 
 {{- if and .Values.sandboxWorkloads.enabled .Values.sandboxDevicePlugin.enabled (dig "enabled" true $k) (not (include "ksm.dra" .)) }}true{{ end -}}
 {{- end -}}
 
+{{/* katamgr names the pods the kubelet refused for the plugin's devices (--rejected-pods event):
+       where the offer gate runs (katamgr and the sandbox device plugin in one pod) and asked. */}}
+{{- define "ksm.rejectedPods" -}}
+{{- if and (include "ksm.agent" .) (include "ksm.sandboxPlugin" .) (eq (.Values.sandboxDevicePlugin.rejectedPods | default "none") "event") }}true{{ end -}}
+{{- end -}}
+
 {{/* The DRA driver (sandbox-dra-driver) in the sandbox agent pod, in place of the sandbox
        device plugin: one or the other publishes a node's passthrough devices, never both.
        (| default: a release upgraded with --reuse-values from before dra existed) */}}
