@@ -296,12 +296,15 @@ def test_no_identity_of_the_chart_may_touch_a_runtime_class(kube, release, bound
 
 
 def test_only_the_workloads_that_call_the_api_get_a_token(kube, release):
-    """The pods the container plugin runs, as the API server admits them: no projected token
-    volume; the sandbox agent's pod and the revert hook's (GPU labels on) have one."""
+    """The pods as the API server admits them: each of these has a projected token volume: the
+    sandbox agent's, the revert hook's (GPU labels on), and the container plugin's, which follows
+    its own Node's labels (``--workload auto --auto-modes container``: it serves a split node's
+    container share and stands down on a vm-passthrough node without one). With sandbox workloads
+    off it runs ``--workload container`` without a token (tests/chart/test_rbac.py)."""
     templates = {o["metadata"]["name"]: o["spec"]["template"] for o in release
                  if o["kind"] == "DaemonSet"}
     # The revert hook takes the agent's GPU labels off its Node (gpuLabels.enabled, the default).
-    pods = {f"{FULLNAME}-device-plugin": False, f"{FULLNAME}-revert": True}
+    pods = {f"{FULLNAME}-device-plugin": True, f"{FULLNAME}-revert": True}
     for workload, gets_token in pods.items():
         template = templates[workload]
         pod = {"apiVersion": "v1", "kind": "Pod",
