@@ -171,12 +171,20 @@ def test_a_runc_pod_sharing_a_kata_pods_claim_gets_nothing_even_after_a_kubelet_
              "metadata": {"name": "shared", "namespace": NAMESPACE},
              "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
                  "deviceClassName": f"gpu.{DRIVER}"}}]}}}
+    # The runc pod waits behind a scheduling gate until the Kata pod runs: two pods naming one
+    # unallocated claim race in kube-scheduler (the one that loses while the other's allocation is
+    # in flight is parked as unschedulable, "in the process of being allocated", until a claim
+    # event or the 5-minute flush), which is the scheduler's order, not what this test is about.
+    runc_first = shared_claim_pod("runc-first", None)
+    runc_first["spec"]["schedulingGates"] = [{"name": "kata-sandbox-manager.io/after-vm-shared"}]
     try:
-        node.run(shared_claim_pod("runc-first", None))
+        node.run(runc_first)
         node.run({"apiVersion": "v1", "kind": "List",
                   "items": [claim, shared_claim_pod("vm-shared", KATA_CLASS)]})
         vm = node.wait_phase("vm-shared", NAMESPACE)
         assert vm["spec"]["runtimeClassName"] == KATA_CLASS
+        node.cluster.kubectl("patch", "pod", "runc-first", "-n", NAMESPACE, "--type", "json",
+                             "-p", '[{"op": "remove", "path": "/spec/schedulingGates"}]')
 
         def refused_reservation():
             pod = node.pod("runc-first", NAMESPACE)
