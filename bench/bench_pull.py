@@ -23,8 +23,7 @@ With ``--guest erofs`` the artifact is a Kata 4.1 NVIDIA guest instead: a kernel
 base image and a GPU extension image (each an MBR disk with its dm-verity tree, made by
 veritysetup: tests/support/veritykit.py) and the Kata config naming them with their
 parameters; install_artifact then also recomputes each image's dm-verity root hash before
-the swap (``katamgr.runtime.guest_images.GuestCheck``: the blocks hashed by a worker process
-as they stream, ``katamgr.artifacts.verity_worker``), work the baseline does not do.
+the swap (``katamgr.runtime.guest_images.GuestCheck``, the blocks hashed as they stream), work the baseline does not do.
 
     .venv/bin/python bench/bench_pull.py [--mib 64] [--rounds 11] [--guest initrd|erofs]
 """

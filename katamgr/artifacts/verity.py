@@ -23,17 +23,11 @@ root hash names is refused before anything is installed.
 from __future__ import annotations
 
 import hashlib
-import logging
 import struct
-import subprocess
-import sys
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ArtifactError
-
-log = logging.getLogger(__name__)
 
 FIELDS = ("root_hash", "salt", "data_blocks", "data_block_size", "hash_block_size")
 SECTOR = 512  # Kata's verityBlockSizeBytes, and the partition tables' sector
@@ -136,34 +130,52 @@ def root_of(digests: list[bytes], params: VerityParams) -> str:
 
 
 HEAD_CAP = 16 * 1024 * 1024  # bytes held while the parameters are not known yet
-WORKER = Path(__file__).with_name("verity_worker.py")
-WORKER_SECONDS = 600.0  # the worker's last blocks after the download: a local file read
 
 
 class StreamingBlocks:
-    """The data blocks' digests of a guest image taken as the image downloads (a download's
-    ``tap``), so that its root hash costs no second pass: a process of its own
-    (``verity_worker``) reads the blocks from the file as they are written, on another core,
-    while this one receives the rest. ``params_for()`` says whether the parameters can be known
-    yet and names them (None: the image has none, nothing is hashed and the check reads the
-    file instead); until they can, the image's first bytes are held here, up to HEAD_CAP."""
+    """The data blocks' digests of a guest image hashed as its bytes stream in (a download's
+    ``tap``), so that its root hash costs no second pass. ``params_for()`` says whether the
+    parameters can be known yet and names them (None: the image has none, nothing is hashed
+    and the check reads the file instead); until they can, the first bytes are held, up to
+    HEAD_CAP."""
 
-    def __init__(self, params_for, path: Path) -> None:
+    def __init__(self, params_for) -> None:
         self.params_for = params_for
-        self.path = path
         self.head = bytearray()
+        self.seen = 0  # bytes of the image so far
         self.params: VerityParams | None = None
         self.offset = -1  # where the data partition starts; -1: not known yet, -2: not hashed
-        self.worker: subprocess.Popen | None = None
-        self.hashed = 0  # data blocks the worker hashed while the image streamed
+        self.digests: list[bytes] = []
+        self.partial = bytearray()
 
     def __call__(self, chunk: bytes) -> None:
+        start, self.seen = self.seen, self.seen + len(chunk)
+        if self.offset == -2:
+            return
         if self.offset == -1:
             self.head += chunk
             if len(self.head) < SECTOR or not self._begin():
                 return
-        if self.worker is not None:
-            self._tell(b".")  # more of the file is on its way to disk: the worker reads on
+            chunk, start, self.head = bytes(self.head), 0, bytearray()
+        params = self.params
+        end = self.offset + params.data_blocks * params.data_block_size
+        low, high = max(start, self.offset + len(self.digests) * params.data_block_size + len(self.partial)), \
+            min(self.seen, end)
+        if high <= low:
+            return
+        piece = memoryview(chunk)[low - start:high - start]
+        size = params.data_block_size
+        if self.partial:
+            need = size - len(self.partial)
+            self.partial += piece[:need]
+            piece = piece[need:]
+            if len(self.partial) < size:
+                return
+            self.digests.append(_hash(self.salted, self.partial))
+            self.partial = bytearray()
+        whole = len(piece) - len(piece) % size
+        self.digests += [_hash(self.salted, piece[i:i + size]) for i in range(0, whole, size)]
+        self.partial += piece[whole:]
 
     def _begin(self) -> bool:
         """Whether hashing starts now (else the head is held, or hashing is given up)."""
@@ -171,80 +183,21 @@ class StreamingBlocks:
         parts = mbr_partitions(bytes(self.head[:SECTOR]))
         if not ready and len(self.head) <= HEAD_CAP:
             return False
-        self.head = bytearray()
         if params is None or len(parts) < 2:
-            self.offset = -2
+            self.offset, self.head = -2, bytearray()
             return False
         self.params, self.offset = params, parts[0][0]
-        try:
-            self.worker = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(WORKER), str(self.path), str(self.offset), str(params.data_blocks),
-                 str(params.data_block_size), params.salt],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True)
-        except OSError as exc:  # the check reads the file once the download is done
-            log.info("%s: no dm-verity worker (%s); its blocks are hashed after the download", self.path.name, exc)
-            self.offset = -2
-            return False
-        weakref.finalize(self, _stop, self.worker)
+        self.salted = hashlib.sha256(bytes.fromhex(params.salt))
         return True
 
-    def _tell(self, message: bytes) -> None:
-        if self.worker.stdin is None:
-            return  # told the file is complete already
-        try:
-            if message:
-                self.worker.stdin.write(message)
-                self.worker.stdin.flush()
-            else:
-                stdin, self.worker.stdin = self.worker.stdin, None  # communicate() then leaves it be
-                stdin.close()
-        except (OSError, ValueError):
-            pass  # the worker ended: root() reads why and the check falls back to the file
-
-    def finish(self) -> None:
-        """The file is complete (the download wrote and fsynced every byte)."""
-        if self.offset == -1 and len(self.head) >= SECTOR:
-            self._begin()  # all of it held: the worker reads it from the file
-        if self.worker is not None:
-            self._tell(b"")
-
     def root(self, params: VerityParams, offset: int) -> str | None:
-        """The root hash, when the worker hashed every block with these parameters and offset."""
-        self.finish()
-        worker, self.worker = self.worker, None
-        if worker is None or self.params != params or self.offset != offset:
-            if worker is not None:
-                _stop(worker)
+        """The root hash, when every block streamed by with these parameters and offset."""
+        if self.offset == -1 and len(self.head) >= SECTOR and self._begin():  # all of it held
+            head, self.head, self.seen = bytes(self.head), bytearray(), 0
+            self(head)
+        if self.params != params or self.offset != offset or len(self.digests) != params.data_blocks:
             return None
-        try:
-            out, err = worker.communicate(timeout=WORKER_SECONDS)
-        except subprocess.TimeoutExpired:
-            _stop(worker)
-            return None
-        if worker.returncode != 0 or len(out) != params.data_blocks * DIGEST_BYTES:
-            log.info("%s: the dm-verity worker gave no digests (%s); reading the file", self.path.name,
-                     err.decode(errors="replace").strip() or f"exit {worker.returncode}")
-            return None
-        self.hashed = params.data_blocks
-        return root_of([out[i:i + DIGEST_BYTES] for i in range(0, len(out), DIGEST_BYTES)], params)
-
-    def close(self) -> None:
-        """A download attempt abandoned: its worker goes."""
-        worker, self.worker = self.worker, None
-        if worker is not None:
-            _stop(worker)
-
-
-def _stop(worker: subprocess.Popen) -> None:
-    if worker.poll() is None:
-        worker.kill()
-    for pipe in (worker.stdin, worker.stdout, worker.stderr):
-        try:
-            if pipe is not None:
-                pipe.close()
-        except OSError:
-            pass  # a pipe to a killed worker
-    worker.wait()
+        return root_of(self.digests, params)
 
 
 def _hash(salted, block) -> bytes:

@@ -134,18 +134,13 @@ class GuestCheck:
     def tap(self, layer: Layer, path: Path) -> StreamingBlocks | None:
         if fnmatch.fnmatch(layer.name, CONFIG_GLOB):
             return None
-        stream = StreamingBlocks(lambda: self._params(layer, path.parent), path)
-        before = self.streams.get(layer.name)
+        stream = StreamingBlocks(lambda: self._params(layer, path.parent))
         self.streams[layer.name] = stream  # a retry's stream replaces the attempt before
-        if before is not None:
-            before.close()
         return stream
 
     def layer_done(self, name: str) -> None:
         if fnmatch.fnmatch(name, CONFIG_GLOB):
             self.config_done.set()
-        elif name in self.streams:
-            self.streams[name].finish()  # the file is whole: its worker reads the last blocks
 
     def _params(self, layer: Layer, staging: Path) -> tuple[bool, VerityParams | None]:
         if not self.config_done.is_set():
