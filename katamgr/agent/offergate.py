@@ -59,13 +59,16 @@ class OfferGate:
         self.why = ""
         # Called each time the gate opens (the first time too): ``agent.rejected`` looks then.
         self.on_open: Callable[[], object] | None = None
+        self.resources: set[str] = set()  # the passthrough resources of the last verdict's scan
 
     def verdict(self) -> tuple[bool, str]:
         """(open, why): whether the kubelet has our devices to give now."""
         if self.stopping:
             return False, "the agent is stopping, and its device plugin with it"
         t = self.target
-        units = {u.id.lower() for u in resource_units(t.host, t.scan(), t.naming)} if t.binds else set()
+        found = resource_units(t.host, t.scan(), t.naming) if t.binds else []
+        units = {u.id.lower() for u in found}
+        self.resources = {u.resource_name for u in found}
         if not units:
             return True, "no passthrough device of ours on this node to wait for"
         offered, unknown = self.allocatable()

@@ -79,7 +79,7 @@ class Agent:
         self._unverified_said: tuple[str, ...] = ()  # the problems last told on the Node
         gate = OfferGate(self.target) if s.offer_gate else None
         if gate is not None and s.rejected_pods == "event" and links.failed_pods is not None:
-            gate.on_open = RejectedPods(links.failed_pods, self.target.resource_names, self.events).look
+            gate.on_open = RejectedPods(links.failed_pods, lambda: gate.resources, self.events).look
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=s.retry_initial, retry_max=s.retry_max,
                                      offer_labels=links.offer_labels, gate=gate)

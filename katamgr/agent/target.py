@@ -8,7 +8,6 @@ from gpunode.host.root import HostRoot
 from gpunode.policy.inventory import Inventory, discover
 from gpunode.policy.katadetect import KataOnNode
 from gpunode.policy.naming import Naming
-from gpunode.policy.passthrough import resource_units
 from gpunode.policy.workload import Operand
 from gpunode.services.nvlinkfabric import FabricSettings
 from katamgr.pipeline.kata_runtime import KataContext
@@ -57,10 +56,6 @@ class Target:
 
     def scan(self) -> Inventory:
         return discover(self.host, self.naming.selection, self.naming.nvswitch_rule)
-
-    def resource_names(self) -> set[str]:
-        """The extended resources the node's passthrough devices are advertised under now."""
-        return {u.resource_name for u in resource_units(self.host, self.scan(), self.naming)} if self.binds else set()
 
     def plan(self, steps: Steps | None = None) -> Plan:
         """The devices' plan (read-only), without the Kata sections."""
