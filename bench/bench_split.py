@@ -12,6 +12,7 @@ Run: .venv/bin/python bench/bench_split.py [--changes 1000] [--seed 46]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import random
 import shutil
@@ -27,6 +28,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from support.splitkit import CONTAINER_GPU, Replay, split_node, uuid_of  # noqa: E402
 
 from gpunode.policy.split import split  # noqa: E402
+from katamgr.agent.settings import AgentSettings  # noqa: E402
 from nodesim.kubelet import KubeletSimulator  # noqa: E402
 from nodesim.kubeletstate import AdmissionError  # noqa: E402
 from nodesim.materialise import materialise  # noqa: E402
@@ -34,6 +36,8 @@ from nodesim.profiles import find_profile  # noqa: E402
 
 A10 = "nvidia.com/GA102GL_A10"
 PROFILE = "a10-server"
+# katamgr run's own check interval: a move must not wait for the next check.
+CHECK_INTERVAL = {f.name: f.default for f in dataclasses.fields(AgentSettings)}["check_interval"]
 
 
 def sim_host():
@@ -58,6 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--changes", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=46)
+    parser.add_argument("--check-interval", type=float, default=CHECK_INTERVAL,
+                        help="the agent's checks (default: katamgr run's own, %(default)g s)")
     args = parser.parse_args()
     logging.disable(logging.WARNING)  # the figures, not each plugin's and the agent's lines
     rng = random.Random(args.seed)
@@ -65,7 +71,7 @@ def main() -> None:
     samples: list[float] = []
     started = time.monotonic()
     try:
-        with split_node(make, PROFILE, "2") as node:
+        with split_node(make, PROFILE, "2", check_interval=args.check_interval) as node:
             kubelet, gpus = node.kubelet, node.gpus
             replay = Replay(node)
             count, pods = 2, []

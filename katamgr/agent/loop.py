@@ -3,8 +3,9 @@
 It sleeps until an inotify event in containerd's config dir, a relabel (the Node watch
 wakes it), a stop request or, at the latest, every check interval: the checks are cheap
 and cover a lost event (sysfs sends none for a kernel's driver change). While a leave keeps
-GPUs for running VMs, those alone are looked at every second (a VM's end sends no event). A failed
-reconcile is retried when its backoff is up; the artifacts are re-checked on a timer.
+GPUs for running VMs, or a split change keeps GPUs for their pods and VMs, those alone are
+looked at every second (a VM's end sends no event). A failed reconcile is retried when its
+backoff is up; the artifacts are re-checked on a timer.
 """
 
 from __future__ import annotations

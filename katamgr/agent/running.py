@@ -157,7 +157,8 @@ class Agent:
         return self.switcher.switch(workload, out)
 
     def release_freed(self) -> bool:
-        return self.give_backs.release_freed()
+        freed = self.give_backs.release_freed()
+        return self.splitter.poll() or freed
 
     def containerd_drift(self) -> str | None:
         return drift.containerd_drift(self.target)
@@ -180,7 +181,7 @@ class Agent:
         self.reconcile(f"retry after a failure (backoff {self.reconciler.retry_delay:g} s)", retry=True)
 
     def holding(self) -> bool:
-        return bool(self.give_backs.held)
+        return bool(self.give_backs.held) or self.splitter.waiting
 
     def health(self) -> tuple[bool, str]:
         return self.probes.healthy()

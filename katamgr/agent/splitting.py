@@ -9,7 +9,7 @@ sides are what this module publishes (``splitnode.write_sides``), which both plu
 - A GPU leaving the VM share: off the VM side; the kubelet is asked until it no longer offers it
   to new pods (``wait_not_offered``), then whether a pod was given it (PodResources ``List``) and
   whether a VM holds its VFIO group open; a free one is given back to its driver and put on the
-  container side. A held one stays on vfio-pci and is looked at each check (``retry``), given
+  container side. A held one stays on vfio-pci and is looked at every second (``poll``), given
   back once its pod and VM are gone.
 - A GPU joining the VM share: off the container side; once the kubelet lists none of its UUIDs
   as ``nvidia.com/gpu`` and no pod holds it, the reconcile binds its IOMMU group to vfio-pci,
@@ -81,9 +81,7 @@ class SplitKeeper:
         """Carry the node to the split ``value`` (the label's, or the node pool ``origin``'s); True
         when GPUs moved or the split changed."""
         if value == self.value and self.share is not None:
-            went = bool(self.leaving) and self.retry()
-            joined = bool(self.joining) and self._join()
-            return went or joined
+            return False  # the GPUs still waiting are the agent's poll's (``poll``)
         t = self.target
         try:
             if self.dra and value:
@@ -121,10 +119,10 @@ class SplitKeeper:
         if not (change.to_vm or change.to_container or switches) and old.value == value:
             return False
         what = [change.describe()]
-        if change.to_container or switches:
+        if self.leaving:  # with those an earlier change left held, now perhaps let go
             what.append(self._give_back(old_naming))
         if self.joining:
-            self._join()
+            self._join(wait=self.offer_wait)
             what.append(self._joined)
         summary = f"split now {share.describe()}: {'; '.join(what)}"
         log.info("%s", summary)
@@ -132,6 +130,20 @@ class SplitKeeper:
             self.metrics.workload_switch_seconds.labels(VM).observe(time.monotonic() - started)
             self.events.switched(True, summary)
         return True
+
+    @property
+    def waiting(self) -> bool:
+        """GPUs of a change wait for a pod or VM to let go (or for the kubelet): looked at every
+        second, as the whole-node switch's held GPUs are, since a pod's or VM's end sends no event."""
+        return self.share is not None and bool(self.leaving or self.joining)
+
+    def poll(self) -> bool:
+        """Move the waiting GPUs that were let go; True when any moved."""
+        if self.share is None:
+            return False
+        went = bool(self.leaving) and self.retry()
+        joined = bool(self.joining) and self._join()
+        return went or joined
 
     @property
     def unsplit(self) -> Naming:
@@ -175,19 +187,32 @@ class SplitKeeper:
                                         container=(*share.container, *waiting), nvswitches_to_vm=False)
         return dataclasses.replace(self.unsplit, selection=selection_for(self.unsplit.selection, share))
 
-    def _join(self) -> bool:
+    def _join(self, wait: float = 0.0) -> bool:
         """Bind the GPUs joining the VM share once the container plugin withdrew them and no pod
         holds them: the kubelet lists none of their UUIDs (the driver's, as NVIDIA's plugin
         advertises them) as ``nvidia.com/gpu``, nor gave one to a pod (PodResources ``List``);
         where a UUID cannot be read, it lists no more such devices than the container share has
-        GPUs (the plugin lists only GPUs of its share, so one more is a joining GPU still offered)."""
+        GPUs (the plugin lists only GPUs of its share, so one more is a joining GPU still offered).
+
+        Right after a change the kubelet is asked again every 50 ms for up to ``wait`` s: the
+        container plugin withdraws a GPU within a fraction of a second of the sides being
+        published, and the next check is seconds away. Later checks ask once."""
         assert self.share is not None
         host = self.target.host
-        listed = self.container_listed()
         uuids = {bdf: (holders.gpu_uuid(host, bdf) or "").lower() for bdf in self.joining}
-        if listed is not None and (
-                set(uuids.values()) & listed if all(uuids.values())
-                else len(listed) > len(self.share.container)):
+        container = len(self.share.container)
+
+        def still_listed(listed: frozenset[str] | None) -> bool:
+            return listed is not None and bool(
+                set(uuids.values()) & listed if all(uuids.values()) else len(listed) > container)
+
+        deadline = time.monotonic() + wait
+        listed = self.container_listed()
+        while still_listed(listed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            listed = self.container_listed()
+        if still_listed(listed):
+            assert listed is not None
             self._joined = (f"{', '.join(sorted(self.joining))} wait until the container plugin no "
                             f"longer lists them (the kubelet lists {len(listed)} {CONTAINER_RESOURCE})")
             return False
@@ -240,7 +265,12 @@ class SplitKeeper:
         still = set(wait_not_offered(host, [u.id for u in units], timeout=self.offer_wait))
         offered = {bdf for u in units if u.id.lower() in still for bdf in u.functions}
         asked = self.pod_devices()
-        given = assigned_functions(host, inv, old_naming, asked.assignments)
+        # A GPU an earlier change left held is in no unit of ``old_naming`` (out of its share):
+        # the pods given it are found by the operator's whole selection.
+        unsplit = self.unsplit
+        given = {**assigned_functions(host, discover(host, unsplit.selection, unsplit.nvswitch_rule), unsplit,
+                                      asked.assignments),
+                 **assigned_functions(host, inv, old_naming, asked.assignments)}
         held = {bdf for bdf in self.leaving if bdf in given or bdf in offered
                 or vfio.vfio_holders(host, bdf, recorded[bdf].get("group"))}
         free = self.leaving - held

@@ -54,7 +54,9 @@ def test_no_gpu_is_offered_by_both_plugins_under_racing_relabels_and_pod_churn(s
 
 
 def test_a_gpu_a_container_pod_holds_joins_the_vm_share_only_once_the_pod_is_gone(sim_host):
-    with split_node(sim_host, "a10-server", "2") as node:
+    # The agent's next check is an hour away: the GPU a pod held moves by the poll of the GPUs
+    # a change keeps waiting, as soon as the pod is gone.
+    with split_node(sim_host, "a10-server", "2", check_interval=3600) as node:
         kubelet = node.kubelet
         kubelet.wait_for(lambda s: offered(s, A10) == 2 and offered(s, CONTAINER_GPU) == 2, timeout=20)
         kubelet.admit_pod("default", "cuda", {"main": {CONTAINER_GPU: 1}})
@@ -70,3 +72,41 @@ def test_a_gpu_a_container_pod_holds_joins_the_vm_share_only_once_the_pod_is_gon
         kubelet.remove_pod("default", "cuda")
         kubelet.wait_for(lambda s: offered(s, A10) == 4, timeout=20)
         assert driver_of(node.host, held) == "vfio-pci"
+
+
+def test_one_free_gpu_moves_each_way_without_waiting_for_the_agents_next_check(sim_host):
+    """A move is carried out on the relabel itself: katamgr waits for the kubelet to drop the GPU
+    from the side it leaves (PodResources ``GetAllocatableResources``) and then moves it, rather
+    than finding it withdrawn at a later check (an hour away here)."""
+    with split_node(sim_host, "a10-server", "2", check_interval=3600) as node:
+        kubelet = node.kubelet
+        kubelet.wait_for(lambda s: offered(s, A10) == 2 and offered(s, CONTAINER_GPU) == 2, timeout=20)
+        node.relabel("3")  # one GPU to VMs: withdrawn by the container plugin, then bound
+        kubelet.wait_for(lambda s: offered(s, A10) == 3 and offered(s, CONTAINER_GPU) == 1, timeout=20)
+        assert driver_of(node.host, node.gpus[1]) == "vfio-pci"
+        node.relabel("2")  # and back: withdrawn by the passthrough plugin, then given back
+        kubelet.wait_for(lambda s: offered(s, A10) == 2 and offered(s, CONTAINER_GPU) == 2, timeout=20)
+        assert driver_of(node.host, node.gpus[1]) == "nvidia"
+
+
+def test_a_gpu_a_kata_pod_was_given_stays_on_vfio_pci_through_a_later_change(sim_host):
+    """A GPU that left the VM share while a pod held it (its VM not started yet: no VFIO group
+    open) is still that pod's when the split changes again: the kubelet's ``List`` names it under
+    the passthrough resource, though the share's own naming no longer has it."""
+    with split_node(sim_host, "a10-server", "2", check_interval=3600) as node:
+        kubelet = node.kubelet
+        kubelet.wait_for(lambda s: offered(s, A10) == 2 and offered(s, CONTAINER_GPU) == 2, timeout=20)
+        kubelet.admit_pod("default", "kata", {"main": {A10: 1}})
+        [held] = kubelet.state.pods[0].containers[0].devices[A10]
+        free = next(b for b in node.gpus[2:] if b != held)
+        # The held GPU's side leaves the VM share first, then the other GPU too.
+        node.relabel("index.2" if free == node.gpus[2] else "index.3")
+        assert wait_for(lambda: node.agent.splitter.leaving == {held})
+        node.relabel("0")
+        kubelet.wait_for(lambda s: offered(s, CONTAINER_GPU) == 3, timeout=20)
+        assert driver_of(node.host, free) == "nvidia"
+        time.sleep(2)  # a few of the held GPUs' polls
+        assert driver_of(node.host, held) == "vfio-pci" and node.agent.splitter.leaving == {held}
+        kubelet.remove_pod("default", "kata")  # the pod ends: its GPU is given back
+        kubelet.wait_for(lambda s: offered(s, CONTAINER_GPU) == 4, timeout=20)
+        assert driver_of(node.host, held) == "nvidia"

@@ -93,9 +93,10 @@ def _plugin(host, api: FakeApiServer, mode: Mode, stop: threading.Event) -> tupl
 
 
 @contextlib.contextmanager
-def split_node(sim_host, profile: str, value: str | None) -> Iterator[SplitNode]:
+def split_node(sim_host, profile: str, value: str | None, *, check_interval: float = 0.05) -> Iterator[SplitNode]:
     """``profile``'s node (every GPU on nvidia) labeled vm-passthrough with the split ``value``,
-    the agent's first reconcile done and its loop, and both plugins, running."""
+    the agent's first reconcile done and its loop, and both plugins, running. ``check_interval``:
+    the agent's checks (the agent's own default is 10 s; quick checks here find held GPUs let go)."""
     host, kubelet = sim_host(profile)
     from gpunode.policy.inventory import discover
 
@@ -106,7 +107,7 @@ def split_node(sim_host, profile: str, value: str | None) -> Iterator[SplitNode]
         watch = NodeLabelWatch(api.client(), NODE).start()
         read = lambda: resolve_workload(NODE, lambda node: watch.labels(), default=Workload.CONTAINER,  # noqa: E731
                                         fallback=lambda: (Workload.VM_PASSTHROUGH, "by hand"))
-        agent = make_agent(host, NAMING, Steps(kata=False), None, check_interval=0.05,
+        agent = make_agent(host, NAMING, Steps(kata=False), None, check_interval=check_interval,
                            read_workload=read, node_watch=watch)
         agent.switcher.split_at_start()
         assert agent.reconcile("start").ok
