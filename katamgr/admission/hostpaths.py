@@ -98,15 +98,20 @@ def backstep_volume_problem(pod: dict[str, Any]) -> str | None:
     return None
 
 
+# What a denial says to the operator whose own node software (a GPU Operator component, a
+# monitoring agent) it met: the chart's setting, or the namespace label, that spares it.
+NODE_SOFTWARE = ("node software that needs it runs in a namespace isolation leaves out (list it in the "
+                 "chart's isolation.excludedNamespaces, or label the namespace "
+                 "isolation.kata-sandbox-manager.io/exempt=true)")
+
+
 def control_point_problem(pod: dict[str, Any], points: tuple[str, ...] = CONTROL_POINTS) -> str | None:
     for volume, path in host_paths(pod):
         point = control_point_of(path, points)
         if point:
             return (f'volume "{volume}" is the host path {path}, which reaches {point}, where the node '
                     f"controls its GPUs (device plugins, DRA drivers, CDI specs, the container runtime, "
-                    f"PCI devices in sysfs); node software that needs it runs in a namespace isolation "
-                    f"leaves out (list it in isolation.excludedNamespaces, or label it "
-                    f"isolation.kata-sandbox-manager.io/exempt=true), other pods request a GPU resource")
+                    f"PCI devices in sysfs); {NODE_SOFTWARE}, other pods request a GPU resource")
     return None
 
 

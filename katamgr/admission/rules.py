@@ -287,7 +287,7 @@ def _host_path_problem(pod: dict[str, Any]) -> str | None:
     for volume, path in host_paths(pod):
         if holds_gpu_devices(path):
             return (f'volume "{volume}" is the host path {path}, which shows the node\'s GPU device nodes '
-                    f"(/dev/nvidia*, /dev/vfio); request a GPU resource instead")
+                    f"(/dev/nvidia*, /dev/vfio); request a GPU resource instead ({hostpaths.NODE_SOFTWARE})")
     return None
 
 
@@ -298,7 +298,7 @@ def _mount_problem(pod: dict[str, Any], scope: tuple[str, ...]) -> str | None:
             if is_device_list_mount(path):
                 return (f'{c.where} mounts volume "{mount.get("name", "")}" at {path}, where the NVIDIA '
                         f"container runtime reads which GPUs to give the container; request a GPU "
-                        f"resource instead")
+                        f"resource instead ({hostpaths.NODE_SOFTWARE})")
     return None
 
 
@@ -314,5 +314,5 @@ def _env_problem(pod: dict[str, Any], policy: Policy, scope: tuple[str, ...]) ->
         if any(entry != {"name": VISIBLE_DEVICES, "value": VOID} for _, entry in own):
             return (f'{c.where} requests no GPU but sets {VISIBLE_DEVICES} to something other than '
                     f'"{VOID}"; a container that requests no GPU resource sees no GPU: remove it, or '
-                    f"request the GPU it needs")
+                    f"request the GPU it needs ({hostpaths.NODE_SOFTWARE})")
     return None

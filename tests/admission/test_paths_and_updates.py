@@ -39,7 +39,8 @@ REFUSED = {
                                 "/var/lib/kubelet/device-plugins, where the node controls its GPUs (device "
                                 "plugins, DRA drivers, CDI specs, the container runtime, PCI devices in sysfs); node "
                                 "software that needs it runs in a namespace isolation leaves out (list it in "
-                                "isolation.excludedNamespaces, or label it isolation.kata-sandbox-manager.io/exempt=true), "
+                                "the chart's isolation.excludedNamespaces, or label the namespace "
+                                "isolation.kata-sandbox-manager.io/exempt=true), "
                                 "other pods request a GPU resource"),
     "hostpath-kubelet": "host path /var/lib/kubelet, which reaches /var/lib/kubelet/device-plugins,",
     "hostpath-var-run-cdi": "host path /var/run/cdi, which reaches /var/run/cdi,",

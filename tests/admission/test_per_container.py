@@ -105,6 +105,15 @@ def test_validate_refuses_the_other_ways_to_a_gpu(webhook, case):
     assert response["status"]["message"].startswith('pod "demo": ' + DENIED[case])
 
 
+@pytest.mark.parametrize("case", ["sidecar-user-all", "hostpath-nvidia0", "hostpath-vfio", "devlist-emptydir"])
+def test_a_refusal_node_software_may_meet_names_the_setting_that_spares_it(case):
+    # A GPU Operator component or a monitoring agent mounts /dev or sets NVIDIA_VISIBLE_DEVICES
+    # without requesting a GPU: its operator reads which chart value (or namespace label) spares it.
+    message = validate(podkit.cases()[case], Policy())
+    assert "list it in the chart's isolation.excludedNamespaces, or label the namespace " \
+           "isolation.kata-sandbox-manager.io/exempt=true" in message, message
+
+
 @pytest.mark.parametrize("case", ALLOWED)
 def test_validate_allows_what_is_no_way_to_a_gpu(case):
     assert validate(podkit.cases()[case], Policy()) is None
