@@ -92,6 +92,12 @@ def partitions(path: Path) -> list[tuple[int, int]]:
         return mbr_partitions(disk.read(SECTOR))
 
 
+def is_gpt(mbr: bytes) -> bool:
+    """Whether the disk's MBR is GPT's protective one (a partition of type 0xEE)."""
+    return (len(mbr) >= SECTOR and mbr[510:512] == b"\x55\xaa"
+            and any(mbr[446 + 16 * i + 4] == 0xEE for i in range(4)))
+
+
 def mbr_partitions(mbr: bytes) -> list[tuple[int, int]]:
     if len(mbr) < SECTOR or mbr[510:512] != b"\x55\xaa":
         return []
@@ -210,6 +216,11 @@ def check_image(path: Path, params_text: str, what: str, streamed: StreamingBloc
     """Refuse ``path`` unless its first partition has the root hash ``params_text`` names
     (from the blocks ``streamed`` hashed during the download, when it has them all)."""
     params = parse_params(params_text, what)
+    with path.open("rb") as disk:
+        if is_gpt(disk.read(SECTOR)):
+            raise ArtifactError(f"{what}: {path.name} is a GPT disk; Kata reads a dm-verity guest image's partitions "
+                                "from an MBR table (data first, hash tree second), as its image builder writes "
+                                "it (parted mklabel msdos): rebuild the image with an MBR table")
     parts = partitions(path)
     if len(parts) < 2:
         raise ArtifactError(f"{what}: {path.name} has {len(parts)} MBR partition(s); a dm-verity guest image holds "

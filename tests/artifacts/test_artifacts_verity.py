@@ -198,3 +198,17 @@ def test_an_image_without_a_partition_table_is_refused(tmp_path):
     with pytest.raises(ArtifactError, match="has 0 MBR partition"):
         install_artifact(f"oci-layout://{tmp_path / 'layout'}:v1", dest, check=verify_staged)
 
+
+
+def test_a_gpt_disk_is_refused_by_name(tmp_path):
+    files, base, _ = artifact(tmp_path / "v1")
+    image = tmp_path / "v1" / BASE
+    disk = bytearray(image.read_bytes())
+    disk[446:462] = bytes([0, 0, 2, 0, 0xEE, 0xFF, 0xFF, 0xFF, 1, 0, 0, 0, 0xFF, 0xFF, 0, 0])  # protective MBR
+    disk[462:510] = bytes(48)
+    image.write_bytes(bytes(disk))
+    _layout(tmp_path / "layout", files, {})
+    dest = tmp_path / "classes" / "kata-qemu-nvidia-gpu"
+    with pytest.raises(ArtifactError, match="is a GPT disk; .*rebuild the image with an MBR table"):
+        install_artifact(f"oci-layout://{tmp_path / 'layout'}:v1", dest, check=verify_staged)
+    assert not dest.exists()
