@@ -15,6 +15,8 @@ import tempfile
 import threading
 import time
 
+import grpc
+
 from gpunode.kataclasses import GPU, offer_label
 from katamgr.cluster import EventRecorder
 from katamgr.commands.setup import node_labels
@@ -107,7 +109,7 @@ class Arrivals:
         time.sleep(BIND_TO_KUBELET)
         try:
             self.kubelet.admit_pod("tenant", name, {"main": {A10: 1}})
-        except AdmissionError as exc:
+        except (AdmissionError, grpc.RpcError, KeyError) as exc:  # the plugin went mid-admission: refused too
             self.rejected.append(f"{name}: {exc}")
             return
         self.admitted.append(name)
