@@ -1,0 +1,186 @@
+"""A kubelet restart, the device plugin's container restarted in place and a containerd restart
+on the real node, while a Kata pod holds a GPU throughout and a Kata pod asking for a GPU is
+created every half second: how many the kubelet refuses (``UnexpectedAdmissionError``).
+
+What the kubelet does (k8s.io/kubernetes v1.35.4, pkg/kubelet/cm/devicemanager): a kubelet
+starting removes every socket in /var/lib/kubelet/device-plugins and serves kubelet.sock anew
+(``plugin/v1beta1/server.go`` ``Start``, ``manager.go`` ``CleanupPluginDirectory``); until a
+plugin registers again its resources have no healthy device (``readCheckpoint``); a plugin whose
+stream ends has all its devices marked Unhealthy at once (``PluginDisconnected``); a pod admitted
+then fails with UnexpectedAdmissionError. Running containers are the runtime's and are not
+admitted again. The agent's offer gate hears each of these at once (katamgr.agent.kubeletwatch):
+the offer label comes off and the scheduler holds the pods that arrive meanwhile. A pod bound
+before the label came off still reaches the kubelet: the figures say how many were refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from support.kubecluster import wait_for
+from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, restart_count
+
+from gpunode.kataclasses import offer_label
+
+NAMESPACE = "node-restart-tests"
+AGENT = "app.kubernetes.io/component=sandbox-agent"
+
+
+@pytest.fixture(scope="module")
+def holder(node):
+    """A Kata pod holding one GPU through every restart below."""
+    node.cluster.namespace(NAMESPACE)
+    node.wait_resource(GPU_RESOURCE, 8)
+    node.run({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "holder", "namespace": NAMESPACE},
+              "spec": {"runtimeClassName": KATA_CLASS, "terminationGracePeriodSeconds": 1,
+                       "containers": [{"name": "main", "image": IMAGE, "imagePullPolicy": "Never",
+                                       "command": ["sleep", "3600"],
+                                       "resources": {"limits": {GPU_RESOURCE: 1}}}]}})
+    pod = node.wait_phase("holder", NAMESPACE)
+    yield pod
+    node.delete_pod("holder", NAMESPACE)
+
+
+def offered(node) -> bool:
+    return node.get()["metadata"]["labels"].get(offer_label(KATA_CLASS)) == "true"
+
+
+def arriving(name: str, case: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE,
+                                                            "labels": {"arrival": case}},
+            "spec": {"runtimeClassName": KATA_CLASS, "restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                     "containers": [{"name": "main", "image": IMAGE, "imagePullPolicy": "Never",
+                                     "command": ["true"], "resources": {"limits": {GPU_RESOURCE: 1}}}]}}
+
+
+def through(node, holder, figures, case: str, act) -> list[tuple[str, str, str]]:
+    """``act()`` while a Kata GPU pod is created every half second; the refused pods (name,
+    reason, message), once every one ran or was refused. The label's path is timed: off how
+    long after ``act`` began, on again how long after."""
+    wait_for(lambda: offered(node), "the class offered on the node", 90, every=0.5)
+    names: list[str] = []
+    done = threading.Event()
+    seen: list[tuple[float, bool]] = []
+
+    def arrive() -> None:
+        while not done.is_set():
+            names.append(f"{case}-{len(names)}")
+            node.run(arriving(names[-1], case))
+            time.sleep(0.5)
+
+    def watch() -> None:  # the label as the scheduler's informer sees it, about every 0.2 s
+        while not done.is_set():
+            now = offered(node)
+            if not seen or seen[-1][1] != now:
+                seen.append((time.monotonic(), now))
+            time.sleep(0.1)
+
+    threads = [threading.Thread(target=arrive, daemon=True), threading.Thread(target=watch, daemon=True)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(2)
+        started = time.monotonic()
+        act()
+        wait_for(lambda: offered(node) and seen and seen[-1][1], "the class offered again", 120, every=0.5)
+        time.sleep(3)
+    finally:
+        done.set()
+        for t in threads:
+            t.join(30)
+
+    def settled():
+        items = json.loads(node.cluster.kubectl("get", "pods", "-n", NAMESPACE, "-l", f"arrival={case}",
+                                                "-o", "json").stdout)["items"]
+        return items if len(items) == len(names) and all(
+            p["status"].get("phase") in ("Succeeded", "Failed") for p in items) else None
+
+    pods = wait_for(settled, "every arriving pod ran or was refused", 240, every=1)
+    refused = [(p["metadata"]["name"], p["status"].get("reason", ""), p["status"].get("message", ""))
+               for p in pods if p["status"].get("phase") == "Failed"]
+    off = next((t - started for t, now in seen if t >= started and not now), None)
+    on = next((t - started for t, now in seen if off is not None and t - started > off and now), None)
+    label = ("the class stayed offered (the gate saw no gap)" if off is None else
+             f"the class off {off:.1f} s after it began, offered again after {on:.1f} s" if on is not None else
+             f"the class off {off:.1f} s after it began")
+    figures.append(f"{case}: {len(pods)} Kata GPU pods arriving, {len(refused)} refused "
+                   f"({sorted({r[1] for r in refused}) or 'none'}); {label}")
+    node.cluster.kubectl("delete", "pods", "-n", NAMESPACE, "-l", f"arrival={case}", "--wait=false")
+    pod = node.pod("holder", NAMESPACE)
+    assert container_id(pod) == container_id(holder) and restart_count(pod) == 0  # keeps its GPU
+    return refused
+
+
+def container_id(pod) -> str:
+    return pod["status"]["containerStatuses"][0]["containerID"]
+
+
+def container_pids(container: str) -> list[int]:
+    """The host's processes of one container: its ID in their cgroup path (the kubelet's
+    kubepods cgroups name each container by it, cgroupfs and systemd drivers alike)."""
+    cid = container.split("://", 1)[-1]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if cid in (entry / "cgroup").read_text():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def refused_for_us(refused) -> list:
+    return [r for r in refused if r[1] == "UnexpectedAdmissionError"]
+
+
+def test_kata_pods_arriving_through_a_kubelet_restart(node, holder, node_figures):
+    refused = through(node, holder, node_figures, "kubelet-restart",
+                      lambda: node.cluster.component("restart", "kubelet"))
+    assert [r for r in refused if r[1] != "UnexpectedAdmissionError"] == [], refused
+    # The pods bound before the label came off are the kubelet's to refuse; the figure says how many.
+    assert len(refused_for_us(refused)) <= 3, refused
+
+
+def test_kata_pods_arriving_through_the_device_plugin_container_killed_and_restarted(node, holder, node_figures):
+    agent = node.component_pod("sandbox-agent")
+    [plugin] = [c for c in agent["status"]["containerStatuses"] if c["name"] == "sandbox-device-plugin"]
+
+    def kill() -> None:
+        pids = container_pids(plugin["containerID"])
+        assert pids, plugin["containerID"]
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)  # a crash: its socket left behind, its stream cut
+
+        def back():
+            now = [c for c in node.component_pod("sandbox-agent")["status"]["containerStatuses"]
+                   if c["name"] == "sandbox-device-plugin"]
+            return now and now[0]["restartCount"] > plugin["restartCount"] and now[0]["ready"]
+
+        wait_for(back, "the kubelet restarted the device plugin's container in place", 120, every=0.5)
+
+    try:
+        refused = through(node, holder, node_figures, "plugin-restart", kill)
+        again = node.component_pod("sandbox-agent")
+        [restarted] = [c for c in again["status"]["containerStatuses"] if c["name"] == "sandbox-device-plugin"]
+        assert again["metadata"]["uid"] == agent["metadata"]["uid"] and restarted["restartCount"] >= 1
+        assert [r for r in refused if r[1] != "UnexpectedAdmissionError"] == [], refused
+        assert len(refused_for_us(refused)) <= 3, refused
+    finally:
+        # The next modules count the agent pod's restarts: a fresh pod, as a rolling update makes.
+        node.cluster.kubectl("delete", "pod", agent["metadata"]["name"], "-n", agent["metadata"]["namespace"],
+                             "--wait=true", timeout=120)
+        node.wait_ready(AGENT)
+        node.wait_resource(GPU_RESOURCE, 8)
+
+
+def test_kata_pods_arriving_through_a_containerd_restart(node, holder, node_figures):
+    refused = through(node, holder, node_figures, "containerd-restart",
+                      lambda: node.cluster.component("restart", "containerd"))
+    assert refused_for_us(refused) == [], refused
