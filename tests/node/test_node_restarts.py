@@ -59,18 +59,21 @@ def arriving(name: str, case: str) -> dict:
                                      "command": ["true"], "resources": {"limits": {GPU_RESOURCE: 1}}}]}}
 
 
-def through(node, holder, figures, case: str, act) -> list[tuple[str, str, str]]:
-    """``act()`` while a Kata GPU pod is created every half second; the refused pods (name,
-    reason, message), once every one ran or was refused. The label's path is timed: off how
-    long after ``act`` began, on again how long after."""
+def through(node, holder, figures, case: str, act) -> tuple[list[tuple[str, str, str]], list[str]]:
+    """``act()`` while a Kata GPU pod is created every half second; once every one ran or was
+    refused: the refused pods (name, reason, message), and those of them created after the
+    offer label was seen off (the scheduler could not have placed them here then). The
+    label's path is timed: off how long after ``act`` began, on again how long after."""
     wait_for(lambda: offered(node), "the class offered on the node", 90, every=0.5)
     names: list[str] = []
     done = threading.Event()
     seen: list[tuple[float, bool]] = []
+    created: dict[str, float] = {}
 
     def arrive() -> None:
         while not done.is_set():
             names.append(f"{case}-{len(names)}")
+            created[names[-1]] = time.monotonic()
             node.run(arriving(names[-1], case))
             time.sleep(0.5)
 
@@ -104,7 +107,9 @@ def through(node, holder, figures, case: str, act) -> list[tuple[str, str, str]]
     pods = wait_for(settled, "every arriving pod ran or was refused", 240, every=1)
     refused = [(p["metadata"]["name"], p["status"].get("reason", ""), p["status"].get("message", ""))
                for p in pods if p["status"].get("phase") == "Failed"]
-    off = next((t - started for t, now in seen if t >= started and not now), None)
+    off_at = next((t for t, now in seen if t >= started and not now), None)
+    off = None if off_at is None else off_at - started
+    late = [r[0] for r in refused if off_at is not None and created[r[0]] > off_at]
     on = next((t - started for t, now in seen if off is not None and t - started > off and now), None)
     label = ("the class stayed offered (the gate saw no gap)" if off is None else
              f"the class off {off:.1f} s after it began, offered again after {on:.1f} s" if on is not None else
@@ -114,7 +119,7 @@ def through(node, holder, figures, case: str, act) -> list[tuple[str, str, str]]
     node.cluster.kubectl("delete", "pods", "-n", NAMESPACE, "-l", f"arrival={case}", "--wait=false")
     pod = node.pod("holder", NAMESPACE)
     assert container_id(pod) == container_id(holder) and restart_count(pod) == 0  # keeps its GPU
-    return refused
+    return refused, late
 
 
 def container_id(pod) -> str:
@@ -140,12 +145,14 @@ def refused_for_us(refused) -> list:
     return [r for r in refused if r[1] == "UnexpectedAdmissionError"]
 
 
+# A pod bound in the tenths of a second before the label came off can still reach the kubelet in
+# its gap (the label cannot call it back): zero is what the runs gave (docs/operating.md), not
+# what can be promised; what holds is that no pod created after the label came off is refused.
 def test_kata_pods_arriving_through_a_kubelet_restart(node, holder, node_figures):
-    refused = through(node, holder, node_figures, "kubelet-restart",
-                      lambda: node.cluster.component("restart", "kubelet"))
+    refused, late = through(node, holder, node_figures, "kubelet-restart",
+                            lambda: node.cluster.component("restart", "kubelet"))
     assert [r for r in refused if r[1] != "UnexpectedAdmissionError"] == [], refused
-    # The pods bound before the label came off are the kubelet's to refuse; the figure says how many.
-    assert len(refused_for_us(refused)) <= 3, refused
+    assert late == [], refused
 
 
 def test_kata_pods_arriving_through_the_device_plugin_container_killed_and_restarted(node, holder, node_figures):
@@ -166,12 +173,12 @@ def test_kata_pods_arriving_through_the_device_plugin_container_killed_and_resta
         wait_for(back, "the kubelet restarted the device plugin's container in place", 120, every=0.5)
 
     try:
-        refused = through(node, holder, node_figures, "plugin-restart", kill)
+        refused, late = through(node, holder, node_figures, "plugin-restart", kill)
         again = node.component_pod("sandbox-agent")
         [restarted] = [c for c in again["status"]["containerStatuses"] if c["name"] == "sandbox-device-plugin"]
         assert again["metadata"]["uid"] == agent["metadata"]["uid"] and restarted["restartCount"] >= 1
         assert [r for r in refused if r[1] != "UnexpectedAdmissionError"] == [], refused
-        assert len(refused_for_us(refused)) <= 3, refused
+        assert late == [], refused
     finally:
         # The next modules count the agent pod's restarts: a fresh pod, as a rolling update makes.
         node.cluster.kubectl("delete", "pod", agent["metadata"]["name"], "-n", agent["metadata"]["namespace"],
@@ -181,6 +188,7 @@ def test_kata_pods_arriving_through_the_device_plugin_container_killed_and_resta
 
 
 def test_kata_pods_arriving_through_a_containerd_restart(node, holder, node_figures):
-    refused = through(node, holder, node_figures, "containerd-restart",
-                      lambda: node.cluster.component("restart", "containerd"))
+    # The device manager is the kubelet's: a containerd restart leaves every plugin registered.
+    refused, _ = through(node, holder, node_figures, "containerd-restart",
+                         lambda: node.cluster.component("restart", "containerd"))
     assert refused_for_us(refused) == [], refused
