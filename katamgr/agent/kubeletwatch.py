@@ -156,6 +156,8 @@ class KubeletWatch:
                          _said(mine), POLL)
             self.heard_at = now
         elif self.heard_at is None or now < self.next_look:
+            if self.heard_at is None:
+                self.hold()  # one not there at the last look (a plugin that had not served yet)
             return rest
         self.hold()
         follow_offers()
