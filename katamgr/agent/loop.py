@@ -1,9 +1,7 @@
 """The loop: what runs when, and nothing else (each piece of work is another module's).
 
 It sleeps until an inotify event in containerd's config dir, a relabel (the Node watch
-wakes it), a stop request, with the offer gate the kubelet's or a device plugin's socket
-changing or its server ending (``agent.kubeletwatch``: then the offers alone are followed, at
-once and every fraction of a second while that is pending), or, at the latest, every check interval: the checks are cheap
+wakes it), a stop request or, at the latest, every check interval: the checks are cheap
 and cover a lost event (sysfs sends none for a kernel's driver change). While a leave keeps
 GPUs for running VMs, those alone are looked at every second (a VM's end sends no event). A failed
 reconcile is retried when its backoff is up; the artifacts are re-checked on a timer.
@@ -95,6 +93,9 @@ def keep(agent: Kept, watcher: Watcher) -> None:
             log.info("watching %s for changes to containerd's config", shown)
         except OSError as exc:
             log.warning("cannot watch %s (%s); checking every 10 s instead", directory, exc.strerror)
+    # With the offer gate, the kubelet's or a device plugin's socket changing or its server
+    # ending wakes it too (agent.kubeletwatch): then the offers alone are followed, at once
+    # and every fraction of a second while that is pending.
     hears = agent.kubelet_watch
     if hears is not None:
         hears.start(watcher)
