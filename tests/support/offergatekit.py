@@ -89,7 +89,8 @@ class Arrivals:
         self.api, self.kubelet = api, kubelet
         self.stop = threading.Event()
         self.admitted: list[str] = []
-        self.rejected: list[str] = []
+        self.rejected: list[str] = []  # the kubelet found no healthy device free
+        self.broken: list[str] = []  # the plugin's connection broke while admitting
         self.bound: dict[str, float] = {}
         self.threads: list[threading.Thread] = []
         self.count = 0
@@ -109,8 +110,11 @@ class Arrivals:
         time.sleep(BIND_TO_KUBELET)
         try:
             self.kubelet.admit_pod("tenant", name, {"main": {A10: 1}})
-        except (AdmissionError, grpc.RpcError, KeyError) as exc:  # the plugin went mid-admission: refused too
+        except AdmissionError as exc:
             self.rejected.append(f"{name}: {exc}")
+            return
+        except (grpc.RpcError, KeyError) as exc:  # the plugin went mid-admission: refused too
+            self.broken.append(f"{name}: {exc}")
             return
         self.admitted.append(name)
         time.sleep(0.1)
