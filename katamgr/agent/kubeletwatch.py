@@ -160,16 +160,19 @@ class KubeletWatch:
                 self.hold()  # one not there at the last look (a plugin that had not served yet)
             return rest
         self.hold()
+        # Before the look: one that fails (a scan, the API) is tried again at the next POLL,
+        # and the pending change ends PENDING s after the last thing heard all the same.
+        self.next_look = now + POLL
+        if now - self.heard_at >= PENDING:
+            self.heard_at = self.open_since = None
         follow_offers()
         now = self.clock()
-        self.next_look = now + POLL
         if self.is_open():
             self.open_since = self.open_since if self.open_since is not None else now
         else:
             self.open_since = None
-        assert self.heard_at is not None
-        quiet = now - self.heard_at
-        if (self.open_since is not None and quiet >= SETTLE and now - self.open_since >= SETTLE) or quiet >= PENDING:
+        if (self.heard_at is not None and self.open_since is not None
+                and now - self.heard_at >= SETTLE and now - self.open_since >= SETTLE):
             self.heard_at = self.open_since = None
         return rest
 

@@ -175,3 +175,47 @@ def test_only_the_gate_listens(node):
 
 def test_the_agent_names_the_plugins_socket_as_the_plugin_does():
     assert kubeletwatch.plugin_socket(A10) == socket_name_for(A10)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_change_heard_is_followed_every_poll_until_the_gate_stays_open_or_at_most_pending(tmp_path):
+    from gpunode.host.root import HostRoot
+
+    clock, state, looks = Clock(), {"open": False}, []
+    watch = kubeletwatch.KubeletWatch(HostRoot.at(tmp_path), lambda: [], lambda: state["open"], clock=clock)
+
+    def look():
+        looks.append(clock.now)
+        if state.get("fail"):
+            raise RuntimeError("the scan failed")
+
+    assert watch.follow([kubeletwatch.Heard("kubelet.sock")], look) == [] and looks == [100.0]
+    assert watch.due() == 100.0 + kubeletwatch.POLL
+    clock.now += 0.1
+    watch.follow([], look)
+    assert looks == [100.0]  # not yet due
+    clock.now += 0.2
+    watch.follow([], look)
+    assert looks == [100.0, 100.3]
+    state["open"] = True  # the plugin registered: open, and settled SETTLE s later
+    while watch.due() is not None:
+        clock.now = watch.due()
+        watch.follow([], look)
+    assert 100.3 + kubeletwatch.SETTLE <= looks[-1] <= 100.3 + kubeletwatch.SETTLE + kubeletwatch.POLL
+    # A look that fails is tried again at the next poll, never at once, and ends at PENDING.
+    state.update(open=False, fail=True)
+    watch.follow([kubeletwatch.Heard("plugin.sock")], lambda: None)
+    start, looks[:] = clock.now, []
+    while watch.due() is not None:
+        clock.now = watch.due()
+        with pytest.raises(RuntimeError):
+            watch.follow([], look)
+    assert len(looks) == pytest.approx(kubeletwatch.PENDING / kubeletwatch.POLL, abs=2)
+    assert clock.now - start <= kubeletwatch.PENDING + kubeletwatch.POLL
