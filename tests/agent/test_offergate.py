@@ -107,7 +107,10 @@ def test_without_the_gate_pods_arriving_in_the_plugins_gap_are_refused(node):
         time.sleep(0.5)
         roll(host, kubelet, agent, old_plugin, plugins, gate=False)
     assert arrivals.rejected, arrivals.admitted
-    assert all("requested 1 of nvidia.com/GA102GL_A10, 0 available" in r for r in arrivals.rejected)
+    # No healthy device left, or (a loaded machine's timing) the plugin gone between the kubelet's
+    # choice and its Allocate: both end the pod in UnexpectedAdmissionError on a real kubelet.
+    assert all("requested 1 of nvidia.com/GA102GL_A10, 0 available" in r
+               or "nvidia.com/GA102GL_A10 plugin refused" in r for r in arrivals.rejected), arrivals.rejected
 
 
 def test_with_no_offer_labels_to_take_off_the_plugin_is_told_at_once(node):
