@@ -10,6 +10,11 @@ from __future__ import annotations
 import socket
 import time
 
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.events import ConnectionTerminated
+from h2.exceptions import ProtocolError
+
 from grpcwire.limits import DEFAULT, Limits
 from grpcwire.status import RpcError, StatusCode
 from grpcwire.unary import UnaryCall
@@ -63,3 +68,52 @@ def _recv(sock: socket.socket, deadline: float, method: str) -> bytes:
     if not chunk:
         raise RpcError(StatusCode.UNAVAILABLE, f"{method}: the server closed the connection")
     return chunk
+
+
+class HeldConnection:
+    """An HTTP/2 client connection to the server at a unix socket, making no call.
+
+    It says the client preface and answers the server's SETTINGS and PING (h2 does), so a
+    gRPC server takes it for an idle client: grpc-go closes a connection whose preface does
+    not come in time, and ours one idle past ``Limits.idle_timeout``. ``feed()`` reads what
+    came; False once the server closed it (end-of-file, an error, a GOAWAY).
+    """
+
+    def __init__(self, path: str, timeout: float = 1.0) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout)
+            _connect(self.sock, path, time.monotonic() + timeout)
+            self._h2 = H2Connection(H2Configuration(client_side=True, header_encoding=None))
+            self._h2.initiate_connection()
+            self.sock.sendall(self._h2.data_to_send())
+            self.sock.setblocking(False)
+        except OSError:
+            self.sock.close()
+            raise
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def feed(self) -> bool:
+        """Read what the server sent and answer it; whether the connection is still up."""
+        try:
+            data = self.sock.recv(65536)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        try:
+            events = self._h2.receive_data(data)
+            out = self._h2.data_to_send()
+            if out:
+                self.sock.send(out)
+        except (ProtocolError, OSError):
+            return False
+        return not any(isinstance(e, ConnectionTerminated) for e in events)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -113,7 +113,7 @@ class KubeletSimulator:
         self._server = server
         self._pod_resources.start()
 
-    def stop(self) -> None:
+    def stop(self, keep_socket: bool = False) -> None:  # keep_socket: as a kubelet stopping
         server, self._server = self._server, None
         if server is not None:
             server.stop(grace=0).wait(5)
@@ -126,17 +126,21 @@ class KubeletSimulator:
             self._open.clear()
         for endpoint in endpoints:
             endpoint.close()
+        if keep_socket:
+            return
         try:
             self.kubelet_socket.unlink()
         except FileNotFoundError:
             pass
 
-    def restart(self) -> None:
-        """Stop, delete every socket in the dir (as the kubelet does), serve again, and
-        admit the running pods again as a restarted kubelet does (``_readmit``)."""
+    def restart(self, down: float = 0.0) -> None:
+        """Stop, stay down ``down`` s (its sockets left), delete every socket in the dir as a
+        starting kubelet does (k8s.io/kubernetes v1.35.4 devicemanager ``CleanupPluginDirectory``),
+        serve again, and admit the running pods again as a restarted kubelet does (``_readmit``)."""
         with self._cond:  # what the Node showed: read before stopping marks every device Unhealthy
             reported = {name: sum(d.healthy for d in devices) for name, devices in self._state.devices.items()}
-        self.stop()
+        self.stop(keep_socket=down > 0)
+        time.sleep(down)
         for entry in self.socket_dir.iterdir():
             try:
                 if stat.S_ISSOCK(entry.lstat().st_mode):

@@ -44,6 +44,11 @@ class Watcher:
         returns joins the events (an empty list: nothing of interest)."""
         self._sources[fd] = read
 
+    def remove_source(self, fd: int) -> None:
+        """Wait on ``fd`` no more (before it is closed: a closed number may name another file).
+        Called from the waiting thread, a source's ``read`` too (which runs under the lock)."""
+        self._sources.pop(fd, None)
+
     def wait(self, timeout: float | None) -> list | None:
         """Block until events arrive, ``wake()`` is called or ``timeout`` s pass.
 
@@ -86,15 +91,16 @@ class Watcher:
         with self._lock:
             if self._closed:
                 return None
-            return [self._inotify.fileno(), *([self._wake_r] if wake else []), *self._sources]
+            return [self._inotify.fileno(), *([self._wake_r] if wake else []), *list(self._sources)]
 
     def _read(self, ready: list[int]) -> list:
         events: list = []
         if self._inotify.fileno() in ready:
             events += self._inotify.read(timeout=0)
         for fd in ready:
-            if fd in self._sources:
-                events += self._sources[fd]()
+            read = self._sources.get(fd)
+            if read is not None:
+                events += read()
         return events
 
     def wake(self) -> None:

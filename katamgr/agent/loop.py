@@ -20,6 +20,7 @@ from inotify_simple import flags as inflags
 
 from gpunode.errors import GpuNodeError
 from gpunode.services.watching import Watcher
+from katamgr.agent.kubeletwatch import KubeletWatch
 
 log = logging.getLogger("katamgr.agent")  # the agent's one logger (see drift)
 
@@ -37,6 +38,7 @@ class Kept(Protocol):
     check_interval: float
     repull_interval: float
     node_watch: Any  # a NodeLabelWatch whose on_change wakes the loop, or None
+    kubelet_watch: KubeletWatch | None  # with the offer gate: its ears on the kubelet
 
     def config_dirs(self) -> list[tuple[Path, str]]:
         """The directories whose changes may drop our runtimes: (where to watch, the host's name)."""
@@ -92,12 +94,29 @@ def keep(agent: Kept, watcher: Watcher) -> None:
             log.info("watching %s for changes to containerd's config", shown)
         except OSError as exc:
             log.warning("cannot watch %s (%s); checking every 10 s instead", directory, exc.strerror)
+    # With the offer gate, the kubelet's or a device plugin's socket changing or its server
+    # ending wakes it too (agent.kubeletwatch): then the offers alone are followed, at once
+    # and every fraction of a second while that is pending.
+    hears = agent.kubelet_watch
+    if hears is not None:
+        hears.start(watcher)
+    try:
+        _keep(agent, watcher, hears)
+    finally:
+        if hears is not None:
+            hears.stop()
+
+
+def _keep(agent: Kept, watcher: Watcher, hears: KubeletWatch | None) -> None:
     next_pull = time.monotonic() + agent.repull_interval
     next_check = time.monotonic()
     while not agent.stop.is_set():
         agent.tick()
         retry_at = agent.retry_at()
         due = min(next_pull, retry_at if retry_at is not None else next_pull, next_check)
+        gate_due = hears.due() if hears is not None else None
+        if gate_due is not None:
+            due = min(due, gate_due)
         # A VM letting go of its GPUs sends no event (its /dev/vfio fds close in /proc):
         # while GPUs wait for their VMs, those alone are looked at every HELD_POLL seconds.
         polling = agent.holding()
@@ -107,8 +126,17 @@ def keep(agent: Kept, watcher: Watcher) -> None:
         if agent.stop.is_set():
             break
         agent.tick()
-        if polling and events == [] and _only_poll(agent, next_check, next_pull):
-            continue  # the held GPUs' poll, and none let go
+        if hears is not None:
+            try:  # the offers followed on what the gate heard: its events are spent here
+                events = hears.follow(events, agent.follow_offers)
+            except GpuNodeError as exc:
+                log.warning("could not follow the offers: %s", exc)
+        if events == []:
+            if polling:
+                if _only_poll(agent, next_check, next_pull):
+                    continue  # the held GPUs' poll, and none let go
+            elif not _due(agent, next_check, next_pull):
+                continue  # only the gate's look was due
         # (otherwise what woke it does not matter: the checks look at the files themselves)
         next_check = time.monotonic() + agent.check_interval
         retry_at = agent.retry_at()
@@ -125,12 +153,16 @@ def keep(agent: Kept, watcher: Watcher) -> None:
             next_pull = time.monotonic() + agent.repull_interval
 
 
+def _due(agent: Kept, next_check: float, next_pull: float) -> bool:
+    """Whether a check, an artifact pull or a retry is due now."""
+    retry_at = agent.retry_at()
+    return time.monotonic() >= min(next_check, next_pull, retry_at if retry_at is not None else next_pull)
+
+
 def _only_poll(agent: Kept, next_check: float, next_pull: float) -> bool:
     """Between checks, with nothing else due: give back what its VM let go (False when that
     gave something back, so the whole check follows)."""
-    now = time.monotonic()
-    retry_at = agent.retry_at()
-    if now >= min(next_check, next_pull, retry_at if retry_at is not None else next_pull):
+    if _due(agent, next_check, next_pull):
         return False
     try:
         return not agent.release_freed()

@@ -15,7 +15,8 @@ restarted kubelet has none until the plugin registers again (``readCheckpoint``)
 So a class is offered while the kubelet lists at least one of this node's passthrough units
 (``passthrough.resource_units``, whose ID is the plugin's device ID) as allocatable; a node
 with no unit of ours has nothing to wait for. A kubelet that cannot be asked (restarting: its
-socket is made again) has nothing to give either. On stop (SIGTERM: a rolling update, the pod
+socket is made again) has nothing to give either. The verdict is asked again at each check,
+and at once when ``agent.kubeletwatch`` hears the kubelet or one of our plugins restart. On stop (SIGTERM: a rolling update, the pod
 deleted) the labels go first, then the agent waits, bounded, until the kubelet has taken the
 pods bound before (its pod manager holds a pod from the moment it admits it: kubelet.go
 ``HandlePodAdditions`` adds it and admits it in one step, and PodResources ``List`` reads that

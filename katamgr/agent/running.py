@@ -19,6 +19,7 @@ from katamgr.agent.giveback import GiveBacks
 from katamgr.agent.gpuhealth import GpuHealth
 from katamgr.agent.gpulabels import GpuLabels
 from katamgr.agent.health import Health, readiness
+from katamgr.agent.kubeletwatch import KubeletWatch
 from katamgr.agent.loop import keep
 from katamgr.agent.metrics import AgentMetrics
 from katamgr.agent.offergate import OfferGate
@@ -83,6 +84,9 @@ class Agent:
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=s.retry_initial, retry_max=s.retry_max,
                                      offer_labels=links.offer_labels, gate=gate)
+        # The gate hears the kubelet and our plugins restart (agent.kubeletwatch); no gate, no ears.
+        self.kubelet_watch = (None if gate is None else
+                              KubeletWatch(self.target.host, lambda: gate.resources, lambda: gate.open))
 
     # -- the work, each piece in its module ---------------------------------------
 
