@@ -38,6 +38,15 @@ def runc_pod(name: str, command: list[str], labels: dict[str, str] | None = None
                                      "command": command, "resources": {"limits": {CONTAINER_GPU: 1}}}]}}
 
 
+def plugin_pods(node) -> str:
+    """The plugin pods' state and each one's last log lines, for a rollout that did not move."""
+    said = [node.describe(CONTAINER_PLUGIN, RELEASE_NAMESPACE)[-4000:]]
+    for pod in node.pods(CONTAINER_PLUGIN, RELEASE_NAMESPACE):
+        said.append(f"--- {pod['metadata']['name']}:\n"
+                    + node.logs(pod["metadata"]["name"], RELEASE_NAMESPACE, "device-plugin")[-3000:])
+    return "\n".join(said)
+
+
 def test_runc_gpu_pods_arriving_through_a_rolling_update_of_the_container_plugin(node, node_figures):
     node.cluster.namespace(NAMESPACE)
     root = node.cluster.host_root
@@ -84,9 +93,12 @@ def test_runc_gpu_pods_arriving_through_a_rolling_update_of_the_container_plugin
             t.start()
         try:
             # The chart's minReadySeconds (30) after the new pod is Ready, the old one is deleted.
-            wait_for(lambda: old["metadata"]["uid"] not in
-                     {p["metadata"]["uid"] for p in node.pods(CONTAINER_PLUGIN, RELEASE_NAMESPACE)},
-                     "the old pod gone", 180, every=0.5)
+            try:
+                wait_for(lambda: old["metadata"]["uid"] not in
+                         {p["metadata"]["uid"] for p in node.pods(CONTAINER_PLUGIN, RELEASE_NAMESPACE)},
+                         "the old pod gone", 180, every=0.5)
+            except AssertionError as e:
+                raise AssertionError(f"{e}\n{plugin_pods(node)}") from None
             node.wait_ready(CONTAINER_PLUGIN)
             wait_for(lambda: listed() == 8, "the new plugin's devices listed", 60, every=0.05)
             time.sleep(3)
