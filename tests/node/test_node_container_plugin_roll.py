@@ -40,7 +40,12 @@ def runc_pod(name: str, command: list[str], labels: dict[str, str] | None = None
 
 def plugin_pods(node) -> str:
     """The plugin pods' state and each one's last log lines, for a rollout that did not move."""
-    said = [node.describe(CONTAINER_PLUGIN, RELEASE_NAMESPACE)[-4000:]]
+    said = [node.cluster.kubectl("get", "ds", "-n", RELEASE_NAMESPACE, "-o", "yaml", check=False).stdout[-3000:],
+            node.cluster.kubectl("get", "pods", "-n", RELEASE_NAMESPACE, "-o", "wide", "--show-labels",
+                                 check=False).stdout,
+            "\n".join(line for line in node.cluster.log("kube-controller-manager").splitlines()
+                      if "daemon" in line.lower())[-4000:],
+            node.describe(CONTAINER_PLUGIN, RELEASE_NAMESPACE)[-4000:]]
     for pod in node.pods(CONTAINER_PLUGIN, RELEASE_NAMESPACE):
         said.append(f"--- {pod['metadata']['name']}:\n"
                     + node.logs(pod["metadata"]["name"], RELEASE_NAMESPACE, "device-plugin")[-3000:])
@@ -131,7 +136,10 @@ def test_runc_gpu_pods_arriving_through_a_rolling_update_of_the_container_plugin
         [new] = node.pods(CONTAINER_PLUGIN, RELEASE_NAMESPACE)
         said = node.logs(new["metadata"]["name"], RELEASE_NAMESPACE, "device-plugin")
         assert "the kubelet closed our ListAndWatch stream" in said, said[-3000:]
-    finally:
+    except BaseException:
         node.cluster.kubectl("delete", "pods", "-n", NAMESPACE, "--all", "--wait=false")
         relabel(node, PASSTHROUGH)
-        settled(node, PASSTHROUGH, [])
+        raise
+    node.cluster.kubectl("delete", "pods", "-n", NAMESPACE, "--all", "--wait=false")
+    relabel(node, PASSTHROUGH)
+    settled(node, PASSTHROUGH, [])
