@@ -86,28 +86,14 @@ affinity:
 {{- end -}}
 {{- end -}}
 
-{{- /* The rollout node by node: minReadySeconds and the strategy (values.yaml, daemonsets).
-Called with the root, or (list root "surge") by the container device plugin: its new pod starts
-beside the old one (maxSurge, the same count; maxUnavailable 0), registers, and the old one
-stops only then, so the kubelet has a plugin for nvidia.com/gpu all through the rollout but
-for the moment the old pod's end drops the new one's connection and it registers again
-(sandbox_plugin.server; docs/operating.md). The sandbox agent's pod never surges: one katamgr
-per node (its node lock), and its offer gate holds Kata pods back while it is replaced. */}}
+{{- /* The rollout node by node: minReadySeconds and the strategy (values.yaml, daemonsets). */}}
 {{- define "ksm.updateStrategy" -}}
-{{- $root := . }}{{ $surge := false }}
-{{- if kindIs "slice" . }}{{ $root = index . 0 }}{{ $surge = true }}{{ end }}
-{{- $d := $root.Values.daemonsets }}
-minReadySeconds: {{ $d.minReadySeconds | default 0 | int }}
+minReadySeconds: {{ .Values.daemonsets.minReadySeconds | default 0 | int }}
 updateStrategy:
-  type: {{ $d.updateStrategy }}
-  {{- if eq $d.updateStrategy "RollingUpdate" }}
+  type: {{ .Values.daemonsets.updateStrategy }}
+  {{- if eq .Values.daemonsets.updateStrategy "RollingUpdate" }}
   rollingUpdate:
-    {{- if $surge }}
-    maxSurge: {{ $d.rollingUpdate.maxUnavailable }}
-    maxUnavailable: 0
-    {{- else }}
-    maxUnavailable: {{ $d.rollingUpdate.maxUnavailable }}
-    {{- end }}
+    maxUnavailable: {{ .Values.daemonsets.rollingUpdate.maxUnavailable }}
   {{- end }}
 {{- end -}}
 
