@@ -105,9 +105,8 @@ class ServedSocket:
 
     @property
     def taken_over(self) -> bool:
-        """Another server answers at our path now (another instance of this plugin started there:
-        a rolling update's new pod, which removes the socket it finds); ours still serves what
-        the kubelet holds open."""
+        """Another server answers at our path now (another instance of this plugin started there,
+        removing the socket it found); ours still serves what the kubelet holds open."""
         now = FileId.of(self.path)
         return (self._grpc is not None and self._grpc.alive and now is not None and now != self._id
                 and answered(self.path))

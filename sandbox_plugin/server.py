@@ -227,8 +227,8 @@ class PluginServer:
         return self._socket.taken_over
 
     def _yield(self, watched: frozenset[str]) -> None:
-        """Another instance serves our socket (a rolling update's new pod, started beside this
-        one): this one keeps answering on what the kubelet holds open, and serves and registers
+        """Another instance serves our socket (a surge's new pod, or one started by hand beside
+        this one): this one keeps answering on what the kubelet holds open, and serves and registers
         again only if the other goes away first."""
         name = self.resource.resource_name
         log.info("%s: another instance of this plugin serves %s now; this one answers the kubelet's open "

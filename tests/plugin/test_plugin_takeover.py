@@ -1,5 +1,5 @@
-"""Two instances of one device plugin on a node at once, as a DaemonSet rolling update with
-``maxSurge`` starts the new pod beside the old one, against the kubelet simulator taught the
+"""Two instances of one device plugin on a node at once (a DaemonSet's surge starts the new pod
+beside the old one; a plugin started by hand beside the DaemonSet's), against the kubelet simulator taught the
 kubelet's own rules (k8s.io/kubernetes v1.35.4, pkg/kubelet/cm/devicemanager/plugin/v1beta1/
 handler.go): a registration makes the new client the resource's without closing the older
 connection, and when any connection of the resource ends, the client registered then is
