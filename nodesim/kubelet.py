@@ -8,8 +8,11 @@ a host root:
   and, like the kubelet, refuses versions other than ``v1beta1``, invalid
   resource names and endpoints that are not plain file names;
 - after a registration, dials the plugin's socket, calls GetDevicePluginOptions
-  and consumes ListAndWatch in a thread, keeping the latest devices per resource
-  (a newer registration of the same resource replaces the older connection);
+  and consumes ListAndWatch in a thread, keeping the latest devices per resource;
+  a newer registration of the same resource becomes the resource's plugin while the
+  older connection stays open and its updates still count, and when any connection
+  of a resource ends the plugin registered for it then is dropped (its connection
+  closed, its devices Unhealthy), as the kubelet's ``runClient`` does;
 - ``allocate`` / ``preferred`` / ``pre_start`` call the plugin as the kubelet
   would when admitting a pod;
 - a plugin whose ListAndWatch stream ends (it stood down, or died) has its devices
@@ -41,7 +44,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 
@@ -50,8 +52,8 @@ from gpunode.k8snames import is_extended_resource_name
 from kubeletapi import deviceplugin_pb2 as pb
 from kubeletapi import deviceplugin_pb2_grpc as pb_grpc
 from kubeletapi.deviceplugin_paths import API_VERSION, DEVICE_PLUGIN_DIR, KUBELET_SOCKET
-from nodesim.dial import dial
 from nodesim.kubeletstate import HISTORY, AdmissionError, KubeletState, PluginOptions, Registration
+from nodesim.pluginclient import PluginClient
 from nodesim.podresources import (
     POD_RESOURCES_SOCKET,
     ContainerRecord,
@@ -64,71 +66,6 @@ from nodesim.podresources import (
 log = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = (API_VERSION,)
-
-
-class _Endpoint:
-    """The kubelet's connection to one registered plugin."""
-
-    def __init__(self, sim: KubeletSimulator, registration: Registration, socket: Path) -> None:
-        self.sim = sim
-        self.registration = registration
-        self.channel = dial(socket)
-        self.stub = pb_grpc.DevicePluginStub(self.channel)
-        self._stream = None
-        self._closed = threading.Event()
-        # start() and close() may race (a stop() while a Register is being accepted).
-        self._lifecycle = threading.Lock()
-        self.thread = threading.Thread(
-            target=self._run, name=f"kubelet-sim-{registration.resource_name}", daemon=True
-        )
-
-    def start(self) -> None:
-        with self._lifecycle:
-            if not self._closed.is_set():
-                self.thread.start()
-
-    def _run(self) -> None:
-        name = self.registration.resource_name
-        try:
-            answer = self.stub.GetDevicePluginOptions(pb.Empty(), timeout=5)
-            self.sim._record_options(
-                name,
-                PluginOptions(
-                    get_preferred_allocation_available=answer.get_preferred_allocation_available,
-                    pre_start_required=answer.pre_start_required,
-                ),
-            )
-            self._stream = self.stub.ListAndWatch(pb.Empty())
-            if self._closed.is_set():
-                self._stream.cancel()
-            for response in self._stream:
-                devices = [
-                    ListedDevice(
-                        id=d.ID,
-                        health=d.health,
-                        numa_node=d.topology.nodes[0].ID if d.topology.nodes else None,
-                    )
-                    for d in response.devices
-                ]
-                self.sim._record_devices(self, devices)
-        except grpc.RpcError as exc:
-            if not self._closed.is_set():
-                log.info("kubelet-sim: stream from %s ended: %s", name, exc.code().name)
-        except ValueError:
-            if not self._closed.is_set():  # "Cannot invoke RPC on closed channel": closed meanwhile
-                raise
-        finally:
-            self.sim._record_disconnect(self)
-
-    def close(self) -> None:
-        with self._lifecycle:
-            self._closed.set()
-            started = self.thread.ident is not None
-        if self._stream is not None:
-            self._stream.cancel()
-        self.channel.close()
-        if started:
-            self.thread.join(5)
 
 
 class _RegistrationServicer(pb_grpc.RegistrationServicer):
@@ -154,7 +91,8 @@ class KubeletSimulator:
         self.kubelet_socket = self.socket_dir / KUBELET_SOCKET
         self._cond = threading.Condition()
         self._state = KubeletState()
-        self._endpoints: dict[str, _Endpoint] = {}
+        self._endpoints: dict[str, PluginClient] = {}  # the plugin registered for each resource
+        self._open: set[PluginClient] = set()  # every connection not yet ended, stale ones too
         self._server: grpc.Server | None = None
         self.pod_resources_socket = host_root.path(POD_RESOURCES_SOCKET)
         self._pod_resources = PodResourcesServer(self.pod_resources_socket, self._snapshot)
@@ -181,8 +119,11 @@ class KubeletSimulator:
             server.stop(grace=0).wait(5)
         self._pod_resources.stop()
         with self._cond:
-            endpoints = list(self._endpoints.values())
+            endpoints = list(self._open)
+            for name in self._endpoints:
+                self._mark_unhealthy(name)
             self._endpoints.clear()
+            self._open.clear()
         for endpoint in endpoints:
             endpoint.close()
         if keep_socket:
@@ -399,14 +340,15 @@ class KubeletSimulator:
             ),
             at=time.monotonic(),
         )
-        endpoint = _Endpoint(self, registration, self.socket_dir / request.endpoint)
+        endpoint = PluginClient(self, registration, self.socket_dir / request.endpoint)
+        # As the kubelet (k8s.io/kubernetes v1.35.4, pkg/kubelet/cm/devicemanager/plugin/v1beta1/
+        # handler.go connectClient -> registerClient): the new client takes the resource's place;
+        # an older connection of it is left open, not closed.
         with self._cond:
-            old = self._endpoints.get(request.resource_name)
             self._endpoints[request.resource_name] = endpoint
+            self._open.add(endpoint)
             self._state.registrations.append(registration)
             self._cond.notify_all()
-        if old is not None:
-            threading.Thread(target=old.close, daemon=True).start()
         endpoint.start()
 
     def _record_rejection(self, request: pb.RegisterRequest, problem: str) -> None:
@@ -421,11 +363,13 @@ class KubeletSimulator:
             self._state.options[resource_name] = options
             self._cond.notify_all()
 
-    def _record_devices(self, endpoint: _Endpoint, devices: list[ListedDevice]) -> None:
+    def _record_devices(self, endpoint: PluginClient, devices: list[ListedDevice]) -> None:
         name = endpoint.registration.resource_name
         with self._cond:
-            if self._endpoints.get(name) is not endpoint:
-                return  # a stale connection replaced by a newer registration
+            if endpoint not in self._open:
+                return  # ended meanwhile
+            # The kubelet takes a ListAndWatch update by its resource's name, from a connection a
+            # newer registration replaced too (manager.go PluginListAndWatchReceiver).
             self._state.devices[name] = devices
             self._state.updates[name] = self._state.updates.get(name, 0) + 1
             self._state.history.append((time.monotonic(), name, tuple((d.id, d.health) for d in devices)))
@@ -433,18 +377,39 @@ class KubeletSimulator:
             self._state.connected.add(name)
             self._cond.notify_all()
 
-    def _record_disconnect(self, endpoint: _Endpoint) -> None:
+    def _record_disconnect(self, endpoint: PluginClient) -> None:
+        """A connection's stream ended. As the kubelet's ``runClient`` (k8s.io/kubernetes
+        v1.35.4, pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go): the client registered
+        for the resource now is disconnected, whichever it is, this one or a later registration
+        (whose connection is then closed, and whose own end drops whatever registered after it),
+        and the resource's devices are marked Unhealthy (``PluginDisconnected``)."""
         name = endpoint.registration.resource_name
         with self._cond:
-            if self._endpoints.get(name) in (endpoint, None):
-                self._state.connected.discard(name)
-                # As the kubelet: a plugin whose stream ended has every device Unhealthy
-                # (pkg/kubelet/cm/devicemanager/manager.go PluginDisconnected ->
-                # markResourceUnhealthy), so none is allocated or listed as allocatable.
-                self._state.devices[name] = [replace(d, health="Unhealthy")
-                                             for d in self._state.devices.get(name, [])]
-                # In the record too, in order: from here on the kubelet offers none of them.
-                self._state.history.append((time.monotonic(), name, tuple(
-                    (d.id, d.health) for d in self._state.devices[name])))
-                del self._state.history[:-HISTORY]
+            self._open.discard(endpoint)
+            current = self._endpoints.pop(name, None)
+            if current is not None:
+                self._mark_unhealthy(name)
             self._cond.notify_all()
+        if current is not None and current is not endpoint:
+            threading.Thread(target=current.close, daemon=True).start()
+
+    def drop(self, resource_name: str) -> None:
+        """Disconnect the plugin registered for ``resource_name`` as the kubelet's ``runClient``
+        does when another connection of that resource ends (see ``_record_disconnect``)."""
+        with self._cond:
+            current = self._endpoints.pop(resource_name, None)
+            if current is not None:
+                self._mark_unhealthy(resource_name)
+            self._cond.notify_all()
+        if current is not None:
+            current.close()
+
+    def _mark_unhealthy(self, name: str) -> None:
+        """(Under the lock.) As the kubelet: a plugin disconnected has every device Unhealthy
+        (pkg/kubelet/cm/devicemanager/manager.go PluginDisconnected -> markResourceUnhealthy),
+        so none is allocated or listed as allocatable; in the record too, in order."""
+        self._state.connected.discard(name)
+        self._state.devices[name] = [replace(d, health="Unhealthy") for d in self._state.devices.get(name, [])]
+        self._state.history.append((time.monotonic(), name, tuple(
+            (d.id, d.health) for d in self._state.devices[name])))
+        del self._state.history[:-HISTORY]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import stat
 import time
 from collections.abc import Callable, Mapping
@@ -64,6 +65,17 @@ def remove_socket(path: Path) -> None:
         pass
 
 
+def answered(path: Path, timeout: float = 0.5) -> bool:
+    """Whether a server accepts connections on the unix socket ``path`` now."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 def check_socket_path(path: Path, fix: str) -> None:
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         raise PluginServerError(
@@ -90,6 +102,14 @@ class ServedSocket:
         """Ours, in place and served."""
         return (self._grpc is not None and self._grpc.alive and self._id is not None
                 and FileId.of(self.path) == self._id)
+
+    @property
+    def taken_over(self) -> bool:
+        """Another server answers at our path now (another instance of this plugin started there,
+        removing the socket it found); ours still serves what the kubelet holds open."""
+        now = FileId.of(self.path)
+        return (self._grpc is not None and self._grpc.alive and now is not None and now != self._id
+                and answered(self.path))
 
     @property
     def healthy(self) -> bool:

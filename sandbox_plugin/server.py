@@ -40,6 +40,9 @@ from sandbox_plugin.servicer import DevicePluginServicer
 log = logging.getLogger(__name__)
 
 _REGISTER = "/v1beta1.Registration/Register"
+# How long after the kubelet closed our last stream we wait before registering again (see
+# PluginServer._dropped_for_good): its goroutine for the dropped connection ends within it.
+DROP_SETTLE = 0.05
 
 
 class PluginServer:
@@ -72,6 +75,8 @@ class PluginServer:
             on_failure=self._loop_died)
         self._stopping = threading.Event()
         self._registered = threading.Event()
+        self._dropped = threading.Event()  # the kubelet closed our last ListAndWatch stream
+        self._servicer.on_last_stream_closed = self._stream_dropped
         self._thread: threading.Thread | None = None
         self._watcher: DirWatcher | None = None
 
@@ -119,6 +124,12 @@ class PluginServer:
             return "its gRPC loop keeps dying (restart the process)"
         return ""
 
+    def _stream_dropped(self) -> None:
+        if not self._stopping.is_set():
+            self._dropped.set()
+            if self._watcher is not None:
+                self._watcher.wake()
+
     def _loop_died(self) -> None:
         # From the dead loop's thread: the supervisor serves again at once.
         if self._watcher is not None:
@@ -162,6 +173,7 @@ class PluginServer:
                 watcher.wait(delay, frozenset({KUBELET_SOCKET}))
                 continue
             delays = self.backoff.delays()
+            self._dropped.clear()
             self.registrations += 1
             if self.metrics is not None:
                 self.metrics.registrations.labels(name).inc()
@@ -174,7 +186,13 @@ class PluginServer:
             watched = frozenset({KUBELET_SOCKET, self.resource.socket_name})
             while not self._stopping.is_set():
                 watcher.wait(self.recheck_interval, watched)
+                if self._socket.taken_over:
+                    self._yield(watched)
+                    break
                 if not self._socket.intact:
+                    if FileId.of(self.kubelet_socket) == kubelet_id and self._taken_over_after_a_moment():
+                        self._yield(watched)  # another instance removed ours to serve there
+                        break
                     log.info("%s: our socket was removed (kubelet restart?) or is not served; "
                              "serving again", name)
                     break
@@ -183,8 +201,43 @@ class PluginServer:
                         "%s: kubelet.sock was replaced (kubelet restart); registering again", name
                     )
                     break
+                if self._dropped.is_set() and self._dropped_for_good():
+                    log.info("%s: the kubelet closed our ListAndWatch stream, its socket and ours unchanged "
+                             "(it drops a resource's current plugin when an earlier connection for that "
+                             "resource ends: another instance of this plugin stopped); registering again",
+                             name)
+                    break
             self._registered.clear()
         self._registered.clear()
+
+    def _dropped_for_good(self) -> bool:
+        """After the kubelet closed our last stream: whether it still has none open once its
+        handling of the closed connection is over. The kubelet (k8s.io/kubernetes v1.35.4,
+        pkg/kubelet/cm/devicemanager/plugin/v1beta1/handler.go ``runClient``) disconnects whatever
+        client is registered for the resource when any connection to a plugin of it ends, the one
+        it just dropped included: registering again before that is done would be dropped too."""
+        self._stopping.wait(DROP_SETTLE)
+        self._dropped.clear()
+        return not self._stopping.is_set() and self._servicer.streams == 0
+
+    def _taken_over_after_a_moment(self) -> bool:
+        """Our socket gone while the kubelet's stayed: another instance may be between removing
+        ours and serving its own there (never fight it for the path)."""
+        self._stopping.wait(DROP_SETTLE)
+        return self._socket.taken_over
+
+    def _yield(self, watched: frozenset[str]) -> None:
+        """Another instance serves our socket (a surge's new pod, or one started by hand beside
+        this one): this one keeps answering on what the kubelet holds open, and serves and registers
+        again only if the other goes away first."""
+        name = self.resource.resource_name
+        log.info("%s: another instance of this plugin serves %s now; this one answers the kubelet's open "
+                 "connection until it stops", name, self.host_root.host_path(self.socket_path))
+        while not self._stopping.is_set() and self._socket.taken_over:
+            assert self._watcher is not None
+            self._watcher.wait(self.recheck_interval, watched)
+        if not self._stopping.is_set():
+            log.info("%s: the other instance left %s; serving it again", name, self.host_root.host_path(self.socket_path))
 
     def _register(self) -> FileId:
         """Register with the kubelet; return the identity of the kubelet.sock used."""

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from google.protobuf.message import DecodeError
 
@@ -47,7 +48,13 @@ class _ListAndWatch:
 
     def start(self) -> None:
         unsubscribe = self.servicer.resource.changes.subscribe(self.push)
-        self.stream.on_close(unsubscribe)
+        self.servicer.stream_opened()
+
+        def closed() -> None:
+            unsubscribe()
+            self.servicer.stream_closed()
+
+        self.stream.on_close(closed)
         self.push()
 
     def push(self) -> None:
@@ -68,6 +75,11 @@ class DevicePluginServicer:
     def __init__(self, resource: Resource, metrics: PluginMetrics | None = None) -> None:
         self.resource = resource
         self.metrics = metrics
+        # The kubelet's open ListAndWatch streams, and who is told when the last one ends (the
+        # plugin server: the kubelet may have dropped us, see PluginServer).
+        self.streams = 0
+        self.on_last_stream_closed: Callable[[], None] | None = None
+        self._streams_lock = threading.Lock()
         self.warned: set[str] = set()
         # device IDs -> (the allocation the resource gave, its encoded answer)
         self._answers: dict[tuple[str, ...], tuple[ContainerAllocation, bytes]] = {}
@@ -96,6 +108,17 @@ class DevicePluginServicer:
 
     def streaming(self) -> dict:
         return {_SERVICE + "ListAndWatch": self.list_and_watch}
+
+    def stream_opened(self) -> None:
+        with self._streams_lock:
+            self.streams += 1
+
+    def stream_closed(self) -> None:
+        with self._streams_lock:
+            self.streams -= 1
+            last = self.streams == 0
+        if last and self.on_last_stream_closed is not None:
+            self.on_last_stream_closed()
 
     def list_and_watch(self, request: bytes, stream: ServerStream) -> None:
         _ListAndWatch(self, stream).start()
