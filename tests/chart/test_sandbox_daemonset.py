@@ -56,6 +56,8 @@ def test_full_sandbox_agent_has_exactly_the_host_mounts_it_needs(chart):
         "/host/var/lib/kata-sandbox-manager": ("/var/lib/kata-sandbox-manager", False),
         # A split node's sides (gpunode.policy.splitnode), which both plugins list from.
         "/host/run/kata-sandbox-manager": ("/run/kata-sandbox-manager", False),
+        # The offer gate hears the kubelet and the plugin restart (agent.kubeletwatch).
+        "/host/var/lib/kubelet/device-plugins": ("/var/lib/kubelet/device-plugins", True),
     }
     config_mount = next(m for m in agent["volumeMounts"] if m["name"] == "config")
     assert config_mount["mountPath"] == "/etc/kata-sandbox-manager"
