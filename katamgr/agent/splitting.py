@@ -267,10 +267,12 @@ class SplitKeeper:
         asked = self.pod_devices()
         # A GPU an earlier change left held is in no unit of ``old_naming`` (out of its share):
         # the pods given it are found by the operator's whole selection.
+        # (Each second's poll passes the whole selection already: one scan then.)
         unsplit = self.unsplit
-        given = {**assigned_functions(host, discover(host, unsplit.selection, unsplit.nvswitch_rule), unsplit,
-                                      asked.assignments),
-                 **assigned_functions(host, inv, old_naming, asked.assignments)}
+        given = assigned_functions(host, inv, old_naming, asked.assignments)
+        if old_naming != unsplit:
+            whole = discover(host, unsplit.selection, unsplit.nvswitch_rule)
+            given = {**assigned_functions(host, whole, unsplit, asked.assignments), **given}
         held = {bdf for bdf in self.leaving if bdf in given or bdf in offered
                 or vfio.vfio_holders(host, bdf, recorded[bdf].get("group"))}
         free = self.leaving - held
