@@ -186,9 +186,6 @@ class PluginServer:
             watched = frozenset({KUBELET_SOCKET, self.resource.socket_name})
             while not self._stopping.is_set():
                 watcher.wait(self.recheck_interval, watched)
-                if self._socket.taken_over:
-                    self._yield(watched)
-                    break
                 if not self._socket.intact:
                     if FileId.of(self.kubelet_socket) == kubelet_id and self._taken_over_after_a_moment():
                         self._yield(watched)  # another instance removed ours to serve there
