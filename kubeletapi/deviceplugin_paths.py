@@ -11,3 +11,9 @@ the tests' kubelet stand-in both take them from here.
 API_VERSION = "v1beta1"
 DEVICE_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
+
+
+def socket_name_for(resource_name: str) -> str:
+    """Our plugins' default socket file name, which the agent's offer gate also dials:
+    ``nvidia.com/GA102GL_A10`` -> ``nvidia.com-GA102GL_A10.sock``."""
+    return resource_name.replace("/", "-") + ".sock"

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpunode.k8snames import QUALIFIED_NAME_MAX, is_extended_resource_name
-from kubeletapi.deviceplugin_paths import KUBELET_SOCKET
+from kubeletapi.deviceplugin_paths import KUBELET_SOCKET, socket_name_for
 
 log = logging.getLogger(__name__)
 
@@ -155,11 +155,6 @@ class ChangeNotifier:
         with self._cond:
             self._cond.wait_for(lambda: self._generation != seen or stop.is_set(), timeout)
             return self._generation
-
-
-def socket_name_for(resource_name: str) -> str:
-    """Default socket file name: ``nvidia.com/GA102GL_A10`` -> ``nvidia.com-GA102GL_A10.sock``."""
-    return resource_name.replace("/", "-") + ".sock"
 
 
 def validate_resource_name(resource_name: str) -> None:

@@ -36,7 +36,7 @@ from gpunode.host.root import HostRoot
 from gpunode.services.podresources import SOCKET_BELOW_KUBELET_DIR
 from gpunode.services.watching import Watcher
 from grpcwire.client import HeldConnection
-from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
+from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR, socket_name_for
 
 log = logging.getLogger("katamgr.agent")
 
@@ -56,12 +56,6 @@ class Heard:
 
     def __repr__(self) -> str:
         return f"Heard({self.path!r})"
-
-
-def plugin_socket(resource: str) -> str:
-    """The socket our device plugin serves ``resource`` on: its default name
-    (``sandbox_plugin.resources.socket_name_for``, which the chart does not change)."""
-    return resource.replace("/", "-") + ".sock"
 
 
 class KubeletWatch:
@@ -100,7 +94,7 @@ class KubeletWatch:
     # -- the held connections -------------------------------------------------------
 
     def targets(self) -> list[Path]:
-        return [self.pod_resources, *(self.dir / plugin_socket(r) for r in sorted(self.resources()))]
+        return [self.pod_resources, *(self.dir / socket_name_for(r) for r in sorted(self.resources()))]
 
     def hold(self) -> None:
         """Connect to each target not held yet (one nobody serves: not now)."""

@@ -24,8 +24,7 @@ from support.offergatekit import Arrivals, agent_for, close_node, gate_node, off
 from support.passthroughkit import A10
 
 from katamgr.agent import kubeletwatch
-from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
-from sandbox_plugin.resources import socket_name_for
+from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR, socket_name_for
 
 REPO = Path(__file__).resolve().parents[2]
 CHECK = 10.0  # the agent's check interval: nothing here may wait for it
@@ -171,10 +170,6 @@ def test_only_the_gate_listens(node):
     host, _, api, _, _ = node
     assert agent_for(host, api, gate=False).kubelet_watch is None
     assert agent_for(host, api).kubelet_watch is not None
-
-
-def test_the_agent_names_the_plugins_socket_as_the_plugin_does():
-    assert kubeletwatch.plugin_socket(A10) == socket_name_for(A10)
 
 
 class Clock:

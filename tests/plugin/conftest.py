@@ -19,9 +19,8 @@ from pluginproc import Plugin
 from gpunode.host.pciids import PciIds
 from gpunode.host.root import HostRoot
 from gpunode.policy.naming import Naming, resource_name
-from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR
+from kubeletapi.deviceplugin_paths import DEVICE_PLUGIN_DIR, socket_name_for
 from nodesim.kubelet import KubeletSimulator
-from sandbox_plugin.resources import socket_name_for
 
 
 @pytest.fixture
