@@ -151,8 +151,6 @@ class PluginServer:
         delays = self.backoff.delays()
         while not self._stopping.is_set():
             try:
-                if self._socket.serve():
-                    log.debug("%s: serving DevicePlugin on %s", name, self.socket_path)
                 kubelet_id = self._register()
             except (RpcError, OSError, RuntimeError, PluginServerError) as exc:
                 if self.metrics is not None:
@@ -251,6 +249,11 @@ class PluginServer:
         kubelet_id = FileId.of(self.kubelet_socket)
         if kubelet_id is None:
             raise FileNotFoundError("kubelet.sock does not exist (is the kubelet running?)")
+        # Only now, with this kubelet's socket seen: a starting kubelet removes every socket in the
+        # dir before it serves kubelet.sock (k8s.io/kubernetes v1.35.4 devicemanager
+        # CleanupPluginDirectory), so ours checked before that could be gone by the time it dials.
+        if self._socket.serve():
+            log.debug("%s: serving DevicePlugin on %s", self.resource.resource_name, self.socket_path)
         unary_call(str(self.kubelet_socket), _REGISTER, request.SerializeToString(), self.register_timeout)
         return kubelet_id
 
