@@ -93,6 +93,7 @@ class PluginRunner:
         self.held = False  # mode None, serving only the passthrough devices pods still hold
         self.why = "not started"
         self._lock = threading.Lock()
+        self._stopped = False  # stop() is final: a serve() racing it (a relabel at shutdown) starts nothing
         # The split label's shares (``splitshare``), handed to each manager made; None: not followed.
         self.share = None
 
@@ -119,6 +120,8 @@ class PluginRunner:
         devices pods still hold); True when that changed anything."""
         held = held and mode is None
         with self._lock:
+            if self._stopped:
+                return False
             self.why = why
             if (mode, held) == (self.mode, self.held) and (mode is None and not held or self.manager is not None):
                 return False
@@ -147,12 +150,18 @@ class PluginRunner:
             manager = self._share(self._make(Mode.VM_PASSTHROUGH, self.metrics, held_only=True) if held
                                   else self._make(mode, self.metrics))
             with self._lock:
-                self.manager = manager
+                stopped = self._stopped
+                if not stopped:
+                    self.manager = manager
+            if stopped:
+                manager.stop()  # made before stop() ran, never started: its watchers and sockets too
+                return False
             manager.start()
         return True
 
     def stop(self) -> None:
         with self._lock:
+            self._stopped = True
             manager, self.manager = self.manager, None
         if manager is not None:
             manager.stop()

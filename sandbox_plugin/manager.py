@@ -81,6 +81,9 @@ class PluginManager:
         self.backoff = backoff
         self.servers: dict[str, PluginServer] = {}
         self._lock = threading.Lock()
+        # start() and stop() one at a time, stop() final: a manager stopped before or while it starts
+        # (a relabel racing shutdown) leaves no watcher, poller or server running.
+        self._lifecycle = threading.Lock()
         self._stopped = False
         self._started = False
         # Shared when given: --workload auto swaps managers on a relabel and keeps one /metrics.
@@ -109,6 +112,11 @@ class PluginManager:
             return {name: server.resource for name, server in self.servers.items()}
 
     def start(self) -> None:
+        with self._lifecycle:
+            if not self._stopped:
+                self._start()
+
+    def _start(self) -> None:
         self._started = True
         if self.discovery is not None:
             if self.discovery.gate is not None:
@@ -202,6 +210,10 @@ class PluginManager:
         return True, f"{', '.join(sorted(servers))} registered with the kubelet"
 
     def stop(self) -> None:
+        with self._lifecycle:
+            self._stop()
+
+    def _stop(self) -> None:
         with self._lock:
             self._stopped = True
             servers = list(self.servers.values())

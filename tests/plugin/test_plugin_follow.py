@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -22,8 +23,8 @@ from gpunode.policy.naming import Naming
 from gpunode.policy.workload import OPERANDS_LABEL, WORKLOAD_LABEL, Operand, Resolution, Workload
 from katamgr.pipeline.devices import apply_host
 from katamgr.pipeline.plan import build_plan
-from sandbox_plugin.follow import mode_for
-from sandbox_plugin.manager import Mode
+from sandbox_plugin.follow import PluginRunner, mode_for
+from sandbox_plugin.manager import Mode, PluginManager
 
 A10 = "nvidia.com/GA102GL_A10"
 NODE = "worker-1"
@@ -179,3 +180,32 @@ def test_a_plugin_that_stood_down_under_a_pod_gets_that_pod_ended_by_a_kubelet_r
         finally:
             process.send_signal(signal.SIGTERM)
             process.communicate(timeout=15)
+
+
+def test_a_relabel_racing_shutdown_leaves_no_plugin_serving(bound_a10):
+    """``PluginRunner.stop()`` (the plugin's SIGTERM) is final: a relabel whose plugins were being
+    made as it ran starts nothing, and a manager stopped before its start stays stopped. Else its
+    servers would register with the kubelet after the process meant to have stood down."""
+    host, kubelet = bound_a10
+    made: list[PluginManager] = []
+
+    def make(mode, metrics, held_only=False):
+        manager = PluginManager(host, mode, naming=Naming(PciIds.find()), metrics=metrics, held_only=held_only)
+        made.append(manager)
+        stopping = threading.Thread(target=runner.stop)  # the shutdown, while this relabel's plugins are made
+        stopping.start()
+        stopping.join(5)
+        return manager
+
+    runner = PluginRunner(make)
+    assert not runner.serve(Mode.VM_PASSTHROUGH, "labeled vm-passthrough")
+    assert runner.manager is None and not runner.serve(Mode.VM_PASSTHROUGH, "labeled again")
+    [manager] = made
+    assert manager.servers == {} and manager.health() == (False, "the plugin manager is not running")
+    assert not (kubelet.socket_dir / "nvidia.com-GA102GL_A10.sock").exists()
+
+    early = PluginManager(host, Mode.VM_PASSTHROUGH, naming=Naming(PciIds.find()))
+    early.stop()
+    early.start()
+    assert early.servers == {} and not (kubelet.socket_dir / "nvidia.com-GA102GL_A10.sock").exists()
+    assert kubelet.state.registrations == []
