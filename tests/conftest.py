@@ -10,8 +10,11 @@ share is in tests/support (imported as ``support.<module>``).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
+import threading
 from importlib.metadata import entry_points
 
 import pytest
@@ -44,3 +47,25 @@ def _root_logger_restored():
     yield
     root.setLevel(level)
     root.handlers[:] = handlers
+
+
+def pytest_unconfigure(config) -> None:
+    """Nothing a test left running may act during the interpreter's shutdown. A gRPC (grpcio)
+    server or channel still open has a daemon thread in C++ code, which aborts the process (exit
+    134, "FATAL: exception not rethrown") when finalization stops it; a daemon thread that logs
+    then can die holding stderr's lock, which aborts it too. So name the threads left (a test to
+    fix), close every gRPC server and channel, and silence logging."""
+    import grpc
+
+    left = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive())
+    if left:
+        sys.stderr.write(f"threads the tests left running: {', '.join(left)}\n")
+    for thing in gc.get_objects():
+        try:
+            if isinstance(thing, grpc.Server):
+                thing.stop(None).wait(5)
+            elif isinstance(thing, grpc.Channel):
+                thing.close()
+        except Exception:  # already closed, or half made: nothing to stop
+            pass
+    logging.disable(logging.CRITICAL)
