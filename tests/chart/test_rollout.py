@@ -6,7 +6,12 @@ most ``maxUnavailable`` old pods at a time (with ``maxSurge`` 0, the default) an
 pod available only once it has been Ready for ``minReadySeconds``; while a new pod is not
 available, no further old pod is replaced. So the agent's readinessProbe (``/readyz``: the
 reconcile succeeded and the node's Kata artifacts verified, tests/pipeline/test_upgrade_gate.py)
-is what stops a bad artifact on the first node.
+is what stops a bad artifact on the first node. The container device plugin's DaemonSet surges
+instead (``maxSurge``, ``maxUnavailable`` 0): its new pod registers with the kubelet before the
+old one stops (tests/plugin/test_plugin_takeover.py), so nvidia.com/gpu never lacks a plugin for
+long. It has no ``minReadySeconds``: the controller's status counts only each node's oldest pod
+(daemon_controller.go ``updateDaemonSetStatus``), so it would not look again by itself once a surged pod
+had been Ready that long, and the old pod would stay (seen on the local cluster: past 180 s).
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ def container(ds, name):
 def test_the_default_rollout_is_one_node_at_a_time_gated_on_the_verified_agent(chart):
     rendered = render(chart, FULL)
     for ds in rendered.daemonsets():
-        assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
-        assert ds["spec"]["minReadySeconds"] == 30
+        surge = ds["metadata"]["name"].endswith("-device-plugin")
+        assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": (
+            {"maxSurge": 1, "maxUnavailable": 0} if surge else {"maxUnavailable": 1})}, ds["metadata"]["name"]
+        assert ds["spec"]["minReadySeconds"] == (0 if surge else 30)
+    assert any(ds["metadata"]["name"].endswith("-device-plugin") for ds in rendered.daemonsets())
     agent = container(agent_daemonset(rendered), "kata-manager")
     probe = agent["readinessProbe"]
     assert probe["httpGet"] == {"path": "/readyz", "port": "metrics-agent"}
@@ -44,8 +52,10 @@ def test_the_rollout_pace_comes_from_the_values(chart):
     rendered = render(chart, merged(FULL, {"daemonsets": {"rollingUpdate": {"maxUnavailable": "10%"},
                                                           "minReadySeconds": 120}}))
     for ds in rendered.daemonsets():
-        assert ds["spec"]["updateStrategy"]["rollingUpdate"] == {"maxUnavailable": "10%"}
-        assert ds["spec"]["minReadySeconds"] == 120
+        surge = ds["metadata"]["name"].endswith("-device-plugin")
+        assert ds["spec"]["updateStrategy"]["rollingUpdate"] == (
+            {"maxSurge": "10%", "maxUnavailable": 0} if surge else {"maxUnavailable": "10%"})
+        assert ds["spec"]["minReadySeconds"] == (0 if surge else 120)
 
 
 @pytest.mark.parametrize(("values", "fragments"), [

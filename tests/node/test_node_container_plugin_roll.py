@@ -1,15 +1,18 @@
-"""The container device plugin's DaemonSet rolled on the real node (``kubectl rollout restart``:
-the old pod deleted first, then the new one started, ``maxUnavailable`` 1) while a runc pod holds
-a container GPU and a runc pod asking for ``nvidia.com/gpu`` is created every half second: how many
-the kubelet refuses, and how long it had no healthy container GPU to give.
+"""The container device plugin's DaemonSet rolled on the real node (``kubectl rollout restart``,
+the chart's surge: the new pod starts beside the old one, which is deleted once the new one is
+Ready) while a runc pod holds a container GPU and a runc pod asking for ``nvidia.com/gpu`` is
+created every half second: how many the kubelet refuses, and how long it had no healthy container
+GPU to give.
 
-What the kubelet does (k8s.io/kubernetes v1.35.4, pkg/kubelet/cm/devicemanager): the old plugin's
-stream ends and every device of its resource is marked Unhealthy (``PluginDisconnected``); a pod
-admitted before the new pod's plugin registers fails with ``UnexpectedAdmissionError``, while the
-scheduler counts what the Node's ``status.allocatable`` last said (updated every
-``nodeStatusUpdateFrequency``). Pods asking for ``nvidia.com/gpu`` name no runtime class, so no
-offer label holds them back (docs/operating.md, "Restarts and upgrades"): the figure says what the
-gap costs. Running containers are the runtime's: the holder keeps its GPU.
+What the kubelet does (k8s.io/kubernetes v1.35.4, pkg/kubelet/cm/devicemanager): the new pod's
+plugin registers and becomes the resource's (``plugin/v1beta1/handler.go`` ``registerClient``),
+the old connection left open; when the old pod stops, its connection's end disconnects the
+client registered then, the new one (``runClient``), and marks every device Unhealthy
+(``PluginDisconnected``); the new plugin registers again at once (sandbox_plugin.server). A pod
+admitted in that moment fails with ``UnexpectedAdmissionError``: the scheduler counts what the
+Node's ``status.allocatable`` last said. Pods asking for ``nvidia.com/gpu`` name no runtime class,
+so no offer label holds them back (docs/operating.md, "Restarts and upgrades"): the figure says
+what the moment costs. Running containers are the runtime's: the holder keeps its GPU.
 """
 
 from __future__ import annotations
@@ -118,15 +121,21 @@ def test_runc_gpu_pods_arriving_through_a_rolling_update_of_the_container_plugin
         refused = [p["metadata"]["name"] for p in pods if p["status"].get("reason") == "UnexpectedAdmissionError"]
         longest = max((b - a for a, b in gaps), default=0.0)
         node_figures.append(
-            f"container plugin rolling update: {len(pods)} runc nvidia.com/gpu pods arriving, {len(refused)} "
-            f"refused (UnexpectedAdmissionError); the kubelet had fewer than 8 container GPUs {len(gaps)} "
-            f"time(s), at most {longest:.1f} s")
+            f"container plugin rolling update (surge): {len(pods)} runc nvidia.com/gpu pods arriving, "
+            f"{len(refused)} refused (UnexpectedAdmissionError); the kubelet had fewer than 8 container GPUs "
+            f"{len(gaps)} time(s), at most {longest * 1000:.0f} ms")
         # The running container is the runtime's, never admitted again: it keeps its GPU.
         pod = node.pod("holder", NAMESPACE)
         assert pod["status"]["phase"] == "Running" and restart_count(pod) == 0
         assert pod["status"]["containerStatuses"][0]["containerID"] == \
             holder["status"]["containerStatuses"][0]["containerID"]
         assert len(pods) > len(refused)  # admitted again once the new plugin registered
+        # The new plugin served all along: registered before the old one stopped, and again at
+        # once when the old one's end dropped it (the rollout without surge left the kubelet with
+        # no container GPU for 3.0-8.7 s, and 2-4 of 13-15 pods refused, here).
+        [new] = node.pods(CONTAINER_PLUGIN, RELEASE_NAMESPACE)
+        said = node.logs(new["metadata"]["name"], RELEASE_NAMESPACE, "device-plugin")
+        assert "the kubelet closed our ListAndWatch stream" in said, said[-3000:]
     except BaseException:
         node.cluster.kubectl("delete", "pods", "-n", NAMESPACE, "--all", "--wait=false")
         relabel(node, PASSTHROUGH)

@@ -86,14 +86,31 @@ affinity:
 {{- end -}}
 {{- end -}}
 
-{{- /* The rollout node by node: minReadySeconds and the strategy (values.yaml, daemonsets). */}}
+{{- /* The rollout node by node: minReadySeconds and the strategy (values.yaml, daemonsets).
+Called with the root, or (list root "surge") by the container device plugin's DaemonSet: its new
+pod starts beside the old one (maxSurge, the same count; maxUnavailable 0) and registers with the
+kubelet, and the old one is deleted once the new one is Ready, so nvidia.com/gpu keeps a plugin
+through the rollout (but for the moment the old pod's end drops the new one's connection and it
+registers again: sandbox_plugin.server). No minReadySeconds there: kube-controller-manager's
+DaemonSet controller (v1.35.4, daemon_controller.go updateDaemonSetStatus) counts only a node's
+oldest pod, so it does not look again by itself once a surged pod has been Ready minReadySeconds, and the old
+pod would stay. The sandbox agent's pod never surges: one katamgr per node (its node lock), and its
+offer gate holds Kata pods back while it is replaced. */}}
 {{- define "ksm.updateStrategy" -}}
-minReadySeconds: {{ .Values.daemonsets.minReadySeconds | default 0 | int }}
+{{- $root := . }}{{ $surge := false }}
+{{- if kindIs "slice" . }}{{ $root = index . 0 }}{{ $surge = true }}{{ end }}
+{{- $d := $root.Values.daemonsets }}
+minReadySeconds: {{ if $surge }}0{{ else }}{{ $d.minReadySeconds | default 0 | int }}{{ end }}
 updateStrategy:
-  type: {{ .Values.daemonsets.updateStrategy }}
-  {{- if eq .Values.daemonsets.updateStrategy "RollingUpdate" }}
+  type: {{ $d.updateStrategy }}
+  {{- if eq $d.updateStrategy "RollingUpdate" }}
   rollingUpdate:
-    maxUnavailable: {{ .Values.daemonsets.rollingUpdate.maxUnavailable }}
+    {{- if $surge }}
+    maxSurge: {{ $d.rollingUpdate.maxUnavailable }}
+    maxUnavailable: 0
+    {{- else }}
+    maxUnavailable: {{ $d.rollingUpdate.maxUnavailable }}
+    {{- end }}
   {{- end }}
 {{- end -}}
 
