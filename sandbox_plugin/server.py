@@ -235,7 +235,8 @@ class PluginServer:
             log.info("%s: the other instance left %s; serving it again", name, self.host_root.host_path(self.socket_path))
 
     def _register(self) -> FileId:
-        """Register with the kubelet; return the identity of the kubelet.sock used."""
+        """Serve our socket (again, if it is not ours, in place and served) and register with the
+        kubelet; return the identity of the kubelet.sock used."""
         options = self.resource.options
         request = pb.RegisterRequest(
             version=API_VERSION,
