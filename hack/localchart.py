@@ -56,11 +56,11 @@ CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "RuntimeClass", "Priority
                   "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "DeviceClass"}
 
 
-def kubectl(d: Path, *args: str, input: str | None = None, check: bool = True):
+def kubectl(d: Path, *args: str, input: str | None = None, check: bool = True, timeout: float = 120):
     state = json.loads((d / "state.json").read_text())
     env = {**os.environ, "KUBECONFIG": str(d / "kubeconfig")}
     result = subprocess.run([str(Path(state["bin"]) / "kubectl"), *args], input=input, env=env,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=timeout)
     if check and result.returncode:
         sys.exit(f"hack/local-chart: kubectl {' '.join(args[:2])} failed:\n{result.stderr}")
     return result
@@ -135,7 +135,7 @@ def run_hooks(d: Path, hooks: list[dict], timeout: float = 300) -> None:
         if obj["kind"] == "Job":
             name, ns = obj["metadata"]["name"], obj["metadata"]["namespace"]
             result = kubectl(d, "wait", "--for=condition=Complete", f"job/{name}", "-n", ns,
-                             f"--timeout={int(timeout)}s", check=False)
+                             f"--timeout={int(timeout)}s", check=False, timeout=timeout + 30)
             if result.returncode:
                 sys.exit(f"hack/local-chart: post-delete hook job/{name} did not complete: "
                          f"{result.stderr.strip()}")

@@ -102,6 +102,28 @@ def resident(node):
         settled(node, PASSTHROUGH, [])
 
 
+@pytest.fixture(autouse=True)
+def _fault_pods_ended(request):
+    """After each workload-switch test, its own Kata pods (and their VMs) ended even when it
+    failed half-way: their GPUs stay held on vfio-pci, so every test after it (and the
+    uninstall's revert, which waits for held GPUs) would fail for the first one's fault."""
+    if "resident" not in request.fixturenames:
+        yield
+        return
+    node = request.getfixturevalue("node")
+    vms, pods = list(VmPod.live), _fault_pods(node)
+    yield
+    for vm in [vm for vm in VmPod.live if vm not in vms]:
+        vm.end()
+    for name in _fault_pods(node) - pods:
+        node.delete_pod(name, FAULT_NAMESPACE)
+
+
+def _fault_pods(node) -> set[str]:
+    out = node.cluster.kubectl("get", "pods", "-n", FAULT_NAMESPACE, "-o", "name").stdout
+    return {line.split("/", 1)[1] for line in out.split()}
+
+
 def _processes() -> set[tuple[int, str]]:
     return {(int(p), _start_time(int(p))) for p in os.listdir("/proc") if p.isdigit()}
 

@@ -30,11 +30,11 @@ from support.nodeswitch import (
     Given,
     VmPod,
     agent_metrics,
-    events_since,
     kata_pod,
     now,
     relabel,
     settled,
+    told,
 )
 
 
@@ -46,7 +46,7 @@ def test_gpus_held_by_vms_are_offered_to_containers_once_the_vms_end(node, resid
     since = now()
     relabel(node, CONTAINER)
     settled(node, CONTAINER, [resident, extra])
-    [switched] = events_since(node, "WorkloadSwitched", since)
+    [switched] = told(node, "WorkloadSwitched", since)
     assert "workload switch vm-passthrough -> container" in switched["message"]
     for bdf in extra.gpus + resident.gpus:
         assert bdf in switched["message"], switched["message"]
@@ -129,7 +129,7 @@ def test_a_kubelet_restart_on_a_node_relabelled_away_ends_its_kata_pods_and_stra
     assert status.get("reason") in ("NodeAffinity", f"OutOf{GPU_RESOURCE}"), status
     resident.vm_exits()  # its container is gone; so would its VM be
     settled(node, CONTAINER, [])
-    given = wait_for(lambda: events_since(node, "GpusGivenBack", since), "the GpusGivenBack Event", 30, every=0.5)
+    given = told(node, "GpusGivenBack", since)
     assert resident.gpus[0] in given[-1]["message"]
     relabel(node, PASSTHROUGH)
     settled(node, PASSTHROUGH, [])

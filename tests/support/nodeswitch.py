@@ -111,6 +111,13 @@ def events_since(node, reason: str, since: datetime) -> list[dict]:
     return sorted((e for e in node.events(reason) if when(e) >= since.replace(microsecond=0)), key=when)
 
 
+def told(node, reason: str, since: datetime, timeout: float = 30) -> list[dict]:
+    """The ``reason`` Events since ``since``, waiting for the first: the agent records one
+    after what it tells of is done (GPUs moved, CDI specs and readiness files written), so a
+    test that saw the GPUs move may look a moment before it is there."""
+    return wait_for(lambda: events_since(node, reason, since), f"a {reason} Event", timeout, every=0.5)
+
+
 def now() -> datetime:
     return datetime.now(UTC)
 
@@ -132,7 +139,10 @@ def kata_pod(name: str, gpus: int) -> dict:
 
 
 class VmPod:
-    """A Kata pod with ``gpus`` GPUs whose VM holds them (its QEMU in the host's /proc)."""
+    """A Kata pod with ``gpus`` GPUs whose VM holds them (its QEMU in the host's /proc).
+    Each one not yet ended is in ``VmPod.live``."""
+
+    live: list[VmPod] = []
 
     def __init__(self, node, name: str, gpus: int) -> None:
         self.node, self.name = node, name
@@ -150,6 +160,7 @@ class VmPod:
         (fd_dir.parent / "comm").write_text("qemu-system-x86\n")
         for i, group in enumerate(self.groups):
             (fd_dir / str(20 + i)).symlink_to(f"/dev/vfio/{group}")
+        VmPod.live.append(self)
 
     @property
     def container_id(self) -> str:
@@ -176,6 +187,8 @@ class VmPod:
         """The VM exits, then its pod is deleted."""
         self.vm_exits()
         self.node.delete_pod(self.name, NAMESPACE)
+        if self in VmPod.live:
+            VmPod.live.remove(self)
 
 
 class Given:
