@@ -16,6 +16,11 @@
                                      flags, or both (etcd, kube-apiserver,
                                      kube-controller-manager, kube-scheduler; with a node
                                      also containerd, kubelet, kube-proxy)
+    hack/local-cluster reboot DIR    the node powered off and on, the control plane left up:
+                                     every node process and container killed (no SIGTERM:
+                                     the kubelet's graceful node shutdown is off by default),
+                                     the simulated host as it boots (nodesim.reboot), then
+                                     the node's processes started again
     hack/local-cluster status DIR    say what runs, on which port
 
 The versions are pinned in hack/kube/go.mod; hack/kube/build builds them into the user's
@@ -29,7 +34,9 @@ standard library and the `openssl` command are needed.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -226,6 +233,57 @@ def component(d: Path, name: str, *, stopping: bool, starting: bool) -> None:
         print(f"started {name} (pid {proc.pid})")
 
 
+def reboot(d: Path) -> None:
+    """A power cycle of the node: what it kills, what its host loses, then the node's
+    processes started in `up`'s order. The control plane runs on as another machine's would."""
+    state = State.load(d)
+    if not state.node_ip:
+        raise Refused(f"{d} has no node to reboot (`hack/local-cluster up DIR --node` makes one)")
+    bin_dir = Path(state.bin)
+    node = [name for name in state.components if name not in COMPONENTS]
+    # The power cut: the kubelet, kube-proxy and every container's processes in one pass, so
+    # that none sees another go first (an agent that saw the kubelet go would act on it).
+    first = [name for name in ("kubelet", "kube-proxy") if alive(state.processes[name])]
+    for pid in [state.processes[name].pid for name in first] + localnode.pod_processes():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # ended meanwhile
+    killed = [name for name in first if kill(state.processes[name])]
+    # What containerd still records of them, deleted while it answers; then the rest of the node.
+    containers = localnode.kill_containers(bin_dir, d) if alive(state.processes["containerd"]) else 0
+    killed += [name for name in node if name not in killed and kill(state.processes[name])]
+    state.save()
+    ended = localnode.end_leftovers(d)
+    for target in localnode.mounts_under(d):  # the pods' tmpfs volumes do not survive a boot
+        subprocess.run(["umount", "--lazy", target], capture_output=True, timeout=30)
+    localnode.remove_pod_cgroups()
+    print(f"powered off: killed {', '.join(killed)}, {containers} containers, "
+          f"{len(ended)} processes containerd left")
+    if state.host_root:
+        booted = subprocess.run([str(REPO / ".venv" / "bin" / "python"), "-m", "nodesim.reboot", state.host_root],
+                                capture_output=True, text=True, cwd=REPO, timeout=120)
+        if booted.returncode:
+            raise RuntimeError(f"the simulated host did not boot: {booted.stderr.strip()}")
+        print("host booted: " + ("; ".join(booted.stdout.splitlines()) or "nothing changed"))
+    for name in node:
+        start_component(state, name)
+        if name == "kubelet":
+            wait_node_ready(state)
+    print(f"powered on: started {', '.join(node)}")
+
+
+def kill(proc) -> bool:
+    """SIGKILL, as a power cut ends it; False if it was not running."""
+    if not alive(proc):
+        return False
+    os.kill(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(proc) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return True
+
+
 def status(d: Path) -> int:
     state = State.load(d)
     down_ = 0
@@ -243,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="hack/local-cluster", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in ("up", "down", "status"):
+    for command in ("up", "down", "status", "reboot"):
         p = sub.add_parser(command)
         p.add_argument("dir", type=Path)
         if command == "up":
@@ -263,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
             up(d, node=args.node, host=args.host)
         elif args.command == "down":
             down(d)
+        elif args.command == "reboot":
+            reboot(d)
         elif args.command in ("stop", "start", "restart"):
             component(d, args.component, stopping=args.command != "start",
                       starting=args.command != "stop")

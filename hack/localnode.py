@@ -305,6 +305,18 @@ def leftovers(d: Path) -> dict[int, str]:
     return found
 
 
+def pod_processes() -> list[int]:
+    """The processes in a ``kubepods`` cgroup: the pods' containers."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and "/kubepods" in (entry / "cgroup").read_text():
+                found.append(int(entry.name))
+        except OSError:
+            continue  # gone
+    return found
+
+
 def _flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1] if name in args[:-1] else ""
 

@@ -75,6 +75,8 @@ def materialise(profile: HostProfile, into: str | Path, *, real_device_nodes: bo
                if d.cc_mode is not None or d.ppcie_mode is not None},
         "cc_faults": {"stage": [], "readback": {}},
         "modules_alias": [list(a) for a in profile.modules_alias],
+        # What a boot gives again (nodesim.reboot): each device's driver, vfio-pci loaded or not.
+        "boot": {"drivers": {d.bdf: d.driver for d in profile.devices if d.driver}, "vfio_pci": profile.vfio_pci},
     }
     if real_device_nodes:
         marker["real_device_nodes"] = True

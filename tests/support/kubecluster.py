@@ -107,10 +107,17 @@ class LocalCluster:
 
     def component(self, command: str, component: str) -> str:
         """``hack/local-cluster stop|start|restart DIR COMPONENT``."""
-        result = subprocess.run([str(LOCAL_CLUSTER), command, str(self.dir), component],
+        return self._local_cluster(command, component)
+
+    def reboot(self) -> str:
+        """``hack/local-cluster reboot DIR``: the node powered off and on."""
+        return self._local_cluster("reboot")
+
+    def _local_cluster(self, command: str, *rest: str) -> str:
+        result = subprocess.run([str(LOCAL_CLUSTER), command, str(self.dir), *rest],
                                 capture_output=True, text=True, timeout=UP_TIMEOUT)
         if result.returncode:
-            raise RuntimeError(f"hack/local-cluster {command} {component} failed:\n"
+            raise RuntimeError(f"hack/local-cluster {' '.join([command, *rest])} failed:\n"
                                f"{result.stdout}{result.stderr}")
         return result.stdout
 
