@@ -58,8 +58,10 @@ class OfferGate:
         self.stopping = False
         self.open: bool | None = None  # the last verdict (None: not asked yet)
         self.why = ""
-        # Called each time the gate opens (the first time too): ``agent.rejected`` looks then.
+        # Called each time the gate opens (the first time too), and at each look while it stays
+        # open: ``agent.rejected`` looks then.
         self.on_open: Callable[[], object] | None = None
+        self.while_open: Callable[[], object] | None = None
         self.resources: set[str] = set()  # the passthrough resources of the last verdict's scan
 
     def verdict(self) -> tuple[bool, str]:
@@ -88,6 +90,8 @@ class OfferGate:
             log.info("offer gate %s: %s", "open" if self.open else "closed", self.why)
         if self.open and was is not True and self.on_open is not None:
             self.on_open()
+        elif self.open and self.while_open is not None:
+            self.while_open()
         return was != self.open
 
     def drain(self, *, clock: Callable[[], float] = time.monotonic) -> list[str]:

@@ -13,15 +13,21 @@ reboot is re-admitted by the restarted kubelet in its own order, possibly before
 registered (the open upstream problem: kubernetes#125579).
 
 So each time the gate opens (the plugin's devices are listed again: after the agent's start, a
-kubelet restart, a plugin restart), the agent lists its node's Failed pods once and records one
+kubelet restart, a plugin restart), the agent lists its node's Failed pods and records one
 Warning Event on the Node naming each pod refused for a resource of ours that it has not named
-before, with the kubelet's message and the fix. No pod is deleted or created: that would take a
+before, with the kubelet's message and the fix. The kubelet writes a refusal to the API server
+through its status manager (pkg/kubelet/status/status_manager.go), which after a reboot may
+still be catching up when the plugin registers: seen on the real node, a pod refused before the
+plugin registered was not yet Failed in the API when the gate opened. So the list is made
+again every AGAIN seconds while the gate stays open, for WINDOW seconds after it opened;
+nothing is listed at rest. No pod is deleted or created: that would take a
 right to create pods in every namespace, more than a node agent should hold.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -35,6 +41,8 @@ log = logging.getLogger("katamgr.agent")
 
 ADMISSION_ERROR = "UnexpectedAdmissionError"  # the kubelet's status.reason (lifecycle/predicate.go)
 MODES = ("none", "event")
+AGAIN = 5.0  # seconds between two lists after an opening
+WINDOW = 60.0  # seconds after an opening the lists go on (the status manager's syncs are 10 s apart)
 
 
 def refused_for(pods: Iterable[FailedPod], resources: set[str]) -> list[FailedPod]:
@@ -54,11 +62,28 @@ class RejectedPods:
     """Names each refused pod once, by UID, when asked (``look``)."""
 
     def __init__(self, failed_pods: Callable[[], list[FailedPod]], resources: Callable[[], set[str]],
-                 events: NodeEvents) -> None:
+                 events: NodeEvents, clock: Callable[[], float] = time.monotonic) -> None:
         self.failed_pods = failed_pods
         self.resources = resources
         self.events = events
+        self.clock = clock
         self.named: set[str] = set()  # UIDs already in an Event
+        self.opened_at: float | None = None  # the gate's last opening
+        self.looked_at = 0.0
+
+    def opened(self) -> list[str]:
+        """The gate has just opened: look now, and again while it stays open (``still_open``)."""
+        self.opened_at = self.looked_at = self.clock()
+        return self.look()
+
+    def still_open(self) -> list[str]:
+        """The gate was asked again and is still open: look again every AGAIN seconds, within
+        WINDOW seconds of its opening."""
+        now = self.clock()
+        if self.opened_at is None or now - self.opened_at > WINDOW or now - self.looked_at < AGAIN:
+            return []
+        self.looked_at = now
+        return self.look()
 
     def look(self) -> list[str]:
         """List the node's Failed pods; record the newly refused ones. Their lines (empty: none

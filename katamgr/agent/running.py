@@ -80,7 +80,8 @@ class Agent:
         self._unverified_said: tuple[str, ...] = ()  # the problems last told on the Node
         gate = OfferGate(self.target) if s.offer_gate else None
         if gate is not None and s.rejected_pods == "event" and links.failed_pods is not None:
-            gate.on_open = RejectedPods(links.failed_pods, lambda: gate.resources, self.events).look
+            rejected = RejectedPods(links.failed_pods, lambda: gate.resources, self.events)
+            gate.on_open, gate.while_open = rejected.opened, rejected.still_open
         self.reconciler = Reconciler(self.target, self.probes, self.metrics, self.events, self.switcher.catch_up,
                                      retry_initial=s.retry_initial, retry_max=s.retry_max,
                                      offer_labels=links.offer_labels, gate=gate)

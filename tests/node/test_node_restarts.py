@@ -25,14 +25,18 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from support.kubecluster import wait_for
-from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NODE, restart_count
+from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NODE, is_ready, restart_count
 from support.nodekit import NAMESPACE as CHART_NAMESPACE
+from support.nodeswitch import agent_log, events_since, now
+from support.paths import REPO
 
 from gpunode.kataclasses import offer_label
 
 NAMESPACE = "node-restart-tests"
 AGENT = "app.kubernetes.io/component=sandbox-agent"
+NODE_VALUES = REPO / "examples" / "values" / "local-node.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -225,7 +229,7 @@ def test_kata_pods_arriving_through_a_containerd_restart(node, holder, node_figu
     assert refused_for_us(refused) == [], refused
 
 
-def test_kata_pods_arriving_through_a_node_reboot(node, holder, node_figures):
+def test_kata_pods_arriving_through_a_node_reboot(node, holder, node_figures, tmp_path):
     """The node powered off and on (``hack/local-cluster reboot``: every node process and
     container killed without a SIGTERM, the simulated host booted with its GPUs on their native
     driver and its tmpfs empty, the control plane left running). What the kubelet does then is
@@ -235,11 +239,24 @@ def test_kata_pods_arriving_through_a_node_reboot(node, holder, node_figures):
     device-plugin resource (``cannot allocate unregistered device``): the holder, bound before
     the reboot, ends in UnexpectedAdmissionError, the open upstream problem docs/operating.md
     names. What is ours holds: the agent binds the GPUs to vfio-pci again, the plugin lists
-    them, the class is offered again, and no pod created after the label came off is refused.
+    them, the class is offered again, no pod created after the label came off is refused, and
+    with ``sandboxDevicePlugin.rejectedPods: event`` (set here by a `helm upgrade`) every pod
+    the kubelet refused is named in a PodRefusedAtAdmission Event on the Node.
     Last in the module: every pod of the node restarted, the chart's are replaced with fresh
-    ones for the modules after it (they count restarts)."""
-    agent = node.component_pod("sandbox-agent")
+    ones, on the node's values again, for the modules after it (they count restarts)."""
+    values = yaml.safe_load(NODE_VALUES.read_text())
+    values.setdefault("sandboxDevicePlugin", {})["rejectedPods"] = "event"
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    node.cluster_chart("up", "--values", str(tmp_path / "values.yaml"))
+
+    def naming() -> dict | None:
+        agents = [p for p in node.pods(AGENT) if not p["metadata"].get("deletionTimestamp")]
+        args = [c.get("args", []) for p in agents for c in p["spec"]["containers"] if c["name"] == "kata-manager"]
+        return agents[0] if len(agents) == 1 and "--rejected-pods" in args[0] and is_ready(agents[0]) else None
+
+    agent = wait_for(naming, "the agent rolled to rejectedPods: event, and Ready", 240, every=1)
     restarts = {c["name"]: c["restartCount"] for c in agent["status"]["containerStatuses"]}
+    since = now()
 
     def reboot() -> None:
         began = time.monotonic()
@@ -265,7 +282,20 @@ def test_kata_pods_arriving_through_a_node_reboot(node, holder, node_figures):
         node_figures.append(f"reboot: the Kata GPU pod bound before it: {fate}")
         assert status.get("phase") == "Running" or status.get("reason") == "UnexpectedAdmissionError", status
         assert late == [], refused
+        # Each pod the kubelet refused, named once on the Node for the operator, with the fix.
+        refused_here = [f"{NAMESPACE}/{name} " for name, _, _ in refused]
+        if status.get("phase") == "Failed":
+            refused_here.append(f"{NAMESPACE}/holder ")
+        try:
+            wait_for(lambda: all(any(r in e["message"] for e in events_since(node, "PodRefusedAtAdmission", since))
+                                 for r in refused_here),
+                     f"a PodRefusedAtAdmission Event naming each of {refused_here}", 60, every=1)
+        except AssertionError as e:
+            named = [e["message"] for e in node.events("PodRefusedAtAdmission")]
+            raise AssertionError(f"{e}\nnamed: {named}\nagent log:\n{agent_log(node)[-4000:]}") from None
+        node_figures.append(f"reboot: {len(refused_here)} pods refused, each named in a PodRefusedAtAdmission Event")
     finally:
+        node.cluster_chart("up")  # the node's values again
         node.cluster.kubectl("delete", "pods", "-n", CHART_NAMESPACE, "--all", "--wait=true", timeout=180)
         node.wait_chart_ready()
         node.wait_ready("app.kubernetes.io/component=device-plugin")  # the container plugin's
