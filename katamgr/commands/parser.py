@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "pods bound before, so no pod is refused admission in the plugin's gap (the chart sets it "
                         "where the device plugin runs beside the agent)")
     p.add_argument("--rejected-pods", choices=("none", "event"), default="none",
-                   help="event: each time the offer gate opens, list the node's Failed pods and name, in a "
+                   help="event: each time the offer gate opens (and every 5 s for a minute while it stays "
+                        "open), list the node's Failed pods and name, in a "
                         "Warning Event on the Node (PodRefusedAtAdmission), each one the kubelet refused "
                         "(UnexpectedAdmissionError) for a passthrough resource of this node before the device "
                         "plugin registered, as after a node reboot; needs --offer-gate, --node-name and the "
