@@ -241,14 +241,17 @@ def reboot(d: Path) -> None:
         raise Refused(f"{d} has no node to reboot (`hack/local-cluster up DIR --node` makes one)")
     bin_dir = Path(state.bin)
     node = [name for name in state.components if name not in COMPONENTS]
-    # The power cut: the kubelet, kube-proxy and every container's processes in one pass, so
-    # that none sees another go first (an agent that saw the kubelet go would act on it).
+    # The power cut: the kubelet, kube-proxy and every container's processes frozen, then
+    # killed, so that none sees another go first (an agent that saw the kubelet go would
+    # take its labels off, which a power cut never lets it do).
     first = [name for name in ("kubelet", "kube-proxy") if alive(state.processes[name])]
-    for pid in [state.processes[name].pid for name in first] + localnode.pod_processes():
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # ended meanwhile
+    pids = [state.processes[name].pid for name in first] + localnode.pod_processes()
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass  # ended meanwhile
     killed = [name for name in first if kill(state.processes[name])]
     # What containerd still records of them, deleted while it answers; then the rest of the node.
     containers = localnode.kill_containers(bin_dir, d) if alive(state.processes["containerd"]) else 0
