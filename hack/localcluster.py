@@ -252,7 +252,9 @@ def reboot(d: Path) -> None:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass  # ended meanwhile
-    killed = [name for name in first if kill(state.processes[name])]
+    for name in first:
+        kill(state.processes[name])  # waits until it is gone
+    killed = list(first)
     # What containerd still records of them, deleted while it answers; then the rest of the node.
     containers = localnode.kill_containers(bin_dir, d) if alive(state.processes["containerd"]) else 0
     killed += [name for name in node if name not in killed and kill(state.processes[name])]

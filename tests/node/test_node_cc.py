@@ -17,13 +17,11 @@ import json
 import pytest
 import yaml
 from support.kubecluster import wait_for
-from support.nodekit import AGENT, GPU_RESOURCE, IMAGE, NODE, is_ready
+from support.nodekit import AGENT, GPU_RESOURCE, IMAGE, NODE, NODE_VALUES, is_ready
 from support.nodekit import NAMESPACE as RELEASE_NAMESPACE
-from support.paths import REPO
 
 NAMESPACE = "node-cc-tests"
 SNP = "kata-qemu-nvidia-gpu-snp"
-NODE_VALUES = REPO / "examples" / "values" / "local-node.yaml"
 MODE, STATE, READY = "nvidia.com/cc.mode", "nvidia.com/cc.mode.state", "nvidia.com/cc.ready.state"
 
 

@@ -21,8 +21,8 @@ import json
 import pytest
 import yaml
 from support.kubecluster import wait_for
-from support.nodekit import AGENT, GPU_RESOURCE, IMAGE, KATA_CLASS, NODE, is_ready
-from support.paths import EXAMPLES, REPO
+from support.nodekit import AGENT, GPU_RESOURCE, IMAGE, KATA_CLASS, NODE, NODE_VALUES, is_ready
+from support.paths import EXAMPLES
 
 from gpunode.host.root import HostRoot
 from nodesim import kata_shim
@@ -30,7 +30,6 @@ from nodesim import kata_shim
 DRIVER = "passthrough.kata-sandbox-manager.io"
 NAMESPACE = "node-dra-tests"
 EXAMPLE = EXAMPLES / "dra" / "two-gpus-kata.yaml"
-NODE_VALUES = REPO / "examples" / "values" / "local-node.yaml"
 
 
 def switch_chart(node, values: dict, tmp_path_factory, container: str) -> None:

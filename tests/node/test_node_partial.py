@@ -43,18 +43,17 @@ from support.nodekit import (
     IMAGE,
     KATA_CLASS,
     NODE,
+    NODE_VALUES,
     POD_TIMEOUT,
     is_ready,
     metric,
     restart_count,
 )
 from support.nodekit import NAMESPACE as RELEASE_NAMESPACE
-from support.paths import REPO
 
 from gpunode.kataclasses import GPU_TDX, offer_label
 
 NAMESPACE = "node-partial-tests"
-NODE_VALUES = REPO / "examples" / "values" / "local-node.yaml"
 AGENT_PORT = 9410  # the chart's metrics.agentPort
 # Nobody listens on the discard port of the agent pod's own loopback: connection refused at
 # once, on every machine (a placeholder name may resolve, or time out, by the host's DNS).

@@ -27,16 +27,22 @@ from pathlib import Path
 import pytest
 import yaml
 from support.kubecluster import wait_for
-from support.nodekit import GPU_RESOURCE, IMAGE, KATA_CLASS, NODE, is_ready, restart_count
+from support.nodekit import (
+    GPU_RESOURCE,
+    IMAGE,
+    KATA_CLASS,
+    NODE,
+    NODE_VALUES,
+    is_ready,
+    restart_count,
+)
 from support.nodekit import NAMESPACE as CHART_NAMESPACE
 from support.nodeswitch import agent_log, events_since, now
-from support.paths import REPO
 
 from gpunode.kataclasses import offer_label
 
 NAMESPACE = "node-restart-tests"
 AGENT = "app.kubernetes.io/component=sandbox-agent"
-NODE_VALUES = REPO / "examples" / "values" / "local-node.yaml"
 
 
 @pytest.fixture(scope="module")

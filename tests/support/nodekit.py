@@ -23,6 +23,7 @@ from support.paths import REPO
 
 NODE = "local-node"
 NAMESPACE = "gpu-sandbox"  # hack/local-chart's release namespace
+NODE_VALUES = REPO / "examples" / "values" / "local-node.yaml"  # hack/local-chart's values with --node
 RELEASE = "kata-sandbox-manager"
 WEBHOOK_REPLICAS = 3  # the chart's isolation.webhook.replicas
 WORKLOAD = "nvidia.com/gpu.workload.config"
